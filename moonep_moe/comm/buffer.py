@@ -1,0 +1,442 @@
+"""`Buffer`: the comm core of one MoE layer shape (MoonEP's public API and semantics, reference in torch).
+
+Shapes: S tokens of capacity, H hidden, K top-k, E experts, R ranks, `epn = E / R`, B slots, NvS rows.
+One step of a layer on every rank:
+
+1. `dispatch(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert)`: gathers the `[R, E]`
+   histogram, plans (identically on every rank), writes each token row once per destination rank straight
+   into its expert-grouped row there, sends a weight for every route, fills padding rows with zeros and
+   copies primary rows into their same-rank duplicates (local expansion).
+   -> `hidden_nvsh [NvS, H]`, `route_weights_nvs [NvS]`, `cu_seqlens [E+B]`, `plan`.
+2. `prefetch_weight(plan, gate, up, down)`: copies every replicated expert into this rank's slots.
+3. The caller runs the experts over the `cu_seqlens` segments.
+4. `combine(plan, y_nvsh)`: pre-reduces duplicate rows into their primary in fp32, then sums every token's
+   K rows in fp32 in k order -> `out_sh [S, H]`.
+
+Backward reuses the forward plan: `dispatch(grad_out_sh, plan=plan)` brings the gradient to the rows,
+`combine(plan, grad_x_nvsh, grad_route_weights_nvs)` returns the input and route-weight gradients, and
+`reduce_grad(plan, ...)` adds every replica's gradient into its home expert's gradient and clears the slots.
+
+Memory: the Buffer owns three symmetric tensors (peers write and read them): the rows `[NvS, H]`, their
+route weights `[NvS]` and the duplicate sources `[NvS]`. Every exchange starts with a barrier (peers are
+done with the previous contents) and separates its write and read phases with another.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from moonep_moe.comm.plan import MoonEPCommPlan, decode_dst, default_slots, plan_routes, rows_capacity
+from moonep_moe.comm.world import EPWorld, SymmetricTensor
+from moonep_moe.weights.pool import ExpertRows
+
+_buffer_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    """Marks the end of an operation queued with `async_finish=True`; `wait()` makes the current stream
+    wait for it. The reference implementation finishes before returning, so on the CPU it is complete."""
+
+    event: torch.cuda.Event | None
+
+    def wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+
+def _event(device: torch.device) -> CommEvent:
+    if device.type != "cuda":
+        return CommEvent(None)
+    event = torch.cuda.Event()
+    event.record()
+    return CommEvent(event)
+
+
+def _check(tensor: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype | tuple,
+           device: torch.device) -> None:
+    """Raise a ValueError naming `name` unless `tensor` has this shape (None = any size), dtype and device."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if tensor.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {tensor.dtype}")
+    if tensor.dim() != len(shape) or any(s is not None and s != t for s, t in zip(shape, tensor.shape,
+                                                                                  strict=True)):
+        expected = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name} must have shape {expected}, got {list(tensor.shape)}")
+    if tensor.device != device:
+        raise ValueError(f"{name} must be on {device}, got {tensor.device}")
+
+
+def _ranges_to_rows(zero_fill_g2: torch.Tensor) -> torch.Tensor:
+    """`[G, 2]` (first row, count) ranges -> `[sum count]` row indices."""
+    first_g, count_g = zero_fill_g2[:, 0].long(), zero_fill_g2[:, 1].long()
+    offset_g = torch.cumsum(count_g, 0) - count_g
+    group_n = torch.repeat_interleave(torch.arange(len(count_g), device=count_g.device), count_g)
+    return first_g[group_n] + torch.arange(len(group_n), device=count_g.device) - offset_g[group_n]
+
+
+class Buffer:
+    """The comm core of one EP group for one layer shape: plan, dispatch, combine, prefetch, reduce_grad.
+
+    Args:
+        S: token capacity per rank (max_tokens_per_rank). A call may carry fewer tokens.
+        H: hidden size. K: routed experts per token. E: experts in the group.
+        num_ep_ranks: R, must equal `world.size`; E % R == 0.
+        B: prefetch slots per rank, default `E / R` (training needs it; 0 when R == 1); B <= E - E / R.
+        num_sms, comm_stream_priority, enable_pdl: launch hints of the GPU kernels; the reference
+            implementation ignores them.
+        token_padding: every non-empty segment is padded to a multiple of it (128: Hopper's M-block).
+        explicitly_destroy: when True the caller must call `destroy()`; otherwise the memory is released
+            when the Buffer is garbage-collected.
+        world: the EP world (`moonep_moe.comm.world`).
+        dtype: dtype of the dispatched rows (bf16 in production; float64 for exact tests). Route weights
+            are fp32 (float64 for float64 rows).
+    """
+
+    def __init__(self, S: int, H: int, K: int, E: int, num_ep_ranks: int, B: int | None = None,
+                 num_sms: int | None = None, token_padding: int = 128, comm_stream_priority: int = 0,
+                 enable_pdl: bool = False, explicitly_destroy: bool = False, *, world: EPWorld,
+                 dtype: torch.dtype = torch.bfloat16):
+        for name, value in dict(S=S, H=H, K=K, E=E, num_ep_ranks=num_ep_ranks,
+                                token_padding=token_padding).items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if E % num_ep_ranks:
+            raise ValueError(f"E={E} must be divisible by num_ep_ranks={num_ep_ranks}")
+        if world.size != num_ep_ranks:
+            raise ValueError(f"num_ep_ranks={num_ep_ranks} must equal the world's size {world.size}")
+        if K > E:
+            raise ValueError(f"K={K} must be <= E={E}")
+        epn = E // num_ep_ranks
+        B = default_slots(E, num_ep_ranks) if B is None else B
+        if not 0 <= B <= E - epn:
+            raise ValueError(f"B={B} must be in [0, E - E/R = {E - epn}]")
+        self.S, self.H, self.K, self.E, self.R, self.B = S, H, K, E, num_ep_ranks, B
+        self.epn, self.token_padding, self.world, self.dtype = epn, token_padding, world, dtype
+        self.num_sms, self.comm_stream_priority, self.enable_pdl = num_sms, comm_stream_priority, enable_pdl
+        self.NvS = rows_capacity(S, K, num_ep_ranks, E, B, token_padding)
+        self.weight_dtype = torch.promote_types(dtype, torch.float32)
+        self.id = next(_buffer_ids)
+        serial = world.globals.setdefault("buffer_serial", itertools.count())
+        prefix = f"buffer{next(serial)}"
+        device = world.device
+        self._rows = world.symmetric(f"{prefix}/rows", torch.zeros(self.NvS, H, dtype=dtype, device=device))
+        self._weights = world.symmetric(f"{prefix}/weights",
+                                        torch.zeros(self.NvS, dtype=self.weight_dtype, device=device))
+        self._dup_source = world.symmetric(f"{prefix}/dup_source",
+                                           torch.full((self.NvS,), -1, dtype=torch.int32, device=device))
+        keys = [t.key for t in (self._rows, self._weights, self._dup_source)]
+        self._finalizer = None if explicitly_destroy else weakref.finalize(self, _release, world, keys)
+        self._keys = keys
+        self._destroyed = False
+
+    # -- lifetime -------------------------------------------------------------------------------------------
+
+    @property
+    def destroyed(self) -> bool:
+        return self._destroyed
+
+    def destroy(self) -> None:
+        """Release the symmetric memory. Idempotent; any later call raises."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        _release(self.world, self._keys)
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("this Buffer was destroyed; create a new one")
+
+    def _check_plan(self, plan: MoonEPCommPlan) -> None:
+        if not isinstance(plan, MoonEPCommPlan):
+            raise TypeError(f"plan must be a MoonEPCommPlan, got {type(plan).__name__}")
+        if plan.owner != self.id or plan.rank != self.world.rank:
+            raise ValueError(f"plan was made by Buffer {plan.owner} on rank {plan.rank}, "
+                             f"not by this Buffer ({self.id}) on rank {self.world.rank}")
+
+    # -- views ----------------------------------------------------------------------------------------------
+
+    def hidden_nvsh_buffer_view(self) -> torch.Tensor:
+        """`[NvS, H]` the persistent rows: write expert outputs here and `combine(..., zero_copy=True)`.
+        Overwritten by the next dispatch or combine: never save it for backward."""
+        self._check_alive()
+        return self._rows.local
+
+    def router_weight_buffer_view(self) -> torch.Tensor:
+        """`[NvS]` the persistent route weights (fp32), same lifetime rules as the rows."""
+        self._check_alive()
+        return self._weights.local
+
+    # -- dispatch -------------------------------------------------------------------------------------------
+
+    def dispatch(self, hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None,
+                 topk_experts_sk: torch.Tensor | None, tokens_per_expert: torch.Tensor | None,
+                 plan: MoonEPCommPlan | None = None, async_finish: bool = False, zero_copy: bool = False,
+                 router_weights_zero_copy: bool = False):
+        """Send every route's row and weight to the rank and row where it is computed.
+
+        Args:
+            hidden_sh: `[s, H]` rows in the Buffer's dtype, s <= S.
+            route_weights_sk: `[s, K]` fp32 (float64 for float64 rows) route weights; may be None with a plan.
+            topk_experts_sk: `[s, K]` int32/int64 experts in [-1, E), -1 = no route. Ignored with a plan.
+            tokens_per_expert: `[E]` int histogram of this rank's valid routes (`bincount` of the non-negative
+                entries of `topk_experts_sk`). Ignored with a plan.
+            plan: a plan from an earlier dispatch of this Buffer (the combine-backward path): no planning,
+                the returned `cu_seqlens` is None.
+            zero_copy / router_weights_zero_copy: return the Buffer's persistent views instead of copies.
+
+        Returns:
+            `(hidden_nvsh [NvS, H], route_weights_nvs [NvS] or None, cu_seqlens [E+B] int32 or None, plan)`,
+            plus a `CommEvent` when `async_finish`. Rows of padding are zero; rows past `cu_seqlens[-1]` are
+            unspecified. Raises before any exchange if an argument is malformed.
+        """
+        self._check_alive()
+        device = self.world.device
+        if hidden_sh.dim() != 2 or hidden_sh.shape[0] > self.S:
+            raise ValueError(f"hidden_sh must have shape [s <= S={self.S}, H={self.H}], got "
+                             f"{list(hidden_sh.shape)}")
+        num_tokens = hidden_sh.shape[0]
+        _check(hidden_sh, "hidden_sh", (num_tokens, self.H), self.dtype, device)
+        if route_weights_sk is not None:
+            _check(route_weights_sk, "route_weights_sk", (num_tokens, self.K), self.weight_dtype, device)
+        if plan is None:
+            ints = (torch.int32, torch.int64)
+            _check(topk_experts_sk, "topk_experts_sk", (num_tokens, self.K), ints, device)
+            _check(tokens_per_expert, "tokens_per_expert", (self.E,), ints, device)
+            if route_weights_sk is None:
+                raise ValueError("route_weights_sk is required when no plan is given")
+            if device.type == "cpu" or not torch.cuda.is_current_stream_capturing():
+                self._check_expert_ids(topk_experts_sk)
+            counts_re = self.world.all_gather(tokens_per_expert.to(torch.int64))
+            plan = plan_routes(counts_re, topk_experts_sk, rank=self.world.rank, num_slots=self.B,
+                               token_padding=self.token_padding, rows_per_rank=self.NvS, owner=self.id)
+            cu_seqlens = plan.cu_seqlens
+        else:
+            self._check_plan(plan)
+            if plan.num_routes != num_tokens * self.K:
+                raise ValueError(f"hidden_sh has {num_tokens} tokens, the plan was made for "
+                                 f"{plan.num_routes // self.K}")
+            cu_seqlens = None
+        self._send_rows(plan, hidden_sh, route_weights_sk, record_duplicates=cu_seqlens is not None)
+        rows_nvsh = self._rows.local if zero_copy else self._rows.local.clone()
+        weights_nvs = None
+        if route_weights_sk is not None:
+            weights_nvs = self._weights.local if router_weights_zero_copy else self._weights.local.clone()
+        result = (rows_nvsh, weights_nvs, cu_seqlens, plan)
+        return (*result, _event(device)) if async_finish else result
+
+    def _check_expert_ids(self, topk_experts_sk: torch.Tensor) -> None:
+        """Expert ids in [-1, E). Reads the tensor on the host: on a GPU this syncs (skipped in capture)."""
+        bad = (topk_experts_sk < -1) | (topk_experts_sk >= self.E)
+        if bool(bad.any()):
+            value = int(topk_experts_sk[bad][0])
+            raise ValueError(f"topk_experts_sk holds expert id {value}: ids must be in [-1, E={self.E})")
+
+    def _send_rows(self, plan: MoonEPCommPlan, hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None,
+                   record_duplicates: bool) -> None:
+        dest_n, row_n, primary_n, valid_n = decode_dst(plan.dst, self.NvS)
+        token_n = torch.arange(plan.dst.numel(), device=plan.dst.device) // self.K
+        primary_row_n = self._primary_rows(dest_n, row_n, primary_n, valid_n)
+        self.world.barrier()  # peers are done with the previous contents
+        for d in range(self.R):
+            to_d = valid_n & (dest_n == d)
+            sends = to_d & primary_n
+            self._rows.peer(d).index_copy_(0, row_n[sends], hidden_sh[token_n[sends]])
+            if route_weights_sk is not None:
+                self._weights.peer(d).index_copy_(0, row_n[to_d], route_weights_sk.reshape(-1)[to_d])
+            if record_duplicates:
+                dups = to_d & ~primary_n
+                self._dup_source.peer(d).index_copy_(0, row_n[dups], primary_row_n[dups].to(torch.int32))
+        self.world.barrier()  # every row has landed
+        pad_rows = _ranges_to_rows(plan.zero_fill_ranges)
+        self._rows.local.index_fill_(0, pad_rows, 0)
+        self._weights.local.index_fill_(0, pad_rows, 0)
+        if record_duplicates:
+            self._record_duplicates(plan)
+        primaries_g, group_d, dup_d = self._duplicate_rows(plan)
+        self._rows.local.index_copy_(0, dup_d, self._rows.local[primaries_g[group_d]])
+
+    def _primary_rows(self, dest_n, row_n, primary_n, valid_n) -> torch.Tensor:
+        """`[N]` for each route the row of its token's primary route on the same rank (itself if primary)."""
+        dest_sk = torch.where(valid_n, dest_n, -1).view(-1, self.K)
+        # the primary is the first k of the token with the same destination
+        same_skk = dest_sk[:, :, None] == dest_sk[:, None, :]
+        first_sk = same_skk.int().argmax(-1)
+        return torch.gather(row_n.view(-1, self.K), 1, first_sk).reshape(-1)
+
+    def _record_duplicates(self, plan: MoonEPCommPlan) -> None:
+        """Turn the received `[NvS]` duplicate sources into the plan's dup tables and clear them."""
+        source_nvs = self._dup_source.local
+        dup_rows = torch.nonzero(source_nvs >= 0).squeeze(1)
+        primaries = source_nvs[dup_rows].long()
+        order = torch.argsort(primaries * self.NvS + dup_rows)
+        dup_rows, primaries = dup_rows[order], primaries[order]
+        groups, counts = torch.unique_consecutive(primaries, return_counts=True)
+        plan.dup_groups.zero_()
+        plan.dup_loffs.zero_()
+        plan.dup_groups[: len(groups), 0] = groups.to(torch.int32)
+        plan.dup_groups[: len(groups), 1] = (torch.cumsum(counts, 0) - counts).to(torch.int32)
+        plan.dup_groups[: len(groups), 2] = counts.to(torch.int32)
+        plan.dup_loffs[: len(dup_rows)] = dup_rows.to(torch.int32)
+        plan.dup_counts.copy_(torch.tensor([len(groups), len(dup_rows)], dtype=torch.int32))
+        source_nvs.fill_(-1)
+
+    @staticmethod
+    def _duplicate_rows(plan: MoonEPCommPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """From the dup tables: primary rows `[G]`, each duplicate's group `[D]` and row `[D]` (int64)."""
+        num_groups, num_dups = (int(c) for c in plan.dup_counts)  # host read of two ints
+        groups_g3 = plan.dup_groups[:num_groups].long()
+        group_d = torch.repeat_interleave(torch.arange(num_groups, device=groups_g3.device), groups_g3[:, 2])
+        return groups_g3[:, 0], group_d, plan.dup_loffs[:num_dups].long()
+
+    # -- combine --------------------------------------------------------------------------------------------
+
+    def combine(self, plan: MoonEPCommPlan, hidden_nvsh: torch.Tensor,
+                route_weights_nvs: torch.Tensor | None = None, zero_copy: bool = False,
+                async_finish: bool = False):
+        """Bring every route's row home and sum each token's K rows in fp32, in k order.
+
+        Args:
+            plan: the plan of this step's dispatch.
+            hidden_nvsh: `[NvS, H]` expert outputs in the Buffer's dtype, unweighted sums: the experts apply
+                the route weights. With `zero_copy` it must be `hidden_nvsh_buffer_view()` itself.
+            route_weights_nvs: optional `[NvS]` fp32 per-row values gathered back per route (backward: the
+                route-weight gradients); with `zero_copy` it must be `router_weight_buffer_view()`.
+
+        Returns:
+            `(hidden_sh [s, H] in the Buffer's dtype, route_weights_sk [s, K] or None, event or None)`;
+            invalid routes contribute zero.
+        """
+        self._check_alive()
+        self._check_plan(plan)
+        device = self.world.device
+        _check(hidden_nvsh, "hidden_nvsh", (self.NvS, self.H), self.dtype, device)
+        if route_weights_nvs is not None:
+            _check(route_weights_nvs, "route_weights_nvs", (self.NvS,), self.weight_dtype, device)
+        if zero_copy:
+            for given, own, name in ((hidden_nvsh, self._rows.local, "hidden_nvsh"),
+                                     (route_weights_nvs, self._weights.local, "route_weights_nvs")):
+                if given is not None and given.data_ptr() != own.data_ptr():
+                    raise ValueError(f"zero_copy=True needs {name} to be this Buffer's own view "
+                                     f"({name.split('_')[0]}_*_buffer_view()), got another tensor")
+        self.world.barrier()  # peers are done with the previous contents
+        rows = self._rows.local
+        if not zero_copy:
+            rows.copy_(hidden_nvsh)
+            if route_weights_nvs is not None:
+                self._weights.local.copy_(route_weights_nvs)
+        accumulate = torch.promote_types(self.dtype, torch.float32)
+        primaries_g, group_d, dup_d = self._duplicate_rows(plan)
+        sums_gh = rows[primaries_g].to(accumulate)
+        sums_gh.index_add_(0, group_d, rows[dup_d].to(accumulate))
+        rows.index_copy_(0, primaries_g, sums_gh.to(self.dtype))
+        self.world.barrier()  # every rank's rows are final
+        dest_n, row_n, primary_n, valid_n = decode_dst(plan.dst, self.NvS)
+        num_tokens = plan.dst.numel() // self.K
+        out_sh = torch.zeros(num_tokens, self.H, dtype=accumulate, device=device)
+        gathered_nh = torch.zeros(plan.dst.numel(), self.H, dtype=accumulate, device=device)
+        weights_n = torch.zeros(plan.dst.numel(), dtype=self.weight_dtype, device=device)
+        for d in range(self.R):
+            to_d = valid_n & (dest_n == d)
+            pulls = to_d & primary_n
+            gathered_nh[pulls] = self._rows.peer(d)[row_n[pulls]].to(accumulate)
+            if route_weights_nvs is not None:
+                weights_n[to_d] = self._weights.peer(d)[row_n[to_d]]
+        for k in range(self.K):  # fp32 sum in k order
+            out_sh += gathered_nh.view(num_tokens, self.K, self.H)[:, k]
+        weights_sk = weights_n.view(num_tokens, self.K) if route_weights_nvs is not None else None
+        return out_sh.to(self.dtype), weights_sk, (_event(device) if async_finish else None)
+
+    # -- weights --------------------------------------------------------------------------------------------
+
+    def prefetch_weight(self, plan: MoonEPCommPlan, full_gate_weight, full_up_weight, full_down_weight,
+                        scales=None, async_finish: bool = False) -> CommEvent | None:
+        """Copy each replicated expert's weights into this rank's slots: slot j gets `experts_to_copy[r, j]`.
+
+        Each projection is either the replicated form `[E+B, N, K]` (every expert present on every rank, as
+        vLLM's integration passes it: rows E+j are the slots) or an `ExpertRows` (home experts read from
+        their rank + this rank's slot pool). A projection given as None is skipped (a fused gate_up passed
+        as the gate). Slots marked -1 are untouched: their segments are empty. `scales` (quantised weights)
+        is not supported yet and must be None.
+        """
+        self._check_alive()
+        self._check_plan(plan)
+        if scales is not None:
+            raise NotImplementedError("prefetch_weight(scales=...): quantised experts are not supported yet")
+        slots_b = plan.experts_to_copy[self.world.rank].long()
+        for weight in (full_gate_weight, full_up_weight, full_down_weight):
+            if weight is None:
+                continue
+            if isinstance(weight, ExpertRows):
+                for j, expert in enumerate(slots_b.tolist()):  # host read of B ints
+                    if expert >= 0:
+                        home = weight.home.peer(expert // self.epn)
+                        weight.slots.local[j].copy_(home[expert % self.epn])
+            else:
+                self._check_full(weight, "full weight")
+                used = torch.nonzero(slots_b >= 0).squeeze(1)
+                weight.index_copy_(0, self.E + used, weight[slots_b[used]])
+        return _event(self.world.device) if async_finish else None
+
+    def _check_full(self, tensor: torch.Tensor, name: str) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 or tensor.shape[0] != self.E + self.B:
+            shape = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"{name} must be [E+B={self.E + self.B}, N, K] or ExpertRows, got {shape}")
+
+    def reduce_grad(self, plan: MoonEPCommPlan, full_gate_grad, full_up_grad, full_down_grad,
+                    gate_reduce_buffer: SymmetricTensor | None = None,
+                    up_reduce_buffer: SymmetricTensor | None = None,
+                    down_reduce_buffer: SymmetricTensor | None = None,
+                    async_finish: bool = False) -> CommEvent | None:
+        """Add every replica's gradient into its home expert's gradient (fp32), then clear the slots.
+
+        Each projection's gradient is either an `ExpertRows` (home fp32 gradients + the symmetric slot-grad
+        pool) or the replicated form `[E+B, N, K]` fp32 with the slot gradients in rows E.., in which case
+        its `*_reduce_buffer` (a symmetric `[B, N, K]` fp32 tensor) stages them for the peers. None skips a
+        projection. Collective: every rank must call it with the same projections.
+        """
+        self._check_alive()
+        self._check_plan(plan)
+        projections = []
+        for grad, staging, name in ((full_gate_grad, gate_reduce_buffer, "gate"),
+                                    (full_up_grad, up_reduce_buffer, "up"),
+                                    (full_down_grad, down_reduce_buffer, "down")):
+            if grad is None:
+                continue
+            if isinstance(grad, ExpertRows):
+                projections.append((grad.home.local, grad.slots, None))
+                continue
+            self._check_full(grad, f"full_{name}_grad")
+            if not isinstance(staging, SymmetricTensor):
+                raise ValueError(f"full_{name}_grad in the [E+B, ...] form needs {name}_reduce_buffer, "
+                                 "a SymmetricTensor [B, N, K]")
+            staging.local.copy_(grad[self.E:])
+            rank = self.world.rank
+            projections.append((grad[rank * self.epn:(rank + 1) * self.epn], staging, grad[self.E:]))
+        self.world.barrier()  # every rank's slot gradients are complete
+        table_rb = plan.experts_to_copy.tolist()  # host read of the [R, B] slot table
+        for home, slots, _ in projections:
+            for d, experts in enumerate(table_rb):
+                for j, expert in enumerate(experts):
+                    if expert >= 0 and expert // self.epn == self.world.rank:
+                        home[expert % self.epn] += slots.peer(d)[j].to(home.dtype)
+        self.world.barrier()  # every rank has pulled
+        used = torch.tensor([e >= 0 for e in table_rb[self.world.rank]], device=self.world.device)
+        for _, slots, replicated in projections:
+            slots.local[used] = 0
+            if replicated is not None:
+                replicated[used] = 0
+        return _event(self.world.device) if async_finish else None
+
+
+def _release(world: EPWorld, keys: list[str]) -> None:
+    for key in keys:
+        world.release(key)

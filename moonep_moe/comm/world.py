@@ -1,0 +1,200 @@
+"""The EP world: which rank this is, and how ranks see each other's memory.
+
+Every backend implements the small `EPWorld` protocol below; the Buffer and the weight pools use nothing
+else, so the same layer code runs on every transport:
+
+- `all_gather(t)`: the small collective of a step (the `[E]` histograms become `[R, E]`);
+- `symmetric(key, tensor)`: a collective registration (like `symm_mem.rendezvous`) after which every rank
+  can read and write every other rank's tensor of that key through `SymmetricTensor.peer(r)`;
+- `barrier()`: orders the phases of an exchange (writes before reads, reads before the next writes);
+- `globals`: this process's state shared by all layers (the slot pools live there).
+
+This module holds the threads backend: R ranks as R Python threads in one process, on the CPU or on one GPU,
+sharing tensors through a registry. It runs the unchanged layer code, so tests and the demo can use an
+8-rank EP group anywhere. `single_world()` is the trivial R = 1 world. `run_ranks(fn, R)` runs `fn(world)`
+on R thread-ranks and returns their results in rank order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+BARRIER_TIMEOUT_S = 300.0
+"""A rank that waits longer than this at a barrier raises instead of hanging the whole group."""
+
+
+class EPWorld(Protocol):
+    """What the comm core needs from a transport. `rank` in [0, size); `device` holds this rank's tensors."""
+
+    rank: int
+    size: int
+    device: torch.device
+    globals: dict[Any, Any]
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`[*shape]` on every rank -> `[size, *shape]`, identical on every rank (a fresh tensor)."""
+        ...
+
+    def barrier(self) -> None:
+        """Returns once every rank has reached it and the work this rank queued before it is done."""
+        ...
+
+    def symmetric(self, key: str, tensor: torch.Tensor) -> SymmetricTensor:
+        """Collective: every rank registers its `tensor` under `key` (same shape and dtype on every rank)."""
+        ...
+
+    def release(self, key: str) -> None:
+        """Forget this rank's registration of `key` (after `destroy()`)."""
+        ...
+
+
+@dataclass(frozen=True)
+class SymmetricTensor:
+    """One tensor per rank under one key: `local` is this rank's, `peer(r)` aliases rank r's memory."""
+
+    key: str
+    rank: int
+    peers: tuple[torch.Tensor, ...]
+
+    @property
+    def local(self) -> torch.Tensor:
+        return self.peers[self.rank]
+
+    def peer(self, rank: int) -> torch.Tensor:
+        return self.peers[rank]
+
+
+class ThreadGroup:
+    """The shared state of R thread-ranks: a barrier, a registry of symmetric tensors, a gather board.
+
+    Not an nn.Module and owns no tensors of its own: ranks register theirs. A rank that fails aborts the
+    group (`abort()`), so its peers raise `threading.BrokenBarrierError` instead of hanging; `reset()` makes
+    the group usable again (`run_ranks` does both).
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, size: int, device: torch.device | str = "cpu"):
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        self.size = size
+        self.device = torch.device(device)
+        self.uid = next(ThreadGroup._ids)
+        self._barrier = threading.Barrier(size, timeout=BARRIER_TIMEOUT_S)
+        self._lock = threading.Lock()
+        self._registry: dict[str, list[torch.Tensor | None]] = {}
+        self._board: list[torch.Tensor | None] = [None] * size
+        self.worlds = [ThreadsWorld(self, r) for r in range(size)]
+
+    def abort(self) -> None:
+        self._barrier.abort()
+
+    def reset(self) -> None:
+        self._barrier.reset()
+        self._board = [None] * self.size
+
+
+@dataclass(eq=False)
+class ThreadsWorld:
+    """Rank `rank` of a `ThreadGroup`. Barrier = synchronise this thread's stream + `threading.Barrier`."""
+
+    group: ThreadGroup
+    rank: int
+    globals: dict[Any, Any] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    @property
+    def device(self) -> torch.device:
+        return self.group.device
+
+    def barrier(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.group._barrier.wait()
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.barrier()  # the board is free: every rank has read the previous gather
+        self.group._board[self.rank] = tensor
+        self.barrier()
+        gathered = torch.stack([t.to(tensor.device) for t in self.group._board])
+        return gathered
+
+    def symmetric(self, key: str, tensor: torch.Tensor) -> SymmetricTensor:
+        with self.group._lock:
+            slots = self.group._registry.setdefault(key, [None] * self.size)
+            if slots[self.rank] is not None:
+                raise ValueError(f"symmetric key {key!r} is already registered on rank {self.rank}")
+            slots[self.rank] = tensor
+        self.barrier()
+        peers = tuple(self.group._registry[key])
+        first = peers[0]
+        for r, t in enumerate(peers):
+            if t.shape != first.shape or t.dtype != first.dtype:
+                raise ValueError(
+                    f"symmetric key {key!r}: rank {r} registered {tuple(t.shape)} {t.dtype}, "
+                    f"rank 0 registered {tuple(first.shape)} {first.dtype}"
+                )
+        return SymmetricTensor(key, self.rank, peers)
+
+    def release(self, key: str) -> None:
+        with self.group._lock:
+            slots = self.group._registry.get(key)
+            if slots is not None:
+                slots[self.rank] = None
+                if all(t is None for t in slots):
+                    del self.group._registry[key]
+
+
+def single_world(device: torch.device | str = "cpu") -> ThreadsWorld:
+    """The trivial world of one rank (R = 1): gathers stack one tensor, barriers only sync the stream."""
+    return ThreadGroup(1, device).worlds[0]
+
+
+def run_ranks(fn: Callable[[ThreadsWorld], T], size: int, device: torch.device | str = "cpu",
+              group: ThreadGroup | None = None) -> list[T]:
+    """Run `fn(world)` on `size` thread-ranks of `group` (a new one by default); results in rank order.
+
+    The first exception raised on any rank aborts the group (peers stop waiting) and is re-raised here;
+    the group is reset afterwards, so a later call can reuse it. On CUDA every thread runs on its own
+    stream, so ranks overlap the way processes would.
+    """
+    group = group or ThreadGroup(size, device)
+    if group.size != size:
+        raise ValueError(f"group has {group.size} ranks, asked for size={size}")
+    results: list[Any] = [None] * size
+    errors: list[tuple[int, BaseException]] = []
+
+    def body(rank: int) -> None:
+        try:
+            if group.device.type == "cuda":
+                with torch.cuda.device(group.device), torch.cuda.stream(torch.cuda.Stream(group.device)):
+                    results[rank] = fn(group.worlds[rank])
+                    torch.cuda.current_stream().synchronize()
+            else:
+                results[rank] = fn(group.worlds[rank])
+        except BaseException as error:  # noqa: B036 - re-raised on the caller's thread below
+            errors.append((rank, error))
+            group.abort()
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"ep-rank-{r}") for r in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    group.reset()
+    if errors:
+        primary = [e for e in errors if not isinstance(e[1], threading.BrokenBarrierError)] or errors
+        rank, error = min(primary, key=lambda e: e[0])
+        raise error
+    return results

@@ -1,0 +1,400 @@
+"""Typed configuration of one MoonEP MoE layer: pydantic models, validated once at construction.
+
+The tree is ``MoEConfig`` -> ``RouterConfig`` (``router``) and ``SharedExpertConfig`` (``shared_experts``).
+Every model forbids unknown keys and is frozen: a config that validated stays valid. To change a field, build
+a new one (``load_config(name, field=value)`` or ``MoEConfig(**{**cfg.model_dump(), "field": value})``).
+
+Notation (DESIGN.md): S = ``max_tokens_per_rank``, H = ``hidden_size``, H' = ``ffn_hidden_size``,
+K = ``top_k``, E = ``num_experts``, R = ``ep_size``, epn = E // R, B = prefetch slots per rank,
+tp = ``token_padding``, NvS = dispatched-row capacity per rank (``MoEConfig.rows_per_rank``).
+
+Every error names the field and the expected value. Errors come out as ``pydantic.ValidationError``, a
+``ValueError`` subclass.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from moonep_moe.comm.plan import default_slots, rows_capacity
+
+__all__ = [
+    "MoEConfig",
+    "RouterConfig",
+    "SharedExpertConfig",
+    "available_configs",
+    "load_config",
+]
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+class RouterConfig(BaseModel):
+    """How tokens pick their K experts: scores, top-k selection, load-balancing terms."""
+
+    model_config = _STRICT
+
+    score_function: Literal["softmax", "sigmoid"] = Field(
+        "softmax",
+        description=(
+            "Maps router logits to scores. Default 'softmax' (Mixtral, Qwen-MoE); 'sigmoid' for DeepSeek-V3 "
+            "and Kimi-K2 (HF `scoring_func`). With 'sigmoid' keep `renormalize=True`, since sigmoid scores "
+            "of the K chosen experts do not sum to 1."
+        ),
+    )
+    renormalize: bool = Field(
+        True,
+        description=(
+            "Divide the K selected scores by their sum, so each token's route weights sum to 1 before "
+            "`routed_scaling_factor` (HF `norm_topk_prob`). Default True; recommended for every packaged "
+            "model."
+        ),
+    )
+    n_group: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Group-limited routing (DeepSeek-V3): the E experts form `n_group` equal groups, a token first "
+            "keeps its best `topk_group` groups, then picks top-k inside them. Default 1 disables it. Must "
+            "divide num_experts; DeepSeek-V3 uses 8 (one group per node)."
+        ),
+    )
+    topk_group: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Groups kept per token when n_group > 1 (DeepSeek-V3: 4). Must satisfy "
+            "1 <= topk_group <= n_group, and top_k <= topk_group * (num_experts // n_group). Ignored when "
+            "n_group == 1."
+        ),
+    )
+    routed_scaling_factor: float = Field(
+        1.0,
+        ge=0.0,
+        description=(
+            "Multiplies every route weight after (optional) renormalisation. Default 1.0; DeepSeek-V3 2.5, "
+            "Kimi-K2 2.827 (HF `routed_scaling_factor`)."
+        ),
+    )
+    expert_bias: bool = Field(
+        False,
+        description=(
+            "Aux-loss-free load balancing (DeepSeek-V3 `e_score_correction_bias`): a per-expert bias added "
+            "to the scores for *selection only*; route weights use the unbiased scores. The bias is a "
+            "buffer, updated outside the gradient by `expert_bias_update_rate`. Default False."
+        ),
+    )
+    expert_bias_update_rate: float = Field(
+        1e-3,
+        ge=0.0,
+        description=(
+            "Step size of the expert-bias update (raise the bias of under-loaded experts, lower it for "
+            "over-loaded ones). Default 1e-3 (DeepSeek-V3's gamma). Only used when `expert_bias` is True; 0 "
+            "freezes the bias (inference, or a loaded checkpoint's bias)."
+        ),
+    )
+    aux_loss_coeff: float = Field(
+        0.0,
+        ge=0.0,
+        description=(
+            "Weight of the switch-style load-balancing aux loss (E * sum_e f_e * P_e). Default 0.0 disables "
+            "it. Typical values 1e-3 to 1e-2; with `expert_bias` True a small value (or 0) is usual. "
+            "Balance across ranks does not need it: the planner already balances them exactly."
+        ),
+    )
+    dtype: Literal["float32", "float64", "bfloat16"] = Field(
+        "float32",
+        description=(
+            "Compute dtype of the router GEMM and scores. Default 'float32' (recommended: top-k ties and "
+            "small score gaps are sensitive to bf16 rounding); 'float64' for reference tests."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> RouterConfig:
+        if self.topk_group > self.n_group:
+            raise ValueError(
+                f"topk_group ({self.topk_group}) must be <= n_group ({self.n_group}); expected "
+                f"1 <= topk_group <= n_group"
+            )
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The router compute dtype as a ``torch.dtype``."""
+        return getattr(torch, self.dtype)
+
+
+class SharedExpertConfig(BaseModel):
+    """Always-on experts that every token passes through, beside the K routed ones (not dispatched)."""
+
+    model_config = _STRICT
+
+    num_shared_experts: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Number of shared experts. Default 0 (none: Mixtral, Qwen3-MoE); DeepSeek-V3 and Kimi-K2 use 1 "
+            "(HF `n_shared_experts`). They are fused into one dense SwiGLU MLP of width "
+            "num_shared_experts * ffn_hidden_size, computed locally on every rank."
+        ),
+    )
+    ffn_hidden_size: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Intermediate size of ONE shared expert. Default None means the routed experts' "
+            "`ffn_hidden_size` (DeepSeek-V3, Kimi-K2: 2048). The shared MLP width is "
+            "num_shared_experts * ffn_hidden_size."
+        ),
+    )
+    gate: bool = Field(
+        False,
+        description=(
+            "Qwen2-MoE style gate: multiply the shared output by sigmoid(Linear(H, 1)(x)). Default False "
+            "(DeepSeek-V3 and Kimi-K2 have no shared gate)."
+        ),
+    )
+
+
+class MoEConfig(BaseModel):
+    """One MoE layer and its expert-parallel group: shapes, EP layout, router, shared experts, backends."""
+
+    model_config = _STRICT
+
+    hidden_size: int = Field(
+        ...,
+        ge=1,
+        description="H: model hidden size (HF `hidden_size`). Required.",
+    )
+    ffn_hidden_size: int = Field(
+        ...,
+        ge=1,
+        description=(
+            "H': intermediate size of one routed expert (HF `moe_intermediate_size`, Mixtral "
+            "`intermediate_size`). Required. A multiple of 128 keeps grouped GEMMs on their fast path."
+        ),
+    )
+    num_experts: int = Field(
+        ...,
+        ge=1,
+        description=(
+            "E: routed experts in the EP group (HF `n_routed_experts` / `num_experts` / "
+            "`num_local_experts`). Required; must be divisible by ep_size."
+        ),
+    )
+    top_k: int = Field(
+        ...,
+        ge=1,
+        description=(
+            "K: routed experts per token (HF `num_experts_per_tok`). Required; 1 <= top_k <= num_experts."
+        ),
+    )
+    ep_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "R: ranks in the EP group. Default 1 (no expert parallelism). Each rank owns "
+            "epn = num_experts // ep_size home experts."
+        ),
+    )
+    num_prefetch_slots: int | None = Field(
+        None,
+        ge=0,
+        description=(
+            "B: expert slots per rank that receive prefetched replicas of hot remote experts. Default None "
+            "resolves to epn (= num_experts // ep_size) when ep_size > 1, else 0. Training needs B >= epn "
+            "for exact balance (a rank hosts replicas from at most one remote home group); B < epn "
+            "(inference, to save memory) gives best-effort balance and a larger `rows_per_rank`. "
+            "Must be in [0, num_experts - epn]."
+        ),
+    )
+    token_padding: int = Field(
+        128,
+        ge=1,
+        description=(
+            "tp: every non-empty expert segment is padded with zero rows to a multiple of this. Default 128 "
+            "(the M-block of Hopper grouped GEMMs; keep it for DeepGEMM). Smaller values (e.g. 8) waste less "
+            "memory in CPU tests and demos."
+        ),
+    )
+    max_tokens_per_rank: int = Field(
+        ...,
+        ge=1,
+        description=(
+            "S: token capacity per rank per step; a step may carry fewer valid tokens. Required. Fixes every "
+            "buffer shape (static shapes, no host sync), so peak memory grows with it."
+        ),
+    )
+    dtype: Literal["bfloat16", "float16", "float32", "float64"] = Field(
+        "bfloat16",
+        description=(
+            "Dtype of activations and expert weights. Default 'bfloat16' (production; required by DeepGEMM). "
+            "'float32' for the CPU demo, 'float64' for reference tests. Expert gradients are fp32 regardless."
+        ),
+    )
+    router: RouterConfig = Field(
+        default_factory=RouterConfig,
+        description="Router options (scores, renormalisation, group-limited routing, balancing terms).",
+    )
+    shared_experts: SharedExpertConfig = Field(
+        default_factory=SharedExpertConfig,
+        description="Shared (always-on) experts. Default: none.",
+    )
+    grouped_gemm: Literal["auto", "torch", "reference", "deep_gemm"] = Field(
+        "auto",
+        description=(
+            "Grouped-GEMM backend. Default 'auto' picks by device and dtype. 'torch' = torch._grouped_mm, "
+            "'reference' = a plain loop over segments (any device and dtype), 'deep_gemm' = DeepGEMM on sm90 "
+            "(needs the [gpu] extra and dtype 'bfloat16')."
+        ),
+    )
+    world: Literal["threads", "symmetric", "collective"] = Field(
+        "threads",
+        description=(
+            "EP transport. Default 'threads' (R ranks as threads in one process: tests, one-device "
+            "simulation). 'symmetric' = torch symmetric memory inside one NVLink domain (production); "
+            "'collective' = torch.distributed all-to-all over NCCL or gloo (multi-node, CPU)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> MoEConfig:
+        e, r, k = self.num_experts, self.ep_size, self.top_k
+        if e % r != 0:
+            raise ValueError(f"num_experts (E={e}) must be divisible by ep_size (R={r})")
+        if k > e:
+            raise ValueError(f"top_k (K={k}) must be <= num_experts (E={e}); expected 1 <= top_k <= E")
+        epn = e // r
+        if self.num_prefetch_slots is not None and self.num_prefetch_slots > e - epn:
+            raise ValueError(
+                f"num_prefetch_slots (B={self.num_prefetch_slots}) must be <= num_experts - experts_per_rank "
+                f"= {e} - {epn} = {e - epn}"
+            )
+        n_group, topk_group = self.router.n_group, self.router.topk_group
+        if e % n_group != 0:
+            raise ValueError(f"router.n_group ({n_group}) must divide num_experts (E={e})")
+        if n_group > 1 and k > topk_group * (e // n_group):
+            raise ValueError(
+                f"top_k (K={k}) must be <= router.topk_group * (num_experts // router.n_group) "
+                f"= {topk_group} * {e // n_group} = {topk_group * (e // n_group)}"
+            )
+        if self.grouped_gemm == "deep_gemm" and self.dtype != "bfloat16":
+            raise ValueError(f"grouped_gemm='deep_gemm' needs dtype='bfloat16', got dtype={self.dtype!r}")
+        return self
+
+    @property
+    def experts_per_rank(self) -> int:
+        """epn = E // R: home experts stored on each rank."""
+        return self.num_experts // self.ep_size
+
+    @property
+    def prefetch_slots(self) -> int:
+        """B, resolved: ``num_prefetch_slots``, or when None, epn if ``ep_size`` > 1 else 0."""
+        if self.num_prefetch_slots is not None:
+            return self.num_prefetch_slots
+        return default_slots(self.num_experts, self.ep_size)
+
+    @property
+    def routes_per_rank(self) -> int:
+        """N = S * K: routes that leave one rank per step (at most; invalid routes are not sent)."""
+        return self.max_tokens_per_rank * self.top_k
+
+    @property
+    def rows_per_rank(self) -> int:
+        """NvS: dispatched-row capacity per rank, the first dimension of ``hidden_nvsh``.
+
+        A rank has at most epn + B non-empty segments (its home experts and its slots), each padded by
+        fewer than tp rows, so the capacity is ``align_up(routes + (tp - 1) * (epn + B), tp)``, where
+        ``routes`` is the most routes the planner can put on one rank:
+
+        - B >= epn: the balance invariant holds for any routing, so a rank computes at most S*K routes.
+        - B < epn: balance is best effort. In the worst case every rank sends all its S*K routes to this
+          rank's home experts and no replica can absorb them, so the bound is R*S*K. Static shapes must
+          cover that worst case, because sizing for the typical case would make a skewed step overflow.
+          (With R = 1, B = 0 < epn and the bound is S*K, as expected.)
+        """
+        return rows_capacity(self.max_tokens_per_rank, self.top_k, self.ep_size, self.num_experts,
+                             self.prefetch_slots, self.token_padding)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """``dtype`` as a ``torch.dtype`` (activations and expert weights)."""
+        return getattr(torch, self.dtype)
+
+
+def _packaged_configs() -> Traversable:
+    return resources.files("moonep_moe") / "configs"
+
+
+def available_configs() -> list[str]:
+    """Names of the packaged configs (``moonep_moe/configs/<name>.yaml``), sorted."""
+    return sorted(
+        p.name.removesuffix(".yaml") for p in _packaged_configs().iterdir() if p.name.endswith(".yaml")
+    )
+
+
+def _is_bare_name(path_or_name: str) -> bool:
+    return (
+        not path_or_name.endswith((".yaml", ".yml"))
+        and "/" not in path_or_name
+        and os.sep not in path_or_name
+    )
+
+
+def _read_yaml_text(path_or_name: str | os.PathLike) -> tuple[str, str]:
+    """Return (YAML text, source description) for a path or a packaged config name."""
+    if isinstance(path_or_name, str) and _is_bare_name(path_or_name):
+        packaged = _packaged_configs() / f"{path_or_name}.yaml"
+        if not packaged.is_file():
+            raise FileNotFoundError(
+                f"no packaged config named {path_or_name!r}; available: {', '.join(available_configs())} "
+                f"(or pass a path to a .yaml file)"
+            )
+        return packaged.read_text(encoding="utf-8"), f"packaged config {path_or_name!r}"
+    path = Path(path_or_name)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {str(path)!r}")
+    return path.read_text(encoding="utf-8"), str(path)
+
+
+def load_config(path_or_name: str | os.PathLike, **overrides: Any) -> MoEConfig:
+    """Load and validate a ``MoEConfig`` from YAML.
+
+    Args:
+        path_or_name: a path to a YAML file, or a bare name without ".yaml" and without a path separator
+            (``"tiny-cpu"``, ``"deepseek-v3"``), which resolves to the packaged
+            ``moonep_moe/configs/<name>.yaml`` (the repo-root ``configs/`` is the same folder).
+        **overrides: top-level ``MoEConfig`` fields applied to the YAML mapping before validation, e.g.
+            ``load_config("tiny-cpu", ep_size=2)``. A dict given for a nested field (``router``,
+            ``shared_experts``) is merged into the YAML's dict, so ``router={"aux_loss_coeff": 0.01}``
+            keeps the other router keys.
+
+    Returns:
+        The validated, frozen config.
+
+    Raises:
+        FileNotFoundError: unknown packaged name (the message lists the available names) or missing file.
+        ValueError: the YAML is not a mapping.
+        pydantic.ValidationError: a field is missing, unknown or invalid; the message names it.
+    """
+    text, source = _read_yaml_text(path_or_name)
+    data = yaml.safe_load(text)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a YAML mapping of MoEConfig fields, got {type(data).__name__}")
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return MoEConfig.model_validate(data)

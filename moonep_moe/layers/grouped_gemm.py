@@ -1,0 +1,183 @@
+"""Grouped GEMMs over contiguous row segments: the three matmuls of the expert block, behind one seam.
+
+Legend: m rows (dispatched routes, grouped by expert), k input features, n output features, g groups (home
+experts, then prefetch slots).
+
+Segments: ``offs_g`` int32 [G] holds cumulative END offsets; group g covers rows ``[offs[g-1], offs[g])``
+with ``offs[-1]`` taken as 0. Empty groups are allowed. Rows at and past ``offs[G-1]`` are ignored in inputs
+and unspecified in outputs.
+
+Weights come as a sequence of 3D tensors ``[g_i, n, k]`` (nn.Linear layout) whose groups concatenate to G,
+e.g. ``(home_experts [epn,n,k], prefetch_slots [B,n,k])``, so callers never copy them together.
+
+Primitives (every backend implements all three, as pure functions of their arguments):
+- ``fwd``:   ``y[s:e] = x[s:e] @ w[g]^T``   x_mk, weights_gnk -> y_mn
+- ``dgrad``: ``dx[s:e] = dy[s:e] @ w[g]``   dy_mn, weights_gnk -> dx_mk
+- ``wgrad``: ``out[g] += dy[s:e]^T @ x[s:e]`` accumulated into fp32 (or wider) gradient tensors.
+"""
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "GroupedGemm",
+    "ReferenceGroupedGemm",
+    "TorchGroupedGemm",
+    "select_grouped_gemm",
+]
+
+GROUPED_GEMM_NAMES = ("auto", "torch", "reference", "deep_gemm")
+
+
+class GroupedGemm(Protocol):
+    """The grouped-GEMM seam. Output dtypes equal the input dtype; wgrad adds into the given tensors."""
+
+    name: str
+
+    def fwd(self, x_mk: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        """``y_mn`` with ``y[s:e] = x[s:e] @ w[g]^T`` for every group g."""
+        ...
+
+    def dgrad(self, dy_mn: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        """``dx_mk`` with ``dx[s:e] = dy[s:e] @ w[g]`` for every group g."""
+        ...
+
+    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor]) -> None:
+        """Add ``dy[s:e]^T @ x[s:e]`` into group g of ``out_gnk`` (split like the weights)."""
+        ...
+
+
+def _check_groups(parts_gnk: Sequence[Tensor], offs_g: Tensor, arg: str) -> None:
+    """Shape-only check (no host sync) that ``parts_gnk`` holds one ``[n,k]`` matrix per segment."""
+    num_groups = sum(part.shape[0] for part in parts_gnk)
+    if offs_g.dim() != 1 or offs_g.dtype != torch.int32 or num_groups != offs_g.numel():
+        raise ValueError(
+            f"offs_g must be int32 [G] with G = total groups in {arg} ({num_groups}); "
+            f"got {offs_g.dtype} {list(offs_g.shape)}"
+        )
+
+
+def _host_segments(offs_g: Tensor) -> list[tuple[int, int]]:
+    """``[(start, end)]`` per group. Reads ``offs_g`` on the host (a sync on GPU)."""
+    ends = offs_g.tolist()
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+def _segment_matmul(a_mx: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor, transpose_w: bool) -> Tensor:
+    """``a[s:e] @ w[g]^T`` (``transpose_w``) or ``a[s:e] @ w[g]`` per group, in fp32 or wider."""
+    _check_groups(weights_gnk, offs_g, "weights_gnk")
+    compute = torch.promote_types(a_mx.dtype, torch.float32)
+    ws = [w.T if transpose_w else w for part in weights_gnk for w in part.unbind(0)]
+    out = a_mx.new_zeros(a_mx.shape[0], ws[0].shape[1])
+    for (start, end), w in zip(_host_segments(offs_g), ws, strict=True):
+        out[start:end] = (a_mx[start:end].to(compute) @ w.to(compute)).to(a_mx.dtype)
+    return out
+
+
+class ReferenceGroupedGemm:
+    """A plain loop over groups: any device, any floating dtype (float64 included).
+
+    Computes in ``torch.promote_types(dtype, float32)`` and casts results to the input dtype; output rows
+    past the last segment are zero. It reads ``offs_g`` on the host: on a GPU this is a device-to-host sync,
+    so use it for tests and as the oracle, not in a step that must stay sync-free.
+    """
+
+    name = "reference"
+
+    def fwd(self, x_mk: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        return _segment_matmul(x_mk, weights_gnk, offs_g, transpose_w=True)
+
+    def dgrad(self, dy_mn: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        return _segment_matmul(dy_mn, weights_gnk, offs_g, transpose_w=False)
+
+    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor]) -> None:
+        _check_groups(out_gnk, offs_g, "out_gnk")
+        compute = torch.promote_types(x_mk.dtype, torch.float32)
+        outs_nk = [out_nk for part in out_gnk for out_nk in part.unbind(0)]
+        for (start, end), out_nk in zip(_host_segments(offs_g), outs_nk, strict=True):
+            out_nk.add_(dy_mn[start:end].to(compute).T @ x_mk[start:end].to(compute))
+
+
+class TorchGroupedGemm:
+    """``torch._grouped_mm``: no host sync, reads ``offs_g`` on the device.
+
+    fwd and dgrad are 2D x 3D calls with ``offs``; wgrad is a 2D x 2D call giving ``[G,n,k]``, which is added
+    into the fp32 gradients. ``torch._grouped_mm`` insists that its output dtype equals its input dtype, so
+    for bf16 each wgrad product is rounded to bf16 before that fp32 add.
+
+    Known cost: a weights sequence of more than one tensor (home experts + slots) is joined with
+    ``torch.cat`` on every call, a copy of the weights; a later issue removes it.
+
+    Limits (torch 2.13, found by experiment; ``select_grouped_gemm`` checks them): float32, bfloat16 and
+    float16 on CPU, bfloat16 on CUDA; every operand's row stride (k and n) must be a multiple of 16 bytes.
+    """
+
+    name = "torch"
+
+    def fwd(self, x_mk: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        _check_groups(weights_gnk, offs_g, "weights_gnk")
+        return torch._grouped_mm(x_mk, _cat_groups(weights_gnk).transpose(-2, -1), offs=offs_g)
+
+    def dgrad(self, dy_mn: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        _check_groups(weights_gnk, offs_g, "weights_gnk")
+        return torch._grouped_mm(dy_mn, _cat_groups(weights_gnk), offs=offs_g)
+
+    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor]) -> None:
+        _check_groups(out_gnk, offs_g, "out_gnk")
+        grad_gnk = torch._grouped_mm(dy_mn.T, x_mk, offs=offs_g)
+        for out, grad in zip(out_gnk, grad_gnk.split([part.shape[0] for part in out_gnk]), strict=True):
+            out.add_(grad)
+
+
+def _cat_groups(weights_gnk: Sequence[Tensor]) -> Tensor:
+    """One ``[G,n,k]`` tensor; copies when there is more than one part (see ``TorchGroupedGemm``)."""
+    return weights_gnk[0] if len(weights_gnk) == 1 else torch.cat(list(weights_gnk))
+
+
+_TORCH_DTYPES = {
+    "cpu": (torch.float32, torch.bfloat16, torch.float16),
+    "cuda": (torch.bfloat16,),
+}
+
+
+def _torch_unsupported_reason(device: torch.device, dtype: torch.dtype, k: int | None) -> str | None:
+    """Why ``torch._grouped_mm`` cannot run this case, or None when it can."""
+    dtypes = _TORCH_DTYPES.get(device.type, ())
+    if dtype not in dtypes:
+        return f"torch._grouped_mm on {device.type} supports {[str(d) for d in dtypes]}, got {dtype}"
+    if k is not None and k * dtype.itemsize % 16:
+        return f"row strides must be multiples of 16 bytes; k={k} of {dtype} is {k * dtype.itemsize} bytes"
+    return None
+
+
+def select_grouped_gemm(
+    name: str, device: torch.device, dtype: torch.dtype, k: int | None = None
+) -> GroupedGemm:
+    """The one place a grouped-GEMM backend is chosen.
+
+    Args:
+        name: "auto" (torch when it supports the case, else reference), "torch", "reference" or "deep_gemm"
+            (not available yet).
+        device, dtype: where and in what dtype the expert activations and weights live.
+        k: the row length every operand will have, for the 16-byte stride check. The expert block uses both
+            H and F as row lengths: pass ``math.gcd(H, F)``. None skips the check.
+
+    Raises:
+        ValueError naming ``grouped_gemm`` for an unknown name, "deep_gemm", or "torch" where it cannot run.
+    """
+    if name == "reference":
+        return ReferenceGroupedGemm()
+    if name == "deep_gemm":
+        raise ValueError(
+            "grouped_gemm='deep_gemm' is not available yet: a later issue adds the DeepGEMM backend; "
+            "use 'auto', 'torch' or 'reference'"
+        )
+    if name not in GROUPED_GEMM_NAMES:
+        raise ValueError(f"grouped_gemm must be one of {GROUPED_GEMM_NAMES}, got {name!r}")
+    reason = _torch_unsupported_reason(device, dtype, k)
+    if name == "torch" and reason is not None:
+        raise ValueError(f"grouped_gemm='torch' cannot run here: {reason}; use 'auto' or 'reference'")
+    return ReferenceGroupedGemm() if reason is not None else TorchGroupedGemm()

@@ -1,0 +1,134 @@
+"""Top-k router: logits, scores, (group-limited) expert selection, route weights, load-balancing terms.
+
+Legend: t tokens, h hidden size, e experts, k experts per token (top-k), g expert groups, x experts per group.
+
+The router is ordinary autograd: it receives its gradient through ``route_weights_tk`` (and the aux loss).
+Selection (which experts) is not differentiable; the optional expert bias (DeepSeek-V3's
+``e_score_correction_bias``) shifts selection only, never the route weights.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from moonep_moe.config import RouterConfig
+
+__all__ = ["RouterOutput", "TopKRouter"]
+
+
+class RouterOutput(NamedTuple):
+    """What one router call returns.
+
+    Attributes:
+        topk_experts_tk: int32 [T, K] chosen expert ids, best first.
+        route_weights_tk: [T, K] in the router dtype, differentiable w.r.t. the router weight.
+        logits_te: [T, E] in the router dtype.
+        aux_loss: scalar tensor (already times ``aux_loss_coeff``), or None when the coefficient is 0.
+        tokens_per_expert_e: int32 [E] histogram of this call's T*K routes.
+    """
+
+    topk_experts_tk: Tensor
+    route_weights_tk: Tensor
+    logits_te: Tensor
+    aux_loss: Tensor | None
+    tokens_per_expert_e: Tensor
+
+
+class TopKRouter(nn.Module):
+    """Owns the router weight ``[E, H]`` (nn.Linear(H, E, bias=False) layout) and the optional expert bias.
+
+    Steps of ``forward``:
+    1. ``logits = hidden @ W^T`` in the router dtype.
+    2. scores = softmax or sigmoid of the logits, in fp32 (float64 for a float64 router).
+    3. Selection scores = scores + expert bias (when enabled). With ``n_group > 1`` each group is scored
+       (sigmoid: sum of its top-2, DeepSeek-V3; softmax: its max, DeepSeek-V2), the ``topk_group`` best groups
+       are kept and the others masked out.
+    4. Top-k over the selection scores; the route weights are the unbiased scores of the chosen experts,
+       renormalised when set (sigmoid: by ``sum + 1e-20``), times ``routed_scaling_factor``.
+    5. The histogram of the routes and, when ``aux_loss_coeff > 0``, the switch-style aux loss
+       ``coeff * E * sum_e f_e * P_e``.
+    """
+
+    expert_bias: Tensor | None
+
+    def __init__(self, config: RouterConfig, hidden_size: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        if num_experts % config.n_group:
+            raise ValueError(f"n_group ({config.n_group}) must divide num_experts ({num_experts})")
+        groups_kept = config.topk_group if config.n_group > 1 else 1
+        max_top_k = groups_kept * (num_experts // config.n_group)
+        if not 1 <= top_k <= max_top_k:
+            raise ValueError(f"top_k ({top_k}) must be in [1, {max_top_k}] (experts in the kept groups)")
+        self.config = config
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=config.torch_dtype))
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+        bias_e = torch.zeros(num_experts, dtype=torch.float32) if config.expert_bias else None
+        self.register_buffer("expert_bias", bias_e)
+
+    def forward(self, hidden_th: Tensor) -> RouterOutput:
+        """Route ``hidden_th`` [T, H] (any floating dtype; cast to the router dtype)."""
+        cfg = self.config
+        logits_te = F.linear(hidden_th.to(self.weight.dtype), self.weight)
+        logits_te_c = logits_te.to(torch.promote_types(logits_te.dtype, torch.float32))
+        sigmoid = cfg.score_function == "sigmoid"
+        scores_te = logits_te_c.sigmoid() if sigmoid else logits_te_c.softmax(dim=-1)
+
+        select_te = scores_te.detach()
+        if self.expert_bias is not None:
+            select_te = select_te + self.expert_bias
+        if cfg.n_group > 1:
+            select_te = self._mask_groups(select_te)
+        topk_experts_tk = select_te.topk(self.top_k, dim=-1).indices
+
+        gates_tk = scores_te.gather(-1, topk_experts_tk)
+        if cfg.renormalize:
+            gates_tk = gates_tk / (gates_tk.sum(-1, keepdim=True) + (1e-20 if sigmoid else 0.0))
+        gates_tk = gates_tk * cfg.routed_scaling_factor
+
+        tokens_per_expert_e = torch.zeros(self.num_experts, dtype=torch.int32, device=hidden_th.device)
+        routes_n = topk_experts_tk.flatten()
+        tokens_per_expert_e.index_add_(0, routes_n, torch.ones_like(routes_n, dtype=torch.int32))
+        aux_loss = self._aux_loss(scores_te, tokens_per_expert_e) if cfg.aux_loss_coeff > 0 else None
+        return RouterOutput(
+            topk_experts_tk.int(), gates_tk.to(logits_te.dtype), logits_te, aux_loss, tokens_per_expert_e
+        )
+
+    def _mask_groups(self, select_te: Tensor) -> Tensor:
+        """Set the selection scores of every expert outside the token's ``topk_group`` best groups to -inf."""
+        cfg = self.config
+        select_tgx = rearrange(select_te, "t (g x) -> t g x", g=cfg.n_group)
+        if cfg.score_function == "sigmoid":
+            group_tg = select_tgx.topk(min(2, select_tgx.shape[-1]), dim=-1).values.sum(-1)
+        else:
+            group_tg = select_tgx.amax(dim=-1)
+        keep_tg = torch.zeros_like(group_tg, dtype=torch.bool)
+        keep_tg.scatter_(1, group_tg.topk(cfg.topk_group, dim=-1).indices, True)
+        masked_tgx = select_tgx.masked_fill(~keep_tg[..., None], float("-inf"))
+        return rearrange(masked_tgx, "t g x -> t (g x)")
+
+    def _aux_loss(self, scores_te: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
+        """``coeff * E * sum_e f_e * P_e``; f_e = share of the T*K routes (no grad), P_e = mean score."""
+        probs_te = scores_te
+        if self.config.score_function == "sigmoid":
+            probs_te = scores_te / scores_te.sum(-1, keepdim=True)
+        f_e = tokens_per_expert_e.to(scores_te.dtype) / (scores_te.shape[0] * self.top_k)
+        return self.config.aux_loss_coeff * self.num_experts * (f_e * probs_te.mean(0)).sum()
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert_e: Tensor) -> None:
+        """Aux-loss-free balancing step: ``bias += rate * sign(mean(count) - count)``.
+
+        Args:
+            tokens_per_expert_e: [E] route counts (any numeric dtype), usually summed over steps and ranks.
+        """
+        if self.expert_bias is None:
+            raise RuntimeError(
+                "update_expert_bias needs RouterConfig.expert_bias=True; this router has no bias"
+            )
+        counts_e = tokens_per_expert_e.to(self.expert_bias.device, torch.float32)
+        self.expert_bias.add_(self.config.expert_bias_update_rate * torch.sign(counts_e.mean() - counts_e))

@@ -1,0 +1,270 @@
+"""The config contract: packaged YAMLs validate, each rule names its field, derived sizes follow DESIGN.md."""
+
+from pathlib import Path
+
+import pydantic
+import pytest
+import torch
+
+from moonep_moe.comm.plan import align_up
+from moonep_moe.config import (
+    MoEConfig,
+    RouterConfig,
+    SharedExpertConfig,
+    available_configs,
+    load_config,
+)
+
+PACKAGED = ["deepseek-v3", "kimi-k2", "mixtral-8x7b", "qwen3-moe-30b-a3b", "tiny-cpu"]
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+BASE = dict(hidden_size=64, ffn_hidden_size=32, num_experts=16, top_k=4, ep_size=4, max_tokens_per_rank=128)
+
+
+def make(**changes) -> MoEConfig:
+    return MoEConfig(**{**BASE, **changes})
+
+
+# --- packaged configs ---------------------------------------------------------------------------------
+
+
+def test_available_configs_lists_every_packaged_yaml():
+    assert available_configs() == PACKAGED
+
+
+@pytest.mark.parametrize("name", PACKAGED)
+def test_packaged_config_loads_by_name(name):
+    cfg = load_config(name)
+    assert isinstance(cfg, MoEConfig)
+    assert cfg.num_experts % cfg.ep_size == 0
+    assert cfg.rows_per_rank % cfg.token_padding == 0
+
+
+@pytest.mark.parametrize("name", PACKAGED)
+def test_repo_root_configs_path_is_the_same_file(name):
+    assert load_config(REPO_CONFIGS / f"{name}.yaml") == load_config(name)
+    assert load_config(str(REPO_CONFIGS / f"{name}.yaml")) == load_config(name)
+
+
+def test_published_shapes():
+    ds = load_config("deepseek-v3")
+    assert (ds.hidden_size, ds.ffn_hidden_size, ds.num_experts, ds.top_k) == (7168, 2048, 256, 8)
+    assert (ds.router.n_group, ds.router.topk_group, ds.router.score_function) == (8, 4, "sigmoid")
+    assert ds.router.routed_scaling_factor == 2.5 and ds.router.expert_bias
+    assert ds.shared_experts.num_shared_experts == 1 and ds.shared_experts.ffn_hidden_size == 2048
+
+    kimi = load_config("kimi-k2")
+    assert (kimi.num_experts, kimi.top_k, kimi.router.routed_scaling_factor) == (384, 8, 2.827)
+
+    qwen = load_config("qwen3-moe-30b-a3b")
+    assert (qwen.hidden_size, qwen.ffn_hidden_size, qwen.num_experts, qwen.top_k) == (2048, 768, 128, 8)
+    assert qwen.shared_experts.num_shared_experts == 0
+
+    mix = load_config("mixtral-8x7b")
+    assert (mix.hidden_size, mix.ffn_hidden_size, mix.num_experts, mix.top_k) == (4096, 14336, 8, 2)
+
+
+def test_tiny_cpu_demo_shape():
+    cfg = load_config("tiny-cpu")
+    assert (cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts, cfg.top_k) == (64, 32, 16, 4)
+    assert (cfg.ep_size, cfg.max_tokens_per_rank, cfg.token_padding) == (4, 128, 8)
+    assert cfg.torch_dtype is torch.float32
+
+
+# --- load_config: names, paths, overrides ---------------------------------------------------------------
+
+
+def test_unknown_name_lists_available_names():
+    with pytest.raises(FileNotFoundError, match="no-such-model") as info:
+        load_config("no-such-model")
+    for name in PACKAGED:
+        assert name in str(info.value)
+
+
+def test_missing_file_path():
+    with pytest.raises(FileNotFoundError, match="nowhere.yaml"):
+        load_config("/nowhere/nowhere.yaml")
+
+
+def test_overrides_apply_before_validation():
+    cfg = load_config("tiny-cpu", ep_size=2)
+    assert cfg.ep_size == 2 and cfg.experts_per_rank == 8 and cfg.prefetch_slots == 8
+    with pytest.raises(pydantic.ValidationError, match="ep_size"):
+        load_config("tiny-cpu", ep_size=3)
+
+
+def test_nested_override_merges_into_yaml_dict():
+    cfg = load_config("deepseek-v3", router={"aux_loss_coeff": 0.01})
+    assert cfg.router.aux_loss_coeff == 0.01
+    assert cfg.router.n_group == 8 and cfg.router.score_function == "sigmoid"
+
+
+def test_unknown_override_key_is_named():
+    with pytest.raises(pydantic.ValidationError, match="num_expert"):
+        load_config("tiny-cpu", num_expert=8)
+
+
+def test_yaml_must_be_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="mapping"):
+        load_config(path)
+
+
+def test_unknown_yaml_key_is_named(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text(
+        "hidden_size: 8\nffn_hidden_size: 8\nnum_experts: 4\ntop_k: 1\nmax_tokens_per_rank: 4\n"
+        "router:\n  scoring_func: sigmoid\n"
+    )
+    with pytest.raises(pydantic.ValidationError, match="scoring_func"):
+        load_config(path)
+
+
+def test_config_is_frozen():
+    cfg = make()
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        cfg.ep_size = 2
+
+
+# --- validators: one rule each, the error names the field ------------------------------------------------
+
+
+SIZE_FIELDS = ["hidden_size", "ffn_hidden_size", "num_experts", "top_k", "ep_size", "max_tokens_per_rank"]
+
+
+@pytest.mark.parametrize("field", [*SIZE_FIELDS, "token_padding"])
+def test_sizes_must_be_positive(field):
+    with pytest.raises(pydantic.ValidationError, match=field):
+        make(**{field: 0})
+
+
+def test_required_fields_are_named():
+    with pytest.raises(pydantic.ValidationError, match="max_tokens_per_rank"):
+        MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=4, top_k=1)
+
+
+def test_num_experts_divisible_by_ep_size():
+    message = r"num_experts \(E=16\) must be divisible by ep_size \(R=3\)"
+    with pytest.raises(pydantic.ValidationError, match=message):
+        make(ep_size=3)
+
+
+def test_top_k_at_most_num_experts():
+    with pytest.raises(pydantic.ValidationError, match=r"top_k \(K=17\)"):
+        make(top_k=17)
+
+
+def test_prefetch_slots_not_negative():
+    with pytest.raises(pydantic.ValidationError, match="num_prefetch_slots"):
+        make(num_prefetch_slots=-1)
+
+
+def test_prefetch_slots_at_most_remote_experts():
+    make(num_prefetch_slots=12)
+    with pytest.raises(pydantic.ValidationError, match=r"num_prefetch_slots \(B=13\) must be <= .* = 12"):
+        make(num_prefetch_slots=13)
+
+
+def test_single_rank_allows_no_prefetch_slots():
+    with pytest.raises(pydantic.ValidationError, match=r"num_prefetch_slots \(B=1\)"):
+        make(ep_size=1, num_prefetch_slots=1)
+
+
+def test_n_group_must_divide_num_experts():
+    with pytest.raises(pydantic.ValidationError, match="n_group"):
+        make(router=RouterConfig(n_group=3, topk_group=1))
+
+
+def test_top_k_fits_in_selected_groups():
+    make(router=RouterConfig(n_group=4, topk_group=1))  # 4 experts per group >= K = 4
+    with pytest.raises(pydantic.ValidationError, match="topk_group"):
+        make(top_k=5, router=RouterConfig(n_group=4, topk_group=1))
+
+
+def test_topk_group_at_most_n_group():
+    with pytest.raises(pydantic.ValidationError, match="topk_group"):
+        RouterConfig(n_group=2, topk_group=3)
+
+
+@pytest.mark.parametrize("field", ["n_group", "topk_group"])
+def test_router_group_counts_positive(field):
+    with pytest.raises(pydantic.ValidationError, match=field):
+        RouterConfig(**{field: 0})
+
+
+@pytest.mark.parametrize("field", ["expert_bias_update_rate", "aux_loss_coeff", "routed_scaling_factor"])
+def test_router_rates_not_negative(field):
+    with pytest.raises(pydantic.ValidationError, match=field):
+        RouterConfig(**{field: -0.1})
+
+
+def test_router_score_function_choices():
+    with pytest.raises(pydantic.ValidationError, match="score_function"):
+        RouterConfig(score_function="relu")
+
+
+def test_shared_expert_sizes():
+    with pytest.raises(pydantic.ValidationError, match="num_shared_experts"):
+        SharedExpertConfig(num_shared_experts=-1)
+    with pytest.raises(pydantic.ValidationError, match="ffn_hidden_size"):
+        SharedExpertConfig(num_shared_experts=1, ffn_hidden_size=0)
+
+
+@pytest.mark.parametrize("field, value", [("dtype", "int8"), ("grouped_gemm", "cutlass"), ("world", "mpi")])
+def test_literal_fields_are_named(field, value):
+    with pytest.raises(pydantic.ValidationError, match=field):
+        make(**{field: value})
+
+
+def test_deep_gemm_needs_bfloat16():
+    make(grouped_gemm="deep_gemm", dtype="bfloat16")
+    with pytest.raises(pydantic.ValidationError, match="dtype"):
+        make(grouped_gemm="deep_gemm", dtype="float32")
+
+
+# --- derived properties ---------------------------------------------------------------------------------
+
+
+def test_experts_per_rank():
+    assert make(ep_size=4).experts_per_rank == 4
+    assert make(ep_size=1).experts_per_rank == 16
+
+
+def test_prefetch_slots_default():
+    assert make(ep_size=1).prefetch_slots == 0
+    assert make(ep_size=4).prefetch_slots == 4
+    assert make(ep_size=4, num_prefetch_slots=2).prefetch_slots == 2
+
+
+def test_routes_per_rank():
+    assert make().routes_per_rank == 128 * 4
+
+
+def test_rows_per_rank_balanced():
+    """B >= epn: S*K routes at most, plus < tp padding rows for each of the epn + B segments."""
+    cfg = make(token_padding=8)  # S*K = 512, epn = B = 4
+    assert cfg.rows_per_rank == align_up(512 + 7 * 8, 8) == 568
+    cfg = make(token_padding=128, num_prefetch_slots=6)
+    assert cfg.rows_per_rank == align_up(512 + 127 * 10, 128) == 1792
+
+
+def test_rows_per_rank_best_effort():
+    """B < epn: a rank may receive every route of the group, R*S*K."""
+    cfg = make(token_padding=8, num_prefetch_slots=2)  # R*S*K = 2048, epn + B = 6
+    assert cfg.rows_per_rank == align_up(4 * 512 + 7 * 6, 8) == 2096
+
+
+def test_rows_per_rank_single_rank():
+    cfg = make(ep_size=1, token_padding=8)  # B = 0 < epn = 16, but R*S*K = S*K
+    assert cfg.rows_per_rank == align_up(512 + 7 * 16, 8) == 624
+
+
+def test_torch_dtypes():
+    assert make(dtype="bfloat16").torch_dtype is torch.bfloat16
+    assert make(dtype="float64").torch_dtype is torch.float64
+    assert RouterConfig().torch_dtype is torch.float32
+
+
+def test_align_up():
+    assert [align_up(x, 8) for x in (0, 1, 8, 9)] == [0, 8, 8, 16]

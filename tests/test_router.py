@@ -1,0 +1,179 @@
+"""TopKRouter against direct hand computations; group-limited routing as a property test."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moonep_moe.config import RouterConfig
+from moonep_moe.layers.router import TopKRouter
+
+T, E, K = 11, 8, 3
+
+
+def identity_router(num_experts: int = E, top_k: int = K, **fields) -> TopKRouter:
+    """A float64 router with W = I, so ``logits == hidden`` and the test picks the logits directly."""
+    router = TopKRouter(RouterConfig(dtype="float64", **fields), num_experts, num_experts, top_k)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(num_experts, dtype=torch.float64))
+    return router
+
+
+def hand_route(logits_te: torch.Tensor, score_function: str, renormalize: bool, scale: float, top_k: int):
+    """Experts and route weights for ungrouped, unbiased routing, written out directly."""
+    if score_function == "softmax":
+        scores_te = logits_te.exp() / logits_te.exp().sum(-1, keepdim=True)
+    else:
+        scores_te = 1 / (1 + (-logits_te).exp())
+    experts_tk = scores_te.argsort(dim=-1, descending=True)[:, :top_k]
+    gates_tk = scores_te.gather(-1, experts_tk)
+    if renormalize:
+        gates_tk = gates_tk / (gates_tk.sum(-1, keepdim=True) + (1e-20 if score_function == "sigmoid" else 0))
+    return experts_tk, gates_tk * scale
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def test_matches_hand_computation(score_function, renormalize, scale):
+    router = identity_router(
+        score_function=score_function, renormalize=renormalize, routed_scaling_factor=scale
+    )
+    logits_te = torch.randn(T, E, dtype=torch.float64)
+    out = router(logits_te)
+    experts_tk, gates_tk = hand_route(logits_te, score_function, renormalize, scale, K)
+    assert out.topk_experts_tk.dtype == torch.int32 and out.route_weights_tk.dtype == torch.float64
+    torch.testing.assert_close(out.logits_te, logits_te)
+    torch.testing.assert_close(out.topk_experts_tk, experts_tk.int())
+    torch.testing.assert_close(out.route_weights_tk, gates_tk, rtol=1e-12, atol=1e-12)
+    if renormalize:
+        torch.testing.assert_close(out.route_weights_tk.sum(-1), torch.full((T,), scale, dtype=torch.float64))
+    assert out.aux_loss is None
+
+
+def test_histogram_counts_this_calls_routes():
+    out = identity_router()(torch.randn(T, E, dtype=torch.float64))
+    expected_e = torch.bincount(out.topk_experts_tk.flatten().long(), minlength=E)
+    assert out.tokens_per_expert_e.dtype == torch.int32
+    assert out.tokens_per_expert_e.tolist() == expected_e.tolist()
+    assert int(out.tokens_per_expert_e.sum()) == T * K
+
+
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n_group=st.sampled_from([2, 4]),
+    experts_per_group=st.integers(1, 4),
+    topk_group_frac=st.floats(0, 1),
+    top_k_frac=st.floats(0, 1),
+    score_function=st.sampled_from(["softmax", "sigmoid"]),
+    biased=st.booleans(),
+)
+@settings(max_examples=60, deadline=None)
+def test_group_limited_never_picks_masked_groups(
+    seed, n_group, experts_per_group, topk_group_frac, top_k_frac, score_function, biased
+):
+    gen = torch.Generator().manual_seed(seed)
+    num_experts = n_group * experts_per_group
+    topk_group = 1 + round(topk_group_frac * (n_group - 1))
+    top_k = 1 + round(top_k_frac * (topk_group * experts_per_group - 1))
+    router = identity_router(
+        num_experts,
+        top_k,
+        score_function=score_function,
+        n_group=n_group,
+        topk_group=topk_group,
+        expert_bias=biased,
+    )
+    if biased:
+        router.expert_bias.copy_(torch.randn(num_experts, generator=gen))
+    logits_te = torch.randn(T, num_experts, dtype=torch.float64, generator=gen)
+    out = router(logits_te)
+
+    scores_te = logits_te.softmax(-1) if score_function == "softmax" else logits_te.sigmoid()
+    biased_tgx = (scores_te + (router.expert_bias if biased else 0)).view(T, n_group, experts_per_group)
+    if score_function == "sigmoid":
+        group_tg = biased_tgx.sort(-1, descending=True).values[..., :2].sum(-1)
+    else:
+        group_tg = biased_tgx.max(-1).values
+    cutoff_t1 = group_tg.sort(-1, descending=True).values[:, topk_group - 1 : topk_group]
+    picked_groups_tk = out.topk_experts_tk.long() // experts_per_group
+    assert (group_tg.gather(-1, picked_groups_tk) >= cutoff_t1).all(), "picked an expert of a masked group"
+    for row in out.topk_experts_tk.tolist():
+        assert len(set(row)) == top_k
+        assert len({e // experts_per_group for e in row}) <= topk_group
+
+
+def test_bias_changes_selection_not_gates():
+    logits_te = torch.randn(T, E, dtype=torch.float64)
+    plain = identity_router(score_function="sigmoid", renormalize=False)
+    biased = identity_router(score_function="sigmoid", renormalize=False, expert_bias=True)
+    biased.expert_bias[E - 1] = 10.0  # far above any sigmoid gap: every token must pick expert E-1
+    out = biased(logits_te)
+    assert (out.topk_experts_tk[:, 0] == E - 1).all()
+    assert not torch.equal(out.topk_experts_tk, plain(logits_te).topk_experts_tk)
+    unbiased_gates_tk = logits_te.sigmoid().gather(-1, out.topk_experts_tk.long())
+    torch.testing.assert_close(out.route_weights_tk, unbiased_gates_tk)
+
+
+def test_aux_loss_hand_example():
+    # Two tokens, both pick expert 0 (K=1): f = [1, 0]; P = mean([.75, .25], [.6, .4]) = [.675, .325].
+    router = identity_router(2, 1, aux_loss_coeff=0.01)
+    logits_te = torch.tensor([[math.log(3.0), 0.0], [math.log(1.5), 0.0]], dtype=torch.float64)
+    out = router(logits_te)
+    assert out.topk_experts_tk.flatten().tolist() == [0, 0]
+    torch.testing.assert_close(out.aux_loss, torch.tensor(0.01 * 2 * 0.675, dtype=torch.float64))
+
+
+def test_sigmoid_aux_loss_uses_normalised_scores():
+    router = identity_router(aux_loss_coeff=0.1, score_function="sigmoid")
+    logits_te = torch.randn(T, E, dtype=torch.float64)
+    out = router(logits_te)
+    probs_te = logits_te.sigmoid() / logits_te.sigmoid().sum(-1, keepdim=True)
+    f_e = out.tokens_per_expert_e.double() / (T * K)
+    torch.testing.assert_close(out.aux_loss, 0.1 * E * (f_e * probs_te.mean(0)).sum())
+
+
+def test_gradient_reaches_weight_through_route_weights_and_aux_loss():
+    router = TopKRouter(RouterConfig(dtype="float64", aux_loss_coeff=0.01), 16, E, K)
+    hidden_th = torch.randn(T, 16, dtype=torch.float64)
+    upstream_tk = torch.randn(T, K, dtype=torch.float64)
+    out = router(hidden_th)
+    (out.route_weights_tk * upstream_tk).sum().backward()
+
+    weight_eh = router.weight.detach().clone().requires_grad_()
+    gates_tk = (hidden_th @ weight_eh.T).softmax(-1).gather(-1, out.topk_experts_tk.long())
+    ((gates_tk / gates_tk.sum(-1, keepdim=True)) * upstream_tk).sum().backward()
+    torch.testing.assert_close(router.weight.grad, weight_eh.grad)
+
+    router.weight.grad = None
+    router(hidden_th).aux_loss.backward()
+    assert router.weight.grad.abs().sum() > 0
+
+
+def test_update_expert_bias_moves_toward_underloaded():
+    router = identity_router(expert_bias=True, expert_bias_update_rate=0.1)
+    router.update_expert_bias(torch.tensor([10, 0, 5, 5, 2, 8, 6, 4]))  # mean 5
+    expected_e = 0.1 * torch.tensor([-1.0, 1, 0, 0, 1, -1, -1, 1])
+    torch.testing.assert_close(router.expert_bias, expected_e)
+    assert router.expert_bias.dtype == torch.float32
+
+
+def test_update_expert_bias_needs_bias():
+    with pytest.raises(RuntimeError, match="expert_bias=True"):
+        identity_router().update_expert_bias(torch.ones(E))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_router_dtype(dtype):
+    router = TopKRouter(RouterConfig(dtype=dtype), 16, E, K)
+    out = router(torch.randn(T, 16))
+    assert router.weight.dtype == out.route_weights_tk.dtype == out.logits_te.dtype == getattr(torch, dtype)
+
+
+def test_bad_sizes_are_rejected():
+    with pytest.raises(ValueError, match="n_group"):
+        TopKRouter(RouterConfig(n_group=3, topk_group=1), 16, E, K)
+    with pytest.raises(ValueError, match="top_k"):
+        TopKRouter(RouterConfig(n_group=4, topk_group=1), 16, E, K)
