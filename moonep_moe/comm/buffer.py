@@ -177,6 +177,7 @@ class Buffer:
 
     # -- dispatch -------------------------------------------------------------------------------------------
 
+    @torch.no_grad()
     def dispatch(self, hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None,
                  topk_experts_sk: torch.Tensor | None, tokens_per_expert: torch.Tensor | None,
                  plan: MoonEPCommPlan | None = None, async_finish: bool = False, zero_copy: bool = False,
@@ -299,6 +300,7 @@ class Buffer:
 
     # -- combine --------------------------------------------------------------------------------------------
 
+    @torch.no_grad()
     def combine(self, plan: MoonEPCommPlan, hidden_nvsh: torch.Tensor,
                 route_weights_nvs: torch.Tensor | None = None, zero_copy: bool = False,
                 async_finish: bool = False):
@@ -357,6 +359,7 @@ class Buffer:
 
     # -- weights --------------------------------------------------------------------------------------------
 
+    @torch.no_grad()
     def prefetch_weight(self, plan: MoonEPCommPlan, full_gate_weight, full_up_weight, full_down_weight,
                         scales=None, async_finish: bool = False) -> CommEvent | None:
         """Copy each replicated expert's weights into this rank's slots: slot j gets `experts_to_copy[r, j]`.
@@ -391,6 +394,7 @@ class Buffer:
             shape = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ValueError(f"{name} must be [E+B={self.E + self.B}, N, K] or ExpertRows, got {shape}")
 
+    @torch.no_grad()
     def reduce_grad(self, plan: MoonEPCommPlan, full_gate_grad, full_up_grad, full_down_grad,
                     gate_reduce_buffer: SymmetricTensor | None = None,
                     up_reduce_buffer: SymmetricTensor | None = None,

@@ -59,6 +59,7 @@ class MoonEPCommPlan:
         dup_counts: `[2]` (duplicate groups, duplicate rows) received by this rank.
         rank_load: `[R]` routes computed by each rank (telemetry; equal up to one when balanced).
         home_load: `[R]` routes to each rank's home experts: the load of plain expert parallelism.
+        expert_load: `[E]` valid routes to each expert in the whole group (the gathered histogram's sum).
         slots_used: `[R]` slots holding a replica on each rank.
         num_routes, num_ranks, num_experts, num_slots, rows_per_rank, top_k: the scalars N, R, E, B, NvS, K.
         rank: the rank this plan belongs to; owner: id of the Buffer that made it (None: a bare plan).
@@ -74,6 +75,7 @@ class MoonEPCommPlan:
     dup_counts: torch.Tensor
     rank_load: torch.Tensor
     home_load: torch.Tensor
+    expert_load: torch.Tensor
     slots_used: torch.Tensor
     num_routes: int
     num_ranks: int
@@ -315,6 +317,7 @@ def plan_routes(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank:
         dup_counts=torch.zeros(2, dtype=i32, device=device),
         rank_load=alloc_re.sum(1).to(i32),
         home_load=tensor(glob.home_load).to(i32),
+        expert_load=alloc_re.sum(0).to(i32),
         slots_used=(experts_to_copy_rb >= 0).sum(1).to(i32),
         num_routes=topk_experts_sk.numel(),
         num_ranks=num_ranks,

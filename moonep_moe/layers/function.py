@@ -1,0 +1,108 @@
+"""`MoonEPExperts`: dispatch -> prefetch -> grouped-GEMM experts -> combine as one autograd Function.
+
+Legend: s tokens on this rank, k top-k, h hidden, f expert FFN size, nv dispatched rows (NvS), g the
+`epn + B` compute groups of this rank (home experts, then slots).
+
+Forward, on every rank:
+1. `Buffer.dispatch`: plan from the gathered histogram, rows and route weights to their expert-grouped rows.
+2. `Buffer.prefetch_weight`: replicated experts' weights into this rank's slots.
+3. `ab = x @ gate_up^T` (one grouped GEMM for gate and up), `hw = silu(a) * b * w` (the route weight applied
+   per row), `y = hw @ down^T` (grouped GEMM).
+4. `Buffer.combine`: each token's K rows summed in fp32.
+
+Backward reuses the forward plan (never plans again):
+1. `dispatch(grad_out, plan=plan)` brings the gradient to the rows; `prefetch_weight` again (later layers
+   overwrote the shared slot pool).
+2. down: `dW_down += g^T hw` (wgrad into the fp32 home and slot gradients), `u = g @ down` (dgrad);
+   SwiGLU backward gives `dab` and the route-weight gradient per row;
+   gate_up: `dW_gate_up += dab^T x`, `dx = dab @ gate_up`.
+3. `combine(plan, dx, grad_w)`: input and route-weight gradients back to the tokens.
+4. `reduce_grad`: every replica's fp32 gradient added into its home expert's, slots cleared. The home
+   gradients are returned to autograd in the parameters' dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moonep_moe.comm.buffer import Buffer
+from moonep_moe.comm.plan import MoonEPCommPlan
+from moonep_moe.layers.grouped_gemm import GroupedGemm
+from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
+from moonep_moe.weights.experts import HomeExperts
+
+
+@dataclass
+class ExpertsState:
+    """What the Function needs besides tensors: the comm core, the experts and the GEMM backend. Holds the
+    plan of the last forward (telemetry reads it; backward keeps its own reference)."""
+
+    buffer: Buffer
+    experts: HomeExperts
+    gemm: GroupedGemm
+    last_plan: MoonEPCommPlan | None = None
+
+
+def compute_offsets(cu_seqlens_g: torch.Tensor, rank: int, epn: int, num_experts: int) -> torch.Tensor:
+    """`[E+B]` padded group ends -> `[epn+B]` ends of this rank's compute groups (home experts, then slots).
+
+    Exact without a host read: the groups before and after the home range are empty on this rank.
+    """
+    return torch.cat([cu_seqlens_g[rank * epn:(rank + 1) * epn], cu_seqlens_g[num_experts:]])
+
+
+class MoonEPExperts(torch.autograd.Function):
+    """`(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, gate_up, down) -> out_sh`.
+
+    Args (forward):
+        hidden_sh: `[s, H]` tokens of this rank in the Buffer's dtype.
+        route_weights_sk: `[s, K]` route weights in the Buffer's weight dtype (differentiable).
+        topk_experts_sk: `[s, K]` int experts, -1 = no route. tokens_per_expert: `[E]` int histogram.
+        gate_up, down: the home expert parameters (`state.experts`), passed so autograd gives them grads.
+        state: `ExpertsState`.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, gate_up, down,
+                state: ExpertsState):
+        buffer, experts, gemm = state.buffer, state.experts, state.gemm
+        x_nvsh, w_nvs, cu_seqlens, plan = buffer.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
+                                                          tokens_per_expert)
+        gate_up_rows, down_rows = experts.rows
+        buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
+        offs_g = compute_offsets(cu_seqlens, buffer.world.rank, buffer.epn, buffer.E)
+        ab_nv2f = gemm.fwd(x_nvsh, (gate_up, gate_up_rows.slots.local), offs_g)
+        hw_nvf = swiglu_weighted(ab_nv2f, w_nvs)
+        y_nvsh = gemm.fwd(hw_nvf, (down, down_rows.slots.local), offs_g)
+        out_sh, _, _ = buffer.combine(plan, y_nvsh)
+        ctx.save_for_backward(x_nvsh, ab_nv2f, w_nvs, offs_g, gate_up, down)
+        ctx.plan, ctx.state = plan, state
+        state.last_plan = plan
+        return out_sh
+
+    @staticmethod
+    def backward(ctx, grad_out_sh):
+        x_nvsh, ab_nv2f, w_nvs, offs_g, gate_up, down = ctx.saved_tensors
+        plan, state = ctx.plan, ctx.state
+        buffer, experts, gemm = state.buffer, state.experts, state.gemm
+        gate_up_rows, down_rows = experts.rows
+        gate_up_grads, down_grads = experts.grads
+        g_nvsh, _, _, _ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None,
+                                          plan=plan)
+        buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
+        for grads in experts.grads:
+            grads.home.local.zero_()
+        hw_nvf = swiglu_weighted(ab_nv2f, w_nvs)
+        gemm.wgrad(g_nvsh, hw_nvf, offs_g, (down_grads.home.local, down_grads.slots.local))
+        u_nvf = gemm.dgrad(g_nvsh, (down, down_rows.slots.local), offs_g)
+        dab_nv2f, grad_w_nvs = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs)
+        gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (gate_up_grads.home.local, gate_up_grads.slots.local))
+        dx_nvsh = gemm.dgrad(dab_nv2f, (gate_up, gate_up_rows.slots.local), offs_g)
+        grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs)
+        buffer.reduce_grad(plan, gate_up_grads, None, down_grads)
+        # copies: autograd may keep a returned tensor as .grad, and the fp32 home gradients are reused
+        return (grad_hidden_sh, grad_route_weights_sk, None, None,
+                gate_up_grads.home.local.to(gate_up.dtype, copy=True),
+                down_grads.home.local.to(down.dtype, copy=True), None)

@@ -1,0 +1,123 @@
+"""`HomeExperts`: the routed experts a rank owns (its parameters), their fp32 gradients and checkpoint names.
+
+Legend: e experts (epn home experts here, E in the group), f = H' (expert FFN size), h = H (hidden size).
+Layout (nn.Linear style, `[experts, out, in]`): `gate_up [epn, 2F, H]` (rows [0, F) gate, [F, 2F) up, so
+both projections run as one GEMM) and `down [epn, H, F]`. Only the home experts are stored: never a
+replicated copy of all E. Both parameters are registered with the EP world so peers can read them
+(prefetch): create the layer in its final dtype and device (the config's) rather than converting it later. Gradients of the home experts accumulate in fp32 (`grads`), also visible to peers.
+
+Checkpoints hold one entry per expert under its global id, whatever the EP size:
+`{e}.gate_proj.weight [F, H]`, `{e}.up_proj.weight [F, H]`, `{e}.down_proj.weight [H, F]`. Loading also
+accepts Mixtral's per-expert `w1` / `w3` / `w2` names and the fused layouts `gate_up_proj [E, 2F, H]` +
+`down_proj [E, H, F]` (transformers v5) and `w13 [E, 2F, H]` + `w2 [E, H, F]` (vLLM). A rank takes its home
+experts from whatever the dict holds, so a checkpoint saved at one EP size loads at any other once its
+per-rank dicts are merged (`{**rank0, **rank1, ...}`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moonep_moe.comm.world import EPWorld
+from moonep_moe.weights.pool import ExpertRows, slot_grad_pool, slot_pool
+
+PER_EXPERT_NAMES = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
+FUSED_NAMES = (("gate_up_proj", "down_proj"), ("w13", "w2"))
+
+
+class HomeExperts(nn.Module):
+    """This rank's `epn` routed experts of one MoE layer.
+
+    Args:
+        world: the EP world (rank r owns experts [r*epn, (r+1)*epn)).
+        num_experts: E. hidden_size: H. ffn_hidden_size: F. num_slots: B prefetch slots per rank.
+        dtype: parameter dtype. name: a key unique to this layer on every rank (the same on all ranks).
+    """
+
+    def __init__(self, world: EPWorld, num_experts: int, hidden_size: int, ffn_hidden_size: int,
+                 num_slots: int, dtype: torch.dtype, name: str):
+        super().__init__()
+        self.world, self.num_experts = world, num_experts
+        self.epn = num_experts // world.size
+        self.first_expert = world.rank * self.epn
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        h, f, epn = hidden_size, ffn_hidden_size, self.epn
+        device = world.device
+        self.gate_up = nn.Parameter(torch.empty(epn, 2 * f, h, dtype=dtype, device=device))
+        self.down = nn.Parameter(torch.empty(epn, h, f, dtype=dtype, device=device))
+        self.reset_parameters()
+        grad_dtype = torch.promote_types(dtype, torch.float32)
+        self.rows = (
+            ExpertRows(world.symmetric(f"{name}/gate_up", self.gate_up),
+                       slot_pool(world, (num_slots, 2 * f, h), dtype)),
+            ExpertRows(world.symmetric(f"{name}/down", self.down),
+                       slot_pool(world, (num_slots, h, f), dtype)),
+        )
+        self.grads = (
+            ExpertRows(world.symmetric(f"{name}/gate_up_grad", torch.zeros(epn, 2 * f, h, dtype=grad_dtype,
+                                                                              device=device)),
+                       slot_grad_pool(world, (num_slots, 2 * f, h), dtype)),
+            ExpertRows(world.symmetric(f"{name}/down_grad", torch.zeros(epn, h, f, dtype=grad_dtype,
+                                                                           device=device)),
+                       slot_grad_pool(world, (num_slots, h, f), dtype)),
+        )
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default init per expert (uniform in +-1/sqrt(fan_in))."""
+        with torch.no_grad():
+            for weight in (self.gate_up, self.down):
+                bound = weight.shape[-1] ** -0.5
+                weight.uniform_(-bound, bound)
+
+    @property
+    def home_experts(self) -> range:
+        return range(self.first_expert, self.first_expert + self.epn)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        f = self.ffn_hidden_size
+        for i, expert in enumerate(self.home_experts):
+            for name, value in (("gate_proj", self.gate_up[i, :f]), ("up_proj", self.gate_up[i, f:]),
+                                ("down_proj", self.down[i])):
+                destination[f"{prefix}{expert}.{name}.weight"] = value if keep_vars else value.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        f, h = self.ffn_hidden_size, self.hidden_size
+        ours = {k[len(prefix):]: k for k in state_dict if k.startswith(prefix)}
+        fused = next((pair for pair in FUSED_NAMES if all(n in ours for n in pair)), None)
+        with torch.no_grad():
+            if fused is not None:
+                gate_up, down = (state_dict[ours[n]] for n in fused)
+                if gate_up.shape[1:] == (h, 2 * f) and (h, 2 * f) != (2 * f, h):
+                    gate_up = gate_up.transpose(1, 2)  # stored [E, H, 2F]
+                if down.shape[1:] == (f, h) and (f, h) != (h, f):
+                    down = down.transpose(1, 2)
+                for given, expected, key in ((gate_up, (self.num_experts, 2 * f, h), fused[0]),
+                                             (down, (self.num_experts, h, f), fused[1])):
+                    if tuple(given.shape) != expected:
+                        error_msgs.append(f"{prefix}{key}: expected {list(expected)}, "
+                                          f"got {list(given.shape)}")
+                        return
+                home = slice(self.first_expert, self.first_expert + self.epn)
+                self.gate_up.copy_(gate_up[home])
+                self.down.copy_(down[home])
+                return
+            for i, expert in enumerate(self.home_experts):
+                targets = {"gate": self.gate_up[i, :f], "up": self.gate_up[i, f:], "down": self.down[i]}
+                for part, names in PER_EXPERT_NAMES.items():
+                    candidates = [f"{expert}.{n}.weight" for n in names]
+                    key = next((c for c in candidates if c in ours), None)
+                    if key is None:
+                        missing_keys.append(f"{prefix}{expert}.{names[0]}.weight")
+                        continue
+                    value = state_dict[ours[key]]
+                    if value.shape != targets[part].shape:
+                        error_msgs.append(f"{prefix}{key}: expected {list(targets[part].shape)}, "
+                                          f"got {list(value.shape)}")
+                        continue
+                    targets[part].copy_(value)
+        if strict and fused is None:
+            known = {f"{e}.{n}.weight" for e in range(self.num_experts)
+                     for names in PER_EXPERT_NAMES.values() for n in names}
+            unexpected_keys.extend(k for name, k in ours.items() if name not in known)
