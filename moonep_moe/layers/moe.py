@@ -92,8 +92,13 @@ class MoonEPMoELayer(nn.Module):
         expert_load_e = torch.zeros(e, dtype=torch.int64, device=device)
         self.register_buffer("expert_load", expert_load_e, persistent=False)
 
-    def forward(self, hidden_states: torch.Tensor):
-        """`[T, H]` or `[B, L, H]` with `B*L <= max_tokens_per_rank` -> the same shape (and the aux loss)."""
+    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None):
+        """`[T, H]` or `[B, L, H]` with `B*L <= max_tokens_per_rank` -> the same shape (and the aux loss).
+
+        `token_mask` (`[T]` or `[B, L]` bool, True = real token) keeps padding tokens out of routing: their
+        routes are -1 (not counted, not sent, zero routed output), so padding never changes the plan of the
+        real tokens.
+        """
         cfg = self.config
         if hidden_states.dim() not in (2, 3) or hidden_states.shape[-1] != cfg.hidden_size:
             raise ValueError(f"hidden_states must be [T, {cfg.hidden_size}] or [B, L, {cfg.hidden_size}], "
@@ -105,7 +110,11 @@ class MoonEPMoELayer(nn.Module):
         if hidden_th.shape[0] > cfg.max_tokens_per_rank:
             raise ValueError(f"{hidden_th.shape[0]} tokens exceed "
                              f"max_tokens_per_rank={cfg.max_tokens_per_rank}")
-        routing = self.router(hidden_th)
+        if token_mask is not None and (token_mask.shape != hidden_states.shape[:-1]
+                                       or token_mask.dtype != torch.bool):
+            raise ValueError(f"token_mask must be a bool tensor of shape {list(hidden_states.shape[:-1])}, "
+                             f"got {token_mask.dtype} {list(token_mask.shape)}")
+        routing = self.router(hidden_th, None if token_mask is None else token_mask.reshape(-1))
         route_weights_tk = routing.route_weights_tk.to(self.buffer.weight_dtype)
         out_th = MoonEPExperts.apply(hidden_th.contiguous(), route_weights_tk,
                                      routing.topk_experts_tk, routing.tokens_per_expert_e,

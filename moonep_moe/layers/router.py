@@ -70,8 +70,12 @@ class TopKRouter(nn.Module):
         bias_e = torch.zeros(num_experts, dtype=torch.float32) if config.expert_bias else None
         self.register_buffer("expert_bias", bias_e)
 
-    def forward(self, hidden_th: Tensor) -> RouterOutput:
-        """Route ``hidden_th`` [T, H] (any floating dtype; cast to the router dtype)."""
+    def forward(self, hidden_th: Tensor, token_mask_t: Tensor | None = None) -> RouterOutput:
+        """Route ``hidden_th`` [T, H] (any floating dtype; cast to the router dtype).
+
+        ``token_mask_t`` (bool [T], True = real token): masked tokens get expert -1 and weight 0 on every
+        route and are left out of the histogram and the aux loss.
+        """
         cfg = self.config
         logits_te = F.linear(hidden_th.to(self.weight.dtype), self.weight)
         logits_te_c = logits_te.to(torch.promote_types(logits_te.dtype, torch.float32))
@@ -90,10 +94,16 @@ class TopKRouter(nn.Module):
             gates_tk = gates_tk / (gates_tk.sum(-1, keepdim=True) + (1e-20 if sigmoid else 0.0))
         gates_tk = gates_tk * cfg.routed_scaling_factor
 
+        real_tk = torch.ones_like(topk_experts_tk, dtype=torch.bool)
+        if token_mask_t is not None:
+            real_tk = token_mask_t[:, None].expand_as(topk_experts_tk)
+            topk_experts_tk = torch.where(real_tk, topk_experts_tk, -1)
+            gates_tk = gates_tk * real_tk
         tokens_per_expert_e = torch.zeros(self.num_experts, dtype=torch.int32, device=hidden_th.device)
-        routes_n = topk_experts_tk.flatten()
-        tokens_per_expert_e.index_add_(0, routes_n, torch.ones_like(routes_n, dtype=torch.int32))
-        aux_loss = self._aux_loss(scores_te, tokens_per_expert_e) if cfg.aux_loss_coeff > 0 else None
+        tokens_per_expert_e.index_add_(0, topk_experts_tk.clamp(min=0).flatten(), real_tk.flatten().int())
+        aux_loss = None
+        if cfg.aux_loss_coeff > 0:
+            aux_loss = self._aux_loss(scores_te, real_tk[:, 0], tokens_per_expert_e)
         return RouterOutput(
             topk_experts_tk.int(), gates_tk.to(logits_te.dtype), logits_te, aux_loss, tokens_per_expert_e
         )
@@ -111,13 +121,16 @@ class TopKRouter(nn.Module):
         masked_tgx = select_tgx.masked_fill(~keep_tg[..., None], float("-inf"))
         return rearrange(masked_tgx, "t g x -> t (g x)")
 
-    def _aux_loss(self, scores_te: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
-        """``coeff * E * sum_e f_e * P_e``; f_e = share of the T*K routes (no grad), P_e = mean score."""
+    def _aux_loss(self, scores_te: Tensor, real_t: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
+        """``coeff * E * sum_e f_e * P_e`` over the real tokens; f_e = share of their routes (no grad),
+        P_e = their mean score (sigmoid scores normalised per token)."""
         probs_te = scores_te
         if self.config.score_function == "sigmoid":
             probs_te = scores_te / scores_te.sum(-1, keepdim=True)
-        f_e = tokens_per_expert_e.to(scores_te.dtype) / (scores_te.shape[0] * self.top_k)
-        return self.config.aux_loss_coeff * self.num_experts * (f_e * probs_te.mean(0)).sum()
+        num_real = real_t.sum().clamp(min=1).to(scores_te.dtype)
+        f_e = tokens_per_expert_e.to(scores_te.dtype) / (num_real * self.top_k)
+        p_e = (probs_te * real_t[:, None]).sum(0) / num_real
+        return self.config.aux_loss_coeff * self.num_experts * (f_e * p_e).sum()
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert_e: Tensor) -> None:

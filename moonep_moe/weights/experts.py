@@ -4,7 +4,8 @@ Legend: e experts (epn home experts here, E in the group), f = H' (expert FFN si
 Layout (nn.Linear style, `[experts, out, in]`): `gate_up [epn, 2F, H]` (rows [0, F) gate, [F, 2F) up, so
 both projections run as one GEMM) and `down [epn, H, F]`. Only the home experts are stored: never a
 replicated copy of all E. Both parameters are registered with the EP world so peers can read them
-(prefetch): create the layer in its final dtype and device (the config's) rather than converting it later. Gradients of the home experts accumulate in fp32 (`grads`), also visible to peers.
+(prefetch): create the layer in its final dtype and device (the config's) rather than converting it
+later. Gradients of the home experts accumulate in fp32 (`grads`), also visible to peers.
 
 Checkpoints hold one entry per expert under its global id, whatever the EP size:
 `{e}.gate_proj.weight [F, H]`, `{e}.up_proj.weight [F, H]`, `{e}.down_proj.weight [H, F]`. Loading also
