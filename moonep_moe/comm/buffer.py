@@ -433,7 +433,8 @@ class Buffer:
                     if expert >= 0 and expert // self.epn == self.world.rank:
                         home[expert % self.epn] += slots.peer(d)[j].to(home.dtype)
         self.world.barrier()  # every rank has pulled
-        used = torch.tensor([e >= 0 for e in table_rb[self.world.rank]], device=self.world.device)
+        used = torch.tensor([e >= 0 for e in table_rb[self.world.rank]], dtype=torch.bool,
+                            device=self.world.device)
         for _, slots, replicated in projections:
             slots.local[used] = 0
             if replicated is not None:

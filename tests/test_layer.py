@@ -1,0 +1,283 @@
+"""MoonEPMoELayer against the dense single-device float64 reference, on R thread-ranks.
+
+Every rank's output, input gradient and router gradient, and every expert's weight gradient (summed over
+all ranks' tokens) must match `dense_moe` run on the same router and the full set of E experts.
+All random inputs are drawn on the main thread: torch's default generator is shared by the rank threads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from moonep_moe.comm.world import run_ranks
+from moonep_moe.config import MoEConfig
+from moonep_moe.layers.dense import dense_moe
+from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.layers.router import TopKRouter
+
+F64 = torch.float64
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def make_config(R: int, **overrides) -> MoEConfig:
+    fields = dict(hidden_size=16, ffn_hidden_size=8, num_experts=32, top_k=2, ep_size=R,
+                  max_tokens_per_rank=48, token_padding=8, dtype="float64",
+                  router={"dtype": "float64", "expert_bias": True}, grouped_gemm="reference")
+    return MoEConfig(**{**fields, **overrides})
+
+
+@dataclass
+class Problem:
+    """One step's inputs for every rank, and the full model's weights."""
+
+    cfg: MoEConfig
+    hidden: list[torch.Tensor]          # per rank [T, H]
+    grad_out: list[torch.Tensor]        # per rank [T, H]
+    masks: list[torch.Tensor | None]    # per rank [T] bool
+    router_weight_eh: torch.Tensor
+    expert_bias_e: torch.Tensor
+    gate_up_e2fh: torch.Tensor
+    down_ehf: torch.Tensor
+
+
+def make_problem(cfg: MoEConfig, seed: int, skew: float = 0.0, tokens: int | None = None,
+                 padding: int = 0) -> Problem:
+    """`skew` > 0 biases selection toward experts 0 and 1 (maxvio up to E/K - 1); `padding` masks the
+    last tokens of every rank out of routing."""
+    gen = torch.Generator().manual_seed(seed)
+    R, T = cfg.ep_size, tokens or cfg.max_tokens_per_rank
+    H, F, E = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=F64)
+
+    bias_e = torch.zeros(E, dtype=F64)
+    bias_e[:2] = skew
+    masks = [None] * R
+    if padding:
+        masks = [torch.arange(T) < T - padding for _ in range(R)]
+    return Problem(cfg, [randn(T, H) for _ in range(R)], [randn(T, H) for _ in range(R)], masks,
+                   randn(E, H), bias_e.float(), randn(E, 2 * F, H) / H**0.5, randn(E, H, F) / F**0.5)
+
+
+def run_moonep(p: Problem) -> list[dict[str, torch.Tensor]]:
+    cfg = p.cfg
+    epn = cfg.num_experts // cfg.ep_size
+
+    def rank_fn(world):
+        layer = MoonEPMoELayer(cfg, world)
+        home = slice(world.rank * epn, (world.rank + 1) * epn)
+        with torch.no_grad():
+            layer.router.weight.copy_(p.router_weight_eh)
+            layer.router.expert_bias.copy_(p.expert_bias_e)
+            layer.experts.gate_up.copy_(p.gate_up_e2fh[home])
+            layer.experts.down.copy_(p.down_ehf[home])
+        x = p.hidden[world.rank].clone().requires_grad_()
+        out = layer(x, p.masks[world.rank])
+        out.backward(p.grad_out[world.rank])
+        stats = {k: v.clone() for k, v in layer.balance_stats().items()}
+        layer.destroy()
+        return dict(out=out.detach(), grad_x=x.grad, grad_router=layer.router.weight.grad,
+                    grad_gate_up=layer.experts.gate_up.grad, grad_down=layer.experts.down.grad, **stats)
+
+    return run_ranks(rank_fn, cfg.ep_size)
+
+
+def run_dense(p: Problem) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor, torch.Tensor, float]:
+    """The oracle: each rank's tokens through the full model on one device. Also returns the group's
+    expert-level maxvio (max_e T_e / mean - 1)."""
+    cfg = p.cfg
+    gate_up = p.gate_up_e2fh.clone().requires_grad_()
+    down = p.down_ehf.clone().requires_grad_()
+    results, counts_e = [], torch.zeros(cfg.num_experts)
+    for rank in range(cfg.ep_size):
+        router = TopKRouter(cfg.router, cfg.hidden_size, cfg.num_experts, cfg.top_k)
+        with torch.no_grad():
+            router.weight.copy_(p.router_weight_eh)
+            router.expert_bias.copy_(p.expert_bias_e)
+        x = p.hidden[rank].clone().requires_grad_()
+        routing = router(x, p.masks[rank])
+        counts_e += routing.tokens_per_expert_e
+        out = dense_moe(x, routing.topk_experts_tk, routing.route_weights_tk, gate_up, down)
+        out.backward(p.grad_out[rank])
+        results.append(dict(out=out.detach(), grad_x=x.grad, grad_router=router.weight.grad))
+    maxvio = float(counts_e.max() / counts_e.mean() - 1)
+    return results, gate_up.grad, down.grad, maxvio
+
+
+def assert_matches_dense(p: Problem) -> tuple[list[dict[str, torch.Tensor]], float]:
+    got = run_moonep(p)
+    want, grad_gate_up, grad_down, maxvio = run_dense(p)
+    epn = p.cfg.num_experts // p.cfg.ep_size
+    for rank, (g, w) in enumerate(zip(got, want, strict=True)):
+        for name in ("out", "grad_x", "grad_router"):
+            torch.testing.assert_close(g[name], w[name], **TOL,
+                                       msg=lambda m, n=name, r=rank: f"{n} on rank {r}: {m}")
+        home = slice(rank * epn, (rank + 1) * epn)
+        torch.testing.assert_close(g["grad_gate_up"], grad_gate_up[home], **TOL)
+        torch.testing.assert_close(g["grad_down"], grad_down[home], **TOL)
+    return got, maxvio
+
+
+@pytest.mark.parametrize("R", [1, 2, 4, 8])
+def test_uniform_routing_matches_dense(R):
+    got, _ = assert_matches_dense(make_problem(make_config(R), seed=R))
+    loads = got[0]["rank_load"]
+    assert int(loads.max() - loads.min()) <= 1
+
+
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_skewed_routing_matches_dense_and_stays_balanced(R):
+    p = make_problem(make_config(R), seed=10 + R, skew=100.0)
+    got, maxvio = assert_matches_dense(p)
+    assert maxvio >= 10, maxvio
+    loads, ep_loads = got[0]["rank_load"], got[0]["ep_rank_load"]
+    assert int(loads.max() - loads.min()) <= 1
+    assert float(got[0]["ep_maxvio"]) > 0.5  # plain EP would have been badly imbalanced
+    assert int(got[0]["slots_used"].max()) > 0
+    assert int(ep_loads.sum()) == int(loads.sum())
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_invalid_routes_and_fewer_tokens_than_capacity(R):
+    cfg = make_config(R)
+    p = make_problem(cfg, seed=20 + R, skew=3.0, tokens=cfg.max_tokens_per_rank - 13, padding=7)
+    got, _ = assert_matches_dense(p)
+    for g, mask in zip(got, p.masks, strict=True):
+        assert torch.all(g["out"][~mask] == 0)
+    assert int(got[0]["rank_load"].sum()) == R * (cfg.max_tokens_per_rank - 13 - 7) * cfg.top_k
+
+
+def test_batched_input_shape_and_shared_experts():
+    cfg = make_config(2, shared_experts={"num_shared_experts": 1, "gate": True})
+
+    def rank_fn(world):
+        layer = MoonEPMoELayer(cfg, world)
+        x = torch.ones(3, 16, 16, dtype=F64)
+        out = layer(x)
+        return out.shape, layer.shared_experts is not None
+
+    for shape, has_shared in run_ranks(rank_fn, 2):
+        assert shape == (3, 16, 16) and has_shared
+
+
+def test_same_gradients_at_ep_r_and_ep_1():
+    """The same model and tokens at EP=4 and EP=1 (one rank holding all tokens) learn the same."""
+    cfg4 = make_config(4, max_tokens_per_rank=24)
+    p4 = make_problem(cfg4, seed=5, skew=50.0)
+    cfg1 = make_config(1, max_tokens_per_rank=96)
+    p1 = Problem(cfg1, [torch.cat(p4.hidden)], [torch.cat(p4.grad_out)], [None], p4.router_weight_eh,
+                 p4.expert_bias_e, p4.gate_up_e2fh, p4.down_ehf)
+    got4, got1 = run_moonep(p4), run_moonep(p1)[0]
+    torch.testing.assert_close(torch.cat([g["grad_gate_up"] for g in got4]), got1["grad_gate_up"], **TOL)
+    torch.testing.assert_close(torch.cat([g["grad_down"] for g in got4]), got1["grad_down"], **TOL)
+    torch.testing.assert_close(torch.cat([g["out"] for g in got4]), got1["out"], **TOL)
+    torch.testing.assert_close(sum(g["grad_router"] for g in got4), got1["grad_router"], **TOL)
+
+
+def test_aux_loss_is_returned_and_differentiable():
+    cfg = make_config(1, router={"dtype": "float64", "aux_loss_coeff": 0.01})
+    layer = MoonEPMoELayer(cfg)
+    out, aux = layer(torch.randn(8, 16, dtype=F64))
+    assert aux.dim() == 0 and aux > 0
+    (out.sum() + aux).backward()
+    assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
+
+
+def test_expert_bias_update_uses_group_load():
+    cfg = make_config(2)
+    p = make_problem(cfg, seed=3, skew=100.0)
+
+    def rank_fn(world):
+        layer = MoonEPMoELayer(cfg, world)
+        with torch.no_grad():
+            layer.router.weight.copy_(p.router_weight_eh)
+            layer.router.expert_bias.copy_(p.expert_bias_e)
+        layer(p.hidden[world.rank])
+        load = layer.expert_load.clone()
+        layer.update_expert_bias()
+        return load, layer.router.expert_bias.clone(), layer.expert_load.clone()
+
+    (load0, bias0, after0), (load1, bias1, _) = run_ranks(rank_fn, 2)
+    assert torch.equal(load0, load1) and torch.equal(bias0, bias1)  # the group's load, on every rank
+    assert int(load0.sum()) == 2 * cfg.max_tokens_per_rank * cfg.top_k
+    assert bool((bias0[:2] < p.expert_bias_e[:2]).all()) and int(after0.sum()) == 0
+
+
+# -- bad input --------------------------------------------------------------------------------------------
+
+
+def one_rank_layer(**overrides) -> MoonEPMoELayer:
+    return MoonEPMoELayer(make_config(1, **overrides))
+
+
+def test_wrong_dtype_raises():
+    with pytest.raises(ValueError, match="dtype"):
+        one_rank_layer()(torch.randn(4, 16, dtype=torch.float32))
+
+
+def test_wrong_hidden_size_raises():
+    with pytest.raises(ValueError, match="hidden_states"):
+        one_rank_layer()(torch.randn(4, 15, dtype=F64))
+
+
+def test_too_many_tokens_raises():
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        one_rank_layer()(torch.randn(49, 16, dtype=F64))
+
+
+def test_bad_token_mask_raises():
+    with pytest.raises(ValueError, match="token_mask"):
+        one_rank_layer()(torch.randn(4, 16, dtype=F64), torch.ones(5, dtype=torch.bool))
+
+
+def test_world_size_mismatch_raises():
+    with pytest.raises(ValueError, match="ep_size"):
+        MoonEPMoELayer(make_config(2))
+
+
+def test_unavailable_world_backend_raises_at_construction():
+    with pytest.raises(ValueError, match="world"):
+        one_rank_layer(world="symmetric")
+
+
+def test_destroy_twice_then_use_raises():
+    layer = one_rank_layer()
+    layer.destroy()
+    layer.destroy()
+    assert layer.buffer.destroyed
+    with pytest.raises(RuntimeError, match="destroyed"):
+        layer(torch.randn(4, 16, dtype=F64))
+
+
+def test_failed_step_leaves_layer_usable():
+    """A rejected step changes nothing: the next step gives exactly the dense reference's answer."""
+    cfg = make_config(2)
+    p = make_problem(cfg, seed=7, skew=20.0)
+    want, _, _, _ = run_dense(p)
+    epn = cfg.num_experts // 2
+
+    def rank_fn(world):
+        layer = MoonEPMoELayer(cfg, world)
+        home = slice(world.rank * epn, (world.rank + 1) * epn)
+        with torch.no_grad():
+            layer.router.weight.copy_(p.router_weight_eh)
+            layer.router.expert_bias.copy_(p.expert_bias_e)
+            layer.experts.gate_up.copy_(p.gate_up_e2fh[home])
+            layer.experts.down.copy_(p.down_ehf[home])
+        before = [t.clone() for t in (layer.experts.gate_up, layer.experts.down)]
+        with pytest.raises(ValueError):
+            layer(torch.randn(cfg.max_tokens_per_rank + 1, 16, dtype=F64))
+        with pytest.raises(ValueError):
+            layer.buffer.dispatch(p.hidden[world.rank], torch.ones(48, 2, dtype=F64),
+                                  torch.full((48, 2), 99, dtype=torch.int32),
+                                  torch.zeros(cfg.num_experts, dtype=torch.int32))
+        assert all(torch.equal(a, b) for a, b in zip(before, (layer.experts.gate_up, layer.experts.down),
+                                                     strict=True))
+        return layer(p.hidden[world.rank]).detach()
+
+    for got, w in zip(run_ranks(rank_fn, 2), want, strict=True):
+        torch.testing.assert_close(got, w["out"], **TOL)
