@@ -64,11 +64,12 @@ def test_published_shapes():
     assert (mix.hidden_size, mix.ffn_hidden_size, mix.num_experts, mix.top_k) == (4096, 14336, 8, 2)
 
 
-def test_tiny_cpu_demo_shape():
+def test_tiny_cpu_fits_the_demo():
+    """The demo runs 4 thread-ranks in float32 and sweeps routing skew up to maxvio 20, which needs
+    E / K - 1 >= 20 (every token on the same K experts gives maxvio E / K - 1)."""
     cfg = load_config("tiny-cpu")
-    assert (cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts, cfg.top_k) == (64, 32, 16, 4)
-    assert (cfg.ep_size, cfg.max_tokens_per_rank, cfg.token_padding) == (4, 128, 8)
-    assert cfg.torch_dtype is torch.float32
+    assert cfg.ep_size == 4 and cfg.torch_dtype is torch.float32
+    assert cfg.num_experts / cfg.top_k - 1 >= 20
 
 
 # --- load_config: names, paths, overrides ---------------------------------------------------------------
@@ -88,7 +89,7 @@ def test_missing_file_path():
 
 def test_overrides_apply_before_validation():
     cfg = load_config("tiny-cpu", ep_size=2)
-    assert cfg.ep_size == 2 and cfg.experts_per_rank == 8 and cfg.prefetch_slots == 8
+    assert cfg.ep_size == 2 and cfg.experts_per_rank == 32 and cfg.prefetch_slots == 32
     with pytest.raises(pydantic.ValidationError, match="ep_size"):
         load_config("tiny-cpu", ep_size=3)
 

@@ -4,10 +4,15 @@ Legend: t tokens, h hidden size, f expert FFN size, e experts, k routes per toke
 Plain torch autograd ops, a loop over experts, no tricks: keep it obviously correct.
 """
 
+from collections.abc import Mapping
+
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["dense_moe"]
+from moonep_moe.config import MoEConfig
+from moonep_moe.layers.router import TopKRouter
+
+__all__ = ["dense_moe", "dense_step"]
 
 
 def dense_moe(
@@ -37,3 +42,30 @@ def dense_moe(
         y_rh = (F.silu(gate_rf) * up_rf * weight_r1) @ down_ehf[expert].T
         out_th = out_th.index_add(0, token_r, y_rh)
     return out_th
+
+
+def dense_step(config: MoEConfig, router_state: Mapping[str, Tensor], gate_up_e2fh: Tensor,
+               down_ehf: Tensor, hidden_th: Tensor, grad_out_th: Tensor,
+               token_mask_t: Tensor | None = None) -> dict[str, Tensor]:
+    """One forward + backward of the whole routed MoE on one device: the reference for one rank's tokens.
+
+    Args:
+        config: the layer config (router settings, sizes).
+        router_state: the router's `state_dict()` (`weight [E, H]`, `expert_bias [E]` when enabled).
+        gate_up_e2fh, down_ehf: all E experts. hidden_th, grad_out_th: `[T, H]`. token_mask_t: `[T]` bool.
+
+    Returns:
+        `out [T, H]`, `grad_x [T, H]`, `grad_router [E, H]`, `grad_gate_up [E, 2F, H]`, `grad_down [E, H, F]`
+        (the expert gradients of these tokens only), in the dtype of `hidden_th`.
+    """
+    router = TopKRouter(config.router, config.hidden_size, config.num_experts, config.top_k)
+    router.load_state_dict(router_state)
+    gate_up = gate_up_e2fh.detach().clone().requires_grad_()
+    down = down_ehf.detach().clone().requires_grad_()
+    x_th = hidden_th.detach().clone().requires_grad_()
+    routing = router(x_th, token_mask_t)
+    out_th = dense_moe(x_th, routing.topk_experts_tk, routing.route_weights_tk, gate_up, down)
+    out_th.backward(grad_out_th)
+    return dict(out=out_th.detach(), grad_x=x_th.grad, grad_router=router.weight.grad.to(hidden_th.dtype),
+                grad_gate_up=gate_up.grad, grad_down=down.grad,
+                tokens_per_expert=routing.tokens_per_expert_e)
