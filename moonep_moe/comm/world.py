@@ -138,6 +138,7 @@ class ThreadsWorld:
             slots[self.rank] = tensor
         self.barrier()
         peers = tuple(self.group._registry[key])
+        self.barrier()  # every rank holds the peers before any may release (`release` drops the entry)
         first = peers[0]
         for r, t in enumerate(peers):
             if t.shape != first.shape or t.dtype != first.dtype:

@@ -1,0 +1,161 @@
+"""Home experts, shared slot pools and checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moonep_moe.comm.world import run_ranks
+from moonep_moe.config import MoEConfig
+from moonep_moe.layers.dense import dense_step
+from moonep_moe.layers.moe import MoonEPMoELayer
+
+F64 = torch.float64
+TOL = dict(rtol=1e-10, atol=1e-10)
+E, H, F, K = 16, 8, 6, 2  # H != 2F: a transposed fused gate_up is recognisable
+
+
+def config(R: int, S: int = 32) -> MoEConfig:
+    return MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, ep_size=R,
+                     max_tokens_per_rank=S, token_padding=4, dtype="float64",
+                     router={"dtype": "float64"}, grouped_gemm="reference")
+
+
+def full_checkpoint(seed: int, router_skew: float = 0.0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    router = torch.randn(E, H, generator=gen, dtype=F64)
+    router[:2] += router_skew  # tokens near +1 along every axis prefer experts 0 and 1
+    return {"router.weight": router,
+            "experts.gate_up_proj": torch.randn(E, 2 * F, H, generator=gen, dtype=F64),
+            "experts.down_proj": torch.randn(E, H, F, generator=gen, dtype=F64)}
+
+
+def per_expert(state: dict[str, torch.Tensor], names=("gate_proj", "up_proj", "down_proj")):
+    """The fused checkpoint rewritten as per-expert entries under `names`."""
+    gate, up, down = names
+    out = {"router.weight": state["router.weight"]}
+    for e in range(E):
+        out[f"experts.{e}.{gate}.weight"] = state["experts.gate_up_proj"][e, :F]
+        out[f"experts.{e}.{up}.weight"] = state["experts.gate_up_proj"][e, F:]
+        out[f"experts.{e}.{down}.weight"] = state["experts.down_proj"][e]
+    return out
+
+
+def forward_all(R: int, state: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """Load `state` on an R-rank group, split `tokens` over the ranks, return all outputs in order."""
+    chunks = tokens.chunk(R)
+
+    def rank_fn(world):
+        layer = MoonEPMoELayer(config(R, S=len(chunks[0])), world)
+        layer.load_state_dict(state)
+        return layer(chunks[world.rank]).detach()
+
+    return torch.cat(run_ranks(rank_fn, R))
+
+
+def test_state_dict_holds_home_experts_by_global_id_and_no_slots():
+    def rank_fn(world):
+        layer = MoonEPMoELayer(config(4), world)
+        return layer.state_dict(), [name for name, _ in layer.named_parameters()]
+
+    for rank, (state, params) in enumerate(run_ranks(rank_fn, 4)):
+        experts = sorted({int(k.split(".")[1]) for k in state if k.startswith("experts.")})
+        assert experts == list(range(rank * 4, rank * 4 + 4))
+        assert state[f"experts.{rank * 4}.gate_proj.weight"].shape == (F, H)
+        assert state[f"experts.{rank * 4}.down_proj.weight"].shape == (H, F)
+        assert not any("slot" in k or "pool" in k for k in list(state) + params)
+        assert sorted(params) == ["experts.down", "experts.gate_up", "router.weight"]
+
+
+def test_checkpoint_saved_at_ep4_loads_at_ep1_and_ep2_with_identical_outputs():
+    source = full_checkpoint(seed=0, router_skew=2.0)
+
+    def save_rank(world):
+        layer = MoonEPMoELayer(config(4), world)
+        layer.load_state_dict(source)
+        return layer.state_dict()
+
+    merged = {}
+    for shard in run_ranks(save_rank, 4):
+        merged.update(shard)
+    tokens = torch.randn(32, H, generator=torch.Generator().manual_seed(1), dtype=F64) + 0.5
+    out4 = forward_all(4, merged, tokens)
+    torch.testing.assert_close(forward_all(1, merged, tokens), out4, **TOL)
+    torch.testing.assert_close(forward_all(2, merged, tokens), out4, **TOL)
+
+
+@pytest.mark.parametrize("layout", ["fused", "fused_transposed", "w13", "per_expert", "mixtral"])
+def test_checkpoint_layouts_load_to_the_same_model(layout):
+    fused = full_checkpoint(seed=2)
+    state = {
+        "fused": fused,
+        "fused_transposed": {**fused, "experts.gate_up_proj": fused["experts.gate_up_proj"].transpose(1, 2)},
+        "w13": {"router.weight": fused["router.weight"], "experts.w13": fused["experts.gate_up_proj"],
+                "experts.w2": fused["experts.down_proj"]},
+        "per_expert": per_expert(fused),
+        "mixtral": per_expert(fused, ("w1", "w3", "w2")),
+    }[layout]
+    tokens = torch.randn(16, H, generator=torch.Generator().manual_seed(3), dtype=F64)
+    torch.testing.assert_close(forward_all(2, state, tokens), forward_all(2, fused, tokens), **TOL)
+
+
+def test_missing_and_misshapen_experts_are_reported():
+    layer = MoonEPMoELayer(config(1))
+    state = per_expert(full_checkpoint(seed=4))
+    del state["experts.3.up_proj.weight"]
+    result = layer.load_state_dict(state, strict=False)
+    assert result.missing_keys == ["experts.3.up_proj.weight"]
+    state["experts.3.up_proj.weight"] = torch.zeros(F + 1, H, dtype=F64)
+    with pytest.raises(RuntimeError, match=r"experts.3.up_proj.weight: expected \[6, 8\]"):
+        layer.load_state_dict(state)
+
+
+def test_layers_of_one_shape_share_one_slot_pool_that_optimizers_never_see():
+    def rank_fn(world):
+        first, second = MoonEPMoELayer(config(2), world), MoonEPMoELayer(config(2), world)
+        optimizer = torch.optim.SGD(list(first.parameters()) + list(second.parameters()), lr=0.1)
+        pooled = [rows.slots.local for rows in first.experts.rows + first.experts.grads]
+        optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        return ([a is b.slots.local for a, b in zip(pooled, second.experts.rows + second.experts.grads,
+                                                    strict=True)],
+                any(id(t) in optimized for t in pooled), pooled[0].shape)
+
+    for shared, seen, shape in run_ranks(rank_fn, 2):
+        assert all(shared) and not seen
+        assert shape == (E // 2, 2 * F, H)  # B = epn experts per projection, not per layer
+
+
+def test_stacked_layers_reprefetch_in_backward():
+    """Two layers sharing the slot pool under skewed routing: the second layer's forward overwrites the
+    slots the first layer used, so the first layer's backward must prefetch again to be correct."""
+    R, S = 4, 16
+    cfg = config(R, S)
+    states = [full_checkpoint(seed=10, router_skew=3.0), full_checkpoint(seed=11, router_skew=-3.0)]
+    gen = torch.Generator().manual_seed(12)
+    tokens = [torch.randn(S, H, generator=gen, dtype=F64) + 1 for _ in range(R)]
+    grads = [torch.randn(S, H, generator=gen, dtype=F64) for _ in range(R)]
+
+    def rank_fn(world):
+        layers = [MoonEPMoELayer(cfg, world) for _ in states]
+        for layer, state in zip(layers, states, strict=True):
+            layer.load_state_dict(state)
+        x = tokens[world.rank].clone().requires_grad_()
+        out = layers[1](layers[0](x))
+        out.backward(grads[world.rank])
+        used = [int(layer.balance_stats()["slots_used"].sum()) for layer in layers]
+        return out.detach(), x.grad, layers[0].experts.down.grad, used
+
+    results = run_ranks(rank_fn, R)
+    assert all(u > 0 for u in results[0][3]), "both layers must use replicas for this test to mean anything"
+    down_grad_0 = torch.zeros(E, H, F, dtype=F64)
+    for rank in range(R):
+        mid = dense_step(cfg, {"weight": states[0]["router.weight"]}, states[0]["experts.gate_up_proj"],
+                         states[0]["experts.down_proj"], tokens[rank], torch.zeros(S, H, dtype=F64))["out"]
+        top = dense_step(cfg, {"weight": states[1]["router.weight"]}, states[1]["experts.gate_up_proj"],
+                         states[1]["experts.down_proj"], mid, grads[rank])
+        bottom = dense_step(cfg, {"weight": states[0]["router.weight"]}, states[0]["experts.gate_up_proj"],
+                            states[0]["experts.down_proj"], tokens[rank], top["grad_x"])
+        torch.testing.assert_close(results[rank][0], top["out"], **TOL)
+        torch.testing.assert_close(results[rank][1], bottom["grad_x"], **TOL)
+        down_grad_0 += bottom["grad_down"]
+    torch.testing.assert_close(torch.cat([r[2] for r in results]), down_grad_0, **TOL)
