@@ -62,9 +62,11 @@ def make_problem(cfg: MoEConfig, seed: int, skew: float = 0.0, tokens: int | Non
                    randn(E, H), bias_e.float(), randn(E, 2 * F, H) / H**0.5, randn(E, H, F) / F**0.5)
 
 
-def run_moonep(p: Problem) -> list[dict[str, torch.Tensor]]:
+def run_moonep(p: Problem, device: str = "cpu") -> list[dict[str, torch.Tensor]]:
+    """One forward + backward on `cfg.ep_size` thread-ranks on `device`; results on the CPU in float64."""
     cfg = p.cfg
     epn = cfg.num_experts // cfg.ep_size
+    dtype = cfg.torch_dtype
 
     def rank_fn(world):
         layer = MoonEPMoELayer(cfg, world)
@@ -74,15 +76,17 @@ def run_moonep(p: Problem) -> list[dict[str, torch.Tensor]]:
             layer.router.expert_bias.copy_(p.expert_bias_e)
             layer.experts.gate_up.copy_(p.gate_up_e2fh[home])
             layer.experts.down.copy_(p.down_ehf[home])
-        x = p.hidden[world.rank].clone().requires_grad_()
-        out = layer(x, p.masks[world.rank])
-        out.backward(p.grad_out[world.rank])
+        x = p.hidden[world.rank].to(device, dtype).requires_grad_()
+        mask = p.masks[world.rank]
+        out = layer(x, None if mask is None else mask.to(device))
+        out.backward(p.grad_out[world.rank].to(device, dtype))
         stats = {k: v.clone() for k, v in layer.balance_stats().items()}
         layer.destroy()
-        return dict(out=out.detach(), grad_x=x.grad, grad_router=layer.router.weight.grad,
-                    grad_gate_up=layer.experts.gate_up.grad, grad_down=layer.experts.down.grad, **stats)
+        result = dict(out=out.detach(), grad_x=x.grad, grad_router=layer.router.weight.grad,
+                      grad_gate_up=layer.experts.gate_up.grad, grad_down=layer.experts.down.grad, **stats)
+        return {k: v.cpu().double() if v.is_floating_point() else v.cpu() for k, v in result.items()}
 
-    return run_ranks(rank_fn, cfg.ep_size)
+    return run_ranks(rank_fn, cfg.ep_size, device=device)
 
 
 def run_dense(p: Problem) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor, torch.Tensor, float]:
@@ -96,17 +100,18 @@ def run_dense(p: Problem) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor, 
     return (results, sum(r["grad_gate_up"] for r in results), sum(r["grad_down"] for r in results), maxvio)
 
 
-def assert_matches_dense(p: Problem) -> tuple[list[dict[str, torch.Tensor]], float]:
-    got = run_moonep(p)
+def assert_matches_dense(p: Problem, device: str = "cpu") -> tuple[list[dict[str, torch.Tensor]], float]:
+    got = run_moonep(p, device)
     want, grad_gate_up, grad_down, maxvio = run_dense(p)
+    tol = TOL
     epn = p.cfg.num_experts // p.cfg.ep_size
     for rank, (g, w) in enumerate(zip(got, want, strict=True)):
         for name in ("out", "grad_x", "grad_router"):
-            torch.testing.assert_close(g[name], w[name], **TOL,
+            torch.testing.assert_close(g[name], w[name], **tol,
                                        msg=lambda m, n=name, r=rank: f"{n} on rank {r}: {m}")
         home = slice(rank * epn, (rank + 1) * epn)
-        torch.testing.assert_close(g["grad_gate_up"], grad_gate_up[home], **TOL)
-        torch.testing.assert_close(g["grad_down"], grad_down[home], **TOL)
+        torch.testing.assert_close(g["grad_gate_up"], grad_gate_up[home], **tol)
+        torch.testing.assert_close(g["grad_down"], grad_down[home], **tol)
     return got, maxvio
 
 
@@ -137,6 +142,33 @@ def test_invalid_routes_and_fewer_tokens_than_capacity(R):
     for g, mask in zip(got, p.masks, strict=True):
         assert torch.all(g["out"][~mask] == 0)
     assert int(got[0]["rank_load"].sum()) == R * (cfg.max_tokens_per_rank - 13 - 7) * cfg.top_k
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("R", [1, 4])
+def test_cuda_threads_world_matches_dense_in_float64(R):
+    """The unchanged layer on one GPU, R thread-ranks on their own streams, exact in float64."""
+    assert_matches_dense(make_problem(make_config(R), seed=30 + R, skew=100.0), device="cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_cuda_bf16_matches_dense_within_bf16_tolerance(backend):
+    """bf16 activations and experts (torch._grouped_mm's sm90 path), float32 router, 4 thread-ranks,
+    skewed routing: within bf16 tolerance of the float64 reference."""
+    cfg = make_config(4, hidden_size=64, ffn_hidden_size=32, dtype="bfloat16", grouped_gemm=backend,
+                      router={"dtype": "float32", "expert_bias": True})
+    p = make_problem(cfg, seed=40, skew=100.0)
+    bf16 = [t.bfloat16().double() for t in p.hidden + [p.gate_up_e2fh, p.down_ehf]]  # what the layer sees
+    p.hidden, p.gate_up_e2fh, p.down_ehf = bf16[:-2], bf16[-2], bf16[-1]
+    got, want = run_moonep(p, "cuda"), run_dense(p)[0]
+    for g, w in zip(got, want, strict=True):
+        for name in ("out", "grad_x"):
+            error = float((g[name] - w[name]).norm() / w[name].norm())
+            assert error < 2e-2, f"{name}: relative error {error:.1e}"
 
 
 def test_batched_input_shape_and_shared_experts():

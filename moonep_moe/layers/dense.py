@@ -59,7 +59,7 @@ def dense_step(config: MoEConfig, router_state: Mapping[str, Tensor], gate_up_e2
         (the expert gradients of these tokens only), in the dtype of `hidden_th`.
     """
     router = TopKRouter(config.router, config.hidden_size, config.num_experts, config.top_k)
-    router.load_state_dict(router_state)
+    router.to(hidden_th.device).load_state_dict(router_state)
     gate_up = gate_up_e2fh.detach().clone().requires_grad_()
     down = down_ehf.detach().clone().requires_grad_()
     x_th = hidden_th.detach().clone().requires_grad_()
