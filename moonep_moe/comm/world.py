@@ -86,7 +86,10 @@ class ThreadGroup:
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         self.size = size
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # tensors report their index
+        self.device = device
         self.uid = next(ThreadGroup._ids)
         self._barrier = threading.Barrier(size, timeout=BARRIER_TIMEOUT_S)
         self._lock = threading.Lock()
@@ -109,6 +112,8 @@ class ThreadsWorld:
     group: ThreadGroup
     rank: int
     globals: dict[Any, Any] = field(default_factory=dict)
+    thread: int | None = None
+    """Ident of the thread running this rank (set by `run_ranks`)."""
 
     @property
     def size(self) -> int:
@@ -119,6 +124,14 @@ class ThreadsWorld:
         return self.group.device
 
     def barrier(self) -> None:
+        if self.size > 1 and self.thread is not None and threading.get_ident() != self.thread:
+            # PyTorch runs the autograd backward of CUDA tensors on one worker thread per device, shared by
+            # every thread-rank: a rank waiting here would block the others' backward forever.
+            raise RuntimeError(
+                f"rank {self.rank} of a {self.size}-rank threads world reached a barrier outside its own "
+                "thread (CUDA autograd backward runs on a shared device thread). On one GPU, the threads "
+                "world supports forward and direct Buffer calls with several ranks; train with several "
+                "ranks through a process world, or with one rank.")
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.group._barrier.wait()
@@ -177,6 +190,7 @@ def run_ranks(fn: Callable[[ThreadsWorld], T], size: int, device: torch.device |
     errors: list[tuple[int, BaseException]] = []
 
     def body(rank: int) -> None:
+        group.worlds[rank].thread = threading.get_ident()
         try:
             if group.device.type == "cuda":
                 with torch.cuda.device(group.device), torch.cuda.stream(torch.cuda.Stream(group.device)):

@@ -1,0 +1,439 @@
+"""The Buffer on the threads world in float64: dispatch, combine, prefetch_weight, reduce_grad, bad input.
+
+Rows hold small integers and route weights multiples of 1/8, so every sum below is exact and is compared
+with `torch.equal` against a hand computation from the inputs (never against a recorded output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moonep_moe.comm.buffer import Buffer
+from moonep_moe.comm.plan import decode_dst
+from moonep_moe.comm.world import ThreadGroup, run_ranks, single_world
+from moonep_moe.weights.pool import ExpertRows, slot_grad_pool, slot_pool
+
+F64 = torch.float64
+
+
+@dataclass(frozen=True)
+class Case:
+    """One EP group: R ranks, capacity S, H hidden, K top-k, E experts, tp padding, `tokens[r]` tokens on
+    rank r, routing `kind` ("uniform" or "skewed": every route to rank 0's experts), a share of -1 routes."""
+
+    R: int = 2
+    S: int = 16
+    H: int = 8
+    K: int = 3
+    E: int = 8
+    tp: int = 4
+    kind: str = "uniform"
+    invalid: float = 0.2
+    seed: int = 0
+    tokens: tuple[int, ...] | None = None
+
+    @property
+    def epn(self) -> int:
+        return self.E // self.R
+
+    def num_tokens(self, rank: int) -> int:
+        return self.S if self.tokens is None else self.tokens[rank]
+
+    def buffer(self, world, **kwargs) -> Buffer:
+        return Buffer(self.S, self.H, self.K, self.E, self.R, token_padding=self.tp, world=world, dtype=F64,
+                      **kwargs)
+
+    def inputs(self, rank: int, dtype: torch.dtype = torch.int32) -> dict[str, torch.Tensor]:
+        """hidden `[s, H]`, weights `[s, K]`, topk `[s, K]` (distinct experts per token), histogram `[E]`."""
+        s = self.num_tokens(rank)
+        gen = torch.Generator().manual_seed(1000 * self.seed + rank)
+        p_e = torch.ones(self.E, dtype=F64)
+        if self.kind == "skewed":
+            p_e[self.epn:] = 0
+        topk = torch.empty(0, self.K, dtype=torch.long)
+        if s:
+            topk = torch.multinomial(p_e.expand(s, self.E), self.K, generator=gen)
+        topk[torch.rand(s, self.K, generator=gen) < self.invalid] = -1
+        topk[torch.rand(s, generator=gen) < self.invalid / 2] = -1  # whole padding tokens
+        return dict(hidden=torch.randint(-8, 9, (s, self.H), generator=gen).to(F64),
+                    weights=torch.randint(1, 17, (s, self.K), generator=gen).to(F64) / 8,
+                    topk=topk.to(dtype),
+                    tpe=torch.bincount(topk[topk >= 0], minlength=self.E).to(dtype))
+
+
+def dispatch(buf: Buffer, x: dict[str, torch.Tensor], **kwargs):
+    return buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"], **kwargs)
+
+
+def valid_sk(x: dict[str, torch.Tensor]) -> torch.Tensor:
+    return (x["topk"] >= 0).to(F64)
+
+
+def assert_layout(case: Case, results: list[dict], rows_key: str, source_key: str, weights: bool) -> None:
+    """Pull with the plan: each valid route's row on its destination holds its token's source row (duplicates
+    expanded) and its weight; padding rows are zero."""
+    for res in results:
+        plan = res["plan"]
+        dest_n, row_n, _, valid_n = decode_dst(plan.dst, plan.NvS)
+        for n in torch.nonzero(valid_n).squeeze(1).tolist():
+            t, k = divmod(n, case.K)
+            there = results[int(dest_n[n])]
+            assert torch.equal(there[rows_key][row_n[n]], res["x"][source_key][t]), (res["rank"], t, k)
+            if weights:
+                assert there["weights_nvs"][row_n[n]] == res["x"]["weights"][t, k]
+    for res in results:
+        for first, count in res["plan"].zero_fill_ranges.tolist():
+            assert not res[rows_key][first:first + count].any()
+            if weights:
+                assert not res["weights_nvs"][first:first + count].any()
+
+
+def roundtrip(case: Case, topk_dtype: torch.dtype = torch.int32) -> list[dict]:
+    """Every rank: dispatch, then identity and row-scaling "experts" combined, route weights brought back,
+    and the backward dispatch of a gradient through the same plan."""
+
+    def fn(world):
+        buf = case.buffer(world)
+        x = case.inputs(world.rank, topk_dtype)
+        rows, weights_nvs, cu_seqlens, plan = dispatch(buf, x)
+        out = dict(rank=world.rank, x=x, plan=plan.clone(), rows=rows, weights_nvs=weights_nvs, cu=cu_seqlens)
+        out["scaled"], _, _ = buf.combine(plan, rows * weights_nvs[:, None])
+        tags = world.rank * 10_000 + torch.arange(buf.NvS, dtype=F64)  # also left in the padding weights
+        _, out["tags_sk"], _ = buf.combine(plan, rows, tags)
+        garbage = rows.clone()  # left in the buffer where no route reads: padding and the unused tail
+        for first, count in plan.zero_fill_ranges.tolist():
+            garbage[first:first + count] = 99.0
+        garbage[int(cu_seqlens[-1]):] = 99.0
+        out["identity"], none, _ = buf.combine(plan, garbage)
+        assert none is None
+        x["grad"] = torch.randint(-8, 9, x["hidden"].shape, dtype=torch.int64).to(F64)
+        out["grad_rows"], out["grad_w"], out["grad_cu"], same = buf.dispatch(x["grad"], None, None, None,
+                                                                             plan=plan)
+        assert same is plan
+        out["again"] = dispatch(buf, x)  # over the garbage left by the combines: padding is zero again
+        return out
+
+    return run_ranks(fn, case.R)
+
+
+def assert_roundtrip(case: Case, results: list[dict]) -> None:
+    loads = results[0]["plan"].rank_load.tolist()
+    total = sum(int((r["x"]["topk"] >= 0).sum()) for r in results)
+    assert sum(loads) == total and max(loads) - min(loads) <= 1, "balanced with B = E/R"
+    for res in results:
+        x, valid = res["x"], valid_sk(res["x"])
+        assert torch.equal(res["identity"], valid.sum(1, keepdim=True) * x["hidden"])
+        assert torch.equal(res["scaled"], (x["weights"] * valid).sum(1, keepdim=True) * x["hidden"])
+        dest_n, row_n, _, valid_n = decode_dst(res["plan"].dst, res["plan"].NvS)
+        tags_n = torch.where(valid_n, dest_n * 10_000 + row_n, 0).to(F64)
+        assert torch.equal(res["tags_sk"], tags_n.view(-1, case.K))
+        assert res["grad_w"] is None and res["grad_cu"] is None
+        B = case.epn if case.R > 1 else 0
+        assert res["cu"].dtype == torch.int32 and res["cu"].shape == (case.E + B,)
+    assert_layout(case, results, "rows", "hidden", weights=True)
+    assert_layout(case, results, "grad_rows", "grad", weights=False)
+    again = [dict(res, rows=res["again"][0], weights_nvs=res["again"][1]) for res in results]
+    assert_layout(case, again, "rows", "hidden", weights=True)
+
+
+# -- dispatch / combine ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["uniform", "skewed"])
+def test_roundtrip_exact(R, kind):
+    case = Case(R=R, S=32, H=12, K=3, E=12 if R != 4 else 16, tp=4 if R < 4 else 8, kind=kind, seed=R)
+    assert_roundtrip(case, roundtrip(case))
+
+
+@settings(max_examples=12, deadline=None)
+@given(R=st.sampled_from([1, 2, 4]), S=st.integers(16, 32), H=st.integers(8, 16), K=st.integers(2, 4),
+       epn=st.integers(2, 4), tp=st.sampled_from([4, 8]), kind=st.sampled_from(["uniform", "skewed"]),
+       invalid=st.sampled_from([0.0, 0.3]), seed=st.integers(0, 10**6), dtype=st.sampled_from([torch.int32,
+                                                                                               torch.int64]))
+def test_roundtrip_property(R, S, H, K, epn, tp, kind, invalid, seed, dtype):
+    E = max(R * epn, 8)
+    K = min(K, E // R) if kind == "skewed" else K
+    case = Case(R=R, S=S, H=H, K=K, E=E, tp=tp, kind=kind, invalid=invalid, seed=seed)
+    assert_roundtrip(case, roundtrip(case, dtype))
+
+
+def test_skewed_routing_is_balanced_and_exact():
+    """Every route of every rank goes to rank 0's experts; B = E/R replicas spread them exactly."""
+    case = Case(R=4, S=32, H=8, K=4, E=16, tp=8, kind="skewed", invalid=0.0)
+    results = roundtrip(case)
+    plan = results[0]["plan"]
+    assert plan.home_load.tolist() == [4 * 32 * 4, 0, 0, 0]
+    assert plan.rank_load.tolist() == [32 * 4] * 4
+    assert_roundtrip(case, results)
+
+
+def test_fewer_tokens_than_capacity():
+    case = Case(R=4, S=24, H=8, K=2, E=8, tp=4, tokens=(5, 24, 0, 1), seed=3)
+    results = roundtrip(case)
+    assert [r["identity"].shape[0] for r in results] == [5, 24, 0, 1]
+    assert_roundtrip(case, results)
+
+
+def test_duplicates_are_expanded():
+    """R = 2, E = 8, K = 4: token 0 sends all four routes to rank 0 (one payload row, three duplicates)."""
+    case = Case(R=2, S=16, H=8, K=4, E=8, tp=4, invalid=0.0)
+
+    def fn(world):
+        buf = case.buffer(world)
+        x = case.inputs(world.rank)
+        x["topk"][0] = torch.tensor([3, 1, 0, 2], dtype=torch.int32)
+        x["tpe"] = torch.bincount(x["topk"][x["topk"] >= 0].long(), minlength=case.E).int()
+        rows, weights_nvs, _, plan = dispatch(buf, x)
+        identity, _, _ = buf.combine(plan, rows)
+        return dict(rank=world.rank, x=x, plan=plan, rows=rows, weights_nvs=weights_nvs, identity=identity)
+
+    results = run_ranks(fn, case.R)
+    for res in results:
+        dst = res["plan"].dst[: case.K]
+        assert int(dst[0]) >= 0 and bool((dst[1:] < 0).all()), "one primary, three duplicates"
+        assert torch.equal(res["identity"], valid_sk(res["x"]).sum(1, keepdim=True) * res["x"]["hidden"])
+    assert_layout(case, results, "rows", "hidden", weights=True)
+
+
+def test_zero_copy_views():
+    case = Case(R=2, S=16, H=8, K=2, E=8, tp=4)
+
+    def fn(world):
+        buf = case.buffer(world)
+        x = case.inputs(world.rank)
+        rows, weights_nvs, _, plan = dispatch(buf, x, zero_copy=True, router_weights_zero_copy=True)
+        assert rows.data_ptr() == buf.hidden_nvsh_buffer_view().data_ptr()
+        assert weights_nvs.data_ptr() == buf.router_weight_buffer_view().data_ptr()
+        with pytest.raises(ValueError, match="hidden_nvsh"):
+            buf.combine(plan, rows.clone(), zero_copy=True)
+        rows.mul_(weights_nvs[:, None])  # the "expert" writes its output in place
+        out, _, _ = buf.combine(plan, buf.hidden_nvsh_buffer_view(), zero_copy=True)
+        copied, _, _, _ = dispatch(buf, x)
+        assert copied.data_ptr() != buf.hidden_nvsh_buffer_view().data_ptr()
+        return x, out
+
+    for x, out in run_ranks(fn, case.R):
+        assert torch.equal(out, (x["weights"] * valid_sk(x)).sum(1, keepdim=True) * x["hidden"])
+
+
+# -- weights -----------------------------------------------------------------------------------------------
+
+GATE_NK, DOWN_NK = (6, 4), (4, 6)
+
+
+def full_weights(case: Case, shape_nk: tuple[int, int], seed: int) -> torch.Tensor:
+    """`[E, N, K]` the group's experts, identical on every rank; integer-valued."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-50, 51, (case.E, *shape_nk), generator=gen).to(F64)
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_prefetch_weight_fills_slots(R):
+    case = Case(R=R, S=16, H=8, K=2, E=8, tp=4, kind="skewed", invalid=0.0)
+
+    def fn(world):
+        buf = case.buffer(world)
+        _, _, _, plan = dispatch(buf, case.inputs(world.rank))
+        gate_e, down_e = full_weights(case, GATE_NK, 1), full_weights(case, DOWN_NK, 2)
+        epn, r, B = case.epn, world.rank, buf.B
+        # replicated form [E+B, N, K]: rows E.. are the slots
+        replicated = [torch.cat([w, torch.zeros(B, *w.shape[1:], dtype=F64)]) for w in (gate_e, down_e)]
+        buf.prefetch_weight(plan, replicated[0], None, replicated[1])
+        # ExpertRows: home experts from the symmetric home tensors, slots from the process-global pool
+        rows = [ExpertRows(world.symmetric(f"test/home/{name}", w[r * epn:(r + 1) * epn].clone()),
+                           slot_pool(world, (B, *w.shape[1:]), F64))
+                for name, w in (("gate", gate_e), ("down", down_e))]
+        buf.prefetch_weight(plan, rows[0], None, rows[1])
+        return plan.experts_to_copy[r].tolist(), (gate_e, down_e), replicated, [x.slots.local for x in rows]
+
+    results = run_ranks(fn, R)
+    if R > 1:
+        assert any(e >= 0 for slots, *_ in results for e in slots), "skewed routing needs replicas"
+    for slots, full, replicated, pools in results:
+        assert len(slots) == (case.epn if R > 1 else 0)
+        for w_e, rep, pool in zip(full, replicated, pools, strict=True):
+            assert torch.equal(rep[: case.E], w_e)
+            for j, expert in enumerate(slots):
+                if expert >= 0:
+                    assert torch.equal(rep[case.E + j], w_e[expert]) and torch.equal(pool[j], w_e[expert])
+                else:
+                    assert not rep[case.E + j].any()
+
+
+@pytest.mark.parametrize("form", ["replicated", "expert_rows"])
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_reduce_grad_sums_replicas_into_home(R, form):
+    case = Case(R=R, S=16, H=8, K=2, E=8, tp=4, kind="skewed", invalid=0.0)
+
+    def fn(world):
+        buf = case.buffer(world)
+        _, _, _, plan = dispatch(buf, case.inputs(world.rank))
+        r, B, epn = world.rank, buf.B, case.epn
+        gen = torch.Generator().manual_seed(7 + r)
+        used = torch.tensor([e >= 0 for e in plan.experts_to_copy[r].tolist()], dtype=torch.bool)
+        grads = []
+        for name, shape in (("gate", GATE_NK), ("down", DOWN_NK)):
+            home = torch.randint(-50, 51, (epn, *shape), generator=gen).to(F64)
+            slots = torch.randint(-50, 51, (B, *shape), generator=gen).to(F64) * used[:, None, None]
+            if form == "replicated":
+                full = torch.randint(-50, 51, (case.E + B, *shape), generator=gen).to(F64)
+                full[r * epn:(r + 1) * epn], full[case.E:] = home, slots
+                staging = world.symmetric(f"test/stage/{name}", torch.zeros(B, *shape, dtype=F64))
+                grads.append((full, staging, (home.clone(), slots.clone(), full.clone())))
+            else:
+                home_t = world.symmetric(f"test/grad/{name}", home.clone())
+                pool = slot_grad_pool(world, (B, *shape), F64)
+                pool.local.copy_(slots)
+                grads.append((ExpertRows(home_t, pool), None, (home.clone(), slots.clone(), None)))
+        (gate, gate_stage, gate_before), (down, down_stage, down_before) = grads
+        buf.reduce_grad(plan, gate, None, down, gate_reduce_buffer=gate_stage, down_reduce_buffer=down_stage)
+        after = [(g.home.local, g.slots.local) if form == "expert_rows"
+                 else (g[r * epn:(r + 1) * epn], g[case.E:]) for g in (gate, down)]
+        untouched = [g if form == "replicated" else None for g in (gate, down)]
+        return plan.experts_to_copy, [gate_before, down_before], after, untouched, used
+
+    results = run_ranks(fn, R)
+    table = results[0][0].tolist()
+    for p in range(2):  # projections
+        for r, (_, before, after, untouched, used) in enumerate(results):
+            home_before, _, full_before = before[p]
+            home_after, slots_after = after[p]
+            expected = home_before.clone()
+            for d, experts in enumerate(table):
+                for j, expert in enumerate(experts):
+                    if expert >= 0 and expert // case.epn == r:
+                        expected[expert % case.epn] += results[d][1][p][1][j]
+            assert torch.equal(home_after, expected)
+            assert not slots_after[used].any(), "used slots are cleared"
+            if full_before is not None:  # the replicated form leaves the non-home expert rows alone
+                others = torch.ones(case.E, dtype=torch.bool)
+                others[r * case.epn:(r + 1) * case.epn] = False
+                assert torch.equal(untouched[p][: case.E][others], full_before[: case.E][others])
+    if R > 1:
+        assert any(e >= 0 for row in table for e in row), "skewed routing needs replicas"
+
+
+# -- bad input ---------------------------------------------------------------------------------------------
+
+ONE = Case(R=1, S=16, H=8, K=2, E=8, tp=4, invalid=0.0)
+
+
+@pytest.fixture
+def one():
+    buf = ONE.buffer(single_world())
+    yield buf, ONE.inputs(0)
+    buf.destroy()
+
+
+def test_error_hidden_dtype(one):
+    buf, x = one
+    with pytest.raises(ValueError, match="hidden_sh.*dtype"):
+        buf.dispatch(x["hidden"].float(), x["weights"], x["topk"], x["tpe"])
+
+
+def test_error_route_weights_shape(one):
+    buf, x = one
+    with pytest.raises(ValueError, match="route_weights_sk.*shape"):
+        buf.dispatch(x["hidden"], x["weights"][:, :1], x["topk"], x["tpe"])
+
+
+@pytest.mark.parametrize("bad", [ONE.E, ONE.E + 5, -2])
+def test_error_expert_ids(one, bad):
+    buf, x = one
+    x["topk"][3, 1] = bad
+    with pytest.raises(ValueError, match=f"topk_experts_sk.*{bad}"):
+        buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"])
+
+
+def test_error_more_tokens_than_capacity(one):
+    buf, _ = one
+    x = Case(R=1, S=17, H=8, K=2, E=8).inputs(0)
+    with pytest.raises(ValueError, match="hidden_sh.*S=16"):
+        buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"])
+
+
+def test_error_experts_not_divisible_by_ranks():
+    with pytest.raises(ValueError, match="E=6.*num_ep_ranks=4"):
+        Buffer(16, 8, 2, 6, 4, world=ThreadGroup(4).worlds[0], dtype=F64)
+
+
+def test_error_too_many_slots():
+    with pytest.raises(ValueError, match="B=5"):
+        Buffer(16, 8, 2, 8, 2, B=5, world=ThreadGroup(2).worlds[0], dtype=F64)
+
+
+def test_error_world_size_mismatch():
+    with pytest.raises(ValueError, match="num_ep_ranks=2"):
+        Buffer(16, 8, 2, 8, 2, world=single_world(), dtype=F64)
+
+
+def test_error_plan_from_another_buffer(one):
+    buf, x = one
+    other = ONE.buffer(buf.world)
+    rows, _, _, plan = dispatch(other, x)
+    with pytest.raises(ValueError, match="plan"):
+        buf.combine(plan, rows)
+    with pytest.raises(ValueError, match="plan"):
+        buf.dispatch(x["hidden"], None, None, None, plan=plan)
+
+
+def test_error_combine_zero_copy_foreign_tensor(one):
+    buf, x = one
+    rows, _, _, plan = dispatch(buf, x)
+    with pytest.raises(ValueError, match="hidden_nvsh"):
+        buf.combine(plan, rows, zero_copy=True)
+
+
+def test_use_after_destroy(one):
+    buf, x = one
+    _, _, _, plan = dispatch(buf, x)
+    keys = list(buf.world.group._registry)
+    assert keys
+    buf.destroy()
+    buf.destroy()
+    assert buf.destroyed
+    assert not any(k in buf.world.group._registry for k in keys)
+    for call in (lambda: dispatch(buf, x), lambda: buf.combine(plan, torch.zeros(buf.NvS, buf.H, dtype=F64)),
+                 buf.hidden_nvsh_buffer_view, buf.router_weight_buffer_view):
+        with pytest.raises(RuntimeError, match="destroyed"):
+            call()
+
+
+def test_failed_call_leaves_buffer_usable():
+    """Every rank passes a bad expert id, sees the error and then runs a correct step on the same Buffer;
+    then rank 0 alone fails mid-group, and the same Buffers still run a correct step afterwards."""
+    case = Case(R=2, S=16, H=8, K=2, E=8, tp=4)
+    group = ThreadGroup(case.R)
+
+    def exact_step(buf, world):
+        x = case.inputs(world.rank)
+        rows, _, _, plan = dispatch(buf, x)
+        out, _, _ = buf.combine(plan, rows)
+        assert torch.equal(out, valid_sk(x).sum(1, keepdim=True) * x["hidden"])
+
+    def first(world):
+        buf = case.buffer(world)
+        x = case.inputs(world.rank)
+        x["topk"][0, 0] = case.E
+        with pytest.raises(ValueError, match="topk_experts_sk"):
+            dispatch(buf, x)
+        exact_step(buf, world)
+        return buf
+
+    buffers = run_ranks(first, case.R, group=group)
+
+    def rank0_fails(world):
+        x = case.inputs(world.rank)
+        if world.rank == 0:
+            x["topk"][0, 0] = -3
+        dispatch(buffers[world.rank], x)
+
+    with pytest.raises(ValueError, match="topk_experts_sk"):
+        run_ranks(rank0_fails, case.R, group=group)
+    run_ranks(lambda world: exact_step(buffers[world.rank], world), case.R, group=group)
