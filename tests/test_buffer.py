@@ -343,6 +343,12 @@ def test_error_route_weights_shape(one):
         buf.dispatch(x["hidden"], x["weights"][:, :1], x["topk"], x["tpe"])
 
 
+def test_error_device(one):
+    buf, x = one
+    with pytest.raises(ValueError, match="tokens_per_expert must be on cpu"):
+        buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"].to("meta"))
+
+
 @pytest.mark.parametrize("bad", [ONE.E, ONE.E + 5, -2])
 def test_error_expert_ids(one, bad):
     buf, x = one

@@ -62,20 +62,26 @@ def make_problem(cfg: MoEConfig, seed: int, skew: float = 0.0, tokens: int | Non
                    randn(E, H), bias_e.float(), randn(E, 2 * F, H) / H**0.5, randn(E, H, F) / F**0.5)
 
 
+def build_layer(p: Problem, world) -> MoonEPMoELayer:
+    """This rank's layer holding the problem's router and its home experts."""
+    epn = p.cfg.num_experts // p.cfg.ep_size
+    home = slice(world.rank * epn, (world.rank + 1) * epn)
+    layer = MoonEPMoELayer(p.cfg, world)
+    with torch.no_grad():
+        layer.router.weight.copy_(p.router_weight_eh)
+        layer.router.expert_bias.copy_(p.expert_bias_e)
+        layer.experts.gate_up.copy_(p.gate_up_e2fh[home])
+        layer.experts.down.copy_(p.down_ehf[home])
+    return layer
+
+
 def run_moonep(p: Problem, device: str = "cpu", backward: bool = True) -> list[dict[str, torch.Tensor]]:
     """One forward (+ backward) on `cfg.ep_size` thread-ranks on `device`; results on the CPU in float64."""
     cfg = p.cfg
-    epn = cfg.num_experts // cfg.ep_size
     dtype = cfg.torch_dtype
 
     def rank_fn(world):
-        layer = MoonEPMoELayer(cfg, world)
-        home = slice(world.rank * epn, (world.rank + 1) * epn)
-        with torch.no_grad():
-            layer.router.weight.copy_(p.router_weight_eh)
-            layer.router.expert_bias.copy_(p.expert_bias_e)
-            layer.experts.gate_up.copy_(p.gate_up_e2fh[home])
-            layer.experts.down.copy_(p.down_ehf[home])
+        layer = build_layer(p, world)
         x = p.hidden[world.rank].to(device, dtype).requires_grad_()
         mask = p.masks[world.rank]
         out = layer(x, None if mask is None else mask.to(device))
@@ -297,16 +303,9 @@ def test_failed_step_leaves_layer_usable():
     cfg = make_config(2)
     p = make_problem(cfg, seed=7, skew=20.0)
     want, _, _, _ = run_dense(p)
-    epn = cfg.num_experts // 2
 
     def rank_fn(world):
-        layer = MoonEPMoELayer(cfg, world)
-        home = slice(world.rank * epn, (world.rank + 1) * epn)
-        with torch.no_grad():
-            layer.router.weight.copy_(p.router_weight_eh)
-            layer.router.expert_bias.copy_(p.expert_bias_e)
-            layer.experts.gate_up.copy_(p.gate_up_e2fh[home])
-            layer.experts.down.copy_(p.down_ehf[home])
+        layer = build_layer(p, world)
         before = [t.clone() for t in (layer.experts.gate_up, layer.experts.down)]
         with pytest.raises(ValueError):
             layer(torch.randn(cfg.max_tokens_per_rank + 1, 16, dtype=F64))
