@@ -18,8 +18,10 @@ Backward reuses the forward plan: `dispatch(grad_out_sh, plan=plan)` brings the 
 `reduce_grad(plan, ...)` adds every replica's gradient into its home expert's gradient and clears the slots.
 
 Memory: the Buffer owns three symmetric tensors (peers write and read them): the rows `[NvS, H]`, their
-route weights `[NvS]` and the duplicate sources `[NvS]`. Every exchange starts with a barrier (peers are
-done with the previous contents) and separates its write and read phases with another.
+route weights `[NvS]` and the duplicate sources `[NvS]`. Everything that crosses ranks goes through the
+world's two collective row exchanges, `scatter_rows` (dispatch) and `gather_rows` (combine, prefetch,
+reduce_grad), so every EP world (threads, symmetric memory, torch.distributed collectives) runs this same
+reference; local work (padding zero-fill, duplicate expansion and pre-reduction) happens between them.
 """
 
 from __future__ import annotations
@@ -245,18 +247,16 @@ class Buffer:
                    record_duplicates: bool) -> None:
         dest_n, row_n, primary_n, valid_n = decode_dst(plan.dst, self.NvS)
         token_n = torch.arange(plan.dst.numel(), device=plan.dst.device) // self.K
-        primary_row_n = self._primary_rows(dest_n, row_n, primary_n, valid_n)
-        self.world.barrier()  # peers are done with the previous contents
-        for d in range(self.R):
-            to_d = valid_n & (dest_n == d)
-            sends = to_d & primary_n
-            self._rows.peer(d).index_copy_(0, row_n[sends], hidden_sh[token_n[sends]])
-            if route_weights_sk is not None:
-                self._weights.peer(d).index_copy_(0, row_n[to_d], route_weights_sk.reshape(-1)[to_d])
-            if record_duplicates:
-                dups = to_d & ~primary_n
-                self._dup_source.peer(d).index_copy_(0, row_n[dups], primary_row_n[dups].to(torch.int32))
-        self.world.barrier()  # every row has landed
+        world = self.world
+        sends = valid_n & primary_n
+        world.scatter_rows(self._rows, dest_n[sends], row_n[sends], hidden_sh[token_n[sends]])
+        if route_weights_sk is not None:
+            world.scatter_rows(self._weights, dest_n[valid_n], row_n[valid_n],
+                               route_weights_sk.reshape(-1)[valid_n])
+        if record_duplicates:
+            dups = valid_n & ~primary_n
+            primary_row_n = self._primary_rows(dest_n, row_n, primary_n, valid_n)
+            world.scatter_rows(self._dup_source, dest_n[dups], row_n[dups], primary_row_n[dups])
         pad_rows = _ranges_to_rows(plan.zero_fill_ranges)
         self._rows.local.index_fill_(0, pad_rows, 0)
         self._weights.local.index_fill_(0, pad_rows, 0)
@@ -329,7 +329,6 @@ class Buffer:
                 if given is not None and given.data_ptr() != own.data_ptr():
                     raise ValueError(f"zero_copy=True needs {name} to be this Buffer's own view "
                                      f"({name.split('_')[0]}_*_buffer_view()), got another tensor")
-        self.world.barrier()  # peers are done with the previous contents
         rows = self._rows.local
         if not zero_copy:
             rows.copy_(hidden_nvsh)
@@ -340,20 +339,17 @@ class Buffer:
         sums_gh = rows[primaries_g].to(accumulate)
         sums_gh.index_add_(0, group_d, rows[dup_d].to(accumulate))
         rows.index_copy_(0, primaries_g, sums_gh.to(self.dtype))
-        self.world.barrier()  # every rank's rows are final
         dest_n, row_n, primary_n, valid_n = decode_dst(plan.dst, self.NvS)
         num_tokens = plan.dst.numel() // self.K
-        out_sh = torch.zeros(num_tokens, self.H, dtype=accumulate, device=device)
+        pulls = valid_n & primary_n
         gathered_nh = torch.zeros(plan.dst.numel(), self.H, dtype=accumulate, device=device)
-        weights_n = torch.zeros(plan.dst.numel(), dtype=self.weight_dtype, device=device)
-        for d in range(self.R):
-            to_d = valid_n & (dest_n == d)
-            pulls = to_d & primary_n
-            gathered_nh[pulls] = self._rows.peer(d)[row_n[pulls]].to(accumulate)
-            if route_weights_nvs is not None:
-                weights_n[to_d] = self._weights.peer(d)[row_n[to_d]]
+        gathered_nh[pulls] = self.world.gather_rows(self._rows, dest_n[pulls], row_n[pulls]).to(accumulate)
+        out_sh = torch.zeros(num_tokens, self.H, dtype=accumulate, device=device)
         for k in range(self.K):  # fp32 sum in k order
             out_sh += gathered_nh.view(num_tokens, self.K, self.H)[:, k]
+        weights_n = torch.zeros(plan.dst.numel(), dtype=self.weight_dtype, device=device)
+        if route_weights_nvs is not None:
+            weights_n[valid_n] = self.world.gather_rows(self._weights, dest_n[valid_n], row_n[valid_n])
         weights_sk = weights_n.view(num_tokens, self.K) if route_weights_nvs is not None else None
         return out_sh.to(self.dtype), weights_sk, (_event(device) if async_finish else None)
 
@@ -375,18 +371,17 @@ class Buffer:
         if scales is not None:
             raise NotImplementedError("prefetch_weight(scales=...): quantised experts are not supported yet")
         slots_b = plan.experts_to_copy[self.world.rank].long()
+        used_u = torch.nonzero(slots_b >= 0).squeeze(1)
+        experts_u = slots_b[used_u]
         for weight in (full_gate_weight, full_up_weight, full_down_weight):
             if weight is None:
                 continue
             if isinstance(weight, ExpertRows):
-                for j, expert in enumerate(slots_b.tolist()):  # host read of B ints
-                    if expert >= 0:
-                        home = weight.home.peer(expert // self.epn)
-                        weight.slots.local[j].copy_(home[expert % self.epn])
+                copies = self.world.gather_rows(weight.home, experts_u // self.epn, experts_u % self.epn)
+                weight.slots.local.index_copy_(0, used_u, copies)
             else:
                 self._check_full(weight, "full weight")
-                used = torch.nonzero(slots_b >= 0).squeeze(1)
-                weight.index_copy_(0, self.E + used, weight[slots_b[used]])
+                weight.index_copy_(0, self.E + used_u, weight[experts_u])
         return _event(self.world.device) if async_finish else None
 
     def _check_full(self, tensor: torch.Tensor, name: str) -> None:
@@ -425,20 +420,17 @@ class Buffer:
             staging.local.copy_(grad[self.E:])
             rank = self.world.rank
             projections.append((grad[rank * self.epn:(rank + 1) * self.epn], staging, grad[self.E:]))
-        self.world.barrier()  # every rank's slot gradients are complete
-        table_rb = plan.experts_to_copy.tolist()  # host read of the [R, B] slot table
-        for home, slots, _ in projections:
-            for d, experts in enumerate(table_rb):
-                for j, expert in enumerate(experts):
-                    if expert >= 0 and expert // self.epn == self.world.rank:
-                        home[expert % self.epn] += slots.peer(d)[j].to(home.dtype)
-        self.world.barrier()  # every rank has pulled
-        used = torch.tensor([e >= 0 for e in table_rb[self.world.rank]], dtype=torch.bool,
-                            device=self.world.device)
-        for _, slots, replicated in projections:
-            slots.local[used] = 0
+        # this rank's home experts held by any rank's slot: (rank, slot, home index)
+        table_rb = plan.experts_to_copy.long()
+        mine_rb = (table_rb >= 0) & (table_rb // self.epn == self.world.rank)
+        rank_c, slot_c = torch.nonzero(mine_rb, as_tuple=True)
+        home_c = table_rb[rank_c, slot_c] % self.epn
+        used_b = table_rb[self.world.rank] >= 0
+        for home, slots, replicated in projections:
+            home.index_add_(0, home_c, self.world.gather_rows(slots, rank_c, slot_c).to(home.dtype))
+            slots.local[used_b] = 0
             if replicated is not None:
-                replicated[used] = 0
+                replicated[used_b] = 0
         return _event(self.world.device) if async_finish else None
 
 

@@ -6,6 +6,9 @@ else, so the same layer code runs on every transport:
 - `all_gather(t)`: the small collective of a step (the `[E]` histograms become `[R, E]`);
 - `symmetric(key, tensor)`: a collective registration (like `symm_mem.rendezvous`) after which every rank
   can read and write every other rank's tensor of that key through `SymmetricTensor.peer(r)`;
+- `scatter_rows(target, rank_n, row_n, values_n)` / `gather_rows(source, rank_n, row_n)`: the collective
+  row exchanges every Buffer operation is made of (write rows into, or read rows from, other ranks'
+  symmetric tensors);
 - `barrier()`: orders the phases of an exchange (writes before reads, reads before the next writes);
 - `globals`: this process's state shared by all layers (the slot pools live there).
 
@@ -49,6 +52,18 @@ class EPWorld(Protocol):
 
     def symmetric(self, key: str, tensor: torch.Tensor) -> SymmetricTensor:
         """Collective: every rank registers its `tensor` under `key` (same shape and dtype on every rank)."""
+        ...
+
+    def scatter_rows(self, target: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor,
+                     values_n: torch.Tensor) -> None:
+        """Collective: `target` on rank `rank_n[i]` gets `values_n[i]` at row `row_n[i]` (`[n]` int64 ranks
+        and rows, `[n, *row shape]` values; n may differ per rank). Starts once every rank is done with
+        `target`'s previous contents; returns once every write into this rank's `target` has landed."""
+        ...
+
+    def gather_rows(self, source: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor) -> torch.Tensor:
+        """Collective: `[n, *row shape]` rows `source[row_n[i]]` of rank `rank_n[i]`. Starts once every rank's
+        `source` is final; returns once every rank is done reading this rank's `source`."""
         ...
 
     def release(self, key: str) -> None:
@@ -135,6 +150,23 @@ class ThreadsWorld:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.group._barrier.wait()
+
+    def scatter_rows(self, target: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor,
+                     values_n: torch.Tensor) -> None:
+        self.barrier()
+        for rank in range(self.size):
+            to_rank = rank_n == rank
+            target.peer(rank).index_copy_(0, row_n[to_rank], values_n[to_rank].to(target.local.dtype))
+        self.barrier()
+
+    def gather_rows(self, source: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor) -> torch.Tensor:
+        self.barrier()
+        rows = source.local.new_empty((len(rank_n), *source.local.shape[1:]))
+        for rank in range(self.size):
+            from_rank = rank_n == rank
+            rows[from_rank] = source.peer(rank)[row_n[from_rank]]
+        self.barrier()
+        return rows
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         self.barrier()  # the board is free: every rank has read the previous gather
