@@ -36,8 +36,11 @@ def test_backward_matches_autograd_float64():
     expected_dab, expected_dw = torch.autograd.grad(
         autograd_swiglu(ab_m2f, route_weights_m), (ab_m2f, route_weights_m), u_mf
     )
-    dab_m2f, grad_route_weights_m = swiglu_weighted_backward(u_mf, ab_m2f.detach(), route_weights_m.detach())
+    dab_m2f, grad_route_weights_m, hw_mf = swiglu_weighted_backward(u_mf, ab_m2f.detach(),
+                                                                     route_weights_m.detach())
     assert dab_m2f.dtype == torch.float64 and grad_route_weights_m.dtype == torch.float64
+    expected_hw = autograd_swiglu(ab_m2f, route_weights_m).detach()
+    torch.testing.assert_close(hw_mf, expected_hw, rtol=1e-14, atol=1e-14)
     torch.testing.assert_close(dab_m2f, expected_dab, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad_route_weights_m, expected_dw, rtol=1e-12, atol=1e-12)
 
@@ -47,7 +50,29 @@ def test_low_precision_input_keeps_dtypes(dtype):
     ab_m2f, route_weights_m, u_mf = random_case(dtype)
     route_weights_m = route_weights_m.float()
     hw_mf = swiglu_weighted(ab_m2f, route_weights_m)
-    dab_m2f, grad_route_weights_m = swiglu_weighted_backward(u_mf, ab_m2f, route_weights_m)
+    dab_m2f, grad_route_weights_m, _ = swiglu_weighted_backward(u_mf, ab_m2f, route_weights_m)
     assert (hw_mf.dtype, dab_m2f.dtype, grad_route_weights_m.dtype) == (dtype, dtype, torch.float32)
     expected = autograd_swiglu(ab_m2f.double(), route_weights_m.double())
     torch.testing.assert_close(hw_mf.double(), expected, rtol=1e-2, atol=1e-2)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ffn", [24, 2048, 1000])
+def test_fused_kernels_match_the_reference_and_skip_rows_past_num_rows(dtype, ffn):
+    """The CUDA path (Triton) against the torch path on the same inputs; rows >= num_rows untouched."""
+    ab_m2f = (3 * torch.randn(300, 2 * ffn, dtype=torch.float64)).to(dtype)
+    route_weights_m = torch.rand(300, dtype=torch.float32)
+    u_mf = torch.randn(300, ffn, dtype=torch.float64).to(dtype)
+    num_rows = torch.tensor([257], dtype=torch.int32, device="cuda")
+    cuda = [t.cuda() for t in (ab_m2f, route_weights_m, u_mf)]
+    want_hw = swiglu_weighted(ab_m2f, route_weights_m)
+    want = swiglu_weighted_backward(u_mf, ab_m2f, route_weights_m)
+    got_hw = swiglu_weighted(cuda[0], cuda[1], num_rows)
+    got = swiglu_weighted_backward(cuda[2], cuda[0], cuda[1], num_rows)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    for g, w in zip((got_hw, *got), (want_hw, *want), strict=True):
+        torch.testing.assert_close(g[:257].cpu(), w[:257], **tol)

@@ -13,8 +13,8 @@ Forward, on every rank:
 Backward reuses the forward plan (never plans again):
 1. `dispatch(grad_out, plan=plan)` brings the gradient to the rows; `prefetch_weight` again (later layers
    overwrote the shared slot pool).
-2. down: `dW_down += g^T hw` (wgrad into the fp32 home and slot gradients), `u = g @ down` (dgrad);
-   SwiGLU backward gives `dab` and the route-weight gradient per row;
+2. down: `u = g @ down` (dgrad); the fused SwiGLU backward gives `dab`, the route-weight gradient per row
+   and, recomputed in the same pass, `hw`; `dW_down += g^T hw` (wgrad into the fp32 home and slot grads);
    gate_up: `dW_gate_up += dab^T x`, `dx = dab @ gate_up`.
 3. `combine(plan, dx, grad_w)`: input and route-weight gradients back to the tokens.
 4. `reduce_grad`: every replica's fp32 gradient added into its home expert's, slots cleared. The home
@@ -74,7 +74,7 @@ class MoonEPExperts(torch.autograd.Function):
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
         offs_g = compute_offsets(cu_seqlens, buffer.world.rank, buffer.epn, buffer.E)
         ab_nv2f = gemm.fwd(x_nvsh, (gate_up, gate_up_rows.slots.local), offs_g)
-        hw_nvf = swiglu_weighted(ab_nv2f, w_nvs)
+        hw_nvf = swiglu_weighted(ab_nv2f, w_nvs, offs_g[-1:])
         y_nvsh = gemm.fwd(hw_nvf, (down, down_rows.slots.local), offs_g)
         out_sh, _, _ = buffer.combine(plan, y_nvsh)
         ctx.save_for_backward(x_nvsh, ab_nv2f, w_nvs, offs_g, gate_up, down)
@@ -94,10 +94,9 @@ class MoonEPExperts(torch.autograd.Function):
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
         for grads in experts.grads:
             grads.home.local.zero_()
-        hw_nvf = swiglu_weighted(ab_nv2f, w_nvs)
-        gemm.wgrad(g_nvsh, hw_nvf, offs_g, (down_grads.home.local, down_grads.slots.local))
         u_nvf = gemm.dgrad(g_nvsh, (down, down_rows.slots.local), offs_g)
-        dab_nv2f, grad_w_nvs = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs)
+        dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:])
+        gemm.wgrad(g_nvsh, hw_nvf, offs_g, (down_grads.home.local, down_grads.slots.local))
         gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (gate_up_grads.home.local, gate_up_grads.slots.local))
         dx_nvsh = gemm.dgrad(dab_nv2f, (gate_up, gate_up_rows.slots.local), offs_g)
         grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs)

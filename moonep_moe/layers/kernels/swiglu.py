@@ -1,0 +1,97 @@
+"""Triton kernels of the expert block's elementwise middle (the contract is `moonep_moe.layers.swiglu`).
+
+Legend: m rows, f expert FFN size. `ab_m2f` holds gate (columns [0, f)) and up ([f, 2f)).
+
+- forward: one pass reads `ab` and `w`, writes `hw = silu(a) * b * w`;
+- backward: one pass reads `u` (the gradient w.r.t. `hw`), `ab` and `w`, writes `dab`, the route-weight
+  gradient `rowsum(u * silu(a) * b)` and, recomputed, `hw` (the down projection's weight gradient needs it),
+  so backward never re-reads `ab` for a separate forward.
+
+Both compute in fp32 and skip the rows at and past `num_rows` (a device scalar, e.g. `cu_seqlens[-1]`: no
+host sync), leaving them unwritten.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_F = 512
+
+
+@triton.jit
+def _swiglu_fwd_kernel(ab_ptr, w_ptr, hw_ptr, num_rows_ptr, stride_ab, stride_hw, F: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    if row >= tl.load(num_rows_ptr):
+        return
+    w = tl.load(w_ptr + row).to(tl.float32)
+    for start in range(0, F, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < F
+        a = tl.load(ab_ptr + row * stride_ab + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(ab_ptr + row * stride_ab + F + cols, mask=mask, other=0.0).to(tl.float32)
+        hw = a * tl.sigmoid(a) * b * w
+        tl.store(hw_ptr + row * stride_hw + cols, hw.to(hw_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(u_ptr, ab_ptr, w_ptr, dab_ptr, gw_ptr, hw_ptr, num_rows_ptr, stride_u, stride_ab,
+                       stride_dab, stride_hw, F: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    if row >= tl.load(num_rows_ptr):
+        return
+    w = tl.load(w_ptr + row).to(tl.float32)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, F, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < F
+        u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(ab_ptr + row * stride_ab + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(ab_ptr + row * stride_ab + F + cols, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(a)
+        silu = a * sig
+        h = silu * b
+        acc += u * h
+        dh = u * w
+        da = dh * b * sig * (1.0 + a * (1.0 - sig))
+        tl.store(dab_ptr + row * stride_dab + cols, da.to(dab_ptr.dtype.element_ty), mask=mask)
+        tl.store(dab_ptr + row * stride_dab + F + cols, (dh * silu).to(dab_ptr.dtype.element_ty), mask=mask)
+        tl.store(hw_ptr + row * stride_hw + cols, (h * w).to(hw_ptr.dtype.element_ty), mask=mask)
+    tl.store(gw_ptr + row, tl.sum(acc, axis=0).to(gw_ptr.dtype.element_ty))
+
+
+def _block(f: int) -> int:
+    return min(BLOCK_F, triton.next_power_of_2(f))
+
+
+def _num_rows(num_rows: torch.Tensor | None, rows: int, device: torch.device) -> torch.Tensor:
+    return torch.full((1,), rows, dtype=torch.int32, device=device) if num_rows is None else num_rows
+
+
+def swiglu_weighted_triton(ab_m2f: torch.Tensor, route_weights_m: torch.Tensor,
+                           num_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """`[M, 2F]`, `[M]` -> `hw [M, F]` in `ab`'s dtype; rows >= `num_rows` (int32 device scalar) unwritten."""
+    rows, f = ab_m2f.shape[0], ab_m2f.shape[1] // 2
+    hw_mf = ab_m2f.new_empty(rows, f)
+    if rows:
+        _swiglu_fwd_kernel[(rows,)](ab_m2f, route_weights_m, hw_mf, _num_rows(num_rows, rows, ab_m2f.device),
+                                    ab_m2f.stride(0), hw_mf.stride(0), F=f, BLOCK=_block(f))
+    return hw_mf
+
+
+def swiglu_weighted_backward_triton(u_mf: torch.Tensor, ab_m2f: torch.Tensor, route_weights_m: torch.Tensor,
+                                    num_rows: torch.Tensor | None = None
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> `(dab [M, 2F], grad_route_weights [M] in w's dtype, hw [M, F])`; rows >= `num_rows` unwritten."""
+    rows, f = ab_m2f.shape[0], ab_m2f.shape[1] // 2
+    dab_m2f = torch.empty_like(ab_m2f)
+    hw_mf = ab_m2f.new_empty(rows, f)
+    gw_m = torch.empty_like(route_weights_m)
+    if rows:
+        _swiglu_bwd_kernel[(rows,)](u_mf, ab_m2f, route_weights_m, dab_m2f, gw_m, hw_mf,
+                                    _num_rows(num_rows, rows, ab_m2f.device), u_mf.stride(0),
+                                    ab_m2f.stride(0), dab_m2f.stride(0), hw_mf.stride(0), F=f,
+                                    BLOCK=_block(f))
+    return dab_m2f, gw_m, hw_mf
