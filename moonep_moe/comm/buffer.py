@@ -137,6 +137,8 @@ class Buffer:
         self._finalizer = None if explicitly_destroy else weakref.finalize(self, _release, world, keys)
         self._keys = keys
         self._destroyed = False
+        self._pending_views: MoonEPCommPlan | None = None
+        """The plan of a step whose zero-copy dispatch views have not been combined yet (see `dispatch`)."""
 
     # -- lifetime -------------------------------------------------------------------------------------------
 
@@ -152,6 +154,16 @@ class Buffer:
         if self._finalizer is not None:
             self._finalizer.detach()
         _release(self.world, self._keys)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of symmetric memory this Buffer holds per rank (rows, route weights, duplicate sources)."""
+        return sum(t.local.nbytes for t in (self._rows, self._weights, self._dup_source))
+
+    def end_step(self) -> None:
+        """Forget a step whose zero-copy dispatch was never combined (it failed in between), so that the
+        next step may dispatch. Its views are then overwritten by that dispatch."""
+        self._pending_views = None
 
     def _check_alive(self) -> None:
         if self._destroyed:
@@ -195,6 +207,10 @@ class Buffer:
             plan: a plan from an earlier dispatch of this Buffer (the combine-backward path): no planning,
                 the returned `cu_seqlens` is None.
             zero_copy / router_weights_zero_copy: return the Buffer's persistent views instead of copies.
+                Until this step's `combine`, a dispatch of a new step (without a plan) raises: it would
+                overwrite the views (two in-flight steps cannot share one Buffer; give each its own).
+                Dispatches with a plan (backward) stay legal: forward dispatch -> combine -> backward
+                dispatch(plan) -> combine. Copy-mode steps own their rows and are not tracked.
 
         Returns:
             `(hidden_nvsh [NvS, H], route_weights_nvs [NvS] or None, cu_seqlens [E+B] int32 or None, plan)`,
@@ -211,6 +227,12 @@ class Buffer:
         if route_weights_sk is not None:
             _check(route_weights_sk, "route_weights_sk", (num_tokens, self.K), self.weight_dtype, device)
         if plan is None:
+            if self._pending_views is not None:
+                raise RuntimeError(
+                    f"Buffer {self.id}: a new step was dispatched while the previous step's zero-copy views "
+                    "have not been combined: two in-flight steps cannot share one Buffer. Combine the "
+                    "previous step first, give each in-flight step its own Buffer, or call end_step() if "
+                    "the previous step failed")
             ints = (torch.int32, torch.int64)
             _check(topk_experts_sk, "topk_experts_sk", (num_tokens, self.K), ints, device)
             _check(tokens_per_expert, "tokens_per_expert", (self.E,), ints, device)
@@ -229,6 +251,8 @@ class Buffer:
                                  f"{plan.num_routes // self.K}")
             cu_seqlens = None
         self._send_rows(plan, hidden_sh, route_weights_sk, record_duplicates=cu_seqlens is not None)
+        if cu_seqlens is not None and (zero_copy or router_weights_zero_copy):
+            self._pending_views = plan
         rows_nvsh = self._rows.local if zero_copy else self._rows.local.clone()
         weights_nvs = None
         if route_weights_sk is not None:
@@ -321,6 +345,8 @@ class Buffer:
         self._check_plan(plan)
         device = self.world.device
         _check(hidden_nvsh, "hidden_nvsh", (self.NvS, self.H), self.dtype, device)
+        if plan is self._pending_views:
+            self._pending_views = None
         if route_weights_nvs is not None:
             _check(route_weights_nvs, "route_weights_nvs", (self.NvS,), self.weight_dtype, device)
         if zero_copy:

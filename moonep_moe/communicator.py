@@ -1,0 +1,373 @@
+"""`MoECommunicator`: a framework-neutral facade over the comm core for inference engines.
+
+Legend: t tokens of this rank in a step (t <= S), h hidden, k top-k, nv dispatched rows (NvS of the Buffer
+serving the step), g this rank's compute groups (`epn` home experts, then B slots).
+
+It follows the shape of the MSCCL++ expert-parallel API draft: one object per layer shape, `dispatch` returns
+the tokens in an expert-major layout plus an opaque handle, the engine runs its own expert GEMMs on that
+layout, `combine` brings the results home. One step, on every rank of the EP group:
+
+1. `out, handle = comm.dispatch(hidden_th, topk_ids_tk, weights_tk)`: plan (identically on every rank) and
+   move each route's row to the rank and row where it is computed. `out.tokens_nvsh` is grouped by
+   compute group: group g covers rows `[offsets_g[g-1], offsets_g[g])` and holds `expert_ids_g[g]`.
+2. `comm.prefetch_weights(handle, layout)`: copy the replicated experts into this rank's slots (the engine's
+   `ExpertLayout`), so slot groups can be computed with slot weights.
+3. The engine runs the experts per group and multiplies each row by `out.weights_nvs` (padding rows are
+   zero, so it may compute whole padded groups).
+4. `hidden_th = comm.combine(expert_output_nvsh, handle)`: each token's K rows summed in fp32.
+
+Steps with fewer tokens than S are served by a `BufferPool` (the smallest power-of-two capacity that fits
+the group's largest step), so a decode step never pays for S. Invalid routes (expert -1) are padding: not
+counted, not sent, zero in combine; pad with -1, never with expert 0.
+
+What is supported is stated by the `supports_*` properties; every unsupported option raises at construction
+or at the first call with a message naming what is supported.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from moonep_moe.comm.buffer import Buffer, CommEvent
+from moonep_moe.comm.plan import MoonEPCommPlan, default_slots
+from moonep_moe.comm.pool import BufferPool
+from moonep_moe.comm.world import EPWorld
+from moonep_moe.config import MoEConfig
+from moonep_moe.layers.function import compute_offsets
+from moonep_moe.weights.layout import ExpertLayout
+
+T = TypeVar("T")
+_communicator_ids = itertools.count()
+
+
+class CommunicatorConfig(BaseModel):
+    """What the communicator needs of a layer: fewer fields than `MoEConfig` (no router, no GEMM backend)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    hidden_size: int = Field(..., ge=1, description="H: hidden size of the dispatched rows. Required.")
+    num_experts: int = Field(..., ge=1, description="E: routed experts in the EP group. Required.")
+    top_k: int = Field(..., ge=1, description="K: routed experts per token. Required.")
+    max_tokens_per_rank: int = Field(..., ge=1, description=(
+        "S: the most tokens one rank passes in one step. Required. Steps may carry fewer tokens."))
+    ep_size: int | None = Field(None, ge=1, description=(
+        "R: ranks in the EP group. Default None takes the world's size; if given it must equal it."))
+    num_prefetch_slots: int | None = Field(None, ge=0, description=(
+        "B: replica slots per rank. Default None = E / R (exact balance); fewer slots save weight memory "
+        "and give best-effort balance (and larger row buffers, see `MoEConfig.rows_per_rank`)."))
+    token_padding: int = Field(128, ge=1, description=(
+        "tp: every non-empty group is padded with zero rows to a multiple of it. Default 128 (Hopper "
+        "grouped GEMMs' M-block)."))
+    dtype: Literal["bfloat16", "float16", "float32", "float64"] = Field(
+        "bfloat16", description="Dtype of the dispatched rows and of the expert outputs given to combine.")
+    num_local_experts: int | None = Field(None, ge=1, description=(
+        "Explicit expert placement: home experts per rank. Default None = E / R, the only placement "
+        "supported (contiguous blocks); another value raises."))
+    local_expert_start: int | None = Field(None, ge=0, description=(
+        "Explicit expert placement: this rank's first home expert. Default None = rank * E / R, the only "
+        "placement supported; another value raises."))
+    variable_tokens: bool = Field(True, description=(
+        "Serve each step from a pool of power-of-two capacities (one extra all-gather of one int per "
+        "step). False: one Buffer of capacity S for every step."))
+    min_capacity: int = Field(1, ge=1, description=(
+        "Smallest pooled capacity (bounds how many Buffers the pool creates). Default 1."))
+    expert_bias: bool = Field(False, description=(
+        "Bias terms in the expert projections (e.g. GPT-OSS). Not supported: True raises at construction."))
+    quantization: Literal["none", "fp8_e4m3", "mxfp8"] = Field("none", description=(
+        "Quantised dispatch of activations. Only 'none' is supported; other values raise at construction."))
+
+    @classmethod
+    def from_moe_config(cls, config: MoEConfig, **overrides: Any) -> CommunicatorConfig:
+        """The communicator fields of a layer's `MoEConfig`, with `overrides` applied."""
+        fields = dict(hidden_size=config.hidden_size, num_experts=config.num_experts, top_k=config.top_k,
+                      max_tokens_per_rank=config.max_tokens_per_rank, ep_size=config.ep_size,
+                      num_prefetch_slots=config.num_prefetch_slots, token_padding=config.token_padding,
+                      dtype=config.dtype)
+        return cls(**{**fields, **overrides})
+
+
+@dataclass(frozen=True)
+class DispatchOutput:
+    """What the expert runner consumes (all on the world's device).
+
+    Attributes:
+        tokens_nvsh: `[NvS, H]` rows grouped by compute group; padding rows zero. A view of the Buffer's
+            persistent rows: valid until this step's combine (the next dispatch overwrites it).
+        weights_nvs: `[NvS]` fp32 route weight of each row (zero on padding), or None when dispatch got no
+            weights (the rows are then summed unweighted).
+        num_tokens_per_expert_g: `[epn+B]` int32 valid rows of each compute group (padding excluded).
+        offsets_g: `[epn+B]` int32 padded end row of each compute group (the `cu_seqlens` of this rank's
+            home experts, then its slots); group g starts at `offsets_g[g-1]` (0 for g = 0).
+        expert_ids_g: `[epn+B]` int32 global expert of each group: the home experts in order, then the
+            expert held by each slot, -1 for an unused slot (its group is empty).
+    """
+
+    tokens_nvsh: torch.Tensor
+    weights_nvs: torch.Tensor | None
+    num_tokens_per_expert_g: torch.Tensor
+    offsets_g: torch.Tensor
+    expert_ids_g: torch.Tensor
+
+
+@dataclass(eq=False)
+class DispatchHandle:
+    """Opaque state of one dispatched step, consumed by `combine` and `prefetch_weights` of the communicator
+    that made it. Holds the Buffer serving the step, its plan and the token count; engines must not read
+    or change it. One combine per handle."""
+
+    _owner: int
+    _buffer: Buffer
+    _plan: MoonEPCommPlan
+    _num_tokens: int
+    _combined: bool = field(default=False)
+
+
+class CommRequest(Generic[T]):
+    """An operation started by `dispatch_async` / `combine_async`. `wait()` makes the current stream wait
+    for it and returns its result. The reference implementation completes before returning."""
+
+    def __init__(self, result: T, event: CommEvent):
+        self._result, self._event = result, event
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> T:
+        self._event.wait()
+        return self._result
+
+
+class MoECommunicator:
+    """Dispatch / combine for one layer shape on one rank of an EP group, for engines that run their own
+    experts. Owns its Buffers (created lazily, released by `destroy()`); holds no weights.
+
+    Args:
+        config: a `CommunicatorConfig`, a `MoEConfig` (its communicator fields are used) or None.
+        world: the EP world of this rank (`moonep_moe.comm.world`).
+        **kwargs: `CommunicatorConfig` fields, overriding the config's (or the whole config when it is None).
+
+    Raises:
+        NotImplementedError: an unsupported option (expert bias, quantised dispatch), naming what is
+            supported.
+        ValueError: an invalid shape or placement (E not divisible by R, placement other than contiguous
+            blocks, B out of range).
+    """
+
+    supports_variable_tokens = True
+    """Steps may carry any t <= S tokens; padding routes (-1) are neither counted nor sent."""
+    supports_async = False
+    """`dispatch_async` / `combine_async` exist but complete before returning: no overlap yet."""
+    supports_cuda_graph = False
+    """The reference planner and Buffer read small device values on the host (the histogram, the slot table,
+    the duplicate counts): a step cannot be captured in a CUDA graph yet."""
+    supports_quantized_dispatch = False
+    """Rows travel in the config's dtype; fp8 / mxfp8 activations are refused."""
+    supports_expert_bias = False
+    """Expert projections without bias terms only; `prefetch_weights` copies weights, never biases."""
+    supports_multiple_inflight_steps = False
+    """One step in flight per Buffer: dispatch -> combine, then the next dispatch."""
+    supports_backward = False
+    """Forward (serving) only; training uses `MoonEPMoELayer`, whose backward reuses the forward plan."""
+
+    def __init__(self, config: CommunicatorConfig | MoEConfig | None = None, *, world: EPWorld,
+                 **kwargs: Any):
+        if isinstance(config, MoEConfig):
+            config = CommunicatorConfig.from_moe_config(config, **kwargs)
+        elif config is None:
+            config = CommunicatorConfig(**kwargs)
+        elif kwargs:
+            config = CommunicatorConfig(**{**config.model_dump(), **kwargs})
+        _check_supported(config, world)
+        self.config, self.world = config, world
+        E, R = config.num_experts, world.size
+        self.num_local_experts = E // R
+        """epn: home experts on this rank."""
+        self.local_expert_start = world.rank * self.num_local_experts
+        """This rank's first home expert; it owns `[local_expert_start, local_expert_start + epn)`."""
+        slots = config.num_prefetch_slots
+        self.num_slots = default_slots(E, R) if slots is None else slots
+        self.dtype = getattr(torch, config.dtype)
+        self.id = next(_communicator_ids)
+        capacity = config.max_tokens_per_rank
+        smallest = config.min_capacity if config.variable_tokens else capacity
+        self._pool = BufferPool(capacity, config.hidden_size, config.top_k, E, world=world,
+                                num_slots=self.num_slots, token_padding=config.token_padding,
+                                dtype=self.dtype, min_capacity=smallest)
+
+    @classmethod
+    def capabilities(cls) -> dict[str, bool]:
+        """Every `supports_*` property by name."""
+        return {name: getattr(cls, name) for name in dir(cls) if name.startswith("supports_")}
+
+    # -- dispatch -------------------------------------------------------------------------------------------
+
+    def dispatch(self, input_th: torch.Tensor, topk_ids_tk: torch.Tensor,
+                 weights_tk: torch.Tensor | None = None) -> tuple[DispatchOutput, DispatchHandle]:
+        """Collective: send every route's row (and weight) to the rank and row where it is computed.
+
+        Args:
+            input_th: `[t, H]` rows in the config's dtype, t <= S (t may differ per rank).
+            topk_ids_tk: `[t, K]` int32/int64 experts in [-1, E); -1 = no route (padding).
+            weights_tk: `[t, K]` fp32 (float64 for float64 rows) route weights, or None (unweighted sum).
+
+        Returns:
+            `(DispatchOutput, DispatchHandle)`. Raises before any exchange on malformed input.
+        """
+        return self._dispatch(input_th, topk_ids_tk, weights_tk, async_finish=False)
+
+    def dispatch_async(self, input_th: torch.Tensor, topk_ids_tk: torch.Tensor,
+                       weights_tk: torch.Tensor | None = None
+                       ) -> CommRequest[tuple[DispatchOutput, DispatchHandle]]:
+        """`dispatch` as a request; `wait()` returns `(DispatchOutput, DispatchHandle)` (see
+        `supports_async`)."""
+        return self._dispatch(input_th, topk_ids_tk, weights_tk, async_finish=True)
+
+    def _dispatch(self, input_th, topk_ids_tk, weights_tk, async_finish: bool):
+        self._check_alive()
+        if not isinstance(input_th, torch.Tensor) or input_th.dim() != 2:
+            raise ValueError(f"input must be a [t, H={self.config.hidden_size}] tensor, got "
+                             f"{getattr(input_th, 'shape', type(input_th).__name__)}")
+        if input_th.is_floating_point() and input_th.dtype.itemsize == 1:
+            raise NotImplementedError(f"quantised dispatch ({input_th.dtype}) is not supported: pass the "
+                                      f"activations in {self.dtype} (supports_quantized_dispatch is False)")
+        num_tokens = input_th.shape[0]
+        buffer = self._pool.get(num_tokens)
+        if weights_tk is None and isinstance(topk_ids_tk, torch.Tensor):
+            weights_tk = torch.ones(topk_ids_tk.shape, dtype=buffer.weight_dtype, device=input_th.device)
+            weighted = False
+        else:
+            weighted = True
+        tokens_per_expert_e = _histogram(topk_ids_tk, self.config.num_experts)
+        *result, event = buffer.dispatch(input_th, weights_tk, topk_ids_tk, tokens_per_expert_e,
+                                         async_finish=True, zero_copy=True, router_weights_zero_copy=weighted)
+        tokens_nvsh, weights_nvs, cu_seqlens_g, plan = result
+        output = self._layout(tokens_nvsh, weights_nvs if weighted else None, cu_seqlens_g, plan)
+        handle = DispatchHandle(self.id, buffer, plan, num_tokens)
+        return CommRequest((output, handle), event) if async_finish else (output, handle)
+
+    def _layout(self, tokens_nvsh, weights_nvs, cu_seqlens_g, plan: MoonEPCommPlan) -> DispatchOutput:
+        rank, epn, E = self.world.rank, self.num_local_experts, self.config.num_experts
+        offsets_g = compute_offsets(cu_seqlens_g, rank, epn, E)
+        padding_g = compute_offsets(plan.zero_fill_ranges[:, 1], rank, epn, E)
+        sizes_g = torch.diff(offsets_g, prepend=offsets_g.new_zeros(1))
+        home_g = torch.arange(self.local_expert_start, self.local_expert_start + epn, dtype=torch.int32,
+                              device=offsets_g.device)
+        expert_ids_g = torch.cat([home_g, plan.experts_to_copy[rank]])
+        return DispatchOutput(tokens_nvsh, weights_nvs, sizes_g - padding_g, offsets_g, expert_ids_g)
+
+    # -- weights --------------------------------------------------------------------------------------------
+
+    def prefetch_weights(self, handle: DispatchHandle, layout: ExpertLayout) -> None:
+        """Collective: copy the experts this step replicates into this rank's slots of `layout`, so the
+        runner can compute the slot groups (`expert_ids_g[epn:]`) with `layout.*.slots`."""
+        self._check_handle(handle)
+        if not isinstance(layout, ExpertLayout):
+            raise TypeError(f"layout must be an ExpertLayout, got {type(layout).__name__}")
+        expected = (self.config.num_experts, self.local_expert_start, self.num_local_experts, self.num_slots)
+        given = (layout.num_experts, layout.local_expert_start, layout.num_local_experts, layout.num_slots)
+        if given != expected:
+            raise ValueError(f"layout has (E, local_expert_start, num_local_experts, B) = {given}, this "
+                             f"communicator {expected}")
+        handle._buffer.prefetch_weight(handle._plan, layout.gate_up, None, layout.down)
+
+    # -- combine --------------------------------------------------------------------------------------------
+
+    def combine(self, expert_output_nvsh: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Collective: sum every token's K expert rows in fp32 (in k order) -> `[t, H]` in the config's dtype.
+
+        Args:
+            expert_output_nvsh: `[NvS, H]` the runner's output per dispatched row, already multiplied by
+                `weights_nvs`; may be `tokens_nvsh` itself, written in place. Rows past the groups are
+                ignored.
+            handle: this step's handle (one combine per handle).
+        """
+        return self._combine(expert_output_nvsh, handle, async_finish=False)
+
+    def combine_async(self, expert_output_nvsh: torch.Tensor, handle: DispatchHandle
+                      ) -> CommRequest[torch.Tensor]:
+        """`combine` as a request; `wait()` returns `[t, H]` (see `supports_async`)."""
+        return self._combine(expert_output_nvsh, handle, async_finish=True)
+
+    def _combine(self, expert_output_nvsh, handle: DispatchHandle, async_finish: bool):
+        self._check_handle(handle)
+        if handle._combined:
+            raise RuntimeError("this DispatchHandle was already combined: one combine per dispatch")
+        buffer = handle._buffer
+        in_place = (isinstance(expert_output_nvsh, torch.Tensor)
+                    and expert_output_nvsh.data_ptr() == buffer.hidden_nvsh_buffer_view().data_ptr())
+        out_th, _, event = buffer.combine(handle._plan, expert_output_nvsh, zero_copy=in_place,
+                                          async_finish=True)
+        handle._combined = True
+        return CommRequest(out_th, event) if async_finish else out_th
+
+    def discard(self, handle: DispatchHandle) -> None:
+        """Give up a step that failed between dispatch and combine, so that the next dispatch may run.
+        Collective when the failure happened on every rank; the handle cannot be combined afterwards."""
+        self._check_handle(handle)
+        handle._combined = True
+        handle._buffer.end_step()
+
+    # -- lifetime -------------------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, object]:
+        """The Buffer pool's capacities and bytes on this rank (`BufferPool.stats`)."""
+        return self._pool.stats()
+
+    def destroy(self) -> None:
+        """Release every Buffer. Idempotent; later calls raise."""
+        self._pool.destroy()
+
+    def _check_alive(self) -> None:
+        if self._pool.destroyed:
+            raise RuntimeError("this MoECommunicator was destroyed; create a new one")
+
+    def _check_handle(self, handle: DispatchHandle) -> None:
+        self._check_alive()
+        if not isinstance(handle, DispatchHandle) or handle._owner != self.id:
+            raise ValueError("handle must be a DispatchHandle returned by this communicator's dispatch")
+
+
+def _histogram(topk_ids_tk: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`[E]` int32 count of the valid (>= 0) routes, without a host read (invalid ids are checked later by
+    the Buffer; here they only need to stay in range)."""
+    if not isinstance(topk_ids_tk, torch.Tensor) or topk_ids_tk.is_floating_point():
+        raise ValueError(f"topk_ids must be an int32/int64 tensor, got "
+                         f"{getattr(topk_ids_tk, 'dtype', type(topk_ids_tk).__name__)}")
+    ids_n = topk_ids_tk.reshape(-1).long()
+    valid_n = (ids_n >= 0) & (ids_n < num_experts)
+    counts_e = torch.zeros(num_experts + 1, dtype=torch.int32, device=topk_ids_tk.device)
+    counts_e.index_add_(0, torch.where(valid_n, ids_n, num_experts), valid_n.int())
+    return counts_e[:num_experts]
+
+
+def _check_supported(config: CommunicatorConfig, world: EPWorld) -> None:
+    """Raise before anything is allocated if the config asks for what this implementation cannot do."""
+    if config.expert_bias:
+        raise NotImplementedError("expert_bias=True: expert projections with bias terms are not supported "
+                                  "(prefetch copies weights only); supported: expert_bias=False")
+    if config.quantization != "none":
+        raise NotImplementedError(f"quantization={config.quantization!r}: quantised dispatch is not "
+                                  "supported; supported: quantization='none' (rows in the config's dtype)")
+    E, R = config.num_experts, world.size
+    if config.ep_size is not None and config.ep_size != R:
+        raise ValueError(f"ep_size={config.ep_size} does not match the world's size {R}")
+    if E % R:
+        raise ValueError(f"num_experts (E={E}) must be divisible by the EP size (R={R})")
+    if config.top_k > E:
+        raise ValueError(f"top_k (K={config.top_k}) must be <= num_experts (E={E})")
+    epn = E // R
+    placement = (config.num_local_experts, config.local_expert_start)
+    if placement[0] not in (None, epn) or placement[1] not in (None, world.rank * epn):
+        raise ValueError(f"expert placement (num_local_experts, local_expert_start) = {placement} on rank "
+                         f"{world.rank} is not supported: only contiguous blocks, (E/R, rank*E/R) = "
+                         f"({epn}, {world.rank * epn})")
+    if config.num_prefetch_slots is not None and config.num_prefetch_slots > E - epn:
+        raise ValueError(f"num_prefetch_slots (B={config.num_prefetch_slots}) must be <= E - E/R = {E - epn}")
+    if config.min_capacity > config.max_tokens_per_rank:
+        raise ValueError(f"min_capacity ({config.min_capacity}) must be <= max_tokens_per_rank "
+                         f"({config.max_tokens_per_rank})")

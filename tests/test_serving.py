@@ -1,0 +1,397 @@
+"""The serving path: variable token counts, padding, the Buffer pool, the weight layout, the communicator
+facade and its stated capabilities. Threads world, float64, integer-valued data: every check is exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moonep_moe.comm.buffer import Buffer
+from moonep_moe.comm.plan import decode_dst
+from moonep_moe.comm.pool import BufferPool, next_power_of_two
+from moonep_moe.comm.world import run_ranks, single_world
+from moonep_moe.communicator import CommunicatorConfig, DispatchHandle, MoECommunicator
+from moonep_moe.config import load_config
+from moonep_moe.weights.layout import ExpertLayout
+
+F64 = torch.float64
+R, S, H, K, E, TP = 4, 32, 8, 2, 16, 4
+GLOBAL_FIELDS = ("experts_to_copy", "cu_seqlens", "zero_fill_ranges", "rank_load", "expert_load",
+                 "slots_used")
+
+
+def step_inputs(rank: int, num_tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """`num_tokens` real tokens: hidden `[t, H]` integers, weights `[t, K]` multiples of 1/8, distinct experts
+    `[t, K]` int32 skewed towards rank 0's experts (so the plan replicates)."""
+    gen = torch.Generator().manual_seed(100 * seed + rank)
+    p_e = torch.ones(E, dtype=F64)
+    p_e[: E // R] = 8
+    topk = torch.multinomial(p_e.expand(num_tokens, E), K, generator=gen) if num_tokens else \
+        torch.empty(0, K, dtype=torch.long)
+    return dict(hidden=torch.randint(-8, 9, (num_tokens, H), generator=gen).to(F64),
+                weights=torch.randint(1, 9, (num_tokens, K), generator=gen).to(F64) / 8,
+                topk=topk.int())
+
+
+def pad(x: dict[str, torch.Tensor], to: int, expert: int) -> dict[str, torch.Tensor]:
+    """Pad to `to` tokens with zero rows, zero weights and routes to `expert` (-1, or vLLM's habit: 0)."""
+    extra = to - x["hidden"].shape[0]
+    return dict(hidden=torch.cat([x["hidden"], torch.zeros(extra, H, dtype=F64)]),
+                weights=torch.cat([x["weights"], torch.zeros(extra, K, dtype=F64)]),
+                topk=torch.cat([x["topk"], torch.full((extra, K), expert, dtype=torch.int32)]))
+
+
+def histogram(topk: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(topk[topk >= 0].long(), minlength=E).int()
+
+
+def run(buf: Buffer, x: dict[str, torch.Tensor], **kwargs):
+    return buf.dispatch(x["hidden"], x["weights"], x["topk"], histogram(x["topk"]), **kwargs)
+
+
+def expected_out(x: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What combine returns when each expert row is its input times its route weight."""
+    return (x["weights"] * (x["topk"] >= 0)).sum(1, keepdim=True) * x["hidden"]
+
+
+# -- variable tokens ---------------------------------------------------------------------------------------
+
+TOKENS = (1, 5, 0, 3)
+
+
+def test_small_step_moves_only_its_routes():
+    """A step with s << S tokens plans exactly its s*K routes and writes no row past its segments."""
+
+    def fn(world):
+        buf = Buffer(S, H, K, E, R, token_padding=TP, world=world, dtype=F64)
+        buf.hidden_nvsh_buffer_view().fill_(77.0)  # sentinel: rows nobody may touch
+        x = step_inputs(world.rank, TOKENS[world.rank])
+        rows, weights_nvs, cu_seqlens, plan = run(buf, x, zero_copy=True)
+        used = int(cu_seqlens[-1])
+        untouched = bool((rows[used:] == 77.0).all())
+        out, _, _ = buf.combine(plan, rows * weights_nvs[:, None])
+        return plan.clone(), used, untouched, out, x, buf.NvS
+
+    results = run_ranks(fn, R)
+    plan = results[0][0]
+    assert int(plan.rank_load.sum()) == sum(TOKENS) * K
+    assert int(plan.expert_load.sum()) == sum(TOKENS) * K
+    assert max(plan.rank_load.tolist()) - min(plan.rank_load.tolist()) <= 1
+    for rank, (plan_r, used, untouched, out, x, rows_per_rank) in enumerate(results):
+        assert plan_r.num_routes == TOKENS[rank] * K
+        assert used <= (int(plan.rank_load[rank]) + (TP - 1) * (E // R + plan.B)) < rows_per_rank
+        assert untouched, "rows past the step's segments are never written"
+        assert torch.equal(out, expected_out(x))
+
+
+@pytest.mark.parametrize("pad_expert", [-1, 0])
+def test_padding_with_minus_one_keeps_the_plan_expert_zero_skews_it(pad_expert):
+    """Padding each rank's step to S with -1 routes gives the unpadded step's plan; padding with expert 0
+    and weight 0 (the vLLM/SGLang habit) gives the same outputs but a different, skewed plan."""
+
+    def fn(world):
+        buf = Buffer(S, H, K, E, R, token_padding=TP, world=world, dtype=F64)
+        x = step_inputs(world.rank, TOKENS[world.rank], seed=1)
+        _, _, _, plan = run(buf, x)
+        plain = plan.clone()
+        rows, weights_nvs, _, plan = run(buf, pad(x, S, pad_expert))
+        out, _, _ = buf.combine(plan, rows * weights_nvs[:, None])
+        return plain, plan.clone(), out[: TOKENS[world.rank]], x
+
+    results = run_ranks(fn, R)
+    for plain, padded, out, x in results:
+        assert torch.equal(out, expected_out(x)), "outputs of the real tokens never change"
+        same = [torch.equal(getattr(plain, f), getattr(padded, f)) for f in GLOBAL_FIELDS]
+        real_dst = padded.dst[: plain.num_routes]
+        if pad_expert == -1:
+            assert all(same) and torch.equal(real_dst, plain.dst)
+            assert (decode_dst(padded.dst[plain.num_routes:], padded.NvS)[3] == 0).all(), "padding not sent"
+        else:
+            assert not all(same)
+    if pad_expert == 0:
+        plain, padded = results[0][0], results[0][1]
+        padding_routes = (R * S - sum(TOKENS)) * K
+        assert int(padded.expert_load[0]) == int(plain.expert_load[0]) + padding_routes
+        assert int(padded.rank_load.sum()) == int(plain.rank_load.sum()) + padding_routes
+
+
+# -- the in-flight guard -----------------------------------------------------------------------------------
+
+
+def test_two_inflight_zero_copy_steps_raise_and_training_order_stays_legal():
+    world = single_world()
+    buf = Buffer(S, H, K, E, 1, token_padding=TP, world=world, dtype=F64)
+    x, y = step_inputs(0, 6), step_inputs(0, 9, seed=2)
+    rows, _, _, plan = run(buf, x, zero_copy=True)
+    with pytest.raises(RuntimeError, match="two in-flight steps cannot share one Buffer"):
+        run(buf, y)
+    assert torch.equal(rows, buf.hidden_nvsh_buffer_view()), "the refused step wrote nothing"
+    buf.combine(plan, rows, zero_copy=True)
+    # training: forward dispatch -> combine -> backward dispatch(plan) -> combine -> next step
+    rows, _, _, plan = run(buf, x, zero_copy=True)
+    buf.combine(plan, rows.clone())
+    grad_rows, _, _, _ = buf.dispatch(x["hidden"], None, None, None, plan=plan)
+    buf.combine(plan, grad_rows, torch.zeros(buf.NvS, dtype=F64))
+    run(buf, y, zero_copy=True)
+    buf.end_step()  # the step failed before its combine: the next one may run
+    _, _, _, plan = run(buf, x)
+    run(buf, y)  # copy-mode steps own their rows: not tracked
+    buf.destroy()
+
+
+# -- the pool ----------------------------------------------------------------------------------------------
+
+
+def test_next_power_of_two():
+    assert [next_power_of_two(v) for v in (0, 1, 2, 3, 4, 5, 1023, 1024, 1025)] == [1, 1, 2, 4, 4, 8,
+                                                                                       1024, 1024, 2048]
+
+
+def test_pool_capacity_is_the_group_max_and_buffers_are_lazy():
+    capacity_s = 24  # not a power of two: the largest Buffer has exactly S
+
+    def fn(world):
+        pool = BufferPool(capacity_s, H, K, E, world=world, token_padding=TP, dtype=F64, min_capacity=2)
+        seen = []
+        for tokens_r in ((1, 0, 1, 1), (0, 3, 1, 2), (5, 1, 0, 0), (24, 1, 0, 3), (4, 4, 4, 4), (0, 0, 0, 0)):
+            buf = pool.get(tokens_r[world.rank])
+            x = step_inputs(world.rank, tokens_r[world.rank])
+            rows, weights_nvs, _, plan = run(buf, x)
+            out, _, _ = buf.combine(plan, rows * weights_nvs[:, None])
+            assert torch.equal(out, expected_out(x))
+            seen.append(buf.S)
+        stats = pool.stats()
+        keys = list(world.group._registry)
+        pool.destroy()
+        with pytest.raises(RuntimeError, match="destroyed"):
+            pool.get(1)
+        registry = list(world.group._registry.items())
+        mine_left = [key for key, slots in registry if slots[world.rank] is not None]
+        return seen, stats, keys, mine_left
+
+    results = run_ranks(fn, R)
+    for seen, stats, keys, left in results:
+        assert seen == [2, 4, 8, 24, 4, 2]
+        assert stats["capacities"] == [2, 4, 8, 24]
+        nvs = stats["rows_per_rank"]
+        assert stats["bytes"] == [n * (H * 8 + 8 + 4) for n in nvs]
+        assert stats["total_bytes"] == sum(stats["bytes"]) and nvs == sorted(nvs) and nvs[0] < nvs[-1]
+        assert keys and not left, "destroy() releases every Buffer"
+
+
+def test_pool_rejects_too_many_tokens():
+    pool = BufferPool(S, H, K, E, world=single_world(), dtype=F64)
+    with pytest.raises(ValueError, match="num_tokens"):
+        pool.get(S + 1)
+    with pytest.raises(ValueError, match="min_capacity"):
+        BufferPool(S, H, K, E, world=single_world(), dtype=F64, min_capacity=S + 1)
+
+
+# -- weight layout -----------------------------------------------------------------------------------------
+
+F = 6
+
+
+def model_weights() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return (torch.randint(-9, 10, (E, 2 * F, H), generator=gen).to(F64),
+            torch.randint(-9, 10, (E, H, F), generator=gen).to(F64))
+
+
+@pytest.mark.parametrize("source", ["fused", "per_expert"])
+def test_layout_holds_only_home_experts_and_slots(source):
+    w13, w2 = model_weights()
+    B = 2
+
+    def fn(world):
+        asked = []
+
+        def expert_weights(e):
+            asked.append(e)
+            return w13[e, :F], w13[e, F:], w2[e]
+
+        if source == "fused":
+            layout = ExpertLayout.from_fused(world, w13, w2, num_slots=B, name="layer0")
+        else:
+            layout = ExpertLayout.from_experts(world, expert_weights, E, num_slots=B, name="layer0",
+                                               dtype=F64)
+        return layout, asked
+
+    epn = E // R
+    for rank, (layout, asked) in enumerate(run_ranks(fn, R)):
+        home = slice(rank * epn, (rank + 1) * epn)
+        assert layout.local_expert_start == rank * epn and layout.num_local_experts == epn
+        assert torch.equal(layout.gate_up.home.local, w13[home])
+        assert torch.equal(layout.down.home.local, w2[home])
+        for rows, full in ((layout.gate_up, w13), (layout.down, w2)):
+            assert rows.home.local.shape[0] + rows.slots.local.shape[0] <= epn + B
+            assert rows.home.local.untyped_storage().nbytes() == full[home].nbytes, "a copy of the slice only"
+        assert layout.nbytes == (epn + B) * (w13[0].nbytes + w2[0].nbytes)
+        assert asked == ([] if source == "fused" else list(range(rank * epn, (rank + 1) * epn)))
+
+
+def test_layout_errors():
+    w13, w2 = model_weights()
+    with pytest.raises(ValueError, match="w2 must be"):
+        ExpertLayout.from_fused(single_world(), w13, w2[:, :, :-1], num_slots=0, name="x")
+    with pytest.raises(ValueError, match="divisible"):
+        run_ranks(lambda world: ExpertLayout.from_fused(world, w13[:6], w2[:6], num_slots=0, name="x"), 4)
+    with pytest.raises(ValueError, match="num_slots"):
+        ExpertLayout.from_fused(single_world(), w13, w2, num_slots=1, name="x")
+
+
+# -- the communicator --------------------------------------------------------------------------------------
+
+
+def comm_config(**overrides) -> CommunicatorConfig:
+    fields = dict(hidden_size=H, num_experts=E, top_k=K, max_tokens_per_rank=S, token_padding=TP,
+                  dtype="float64")
+    return CommunicatorConfig(**{**fields, **overrides})
+
+
+def swiglu_experts(out, layout: ExpertLayout, epn: int) -> torch.Tensor:
+    """A plain per-group SwiGLU runner, as an engine would write it, from the DispatchOutput layout."""
+    y_nvsh = torch.zeros_like(out.tokens_nvsh)
+    starts = [0, *out.offsets_g.tolist()[:-1]]
+    for g, (start, expert) in enumerate(zip(starts, out.expert_ids_g.tolist(), strict=True)):
+        if expert < 0:
+            continue
+        rows = slice(start, start + int(out.num_tokens_per_expert_g[g]))
+        rows_w = layout.gate_up.home.local if g < epn else layout.gate_up.slots.local
+        rows_d = layout.down.home.local if g < epn else layout.down.slots.local
+        j = g if g < epn else g - epn
+        gate_up = out.tokens_nvsh[rows] @ rows_w[j].T
+        hidden = torch.nn.functional.silu(gate_up[:, :F]) * gate_up[:, F:]
+        y_nvsh[rows] = (hidden @ rows_d[j].T) * out.weights_nvs[rows, None]
+    return y_nvsh
+
+
+def dense_moe(x: dict[str, torch.Tensor], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x["hidden"])
+    for t in range(x["hidden"].shape[0]):
+        for k in range(K):
+            e = int(x["topk"][t, k])
+            if e >= 0:
+                gate_up = w13[e] @ x["hidden"][t]
+                out[t] += x["weights"][t, k] * (w2[e] @ (torch.nn.functional.silu(gate_up[:F]) * gate_up[F:]))
+    return out
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_communicator_runs_an_engine_step_against_a_dense_reference(use_async):
+    w13, w2 = model_weights()
+    steps = ((3, 0, 7, 1), (S, S, S, S), (2, 1, 1, 1))
+
+    def fn(world):
+        comm = MoECommunicator(comm_config(), world=world)
+        layout = ExpertLayout.from_fused(world, w13, w2, num_slots=comm.num_slots, name="layer0")
+        epn = comm.num_local_experts
+        results = []
+        for step, tokens_r in enumerate(steps):
+            x = step_inputs(world.rank, tokens_r[world.rank], seed=step)
+            x["topk"][::3, 1] = -1  # some padding routes
+            if use_async:
+                out, handle = comm.dispatch_async(x["hidden"], x["topk"], x["weights"]).wait()
+            else:
+                out, handle = comm.dispatch(x["hidden"], x["topk"], x["weights"])
+            comm.prefetch_weights(handle, layout)
+            ids = out.expert_ids_g.tolist()
+            assert ids[:epn] == list(range(comm.local_expert_start, comm.local_expert_start + epn))
+            sizes_g = torch.diff(out.offsets_g, prepend=out.offsets_g.new_zeros(1))
+            assert (out.num_tokens_per_expert_g <= sizes_g).all() and (sizes_g % TP == 0).all()
+            for g, e in enumerate(ids):
+                assert e >= 0 or int(sizes_g[g]) == 0
+            y_nvsh = swiglu_experts(out, layout, epn)
+            if use_async:
+                y_th = comm.combine_async(y_nvsh, handle).wait()
+            else:
+                y_th = comm.combine(y_nvsh, handle)
+            results.append((x, y_th, handle._buffer.S, int(out.num_tokens_per_expert_g.sum())))
+        stats = comm.stats()
+        comm.destroy()
+        return results, stats
+
+    outputs = run_ranks(fn, R)
+    for step, tokens_r in enumerate(steps):
+        assert sum(outputs[r][0][step][3] for r in range(R)) == sum(
+            int((outputs[r][0][step][0]["topk"] >= 0).sum()) for r in range(R)), "every valid route once"
+        for r in range(R):
+            x, y_th, capacity, _ = outputs[r][0][step]
+            assert capacity == next_power_of_two(max(tokens_r))
+            torch.testing.assert_close(y_th, dense_moe(x, w13, w2), rtol=1e-12, atol=1e-9)
+    assert outputs[0][1]["capacities"] == [2, 8, S]
+
+
+def test_communicator_unweighted_in_place_and_misuse():
+    comm = MoECommunicator(comm_config(), world=single_world())
+    x = step_inputs(0, 5)
+    out, handle = comm.dispatch(x["hidden"], x["topk"])
+    assert out.weights_nvs is None
+    y_th = comm.combine(out.tokens_nvsh, handle)  # identity experts, written in place
+    assert torch.equal(y_th, K * x["hidden"])
+    with pytest.raises(RuntimeError, match="already combined"):
+        comm.combine(out.tokens_nvsh, handle)
+    other = MoECommunicator(comm_config(), world=single_world())
+    _, foreign = other.dispatch(x["hidden"], x["topk"], x["weights"])
+    with pytest.raises(ValueError, match="handle"):
+        comm.combine(out.tokens_nvsh, foreign)
+    assert isinstance(foreign, DispatchHandle)
+    comm.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        comm.dispatch(x["hidden"], x["topk"])
+
+
+def test_communicator_from_moe_config_and_keywords():
+    cfg = load_config("tiny-cpu", ep_size=1, max_tokens_per_rank=16)
+    comm = MoECommunicator(cfg, world=single_world(), dtype="float64")
+    assert comm.config.hidden_size == cfg.hidden_size and comm.dtype == F64
+    assert (comm.num_local_experts, comm.local_expert_start) == (cfg.num_experts, 0)
+    keywords = MoECommunicator(world=single_world(), hidden_size=H, num_experts=E, top_k=K,
+                               max_tokens_per_rank=S)
+    assert keywords.config == comm_config(token_padding=128, dtype="bfloat16")
+
+
+# -- capabilities, stated and enforced --------------------------------------------------------------------
+
+
+def test_capabilities_are_stated():
+    assert MoECommunicator.capabilities() == dict(
+        supports_async=False, supports_backward=False, supports_cuda_graph=False, supports_expert_bias=False,
+        supports_multiple_inflight_steps=False, supports_quantized_dispatch=False,
+        supports_variable_tokens=True)
+
+
+@pytest.mark.parametrize(("overrides", "error", "match"), [
+    (dict(expert_bias=True), NotImplementedError, "supported: expert_bias=False"),
+    (dict(quantization="fp8_e4m3"), NotImplementedError, "supported: quantization='none'"),
+    (dict(num_local_experts=3), ValueError, "only contiguous blocks"),
+    (dict(local_expert_start=5), ValueError, "only contiguous blocks"),
+    (dict(ep_size=2), ValueError, "ep_size=2"),
+    (dict(num_experts=6, top_k=2), ValueError, "divisible"),
+])
+def test_unsupported_options_raise_at_construction(overrides, error, match):
+    def fn(world):
+        with pytest.raises(error, match=match):
+            MoECommunicator(comm_config(**overrides), world=world)
+
+    run_ranks(fn, 4)
+
+
+def test_quantised_activations_raise_at_the_first_call():
+    comm = MoECommunicator(comm_config(), world=single_world())
+    x = step_inputs(0, 4)
+    with pytest.raises(NotImplementedError, match="quantised dispatch.*float64"):
+        comm.dispatch(x["hidden"].to(torch.float8_e4m3fn), x["topk"], x["weights"])
+
+
+def test_two_inflight_steps_on_one_communicator_raise():
+    comm = MoECommunicator(comm_config(), world=single_world())
+    x = step_inputs(0, 4)
+    out, handle = comm.dispatch(x["hidden"], x["topk"], x["weights"])
+    with pytest.raises(RuntimeError, match="two in-flight steps"):
+        comm.dispatch(x["hidden"], x["topk"], x["weights"])
+    assert torch.equal(comm.combine(out.tokens_nvsh * out.weights_nvs[:, None], handle), expected_out(x))
+    _, failed = comm.dispatch(x["hidden"], x["topk"], x["weights"])
+    comm.discard(failed)  # the runner failed: the next step may run
+    out, handle = comm.dispatch(x["hidden"], x["topk"], x["weights"])
+    assert torch.equal(comm.combine(out.tokens_nvsh * out.weights_nvs[:, None], handle), expected_out(x))
