@@ -116,7 +116,7 @@ def test_select_torch_unsupported(dtype, k, reason):
 
 
 def test_select_bad_names():
-    with pytest.raises(ValueError, match="grouped_gemm='deep_gemm' is not available yet: "):
+    with pytest.raises(ValueError, match="grouped_gemm='deep_gemm' cannot run here: DeepGEMM runs bf16"):
         select_grouped_gemm("deep_gemm", CPU, torch.bfloat16)
     with pytest.raises(ValueError, match="grouped_gemm must be one of"):
         select_grouped_gemm("cublas", CPU, torch.bfloat16)

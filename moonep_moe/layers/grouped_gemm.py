@@ -153,28 +153,81 @@ def _torch_unsupported_reason(device: torch.device, dtype: torch.dtype, k: int |
     return None
 
 
+class DeepGemmGroupedGemm:
+    """DeepGEMM on Hopper: fwd and dgrad through ``m_grouped_bf16_gemm_{nt,nn}_contiguous`` with
+    ``use_psum_layout=True``, which takes the padded segment end offsets (``offs_g``) directly on the device:
+    no host sync. Every segment must start at a multiple of 128 (``token_padding`` a multiple of 128).
+
+    The weight gradient runs on ``torch._grouped_mm``: DeepGEMM's k-grouped wgrad needs the segment sizes as a
+    host list (a device-to-host read per call), which the no-host-sync rule forbids. Weights sequences are
+    joined with ``torch.cat`` as in ``TorchGroupedGemm``.
+    """
+
+    name = "deep_gemm"
+
+    def __init__(self) -> None:
+        import deep_gemm
+
+        self._deep_gemm = deep_gemm
+        self._torch = TorchGroupedGemm()
+
+    def fwd(self, x_mk: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        _check_groups(weights_gnk, offs_g, "weights_gnk")
+        w_gnk = _cat_groups(weights_gnk)
+        y_mn = x_mk.new_empty(x_mk.shape[0], w_gnk.shape[1])
+        self._deep_gemm.m_grouped_bf16_gemm_nt_contiguous(x_mk, w_gnk, y_mn, offs_g, use_psum_layout=True)
+        return y_mn
+
+    def dgrad(self, dy_mn: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        _check_groups(weights_gnk, offs_g, "weights_gnk")
+        w_gnk = _cat_groups(weights_gnk)
+        dx_mk = dy_mn.new_empty(dy_mn.shape[0], w_gnk.shape[2])
+        self._deep_gemm.m_grouped_bf16_gemm_nn_contiguous(dy_mn, w_gnk, dx_mk, offs_g, use_psum_layout=True)
+        return dx_mk
+
+    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor]) -> None:
+        self._torch.wgrad(dy_mn, x_mk, offs_g, out_gnk)
+
+
+def _deep_gemm_unsupported_reason(device: torch.device, dtype: torch.dtype,
+                                  token_padding: int | None) -> str | None:
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return f"DeepGEMM runs bf16 on CUDA, got {dtype} on {device.type}"
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return "DeepGEMM needs sm90 (Hopper) or newer"
+    if token_padding is None or token_padding % 128:
+        return f"DeepGEMM needs segments aligned to 128 rows (token_padding % 128 == 0), got {token_padding}"
+    try:
+        import deep_gemm  # noqa: F401
+    except ImportError as error:
+        return f"deep_gemm cannot be imported ({error}); install the 'gpu' extra (README, GPU section)"
+    return None
+
+
 def select_grouped_gemm(
-    name: str, device: torch.device, dtype: torch.dtype, k: int | None = None
+    name: str, device: torch.device, dtype: torch.dtype, k: int | None = None,
+    token_padding: int | None = None,
 ) -> GroupedGemm:
     """The one place a grouped-GEMM backend is chosen.
 
     Args:
         name: "auto" (torch when it supports the case, else reference), "torch", "reference" or "deep_gemm"
-            (not available yet).
+            (fwd and dgrad on DeepGEMM, wgrad on torch; bf16, CUDA sm90+, segments aligned to 128).
         device, dtype: where and in what dtype the expert activations and weights live.
         k: the row length every operand will have, for the 16-byte stride check. The expert block uses both
             H and F as row lengths: pass ``math.gcd(H, F)``. None skips the check.
+        token_padding: the segments' alignment (DeepGEMM needs a multiple of 128).
 
     Raises:
-        ValueError naming ``grouped_gemm`` for an unknown name, "deep_gemm", or "torch" where it cannot run.
+        ValueError naming ``grouped_gemm`` for an unknown name, or "torch" / "deep_gemm" where it cannot run.
     """
     if name == "reference":
         return ReferenceGroupedGemm()
     if name == "deep_gemm":
-        raise ValueError(
-            "grouped_gemm='deep_gemm' is not available yet: a later issue adds the DeepGEMM backend; "
-            "use 'auto', 'torch' or 'reference'"
-        )
+        reason = _deep_gemm_unsupported_reason(device, dtype, token_padding)
+        if reason is not None:
+            raise ValueError(f"grouped_gemm='deep_gemm' cannot run here: {reason}; use 'auto' or 'torch'")
+        return DeepGemmGroupedGemm()
     if name not in GROUPED_GEMM_NAMES:
         raise ValueError(f"grouped_gemm must be one of {GROUPED_GEMM_NAMES}, got {name!r}")
     reason = _torch_unsupported_reason(device, dtype, k)

@@ -1,0 +1,70 @@
+"""What every benchmark shares: the machine's measured limits, a CUDA-event timer, and the JSON record.
+
+Every result file holds the device, the commit, the command line and the baselines measured in the same run
+(`limits`: device-to-device copy bandwidth and dense bf16 GEMM rate), so every speed can be stated as a ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def timed(fn: Callable[[], object], warmup: int = 3, repeat: int = 10) -> float:
+    """Median seconds of `fn()` over `repeat` runs after `warmup`, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def measure_limits() -> dict[str, float]:
+    """The two ceilings: device copy bandwidth (bytes read + written per second, 4 GiB copy) and the dense
+    bf16 GEMM rate (8192^3 through torch.matmul, random data)."""
+    src = torch.empty(2**30, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    copy_s = timed(lambda: dst.copy_(src))
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    gemm_s = timed(lambda: a @ b)
+    return {"copy_bytes_per_s": 2 * 4 * 2**30 / copy_s, "dense_bf16_flops_per_s": 2 * 8192**3 / gemm_s}
+
+
+def commit() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
+        return rev + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_record(name: str, limits: dict[str, float], rows: list[dict], out_dir: Path | None = None) -> Path:
+    """`bench/results/<name>-<device>-<date>.json` (or under `out_dir`) with device, commit and command."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    record = {"benchmark": name, "device": device, "commit": commit(), "command": " ".join(sys.argv),
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "limits": limits,
+              "results": rows}
+    out_dir = out_dir or RESULTS
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}-{device.replace(' ', '_')}-{time.strftime('%Y%m%d')}.json"
+    path.write_text(json.dumps(record, indent=1))
+    return path
