@@ -204,6 +204,10 @@ class MoECommunicator:
         """Every `supports_*` property by name."""
         return {name: getattr(cls, name) for name in dir(cls) if name.startswith("supports_")}
 
+    def capacity_for(self, num_tokens: int) -> int:
+        """Collective: the token capacity of the Buffer that serves a step with `num_tokens` tokens here."""
+        return self._pool.capacity_for(num_tokens)
+
     # -- dispatch -------------------------------------------------------------------------------------------
 
     def dispatch(self, input_th: torch.Tensor, topk_ids_tk: torch.Tensor,
