@@ -75,26 +75,29 @@ def build_layer(p: Problem, world) -> MoonEPMoELayer:
     return layer
 
 
+def rank_step(p: Problem, world, device: str = "cpu", backward: bool = True) -> dict[str, torch.Tensor]:
+    """One forward (+ backward) of this rank's layer in any EP world: outputs, gradients, balance stats and
+    the plan's `dst`, `experts_to_copy`, `cu_seqlens`, on the CPU (floating point ones in float64)."""
+    dtype = p.cfg.torch_dtype
+    layer = build_layer(p, world)
+    x = p.hidden[world.rank].to(device, dtype).requires_grad_()
+    mask = p.masks[world.rank]
+    out = layer(x, None if mask is None else mask.to(device))
+    if backward:
+        out.backward(p.grad_out[world.rank].to(device, dtype))
+    stats = {k: v.clone() for k, v in layer.balance_stats().items()}
+    plan = layer._state.last_plan
+    layer.destroy()
+    result = dict(out=out.detach(), grad_x=x.grad, grad_router=layer.router.weight.grad,
+                  grad_gate_up=layer.experts.gate_up.grad, grad_down=layer.experts.down.grad, **stats,
+                  dst=plan.dst, experts_to_copy=plan.experts_to_copy, cu_seqlens=plan.cu_seqlens)
+    return {k: v.cpu().double() if v.is_floating_point() else v.cpu()
+            for k, v in result.items() if v is not None}
+
+
 def run_moonep(p: Problem, device: str = "cpu", backward: bool = True) -> list[dict[str, torch.Tensor]]:
-    """One forward (+ backward) on `cfg.ep_size` thread-ranks on `device`; results on the CPU in float64."""
-    cfg = p.cfg
-    dtype = cfg.torch_dtype
-
-    def rank_fn(world):
-        layer = build_layer(p, world)
-        x = p.hidden[world.rank].to(device, dtype).requires_grad_()
-        mask = p.masks[world.rank]
-        out = layer(x, None if mask is None else mask.to(device))
-        if backward:
-            out.backward(p.grad_out[world.rank].to(device, dtype))
-        stats = {k: v.clone() for k, v in layer.balance_stats().items()}
-        layer.destroy()
-        result = dict(out=out.detach(), grad_x=x.grad, grad_router=layer.router.weight.grad,
-                      grad_gate_up=layer.experts.gate_up.grad, grad_down=layer.experts.down.grad, **stats)
-        return {k: v.cpu().double() if v.is_floating_point() else v.cpu()
-                for k, v in result.items() if v is not None}
-
-    return run_ranks(rank_fn, cfg.ep_size, device=device)
+    """`rank_step` on `cfg.ep_size` thread-ranks on `device`."""
+    return run_ranks(lambda world: rank_step(p, world, device, backward), p.cfg.ep_size, device=device)
 
 
 def run_dense(p: Problem) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor, torch.Tensor, float]:

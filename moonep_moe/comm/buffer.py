@@ -273,14 +273,17 @@ class Buffer:
         token_n = torch.arange(plan.dst.numel(), device=plan.dst.device) // self.K
         world = self.world
         sends = valid_n & primary_n
-        world.scatter_rows(self._rows, dest_n[sends], row_n[sends], hidden_sh[token_n[sends]])
+        # capacities: a token sends one payload row per destination rank (<= S), a weight per route (<= S*K)
+        world.scatter_rows(self._rows, dest_n[sends], row_n[sends], hidden_sh[token_n[sends]],
+                           capacity=self.S)
         if route_weights_sk is not None:
             world.scatter_rows(self._weights, dest_n[valid_n], row_n[valid_n],
-                               route_weights_sk.reshape(-1)[valid_n])
+                               route_weights_sk.reshape(-1)[valid_n], capacity=self.S * self.K)
         if record_duplicates:
             dups = valid_n & ~primary_n
             primary_row_n = self._primary_rows(dest_n, row_n, primary_n, valid_n)
-            world.scatter_rows(self._dup_source, dest_n[dups], row_n[dups], primary_row_n[dups])
+            world.scatter_rows(self._dup_source, dest_n[dups], row_n[dups], primary_row_n[dups],
+                               capacity=self.S * self.K)
         pad_rows = _ranges_to_rows(plan.zero_fill_ranges)
         self._rows.local.index_fill_(0, pad_rows, 0)
         self._weights.local.index_fill_(0, pad_rows, 0)
@@ -369,13 +372,15 @@ class Buffer:
         num_tokens = plan.dst.numel() // self.K
         pulls = valid_n & primary_n
         gathered_nh = torch.zeros(plan.dst.numel(), self.H, dtype=accumulate, device=device)
-        gathered_nh[pulls] = self.world.gather_rows(self._rows, dest_n[pulls], row_n[pulls]).to(accumulate)
+        gathered_nh[pulls] = self.world.gather_rows(self._rows, dest_n[pulls], row_n[pulls],
+                                                    capacity=self.S).to(accumulate)
         out_sh = torch.zeros(num_tokens, self.H, dtype=accumulate, device=device)
         for k in range(self.K):  # fp32 sum in k order
             out_sh += gathered_nh.view(num_tokens, self.K, self.H)[:, k]
         weights_n = torch.zeros(plan.dst.numel(), dtype=self.weight_dtype, device=device)
         if route_weights_nvs is not None:
-            weights_n[valid_n] = self.world.gather_rows(self._weights, dest_n[valid_n], row_n[valid_n])
+            weights_n[valid_n] = self.world.gather_rows(self._weights, dest_n[valid_n], row_n[valid_n],
+                                                        capacity=self.S * self.K)
         weights_sk = weights_n.view(num_tokens, self.K) if route_weights_nvs is not None else None
         return out_sh.to(self.dtype), weights_sk, (_event(device) if async_finish else None)
 
@@ -403,7 +408,8 @@ class Buffer:
             if weight is None:
                 continue
             if isinstance(weight, ExpertRows):
-                copies = self.world.gather_rows(weight.home, experts_u // self.epn, experts_u % self.epn)
+                copies = self.world.gather_rows(weight.home, experts_u // self.epn, experts_u % self.epn,
+                                                capacity=self.B)
                 weight.slots.local.index_copy_(0, used_u, copies)
             else:
                 self._check_full(weight, "full weight")
@@ -453,7 +459,8 @@ class Buffer:
         home_c = table_rb[rank_c, slot_c] % self.epn
         used_b = table_rb[self.world.rank] >= 0
         for home, slots, replicated in projections:
-            home.index_add_(0, home_c, self.world.gather_rows(slots, rank_c, slot_c).to(home.dtype))
+            pulled = self.world.gather_rows(slots, rank_c, slot_c, capacity=self.B)
+            home.index_add_(0, home_c, pulled.to(home.dtype))
             slots.local[used_b] = 0
             if replicated is not None:
                 replicated[used_b] = 0

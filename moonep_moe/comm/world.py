@@ -55,15 +55,19 @@ class EPWorld(Protocol):
         ...
 
     def scatter_rows(self, target: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor,
-                     values_n: torch.Tensor) -> None:
+                     values_n: torch.Tensor, *, capacity: int | None = None) -> None:
         """Collective: `target` on rank `rank_n[i]` gets `values_n[i]` at row `row_n[i]` (`[n]` int64 ranks
         and rows, `[n, *row shape]` values; n may differ per rank). Starts once every rank is done with
-        `target`'s previous contents; returns once every write into this rank's `target` has landed."""
+        `target`'s previous contents; returns once every write into this rank's `target` has landed.
+        `capacity`: the most rows any rank sends to any one rank in this call, identical on every rank (a
+        static bound: transports with fixed-size messages size them by it; others ignore it)."""
         ...
 
-    def gather_rows(self, source: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor) -> torch.Tensor:
+    def gather_rows(self, source: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor, *,
+                    capacity: int | None = None) -> torch.Tensor:
         """Collective: `[n, *row shape]` rows `source[row_n[i]]` of rank `rank_n[i]`. Starts once every rank's
-        `source` is final; returns once every rank is done reading this rank's `source`."""
+        `source` is final; returns once every rank is done reading this rank's `source`. `capacity`: the
+        most rows any rank reads from any one rank in this call (as in `scatter_rows`)."""
         ...
 
     def release(self, key: str) -> None:
@@ -73,18 +77,25 @@ class EPWorld(Protocol):
 
 @dataclass(frozen=True)
 class SymmetricTensor:
-    """One tensor per rank under one key: `local` is this rank's, `peer(r)` aliases rank r's memory."""
+    """One tensor per rank under one key: `local` is this rank's, `peer(r)` aliases rank r's memory.
+
+    A transport without shared memory (the collective world) holds only `local`: its other entries are None
+    and `peer(r)` raises; such worlds move rows with `scatter_rows` / `gather_rows` only."""
 
     key: str
     rank: int
-    peers: tuple[torch.Tensor, ...]
+    peers: tuple[torch.Tensor | None, ...]
 
     @property
     def local(self) -> torch.Tensor:
         return self.peers[self.rank]
 
     def peer(self, rank: int) -> torch.Tensor:
-        return self.peers[rank]
+        tensor = self.peers[rank]
+        if tensor is None:
+            raise RuntimeError(f"symmetric tensor {self.key!r}: rank {rank}'s memory is not mapped on rank "
+                               f"{self.rank} (this world has no shared memory; use scatter_rows/gather_rows)")
+        return tensor
 
 
 class ThreadGroup:
@@ -152,14 +163,15 @@ class ThreadsWorld:
         self.group._barrier.wait()
 
     def scatter_rows(self, target: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor,
-                     values_n: torch.Tensor) -> None:
+                     values_n: torch.Tensor, *, capacity: int | None = None) -> None:
         self.barrier()
         for rank in range(self.size):
             to_rank = rank_n == rank
             target.peer(rank).index_copy_(0, row_n[to_rank], values_n[to_rank].to(target.local.dtype))
         self.barrier()
 
-    def gather_rows(self, source: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor) -> torch.Tensor:
+    def gather_rows(self, source: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor, *,
+                    capacity: int | None = None) -> torch.Tensor:
         self.barrier()
         rows = source.local.new_empty((len(rank_n), *source.local.shape[1:]))
         for rank in range(self.size):

@@ -14,6 +14,7 @@ host sync, and it is the caller's choice).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 
@@ -48,14 +49,43 @@ class SharedExperts(nn.Module):
         return out_th * torch.sigmoid(self.gate(hidden_th)) if self.gate is not None else out_th
 
 
+def default_world(config: MoEConfig) -> EPWorld:
+    """The world a layer built without one uses: `world="threads"` -> a one-rank world on the CPU (only with
+    ep_size == 1); `"collective"` -> the initialised default process group's `CollectiveWorld`."""
+    if config.world == "collective":
+        from moonep_moe.comm.collective import collective_world
+
+        return collective_world()
+    if config.world != "threads":
+        raise ValueError(f"world={config.world!r} is not available yet: use 'threads' or 'collective', or "
+                         "pass a world object")
+    if config.ep_size != 1:
+        raise ValueError(f"ep_size={config.ep_size} needs a world with {config.ep_size} ranks "
+                         "(e.g. moonep_moe.comm.world.run_ranks, or world='collective' under torchrun)")
+    return single_world()
+
+
+def check_same_config(world: EPWorld, config: MoEConfig) -> None:
+    """Collective: raise on every rank, naming the ranks, unless all ranks hold the same config (one
+    all-gather of a 63-bit hash of `config.model_dump_json()`, read on the host at construction)."""
+    digest = hashlib.sha256(config.model_dump_json().encode()).digest()
+    mine = torch.tensor([int.from_bytes(digest[:8], "little") >> 1], dtype=torch.int64, device=world.device)
+    hash_r = world.all_gather(mine).view(-1).tolist()
+    if len(set(hash_r)) > 1:
+        differ = [r for r, h in enumerate(hash_r) if h != hash_r[0]]
+        raise ValueError(f"MoEConfig differs across the EP ranks: rank(s) {differ} disagree with rank 0 "
+                         f"(seen on rank {world.rank}); every rank must build the layer from the same config")
+
+
 class MoonEPMoELayer(nn.Module):
     """Drop-in MoE block. Parameters: `router.weight [E, H]`, `experts.gate_up [epn, 2H', H]`,
     `experts.down [epn, H, H']` (this rank's home experts only) and the shared experts.
 
     Args:
         config: the layer's `MoEConfig` (validated).
-        world: the EP world, whose size must be `config.ep_size`; default: a one-rank world on the CPU
-            (only valid with ep_size == 1). Every rank must construct its layers in the same order.
+        world: the EP world (any `EPWorld`), whose size must be `config.ep_size`; default from
+            `config.world` (`default_world`). Every rank must construct its layers in the same order, from
+            the same config (checked: ranks that disagree raise, named).
 
     `forward` returns a tensor of the input's shape, or `(output, aux_loss)` when
     `config.router.aux_loss_coeff > 0`.
@@ -65,15 +95,10 @@ class MoonEPMoELayer(nn.Module):
 
     def __init__(self, config: MoEConfig, world: EPWorld | None = None):
         super().__init__()
-        if world is None:
-            if config.ep_size != 1:
-                raise ValueError(f"ep_size={config.ep_size} needs a world with {config.ep_size} ranks "
-                                 "(e.g. moonep_moe.comm.world.run_ranks)")
-            world = single_world()
+        world = default_world(config) if world is None else world
         if world.size != config.ep_size:
             raise ValueError(f"ep_size={config.ep_size} does not match the world's size {world.size}")
-        if config.world != "threads":
-            raise ValueError(f"world={config.world!r} is not available yet: only the 'threads' world exists")
+        check_same_config(world, config)
         self.config, self.world = config, world
         dtype, device = config.torch_dtype, world.device
         h, f, e, k = config.hidden_size, config.ffn_hidden_size, config.num_experts, config.top_k

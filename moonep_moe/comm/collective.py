@@ -1,0 +1,282 @@
+"""The collective EP world: `EPWorld` over `torch.distributed` (NCCL across nodes, gloo on the CPU).
+
+Beyond one NVLink domain ranks cannot map each other's memory, so `symmetric(key, tensor)` registers only
+this rank's tensor (after checking that every rank registered the same shape and dtype under the same key)
+and every row that crosses ranks travels in an all-to-all. Legend: n rows this rank sends or requests,
+R ranks, c the call's `capacity` (rows any rank exchanges with any one rank), `*row` the row shape.
+
+Two modes:
+- static (default): every rank sends every rank a fixed block of c rows, padded, with the rows' target
+  indices alongside (-1 = padding); one equal-split `all_to_all_single` for the rows and one for the indices,
+  then `index_copy_` on the receiver. `gather_rows` is one all-to-all of requests and one of replies.
+  Message sizes depend only on the config, so nothing reads device values on the host (CUDA-graph friendly),
+  at the price of sending `R * c` rows whatever the routing.
+- exact size (`exact_size=True`): only the real rows travel, with variable splits. The per-destination row
+  counts are exchanged first and read on the host: one small device-to-host read of `2R` ints per
+  exchange (a sync on a GPU), worth it when bandwidth between nodes matters more than the sync.
+
+Launching: one process per rank (`torchrun`), `init_collective()` (or your own `init_process_group` with a
+timeout and `CollectiveWorld()`), and the rank's work inside `fail_fast()`, so that a rank that raises aborts
+the group: its peers raise `RankFailedError` naming it within about a second instead of hanging until the
+timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moonep_moe.comm.world import SymmetricTensor
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Collectives that wait longer than this raise (the process-group timeout of `init_collective`)."""
+
+_MAX_DIMS = 8
+"""Most dimensions of a symmetric tensor (its shape travels in a fixed-size signature)."""
+
+
+class RankFailedError(RuntimeError):
+    """Raised on a rank whose peer failed first; the message names that rank and its error."""
+
+
+class CollectiveWorld:
+    """Rank `rank` of an EP group made of a `torch.distributed` process group (default: the WORLD group).
+
+    Owns no tensors: layers register theirs with `symmetric`. `device` follows the backend: `cuda:LOCAL_RANK`
+    for NCCL, the CPU otherwise. Every method except the attributes is collective: every rank calls them in
+    the same order.
+
+    Args:
+        group: the process group of the EP ranks (rank = group rank); default the WORLD group, which must be
+            initialised (`init_collective`).
+        exact_size: send only real rows, at the cost of one small device-to-host read per exchange (above).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, exact_size: bool = False):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("the collective EP world needs an initialised torch.distributed process "
+                               "group: call moonep_moe.comm.collective.init_collective() (or "
+                               "torch.distributed.init_process_group) first, e.g. under torchrun")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+        self.exact_size = exact_size
+        if dist.get_backend(self.group) == "nccl":
+            local_rank = int(os.environ.get("LOCAL_RANK", self.rank % torch.cuda.device_count()))
+            self.device = torch.device("cuda", local_rank)
+        else:
+            self.device = torch.device("cpu")
+        self.globals: dict[Any, Any] = {}
+        self._keys: set[str] = set()
+
+    # -- small collectives ----------------------------------------------------------------------------------
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`[*shape]` on every rank -> `[size, *shape]`, identical on every rank (a fresh tensor)."""
+        gathered = tensor.new_empty(self.size * tensor.numel())
+        dist.all_gather_single(gathered, tensor.reshape(-1).contiguous(), group=self.group)
+        return gathered.view(self.size, *tensor.shape)
+
+    def barrier(self) -> None:
+        if self.device.type == "cuda":
+            dist.barrier(group=self.group, device_ids=[self.device.index])
+        else:
+            dist.barrier(group=self.group)
+
+    def symmetric(self, key: str, tensor: torch.Tensor) -> SymmetricTensor:
+        """Register `tensor` under `key`; only `local` is available (`peer(r)` of another rank raises).
+
+        Checks that every rank registered the same key, shape and dtype (one all-gather of a `[3 + 8]`
+        signature; it reads the result on the host, at construction time), which also catches ranks that
+        build different layers or disagree on the config.
+        """
+        if key in self._keys:
+            raise ValueError(f"symmetric key {key!r} is already registered on rank {self.rank}")
+        if tensor.device != self.device:
+            raise ValueError(f"symmetric key {key!r}: tensor must be on {self.device}, got {tensor.device}")
+        signature_r = self.all_gather(_signature(key, tensor).to(self.device)).cpu()
+        mine = signature_r[self.rank]
+        differ = [r for r in range(self.size) if not torch.equal(signature_r[r], mine)]
+        if differ:
+            raise ValueError(
+                f"symmetric key {key!r}: rank {self.rank} registered {_describe(mine)}, rank(s) {differ} "
+                f"registered {', '.join(_describe(signature_r[r]) for r in differ)}: every rank must build "
+                "the same layers in the same order from the same config")
+        self._keys.add(key)
+        return SymmetricTensor(key, self.rank, tuple(tensor if r == self.rank else None
+                                                     for r in range(self.size)))
+
+    def release(self, key: str) -> None:
+        self._keys.discard(key)
+
+    # -- row exchanges --------------------------------------------------------------------------------------
+
+    def scatter_rows(self, target: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor,
+                     values_n: torch.Tensor, *, capacity: int | None = None) -> None:
+        """Rank `rank_n[i]`'s `target` gets `values_n [n, *row]` at row `row_n[i]`. `capacity` default: the
+        target's rows (each row written at most once per exchange)."""
+        local = target.local
+        rank_n, row_n, values_n = rank_n.long(), row_n.long(), values_n.to(local.dtype)
+        if self.exact_size:
+            order_n, send_r, recv_r = self._exact_splits(rank_n)
+            recv_m = self._all_to_all(values_n[order_n], send_r, recv_r)
+            rows_m = self._all_to_all(row_n[order_n], send_r, recv_r)
+            local.index_copy_(0, rows_m, recv_m)
+            return
+        capacity = local.shape[0] if capacity is None else capacity
+        if capacity == 0:
+            return
+        block_n = self._blocks(rank_n, capacity)
+        send_m = values_n.new_zeros((self.size * capacity, *values_n.shape[1:]))
+        send_m.index_copy_(0, block_n, values_n)
+        rows_m = row_n.new_full((self.size * capacity,), -1).index_copy_(0, block_n, row_n)
+        _place(local, self._all_to_all(rows_m), self._all_to_all(send_m))
+
+    def gather_rows(self, source: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor, *,
+                    capacity: int | None = None) -> torch.Tensor:
+        """`[n, *row]` rows `source[row_n[i]]` of rank `rank_n[i]`: one all-to-all of requests, one of
+        replies. `capacity` default: the source's rows (each row read at most once per exchange)."""
+        local = source.local
+        rank_n, row_n = rank_n.long(), row_n.long()
+        if self.exact_size:
+            order_n, send_r, recv_r = self._exact_splits(rank_n)
+            requests_m = self._all_to_all(row_n[order_n], send_r, recv_r)
+            replies_n = self._all_to_all(local[requests_m], recv_r, send_r)
+            return torch.empty_like(replies_n).index_copy_(0, order_n, replies_n)
+        capacity = local.shape[0] if capacity is None else capacity
+        if capacity == 0:
+            return local.new_empty((0, *local.shape[1:]))
+        block_n = self._blocks(rank_n, capacity)
+        requests_m = row_n.new_full((self.size * capacity,), -1).index_copy_(0, block_n, row_n)
+        requests_m = self._all_to_all(requests_m)
+        replies_m = self._all_to_all(local[requests_m.clamp(min=0)])  # padding requests read row 0
+        return replies_m[block_n]
+
+    def _blocks(self, rank_n: torch.Tensor, capacity: int) -> torch.Tensor:
+        """`[n]` each entry's place in the `[R * capacity]` send buffer: `rank * capacity + i`, where i
+        counts the earlier entries to the same rank. On the CPU an overflow raises (a free check there)."""
+        order_n, count_r = _order_by_rank(rank_n, self.size)
+        start_r = torch.cumsum(count_r, 0) - count_r
+        sorted_rank_n = rank_n[order_n]
+        within_n = torch.empty_like(rank_n)
+        within_n[order_n] = torch.arange(len(rank_n), device=rank_n.device) - start_r[sorted_rank_n]
+        if rank_n.device.type == "cpu" and len(rank_n) and int(count_r.max()) > capacity:
+            raise ValueError(f"rank {self.rank} exchanges {int(count_r.max())} rows with rank "
+                             f"{int(count_r.argmax())}, more than capacity={capacity}")
+        return rank_n * capacity + within_n
+
+    def _exact_splits(self, rank_n: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """Sort order `[n]` by destination rank, and the rows this rank sends to / receives from each rank.
+        NOTE: the one device-to-host read of the exact-size mode (`2R` ints)."""
+        order_n, count_r = _order_by_rank(rank_n, self.size)
+        splits = torch.cat([count_r, self._all_to_all(count_r)]).tolist()
+        return order_n, splits[:self.size], splits[self.size:]
+
+    def _all_to_all(self, send_m: torch.Tensor, send_r: list[int] | None = None,
+                    recv_r: list[int] | None = None) -> torch.Tensor:
+        """Equal splits by default; with `send_r` / `recv_r` rows per rank, variable splits."""
+        rows = len(send_m) if recv_r is None else sum(recv_r)
+        recv_m = send_m.new_empty((rows, *send_m.shape[1:]))
+        dist.all_to_all_single(recv_m, send_m.contiguous(), output_split_sizes=recv_r,
+                               input_split_sizes=send_r, group=self.group)
+        return recv_m
+
+
+def _order_by_rank(rank_n: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable order `[n]` of the entries by rank, and the entries per rank `[R]` (no host read)."""
+    count_r = torch.zeros(size, dtype=torch.int64, device=rank_n.device)
+    count_r.scatter_add_(0, rank_n, torch.ones_like(rank_n))
+    return torch.argsort(rank_n, stable=True), count_r
+
+
+def _place(target: torch.Tensor, rows_m: torch.Tensor, values_m: torch.Tensor) -> None:
+    """`target[rows_m[i]] = values_m[i]` for every `rows_m[i] >= 0`, without a host read: padding entries
+    (-1) rewrite the first real entry's row with its own value (or row 0 with itself when none is real), so
+    every duplicate write carries identical bytes."""
+    real_m = rows_m >= 0
+    first = torch.argmax(real_m.to(torch.uint8))
+    fill_row = rows_m[first].clamp(min=0)
+    fill_value = torch.where(real_m[first], values_m[first], target[fill_row])
+    expand = (-1,) + (1,) * (values_m.dim() - 1)
+    target.index_copy_(0, torch.where(real_m, rows_m, fill_row),
+                       torch.where(real_m.view(expand), values_m, fill_value))
+
+
+def _signature(key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """`[3 + 8]` int64: crc32 of the key and of the dtype, the number of dims, the shape (-1 padded)."""
+    if tensor.dim() > _MAX_DIMS:
+        raise ValueError(f"symmetric key {key!r}: at most {_MAX_DIMS} dimensions, got {tensor.dim()}")
+    shape = list(tensor.shape) + [-1] * (_MAX_DIMS - tensor.dim())
+    return torch.tensor([zlib.crc32(key.encode()), zlib.crc32(str(tensor.dtype).encode()), tensor.dim(),
+                         *shape], dtype=torch.int64)
+
+
+def _describe(signature: torch.Tensor) -> str:
+    key_crc, dtype_crc, dims, *shape = signature.tolist()
+    return f"key crc {key_crc:#010x} shape {tuple(shape[:dims])} dtype crc {dtype_crc:#010x}"
+
+
+# -- process groups, failures ------------------------------------------------------------------------------
+
+
+_worlds: dict[tuple[dist.ProcessGroup | None, bool], CollectiveWorld] = {}
+
+
+def collective_world(group: dist.ProcessGroup | None = None, exact_size: bool = False) -> CollectiveWorld:
+    """This process's `CollectiveWorld` of `group` (one per group and mode, so that every layer shares its
+    slot pools); `MoonEPMoELayer(config)` with `config.world == "collective"` uses the WORLD group's."""
+    key = (group, exact_size)
+    if key not in _worlds:
+        _worlds[key] = CollectiveWorld(group, exact_size=exact_size)
+    return _worlds[key]
+
+
+def init_collective(backend: str | None = None, *, init_method: str | None = None, rank: int | None = None,
+                    world_size: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                    exact_size: bool = False) -> CollectiveWorld:
+    """Initialise the default process group (unless it is) with a timeout and return its world.
+
+    Args:
+        backend: "nccl" or "gloo"; default NCCL when CUDA is available, else gloo.
+        init_method, rank, world_size: as `torch.distributed.init_process_group`; the defaults read
+            torchrun's environment (`env://`).
+        timeout_s: a collective that waits longer raises instead of hanging.
+    """
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        kwargs = {k: v for k, v in dict(init_method=init_method, rank=rank, world_size=world_size).items()
+                  if v is not None}
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return collective_world(None, exact_size)
+
+
+@contextmanager
+def fail_fast() -> Iterator[None]:
+    """Run a rank's body so that a failure anywhere stops every rank with an error naming the failed rank.
+
+    The first rank to raise records `rank r failed: <error>` in the default group's store and aborts its
+    process groups; its peers' pending and later collectives then fail at once (gloo: the connections
+    close; NCCL: the communicators abort), and they raise `RankFailedError` with that message. The rank
+    that failed first re-raises its own exception.
+    """
+    try:
+        yield
+    except BaseException as error:
+        if not dist.is_initialized():
+            raise
+        store = dist.PrefixStore("moonep/fail_fast", dist.distributed_c10d._get_default_store())
+        message = f"rank {dist.get_rank()} failed: {type(error).__name__}: {error}"
+        first = store.compare_set("first", "", message).decode()
+        dist.distributed_c10d._abort_process_group()
+        if first != message:
+            raise RankFailedError(first) from error
+        raise

@@ -1,0 +1,173 @@
+"""The collective EP world with real processes: gloo, 2 and 4 processes on the CPU.
+
+Each process is one EP rank running the unchanged layer through `CollectiveWorld` (static-shape mode and
+exact-size mode). Every rank's plan must equal the threads world's bit for bit, its outputs and gradients
+must equal the threads world's and match the dense float64 reference. A rank that fails, and ranks that
+disagree on the config, must give a clear error naming the rank, not a hang.
+
+Spawning is slow (each process imports torch), so one spawned run per group size carries every check, in a
+module-scoped fixture; results come back through files. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from test_layer import TOL, make_config, make_problem, rank_step, run_dense, run_moonep
+
+from moonep_moe.comm.collective import (
+    CollectiveWorld,
+    RankFailedError,
+    collective_world,
+    fail_fast,
+    init_collective,
+)
+from moonep_moe.layers.moe import MoonEPMoELayer
+
+COLLECTIVE_TIMEOUT_S = 30.0
+"""The process groups' timeout: longer than any check here, far shorter than the run's bound."""
+RUN_TIMEOUT_S = 120.0
+"""A spawned run that takes longer fails the test (and its processes are killed)."""
+SKEWED = 100.0
+
+# (name, problem arguments, config overrides, exact_size); run on every group size
+CASES = [
+    ("uniform", dict(seed=1), {}, False),
+    ("skewed", dict(seed=2, skew=SKEWED), {}, False),
+    ("skewed-exact", dict(seed=2, skew=SKEWED), {}, True),
+    ("padding-exact", dict(seed=3, skew=3.0, tokens=35, padding=7), {}, True),
+    ("no-replicas", dict(seed=4, skew=SKEWED), dict(num_prefetch_slots=0), False),
+]
+
+
+def problem(R: int, args: dict, overrides: dict):
+    return make_problem(make_config(R, **overrides), **args)
+
+
+# -- what runs in the spawned processes ---------------------------------------------------------------------
+
+
+def checks_job(world: CollectiveWorld) -> dict:
+    """Every case through the layer, then a layer built from `world="collective"` alone, then ranks that
+    disagree on the config (every rank must raise, naming rank 1), then a rank that fails (rank 1 raises
+    before a step; rank 0, inside the step, must get `RankFailedError` naming it within seconds)."""
+    results: dict = {}
+    for name, args, overrides, exact_size in CASES:
+        case_world = collective_world(None, exact_size=True) if exact_size else world
+        results[name] = rank_step(problem(world.size, args, overrides), case_world)
+    layer = MoonEPMoELayer(make_config(world.size, world="collective"))
+    results["default_world"] = layer.world is world
+    cfg = make_config(world.size, top_k=3 if world.rank == 1 else 2)
+    try:
+        MoonEPMoELayer(cfg, world)
+    except ValueError as error:
+        results["mismatch"] = str(error)
+    p = problem(world.size, dict(seed=5), {})
+    layer = MoonEPMoELayer(p.cfg, world)
+    start = time.perf_counter()
+    try:
+        with fail_fast():
+            if world.rank == 1:
+                raise ValueError("rank 1 fails on purpose")
+            layer(p.hidden[0])
+    except RankFailedError as error:
+        results["failure"] = (str(error), time.perf_counter() - start)
+    except ValueError as error:
+        results["failure"] = (f"own: {error}", time.perf_counter() - start)
+    return results
+
+
+def rank_main(job: Callable, rank: int, size: int, folder: str) -> None:
+    """One spawned rank: join the gloo group (file store), run `job(world)`, save its result or error."""
+    torch.set_num_threads(1)
+    try:
+        world = init_collective("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=size,
+                                timeout_s=COLLECTIVE_TIMEOUT_S)
+        result = job(world)
+    except BaseException:  # noqa: B036 - reported to the parent, which fails the test
+        result = {"error": traceback.format_exc()}
+    torch.save(result, f"{folder}/rank{rank}.pt")
+
+
+def spawn(job: Callable, size: int, folder: Path) -> list[dict]:
+    """`job` on `size` gloo processes; their results in rank order. Fails on any error or past the bound."""
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=rank_main, args=(job, r, size, str(folder))) for r in range(size)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    for process in processes:
+        process.join(max(deadline - time.monotonic(), 0.1))
+    hung = [r for r, process in enumerate(processes) if process.is_alive()]
+    for r in hung:
+        processes[r].kill()
+    assert not hung, f"ranks {hung} still running after {RUN_TIMEOUT_S} s"
+    results = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(size)]
+    errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
+    assert not errors, "\n".join(errors)
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2-processes", "4-processes"])
+def group_run(request, tmp_path_factory) -> tuple[int, list[dict]]:
+    size = request.param
+    return size, spawn(checks_job, size, tmp_path_factory.mktemp(f"collective{size}"))
+
+
+# -- checks -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_same_plan_and_results_as_threads_and_dense(group_run, case):
+    size, results = group_run
+    name, args, overrides, _ = case
+    p = problem(size, args, overrides)
+    threads = run_moonep(p)
+    want, grad_gate_up, grad_down, maxvio = run_dense(p)
+    epn = p.cfg.num_experts // size
+    for rank, (got, ref, dense) in enumerate(zip((r[name] for r in results), threads, want, strict=True)):
+        assert got.keys() == ref.keys()
+        for key in got:  # the plan bit for bit, outputs, gradients and stats exactly
+            assert torch.equal(got[key], ref[key]), f"{name}: {key} on rank {rank} differs from threads"
+        for key in ("out", "grad_x", "grad_router"):
+            torch.testing.assert_close(got[key], dense[key], **TOL)
+        home = slice(rank * epn, (rank + 1) * epn)
+        torch.testing.assert_close(got["grad_gate_up"], grad_gate_up[home], **TOL)
+        torch.testing.assert_close(got["grad_down"], grad_down[home], **TOL)
+    if args.get("skew") == SKEWED:
+        assert maxvio >= 5 and int(results[0][name]["slots_used"].sum()) > 0 or not p.cfg.prefetch_slots
+    if p.cfg.prefetch_slots:
+        load_r = results[0][name]["rank_load"]
+        assert int(load_r.max() - load_r.min()) <= 1
+
+
+def test_collective_config_builds_the_default_group_world(group_run):
+    assert all(r["default_world"] for r in group_run[1])
+
+
+def test_ranks_disagreeing_on_the_config_raise_naming_them(group_run):
+    for r in group_run[1]:
+        assert "MoEConfig differs" in r["mismatch"] and "rank(s) [1]" in r["mismatch"], r["mismatch"]
+
+
+def test_failing_rank_stops_the_group_with_its_name(group_run):
+    size, results = group_run
+    assert results[1]["failure"][0] == "own: rank 1 fails on purpose"
+    for rank in [0, *range(2, size)]:
+        message, seconds = results[rank]["failure"]
+        assert message == "rank 1 failed: ValueError: rank 1 fails on purpose", message
+        assert seconds < 10, f"rank {rank} took {seconds:.1f} s to learn of the failure"
+
+
+# -- in this process ----------------------------------------------------------------------------------------
+
+
+def test_collective_world_needs_an_initialised_process_group():
+    with pytest.raises(RuntimeError, match="init_collective"):
+        MoonEPMoELayer(make_config(1, world="collective"))
