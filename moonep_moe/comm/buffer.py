@@ -460,7 +460,10 @@ class Buffer:
         used_b = table_rb[self.world.rank] >= 0
         for home, slots, replicated in projections:
             pulled = self.world.gather_rows(slots, rank_c, slot_c, capacity=self.B)
-            home.index_add_(0, home_c, pulled.to(home.dtype))
+            # one add per replica: index_add_ fails on CUDA for tensors past 2^31 elements (a DeepSeek-V3
+            # layer's fp32 home gradients are 3.8e9 at EP=8)
+            for c, expert in enumerate(home_c.tolist()):
+                home[expert].add_(pulled[c].to(home.dtype))
             slots.local[used_b] = 0
             if replicated is not None:
                 replicated[used_b] = 0

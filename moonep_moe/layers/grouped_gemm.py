@@ -153,6 +153,23 @@ def _torch_unsupported_reason(device: torch.device, dtype: torch.dtype, k: int |
     return None
 
 
+def import_deep_gemm():
+    """`import deep_gemm`, after loading libstdc++ with RTLD_GLOBAL.
+
+    Without that, DeepGEMM's JIT segfaults in `std::regex` on its first call on the H200 image (torch 2.11,
+    the system libstdc++ 6.0.33 already mapped: a symbol-resolution clash, not a missing library). Loading
+    the same libstdc++ again with RTLD_GLOBAL, after torch, fixes it in-process: measured by
+    `python -m bench.deep_gemm_probe`, so users need no LD_PRELOAD.
+    """
+    import ctypes
+    import ctypes.util
+
+    ctypes.CDLL(ctypes.util.find_library("stdc++") or "libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
+    import deep_gemm
+
+    return deep_gemm
+
+
 class DeepGemmGroupedGemm:
     """DeepGEMM on Hopper: fwd and dgrad through ``m_grouped_bf16_gemm_{nt,nn}_contiguous`` with
     ``use_psum_layout=True``, which takes the padded segment end offsets (``offs_g``) directly on the device:
@@ -166,9 +183,7 @@ class DeepGemmGroupedGemm:
     name = "deep_gemm"
 
     def __init__(self) -> None:
-        import deep_gemm
-
-        self._deep_gemm = deep_gemm
+        self._deep_gemm = import_deep_gemm()
         self._torch = TorchGroupedGemm()
 
     def fwd(self, x_mk: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:

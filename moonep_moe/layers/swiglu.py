@@ -24,8 +24,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _use_triton(tensor: Tensor) -> bool:
-    """The one place that picks the fused kernels: CUDA tensors with Triton installed."""
-    if not tensor.is_cuda:
+    """The one place that picks the fused kernels: CUDA tensors of 16 or 32 bits with Triton installed (the
+    kernels compute in fp32; float64 stays on the torch path)."""
+    if not tensor.is_cuda or tensor.dtype == torch.float64:
         return False
     try:
         import triton  # noqa: F401
