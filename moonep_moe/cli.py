@@ -31,6 +31,29 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if worst < TOLERANCE else 1
 
 
+def train(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from moonep_moe.train import load_train_config
+    from moonep_moe.train import train as run_training
+
+    torch.set_num_threads(1)  # the thread-ranks are the parallelism; nested OpenMP would oversubscribe
+    overrides = {k: v for k, v in (("ep_size", args.ranks), ("steps", args.steps)) if v is not None}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        overrides["ep_size"] = 1  # the threads world cannot run a multi-rank backward on one GPU
+    cfg = load_train_config(args.config, **overrides)
+    print(f"moonep-moe train: {args.config}, Qwen3-MoE {cfg.model}, {cfg.train.ep_size} EP ranks as threads "
+          f"on the {device}, {cfg.train.steps} steps" + (f", resuming {args.resume}" if args.resume else ""))
+    start = time.perf_counter()
+    result = run_training(cfg, device=device, save=args.save, resume=args.resume,
+                          log=None if args.quiet else tqdm.write)
+    if result["losses"]:
+        print(f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}   "
+              f"time: {time.perf_counter() - start:.1f} s" + (f"   saved: {args.save}" if args.save else ""))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moonep-moe", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -40,6 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="moonep-demo.png", help="where to write the PNG plot")
     p.set_defaults(run=demo)
+    p = commands.add_parser("train", help="train a tiny HF MoE transformer with MoonEP layers (needs [hf])")
+    p.add_argument("--config", default="configs/tiny-transformer.yaml", help="training YAML")
+    p.add_argument("--ranks", type=int, default=None, help="EP ranks (threads); default: the config's")
+    p.add_argument("--steps", type=int, default=None, help="total steps; default: the config's")
+    p.add_argument("--save", default=None, help="write a checkpoint here at the end")
+    p.add_argument("--resume", default=None, help="continue from this checkpoint")
+    p.add_argument("--quiet", action="store_true", help="no per-step lines")
+    p.set_defaults(run=train)
     args = parser.parse_args(argv)
     return args.run(args)
 

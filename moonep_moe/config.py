@@ -336,9 +336,11 @@ def _packaged_configs() -> Traversable:
 
 
 def available_configs() -> list[str]:
-    """Names of the packaged configs (``moonep_moe/configs/<name>.yaml``), sorted."""
+    """Names of the packaged layer configs (``moonep_moe/configs/<name>.yaml``), sorted. Training configs
+    (a top-level ``train:`` section, read by ``moonep-moe train``) share the folder and are left out."""
     return sorted(
-        p.name.removesuffix(".yaml") for p in _packaged_configs().iterdir() if p.name.endswith(".yaml")
+        p.name.removesuffix(".yaml") for p in _packaged_configs().iterdir()
+        if p.name.endswith(".yaml") and "train" not in (yaml.safe_load(p.read_text(encoding="utf-8")) or {})
     )
 
 

@@ -116,6 +116,10 @@ class MoonEPMoELayer(nn.Module):
         self._state = ExpertsState(self.buffer, self.experts, gemm)
         expert_load_e = torch.zeros(e, dtype=torch.int64, device=device)
         self.register_buffer("expert_load", expert_load_e, persistent=False)
+        self.record_router_logits = False
+        """When True, `forward` keeps the router's logits `[T, E]` (with their autograd graph) in
+        `last_router_logits_te` until the next call, so a wrapper can return them without routing twice."""
+        self.last_router_logits_te: torch.Tensor | None = None
 
     def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None):
         """`[T, H]` or `[B, L, H]` with `B*L <= max_tokens_per_rank` -> the same shape (and the aux loss).
@@ -140,6 +144,8 @@ class MoonEPMoELayer(nn.Module):
             raise ValueError(f"token_mask must be a bool tensor of shape {list(hidden_states.shape[:-1])}, "
                              f"got {token_mask.dtype} {list(token_mask.shape)}")
         routing = self.router(hidden_th, None if token_mask is None else token_mask.reshape(-1))
+        if self.record_router_logits:
+            self.last_router_logits_te = routing.logits_te
         route_weights_tk = routing.route_weights_tk.to(self.buffer.weight_dtype)
         out_th = MoonEPExperts.apply(hidden_th.contiguous(), route_weights_tk,
                                      routing.topk_experts_tk, routing.tokens_per_expert_e,

@@ -1,0 +1,1 @@
+"""Swapping the MoE blocks of existing models for `MoonEPMoELayer` (`hf`: Hugging Face transformers)."""

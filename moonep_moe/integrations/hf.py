@@ -1,0 +1,288 @@
+"""Swap the MoE blocks of a Hugging Face transformers model for `MoonEPMoELayer`.
+
+Legend: t tokens of this rank, h hidden, e experts (E in the group, epn home experts on a rank), f expert FFN
+size, w shared-expert width.
+
+`swap_moe_blocks(model, max_tokens_per_rank, world)` replaces every supported MoE block in place with a
+`MoonEPBlock`: a thin module around one `MoonEPMoELayer` that keeps the block's call signature
+(`forward(hidden_states [B, L, H]) -> [B, L, H]`) and copies its weights (router, this rank's home experts,
+shared experts and their gate, DeepSeek-V3's `e_score_correction_bias`). The rest of the model is untouched:
+at EP = R, every rank holds a full copy of the non-expert model, runs its own batch and swaps its own copy
+with its own world (every rank in the same order).
+
+Router logits: transformers (the pinned v5) does not return them from the block; the model records them with
+a forward hook on the router class when asked (`output_router_logits=True`, which also adds the aux loss).
+`MoonEPBlock` passes the layer's own logits (`MoonEPMoELayer.last_router_logits_te`, the router runs once)
+through `router_logits`, an identity module carrying the same recording hook, so `outputs.router_logits` and
+the aux loss stay as the original model computes them.
+
+Supported blocks (transformers 5.x, fused experts `gate_up_proj [E, 2F, H]` (gate rows first) and
+`down_proj [E, H, F]`, SiLU):
+
+- `MixtralSparseMoeBlock`: softmax over E, top-k, renormalise;
+- `Qwen2MoeSparseMoeBlock`: softmax, top-k, `norm_topk_prob`; a shared expert with a sigmoid gate;
+- `Qwen3MoeSparseMoeBlock`: softmax, top-k, `norm_topk_prob`;
+- `DeepseekV3MoE`: fp32 sigmoid scores + `e_score_correction_bias` (selection only; frozen, as in
+  transformers), group-limited top-k (`n_group`, `topk_group`), `norm_topk_prob`, `routed_scaling_factor`;
+  shared experts.
+
+Anything else that looks like an MoE block, expert bias terms, transposed or interleaved expert layouts,
+activations other than SiLU and Mixtral's router jitter fail in `swap_moe_blocks` with a message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from moonep_moe.comm.world import EPWorld, single_world
+from moonep_moe.config import MoEConfig
+from moonep_moe.layers.moe import MoonEPMoELayer
+
+__all__ = ["EXPERT_KEYS", "MoonEPBlock", "hf_state_dict", "merge_expert_shards", "swap_moe_blocks"]
+
+EXPERT_KEYS = ("experts.gate_up_proj", "experts.down_proj")
+"""HF-local names of the fused expert tensors; in `hf_state_dict` they hold a rank's home experts only."""
+BIAS_KEY = "gate.e_score_correction_bias"
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """How one transformers MoE block class maps onto a `MoEConfig` and onto HF parameter names.
+
+    `fields(hf_config)` returns the `MoEConfig` fields read from the model config (shapes, router, shared
+    experts); `shared` is the HF name of the shared-expert MLP (None: none) and `shared_gate` the name of its
+    sigmoid gate (None: ungated); `router_fp32` routes in float32 whatever the model dtype (DeepSeek-V3).
+    """
+
+    fields: Callable[[Any], dict[str, Any]]
+    shared: str | None = None
+    shared_gate: str | None = None
+    router_fp32: bool = False
+
+
+def _mixtral(c) -> dict[str, Any]:
+    if getattr(c, "router_jitter_noise", 0.0):
+        raise ValueError(f"Mixtral router_jitter_noise={c.router_jitter_noise} is not supported; expected 0")
+    return dict(ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
+                router=dict(score_function="softmax", renormalize=True))
+
+
+def _qwen3(c) -> dict[str, Any]:
+    return dict(ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
+                router=dict(score_function="softmax", renormalize=bool(c.norm_topk_prob)))
+
+
+def _qwen2(c) -> dict[str, Any]:
+    shared = dict(num_shared_experts=1, ffn_hidden_size=c.shared_expert_intermediate_size, gate=True)
+    return {**_qwen3(c), "shared_experts": shared}
+
+
+def _deepseek_v3(c) -> dict[str, Any]:
+    router = dict(score_function="sigmoid", renormalize=bool(c.norm_topk_prob), n_group=c.n_group,
+                  topk_group=c.topk_group, routed_scaling_factor=float(c.routed_scaling_factor),
+                  expert_bias=True, expert_bias_update_rate=0.0)
+    shared = dict(num_shared_experts=c.n_shared_experts, ffn_hidden_size=c.moe_intermediate_size, gate=False)
+    return dict(ffn_hidden_size=c.moe_intermediate_size, num_experts=c.n_routed_experts, router=router,
+                shared_experts=shared)
+
+
+SPECS: dict[str, BlockSpec] = {
+    "MixtralSparseMoeBlock": BlockSpec(_mixtral),
+    "Qwen2MoeSparseMoeBlock": BlockSpec(_qwen2, shared="shared_expert", shared_gate="shared_expert_gate"),
+    "Qwen3MoeSparseMoeBlock": BlockSpec(_qwen3),
+    "DeepseekV3MoE": BlockSpec(_deepseek_v3, shared="shared_experts", router_fp32=True),
+}
+"""Supported block classes, by class name (the transformers classes are not imported here)."""
+
+
+class RouterLogits(nn.Module):
+    """Identity on the router logits `[T, E]`: the module `outputs.router_logits` is recorded from."""
+
+    def forward(self, logits_te: torch.Tensor) -> torch.Tensor:
+        return logits_te
+
+
+class MoonEPBlock(nn.Module):
+    """A transformers MoE block backed by `MoonEPMoELayer`: `forward(hidden_states [B, L, H]) -> [B, L, H]`.
+
+    Attributes:
+        moe: the layer (`moe.router`, `moe.experts` (home experts), `moe.shared_experts`).
+        router_logits: identity module fed the layer's logits every call (hooked for recording).
+        spec: the block's `BlockSpec`; `hf_class`: the replaced class's name.
+    """
+
+    def __init__(self, layer: MoonEPMoELayer, spec: BlockSpec, hf_class: str):
+        super().__init__()
+        self.moe, self.spec, self.hf_class = layer, spec, hf_class
+        self.router_logits = RouterLogits()
+        layer.record_router_logits = True
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = self.moe(hidden_states)
+        logits_te, self.moe.last_router_logits_te = self.moe.last_router_logits_te, None
+        self.router_logits(logits_te)
+        return out
+
+    def hf_tensors(self, grads: bool = False) -> dict[str, torch.Tensor | None]:
+        """This block's tensors (or their `.grad`) under the replaced block's HF-local names, as views.
+
+        `experts.gate_up_proj [epn, 2F, H]` and `experts.down_proj [epn, H, F]` are this rank's home experts
+        (global ids `moe.experts.home_experts`); shared-expert `gate_proj`/`up_proj` are the two halves of
+        the fused `gate_up [2W, H]`. Buffers (`gate.e_score_correction_bias`) only when `grads` is False.
+        """
+        def get(p: torch.Tensor) -> torch.Tensor | None:
+            return p.grad if grads else p
+
+        moe = self.moe
+        out = {"gate.weight": get(moe.router.weight), EXPERT_KEYS[0]: get(moe.experts.gate_up),
+               EXPERT_KEYS[1]: get(moe.experts.down)}
+        if not grads and moe.router.expert_bias is not None:
+            out[BIAS_KEY] = moe.router.expert_bias
+        shared = moe.shared_experts
+        if shared is not None:
+            gate_up, width = get(shared.gate_up.weight), shared.down.weight.shape[1]
+            out[f"{self.spec.shared}.gate_proj.weight"] = None if gate_up is None else gate_up[:width]
+            out[f"{self.spec.shared}.up_proj.weight"] = None if gate_up is None else gate_up[width:]
+            out[f"{self.spec.shared}.down_proj.weight"] = get(shared.down.weight)
+            if shared.gate is not None:
+                out[f"{self.spec.shared_gate}.weight"] = get(shared.gate.weight)
+        return out
+
+
+def _check_block(name: str, block: nn.Module, spec: BlockSpec) -> None:
+    """Raise on what `MoonEPMoELayer` cannot reproduce exactly."""
+    experts = block.experts
+    layout = dict(has_bias=False, has_gate=True, is_transposed=False, is_concatenated=True,
+                  has_post_expert_norm=False)
+    for attr, expected in layout.items():
+        if getattr(experts, attr, expected) != expected:
+            raise ValueError(f"{name}.experts: {attr}={getattr(experts, attr)} is not supported; "
+                             f"expected {expected}")
+    params = {n for n, _ in experts.named_parameters()}
+    if params != {"gate_up_proj", "down_proj"}:
+        raise ValueError(f"{name}.experts: parameters {sorted(params)} are not supported (expert bias "
+                         "terms?); expected exactly gate_up_proj [E, 2F, H] and down_proj [E, H, F]")
+    act = getattr(experts.config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{name}: hidden_act={act!r} is not supported; expected 'silu' (SwiGLU experts)")
+    router = {n for n, _ in block.gate.named_parameters()}
+    if router != {"weight"}:
+        raise ValueError(f"{name}.gate: parameters {sorted(router)} are not supported; expected only weight")
+
+
+def _looks_like_moe(module: nn.Module) -> bool:
+    return hasattr(module, "experts") and (hasattr(module, "gate") or hasattr(module, "router"))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def block_config(block: nn.Module, spec: BlockSpec, hf_config: Any, max_tokens_per_rank: int, ep_size: int,
+                 overrides: dict[str, Any]) -> MoEConfig:
+    """The `MoEConfig` of one block: HF config fields, the experts' dtype, then `overrides` (nested dicts
+    merged into `router` / `shared_experts`)."""
+    dtype = block.experts.gate_up_proj.dtype
+    router_dtype = _dtype_name(block.gate.weight.dtype)
+    if spec.router_fp32 or dtype == torch.float16:  # no fp16 router: route in fp32 (HF routes in fp16)
+        router_dtype = "float32"
+    fields = dict(hidden_size=hf_config.hidden_size, top_k=hf_config.num_experts_per_tok, ep_size=ep_size,
+                  max_tokens_per_rank=max_tokens_per_rank, dtype=_dtype_name(dtype), grouped_gemm="auto",
+                  **spec.fields(hf_config))
+    fields["router"] = {**fields["router"], "dtype": router_dtype}
+    for key, value in overrides.items():
+        fields[key] = {**fields.get(key, {}), **value} if isinstance(value, dict) else value
+    if fields["router"].get("aux_loss_coeff", 0.0):
+        raise ValueError("router.aux_loss_coeff must stay 0 in a swapped block: the HF model computes its "
+                         "own aux loss from the recorded router logits (output_router_logits=True)")
+    return MoEConfig.model_validate(fields)
+
+
+def _install_logits_hook(block: MoonEPBlock) -> None:
+    """Record `block.router_logits`'s output as the model's `router_logits`, the way transformers records
+    its router classes (the hook is inert unless the model was asked for router logits)."""
+    from transformers.utils.output_capturing import install_output_capuring_hook
+
+    install_output_capuring_hook(block.router_logits, "router_logits", 0)
+
+
+@torch.no_grad()
+def _copy_weights(block: nn.Module, target: MoonEPBlock) -> None:
+    """Copy the HF block's tensors into `target` (home experts only)."""
+    source = dict(block.state_dict())
+    home = slice(target.moe.experts.first_expert, target.moe.experts.first_expert + target.moe.experts.epn)
+    for name, view in target.hf_tensors().items():
+        if name == BIAS_KEY and name not in source:
+            continue  # an expert bias the overrides added (router.expert_bias) starts at zero
+        if name not in source:
+            raise ValueError(f"{target.hf_class}: expected a tensor named {name!r}, found {sorted(source)}")
+        value = source[name][home] if name in EXPERT_KEYS else source[name]
+        if value.shape != view.shape:
+            raise ValueError(f"{target.hf_class}.{name}: expected shape {list(view.shape)}, "
+                             f"got {list(value.shape)}")
+        view.copy_(value)
+
+
+def swap_moe_blocks(model: nn.Module, max_tokens_per_rank: int, world: EPWorld | None = None,
+                    **config_overrides: Any) -> nn.Module:
+    """Replace every MoE block of a transformers `model` in place with a `MoonEPBlock`; returns `model`.
+
+    Args:
+        model: a transformers model (any head) of a supported family (see the module docstring).
+        max_tokens_per_rank: S, the most tokens (batch * sequence) one forward of a block carries on a rank.
+        world: the EP world (its size is the EP size); default: a one-rank world on the model's device. With
+            R ranks, call this on every rank, on that rank's own copy of the model.
+        **config_overrides: `MoEConfig` fields applied after the ones read from the model, e.g.
+            `token_padding=8`, `num_prefetch_slots=0`, `grouped_gemm="reference"`,
+            `router={"expert_bias_update_rate": 1e-3}`.
+
+    Raises:
+        ValueError: no supported block found, an MoE-like block of an unsupported class, or an unsupported
+            feature (expert bias terms, non-SiLU experts, router jitter, an aux-loss override).
+    """
+    device = next(model.parameters()).device
+    world = world if world is not None else single_world(device)
+    found = []
+    for name, module in list(model.named_modules()):
+        cls = type(module).__name__
+        if cls in SPECS:
+            found.append((name, module, SPECS[cls]))
+        elif _looks_like_moe(module) and not isinstance(module, (MoonEPBlock, MoonEPMoELayer)):
+            raise ValueError(f"{name}: MoE block class {cls} is not supported; supported: {', '.join(SPECS)}")
+    if not found:
+        raise ValueError(f"no supported MoE block in {type(model).__name__}; supported: {', '.join(SPECS)}")
+    for name, block, spec in found:
+        _check_block(name, block, spec)
+        cfg = block_config(block, spec, model.config, max_tokens_per_rank, world.size, config_overrides)
+        swapped = MoonEPBlock(MoonEPMoELayer(cfg, world), spec, type(block).__name__)
+        _copy_weights(block, swapped)
+        _install_logits_hook(swapped)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, swapped)
+    return model
+
+
+def hf_state_dict(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor | None]:
+    """A swapped model's tensors (or `.grad`s) under the original model's names.
+
+    Everything outside the swapped blocks keeps its name; each `MoonEPBlock` contributes `hf_tensors`. The
+    `EXPERT_KEYS` entries hold this rank's home experts `[epn, ...]`: `merge_expert_shards` joins the ranks'.
+    """
+    blocks = {name: m for name, m in model.named_modules() if isinstance(m, MoonEPBlock)}
+    out: dict[str, torch.Tensor | None] = {}
+    for name, p in model.named_parameters():
+        if not any(name.startswith(f"{b}.") for b in blocks):
+            out[name] = p.grad if grads else p
+    for prefix, block in blocks.items():
+        out.update({f"{prefix}.{k}": v for k, v in block.hf_tensors(grads).items()})
+    return out
+
+
+def merge_expert_shards(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The ranks' `hf_state_dict`s (in rank order) -> their expert entries concatenated to `[E, ...]`."""
+    return {k: torch.cat([s[k] for s in states]) for k in states[0] if k.endswith(EXPERT_KEYS)}

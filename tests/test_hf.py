@@ -1,0 +1,138 @@
+"""Swapped Hugging Face models against the originals: logits, loss (with the router aux loss where the model
+adds it) and every gradient, in float32 and bfloat16, at EP=1 and at EP=4 on the threads world.
+
+At EP=4 every rank holds a full copy of the non-expert model and runs its own batch: each rank's logits,
+loss and non-expert gradients must match the original model on that batch, and the expert gradients
+(merged over the ranks' home experts) the original's summed over the four batches.
+Tiny random models (2 layers, H=32, E=8, K=2), built locally: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from moonep_moe.comm.world import run_ranks  # noqa: E402
+from moonep_moe.integrations.hf import (  # noqa: E402
+    EXPERT_KEYS,
+    MoonEPBlock,
+    hf_state_dict,
+    merge_expert_shards,
+    swap_moe_blocks,
+)
+
+VOCAB, BATCH, SEQ = 64, 2, 12
+TOKENS = BATCH * SEQ
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, num_experts_per_tok=2, output_router_logits=True)
+MODELS = {
+    "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **COMMON, intermediate_size=16, num_local_experts=8)),
+    "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **COMMON, moe_intermediate_size=16, intermediate_size=48, shared_expert_intermediate_size=24,
+        num_experts=8, norm_topk_prob=False)),
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **COMMON, moe_intermediate_size=16, intermediate_size=48, num_experts=8, norm_topk_prob=True,
+        head_dim=8)),
+    "deepseek_v3": lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **COMMON, moe_intermediate_size=16, intermediate_size=48, n_routed_experts=8, n_shared_experts=1,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=0, q_lora_rank=16,
+        kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)),
+}
+# Worst |got - want| over max |want|, per tensor. bf16 runs both models in bf16: the two only differ in
+# summation order and where route weights are rounded, so the bound is a few bf16 ulps of the largest value.
+# That rounding can flip a top-k near-tie (two scores within a bf16 ulp, about 1 token in 200 here), after
+# which a token's gradient lands on another expert: a legitimate bf16 outcome, not a parity error. The seeds
+# below give no such tie; a new seed that fails in bf16 only should be checked for a flipped route first.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def make_model(name: str, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """A tiny random model; DeepSeek-V3 gets a random `e_score_correction_bias` so it shifts selection."""
+    torch.manual_seed(seed)
+    model = MODELS[name]()
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.normal_(0, 0.05)
+    return model.to(dtype)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-30))
+
+
+def step(model: torch.nn.Module, ids: torch.Tensor, grads_of=None) -> dict[str, torch.Tensor]:
+    """Forward + backward on `ids [B, L]` (labels = ids): logits, loss and the gradients by name
+    (`grads_of(model)`, default the model's own parameters)."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = grads_of(model) if grads_of else {n: p.grad for n, p in model.named_parameters()}
+    result = {f"grad:{n}": g.detach().clone() for n, g in grads.items()}
+    return {**result, "logits": out.logits.detach(), "loss": out.loss.detach()}
+
+
+def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float, what: str) -> float:
+    assert set(got) == set(want), f"{what}: names differ: {sorted(set(got) ^ set(want))}"
+    worst = 0.0
+    for name, w in want.items():
+        err = rel_err(got[name], w)
+        assert err <= tol, f"{what}: {name} differs, relative error {err:.2e} > {tol:.0e}"
+        worst = max(worst, err)
+    return worst
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_swapped_model_matches_original_ep1(name, dtype):
+    original = make_model(name, dtype, seed=0)
+    swapped = swap_moe_blocks(copy.deepcopy(original), TOKENS, token_padding=8)
+    blocks = [m for m in swapped.modules() if isinstance(m, MoonEPBlock)]
+    assert len(blocks) == 2
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    want = step(original, ids)
+    got = step(swapped, ids, lambda m: hf_state_dict(m, grads=True))
+    assert_close(got, want, TOL[dtype], f"{name} {dtype} EP=1")
+    routed = swapped(input_ids=ids, output_router_logits=True).router_logits
+    assert len(routed) == 2 and routed[0].shape == (TOKENS, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_swapped_model_matches_original_ep4(name, dtype):
+    R = 4
+    original = make_model(name, dtype, seed=6)
+    gen = torch.Generator().manual_seed(106)
+    batches = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(R)]
+    want = [step(original, ids) for ids in batches]
+    copies = [copy.deepcopy(original) for _ in range(R)]
+
+    def rank_fn(world):
+        model = swap_moe_blocks(copies[world.rank], TOKENS, world, token_padding=8)
+        return step(model, batches[world.rank], lambda m: hf_state_dict(m, grads=True))
+
+    got = run_ranks(rank_fn, R)
+    expert_want = {k: sum(w[k] for w in want) for k in want[0] if k.endswith(EXPERT_KEYS)}
+    expert_got = merge_expert_shards(got)
+    assert_close(expert_got, expert_want, TOL[dtype], f"{name} {dtype} EP=4 experts")
+    for rank in range(R):
+        rest = {k: v for k, v in got[rank].items() if k not in expert_got}
+        rest_want = {k: v for k, v in want[rank].items() if k not in expert_want}
+        assert_close(rest, rest_want, TOL[dtype], f"{name} {dtype} EP=4 rank {rank}")
+
+
+def test_unsupported_blocks_fail_with_a_message():
+    model = make_model("qwen3_moe", torch.float32, seed=0)
+    bias = torch.nn.Parameter(torch.zeros(8, 32))
+    model.model.layers[0].mlp.experts.register_parameter("down_proj_bias", bias)
+    with pytest.raises(ValueError, match="expert bias"):
+        swap_moe_blocks(model, TOKENS)
+    with pytest.raises(ValueError, match="no supported MoE block"):
+        swap_moe_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4)), TOKENS)
+    with pytest.raises(ValueError, match="aux_loss_coeff"):
+        swap_moe_blocks(make_model("mixtral", torch.float32, seed=0), TOKENS, router={"aux_loss_coeff": 0.01})
