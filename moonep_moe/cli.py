@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import builtins
+import contextlib
 import sys
 import time
 
@@ -16,14 +18,25 @@ def demo(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)  # the thread-ranks are the parallelism; nested OpenMP would oversubscribe
     overrides = {"ep_size": args.ranks} if args.ranks else {}
+    world, ranks_as, guard = None, "threads on the CPU", contextlib.nullcontext()
+    if args.world == "collective":  # one process per rank (torchrun); rank 0 prints and plots
+        from moonep_moe.comm.collective import fail_fast, init_collective
+
+        world, guard = init_collective(), fail_fast()
+        overrides = {"ep_size": world.size, "world": "collective"}
+        ranks_as = f"processes ({torch.distributed.get_backend()}) on {world.device.type}"
+    lead = world is None or world.rank == 0
+    print = builtins.print if lead else lambda *_, **__: None  # only rank 0 reports
     cfg = load_config(args.config, **overrides)
-    print(f"moonep-moe demo: config {args.config}, {cfg.ep_size} EP ranks as threads on the CPU, "
+    print(f"moonep-moe demo: config {args.config}, {cfg.ep_size} EP ranks as {ranks_as}, "
           f"S={cfg.max_tokens_per_rank} tokens/rank, H={cfg.hidden_size}, H'={cfg.ffn_hidden_size}, "
           f"E={cfg.num_experts}, K={cfg.top_k}, B={cfg.prefetch_slots} slots/rank, {cfg.dtype}")
     start = time.perf_counter()
-    results = run_demo(cfg, seed=args.seed)
+    with guard:
+        results = run_demo(cfg, seed=args.seed, world=world)
     print(format_table(cfg, results))
-    plot(cfg, results, args.out)
+    if lead:
+        plot(cfg, results, args.out)
     worst = max(r.max_error for r in results)
     print(f"outputs and gradients vs the dense float64 reference: worst relative error {worst:.1e} "
           f"({'ok' if worst < TOLERANCE else 'FAIL'}, tolerance {TOLERANCE:g})")
@@ -62,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=None, help="EP ranks (threads); default: the config's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="moonep-demo.png", help="where to write the PNG plot")
+    p.add_argument("--world", choices=["threads", "collective"], default="threads",
+                   help="threads: R ranks in this process; collective: one rank per process under "
+                        "torchrun (gloo on the CPU, NCCL on GPUs): torchrun --nproc-per-node 4 -m "
+                        "moonep_moe.cli demo --world collective")
     p.set_defaults(run=demo)
     p = commands.add_parser("train", help="train a tiny HF MoE transformer with MoonEP layers (needs [hf])")
     p.add_argument("--config", default="configs/tiny-transformer.yaml", help="training YAML")

@@ -3,8 +3,8 @@
 For each target skew (`maxvio = max_e T_e / mean_e T_e - 1` over the group's experts):
 1. skew the router the way MoonEP's benchmark does: expert logits offset by `sigma * z_e` (z ~ N(0, 1),
    i.e. lognormal expert popularity), with sigma found by bisection to hit the target;
-2. run one forward + backward of `MoonEPMoELayer` on R thread-ranks (weights loaded from one full
-   checkpoint, every rank taking its home experts);
+2. run one forward + backward of `MoonEPMoELayer` on R thread-ranks, or one rank per process under
+   torchrun (weights loaded from one full checkpoint, every rank taking its home experts);
 3. check every rank's output, input gradient and router gradient, and every expert's weight gradient,
    against the dense single-device reference in float64;
 4. record each rank's routes with replicas (the plan) and under plain EP (its home experts' routes).
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from moonep_moe.comm.world import run_ranks
+from moonep_moe.comm.world import EPWorld, run_ranks
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.dense import dense_step
 from moonep_moe.layers.moe import MoonEPMoELayer
@@ -100,50 +100,64 @@ def find_sigma(cfg: MoEConfig, target: float, seed: int, steps: int = 30) -> flo
     return high
 
 
-def run_layer(cfg: MoEConfig, model: Model) -> list[dict[str, torch.Tensor]]:
-    """One forward + backward of the layer on `cfg.ep_size` thread-ranks."""
+def run_layer(cfg: MoEConfig, model: Model, world: EPWorld | None = None) -> list[dict[str, torch.Tensor]]:
+    """One forward + backward of the layer on `cfg.ep_size` thread-ranks (results in rank order), or, given
+    a process world (one process per rank), on this rank only (a one-element list). Results on the CPU."""
     dtype = cfg.torch_dtype
     state = model.state_dict(dtype)
 
     def rank_fn(world):
         layer = MoonEPMoELayer(cfg, world)
         layer.load_state_dict(state)
-        x = model.hidden[world.rank].to(dtype).requires_grad_()
+        x = model.hidden[world.rank].to(world.device, dtype).requires_grad_()
         out = layer(x)
-        out.backward(model.grad_out[world.rank].to(dtype))
+        out.backward(model.grad_out[world.rank].to(world.device, dtype))
         stats = layer.balance_stats()
         layer.destroy()
-        return dict(out=out.detach(), grad_x=x.grad, grad_router=layer.router.weight.grad,
-                    grad_gate_up=layer.experts.gate_up.grad, grad_down=layer.experts.down.grad,
-                    rank_load=stats["rank_load"], ep_rank_load=stats["ep_rank_load"],
-                    slots_used=stats["slots_used"])
+        result = dict(out=out.detach(), grad_x=x.grad, grad_router=layer.router.weight.grad,
+                      grad_gate_up=layer.experts.gate_up.grad, grad_down=layer.experts.down.grad,
+                      rank_load=stats["rank_load"], ep_rank_load=stats["ep_rank_load"],
+                      slots_used=stats["slots_used"])
+        return {k: v.cpu() for k, v in result.items()}
 
-    return run_ranks(rank_fn, cfg.ep_size)
+    return [rank_fn(world)] if world is not None else run_ranks(rank_fn, cfg.ep_size)
 
 
-def max_error(cfg: MoEConfig, model: Model, got: list[dict[str, torch.Tensor]]) -> float:
-    """Largest relative error of any output or gradient against the float64 dense reference.
+def max_error(cfg: MoEConfig, model: Model, got: list[dict[str, torch.Tensor]],
+              ranks: list[int] | None = None) -> float:
+    """Largest relative error of any output or gradient of `ranks` (default: all, `got` in rank order)
+    against the float64 dense reference; expert gradients relative to the whole group's.
 
     The reference routes with the layer's router dtype, so both pick the same experts (a float64 router
     could break near-ties the other way), and computes everything else in float64."""
     ref_cfg = cfg.model_copy(update={"dtype": "float64"})
     want = [dense_step(ref_cfg, {"weight": model.router_weight_eh}, model.gate_up_e2fh, model.down_ehf, x, g)
             for x, g in zip(model.hidden, model.grad_out, strict=True)]
-    pairs = [(g[name], w[name]) for g, w in zip(got, want, strict=True)
-             for name in ("out", "grad_x", "grad_router")]
-    pairs += [(torch.cat([g[name] for g in got]), sum(w[name] for w in want))
-              for name in ("grad_gate_up", "grad_down")]
-    return max(float((a.double() - b).abs().max() / b.abs().max().clamp(min=1e-30)) for a, b in pairs)
+    full = {name: sum(w[name] for w in want) for name in ("grad_gate_up", "grad_down")}
+    epn = cfg.experts_per_rank
+    triples = []
+    for g, rank in zip(got, range(len(got)) if ranks is None else ranks, strict=True):
+        triples += [(g[name], want[rank][name], want[rank][name])
+                    for name in ("out", "grad_x", "grad_router")]
+        triples += [(g[name], full[name][rank * epn:(rank + 1) * epn], full[name]) for name in full]
+    return max(float((a.double() - b).abs().max() / scale.abs().max().clamp(min=1e-30))
+               for a, b, scale in triples)
 
 
-def run_demo(cfg: MoEConfig, seed: int = 0, targets: tuple[float, ...] = SKEW_TARGETS) -> list[SkewResult]:
+def run_demo(cfg: MoEConfig, seed: int = 0, targets: tuple[float, ...] = SKEW_TARGETS,
+             world: EPWorld | None = None) -> list[SkewResult]:
+    """The sweep on thread-ranks, or given a process world, this process's rank of it (every rank gets
+    the same results: loads come from the global plan, the error is the group's maximum)."""
     results = []
-    for target in tqdm(targets, desc="skew levels", unit="level"):
+    quiet = world is not None and world.rank > 0
+    for target in tqdm(targets, desc="skew levels", unit="level", disable=quiet):
         model = make_model(cfg, find_sigma(cfg, target, seed), seed)
-        got = run_layer(cfg, model)
+        got = run_layer(cfg, model, world)
+        error = max_error(cfg, model, got, None if world is None else [world.rank])
+        if world is not None:
+            error = float(world.all_gather(torch.tensor(error, device=world.device)).max())
         results.append(SkewResult(target, measure_maxvio(cfg, model), got[0]["rank_load"].tolist(),
-                                  got[0]["ep_rank_load"].tolist(), got[0]["slots_used"].tolist(),
-                                  max_error(cfg, model, got)))
+                                  got[0]["ep_rank_load"].tolist(), got[0]["slots_used"].tolist(), error))
     return results
 
 
