@@ -133,8 +133,10 @@ class TorchGroupedGemm:
 
 
 def _cat_groups(weights_gnk: Sequence[Tensor]) -> Tensor:
-    """One ``[G,n,k]`` tensor; copies when there is more than one part (see ``TorchGroupedGemm``)."""
-    return weights_gnk[0] if len(weights_gnk) == 1 else torch.cat(list(weights_gnk))
+    """One ``[G,n,k]`` tensor; copies when more than one part has groups (see ``TorchGroupedGemm``): with
+    no replicas in use (B = 0) the home experts go through as they are."""
+    parts = [w for w in weights_gnk if w.shape[0]] or list(weights_gnk[:1])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 _TORCH_DTYPES = {
@@ -213,7 +215,7 @@ def _deep_gemm_unsupported_reason(device: torch.device, dtype: torch.dtype,
     if token_padding is None or token_padding % 128:
         return f"DeepGEMM needs segments aligned to 128 rows (token_padding % 128 == 0), got {token_padding}"
     try:
-        import deep_gemm  # noqa: F401
+        import_deep_gemm()
     except ImportError as error:
         return f"deep_gemm cannot be imported ({error}); install the 'gpu' extra (README, GPU section)"
     return None
