@@ -112,7 +112,8 @@ class MoonEPMoELayer(nn.Module):
             self.shared_experts = SharedExperts(h, width, shared.gate, dtype, device)
         self.buffer = Buffer(config.max_tokens_per_rank, h, k, e, config.ep_size, config.prefetch_slots,
                              token_padding=config.token_padding, world=world, dtype=dtype)
-        gemm = select_grouped_gemm(config.grouped_gemm, device, dtype, k=math.gcd(h, f))
+        gemm = select_grouped_gemm(config.grouped_gemm, device, dtype, k=math.gcd(h, f),
+                                   token_padding=config.token_padding)
         self._state = ExpertsState(self.buffer, self.experts, gemm)
         expert_load_e = torch.zeros(e, dtype=torch.int64, device=device)
         self.register_buffer("expert_load", expert_load_e, persistent=False)
