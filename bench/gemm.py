@@ -5,14 +5,17 @@
 
 For each model's expert shape at EP=8 (epn home + B = epn slot groups, rows = the routes of one rank,
 each segment padded to 128) and each backend: TFLOP/s (on the used rows) of fwd, dgrad and wgrad of both
-projections, as a ratio to the dense bf16 rate; the weight gradient against its floor (its FLOPs at the
-dense rate, or its bytes at the copy bandwidth: fp32 gradients read and written, inputs read; the larger);
-and the whole expert block forward + backward (the layer's own code path) against the sum of its GEMMs.
+projections, as a ratio to the dense bf16 rate, with the weights given as a (home, slots) pair (the GEMM
+backend copies them together) and as one arena tensor (`moonep_moe.weights.arena`: no copy); the weight
+gradient against its floor (its FLOPs at the dense rate, or its bytes at the copy bandwidth: fp32 gradients
+read and written, inputs read; the larger); and the whole expert block forward + backward (the layer's own
+code path) against the sum of its GEMMs.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 from pathlib import Path
 
@@ -21,6 +24,7 @@ import torch
 from bench.common import measure_limits, timed, write_record
 from moonep_moe.layers.grouped_gemm import select_grouped_gemm
 from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
+from moonep_moe.weights.arena import PhysicalRows, expert_arena_reason, joined_rows
 
 SHAPES = {  # name: (H, H', experts per rank at EP=8)
     "deepseek-v3": (7168, 2048, 32),
@@ -52,6 +56,16 @@ def block(gemm, x, w, offs, gate_up, down, g):
     gemm.dgrad(dab, gate_up, offs)
 
 
+def arena_weights(home: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`home` and `slots` copied into two VMM allocations mapped back to back: one tensor, as the layer's
+    arena gives the grouped GEMM (no per-call copy)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    parts = [PhysicalRows(t.shape[0], tuple(t.shape[1:]), t.dtype, device) for t in (home, slots)]
+    for part, t in zip(parts, (home, slots), strict=True):
+        part.tensor.copy_(t)
+    return joined_rows(*parts)
+
+
 def fp32_grads(parts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     return [torch.zeros(p.shape, dtype=torch.float32, device="cuda") for p in parts]
 
@@ -78,19 +92,21 @@ def bench_shape(name: str, rows: int, skew: float, backends: list[str], limits: 
 
     x, g = rand(m_total, h), rand(m_total, h)
     w = torch.rand(m_total, device="cuda")
-    gate_up = (rand(epn, 2 * f, h), rand(groups - epn, 2 * f, h))
-    down = (rand(epn, h, f), rand(groups - epn, h, f))
+    layouts = {"pair": ((rand(epn, 2 * f, h), rand(groups - epn, 2 * f, h)),
+                        (rand(epn, h, f), rand(groups - epn, h, f)))}
+    if expert_arena_reason(torch.device("cuda", 0), [epn * 2 * f * h * 2, epn * h * f * 2]) is None:
+        layouts["arena"] = tuple((arena_weights(*pair),) for pair in layouts["pair"])
     dab, hw = rand(m_total, 2 * f), rand(m_total, f)
     flops = 2 * rows * 3 * f * h  # per op pair, on the real rows (not the padding)
     dense, copy = limits["dense_bf16_flops_per_s"], limits["copy_bytes_per_s"]
     grad_bytes = groups * 3 * f * h * 4 * 2 + m_total * (3 * f + 2 * h) * 2
     wgrad_floor = max(flops / dense, grad_bytes / copy)
     out = []
-    for backend in backends:
+    for backend, (layout, (gate_up, down)) in itertools.product(backends, layouts.items()):
         gemm = select_grouped_gemm(backend, torch.device("cuda"), torch.bfloat16, k=math.gcd(h, f),
                                    token_padding=PAD)
         row = {"shape": name, "rows": rows, "padded_rows": m_total, "groups": groups, "skew": skew,
-               "backend": gemm.name}
+               "backend": gemm.name, "weights": layout}
         gemm_total = 0.0
         for op, fn in gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down).items():
             seconds = timed(fn)
@@ -99,11 +115,11 @@ def bench_shape(name: str, rows: int, skew: float, backends: list[str], limits: 
             row[f"{op}_tflops"] = flops / seconds / 1e12
             row[f"{op}_vs_dense"] = flops / seconds / dense
         row["wgrad_vs_floor"] = row["wgrad_ms"] / 1e3 / wgrad_floor
-        block_s = timed(lambda gm=gemm: block(gm, x, w, offs, gate_up, down, g))
+        block_s = timed(lambda gm=gemm, gu=gate_up, dn=down: block(gm, x, w, offs, gu, dn, g))
         row["block_ms"] = block_s * 1e3
         row["block_vs_gemms"] = block_s / gemm_total
         out.append(row)
-        print(f"{name:18} rows={rows:6} skew={skew:3.1f} {gemm.name:9} "
+        print(f"{name:18} rows={rows:6} skew={skew:3.1f} {gemm.name:9} {layout:5} "
               f"fwd {row['fwd_tflops']:5.0f} TF/s ({row['fwd_vs_dense']:.2f} dense)  "
               f"dgrad {row['dgrad_tflops']:5.0f} ({row['dgrad_vs_dense']:.2f})  "
               f"wgrad {row['wgrad_tflops']:5.0f} ({row['wgrad_vs_floor']:.2f}x floor)  "

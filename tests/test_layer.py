@@ -90,7 +90,8 @@ def rank_step(p: Problem, world, device: str = "cpu", backward: bool = True) -> 
     layer.destroy()
     result = dict(out=out.detach(), grad_x=x.grad, grad_router=layer.router.weight.grad,
                   grad_gate_up=layer.experts.gate_up.grad, grad_down=layer.experts.down.grad, **stats,
-                  dst=plan.dst, experts_to_copy=plan.experts_to_copy, cu_seqlens=plan.cu_seqlens)
+                  dst=plan.dst, experts_to_copy=plan.experts_to_copy, cu_seqlens=plan.cu_seqlens,
+                  arena=torch.tensor(all(rows.compute is not None for rows in layer.experts.rows)))
     return {k: v.cpu().double() if v.is_floating_point() else v.cpu()
             for k, v in result.items() if v is not None}
 

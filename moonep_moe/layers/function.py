@@ -73,9 +73,9 @@ class MoonEPExperts(torch.autograd.Function):
         gate_up_rows, down_rows = experts.rows
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
         offs_g = compute_offsets(cu_seqlens, buffer.world.rank, buffer.epn, buffer.E)
-        ab_nv2f = gemm.fwd(x_nvsh, (gate_up, gate_up_rows.slots.local), offs_g)
+        ab_nv2f = gemm.fwd(x_nvsh, gate_up_rows.compute_weights(), offs_g)
         hw_nvf = swiglu_weighted(ab_nv2f, w_nvs, offs_g[-1:])
-        y_nvsh = gemm.fwd(hw_nvf, (down, down_rows.slots.local), offs_g)
+        y_nvsh = gemm.fwd(hw_nvf, down_rows.compute_weights(), offs_g)
         out_sh, _, _ = buffer.combine(plan, y_nvsh)
         ctx.save_for_backward(x_nvsh, ab_nv2f, w_nvs, offs_g, gate_up, down)
         ctx.plan, ctx.state = plan, state
@@ -94,11 +94,11 @@ class MoonEPExperts(torch.autograd.Function):
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
         for grads in experts.grads:
             grads.home.local.zero_()
-        u_nvf = gemm.dgrad(g_nvsh, (down, down_rows.slots.local), offs_g)
+        u_nvf = gemm.dgrad(g_nvsh, down_rows.compute_weights(), offs_g)
         dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:])
         gemm.wgrad(g_nvsh, hw_nvf, offs_g, (down_grads.home.local, down_grads.slots.local))
         gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (gate_up_grads.home.local, gate_up_grads.slots.local))
-        dx_nvsh = gemm.dgrad(dab_nv2f, (gate_up, gate_up_rows.slots.local), offs_g)
+        dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_rows.compute_weights(), offs_g)
         grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs)
         buffer.reduce_grad(plan, gate_up_grads, None, down_grads)
         # copies: autograd may keep a returned tensor as .grad, and the fp32 home gradients are reused

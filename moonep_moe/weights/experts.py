@@ -5,7 +5,9 @@ Layout (nn.Linear style, `[experts, out, in]`): `gate_up [epn, 2F, H]` (rows [0,
 both projections run as one GEMM) and `down [epn, H, F]`. Only the home experts are stored: never a
 replicated copy of all E. Both parameters are registered with the EP world so peers can read them
 (prefetch): create the layer in its final dtype and device (the config's) rather than converting it
-later. Gradients of the home experts accumulate in fp32 (`grads`), also visible to peers.
+later. On CUDA, where `weights.arena` can, the home experts are mapped right before the shared slot pool, so
+the grouped GEMMs read home experts and slots as one tensor without copying them. Gradients of the home
+experts accumulate in fp32 (`grads`), also visible to peers.
 
 Checkpoints hold one entry per expert under its global id, whatever the EP size:
 `{e}.gate_proj.weight [F, H]`, `{e}.up_proj.weight [F, H]`, `{e}.down_proj.weight [H, F]`. Loading also
@@ -21,7 +23,7 @@ import torch
 from torch import nn
 
 from moonep_moe.comm.world import EPWorld
-from moonep_moe.weights.pool import ExpertRows, slot_grad_pool, slot_pool
+from moonep_moe.weights.pool import ExpertRows, allocate_home, slot_grad_pool, slot_pool
 
 PER_EXPERT_NAMES = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
 FUSED_NAMES = (("gate_up_proj", "down_proj"), ("w13", "w2"))
@@ -45,15 +47,16 @@ class HomeExperts(nn.Module):
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         h, f, epn = hidden_size, ffn_hidden_size, self.epn
         device = world.device
-        self.gate_up = nn.Parameter(torch.empty(epn, 2 * f, h, dtype=dtype, device=device))
-        self.down = nn.Parameter(torch.empty(epn, h, f, dtype=dtype, device=device))
+        gate_up, gate_up_compute = allocate_home(world, epn, (2 * f, h), dtype, num_slots)
+        down, down_compute = allocate_home(world, epn, (h, f), dtype, num_slots)
+        self.gate_up, self.down = nn.Parameter(gate_up), nn.Parameter(down)
         self.reset_parameters()
         grad_dtype = torch.promote_types(dtype, torch.float32)
         self.rows = (
             ExpertRows(world.symmetric(f"{name}/gate_up", self.gate_up),
-                       slot_pool(world, (num_slots, 2 * f, h), dtype)),
+                       slot_pool(world, (num_slots, 2 * f, h), dtype), gate_up_compute),
             ExpertRows(world.symmetric(f"{name}/down", self.down),
-                       slot_pool(world, (num_slots, h, f), dtype)),
+                       slot_pool(world, (num_slots, h, f), dtype), down_compute),
         )
         self.grads = (
             ExpertRows(world.symmetric(f"{name}/gate_up_grad", torch.zeros(epn, 2 * f, h, dtype=grad_dtype,

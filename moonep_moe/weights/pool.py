@@ -10,27 +10,60 @@ reduction and checkpoints never see them. Because later layers overwrite the poo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from moonep_moe.comm.world import EPWorld, SymmetricTensor
+from moonep_moe.weights.arena import PhysicalRows, expert_arena_reason, joined_rows
 
 
 @dataclass(frozen=True)
 class ExpertRows:
-    """One projection: `home [epn, N, K]` (this rank's experts, symmetric) and `slots [B, N, K]`."""
+    """One projection: `home [epn, N, K]` (this rank's experts, symmetric) and `slots [B, N, K]`; `compute`
+    is both as one `[epn + B, N, K]` tensor without a copy (`weights.arena`), or None where unavailable."""
 
     home: SymmetricTensor
     slots: SymmetricTensor
+    compute: torch.Tensor | None = None
+
+    def compute_weights(self) -> tuple[torch.Tensor, ...]:
+        """The weights of this rank's compute groups (home experts, then slots) for a grouped GEMM: one
+        tensor when the arena joins them, else the two parts (the GEMM backend then copies them)."""
+        return (self.compute,) if self.compute is not None else (self.home.local, self.slots.local)
 
 
 def _pool(world: EPWorld, kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> SymmetricTensor:
     key = (kind, shape, dtype)
     if key not in world.globals:
         name = f"pool/{kind}/{'x'.join(map(str, shape))}/{dtype}".replace("torch.", "")
-        world.globals[key] = world.symmetric(name, torch.zeros(shape, dtype=dtype, device=world.device))
+        device = world.device
+        tensor = torch.zeros(shape, dtype=dtype, device=device)
+        if kind == "slots" and shape[0] and expert_arena_reason(device, [_nbytes(shape, dtype)]) is None:
+            physical = PhysicalRows(shape[0], shape[1:], dtype, device)  # the arena maps it after home rows
+            world.globals[("slots_physical", shape, dtype)] = physical
+            tensor = physical.tensor.zero_()
+        world.globals[key] = world.symmetric(name, tensor)
     return world.globals[key]
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def allocate_home(world: EPWorld, num_home: int, row_shape: tuple[int, ...], dtype: torch.dtype,
+                  num_slots: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's home experts `[epn, N, K]` (uninitialised) and, where the arena can join them with the
+    slot pool of that shape, the `[epn + B, N, K]` compute view over both (else None)."""
+    slots_shape = (num_slots, *row_shape)
+    slot_pool(world, slots_shape, dtype)
+    physical = world.globals.get(("slots_physical", slots_shape, dtype))
+    home_shape = (num_home, *row_shape)
+    if physical is None or expert_arena_reason(world.device, [_nbytes(home_shape, dtype)]) is not None:
+        return torch.empty(home_shape, dtype=dtype, device=world.device), None
+    home = PhysicalRows(num_home, row_shape, dtype, world.device)
+    return home.tensor, joined_rows(home, physical)
 
 
 def slot_pool(world: EPWorld, shape_bnk: tuple[int, ...], dtype: torch.dtype) -> SymmetricTensor:

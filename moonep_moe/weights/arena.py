@@ -1,0 +1,133 @@
+"""Expert rows as one tensor without copies: a layer's home experts and the shared slot pool, mapped back
+to back in virtual memory (CUDA VMM).
+
+Grouped GEMMs take one `[groups, N, K]` weight tensor, but a rank's compute groups live in two places: the
+layer's `epn` home experts and the `B` prefetch slots shared by every layer of that shape. Joining them with
+`torch.cat` copies `epn + B` experts on every GEMM call. Instead, each layer reserves a virtual range of
+`epn + B` experts and maps two physical allocations into it: its own home experts, then the process-wide
+slot pool (the same physical memory for every layer, also mapped once on its own for prefetch writes). The
+result is an ordinary `[epn + B, N, K]` tensor whose first `epn` rows are the parameters and whose last `B`
+rows are the slots.
+
+Needs CUDA, the `cuda-python` driver bindings (`cuda.bindings.driver`) and region sizes that are multiples of
+the allocation granularity (2 MiB: true of the real models' expert shapes). `expert_arena_reason` says why
+not otherwise, and callers fall back to separate tensors and a copy.
+
+Owns memory outside PyTorch's caching allocator: `PhysicalRows` and `ArenaView` free it when collected.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+_GRANULARITY: dict[int, int] = {}
+
+
+def _driver():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _check(result):
+    """cuda-python returns `(CUresult, *values)`: raise on an error, return the values."""
+    error, *values = result
+    if int(error) != 0:
+        raise RuntimeError(f"CUDA driver call failed: {error}")
+    return values[0] if len(values) == 1 else values
+
+
+def _properties(device: torch.device):
+    cu = _driver()
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device.index
+    return prop
+
+
+def granularity(device: torch.device) -> int:
+    """Bytes every mapped region must be a multiple of on `device`."""
+    if device.index not in _GRANULARITY:
+        cu = _driver()
+        flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        _GRANULARITY[device.index] = int(_check(cu.cuMemGetAllocationGranularity(_properties(device), flag)))
+    return _GRANULARITY[device.index]
+
+
+def expert_arena_reason(device: torch.device, region_bytes: list[int]) -> str | None:
+    """Why the arena cannot hold regions of these sizes on `device`, or None when it can."""
+    if device.type != "cuda":
+        return "the arena maps CUDA memory"
+    try:
+        _driver()
+    except ImportError:
+        return "cuda-python (cuda.bindings.driver) is not installed"
+    unit = granularity(device)
+    if any(size % unit for size in region_bytes):
+        return f"region sizes {region_bytes} are not multiples of the {unit}-byte VMM granularity"
+    return None
+
+
+def _as_tensor(pointer: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+               owner: object) -> torch.Tensor:
+    """A tensor over `pointer`'s memory that keeps `owner` alive."""
+
+    class _Memory:
+        __cuda_array_interface__ = {"data": (pointer, False), "shape": (math.prod(shape) * dtype.itemsize,),
+                                    "typestr": "|u1", "version": 3}
+
+        def __init__(self):
+            self.owner = owner
+
+    return torch.as_tensor(_Memory(), device=device).view(dtype).view(shape)
+
+
+class _Mapping:
+    """A reserved virtual range with regions mapped into it; unmapped and freed when collected."""
+
+    def __init__(self, device: torch.device, regions: list[tuple[object, int]]):
+        cu = _driver()
+        self.size = sum(size for _, size in regions)
+        self.pointer = int(_check(cu.cuMemAddressReserve(self.size, granularity(device), 0, 0)))
+        offset = 0
+        for handle, size in regions:
+            _check(cu.cuMemMap(cu.CUdeviceptr(self.pointer + offset), size, 0, handle, 0))
+            offset += size
+        access = cu.CUmemAccessDesc()
+        access.location = _properties(device).location
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        _check(cu.cuMemSetAccess(cu.CUdeviceptr(self.pointer), self.size, [access], 1))
+        self.handles = [handle for handle, _ in regions]  # the physical memory outlives the mapping
+        weakref.finalize(self, _unmap, self.pointer, self.size)
+
+
+def _unmap(pointer: int, size: int) -> None:
+    cu = _driver()
+    torch.cuda.synchronize()
+    cu.cuMemUnmap(cu.CUdeviceptr(pointer), size)
+    cu.cuMemAddressFree(cu.CUdeviceptr(pointer), size)
+
+
+class PhysicalRows:
+    """`rows` rows of `[N, K]` in one physical allocation, plus its own mapping as `tensor`."""
+
+    def __init__(self, rows: int, row_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        cu = _driver()
+        self.rows, self.row_shape, self.dtype, self.device = rows, tuple(row_shape), dtype, device
+        self.nbytes = rows * math.prod(row_shape) * dtype.itemsize
+        self.handle = _check(cu.cuMemCreate(self.nbytes, _properties(device), 0))
+        weakref.finalize(self, cu.cuMemRelease, self.handle)
+        mapping = _Mapping(device, [(self.handle, self.nbytes)])
+        self.tensor = _as_tensor(mapping.pointer, (rows, *self.row_shape), dtype, device, mapping)
+
+
+def joined_rows(first: PhysicalRows, second: PhysicalRows) -> torch.Tensor:
+    """`[first.rows + second.rows, N, K]`: both allocations back to back, no copy (writes to either are
+    seen through it)."""
+    mapping = _Mapping(first.device, [(first.handle, first.nbytes), (second.handle, second.nbytes)])
+    return _as_tensor(mapping.pointer, (first.rows + second.rows, *first.row_shape), first.dtype,
+                      first.device, (mapping, first, second))
