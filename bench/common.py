@@ -7,6 +7,7 @@ Every result file holds the device, the commit, the command line and the baselin
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -47,6 +48,10 @@ def measure_limits() -> dict[str, float]:
 
 
 def commit() -> str:
+    """The checked-out commit (`-dirty` with uncommitted changes); `MOONEP_COMMIT` where there is no git
+    (a copied tree on a device machine)."""
+    if "MOONEP_COMMIT" in os.environ:
+        return os.environ["MOONEP_COMMIT"]
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).parent, check=True).stdout.strip()
