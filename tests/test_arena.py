@@ -13,7 +13,8 @@ def test_joined_rows_alias_both_allocations():
 
     device = torch.device("cuda", torch.cuda.current_device())
     row_shape, dtype = (1024, 512), torch.bfloat16  # 1 MiB a row
-    assert expert_arena_reason(device, [3 * 2**20, 2 * 2**20]) is None
+    assert expert_arena_reason(device, [4 * 2**20, 2 * 2**20]) is None
+    assert "granularity" in expert_arena_reason(device, [3 * 2**20])
     home, slots = PhysicalRows(2, row_shape, dtype, device), PhysicalRows(2, row_shape, dtype, device)
     joined = joined_rows(home, slots)
     home.tensor.copy_(torch.randn(2, *row_shape, device=device))
@@ -22,6 +23,37 @@ def test_joined_rows_alias_both_allocations():
     assert torch.equal(joined, torch.cat([home.tensor, slots.tensor]))
     joined[3].fill_(7)  # writes through the joined view land in the slot allocation
     assert bool((slots.tensor[1] == 7).all())
+    import gc
+
+    gc.collect()  # the views keep their mappings alive
+    assert torch.equal(joined[:2], home.tensor) and torch.equal(joined[2:], slots.tensor)
+
+
+@needs_arena
+def test_layer_arena_views_stay_coherent():
+    """After a forward with replicas, the compute view still equals (home parameters, slot pool)."""
+    from test_layer import build_layer, make_config, make_problem
+
+    from moonep_moe.comm.world import run_ranks
+
+    cfg = make_config(2, hidden_size=1024, ffn_hidden_size=512, num_experts=8, max_tokens_per_rank=64,
+                      dtype="bfloat16", grouped_gemm="torch",
+                      router={"dtype": "float32", "expert_bias": True})
+    p = make_problem(cfg, seed=51, skew=100.0)
+
+    def rank_fn(world):
+        layer = build_layer(p, world)
+        out = layer(p.hidden[world.rank].to("cuda", torch.bfloat16))
+        checks = []
+        for rows, param in zip(layer.experts.rows, (layer.experts.gate_up, layer.experts.down), strict=True):
+            epn = param.shape[0]
+            slots = rows.slots.local
+            checks.append((torch.equal(rows.compute[:epn], param), torch.equal(rows.compute[epn:], slots),
+                           bool(param.isfinite().all()), bool(slots.isfinite().all())))
+        return checks, bool(out.isfinite().all())
+
+    for checks, finite in run_ranks(rank_fn, 2, device="cuda"):
+        assert checks == [(True, True, True, True)] * 2 and finite, (checks, finite)
 
 
 @needs_arena

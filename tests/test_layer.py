@@ -59,7 +59,7 @@ def make_problem(cfg: MoEConfig, seed: int, skew: float = 0.0, tokens: int | Non
     if padding:
         masks = [torch.arange(T) < T - padding for _ in range(R)]
     return Problem(cfg, [randn(T, H) for _ in range(R)], [randn(T, H) for _ in range(R)], masks,
-                   randn(E, H), bias_e.float(), randn(E, 2 * F, H) / H**0.5, randn(E, H, F) / F**0.5)
+                   randn(E, H) / H**0.5, bias_e.float(), randn(E, 2 * F, H) / H**0.5, randn(E, H, F) / F**0.5)
 
 
 def build_layer(p: Problem, world) -> MoonEPMoELayer:
