@@ -98,8 +98,13 @@ def test_swapped_model_matches_original_ep1(name, dtype):
     want = step(original, ids)
     got = step(swapped, ids, lambda m: hf_state_dict(m, grads=True))
     assert_close(got, want, TOL[dtype], f"{name} {dtype} EP=1")
-    routed = swapped(input_ids=ids, output_router_logits=True).router_logits
-    assert len(routed) == 2 and routed[0].shape == (TOKENS, 8)
+    # router logits where the model returns them (transformers versions differ per model)
+    expected = getattr(original(input_ids=ids, output_router_logits=True), "router_logits", None)
+    routed = getattr(swapped(input_ids=ids, output_router_logits=True), "router_logits", None)
+    assert (routed is None) == (expected is None)
+    if expected is not None:
+        assert len(routed) == 2 and routed[0].shape == (TOKENS, 8)
+        torch.testing.assert_close(routed[0].float(), expected[0].float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

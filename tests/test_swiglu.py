@@ -73,6 +73,7 @@ def test_fused_kernels_match_the_reference_and_skip_rows_past_num_rows(dtype, ff
     want = swiglu_weighted_backward(u_mf, ab_m2f, route_weights_m)
     got_hw = swiglu_weighted(cuda[0], cuda[1], num_rows)
     got = swiglu_weighted_backward(cuda[2], cuda[0], cuda[1], num_rows)
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    # fp32: the route-weight gradient sums F products in another order than the reference
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     for g, w in zip((got_hw, *got), (want_hw, *want), strict=True):
         torch.testing.assert_close(g[:257].cpu(), w[:257], **tol)

@@ -80,9 +80,9 @@ class CollectiveWorld:
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """`[*shape]` on every rank -> `[size, *shape]`, identical on every rank (a fresh tensor)."""
-        gathered = tensor.new_empty(self.size * tensor.numel())
-        dist.all_gather_single(gathered, tensor.reshape(-1).contiguous(), group=self.group)
-        return gathered.view(self.size, *tensor.shape)
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)  # the list form: gloo and torch 2.11
+        return torch.stack(parts)
 
     def barrier(self) -> None:
         if self.device.type == "cuda":
