@@ -178,8 +178,9 @@ class DeepGemmGroupedGemm:
     no host sync. Every segment must start at a multiple of 128 (``token_padding`` a multiple of 128).
 
     The weight gradient runs on ``torch._grouped_mm``: DeepGEMM's k-grouped wgrad needs the segment sizes as a
-    host list (a device-to-host read per call), which the no-host-sync rule forbids. Weights sequences are
-    joined with ``torch.cat`` as in ``TorchGroupedGemm``.
+    host list (a device-to-host read per call), which the no-host-sync rule forbids. A weights sequence of
+    several non-empty parts is joined with ``torch.cat`` as in ``TorchGroupedGemm`` (pass one arena tensor to
+    avoid the copy: ``ExpertRows.compute_weights``).
     """
 
     name = "deep_gemm"
@@ -189,18 +190,20 @@ class DeepGemmGroupedGemm:
         self._torch = TorchGroupedGemm()
 
     def fwd(self, x_mk: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        _check_groups(weights_gnk, offs_g, "weights_gnk")
-        w_gnk = _cat_groups(weights_gnk)
-        y_mn = x_mk.new_empty(x_mk.shape[0], w_gnk.shape[1])
-        self._deep_gemm.m_grouped_bf16_gemm_nt_contiguous(x_mk, w_gnk, y_mn, offs_g, use_psum_layout=True)
-        return y_mn
+        return self._psum(self._deep_gemm.m_grouped_bf16_gemm_nt_contiguous, x_mk, weights_gnk, offs_g, dim=1)
 
     def dgrad(self, dy_mn: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        nn = self._deep_gemm.m_grouped_bf16_gemm_nn_contiguous  # b as stored: [G, N, K] read as [G, K', N']
+        return self._psum(nn, dy_mn, weights_gnk, offs_g, dim=2)
+
+    @staticmethod
+    def _psum(kernel, a_mx: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor, dim: int) -> Tensor:
+        """`kernel(a, w, out, offs)` on the psum layout; `out` has `w.shape[dim]` columns."""
         _check_groups(weights_gnk, offs_g, "weights_gnk")
         w_gnk = _cat_groups(weights_gnk)
-        dx_mk = dy_mn.new_empty(dy_mn.shape[0], w_gnk.shape[2])
-        self._deep_gemm.m_grouped_bf16_gemm_nn_contiguous(dy_mn, w_gnk, dx_mk, offs_g, use_psum_layout=True)
-        return dx_mk
+        out = a_mx.new_empty(a_mx.shape[0], w_gnk.shape[dim])
+        kernel(a_mx, w_gnk, out, offs_g, use_psum_layout=True)
+        return out
 
     def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor]) -> None:
         self._torch.wgrad(dy_mn, x_mk, offs_g, out_gnk)
