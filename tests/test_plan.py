@@ -2,7 +2,9 @@
 
 Every scenario plans all R ranks of a group from real `topk_experts_sk [S, K]` tensors (distinct experts per
 token, -1 = no route) and their histogram `counts_re [R, E]`, then checks one invariant per test directly
-from the plans: nothing here is an expected output copied from the planner.
+from the plans: nothing here is an expected output copied from the planner. The device planner (what
+`plan_routes` runs) is compared bit for bit with the host reference `plan_global`, and run on fake tensors
+to show it makes no data-dependent host read.
 """
 
 from __future__ import annotations
@@ -10,9 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from functools import cached_property
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 
 from moonep_moe.comm.plan import (
     NO_ROUTE,
@@ -20,6 +28,7 @@ from moonep_moe.comm.plan import (
     decode_dst,
     default_slots,
     plan_global,
+    plan_global_device,
     plan_routes,
     rows_capacity,
 )
@@ -422,3 +431,144 @@ def test_clone_is_deep():
     for name, value in before.items():
         assert torch.equal(getattr(plan, name), value), name
     assert (copy.rank, copy.owner, copy.NvS) == (plan.rank, plan.owner, plan.NvS)
+
+
+# -- the device planner: equal to the host reference, and no host read -----------------------------------
+
+
+def assert_device_equals_reference(counts_re: torch.Tensor, B: int, tp: int) -> None:
+    """Every field of `plan_global_device` equals the host reference `plan_global`, for int32 and int64."""
+    ref = plan_global(counts_re.tolist(), B, tp)
+    R, E = counts_re.shape
+    shapes = dict(alloc_re=(R, E), experts_to_copy_rb=(R, B), row_base_re=(R, E), cu_seqlens_rg=(R, E + B),
+                  zero_fill_rg2=(R, E + B, 2), home_load_r=(R,))
+    for dtype in (torch.int64, torch.int32):
+        dev = plan_global_device(counts_re.to(dtype), B, tp)
+        for f in fields(dev):
+            tensor = getattr(dev, f.name)
+            assert tensor.dtype == torch.int64 and tuple(tensor.shape) == shapes[f.name], f.name
+        assert dev.alloc_re.tolist() == ref.alloc
+        assert dev.experts_to_copy_rb.tolist() == ref.experts_to_copy
+        assert dev.row_base_re.tolist() == ref.row_base
+        assert dev.cu_seqlens_rg.tolist() == ref.cu_seqlens
+        assert dev.zero_fill_rg2.tolist() == ref.zero_fill
+        assert dev.home_load_r.tolist() == ref.home_load
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.one_of(scenarios(), scenarios(slots="zero"), scenarios(slots="one", min_epn=2, min_ranks=2)))
+def test_device_global_plan_equals_reference(sc):
+    """On every routing strategy, with B >= epn, B = 0 and B = 1 < epn."""
+    assert_device_equals_reference(sc.counts_re, sc.B, sc.tp)
+
+
+@st.composite
+def histograms(draw) -> tuple[torch.Tensor, int, int]:
+    """`(counts_re [R, E], B, tp)` drawn directly, any B in [0, E - epn]: few distinct values (ties
+    everywhere), sparse, huge counts, one saturated home group."""
+    R = draw(st.sampled_from(RANKS))
+    epn = draw(st.one_of(st.integers(1, 8), st.integers(1, 512 // R)))
+    E = R * epn
+    B = draw(st.integers(0, E - epn))
+    tp = draw(st.sampled_from([1, 8, 128]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
+    high = draw(st.sampled_from([1, 2, 3, 100, 10**6]))
+    counts_re = torch.randint(0, high + 1, (R, E), generator=gen)
+    counts_re *= torch.rand(R, E, generator=gen) < draw(st.sampled_from([0.05, 0.5, 1.0]))
+    if draw(st.booleans()):
+        g = int(torch.randint(R, (1,), generator=gen))
+        counts_re[:, g * epn:(g + 1) * epn] += high
+    return counts_re, B, tp
+
+
+@settings(max_examples=150, deadline=None)
+@given(histograms())
+def test_device_global_plan_equals_reference_on_direct_histograms(case):
+    assert_device_equals_reference(*case)
+
+
+def test_device_global_plan_equals_reference_on_ties():
+    """Every tie the reference breaks by lowest index: equal loads on all ranks but one, equal experts."""
+    for R, epn, B in [(4, 4, 4), (8, 3, 1), (3, 5, 2), (16, 2, 30), (2, 1, 1)]:
+        for low, high in [(0, 1), (1, 1), (2, 5)]:
+            counts_re = torch.full((R, R * epn), low)
+            counts_re[:, :epn] = high
+            for tp in (1, 8):
+                assert_device_equals_reference(counts_re, B, tp)
+                assert_device_equals_reference(counts_re.flip(1).contiguous(), B, tp)
+
+
+FAKE_CASE = dict(R=4, epn=8, K=4, S=32, B=8, tp=8)
+HOST_READ = (DataDependentOutputException, DynamicOutputShapeException)
+
+
+def _fake_inputs(mode: FakeTensorMode, device: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Fake `counts_re [R, E]` and `topk_experts_sk [S, K]` (no data: any read of a value raises) on
+    `device`, and `plan_routes`'s keyword arguments."""
+    c = FAKE_CASE
+    E = c["R"] * c["epn"]
+    gen = torch.Generator().manual_seed(0)
+    topk_sk = torch.multinomial(torch.ones(c["S"], E), c["K"], generator=gen)
+    counts_re = torch.randint(0, c["S"], (c["R"], E), generator=gen)
+    kwargs = dict(rank=1, num_slots=c["B"], token_padding=c["tp"],
+                  rows_per_rank=rows_capacity(c["S"], c["K"], c["R"], E, c["B"], c["tp"]))
+    return mode.from_tensor(counts_re.to(device)), mode.from_tensor(topk_sk.to(device)), kwargs
+
+
+def test_device_plan_makes_no_host_read():
+    """`plan_routes` on fake tensors: `.item()`, `.tolist()`, `int()`/`bool()` of a tensor and every op whose
+    output shape depends on values raise under FakeTensorMode. The fakes live on `meta`, a device that is
+    not the CPU, so the path is the one a GPU takes (fake CUDA tensors need a CUDA build of torch)."""
+    mode = FakeTensorMode()
+    counts_re, topk_sk, kwargs = _fake_inputs(mode, "meta")
+    with mode:
+        plan = plan_routes(counts_re, topk_sk, **kwargs)
+    c = FAKE_CASE
+    E = c["R"] * c["epn"]
+    assert plan.dst.shape == (c["S"] * c["K"],) and plan.experts_to_copy.shape == (c["R"], c["B"])
+    assert plan.cu_seqlens.shape == (E + c["B"],) and plan.zero_fill_ranges.shape == (E + c["B"], 2)
+    assert all(getattr(plan, f.name).device.type == "meta" for f in fields(plan)
+               if isinstance(getattr(plan, f.name), torch.Tensor))
+
+
+@pytest.mark.parametrize("host_path", ["reference", "cpu_capacity_check", "bincount"])
+def test_no_host_read_check_can_fail(host_path):
+    """The fake-tensor check above does catch host reads: the reference planner (`tolist`), the CPU-only
+    capacity check (`int`) and `bincount` (its output size depends on the largest value) all raise."""
+    mode = FakeTensorMode()
+    counts_re, topk_sk, kwargs = _fake_inputs(mode, "meta" if host_path != "cpu_capacity_check" else "cpu")
+    with mode, pytest.raises(HOST_READ):
+        if host_path == "reference":
+            plan_global(counts_re.tolist(), kwargs["num_slots"], kwargs["token_padding"])
+        elif host_path == "cpu_capacity_check":
+            plan_routes(counts_re, topk_sk, **kwargs)
+        else:
+            torch.bincount(topk_sk.reshape(-1), minlength=counts_re.shape[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
+def test_cuda_plan_no_sync_graph_capturable_and_equal_to_cpu():
+    """On CUDA: no synchronisation (sync debug mode "error"), capturable in a CUDA graph, and the replayed
+    graph gives the CPU plan for new inputs copied into the captured ones."""
+    gen = torch.Generator().manual_seed(0)
+    sc_a, sc_b = (Scenario(4, 32, 4, 64, 8, 8, [torch.multinomial(p.expand(64, 32), 4, generator=gen)
+                                               for _ in range(4)])
+                  for p in (torch.ones(32), torch.arange(1, 33.0) ** 2))
+    kwargs = dict(rank=1, num_slots=sc_a.B, token_padding=sc_a.tp, rows_per_rank=sc_a.NvS)
+    counts_re, topk_sk = sc_a.counts_re.cuda(), sc_a.topk_rsk[1].cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        plan_routes(counts_re, topk_sk, **kwargs)  # warm-up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            plan = plan_routes(counts_re, topk_sk, **kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for sc in (sc_a, sc_b):
+        counts_re.copy_(sc.counts_re)
+        topk_sk.copy_(sc.topk_rsk[1])
+        graph.replay()
+        expected = sc.plan(1)
+        for f in fields(plan):
+            if isinstance(getattr(plan, f.name), torch.Tensor):
+                assert torch.equal(getattr(plan, f.name).cpu(), getattr(expected, f.name)), f.name

@@ -24,8 +24,17 @@ plan, bit for bit (no rank-0 broadcast):
    `-(dest_rank * NvS + row) - 1` (it carries only its weight: the receiver copies the primary row);
    an invalid route (expert -1) is `NO_ROUTE`.
 
-This is the reference planner in plain torch; it reads the small histogram on the host (a device-to-host
-read when it lives on a GPU). A GPU planner implements the same contract.
+Two implementations of steps 1-5 compute the same global plan, bit for bit:
+
+- `plan_global` (and its helpers) is the reference oracle: plain Python over host lists, the algorithm as
+  written above. Tests compare the device planner against it.
+- `plan_global_device` is what `plan_routes` runs: fixed-shape torch ops on the histogram's device with no
+  host read and no value-dependent shape (no `.item()`, `.tolist()`, `nonzero`, mask indexing, `bincount`),
+  so a GPU step can be captured in a CUDA graph. Its loops have trip counts fixed by R, E and B: once a
+  loop of the reference would have stopped, every further iteration is masked to a no-op. Ties break with
+  an explicit combined key (`_first_argmax`), never by relying on `argmax`'s tie order.
+
+Step 6 (`route_destinations`) is one implementation, sync-free on every device.
 """
 
 from __future__ import annotations
@@ -114,6 +123,27 @@ class GlobalPlan:
     cu_seqlens: list[list[int]]
     zero_fill: list[list[list[int]]]
     home_load: list[int]
+
+
+@dataclass(frozen=True)
+class DeviceGlobalPlan:
+    """`GlobalPlan` as int64 tensors on the histogram's device (same values, built without a host read).
+
+    Attributes:
+        alloc_re: `[R, E]` routes of expert e computed on rank d.
+        experts_to_copy_rb: `[R, B]` expert held by each slot, -1 for an unused slot.
+        row_base_re: `[R, E]` first row of expert e's segment on rank d, -1 if d does not compute e.
+        cu_seqlens_rg: `[R, E+B]` each rank's padded group end offsets.
+        zero_fill_rg2: `[R, E+B, 2]` each rank's (first padding row, padding rows) per group.
+        home_load_r: `[R]` routes to each rank's home experts.
+    """
+
+    alloc_re: torch.Tensor
+    experts_to_copy_rb: torch.Tensor
+    row_base_re: torch.Tensor
+    cu_seqlens_rg: torch.Tensor
+    zero_fill_rg2: torch.Tensor
+    home_load_r: torch.Tensor
 
 
 def align_up(value: int, multiple: int) -> int:
@@ -245,9 +275,157 @@ def plan_global(counts_re: list[list[int]], num_slots: int, token_padding: int) 
     return GlobalPlan(alloc, experts_to_copy, row_base, cu_seqlens, zero_fill, home_load)
 
 
+def _first_argmax(key_xn: torch.Tensor) -> torch.Tensor:
+    """Index of the largest entry along the last dim of `key_xn [..., n]` -> `[...]`, the LOWEST index among
+    ties (Python's `max(range(n), key=lambda i: (key[i], -i))`).
+
+    The tie-break is explicit: `key * n + (n - 1 - i)` is unique per row and orders first by key (keys are
+    integers, so keys that differ differ by at least n in the combined key) then by lowest index. Keys here
+    are route counts (< 2^40), far from int64 overflow.
+    """
+    n = key_xn.shape[-1]
+    reverse_n = torch.arange(n - 1, -1, -1, device=key_xn.device)
+    return torch.argmax(key_xn * n + reverse_n, dim=-1)
+
+
+def _rank_targets_device(home_load_r: torch.Tensor) -> torch.Tensor:
+    """`rank_targets` on the device: `[R]` -> `[R]`. Rank r gets the extra route when fewer than `T % R`
+    ranks come before it in (load descending, rank ascending) order: a stable descending sort's position,
+    counted with an `[R, R]` comparison."""
+    num_ranks = home_load_r.shape[0]
+    rank_r = torch.arange(num_ranks, device=home_load_r.device)
+    load_row, load_col = home_load_r[:, None], home_load_r[None, :]
+    ahead_r = ((load_col > load_row) | ((load_col == load_row) & (rank_r[None, :] < rank_r[:, None]))).sum(1)
+    total = home_load_r.sum()
+    return total // num_ranks + (ahead_r < total % num_ranks)
+
+
+def _balance_ranks_device(home_load_r: torch.Tensor) -> torch.Tensor:
+    """`balance_ranks` on the device: `[R]` home loads -> `quota_dr [R, R]`, routes donor d gives receiver r.
+
+    Same R iterations as the reference. An iteration that fails the reference's stop test changes nothing,
+    so every later one fails it too: masking it to a no-op is the reference's `break`. A receiver appears
+    in at most one move (its balance becomes 0 and only ranks with non-zero balance move), so a `[R, R]`
+    matrix holds the moves without loss.
+    """
+    num_ranks = home_load_r.shape[0]
+    rank_r = torch.arange(num_ranks, device=home_load_r.device)
+    balance_r = home_load_r - _rank_targets_device(home_load_r)
+    quota_dr = torch.zeros(num_ranks, num_ranks, dtype=torch.int64, device=home_load_r.device)
+    for _ in range(num_ranks):
+        donor_r = rank_r == _first_argmax(balance_r)
+        receiver_r = rank_r == _first_argmax(-balance_r)
+        surplus, deficit = (balance_r * donor_r).sum(), -(balance_r * receiver_r).sum()
+        routes = torch.where((surplus > 0) & (deficit > 0), deficit, 0)
+        balance_r = balance_r + routes * (receiver_r.long() - donor_r.long())
+        quota_dr = quota_dr + routes * (donor_r[:, None] & receiver_r[None, :])
+    return quota_dr
+
+
+def split_iterations(num_ranks: int, num_experts: int, num_slots: int) -> int:
+    """Iterations of the device per-donor split that cover every donor's reference loop.
+
+    In an iteration that moves routes, `min(quota, remaining)` routes leave both the receiver's quota and
+    the expert; afterwards one of them is 0 and stays 0 (both only decrease), so that receiver is never
+    open again or that expert never again has routes to give. A donor has at most R - 1 receivers and epn
+    experts: at most `R - 1 + epn` moving iterations. Each move also spends one of its receiver's B slots:
+    at most `(R - 1) * B`. The smaller bound holds for every donor; further iterations would be no-ops.
+    """
+    return min(num_ranks - 1 + num_experts // num_ranks, (num_ranks - 1) * num_slots)
+
+
+def _split_quotas_device(expert_load_e: torch.Tensor, quota_dr: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """`split_quotas` on the device for all donors at once -> `alloc_re [R, E]`.
+
+    Each iteration every donor d makes at most one move of the reference loop: its expert with the most
+    remaining routes (ties: lowest id) goes to its open receiver (positive quota and a free slot) with the
+    largest quota (ties: lowest rank). A donor whose reference loop has stopped moves 0 routes. The argmax
+    keys of `_first_argmax` are kept up to date in place (`remaining_key_dj [R, epn]`: remaining * epn +
+    epn - 1 - j) instead of being rebuilt each iteration. Receivers of different donors are distinct, so the
+    moves of one iteration never collide; they are added to `alloc` once, after the loop.
+    """
+    num_ranks, num_experts = quota_dr.shape[0], expert_load_e.shape[0]
+    epn = num_experts // num_ranks
+    device = expert_load_e.device
+    reverse_r = torch.arange(num_ranks - 1, -1, -1, device=device)
+    remaining_key_dj = expert_load_e.view(num_ranks, epn) * epn + torch.arange(epn - 1, -1, -1, device=device)
+    slots_left_dr = torch.where(quota_dr > 0, num_slots, 0)
+    receivers, experts, routes = [], [], []
+    for _ in range(split_iterations(num_ranks, num_experts, num_slots)):
+        expert_d1 = remaining_key_dj.argmax(1, keepdim=True)
+        open_key_dr = torch.where((quota_dr > 0) & (slots_left_dr > 0), quota_dr * num_ranks + reverse_r, -1)
+        receiver_d1 = open_key_dr.argmax(1, keepdim=True)
+        # A closed receiver decodes to quota -1, an exhausted expert to 0 remaining: both move 0 routes.
+        routes_d1 = torch.minimum(open_key_dr.gather(1, receiver_d1).div(num_ranks, rounding_mode="floor"),
+                                  remaining_key_dj.gather(1, expert_d1) // epn).clamp(min=0)
+        quota_dr = quota_dr.scatter_add(1, receiver_d1, -routes_d1)
+        remaining_key_dj = remaining_key_dj.scatter_add(1, expert_d1, -routes_d1 * epn)
+        slots_left_dr = slots_left_dr.scatter_add(1, receiver_d1, -(routes_d1 > 0).long())
+        receivers.append(receiver_d1)
+        experts.append(expert_d1)
+        routes.append(routes_d1)
+    # What a donor does not give away it computes itself (receivers are never donors: home cells are 0).
+    home_re = _home_mask_re(num_ranks, num_experts, device)
+    alloc_re = torch.where(home_re, (remaining_key_dj // epn).view(1, num_experts), 0)
+    if routes:
+        first_expert_1d1 = torch.arange(0, num_experts, epn, device=device)[None, :, None]  # donor's first
+        cell_n = (torch.stack(receivers) * num_experts + first_expert_1d1 + torch.stack(experts)).view(-1)
+        alloc_re = alloc_re.view(-1).index_add(0, cell_n, torch.stack(routes).view(-1)).view_as(alloc_re)
+    return alloc_re
+
+
+def _home_mask_re(num_ranks: int, num_experts: int, device: torch.device) -> torch.Tensor:
+    """`[R, E]` bool: expert e is a home expert of rank d."""
+    home_rank_e = torch.arange(num_experts, device=device) // (num_experts // num_ranks)
+    return home_rank_e[None, :] == torch.arange(num_ranks, device=device)[:, None]
+
+
+def plan_global_device(counts_re: torch.Tensor, num_slots: int, token_padding: int) -> DeviceGlobalPlan:
+    """`plan_global` on the histogram's device, equal to it bit for bit, with no host read.
+
+    Args:
+        counts_re: `[R, E]` int, valid routes from each source rank to each expert.
+        num_slots: B. token_padding: tp.
+    """
+    num_ranks, num_experts = counts_re.shape
+    device = counts_re.device
+    expert_load_e = counts_re.long().sum(0)
+    home_load_r = expert_load_e.view(num_ranks, -1).sum(1)
+    alloc_re = _split_quotas_device(expert_load_e, _balance_ranks_device(home_load_r), num_slots)
+    # Slots: a rank's replicas in ascending expert id. Non-replicas go to distinct sentinel columns B + e
+    # (every scatter index unique). A rank never has more than B replicas (each take costs one slot and a
+    # receiver takes an expert once); the clamp only keeps indices in range.
+    home_re = _home_mask_re(num_ranks, num_experts, device)
+    expert_e = torch.arange(num_experts, device=device)
+    replica_re = (alloc_re > 0) & ~home_re
+    slot_re = torch.where(replica_re, (replica_re.cumsum(1) - 1).clamp(max=num_slots), num_slots + expert_e)
+    unset_rx = torch.full((num_ranks, num_slots + num_experts), -1, dtype=torch.int64, device=device)
+    experts_to_copy_rb = unset_rx.scatter(1, slot_re, expert_e.expand(num_ranks, -1))[:, :num_slots]
+    # Segments: the E expert groups (only home ones non-empty), then the B slots, each padded to tp.
+    used_rb = experts_to_copy_rb >= 0
+    slot_routes_rb = torch.where(used_rb, alloc_re.gather(1, experts_to_copy_rb.clamp(min=0)), 0)
+    routes_rg = torch.cat([torch.where(home_re, alloc_re, 0), slot_routes_rb], 1)
+    padded_rg = (routes_rg + token_padding - 1) // token_padding * token_padding
+    cu_seqlens_rg = padded_rg.cumsum(1)
+    start_rg = cu_seqlens_rg - padded_rg
+    zero_fill_rg2 = torch.stack([start_rg + routes_rg, padded_rg - routes_rg], -1)
+    base_rg = torch.where(routes_rg > 0, start_rg, -1)
+    # Row bases: home experts' from their groups, replicas' scattered from their slots (an unused slot j
+    # writes to its own sentinel column E + j, dropped).
+    sentinel_b = num_experts + torch.arange(num_slots, device=device)
+    slot_col_rb = torch.where(used_rb, experts_to_copy_rb, sentinel_b)
+    row_base_rx = torch.cat([torch.where(home_re, base_rg[:, :num_experts], -1), base_rg[:, num_experts:]], 1)
+    row_base_re = row_base_rx.scatter(1, slot_col_rb, base_rg[:, num_experts:])[:, :num_experts]
+    return DeviceGlobalPlan(alloc_re, experts_to_copy_rb, row_base_re, cu_seqlens_rg, zero_fill_rg2,
+                            home_load_r)
+
+
 def route_destinations(topk_experts_sk: torch.Tensor, counts_re: torch.Tensor, alloc_re: torch.Tensor,
                        row_base_re: torch.Tensor, rank: int, rows_per_rank: int) -> torch.Tensor:
     """`dst [S*K]` of this rank's routes (step 6 of the module docstring), duplicates and invalids encoded.
+
+    Fixed-shape ops only (a stable sort, a `scatter_add_` histogram of fixed size E+1, cumsums, gathers):
+    no host read on any device.
 
     Args:
         topk_experts_sk: `[S, K]` int, -1 = no route.
@@ -260,10 +438,11 @@ def route_destinations(topk_experts_sk: torch.Tensor, counts_re: torch.Tensor, a
     key_n = torch.where(valid_n, expert_n, num_experts)
     # Position of each route among this rank's routes to the same expert, in (token, k) order.
     order_n = torch.sort(key_n, stable=True).indices
-    local_e = torch.bincount(key_n, minlength=num_experts + 1)
+    local_e = torch.zeros(num_experts + 1, dtype=torch.int64, device=key_n.device)
+    local_e.scatter_add_(0, key_n, torch.ones_like(key_n))
     first_e = torch.cumsum(local_e, 0) - local_e
-    position_n = torch.empty_like(key_n)
-    position_n[order_n] = torch.arange(key_n.numel(), device=key_n.device) - first_e[key_n[order_n]]
+    sorted_position_n = torch.arange(key_n.numel(), device=key_n.device) - first_e[key_n[order_n]]
+    position_n = torch.empty_like(key_n).scatter_(0, order_n, sorted_position_n)
     expert_n = key_n.clamp(max=num_experts - 1)
     # Index in the expert's global (source rank, token, k) order; the computing ranks take ranges of it.
     global_n = (torch.cumsum(counts_re, 0) - counts_re)[rank, expert_n] + position_n
@@ -273,16 +452,19 @@ def route_destinations(topk_experts_sk: torch.Tensor, counts_re: torch.Tensor, a
     dst_n = dest_n * rows_per_rank + row_base_re[dest_n, expert_n] + global_n - start_n
     # A later route of a token to a rank it already visits carries only its weight.
     dest_sk = torch.where(valid_n, dest_n, -1).view(num_tokens, top_k)
-    seen_sk = torch.zeros_like(dest_sk, dtype=torch.bool)
-    for k in range(1, top_k):
-        seen_sk[:, k] = ((dest_sk[:, :k] == dest_sk[:, k:k + 1]) & (dest_sk[:, k:k + 1] >= 0)).any(1)
+    earlier_kk = torch.ones(top_k, top_k, dtype=torch.bool, device=key_n.device).tril(-1)
+    seen_sk = ((dest_sk[:, :, None] == dest_sk[:, None, :]) & earlier_kk).any(2) & (dest_sk >= 0)
     dst_n = torch.where(seen_sk.view(-1), -dst_n - 1, dst_n)
     return torch.where(valid_n, dst_n, NO_ROUTE).to(torch.int32)
 
 
 def plan_routes(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int, num_slots: int,
                 token_padding: int, rows_per_rank: int, owner: int | None = None) -> MoonEPCommPlan:
-    """The full plan of `rank` from the gathered histogram and the rank's own routes.
+    """The full plan of `rank` from the gathered histogram and the rank's own routes, built on the device of
+    `topk_experts_sk` without a host read (`plan_global_device`, `route_destinations`).
+
+    Only on the CPU does it check that this rank's rows fit (`cu_seqlens[-1] <= NvS`, a host read): on other
+    devices the check would sync. `rows_capacity` guarantees it by construction; the CPU tests check it.
 
     Args:
         counts_re: `[R, E]` int, valid routes from each source rank to each expert (identical on all ranks).
@@ -291,34 +473,29 @@ def plan_routes(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank:
     """
     num_ranks, num_experts = counts_re.shape
     device = topk_experts_sk.device
-    glob = plan_global(counts_re.tolist(), num_slots, token_padding)  # host read of the [R, E] histogram
-
-    def tensor(value: object) -> torch.Tensor:
-        return torch.tensor(value, dtype=torch.int64, device=device)
-
-    alloc_re, row_base_re = tensor(glob.alloc), tensor(glob.row_base)
-    experts_to_copy_rb = tensor(glob.experts_to_copy).view(num_ranks, num_slots)
-    cu_seqlens_g = tensor(glob.cu_seqlens[rank])
-    if int(cu_seqlens_g[-1]) > rows_per_rank:
+    counts_re = counts_re.to(device=device, dtype=torch.int64)
+    glob = plan_global_device(counts_re, num_slots, token_padding)
+    cu_seqlens_g = glob.cu_seqlens_rg[rank]
+    if device.type == "cpu" and int(cu_seqlens_g[-1]) > rows_per_rank:
         raise AssertionError(f"rank {rank} needs {int(cu_seqlens_g[-1])} rows, capacity is {rows_per_rank}")
-    dst_n = route_destinations(topk_experts_sk, counts_re.to(device=device, dtype=torch.int64), alloc_re,
-                               row_base_re, rank, rows_per_rank)
+    dst_n = route_destinations(topk_experts_sk, counts_re, glob.alloc_re, glob.row_base_re, rank,
+                               rows_per_rank)
     dest_n, _, primary_n, valid_n = decode_dst(dst_n, rows_per_rank)
     remote_n = valid_n & (dest_n != rank)
     i32 = torch.int32
     return MoonEPCommPlan(
         dst=dst_n,
-        experts_to_copy=experts_to_copy_rb.to(i32),
+        experts_to_copy=glob.experts_to_copy_rb.to(i32),
         cu_seqlens=cu_seqlens_g.to(i32),
-        zero_fill_ranges=tensor(glob.zero_fill[rank]).view(num_experts + num_slots, 2).to(i32),
+        zero_fill_ranges=glob.zero_fill_rg2[rank].to(i32),
         remote_stats=torch.stack([remote_n.sum(), (remote_n & primary_n).sum()]).to(i32),
         dup_groups=torch.zeros(rows_per_rank, 3, dtype=i32, device=device),
         dup_loffs=torch.zeros(rows_per_rank, dtype=i32, device=device),
         dup_counts=torch.zeros(2, dtype=i32, device=device),
-        rank_load=alloc_re.sum(1).to(i32),
-        home_load=tensor(glob.home_load).to(i32),
-        expert_load=alloc_re.sum(0).to(i32),
-        slots_used=(experts_to_copy_rb >= 0).sum(1).to(i32),
+        rank_load=glob.alloc_re.sum(1).to(i32),
+        home_load=glob.home_load_r.to(i32),
+        expert_load=glob.alloc_re.sum(0).to(i32),
+        slots_used=(glob.experts_to_copy_rb >= 0).sum(1).to(i32),
         num_routes=topk_experts_sk.numel(),
         num_ranks=num_ranks,
         num_experts=num_experts,

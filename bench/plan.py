@@ -1,0 +1,130 @@
+"""Planner benchmark: time to build a rank's plan, host reference vs the sync-free device planner.
+
+For R ranks with S tokens each routing to K of E experts (expert popularity `exp(N(0, sigma))`, one draw
+shared by the group, tokens drawn without replacement per rank), it times on rank 0's routes:
+
+- `reference_global_s`: `plan_global(counts_re.tolist(), ...)`, the host reference of the global part
+  (on CUDA including the device-to-host read of the histogram);
+- `device_global_s`: `plan_global_device`, the same global plan computed with fixed-shape device ops;
+- `route_destinations_s`: the rank's `dst` from the global plan;
+- `plan_routes_s`: the whole plan as a step builds it (`plan_global_device` + `route_destinations`);
+- `plan_routes_graph_s` (CUDA only): the same, captured once in a CUDA graph and replayed.
+
+Medians over `--iters` runs after `--warmup`: CUDA events on CUDA (`bench.common.timed`), wall clock on the
+CPU. Every device result is checked against the reference before timing.
+
+    python -m bench.plan                                   # CPU, S=8192 K=8 E=384 R=8
+    python -m bench.plan --device cuda                     # the 20 us target is on an H200
+
+Writes `bench/results/plan-<device>-<date>.json` (device, commit, command, rows per sigma).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.common import measure_limits, timed, write_record
+from moonep_moe.comm.plan import (
+    default_slots,
+    plan_global,
+    plan_global_device,
+    plan_routes,
+    route_destinations,
+    rows_capacity,
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--ranks", type=int, default=8, help="R (default 8)")
+    parser.add_argument("--experts", type=int, default=384, help="E (default 384)")
+    parser.add_argument("--top-k", type=int, default=8, help="K (default 8)")
+    parser.add_argument("--tokens", type=int, default=8192, help="S tokens per rank (default 8192)")
+    parser.add_argument("--slots", type=int, default=None, help="B slots per rank (default E/R)")
+    parser.add_argument("--token-padding", type=int, default=128, help="tp (default 128)")
+    parser.add_argument("--sigmas", type=float, nargs="+", default=[0.0, 1.0, 3.0],
+                        help="expert popularity skews exp(N(0, sigma)) (default 0 1 3)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=None, help="result folder (default bench/results)")
+    return parser.parse_args(argv)
+
+
+def routing(args: argparse.Namespace, sigma: float,
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(counts_re [R, E] int64, topk_experts_sk [S, K] int64 of rank 0)` on `device`."""
+    gen = torch.Generator().manual_seed(0)
+    popularity_e = torch.exp(torch.randn(args.experts, generator=gen, dtype=torch.float64) * sigma)
+    topk_rsk = [torch.multinomial(popularity_e.expand(args.tokens, -1), args.top_k, generator=gen)
+                for _ in range(args.ranks)]
+    counts_re = torch.stack([torch.zeros(args.experts, dtype=torch.int64).scatter_add_(
+        0, topk_sk.reshape(-1), torch.ones(topk_sk.numel(), dtype=torch.int64)) for topk_sk in topk_rsk])
+    return counts_re.to(device), topk_rsk[0].to(device)
+
+
+def wall_time(fn: Callable[[], object], warmup: int, repeat: int) -> float:
+    """Median wall-clock seconds of `fn()` (the CPU counterpart of `bench.common.timed`)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_plan(args: argparse.Namespace, sigma: float) -> dict[str, float]:
+    """One row: the routing's skew and the median time of each planner stage (module docstring)."""
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    num_slots = default_slots(args.experts, args.ranks) if args.slots is None else args.slots
+    tp = args.token_padding
+    NvS = rows_capacity(args.tokens, args.top_k, args.ranks, args.experts, num_slots, tp)
+    kwargs = dict(rank=0, num_slots=num_slots, token_padding=tp, rows_per_rank=NvS)
+    counts_re, topk_sk = routing(args, sigma, device)
+    ref = plan_global(counts_re.tolist(), num_slots, tp)
+    glob = plan_global_device(counts_re, num_slots, tp)
+    if glob.alloc_re.tolist() != ref.alloc or glob.cu_seqlens_rg.tolist() != ref.cu_seqlens:
+        raise AssertionError(f"sigma={sigma}: the device plan differs from the reference")
+
+    def measure(fn: Callable[[], object]) -> float:
+        return timed(fn, args.warmup, args.iters) if cuda else wall_time(fn, args.warmup, args.iters)
+
+    expert_load_e = counts_re.sum(0).double()
+    row = dict(R=args.ranks, E=args.experts, K=args.top_k, S=args.tokens, B=num_slots, tp=tp, NvS=NvS,
+               sigma=sigma, maxvio=float(expert_load_e.max() / expert_load_e.mean() - 1),
+               reference_global_s=measure(lambda: plan_global(counts_re.tolist(), num_slots, tp)),
+               device_global_s=measure(lambda: plan_global_device(counts_re, num_slots, tp)),
+               route_destinations_s=measure(lambda: route_destinations(
+                   topk_sk, counts_re, glob.alloc_re, glob.row_base_re, 0, NvS)),
+               plan_routes_s=measure(lambda: plan_routes(counts_re, topk_sk, **kwargs)))
+    if cuda:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            plan_routes(counts_re, topk_sk, **kwargs)
+        row["plan_routes_graph_s"] = measure(graph.replay)
+    return row
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    rows = []
+    for sigma in args.sigmas:
+        rows.append(time_plan(args, sigma))
+        print({k: f"{v * 1e6:.1f} us" if k.endswith("_s") else v for k, v in rows[-1].items()})
+    limits = measure_limits() if args.device.startswith("cuda") else {}
+    path = write_record("plan", limits, rows, args.out)
+    print(path)
+    return path
+
+
+if __name__ == "__main__":
+    main()
