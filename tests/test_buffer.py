@@ -194,10 +194,26 @@ def test_duplicates_are_expanded():
         return dict(rank=world.rank, x=x, plan=plan, rows=rows, weights_nvs=weights_nvs, identity=identity)
 
     results = run_ranks(fn, case.R)
+    received = [dict() for _ in results]  # per rank: duplicate row -> its primary row
     for res in results:
         dst = res["plan"].dst[: case.K]
         assert int(dst[0]) >= 0 and bool((dst[1:] < 0).all()), "one primary, three duplicates"
         assert torch.equal(res["identity"], valid_sk(res["x"]).sum(1, keepdim=True) * res["x"]["hidden"])
+        dest_sk, row_sk, primary_sk, valid_route_sk = (t.view(-1, case.K) for t in decode_dst(res["plan"].dst,
+                                                                                         res["plan"].NvS))
+        for t, k in torch.nonzero(~primary_sk & valid_route_sk).tolist():
+            first = int(torch.nonzero(dest_sk[t] == dest_sk[t, k])[0])
+            received[int(dest_sk[t, k])][int(row_sk[t, k])] = int(row_sk[t, first])
+    for res, dups in zip(results, received, strict=True):  # the dup tables, from the routes that sent them
+        plan = res["plan"]
+        num_groups, num_dups = plan.dup_counts.tolist()
+        groups = plan.dup_groups[:num_groups].tolist()
+        assert num_dups == len(dups) and num_groups == len(set(dups.values()))
+        assert [g[0] for g in groups] == sorted(set(dups.values()))
+        for primary, first, count in groups:
+            rows = sorted(row for row, p in dups.items() if p == primary)
+            assert plan.dup_loffs[first:first + count].tolist() == rows
+        assert not plan.dup_groups[num_groups:].any() and not plan.dup_loffs[num_dups:].any()
     assert_layout(case, results, "rows", "hidden", weights=True)
 
 

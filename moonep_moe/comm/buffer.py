@@ -22,6 +22,11 @@ route weights `[NvS]` and the duplicate sources `[NvS]`. Everything that crosses
 world's two collective row exchanges, `scatter_rows` (dispatch) and `gather_rows` (combine, prefetch,
 reduce_grad), so every EP world (threads, symmetric memory, torch.distributed collectives) runs this same
 reference; local work (padding zero-fill, duplicate expansion and pre-reduction) happens between them.
+
+No host reads: every index the operations build has a shape fixed by the config (N routes, NvS rows, R*B
+slots); entries that are not needed are marked, never masked out (rank -1 in the exchanges, a zero
+contribution or a self-copy locally), so nothing waits on the host and a step can be captured in a CUDA
+graph. The one host read left is the expert-id check of `dispatch`, behind `validate` (below).
 """
 
 from __future__ import annotations
@@ -75,12 +80,35 @@ def _check(tensor: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype
         raise ValueError(f"{name} must be on {device}, got {tensor.device}")
 
 
-def _ranges_to_rows(zero_fill_g2: torch.Tensor) -> torch.Tensor:
-    """`[G, 2]` (first row, count) ranges -> `[sum count]` row indices."""
-    first_g, count_g = zero_fill_g2[:, 0].long(), zero_fill_g2[:, 1].long()
-    offset_g = torch.cumsum(count_g, 0) - count_g
-    group_n = torch.repeat_interleave(torch.arange(len(count_g), device=count_g.device), count_g)
-    return first_g[group_n] + torch.arange(len(group_n), device=count_g.device) - offset_g[group_n]
+def _padding_mask(zero_fill_g2: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """`[G, 2]` (first padding row, padding rows) of groups in row order -> `[num_rows]` bool, True on
+    padding rows. Each row finds its group by its end offset (searchsorted), so the shape is fixed."""
+    first_g = zero_fill_g2[:, 0].long()
+    end_g = first_g + zero_fill_g2[:, 1].long()
+    row_v = torch.arange(num_rows, device=zero_fill_g2.device)
+    group_v = torch.searchsorted(end_g, row_v, right=True)
+    inside_v = group_v < len(end_g)
+    return inside_v & (row_v >= first_g[group_v.clamp(max=len(end_g) - 1)])
+
+
+def _index_add_blocked_(target: torch.Tensor, index_c: torch.Tensor, values_c: torch.Tensor,
+                        max_elements: int = 2**31 - 1) -> None:
+    """`target[index_c[i]] += values_c[i]` for all i (`[C]` indices, `[C, *row]` values), in blocks of
+    target rows each spanning at most `max_elements` (< 2^31) elements. CUDA's `index_add_` failed on the
+    H200 for a DeepSeek-V3 layer's fp32 home gradients (3.8e9 elements); a block that small takes the 32-bit
+    indexing path that every smaller call takes. Entries outside a block add a zero row there (a `where`,
+    not a product, so an inf gradient stays where it belongs). One block, the usual case, is one call."""
+    rows_per_block = max(1, max_elements // max(1, target[0].numel()))
+    if target.shape[0] <= rows_per_block:
+        target.index_add_(0, index_c, values_c)
+        return
+    expand = (-1,) + (1,) * (values_c.dim() - 1)
+    for first in range(0, target.shape[0], rows_per_block):
+        block = target[first:first + rows_per_block]
+        local_c = index_c - first
+        inside_c = (local_c >= 0) & (local_c < block.shape[0])
+        block.index_add_(0, local_c.clamp(0, block.shape[0] - 1),
+                         torch.where(inside_c.view(expand), values_c, 0))
 
 
 class Buffer:
@@ -99,12 +127,17 @@ class Buffer:
         world: the EP world (`moonep_moe.comm.world`).
         dtype: dtype of the dispatched rows (bf16 in production; float64 for exact tests). Route weights
             are fp32 (float64 for float64 rows).
+        validate: check in `dispatch` that every expert id is in [-1, E) and raise a ValueError naming the
+            bad id. It reads the ids on the host: on a GPU that is a sync, so it is skipped while a CUDA
+            graph is being captured, and production turns it off (`validate=False`, or set
+            `buffer.validate = False`) to run a step under `torch.cuda.set_sync_debug_mode("error")`.
+            Everything else the Buffer does on the device reads nothing on the host.
     """
 
     def __init__(self, S: int, H: int, K: int, E: int, num_ep_ranks: int, B: int | None = None,
                  num_sms: int | None = None, token_padding: int = 128, comm_stream_priority: int = 0,
                  enable_pdl: bool = False, explicitly_destroy: bool = False, *, world: EPWorld,
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, validate: bool = True):
         for name, value in dict(S=S, H=H, K=K, E=E, num_ep_ranks=num_ep_ranks,
                                 token_padding=token_padding).items():
             if not isinstance(value, int) or value < 1:
@@ -121,6 +154,7 @@ class Buffer:
             raise ValueError(f"B={B} must be in [0, E - E/R = {E - epn}]")
         self.S, self.H, self.K, self.E, self.R, self.B = S, H, K, E, num_ep_ranks, B
         self.epn, self.token_padding, self.world, self.dtype = epn, token_padding, world, dtype
+        self.validate = validate
         self.num_sms, self.comm_stream_priority, self.enable_pdl = num_sms, comm_stream_priority, enable_pdl
         self.NvS = rows_capacity(S, K, num_ep_ranks, E, B, token_padding)
         self.weight_dtype = torch.promote_types(dtype, torch.float32)
@@ -238,7 +272,7 @@ class Buffer:
             _check(tokens_per_expert, "tokens_per_expert", (self.E,), ints, device)
             if route_weights_sk is None:
                 raise ValueError("route_weights_sk is required when no plan is given")
-            if device.type == "cpu" or not torch.cuda.is_current_stream_capturing():
+            if self.validate and (device.type != "cuda" or not torch.cuda.is_current_stream_capturing()):
                 self._check_expert_ids(topk_experts_sk)
             counts_re = self.world.all_gather(tokens_per_expert.to(torch.int64))
             plan = plan_routes(counts_re, topk_experts_sk, rank=self.world.rank, num_slots=self.B,
@@ -261,7 +295,7 @@ class Buffer:
         return (*result, _event(device)) if async_finish else result
 
     def _check_expert_ids(self, topk_experts_sk: torch.Tensor) -> None:
-        """Expert ids in [-1, E). Reads the tensor on the host: on a GPU this syncs (skipped in capture)."""
+        """Expert ids in [-1, E). Reads the tensor on the host: on a GPU this syncs (see `validate`)."""
         bad = (topk_experts_sk < -1) | (topk_experts_sk >= self.E)
         if bool(bad.any()):
             value = int(topk_experts_sk[bad][0])
@@ -269,30 +303,29 @@ class Buffer:
 
     def _send_rows(self, plan: MoonEPCommPlan, hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None,
                    record_duplicates: bool) -> None:
+        """Every route's payload row (primaries only) and weight to its destination row; the duplicate
+        sources too when `record_duplicates` (the forward dispatch, which fills the plan's dup tables).
+        Then zero the padding rows and copy each primary row into its duplicates (all NvS rows)."""
         dest_n, row_n, primary_n, valid_n = decode_dst(plan.dst, self.NvS)
         token_n = torch.arange(plan.dst.numel(), device=plan.dst.device) // self.K
         world = self.world
-        sends = valid_n & primary_n
         # capacities: a token sends one payload row per destination rank (<= S), a weight per route (<= S*K)
-        world.scatter_rows(self._rows, dest_n[sends], row_n[sends], hidden_sh[token_n[sends]],
-                           capacity=self.S)
+        world.scatter_rows(self._rows, torch.where(valid_n & primary_n, dest_n, -1), row_n,
+                           hidden_sh.index_select(0, token_n), capacity=self.S)
         if route_weights_sk is not None:
-            world.scatter_rows(self._weights, dest_n[valid_n], row_n[valid_n],
-                               route_weights_sk.reshape(-1)[valid_n], capacity=self.S * self.K)
+            world.scatter_rows(self._weights, torch.where(valid_n, dest_n, -1), row_n,
+                               route_weights_sk.reshape(-1), capacity=self.S * self.K)
         if record_duplicates:
-            dups = valid_n & ~primary_n
-            primary_row_n = self._primary_rows(dest_n, row_n, primary_n, valid_n)
-            world.scatter_rows(self._dup_source, dest_n[dups], row_n[dups], primary_row_n[dups],
-                               capacity=self.S * self.K)
-        pad_rows = _ranges_to_rows(plan.zero_fill_ranges)
-        self._rows.local.index_fill_(0, pad_rows, 0)
-        self._weights.local.index_fill_(0, pad_rows, 0)
-        if record_duplicates:
+            world.scatter_rows(self._dup_source, torch.where(valid_n & ~primary_n, dest_n, -1), row_n,
+                               self._primary_rows(dest_n, row_n, valid_n), capacity=self.S * self.K)
             self._record_duplicates(plan)
-        primaries_g, group_d, dup_d = self._duplicate_rows(plan)
-        self._rows.local.index_copy_(0, dup_d, self._rows.local[primaries_g[group_d]])
+        padding_nvs = _padding_mask(plan.zero_fill_ranges, self.NvS)
+        self._rows.local.masked_fill_(padding_nvs[:, None], 0)
+        self._weights.local.masked_fill_(padding_nvs, 0)
+        rows_nvsh = self._rows.local
+        rows_nvsh.copy_(rows_nvsh.index_select(0, self._source_rows(plan)))
 
-    def _primary_rows(self, dest_n, row_n, primary_n, valid_n) -> torch.Tensor:
+    def _primary_rows(self, dest_n: torch.Tensor, row_n: torch.Tensor, valid_n: torch.Tensor) -> torch.Tensor:
         """`[N]` for each route the row of its token's primary route on the same rank (itself if primary)."""
         dest_sk = torch.where(valid_n, dest_n, -1).view(-1, self.K)
         # the primary is the first k of the token with the same destination
@@ -301,29 +334,45 @@ class Buffer:
         return torch.gather(row_n.view(-1, self.K), 1, first_sk).reshape(-1)
 
     def _record_duplicates(self, plan: MoonEPCommPlan) -> None:
-        """Turn the received `[NvS]` duplicate sources into the plan's dup tables and clear them."""
+        """Turn the received `[NvS]` duplicate sources (-1: not a duplicate) into the plan's dup tables and
+        clear them. Fixed shapes: the rows sorted by (primary, row) with non-duplicates pushed to the end
+        by a sentinel key; group starts where the primary changes; unused table entries are zero."""
+        nvs = self.NvS
         source_nvs = self._dup_source.local
-        dup_rows = torch.nonzero(source_nvs >= 0).squeeze(1)
-        primaries = source_nvs[dup_rows].long()
-        order = torch.argsort(primaries * self.NvS + dup_rows)
-        dup_rows, primaries = dup_rows[order], primaries[order]
-        groups, counts = torch.unique_consecutive(primaries, return_counts=True)
-        plan.dup_groups.zero_()
-        plan.dup_loffs.zero_()
-        plan.dup_groups[: len(groups), 0] = groups.to(torch.int32)
-        plan.dup_groups[: len(groups), 1] = (torch.cumsum(counts, 0) - counts).to(torch.int32)
-        plan.dup_groups[: len(groups), 2] = counts.to(torch.int32)
-        plan.dup_loffs[: len(dup_rows)] = dup_rows.to(torch.int32)
-        plan.dup_counts.copy_(torch.tensor([len(groups), len(dup_rows)], dtype=torch.int32))
+        index_v = torch.arange(nvs, device=source_nvs.device)  # rows, then positions in the sorted order
+        key_v = torch.where(source_nvs >= 0, source_nvs.long() * nvs + index_v, nvs * nvs)
+        order_v = torch.argsort(key_v, stable=True)
+        dup_v = (source_nvs >= 0)[order_v]  # position i of the sorted order holds a duplicate
+        primary_v = source_nvs[order_v].long()
+        starts_v = dup_v & ((index_v == 0) | (primary_v != torch.roll(primary_v, 1)))
+        group_v = torch.cumsum(starts_v, 0) - 1
+        dump_v = torch.full_like(index_v, nvs)  # fixed-shape scatters send unused entries to a dump row
+        groups_v3 = torch.zeros(nvs + 1, 3, dtype=torch.int64, device=index_v.device)
+        groups_v3.index_copy_(0, torch.where(starts_v, group_v, dump_v),
+                              torch.stack([primary_v, index_v, torch.zeros_like(index_v)], 1))
+        groups_v3[:, 2].index_add_(0, torch.where(dup_v, group_v, dump_v), torch.ones_like(index_v))
+        plan.dup_groups.copy_(groups_v3[:nvs])
+        plan.dup_loffs.copy_(torch.where(dup_v, order_v, 0))
+        plan.dup_counts.copy_(torch.stack([starts_v.sum(), dup_v.sum()]))
         source_nvs.fill_(-1)
 
-    @staticmethod
-    def _duplicate_rows(plan: MoonEPCommPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """From the dup tables: primary rows `[G]`, each duplicate's group `[D]` and row `[D]` (int64)."""
-        num_groups, num_dups = (int(c) for c in plan.dup_counts)  # host read of two ints
-        groups_g3 = plan.dup_groups[:num_groups].long()
-        group_d = torch.repeat_interleave(torch.arange(num_groups, device=groups_g3.device), groups_g3[:, 2])
-        return groups_g3[:, 0], group_d, plan.dup_loffs[:num_dups].long()
+    def _source_rows(self, plan: MoonEPCommPlan) -> torch.Tensor:
+        """`[NvS]` int64 from the plan's dup tables: each row's primary row if it is a duplicate, else the
+        row itself (so `rows[source]` expands duplicates, and an `index_add_` over it pre-reduces them)."""
+        nvs = self.NvS
+        groups_v3 = plan.dup_groups.long()
+        num_groups, num_dups = plan.dup_counts.long().unbind()
+        index_v = torch.arange(nvs, device=groups_v3.device)
+        dump_v = torch.full_like(index_v, nvs)
+        # the group of each dup_loffs entry: count the group starts at or before it
+        starts_v = torch.zeros(nvs + 1, dtype=torch.int64, device=index_v.device)
+        starts_v.index_add_(0, torch.where(index_v < num_groups, groups_v3[:, 1], dump_v),
+                            torch.ones_like(index_v))
+        group_v = (torch.cumsum(starts_v[:nvs], 0) - 1).clamp(min=0)
+        source_v = torch.arange(nvs + 1, device=index_v.device)
+        source_v.index_copy_(0, torch.where(index_v < num_dups, plan.dup_loffs.long(), dump_v),
+                             groups_v3[:, 0].index_select(0, group_v))
+        return source_v[:nvs]
 
     # -- combine --------------------------------------------------------------------------------------------
 
@@ -358,30 +407,27 @@ class Buffer:
                 if given is not None and given.data_ptr() != own.data_ptr():
                     raise ValueError(f"zero_copy=True needs {name} to be this Buffer's own view "
                                      f"({name.split('_')[0]}_*_buffer_view()), got another tensor")
-        rows = self._rows.local
-        if not zero_copy:
-            rows.copy_(hidden_nvsh)
-            if route_weights_nvs is not None:
-                self._weights.local.copy_(route_weights_nvs)
+        if route_weights_nvs is not None and not zero_copy:
+            self._weights.local.copy_(route_weights_nvs)
         accumulate = torch.promote_types(self.dtype, torch.float32)
-        primaries_g, group_d, dup_d = self._duplicate_rows(plan)
-        sums_gh = rows[primaries_g].to(accumulate)
-        sums_gh.index_add_(0, group_d, rows[dup_d].to(accumulate))
-        rows.index_copy_(0, primaries_g, sums_gh.to(self.dtype))
+        # pre-reduce: every row adds into its source row (duplicates into their primary, the rest into
+        # themselves), in fp32; only primary rows are read below
+        sums_nvsh = torch.zeros(self.NvS, self.H, dtype=accumulate, device=device)
+        sums_nvsh.index_add_(0, self._source_rows(plan), hidden_nvsh.to(accumulate))
+        self._rows.local.copy_(sums_nvsh)
+        del sums_nvsh
         dest_n, row_n, primary_n, valid_n = decode_dst(plan.dst, self.NvS)
         num_tokens = plan.dst.numel() // self.K
-        pulls = valid_n & primary_n
-        gathered_nh = torch.zeros(plan.dst.numel(), self.H, dtype=accumulate, device=device)
-        gathered_nh[pulls] = self.world.gather_rows(self._rows, dest_n[pulls], row_n[pulls],
-                                                    capacity=self.S).to(accumulate)
+        gathered_nh = self.world.gather_rows(self._rows, torch.where(valid_n & primary_n, dest_n, -1), row_n,
+                                             capacity=self.S).to(accumulate)
         out_sh = torch.zeros(num_tokens, self.H, dtype=accumulate, device=device)
         for k in range(self.K):  # fp32 sum in k order
             out_sh += gathered_nh.view(num_tokens, self.K, self.H)[:, k]
-        weights_n = torch.zeros(plan.dst.numel(), dtype=self.weight_dtype, device=device)
+        weights_sk = None
         if route_weights_nvs is not None:
-            weights_n[valid_n] = self.world.gather_rows(self._weights, dest_n[valid_n], row_n[valid_n],
-                                                        capacity=self.S * self.K)
-        weights_sk = weights_n.view(num_tokens, self.K) if route_weights_nvs is not None else None
+            weights_n = self.world.gather_rows(self._weights, torch.where(valid_n, dest_n, -1), row_n,
+                                               capacity=self.S * self.K)
+            weights_sk = weights_n.view(num_tokens, self.K)
         return out_sh.to(self.dtype), weights_sk, (_event(device) if async_finish else None)
 
     # -- weights --------------------------------------------------------------------------------------------
@@ -394,26 +440,26 @@ class Buffer:
         Each projection is either the replicated form `[E+B, N, K]` (every expert present on every rank, as
         vLLM's integration passes it: rows E+j are the slots) or an `ExpertRows` (home experts read from
         their rank + this rank's slot pool). A projection given as None is skipped (a fused gate_up passed
-        as the gate). Slots marked -1 are untouched: their segments are empty. `scales` (quantised weights)
-        is not supported yet and must be None.
+        as the gate). Every slot is written (fixed shapes): slots marked -1 are zeroed, their segments are
+        empty. `scales` (quantised weights) is not supported yet and must be None.
         """
         self._check_alive()
         self._check_plan(plan)
         if scales is not None:
             raise NotImplementedError("prefetch_weight(scales=...): quantised experts are not supported yet")
-        slots_b = plan.experts_to_copy[self.world.rank].long()
-        used_u = torch.nonzero(slots_b >= 0).squeeze(1)
-        experts_u = slots_b[used_u]
+        expert_b = plan.experts_to_copy[self.world.rank].long()
+        used_b = expert_b >= 0
         for weight in (full_gate_weight, full_up_weight, full_down_weight):
             if weight is None:
                 continue
             if isinstance(weight, ExpertRows):
-                copies = self.world.gather_rows(weight.home, experts_u // self.epn, experts_u % self.epn,
-                                                capacity=self.B)
-                weight.slots.local.index_copy_(0, used_u, copies)
+                copies = self.world.gather_rows(weight.home, torch.where(used_b, expert_b // self.epn, -1),
+                                                expert_b.clamp(min=0) % self.epn, capacity=self.B)
+                weight.slots.local.copy_(copies)
             else:
                 self._check_full(weight, "full weight")
-                weight.index_copy_(0, self.E + used_u, weight[experts_u])
+                copies = weight.index_select(0, expert_b.clamp(min=0))
+                weight[self.E:].copy_(copies.masked_fill_(~used_b.view(-1, *[1] * (copies.dim() - 1)), 0))
         return _event(self.world.device) if async_finish else None
 
     def _check_full(self, tensor: torch.Tensor, name: str) -> None:
@@ -452,21 +498,23 @@ class Buffer:
             staging.local.copy_(grad[self.E:])
             rank = self.world.rank
             projections.append((grad[rank * self.epn:(rank + 1) * self.epn], staging, grad[self.E:]))
-        # this rank's home experts held by any rank's slot: (rank, slot, home index)
+        # which slot of which rank holds which of this rank's home experts ([R, B], fixed shape)
         table_rb = plan.experts_to_copy.long()
         mine_rb = (table_rb >= 0) & (table_rb // self.epn == self.world.rank)
-        rank_c, slot_c = torch.nonzero(mine_rb, as_tuple=True)
-        home_c = table_rb[rank_c, slot_c] % self.epn
+        home_rb = table_rb.clamp(min=0) % self.epn
+        rank_r = torch.arange(self.R, device=table_rb.device)
         used_b = table_rb[self.world.rank] >= 0
         for home, slots, replicated in projections:
-            pulled = self.world.gather_rows(slots, rank_c, slot_c, capacity=self.B)
-            # one add per replica: index_add_ fails on CUDA for tensors past 2^31 elements (a DeepSeek-V3
-            # layer's fp32 home gradients are 3.8e9 at EP=8)
-            for c, expert in enumerate(home_c.tolist()):
-                home[expert].add_(pulled[c].to(home.dtype))
-            slots.local[used_b] = 0
+            # one slot index per exchange: R rows in flight (the peak memory), R * B rows in all; rows of
+            # other ranks' experts come back zero and add nothing
+            for slot in range(self.B):
+                pulled_r = self.world.gather_rows(slots, torch.where(mine_rb[:, slot], rank_r, -1),
+                                                  torch.full_like(rank_r, slot), capacity=1)
+                _index_add_blocked_(home, home_rb[:, slot], pulled_r.to(home.dtype))
+            expand = (-1,) + (1,) * (slots.local.dim() - 1)
+            slots.local.masked_fill_(used_b.view(expand), 0)
             if replicated is not None:
-                replicated[used_b] = 0
+                replicated.masked_fill_(used_b.view(expand), 0)
         return _event(self.world.device) if async_finish else None
 
 

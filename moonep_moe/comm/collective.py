@@ -8,9 +8,11 @@ R ranks, c the call's `capacity` (rows any rank exchanges with any one rank), `*
 Two modes:
 - static (default): every rank sends every rank a fixed block of c rows, padded, with the rows' target
   indices alongside (-1 = padding); one equal-split `all_to_all_single` for the rows and one for the indices,
-  then `index_copy_` on the receiver. `gather_rows` is one all-to-all of requests and one of replies.
+  then a fixed-shape `index_copy_` on the receiver (`place_rows`). Ignored entries (rank -1) go to a dump
+  row past the blocks that is never sent. `gather_rows` is one all-to-all of requests and one of replies.
   Message sizes depend only on the config, so nothing reads device values on the host (CUDA-graph friendly),
-  at the price of sending `R * c` rows whatever the routing.
+  at the price of sending `R * c` rows whatever the routing. (On the CPU a block overflow raises: a check
+  that reads the per-rank counts, free there.)
 - exact size (`exact_size=True`): only the real rows travel, with variable splits. The per-destination row
   counts are exchanged first and read on the host: one small device-to-host read of `2R` ints per
   exchange (a sync on a GPU), worth it when bandwidth between nodes matters more than the sync.
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moonep_moe.comm.world import SymmetricTensor
+from moonep_moe.comm.world import SymmetricTensor, place_rows
 
 DEFAULT_TIMEOUT_S = 300.0
 """Collectives that wait longer than this raise (the process-group timeout of `init_collective`)."""
@@ -120,64 +122,68 @@ class CollectiveWorld:
 
     def scatter_rows(self, target: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor,
                      values_n: torch.Tensor, *, capacity: int | None = None) -> None:
-        """Rank `rank_n[i]`'s `target` gets `values_n [n, *row]` at row `row_n[i]`. `capacity` default: the
-        target's rows (each row written at most once per exchange)."""
+        """Rank `rank_n[i]`'s `target` gets `values_n [n, *row]` at row `row_n[i]`; entries with rank -1 are
+        ignored. `capacity` default: the target's rows (each row written at most once per exchange)."""
         local = target.local
         rank_n, row_n, values_n = rank_n.long(), row_n.long(), values_n.to(local.dtype)
         if self.exact_size:
-            order_n, send_r, recv_r = self._exact_splits(rank_n)
-            recv_m = self._all_to_all(values_n[order_n], send_r, recv_r)
-            rows_m = self._all_to_all(row_n[order_n], send_r, recv_r)
+            order_m, send_r, recv_r = self._exact_splits(rank_n)
+            recv_m = self._all_to_all(values_n[order_m], send_r, recv_r)
+            rows_m = self._all_to_all(row_n[order_m], send_r, recv_r)
             local.index_copy_(0, rows_m, recv_m)
             return
         capacity = local.shape[0] if capacity is None else capacity
         if capacity == 0:
             return
         block_n = self._blocks(rank_n, capacity)
-        send_m = values_n.new_zeros((self.size * capacity, *values_n.shape[1:]))
-        send_m.index_copy_(0, block_n, values_n)
-        rows_m = row_n.new_full((self.size * capacity,), -1).index_copy_(0, block_n, row_n)
-        _place(local, self._all_to_all(rows_m), self._all_to_all(send_m))
+        blocks = self.size * capacity
+        send_m = values_n.new_zeros((blocks + 1, *values_n.shape[1:])).index_copy_(0, block_n, values_n)
+        rows_m = row_n.new_full((blocks + 1,), -1).index_copy_(0, block_n, row_n)
+        place_rows(local, self._all_to_all(rows_m[:blocks]), self._all_to_all(send_m[:blocks]))
 
     def gather_rows(self, source: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor, *,
                     capacity: int | None = None) -> torch.Tensor:
-        """`[n, *row]` rows `source[row_n[i]]` of rank `rank_n[i]`: one all-to-all of requests, one of
-        replies. `capacity` default: the source's rows (each row read at most once per exchange)."""
+        """`[n, *row]` rows `source[row_n[i]]` of rank `rank_n[i]` (zero where the rank is -1): one all-to-all
+        of requests, one of replies. `capacity` default: the source's rows (each read at most once)."""
         local = source.local
         rank_n, row_n = rank_n.long(), row_n.long()
         if self.exact_size:
-            order_n, send_r, recv_r = self._exact_splits(rank_n)
-            requests_m = self._all_to_all(row_n[order_n], send_r, recv_r)
-            replies_n = self._all_to_all(local[requests_m], recv_r, send_r)
-            return torch.empty_like(replies_n).index_copy_(0, order_n, replies_n)
+            order_m, send_r, recv_r = self._exact_splits(rank_n)
+            requests_m = self._all_to_all(row_n[order_m], send_r, recv_r)
+            replies_m = self._all_to_all(local[requests_m], recv_r, send_r)
+            return replies_m.new_zeros((len(rank_n), *local.shape[1:])).index_copy_(0, order_m, replies_m)
         capacity = local.shape[0] if capacity is None else capacity
         if capacity == 0:
-            return local.new_empty((0, *local.shape[1:]))
+            return local.new_zeros((len(rank_n), *local.shape[1:]))
         block_n = self._blocks(rank_n, capacity)
-        requests_m = row_n.new_full((self.size * capacity,), -1).index_copy_(0, block_n, row_n)
-        requests_m = self._all_to_all(requests_m)
+        blocks = self.size * capacity
+        requests_m = row_n.new_full((blocks + 1,), -1).index_copy_(0, block_n, row_n)
+        requests_m = self._all_to_all(requests_m[:blocks])
         replies_m = self._all_to_all(local[requests_m.clamp(min=0)])  # padding requests read row 0
-        return replies_m[block_n]
+        # the dump entry reads a zero row
+        return torch.cat([replies_m, replies_m.new_zeros((1, *replies_m.shape[1:]))])[block_n]
 
     def _blocks(self, rank_n: torch.Tensor, capacity: int) -> torch.Tensor:
-        """`[n]` each entry's place in the `[R * capacity]` send buffer: `rank * capacity + i`, where i
-        counts the earlier entries to the same rank. On the CPU an overflow raises (a free check there)."""
+        """`[n]` each entry's place in the `[R * capacity + 1]` send buffer: `rank * capacity + i`, where i
+        counts the earlier entries to the same rank; `R * capacity` (the dump row, never sent) for rank -1.
+        On the CPU an overflow raises (a free check there)."""
         order_n, count_r = _order_by_rank(rank_n, self.size)
         start_r = torch.cumsum(count_r, 0) - count_r
-        sorted_rank_n = rank_n[order_n]
+        key_n = torch.where(rank_n >= 0, rank_n, self.size)
         within_n = torch.empty_like(rank_n)
-        within_n[order_n] = torch.arange(len(rank_n), device=rank_n.device) - start_r[sorted_rank_n]
-        if rank_n.device.type == "cpu" and len(rank_n) and int(count_r.max()) > capacity:
-            raise ValueError(f"rank {self.rank} exchanges {int(count_r.max())} rows with rank "
-                             f"{int(count_r.argmax())}, more than capacity={capacity}")
-        return rank_n * capacity + within_n
+        within_n[order_n] = torch.arange(len(rank_n), device=rank_n.device) - start_r[key_n[order_n]]
+        if rank_n.device.type == "cpu" and len(rank_n) and int(count_r[:self.size].max()) > capacity:
+            raise ValueError(f"rank {self.rank} exchanges {int(count_r[:self.size].max())} rows with rank "
+                             f"{int(count_r[:self.size].argmax())}, more than capacity={capacity}")
+        return torch.where(rank_n >= 0, rank_n * capacity + within_n, self.size * capacity)
 
     def _exact_splits(self, rank_n: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
-        """Sort order `[n]` by destination rank, and the rows this rank sends to / receives from each rank.
-        NOTE: the one device-to-host read of the exact-size mode (`2R` ints)."""
+        """The real entries `[m]` in order of destination rank, and the rows this rank sends to / receives
+        from each rank. NOTE: the one device-to-host read of the exact-size mode (`2R` ints)."""
         order_n, count_r = _order_by_rank(rank_n, self.size)
-        splits = torch.cat([count_r, self._all_to_all(count_r)]).tolist()
-        return order_n, splits[:self.size], splits[self.size:]
+        splits = torch.cat([count_r[:self.size], self._all_to_all(count_r[:self.size])]).tolist()
+        send_r, recv_r = splits[:self.size], splits[self.size:]
+        return order_n[:sum(send_r)], send_r, recv_r
 
     def _all_to_all(self, send_m: torch.Tensor, send_r: list[int] | None = None,
                     recv_r: list[int] | None = None) -> torch.Tensor:
@@ -190,23 +196,12 @@ class CollectiveWorld:
 
 
 def _order_by_rank(rank_n: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stable order `[n]` of the entries by rank, and the entries per rank `[R]` (no host read)."""
-    count_r = torch.zeros(size, dtype=torch.int64, device=rank_n.device)
-    count_r.scatter_add_(0, rank_n, torch.ones_like(rank_n))
-    return torch.argsort(rank_n, stable=True), count_r
-
-
-def _place(target: torch.Tensor, rows_m: torch.Tensor, values_m: torch.Tensor) -> None:
-    """`target[rows_m[i]] = values_m[i]` for every `rows_m[i] >= 0`, without a host read: padding entries
-    (-1) rewrite the first real entry's row with its own value (or row 0 with itself when none is real), so
-    every duplicate write carries identical bytes."""
-    real_m = rows_m >= 0
-    first = torch.argmax(real_m.to(torch.uint8))
-    fill_row = rows_m[first].clamp(min=0)
-    fill_value = torch.where(real_m[first], values_m[first], target[fill_row])
-    expand = (-1,) + (1,) * (values_m.dim() - 1)
-    target.index_copy_(0, torch.where(real_m, rows_m, fill_row),
-                       torch.where(real_m.view(expand), values_m, fill_value))
+    """Stable order `[n]` of the entries by rank (rank -1 last), and the entries per rank `[R + 1]` (the last
+    counts rank -1). No host read."""
+    key_n = torch.where(rank_n >= 0, rank_n, size)
+    count_r = torch.zeros(size + 1, dtype=torch.int64, device=rank_n.device)
+    count_r.scatter_add_(0, key_n, torch.ones_like(key_n))
+    return torch.argsort(key_n, stable=True), count_r
 
 
 def _signature(key: str, tensor: torch.Tensor) -> torch.Tensor:

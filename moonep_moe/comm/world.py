@@ -8,7 +8,9 @@ else, so the same layer code runs on every transport:
   can read and write every other rank's tensor of that key through `SymmetricTensor.peer(r)`;
 - `scatter_rows(target, rank_n, row_n, values_n)` / `gather_rows(source, rank_n, row_n)`: the collective
   row exchanges every Buffer operation is made of (write rows into, or read rows from, other ranks'
-  symmetric tensors);
+  symmetric tensors). Their index tensors have a length fixed by the config: an entry whose rank is -1
+  means "nothing" (not written; read back as a zero row), so callers never mask and nothing in an exchange
+  reads a device value on the host;
 - `barrier()`: orders the phases of an exchange (writes before reads, reads before the next writes);
 - `globals`: this process's state shared by all layers (the slot pools live there).
 
@@ -57,17 +59,20 @@ class EPWorld(Protocol):
     def scatter_rows(self, target: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor,
                      values_n: torch.Tensor, *, capacity: int | None = None) -> None:
         """Collective: `target` on rank `rank_n[i]` gets `values_n[i]` at row `row_n[i]` (`[n]` int64 ranks
-        and rows, `[n, *row shape]` values; n may differ per rank). Starts once every rank is done with
-        `target`'s previous contents; returns once every write into this rank's `target` has landed.
-        `capacity`: the most rows any rank sends to any one rank in this call, identical on every rank (a
-        static bound: transports with fixed-size messages size them by it; others ignore it)."""
+        and rows, `[n, *row shape]` values); entries with rank -1 are ignored (their row may be anything).
+        n is a static length (e.g. all N routes); no two real entries of the group write the same row.
+        Starts once every rank is done with `target`'s previous contents; returns once every write into
+        this rank's `target` has landed. `capacity`: the most real entries any rank sends to any one rank
+        in this call, identical on every rank (a static bound: transports with fixed-size messages size
+        them by it; others ignore it)."""
         ...
 
     def gather_rows(self, source: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor, *,
                     capacity: int | None = None) -> torch.Tensor:
-        """Collective: `[n, *row shape]` rows `source[row_n[i]]` of rank `rank_n[i]`. Starts once every rank's
-        `source` is final; returns once every rank is done reading this rank's `source`. `capacity`: the
-        most rows any rank reads from any one rank in this call (as in `scatter_rows`)."""
+        """Collective: `[n, *row shape]` rows `source[row_n[i]]` of rank `rank_n[i]`, a zero row where
+        `rank_n[i]` is -1 (n static, as in `scatter_rows`). Starts once every rank's `source` is final;
+        returns once every rank is done reading this rank's `source`. `capacity`: the most real entries
+        any rank reads from any one rank in this call (as in `scatter_rows`)."""
         ...
 
     def release(self, key: str) -> None:
@@ -120,7 +125,8 @@ class ThreadGroup:
         self._barrier = threading.Barrier(size, timeout=BARRIER_TIMEOUT_S)
         self._lock = threading.Lock()
         self._registry: dict[str, list[torch.Tensor | None]] = {}
-        self._board: list[torch.Tensor | None] = [None] * size
+        self._board: list[Any] = [None] * size
+        """One entry per rank: its tensor of an `all_gather`, its `(rank_n, row_n, values_n)` of a scatter."""
         self.worlds = [ThreadsWorld(self, r) for r in range(size)]
 
     def abort(self) -> None:
@@ -133,7 +139,9 @@ class ThreadGroup:
 
 @dataclass(eq=False)
 class ThreadsWorld:
-    """Rank `rank` of a `ThreadGroup`. Barrier = synchronise this thread's stream + `threading.Barrier`."""
+    """Rank `rank` of a `ThreadGroup`. Barrier = synchronise this thread's stream + `threading.Barrier` (a
+    host sync on a GPU, so only a one-rank threads world, whose barrier is a no-op, can run a step under
+    `torch.cuda.set_sync_debug_mode("error")` or in a CUDA graph)."""
 
     group: ThreadGroup
     rank: int
@@ -158,25 +166,39 @@ class ThreadsWorld:
                 "thread (CUDA autograd backward runs on a shared device thread). On one GPU, the threads "
                 "world supports forward and direct Buffer calls with several ranks; train with several "
                 "ranks through a process world, or with one rank.")
+        if self.size == 1:
+            return  # one rank: its stream already orders its work (no sync, so a step can be graph-captured)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.group._barrier.wait()
 
     def scatter_rows(self, target: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor,
                      values_n: torch.Tensor, *, capacity: int | None = None) -> None:
+        """Receiver-side writes: every rank posts its `[n]` entries on the board, then writes the entries
+        addressed to it into its own `target` (`place_rows`: fixed shapes, no write races, no host read).
+        Costs R * n row writes per rank (the simulation's price for static shapes)."""
+        self.barrier()  # every rank is done with target's previous contents, and the board is free
+        self.group._board[self.rank] = (rank_n, row_n, values_n)
         self.barrier()
-        for rank in range(self.size):
-            to_rank = rank_n == rank
-            target.peer(rank).index_copy_(0, row_n[to_rank], values_n[to_rank].to(target.local.dtype))
-        self.barrier()
+        local = target.local
+        for sender_n, sender_row_n, sender_values_n in self.group._board:
+            place_rows(local, torch.where(sender_n == self.rank, sender_row_n, -1),
+                       sender_values_n.to(local.dtype))
+        self.barrier()  # every rank has read the board (senders may reuse their values)
 
     def gather_rows(self, source: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor, *,
                     capacity: int | None = None) -> torch.Tensor:
+        """Reads each peer's rows directly: one fixed-shape `[n]` gather per peer, kept where the entry
+        names that peer (R * n row reads)."""
         self.barrier()
-        rows = source.local.new_empty((len(rank_n), *source.local.shape[1:]))
-        for rank in range(self.size):
-            from_rank = rank_n == rank
-            rows[from_rank] = source.peer(rank)[row_n[from_rank]]
+        local = source.local
+        rows = local.new_zeros((len(rank_n), *local.shape[1:]))
+        expand = (-1,) + (1,) * (local.dim() - 1)
+        if local.shape[0]:
+            for rank in range(self.size):
+                from_rank_n = rank_n == rank
+                picked = source.peer(rank).index_select(0, torch.where(from_rank_n, row_n, 0))
+                rows = torch.where(from_rank_n.view(expand), picked, rows)
         self.barrier()
         return rows
 
@@ -214,8 +236,25 @@ class ThreadsWorld:
                     del self.group._registry[key]
 
 
+def place_rows(target: torch.Tensor, rows_m: torch.Tensor, values_m: torch.Tensor) -> None:
+    """`target[rows_m[i]] = values_m[i]` for every `rows_m[i] >= 0` (`[m]` rows, `[m, *row]` values), with
+    fixed shapes and no host read: entries of -1 rewrite the first real entry's row with its own value (or
+    row 0 with itself when none is real), so every repeated write carries identical bytes. Only the owner
+    of `target` may call it while peers could write it (the rewrite of row 0 reads it first)."""
+    if not len(rows_m) or not target.shape[0]:
+        return
+    real_m = rows_m >= 0
+    first_1 = torch.argmax(real_m.to(torch.uint8)).view(1)
+    fill_row_1 = rows_m.index_select(0, first_1).clamp(min=0)
+    expand = (-1,) + (1,) * (values_m.dim() - 1)
+    fill_value_1 = torch.where(real_m.index_select(0, first_1).view(expand),
+                               values_m.index_select(0, first_1), target.index_select(0, fill_row_1))
+    target.index_copy_(0, torch.where(real_m, rows_m, fill_row_1),
+                       torch.where(real_m.view(expand), values_m, fill_value_1))
+
+
 def single_world(device: torch.device | str = "cpu") -> ThreadsWorld:
-    """The trivial world of one rank (R = 1): gathers stack one tensor, barriers only sync the stream."""
+    """The trivial world of one rank (R = 1): gathers stack one tensor, barriers do nothing."""
     return ThreadGroup(1, device).worlds[0]
 
 
