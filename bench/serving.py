@@ -13,8 +13,8 @@ The baseline is the full step (s = S), measured in the same run. Forward only: m
 cannot run in the threads world on one GPU. On one device the R ranks time-slice it, so absolute times are
 those of the whole group on one chip; the ratios to the baseline are what this measures.
 
-    python bench/serving.py                        # small CPU default
-    python bench/serving.py --device cuda --ranks 8 --hidden 7168 --ffn 2048 --experts 256 --top-k 8 \
+    python -m bench.serving                        # small CPU default
+    python -m bench.serving --device cuda --ranks 8 --hidden 7168 --ffn 2048 --experts 256 --top-k 8 \
         --tokens 1024 --dtype bfloat16            # DeepSeek-V3's MoE layer at EP=8 on one GPU
 
 Writes `bench/results/serving-<device>-<date>.json` (device, commit, command, shape, baseline, rows).
@@ -27,20 +27,18 @@ import datetime
 import json
 import math
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from bench.common import RESULTS, commit
 from moonep_moe.comm.world import run_ranks
 from moonep_moe.communicator import MoECommunicator
 from moonep_moe.layers.grouped_gemm import select_grouped_gemm
 from moonep_moe.layers.swiglu import swiglu_weighted
 from moonep_moe.weights.layout import ExpertLayout
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -140,18 +138,6 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def git_commit() -> str:
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-
-    try:
-        dirty = git("status", "--porcelain", "-uno")
-        return git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -162,7 +148,7 @@ def main(argv: list[str] | None = None) -> Path:
         for key in ("comm_s", "layer_s"):
             row[key.replace("_s", "_vs_full")] = row[key] / baseline[key]
     record = dict(
-        benchmark="serving", device=device_name(device), device_type=device.type, commit=git_commit(),
+        benchmark="serving", device=device_name(device), device_type=device.type, commit=commit(),
         command=" ".join([Path(sys.executable).name, *sys.argv]), date=datetime.datetime.now().isoformat(),
         torch=torch.__version__, world=f"threads, {args.ranks} ranks on one {device.type} device",
         shape=dict(H=args.hidden, I=args.ffn, E=args.experts, K=args.top_k, S=args.tokens, B=args.slots,
