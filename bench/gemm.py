@@ -51,8 +51,8 @@ def block(gemm, x, w, offs, gate_up, down, g):
     u = gemm.dgrad(g, down, offs)
     dab, _, hw = swiglu_weighted_backward(u, ab, w, offs[-1:])
     gate_up_grads, down_grads = fp32_grads(gate_up), fp32_grads(down)
-    gemm.wgrad(g, hw, offs, down_grads)
-    gemm.wgrad(dab, x, offs, gate_up_grads)
+    gemm.wgrad(g, hw, offs, down_grads, accumulate=False)
+    gemm.wgrad(dab, x, offs, gate_up_grads, accumulate=False)
     gemm.dgrad(dab, gate_up, offs)
 
 
@@ -67,7 +67,8 @@ def arena_weights(home: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def fp32_grads(parts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    return [torch.zeros(p.shape, dtype=torch.float32, device="cuda") for p in parts]
+    """Uninitialised fp32 gradients like `parts` (the wgrads below overwrite them, as the layer does)."""
+    return [torch.empty(p.shape, dtype=torch.float32, device="cuda") for p in parts]
 
 
 def gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down) -> dict:
@@ -76,7 +77,8 @@ def gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down) -> dict:
     return {
         "fwd": lambda: (gemm.fwd(x, gate_up, offs), gemm.fwd(hw, down, offs)),
         "dgrad": lambda: (gemm.dgrad(dab, gate_up, offs), gemm.dgrad(g, down, offs)),
-        "wgrad": lambda: (gemm.wgrad(dab, x, offs, grads[0]), gemm.wgrad(g, hw, offs, grads[1])),
+        "wgrad": lambda: (gemm.wgrad(dab, x, offs, grads[0], accumulate=False),
+                          gemm.wgrad(g, hw, offs, grads[1], accumulate=False)),
     }
 
 

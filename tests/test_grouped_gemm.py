@@ -87,6 +87,18 @@ def test_wgrad_accumulates(gemm, dtype, split):
             assert not got_gnk[g].any(), "an empty group must get a zero gradient"
 
 
+@pytest.mark.parametrize(("gemm", "dtype"), CASES, ids=IDS)
+def test_wgrad_overwrite_replaces_whatever_was_there(gemm, dtype):
+    x_mk, dy_mn = random_inputs(dtype, (M, K), (M, N))
+    grad_dtype = torch.promote_types(dtype, torch.float32)
+    parts = weight_parts(torch.full((len(SIZES_G), N, K), float("nan"), dtype=grad_dtype), split=True)
+    gemm.wgrad(dy_mn, x_mk, offsets_g(), parts, accumulate=False)
+    got_gnk = torch.cat(parts)
+    for g, (start, end) in enumerate(segments()):
+        expected_nk = dy_mn[start:end].double().T @ x_mk[start:end].double()
+        torch.testing.assert_close(got_gnk[g].double(), expected_nk, **TOL[dtype])
+
+
 @pytest.mark.parametrize("gemm", [ReferenceGroupedGemm(), TorchGroupedGemm()], ids=lambda g: g.name)
 def test_group_count_mismatch_is_rejected(gemm):
     x_mk, w_gnk = torch.randn(M, K), torch.randn(len(SIZES_G) - 1, N, K)

@@ -92,12 +92,12 @@ class MoonEPExperts(torch.autograd.Function):
         g_nvsh, _, _, _ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None,
                                           plan=plan)
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
-        for grads in experts.grads:
-            grads.home.local.zero_()
         u_nvf = gemm.dgrad(g_nvsh, down_rows.compute_weights(), offs_g)
         dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:])
-        gemm.wgrad(g_nvsh, hw_nvf, offs_g, (down_grads.home.local, down_grads.slots.local))
-        gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (gate_up_grads.home.local, gate_up_grads.slots.local))
+        # overwrite: this step's fp32 home and slot gradients start here (no zeroing pass)
+        gemm.wgrad(g_nvsh, hw_nvf, offs_g, (down_grads.home.local, down_grads.slots.local), accumulate=False)
+        gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (gate_up_grads.home.local, gate_up_grads.slots.local),
+                   accumulate=False)
         dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_rows.compute_weights(), offs_g)
         grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs)
         buffer.reduce_grad(plan, gate_up_grads, None, down_grads)

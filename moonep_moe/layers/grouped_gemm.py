@@ -45,8 +45,11 @@ class GroupedGemm(Protocol):
         """``dx_mk`` with ``dx[s:e] = dy[s:e] @ w[g]`` for every group g."""
         ...
 
-    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor]) -> None:
-        """Add ``dy[s:e]^T @ x[s:e]`` into group g of ``out_gnk`` (split like the weights)."""
+    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor],
+              accumulate: bool = True) -> None:
+        """Add ``dy[s:e]^T @ x[s:e]`` into group g of ``out_gnk`` (split like the weights); with
+        ``accumulate=False`` overwrite instead (every group written, empty ones with zeros), which saves
+        zeroing the fp32 gradients and reading them back."""
         ...
 
 
@@ -93,12 +96,13 @@ class ReferenceGroupedGemm:
     def dgrad(self, dy_mn: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         return _segment_matmul(dy_mn, weights_gnk, offs_g, transpose_w=False)
 
-    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor]) -> None:
+    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor],
+              accumulate: bool = True) -> None:
         _check_groups(out_gnk, offs_g, "out_gnk")
         compute = torch.promote_types(x_mk.dtype, torch.float32)
         outs_nk = [out_nk for part in out_gnk for out_nk in part.unbind(0)]
         for (start, end), out_nk in zip(_host_segments(offs_g), outs_nk, strict=True):
-            out_nk.add_(dy_mn[start:end].to(compute).T @ x_mk[start:end].to(compute))
+            _store(out_nk, dy_mn[start:end].to(compute).T @ x_mk[start:end].to(compute), accumulate)
 
 
 class TorchGroupedGemm:
@@ -125,11 +129,20 @@ class TorchGroupedGemm:
         _check_groups(weights_gnk, offs_g, "weights_gnk")
         return torch._grouped_mm(dy_mn, _cat_groups(weights_gnk), offs=offs_g)
 
-    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor]) -> None:
+    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor],
+              accumulate: bool = True) -> None:
         _check_groups(out_gnk, offs_g, "out_gnk")
         grad_gnk = torch._grouped_mm(dy_mn.T, x_mk, offs=offs_g)
         for out, grad in zip(out_gnk, grad_gnk.split([part.shape[0] for part in out_gnk]), strict=True):
-            out.add_(grad)
+            _store(out, grad, accumulate)
+
+
+def _store(out: Tensor, value: Tensor, accumulate: bool) -> None:
+    """`out += value` or `out = value` (cast to out's dtype)."""
+    if accumulate:
+        out.add_(value)
+    else:
+        out.copy_(value)
 
 
 def _cat_groups(weights_gnk: Sequence[Tensor]) -> Tensor:
@@ -205,8 +218,9 @@ class DeepGemmGroupedGemm:
         kernel(a_mx, w_gnk, out, offs_g, use_psum_layout=True)
         return out
 
-    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor]) -> None:
-        self._torch.wgrad(dy_mn, x_mk, offs_g, out_gnk)
+    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor],
+              accumulate: bool = True) -> None:
+        self._torch.wgrad(dy_mn, x_mk, offs_g, out_gnk, accumulate)
 
 
 def _deep_gemm_unsupported_reason(device: torch.device, dtype: torch.dtype,
