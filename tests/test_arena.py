@@ -3,11 +3,8 @@
 import pytest
 import torch
 
-needs_arena = pytest.mark.skipif(not torch.cuda.is_available(),
-                                 reason="needs a CUDA device (run on the H200)")
 
-
-@needs_arena
+@pytest.mark.gpu
 def test_joined_rows_alias_both_allocations():
     from moonep_moe.weights.arena import PhysicalRows, expert_arena_reason, joined_rows
 
@@ -29,7 +26,7 @@ def test_joined_rows_alias_both_allocations():
     assert torch.equal(joined[:2], home.tensor) and torch.equal(joined[2:], slots.tensor)
 
 
-@needs_arena
+@pytest.mark.gpu
 def test_layer_arena_views_stay_coherent():
     """After a forward with replicas, the compute view still equals (home parameters, slot pool)."""
     from test_layer import build_layer, make_config, make_problem
@@ -56,7 +53,7 @@ def test_layer_arena_views_stay_coherent():
         assert checks == [(True, True, True, True)] * 2 and finite, (checks, finite)
 
 
-@needs_arena
+@pytest.mark.gpu
 def test_layer_computes_on_the_arena_and_matches_dense():
     """Two thread-ranks on one GPU with replicas in use: the experts run on the joined [epn+B] tensors
     (no copy) and the forward matches the float64 reference within bf16 tolerance."""

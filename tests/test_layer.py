@@ -156,16 +156,13 @@ def test_invalid_routes_and_fewer_tokens_than_capacity(R):
     assert int(got[0]["rank_load"].sum()) == R * (cfg.max_tokens_per_rank - 13 - 7) * cfg.top_k
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
-
-
-@needs_cuda
+@pytest.mark.gpu
 def test_cuda_one_rank_matches_dense_in_float64():
     """The unchanged layer on one GPU, forward and backward, exact in float64."""
     assert_matches_dense(make_problem(make_config(1), seed=31, skew=100.0), device="cuda")
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_cuda_thread_ranks_forward_matches_dense_in_float64():
     """Four thread-ranks on their own streams of one GPU, skewed routing, exact in float64. (Backward with
     several thread-ranks cannot run on one GPU: see the next test.)"""
@@ -175,14 +172,14 @@ def test_cuda_thread_ranks_forward_matches_dense_in_float64():
         assert int(got["rank_load"].max() - got["rank_load"].min()) <= 1
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_cuda_thread_ranks_backward_raises_instead_of_hanging():
     p = make_problem(make_config(2), seed=35)
     with pytest.raises(RuntimeError, match="device thread"):
         run_moonep(p, "cuda")
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("R", [1, 4])
 @pytest.mark.parametrize("backend", ["torch", "reference"])
 def test_cuda_bf16_matches_dense_within_bf16_tolerance(R, backend):

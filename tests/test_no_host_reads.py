@@ -203,7 +203,7 @@ def test_index_add_in_blocks_equals_index_add():
         assert torch.equal(got, want), max_elements
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
+@pytest.mark.gpu
 def test_cuda_one_rank_step_runs_under_sync_debug_error():
     """A one-rank step on the GPU (dispatch with planning, combine, backward dispatch, combine with route
     weights) under `torch.cuda.set_sync_debug_mode("error")`: any synchronising call raises."""

@@ -546,7 +546,7 @@ def test_no_host_read_check_can_fail(host_path):
             torch.bincount(topk_sk.reshape(-1), minlength=counts_re.shape[1])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
+@pytest.mark.gpu
 def test_cuda_plan_no_sync_graph_capturable_and_equal_to_cpu():
     """On CUDA: no synchronisation (sync debug mode "error"), capturable in a CUDA graph, and the replayed
     graph gives the CPU plan for new inputs copied into the captured ones."""

@@ -56,10 +56,7 @@ def test_low_precision_input_keeps_dtypes(dtype):
     torch.testing.assert_close(hw_mf.double(), expected, rtol=1e-2, atol=1e-2)
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
-
-
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ffn", [24, 2048, 1000])
 def test_fused_kernels_match_the_reference_and_skip_rows_past_num_rows(dtype, ffn):
