@@ -30,8 +30,11 @@ class ExpertRows:
 
     def compute_weights(self) -> tuple[torch.Tensor, ...]:
         """The weights of this rank's compute groups (home experts, then slots) for a grouped GEMM: one
-        tensor when the arena joins them, else the two parts (the GEMM backend then copies them)."""
-        return (self.compute,) if self.compute is not None else (self.home.local, self.slots.local)
+        tensor when the arena joins them or there are no slots (B = 0, e.g. EP = 1), else the two parts
+        (the GEMM backend then copies them)."""
+        if self.compute is not None:
+            return (self.compute,)
+        return tuple(t for t in (self.home.local, self.slots.local) if t.shape[0])
 
 
 def _pool(world: EPWorld, kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> SymmetricTensor:
