@@ -238,7 +238,19 @@ class MoEConfig(BaseModel):
         "bfloat16",
         description=(
             "Dtype of activations and expert weights. Default 'bfloat16' (production; required by DeepGEMM). "
-            "'float32' for the CPU demo, 'float64' for reference tests. Expert gradients are fp32 regardless."
+            "'float32' for the CPU demo, 'float64' for reference tests."
+        ),
+    )
+    expert_grad_dtype: Literal["float32", "param"] = Field(
+        "float32",
+        description=(
+            "Where the routed experts' weight gradients add up within a step. Default 'float32': the "
+            "weight-gradient GEMMs and the replica gradients pulled home add in fp32 (float64 for float64 "
+            "weights), rounded once to the parameters' dtype when autograd receives them (a transient fp32 "
+            "copy of the home gradients during backward). 'param': the weight-gradient GEMMs write the home "
+            "gradients in the parameters' dtype directly (fp32 accumulation inside the GEMM, as in plain "
+            "PyTorch) and replicas are added in fp32 and rounded: no fp32 copy, no cast pass, the memory of "
+            "plain PyTorch. Slot gradients are fp32 either way."
         ),
     )
     router: RouterConfig = Field(

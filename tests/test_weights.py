@@ -114,10 +114,10 @@ def test_layers_of_one_shape_share_one_slot_pool_that_optimizers_never_see():
     def rank_fn(world):
         first, second = MoonEPMoELayer(config(2), world), MoonEPMoELayer(config(2), world)
         optimizer = torch.optim.SGD(list(first.parameters()) + list(second.parameters()), lr=0.1)
-        pooled = [rows.slots.local for rows in first.experts.rows + first.experts.grads]
+        pooled, theirs = ([t.local for t in [rows.slots for rows in layer.experts.rows] + list(layer.experts.slot_grads)]
+                          for layer in (first, second))
         optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        return ([a is b.slots.local for a, b in zip(pooled, second.experts.rows + second.experts.grads,
-                                                    strict=True)],
+        return ([a is b for a, b in zip(pooled, theirs, strict=True)],
                 any(id(t) in optimized for t in pooled), pooled[0].shape)
 
     for shared, seen, shape in run_ranks(rank_fn, 2):

@@ -14,11 +14,12 @@ Backward reuses the forward plan (never plans again):
 1. `dispatch(grad_out, plan=plan)` brings the gradient to the rows; `prefetch_weight` again (later layers
    overwrote the shared slot pool).
 2. down: `u = g @ down` (dgrad); the fused SwiGLU backward gives `dab`, the route-weight gradient per row
-   and, recomputed in the same pass, `hw`; `dW_down += g^T hw` (wgrad into the fp32 home and slot grads);
-   gate_up: `dW_gate_up += dab^T x`, `dx = dab @ gate_up`.
+   and, recomputed in the same pass, `hw`; `dW_down = g^T hw` (wgrad into this step's home grads and the fp32
+   slot grads); gate_up: `dW_gate_up = dab^T x`, `dx = dab @ gate_up`.
 3. `combine(plan, dx, grad_w)`: input and route-weight gradients back to the tokens.
 4. `reduce_grad`: every replica's fp32 gradient added into its home expert's, slots cleared. The home
-   gradients are returned to autograd in the parameters' dtype.
+   gradients (fp32, or the parameters' dtype: `MoEConfig.expert_grad_dtype`) go to autograd in the
+   parameters' dtype.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class ExpertsState:
     buffer: Buffer
     experts: HomeExperts
     gemm: GroupedGemm
+    grad_dtype: torch.dtype
+    """dtype of the home experts' gradients within a step (`MoEConfig.expert_grad_dtype`)."""
     last_plan: MoonEPCommPlan | None = None
 
 
@@ -88,20 +91,19 @@ class MoonEPExperts(torch.autograd.Function):
         plan, state = ctx.plan, ctx.state
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
         gate_up_rows, down_rows = experts.rows
-        gate_up_grads, down_grads = experts.grads
+        gate_up_grads, down_grads = experts.new_grads(state.grad_dtype)
         g_nvsh, _, _, _ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None,
                                           plan=plan)
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
         u_nvf = gemm.dgrad(g_nvsh, down_rows.compute_weights(), offs_g)
         dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:])
-        # overwrite: this step's fp32 home and slot gradients start here (no zeroing pass)
+        # overwrite: this step's home and slot gradients start here (no zeroing pass)
         gemm.wgrad(g_nvsh, hw_nvf, offs_g, (down_grads.home.local, down_grads.slots.local), accumulate=False)
         gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (gate_up_grads.home.local, gate_up_grads.slots.local),
                    accumulate=False)
         dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_rows.compute_weights(), offs_g)
         grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs)
         buffer.reduce_grad(plan, gate_up_grads, None, down_grads)
-        # copies: autograd may keep a returned tensor as .grad, and the fp32 home gradients are reused
-        return (grad_hidden_sh, grad_route_weights_sk, None, None,
-                gate_up_grads.home.local.to(gate_up.dtype, copy=True),
-                down_grads.home.local.to(down.dtype, copy=True), None)
+        # fresh tensors: in the parameters' dtype autograd keeps them as .grad without a copy
+        return (grad_hidden_sh, grad_route_weights_sk, None, None, gate_up_grads.home.local.to(gate_up.dtype),
+                down_grads.home.local.to(down.dtype), None)

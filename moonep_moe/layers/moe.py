@@ -114,7 +114,10 @@ class MoonEPMoELayer(nn.Module):
                              token_padding=config.token_padding, world=world, dtype=dtype)
         gemm = select_grouped_gemm(config.grouped_gemm, device, dtype, k=math.gcd(h, f),
                                    token_padding=config.token_padding)
-        self._state = ExpertsState(self.buffer, self.experts, gemm)
+        grad_dtype = torch.promote_types(dtype, torch.float32)
+        if config.expert_grad_dtype == "param":
+            grad_dtype = dtype
+        self._state = ExpertsState(self.buffer, self.experts, gemm, grad_dtype)
         expert_load_e = torch.zeros(e, dtype=torch.int64, device=device)
         self.register_buffer("expert_load", expert_load_e, persistent=False)
         self.record_router_logits = False

@@ -1,4 +1,4 @@
-"""`HomeExperts`: the routed experts a rank owns (its parameters), their fp32 gradients and checkpoint names.
+"""`HomeExperts`: the routed experts a rank owns (its parameters), their gradients and checkpoint names.
 
 Legend: e experts (epn home experts here, E in the group), f = H' (expert FFN size), h = H (hidden size).
 Layout (nn.Linear style, `[experts, out, in]`): `gate_up [epn, 2F, H]` (rows [0, F) gate, [F, 2F) up, so
@@ -6,8 +6,9 @@ both projections run as one GEMM) and `down [epn, H, F]`. Only the home experts 
 replicated copy of all E. Both parameters are registered with the EP world so peers can read them
 (prefetch): create the layer in its final dtype and device (the config's) rather than converting it
 later. On CUDA, where `weights.arena` can, the home experts are mapped right before the shared slot pool, so
-the grouped GEMMs read home experts and slots as one tensor without copying them. Gradients of the home
-experts accumulate in fp32 (`grads`), also visible to peers.
+the grouped GEMMs read home experts and slots as one tensor without copying them. The home experts'
+gradients are made fresh every step (`new_grads`); the replicas' accumulate in the shared fp32 slot-gradient
+pools, which peers pull.
 
 Checkpoints hold one entry per expert under its global id, whatever the EP size:
 `{e}.gate_proj.weight [F, H]`, `{e}.up_proj.weight [F, H]`, `{e}.down_proj.weight [H, F]`. Loading also
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moonep_moe.comm.world import EPWorld
+from moonep_moe.comm.world import EPWorld, SymmetricTensor
 from moonep_moe.weights.pool import ExpertRows, allocate_home, slot_grad_pool, slot_pool
 
 PER_EXPERT_NAMES = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
@@ -46,26 +47,33 @@ class HomeExperts(nn.Module):
         self.first_expert = world.rank * self.epn
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         h, f, epn = hidden_size, ffn_hidden_size, self.epn
-        device = world.device
         gate_up, gate_up_compute = allocate_home(world, epn, (2 * f, h), dtype, num_slots)
         down, down_compute = allocate_home(world, epn, (h, f), dtype, num_slots)
         self.gate_up, self.down = nn.Parameter(gate_up), nn.Parameter(down)
         self.reset_parameters()
-        grad_dtype = torch.promote_types(dtype, torch.float32)
+        self.name = name
         self.rows = (
             ExpertRows(world.symmetric(f"{name}/gate_up", self.gate_up),
                        slot_pool(world, (num_slots, 2 * f, h), dtype), gate_up_compute),
             ExpertRows(world.symmetric(f"{name}/down", self.down),
                        slot_pool(world, (num_slots, h, f), dtype), down_compute),
         )
-        self.grads = (
-            ExpertRows(world.symmetric(f"{name}/gate_up_grad", torch.zeros(epn, 2 * f, h, dtype=grad_dtype,
-                                                                              device=device)),
-                       slot_grad_pool(world, (num_slots, 2 * f, h), dtype)),
-            ExpertRows(world.symmetric(f"{name}/down_grad", torch.zeros(epn, h, f, dtype=grad_dtype,
-                                                                           device=device)),
-                       slot_grad_pool(world, (num_slots, h, f), dtype)),
-        )
+        self.slot_grads = (slot_grad_pool(world, (num_slots, 2 * f, h), dtype),
+                           slot_grad_pool(world, (num_slots, h, f), dtype))
+
+    def new_grads(self, dtype: torch.dtype) -> tuple[ExpertRows, ExpertRows]:
+        """This step's gradients of `(gate_up, down)`: fresh `[epn, N, K]` home gradients in `dtype`
+        (uninitialised: the weight-gradient GEMMs overwrite every home expert) beside the shared fp32 slot
+        gradient pools. Fresh per step, so autograd can keep a returned home gradient as `.grad` without a
+        copy and nothing of the size of the parameters stays allocated between steps. The home gradients
+        are local to this rank (peers only pull slot gradients)."""
+        world = self.world
+        grads = []
+        for weight, slots in zip((self.gate_up, self.down), self.slot_grads, strict=True):
+            home = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+            peers = tuple(home if r == world.rank else None for r in range(world.size))
+            grads.append(ExpertRows(SymmetricTensor(f"{self.name}/grad", world.rank, peers), slots))
+        return grads[0], grads[1]
 
     def reset_parameters(self) -> None:
         """nn.Linear's default init per expert (uniform in +-1/sqrt(fan_in))."""

@@ -1,1 +1,1 @@
-"""Triton kernels of the comm core (planner, row exchanges over peer pointer tables), compiled at first use."""
+"""Triton kernels of the comm core (planner, row exchanges through peer pointer tables)."""
