@@ -110,8 +110,9 @@ class MoonEPMoELayer(nn.Module):
         if shared.num_shared_experts:
             width = shared.num_shared_experts * (shared.ffn_hidden_size or f)
             self.shared_experts = SharedExperts(h, width, shared.gate, dtype, device)
+        # validate=False: the router's expert ids are in [-1, E) by construction, and the check is a host read
         self.buffer = Buffer(config.max_tokens_per_rank, h, k, e, config.ep_size, config.prefetch_slots,
-                             token_padding=config.token_padding, world=world, dtype=dtype)
+                             token_padding=config.token_padding, world=world, dtype=dtype, validate=False)
         gemm = select_grouped_gemm(config.grouped_gemm, device, dtype, k=math.gcd(h, f),
                                    token_padding=config.token_padding)
         grad_dtype = torch.promote_types(dtype, torch.float32)
