@@ -5,14 +5,17 @@
 
 The baseline is what users run today, written here in the torchtitan style: a softmax top-k router, a
 sort-based permute, `torch._grouped_mm` experts with autograd, an `index_add` unpermute. Both layers get the
-same weights and tokens. Reported: fwd+bwd time (median of CUDA-event timings), its ratio to the baseline,
-and each one's peak memory during a step (parameters and gradients included).
+same weights and tokens; ours runs with each grouped-GEMM backend and each `expert_grad_dtype` (fp32 home
+gradients, or the parameters' bf16 like the baseline). Reported: fwd+bwd time (median of CUDA-event
+timings), its ratio to the baseline, and each one's peak memory during a step (parameters and gradients
+included).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import math
 from pathlib import Path
 
@@ -77,6 +80,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--backends", nargs="*", default=["torch", "deep_gemm"])
+    parser.add_argument("--grad-dtypes", nargs="*", default=["float32", "param"],
+                        help="MoEConfig.expert_grad_dtype values to run (default both)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     limits = measure_limits()
@@ -98,12 +103,13 @@ def main() -> None:
     del baseline
     rows = [{"layer": "torch-native", "ms": base_s * 1e3, "vs_baseline": 1.0, "peak_gib": base_gib,
              "tflops": flops / base_s / 1e12}]
-    print(f"torch-native      {base_s * 1e3:8.2f} ms  peak {base_gib:6.1f} GiB", flush=True)
-    for backend in args.backends:
+    print(f"{'torch-native':36} {base_s * 1e3:8.2f} ms  peak {base_gib:6.1f} GiB", flush=True)
+    for backend, grad_dtype in itertools.product(args.backends, args.grad_dtypes):
         gc.collect()
         torch.cuda.empty_cache()
         cfg = MoEConfig(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=args.top_k,
-                        max_tokens_per_rank=args.tokens, dtype="bfloat16", grouped_gemm=backend)
+                        max_tokens_per_rank=args.tokens, dtype="bfloat16", grouped_gemm=backend,
+                        expert_grad_dtype=grad_dtype)
         try:
             layer = MoonEPMoELayer(cfg, single_world("cuda"))
         except ValueError as error:
@@ -112,9 +118,10 @@ def main() -> None:
         layer.load_state_dict({"router.weight": weights["router"], "experts.gate_up_proj": weights["gate_up"],
                                "experts.down_proj": weights["down"]})
         seconds, gib = measure(layer, x_th, grad_th)
-        rows.append({"layer": f"moonep ({backend})", "ms": seconds * 1e3, "vs_baseline": seconds / base_s,
+        name = f"moonep ({backend}, {grad_dtype} grads)"
+        rows.append({"layer": name, "ms": seconds * 1e3, "vs_baseline": seconds / base_s,
                      "peak_gib": gib, "tflops": flops / seconds / 1e12})
-        print(f"moonep {backend:10} {seconds * 1e3:8.2f} ms  peak {gib:6.1f} GiB  "
+        print(f"{name:36} {seconds * 1e3:8.2f} ms  peak {gib:6.1f} GiB  "
               f"{seconds / base_s:.2f}x torch-native", flush=True)
         layer.destroy()
         del layer
