@@ -1,11 +1,21 @@
-"""Every grouped-GEMM backend against a float64 dense per-group matmul; the selection rules."""
+"""Every grouped-GEMM backend against a float64 dense per-group matmul; the selection rules; measured
+selection ("auto") with an injected timer and its cache, in process and on file."""
+
+import json
 
 import pytest
 import torch
 
+from moonep_moe.layers import grouped_gemm
 from moonep_moe.layers.grouped_gemm import (
+    ChoiceCache,
+    GemmProblem,
+    MeasuredGroupedGemm,
     ReferenceGroupedGemm,
     TorchGroupedGemm,
+    TritonGroupedGemm,
+    measure_grouped_gemm,
+    rows_bucket,
     select_grouped_gemm,
 )
 
@@ -23,6 +33,8 @@ CASES = [
     (TorchGroupedGemm(), torch.float32),
     (TorchGroupedGemm(), torch.bfloat16),
     (TorchGroupedGemm(), torch.float16),
+    (TritonGroupedGemm(), torch.bfloat16),  # wgrad in Triton's interpreter on CPU
+    (TritonGroupedGemm(), torch.float16),
 ]
 IDS = [f"{gemm.name}-{dtype}" for gemm, dtype in CASES]
 TOL = {
@@ -127,6 +139,16 @@ def test_select_torch_unsupported(dtype, k, reason):
     assert select_grouped_gemm("auto", CPU, dtype, k=k).name == "reference"
 
 
+def test_select_triton_needs_cuda():
+    with pytest.raises(ValueError, match="grouped_gemm='triton' cannot run here: the Triton wgrad runs on"):
+        select_grouped_gemm("triton", CPU, torch.bfloat16, k=64)
+
+
+def test_auto_on_cpu_does_not_measure():
+    problem = GemmProblem(((N, K),), rows_per_group=64)
+    assert select_grouped_gemm("auto", CPU, torch.bfloat16, k=16, problem=problem).name == "torch"
+
+
 def test_select_bad_names():
     with pytest.raises(ValueError, match="grouped_gemm='deep_gemm' cannot run here: DeepGEMM runs bf16"):
         select_grouped_gemm("deep_gemm", CPU, torch.bfloat16)
@@ -163,3 +185,132 @@ def test_deep_gemm_matches_reference_on_128_aligned_segments(sizes_g):
                       (deep.dgrad(dy_mn, weights, offs_g), ref.dgrad(dy_mn, weights, offs_g))):
         error = float((got[:used].float() - want[:used].float()).norm() / want[:used].float().norm())
         assert error < 1e-2, error
+
+
+class FakeTimer:
+    """Injected timer: the backend named ``winners[op]`` takes 1 s, every other 2 s; records each call."""
+
+    def __init__(self, winners: dict[str, str]):
+        self.winners, self.calls = winners, []
+
+    def __call__(self, op, n, k, rows, backends):
+        self.calls.append((op, n, k, rows, tuple(gemm.name for gemm in backends)))
+        return [1.0 if gemm.name == self.winners[op] else 2.0 for gemm in backends]
+
+
+class WgradOnly(ReferenceGroupedGemm):
+    """A backend that computes only wgrad itself (like the Triton one)."""
+
+    name = "wgrad_only"
+    ops = ("wgrad",)
+
+
+SHAPES = GemmProblem(((N, K), (K, N)), rows_per_group=100)
+CONTEXT = "test-device|bf16"
+
+
+def test_measured_choice_per_op_and_dispatch():
+    timer = FakeTimer({"fwd": "reference", "dgrad": "torch", "wgrad": "reference"})
+    gemm = measure_grouped_gemm([TorchGroupedGemm(), ReferenceGroupedGemm()], SHAPES, CONTEXT, timer,
+                                ChoiceCache(None))
+    assert isinstance(gemm, MeasuredGroupedGemm)
+    assert {key: g.name for key, g in gemm.chosen.items()} == {
+        ("fwd", N, K): "reference", ("fwd", K, N): "reference", ("dgrad", N, K): "torch",
+        ("dgrad", K, N): "torch", ("wgrad", N, K): "reference", ("wgrad", K, N): "reference"}
+    assert [call[:4] for call in timer.calls] == [(op, n, k, 128) for op in ("fwd", "dgrad", "wgrad")
+                                                  for n, k in ((N, K), (K, N))]
+    # dispatch: the chosen backends compute the right thing
+    x_mk, dy_mn, w_gnk = random_inputs(torch.float32, (M, K), (M, N), (len(SIZES_G), N, K))
+    ref = ReferenceGroupedGemm()
+    torch.testing.assert_close(gemm.fwd(x_mk, [w_gnk], offsets_g()), ref.fwd(x_mk, [w_gnk], offsets_g()),
+                               equal_nan=True)
+    got, want = torch.zeros(len(SIZES_G), N, K), torch.zeros(len(SIZES_G), N, K)
+    gemm.wgrad(dy_mn, x_mk, offsets_g(), [got], accumulate=False)
+    ref.wgrad(dy_mn, x_mk, offsets_g(), [want], accumulate=False)
+    torch.testing.assert_close(got, want)
+
+
+def test_only_backends_computing_an_op_themselves_are_timed():
+    timer = FakeTimer({"wgrad": "wgrad_only"})
+    gemm = measure_grouped_gemm([TorchGroupedGemm(), WgradOnly()], SHAPES, CONTEXT, timer, ChoiceCache(None))
+    assert {call[0] for call in timer.calls} == {"wgrad"}
+    assert all(call[4] == ("torch", "wgrad_only") for call in timer.calls)
+    assert gemm.chosen[("fwd", N, K)].name == "torch" and gemm.chosen[("wgrad", K, N)].name == "wgrad_only"
+
+
+def test_cache_in_process_then_on_file(tmp_path):
+    path = tmp_path / "sub" / "gemm.json"
+    backends = [TorchGroupedGemm(), ReferenceGroupedGemm()]
+    winners = {"fwd": "torch", "dgrad": "reference", "wgrad": "reference"}
+    timer, cache = FakeTimer(winners), ChoiceCache(path)
+    first = measure_grouped_gemm(backends, SHAPES, CONTEXT, timer, cache)
+    assert len(timer.calls) == 6
+    again = measure_grouped_gemm(backends, SHAPES, CONTEXT, timer, cache)
+    assert len(timer.calls) == 6, "the in-process cache must skip the timing"
+    saved = json.loads(path.read_text())
+    assert len(saved) == 6 and all(key.startswith(CONTEXT) for key in saved)
+    # a later process: a fresh cache on the same file, and a timer that would pick differently
+    other = FakeTimer({op: "torch" for op in winners})
+    later = measure_grouped_gemm(backends, SHAPES, CONTEXT, other, ChoiceCache(path))
+    assert other.calls == []
+    for gemm in (again, later):
+        assert {k: g.name for k, g in gemm.chosen.items()} == {k: g.name for k, g in first.chosen.items()}
+    # another rows bucket, context or candidate set is another key: timed, and added to the same file
+    measure_grouped_gemm(backends, GemmProblem(SHAPES.shapes_nk, 1000), CONTEXT, other, ChoiceCache(path))
+    measure_grouped_gemm(backends, SHAPES, "other-device|bf16", other, ChoiceCache(path))
+    measure_grouped_gemm(backends[:1] + [WgradOnly()], SHAPES, CONTEXT, other, ChoiceCache(path))
+    assert len(other.calls) == 6 + 6 + 2
+    assert len(json.loads(path.read_text())) == 6 + 6 + 6 + 2
+
+
+def test_cache_file_unreadable_or_stale_is_timed_again(tmp_path):
+    path = tmp_path / "gemm.json"
+    path.write_text("{not json")
+    backends = [TorchGroupedGemm(), ReferenceGroupedGemm()]
+    timer = FakeTimer({"fwd": "torch", "dgrad": "torch", "wgrad": "reference"})
+    measure_grouped_gemm(backends, SHAPES, CONTEXT, timer, ChoiceCache(path))
+    assert len(timer.calls) == 6 and len(json.loads(path.read_text())) == 6
+    # a file naming a backend that is not a candidate now: timed again, not trusted
+    path.write_text(json.dumps({key: "cublas" for key in json.loads(path.read_text())}))
+    measure_grouped_gemm(backends, SHAPES, CONTEXT, timer, ChoiceCache(path))
+    assert len(timer.calls) == 12
+
+
+def test_default_cache_location(monkeypatch, tmp_path):
+    monkeypatch.setattr(grouped_gemm, "_DEFAULT_CACHE", None)
+    monkeypatch.setenv("MOONEP_MOE_CACHE", str(tmp_path))
+    assert grouped_gemm.default_choice_cache().path == tmp_path / "gemm.json"
+    monkeypatch.setattr(grouped_gemm, "_DEFAULT_CACHE", None)
+    monkeypatch.setenv("MOONEP_MOE_CACHE", "off")
+    assert grouped_gemm.default_choice_cache().path is None
+
+
+@pytest.mark.parametrize(("rows", "align", "bucket"), [(0, 1, 1), (1, 1, 1), (100, 1, 128), (128, 1, 128),
+                                                        (129, 8, 256), (20, 128, 128), (300, 128, 512)])
+def test_rows_bucket(rows, align, bucket):
+    assert rows_bucket(rows, align) == bucket
+
+
+@pytest.mark.gpu
+def test_gpu_auto_measures_once_and_matches_reference(monkeypatch, tmp_path):
+    """On CUDA, "auto" times torch, triton (and DeepGEMM where installed) and the result is right."""
+    monkeypatch.setattr(grouped_gemm, "_DEFAULT_CACHE", None)
+    monkeypatch.setenv("MOONEP_MOE_CACHE", str(tmp_path))
+    cuda = torch.device("cuda")
+    n, k, sizes_g = 512, 256, [0, 128, 256, 0, 384, 128]
+    problem = GemmProblem(((n, k), (k, n)), rows_per_group=128)
+    gemm = select_grouped_gemm("auto", cuda, torch.bfloat16, k=k, token_padding=128, problem=problem)
+    assert isinstance(gemm, MeasuredGroupedGemm) and len(gemm.chosen) == 6
+    assert len(json.loads((tmp_path / "gemm.json").read_text())) == 6
+    offs_g = torch.tensor(sizes_g, dtype=torch.int32, device=cuda).cumsum(0).int()
+    x_mk = torch.randn(int(offs_g[-1]), k, device=cuda, dtype=torch.bfloat16)
+    dy_mn = torch.randn(int(offs_g[-1]), n, device=cuda, dtype=torch.bfloat16)
+    w_gnk = torch.randn(len(sizes_g), n, k, device=cuda, dtype=torch.bfloat16) / k**0.5
+    ref = ReferenceGroupedGemm()
+    for got, want in ((gemm.fwd(x_mk, [w_gnk], offs_g), ref.fwd(x_mk, [w_gnk], offs_g)),
+                      (gemm.dgrad(dy_mn, [w_gnk[:2], w_gnk[2:]], offs_g), ref.dgrad(dy_mn, [w_gnk], offs_g))):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=5e-2)
+    got, want = torch.zeros(len(sizes_g), n, k, device=cuda), torch.zeros(len(sizes_g), n, k, device=cuda)
+    gemm.wgrad(dy_mn, x_mk, offs_g, [got[:2], got[2:]], accumulate=False)
+    ref.wgrad(dy_mn, x_mk, offs_g, [want], accumulate=False)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-1)

@@ -14,28 +14,50 @@ Primitives (every backend implements all three, as pure functions of their argum
 - ``fwd``:   ``y[s:e] = x[s:e] @ w[g]^T``   x_mk, weights_gnk -> y_mn
 - ``dgrad``: ``dx[s:e] = dy[s:e] @ w[g]``   dy_mn, weights_gnk -> dx_mk
 - ``wgrad``: ``out[g] += dy[s:e]^T @ x[s:e]`` accumulated into fp32 (or wider) gradient tensors.
+
+Backends: ``reference`` (the oracle), ``torch`` (``torch._grouped_mm``), ``deep_gemm`` (fwd and dgrad) and
+``triton`` (wgrad, `moonep_moe.layers.kernels.wgrad`). ``select_grouped_gemm`` is the one place that picks;
+on CUDA its "auto" times the backends per primitive and weight shape once and caches the winners
+(``measure_grouped_gemm``, ``ChoiceCache``).
 """
 
-from collections.abc import Sequence
+import itertools
+import json
+import os
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "ChoiceCache",
+    "GemmProblem",
     "GroupedGemm",
+    "MeasuredGroupedGemm",
     "ReferenceGroupedGemm",
     "TorchGroupedGemm",
+    "TritonGroupedGemm",
+    "measure_grouped_gemm",
     "select_grouped_gemm",
 ]
 
-GROUPED_GEMM_NAMES = ("auto", "torch", "reference", "deep_gemm")
+GROUPED_GEMM_NAMES = ("auto", "torch", "reference", "deep_gemm", "triton")
+OPS = ("fwd", "dgrad", "wgrad")
 
 
 class GroupedGemm(Protocol):
     """The grouped-GEMM seam. Output dtypes equal the input dtype; wgrad adds into the given tensors."""
 
     name: str
+    ops: tuple[str, ...]
+    """The primitives this backend computes itself; it hands the others to another backend (measured
+    selection times a backend only on its own)."""
 
     def fwd(self, x_mk: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         """``y_mn`` with ``y[s:e] = x[s:e] @ w[g]^T`` for every group g."""
@@ -89,6 +111,7 @@ class ReferenceGroupedGemm:
     """
 
     name = "reference"
+    ops = OPS
 
     def fwd(self, x_mk: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         return _segment_matmul(x_mk, weights_gnk, offs_g, transpose_w=True)
@@ -120,6 +143,7 @@ class TorchGroupedGemm:
     """
 
     name = "torch"
+    ops = OPS
 
     def fwd(self, x_mk: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         _check_groups(weights_gnk, offs_g, "weights_gnk")
@@ -197,6 +221,7 @@ class DeepGemmGroupedGemm:
     """
 
     name = "deep_gemm"
+    ops = ("fwd", "dgrad")
 
     def __init__(self) -> None:
         self._deep_gemm = import_deep_gemm()
@@ -238,33 +263,268 @@ def _deep_gemm_unsupported_reason(device: torch.device, dtype: torch.dtype,
     return None
 
 
+class TritonGroupedGemm:
+    """wgrad on the Triton kernel (`moonep_moe.layers.kernels.wgrad`): ``dy^T x`` accumulated in fp32 and
+    written once into the gradients (fp32, or the parameters' dtype), overwrite or add, without the bf16
+    product pass of ``torch._grouped_mm``; no host sync. fwd and dgrad are ``TorchGroupedGemm``'s.
+
+    bf16 or fp16 inputs, on CUDA (on CPU only under Triton's interpreter, for tests). The first wgrad per
+    weight shape autotunes the kernel's tiles (host syncs then; measured selection does it at construction).
+    """
+
+    name = "triton"
+    ops = ("wgrad",)
+
+    def __init__(self) -> None:
+        from moonep_moe.layers.kernels.wgrad import grouped_wgrad_triton
+
+        self._wgrad = grouped_wgrad_triton
+        self._torch = TorchGroupedGemm()
+
+    def fwd(self, x_mk: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        return self._torch.fwd(x_mk, weights_gnk, offs_g)
+
+    def dgrad(self, dy_mn: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        return self._torch.dgrad(dy_mn, weights_gnk, offs_g)
+
+    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor],
+              accumulate: bool = True) -> None:
+        _check_groups(out_gnk, offs_g, "out_gnk")
+        self._wgrad(dy_mn, x_mk, offs_g, out_gnk, accumulate)
+
+
+def _triton_unsupported_reason(device: torch.device, dtype: torch.dtype, k: int | None) -> str | None:
+    if device.type != "cuda":
+        return f"the Triton wgrad runs on CUDA, got {device.type}"
+    reason = _torch_unsupported_reason(device, dtype, k)  # fwd and dgrad
+    if reason is not None:
+        return reason
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:
+        return f"triton cannot be imported ({error})"
+    return None
+
+
+class MeasuredGroupedGemm:
+    """Sends each call to the backend measured fastest for its primitive and weight shape ``[n, k]`` (built by
+    ``measure_grouped_gemm``); shapes that were not measured go to ``fallback``. Pure dispatch: a dict look-up
+    per call, no host sync."""
+
+    name = "auto"
+    ops = OPS
+
+    def __init__(self, chosen: dict[tuple[str, int, int], GroupedGemm], fallback: GroupedGemm) -> None:
+        self.chosen = chosen
+        """``(op, n, k) -> backend``."""
+        self.fallback = fallback
+
+    def _for(self, op: str, part_nk: Tensor) -> GroupedGemm:
+        return self.chosen.get((op, part_nk.shape[-2], part_nk.shape[-1]), self.fallback)
+
+    def fwd(self, x_mk: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        return self._for("fwd", weights_gnk[0]).fwd(x_mk, weights_gnk, offs_g)
+
+    def dgrad(self, dy_mn: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        return self._for("dgrad", weights_gnk[0]).dgrad(dy_mn, weights_gnk, offs_g)
+
+    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor],
+              accumulate: bool = True) -> None:
+        self._for("wgrad", out_gnk[0]).wgrad(dy_mn, x_mk, offs_g, out_gnk, accumulate)
+
+    def __repr__(self) -> str:
+        picks = ", ".join(f"{op} {n}x{k}: {gemm.name}" for (op, n, k), gemm in self.chosen.items())
+        return f"MeasuredGroupedGemm({picks})"
+
+
+@dataclass(frozen=True)
+class GemmProblem:
+    """What a layer will multiply, for measured selection.
+
+    shapes_nk: the ``(n, k)`` of each projection's weights; the expert block: ``((2F, H), (H, F))``.
+    rows_per_group: the typical rows of one group (e.g. tokens per rank * top-k / groups); timed at the next
+        power of two, rounded up to the segment alignment.
+    """
+
+    shapes_nk: tuple[tuple[int, int], ...]
+    rows_per_group: int
+
+
+Timer = Callable[[str, int, int, int, Sequence[GroupedGemm]], Sequence[float]]
+"""``timer(op, n, k, rows_per_group, backends)`` -> seconds of one ``op`` call per backend."""
+
+
+class ChoiceCache:
+    """Measured winners by key: in this process, and in a JSON file ``{key: backend name}`` that later
+    processes read instead of timing again (``path`` None: this process only). A write merges with the
+    file and replaces it atomically; an unreadable file counts as empty, an unwritable one warns."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._choices: dict[str, str] = {}
+
+    def get(self, key: str) -> str | None:
+        if key not in self._choices and self.path is not None:
+            self._choices = {**self._read(), **self._choices}
+        return self._choices.get(key)
+
+    def put(self, key: str, name: str) -> None:
+        self._choices[key] = name
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as tmp:
+                json.dump({**self._read(), key: name}, tmp, indent=1, sort_keys=True)
+            os.replace(tmp.name, self.path)
+        except OSError as error:
+            warnings.warn(f"grouped-GEMM choice not saved to {self.path}: {error}", stacklevel=2)
+
+    def _read(self) -> dict[str, str]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+
+_DEFAULT_CACHE: ChoiceCache | None = None
+_MEASURE_LOCK = threading.Lock()  # thread-ranks build their layers at once: one times, the others read
+
+
+def default_choice_cache() -> ChoiceCache:
+    """The process's cache; its file is ``$MOONEP_MOE_CACHE/gemm.json`` (default ``~/.cache/moonep-moe``),
+    none with ``MOONEP_MOE_CACHE=off``."""
+    global _DEFAULT_CACHE
+    if _DEFAULT_CACHE is None:
+        folder = os.environ.get("MOONEP_MOE_CACHE", str(Path.home() / ".cache" / "moonep-moe"))
+        _DEFAULT_CACHE = ChoiceCache(None if folder == "off" else Path(folder) / "gemm.json")
+    return _DEFAULT_CACHE
+
+
+def rows_bucket(rows_per_group: int, align: int) -> int:
+    """The rows per group timed for ``rows_per_group``: the next power of two, rounded up to ``align``."""
+    rows = 1 << max(rows_per_group - 1, 0).bit_length()
+    return -(-rows // align) * align
+
+
+def measure_grouped_gemm(backends: Sequence[GroupedGemm], problem: GemmProblem, context: str, timer: Timer,
+                         cache: ChoiceCache, align: int = 1) -> MeasuredGroupedGemm:
+    """For every primitive and weight shape of ``problem``: the cached winner, or the fastest by ``timer`` of
+    the backends that compute that primitive themselves (then cached).
+
+    Args:
+        backends: the candidates; the first is also the fallback for shapes not measured.
+        context: what else the speed depends on (device name, versions, dtype); part of every cache key,
+            with the primitive, ``n``, ``k``, the timed rows per group and the candidates' names.
+        timer: ``timer(op, n, k, rows_per_group, backends)`` -> seconds each (``cuda_timer`` on a GPU).
+        cache: where winners are looked up and stored.
+        align: the segment alignment (``token_padding``); the timed rows per group are a multiple of it.
+    """
+    by_name = {gemm.name: gemm for gemm in backends}
+    rows = rows_bucket(problem.rows_per_group, align)
+    chosen = {}
+    with _MEASURE_LOCK:
+        for op, (n, k) in itertools.product(OPS, dict.fromkeys(problem.shapes_nk)):
+            rivals = [gemm for gemm in backends if op in gemm.ops]
+            if not rivals:
+                continue
+            names = "/".join(gemm.name for gemm in rivals)
+            key = f"{context}|{op}|n={n}|k={k}|rows={rows}|{names}"
+            name = cache.get(key) if len(rivals) > 1 else rivals[0].name
+            if name not in by_name:
+                seconds = timer(op, n, k, rows, rivals)
+                name = min(zip(seconds, names.split("/"), strict=True))[1]
+                cache.put(key, name)
+            chosen[(op, n, k)] = by_name[name]
+    return MeasuredGroupedGemm(chosen, fallback=backends[0])
+
+
+def cuda_timer(device: torch.device, dtype: torch.dtype, groups: int = 8, warmup: int = 2,
+               repeat: int = 5) -> Timer:
+    """A ``Timer`` on synthetic uniform segments: ``groups`` groups of the given rows (few groups keep the
+    fp32 gradients of the timing small; speed per group depends on the rows per group), random data, the
+    weights as one tensor; mean seconds over ``repeat`` calls after ``warmup`` (compilation, autotuning),
+    CUDA events. A backend that raises is reported and counts as infinitely slow."""
+
+    def timer(op: str, n: int, k: int, rows: int, backends: Sequence[GroupedGemm]) -> list[float]:
+        offs_g = torch.arange(1, groups + 1, dtype=torch.int32, device=device) * rows
+        x_mk = torch.randn(groups * rows, k, device=device, dtype=dtype)
+        dy_mn = torch.randn(groups * rows, n, device=device, dtype=dtype)
+        if op == "wgrad":
+            grad_dtype = torch.promote_types(dtype, torch.float32)
+            out_gnk = torch.empty(groups, n, k, device=device, dtype=grad_dtype)
+            calls = [lambda g=gemm: g.wgrad(dy_mn, x_mk, offs_g, (out_gnk,), accumulate=False)
+                     for gemm in backends]
+        else:
+            w_gnk = torch.randn(groups, n, k, device=device, dtype=dtype) / k**0.5
+            a_mx = x_mk if op == "fwd" else dy_mn
+            calls = [lambda g=gemm: getattr(g, op)(a_mx, (w_gnk,), offs_g) for gemm in backends]
+        return [_cuda_seconds(call, warmup, repeat, f"{gemm.name} {op} {n}x{k}")
+                for call, gemm in zip(calls, backends, strict=True)]
+
+    return timer
+
+
+def _cuda_seconds(call: Callable[[], object], warmup: int, repeat: int, what: str) -> float:
+    try:
+        for _ in range(warmup):
+            call()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeat):
+            call()
+        end.record()
+        end.synchronize()
+    except Exception as error:  # noqa: BLE001 - a candidate that fails here is not chosen
+        warnings.warn(f"grouped-GEMM candidate {what} failed while timed: {error!r}", stacklevel=2)
+        return float("inf")
+    return start.elapsed_time(end) / 1e3 / repeat
+
+
 def select_grouped_gemm(
     name: str, device: torch.device, dtype: torch.dtype, k: int | None = None,
-    token_padding: int | None = None,
+    token_padding: int | None = None, problem: GemmProblem | None = None,
 ) -> GroupedGemm:
     """The one place a grouped-GEMM backend is chosen.
 
     Args:
-        name: "auto" (torch when it supports the case, else reference), "torch", "reference" or "deep_gemm"
-            (fwd and dgrad on DeepGEMM, wgrad on torch; bf16, CUDA sm90+, segments aligned to 128).
+        name: "auto", "torch", "reference", "deep_gemm" (fwd and dgrad on DeepGEMM, wgrad on torch; bf16,
+            CUDA sm90+, segments aligned to 128) or "triton" (wgrad on the Triton kernel, fwd and dgrad on
+            torch; CUDA). "auto": on CUDA with a ``problem``, every backend that can run there (the reference
+            excluded) is timed per primitive and weight shape, once per device, dtype and rows-per-group
+            bucket (``measure_grouped_gemm``, cached in process and in ``default_choice_cache()``'s file);
+            elsewhere torch where it supports the case, else the reference.
         device, dtype: where and in what dtype the expert activations and weights live.
         k: the row length every operand will have, for the 16-byte stride check. The expert block uses both
             H and F as row lengths: pass ``math.gcd(H, F)``. None skips the check.
         token_padding: the segments' alignment (DeepGEMM needs a multiple of 128).
+        problem: the shapes and typical rows to measure "auto" on (the expert block:
+            ``GemmProblem(((2F, H), (H, F)), rows_per_group)``).
 
     Raises:
-        ValueError naming ``grouped_gemm`` for an unknown name, or "torch" / "deep_gemm" where it cannot run.
+        ValueError naming ``grouped_gemm`` for an unknown name, or a backend that cannot run here.
     """
     if name == "reference":
         return ReferenceGroupedGemm()
-    if name == "deep_gemm":
-        reason = _deep_gemm_unsupported_reason(device, dtype, token_padding)
-        if reason is not None:
-            raise ValueError(f"grouped_gemm='deep_gemm' cannot run here: {reason}; use 'auto' or 'torch'")
-        return DeepGemmGroupedGemm()
     if name not in GROUPED_GEMM_NAMES:
         raise ValueError(f"grouped_gemm must be one of {GROUPED_GEMM_NAMES}, got {name!r}")
-    reason = _torch_unsupported_reason(device, dtype, k)
-    if name == "torch" and reason is not None:
-        raise ValueError(f"grouped_gemm='torch' cannot run here: {reason}; use 'auto' or 'reference'")
-    return ReferenceGroupedGemm() if reason is not None else TorchGroupedGemm()
+    reasons = {
+        "torch": lambda: _torch_unsupported_reason(device, dtype, k),
+        "deep_gemm": lambda: _deep_gemm_unsupported_reason(device, dtype, token_padding),
+        "triton": lambda: _triton_unsupported_reason(device, dtype, k),
+    }
+    makers = {"torch": TorchGroupedGemm, "deep_gemm": DeepGemmGroupedGemm, "triton": TritonGroupedGemm}
+    if name != "auto":
+        reason = reasons[name]()
+        if reason is not None:
+            raise ValueError(f"grouped_gemm={name!r} cannot run here: {reason}; use 'auto' or 'reference'")
+        return makers[name]()
+    if device.type == "cuda" and problem is not None:
+        backends = [makers[backend]() for backend, reason in reasons.items() if reason() is None]
+        if len(backends) > 1:
+            context = f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|{dtype}".replace(
+                "torch.", "")
+            return measure_grouped_gemm(backends, problem, context, cuda_timer(device, dtype),
+                                        default_choice_cache(), align=token_padding or 1)
+    return ReferenceGroupedGemm() if reasons["torch"]() is not None else TorchGroupedGemm()
