@@ -1,15 +1,19 @@
 """Grouped-GEMM backends on the expert shapes of real models, against the dense bf16 rate of the same run.
 
-    python -m bench.gemm                    # all shapes, uniform and skewed segments (an H200: ~2 min)
+    python -m bench.gemm                    # all shapes, uniform and skewed segments (an H200: ~5 min)
     python -m bench.gemm --shapes deepseek-v3 --rows 65536
 
 For each model's expert shape at EP=8 (epn home + B = epn slot groups, rows = the routes of one rank,
 each segment padded to 128) and each backend: TFLOP/s (on the used rows) of fwd, dgrad and wgrad of both
 projections, as a ratio to the dense bf16 rate, with the weights given as a (home, slots) pair (the GEMM
 backend copies them together) and as one arena tensor (`moonep_moe.weights.arena`: no copy); the weight
-gradient against its floor (its FLOPs at the dense rate, or its bytes at the copy bandwidth: fp32 gradients
-read and written, inputs read; the larger); and the whole expert block forward + backward (the layer's own
-code path) against the sum of its GEMMs.
+gradient against its floor (its FLOPs at the dense rate, or its bytes at the copy bandwidth: the fp32
+gradients written (overwrite, as the layer runs it), the bf16 inputs read; the larger); and the whole expert
+block forward + backward (the layer's own code path) against the sum of its GEMMs.
+
+Backends: torch, deep_gemm (fwd/dgrad; wgrad on torch), triton (wgrad on the Triton kernel; fwd/dgrad on
+torch) and auto (each op and shape on the backend measured fastest, as the layer's "auto" picks it; the
+picks are printed and recorded).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pathlib import Path
 import torch
 
 from bench.common import measure_limits, timed, write_record
-from moonep_moe.layers.grouped_gemm import select_grouped_gemm
+from moonep_moe.layers.grouped_gemm import GemmProblem, MeasuredGroupedGemm, select_grouped_gemm
 from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
 from moonep_moe.weights.arena import PhysicalRows, expert_arena_reason, joined_rows
 
@@ -101,14 +105,18 @@ def bench_shape(name: str, rows: int, skew: float, backends: list[str], limits: 
     dab, hw = rand(m_total, 2 * f), rand(m_total, f)
     flops = 2 * rows * 3 * f * h  # per op pair, on the real rows (not the padding)
     dense, copy = limits["dense_bf16_flops_per_s"], limits["copy_bytes_per_s"]
-    grad_bytes = groups * 3 * f * h * 4 * 2 + m_total * (3 * f + 2 * h) * 2
+    grad_bytes = groups * 3 * f * h * 4 + m_total * (3 * f + 2 * h) * 2  # fp32 written, bf16 read
     wgrad_floor = max(flops / dense, grad_bytes / copy)
+    problem = GemmProblem(((2 * f, h), (h, f)), rows_per_group=rows // groups)  # what "auto" measures
     out = []
     for backend, (layout, (gate_up, down)) in itertools.product(backends, layouts.items()):
         gemm = select_grouped_gemm(backend, torch.device("cuda"), torch.bfloat16, k=math.gcd(h, f),
-                                   token_padding=PAD)
+                                   token_padding=PAD, problem=problem)
         row = {"shape": name, "rows": rows, "padded_rows": m_total, "groups": groups, "skew": skew,
                "backend": gemm.name, "weights": layout}
+        if isinstance(gemm, MeasuredGroupedGemm):
+            row["picks"] = {f"{op} {n}x{k}": pick.name for (op, n, k), pick in gemm.chosen.items()}
+            print(f"{name:18} auto picks: {row['picks']}", flush=True)
         gemm_total = 0.0
         for op, fn in gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down).items():
             seconds = timed(fn)
@@ -135,7 +143,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
     parser.add_argument("--rows", nargs="*", type=int, default=[16384, 65536])
     parser.add_argument("--skews", nargs="*", type=float, default=[0.0, 1.5])
-    parser.add_argument("--backends", nargs="*", default=["torch", "deep_gemm"])
+    parser.add_argument("--backends", nargs="*", default=["torch", "deep_gemm", "triton", "auto"])
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = parser.parse_args()
     limits = measure_limits()
