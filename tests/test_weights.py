@@ -114,8 +114,8 @@ def test_layers_of_one_shape_share_one_slot_pool_that_optimizers_never_see():
     def rank_fn(world):
         first, second = MoonEPMoELayer(config(2), world), MoonEPMoELayer(config(2), world)
         optimizer = torch.optim.SGD(list(first.parameters()) + list(second.parameters()), lr=0.1)
-        pooled, theirs = ([t.local for t in [rows.slots for rows in layer.experts.rows] + list(layer.experts.slot_grads)]
-                          for layer in (first, second))
+        pooled, theirs = ([rows.slots.local for rows in layer.experts.rows]
+                          + [grads.local for grads in layer.experts.slot_grads] for layer in (first, second))
         optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
         return ([a is b for a, b in zip(pooled, theirs, strict=True)],
                 any(id(t) in optimized for t in pooled), pooled[0].shape)
