@@ -261,12 +261,16 @@ class MoEConfig(BaseModel):
         default_factory=SharedExpertConfig,
         description="Shared (always-on) experts. Default: none.",
     )
-    grouped_gemm: Literal["auto", "torch", "reference", "deep_gemm"] = Field(
+    grouped_gemm: Literal["auto", "torch", "reference", "deep_gemm", "triton"] = Field(
         "auto",
         description=(
-            "Grouped-GEMM backend. Default 'auto' picks by device and dtype. 'torch' = torch._grouped_mm, "
-            "'reference' = a plain loop over segments (any device and dtype), 'deep_gemm' = DeepGEMM on sm90 "
-            "(needs the [gpu] extra and dtype 'bfloat16')."
+            "Grouped-GEMM backend. Default 'auto': on CUDA every backend that can run is timed once per "
+            "primitive and shape (cached in process and in ~/.cache/moonep-moe/gemm.json, $MOONEP_MOE_CACHE) "
+            "and the fastest runs; elsewhere torch where it supports the dtype, else the reference. "
+            "'torch' = torch._grouped_mm, 'reference' = a plain loop over segments (any device and dtype), "
+            "'deep_gemm' = DeepGEMM fwd/dgrad on sm90 (needs the [gpu] extra and dtype 'bfloat16'), "
+            "'triton' = the package's Triton weight-gradient kernel (fp32 accumulation straight into the "
+            "gradients) with torch fwd/dgrad."
         ),
     )
     world: Literal["threads", "symmetric", "collective"] = Field(

@@ -26,7 +26,7 @@ from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.world import EPWorld, single_world
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.function import ExpertsState, MoonEPExperts
-from moonep_moe.layers.grouped_gemm import select_grouped_gemm
+from moonep_moe.layers.grouped_gemm import GemmProblem, select_grouped_gemm
 from moonep_moe.layers.router import TopKRouter
 from moonep_moe.weights.experts import HomeExperts
 
@@ -113,8 +113,10 @@ class MoonEPMoELayer(nn.Module):
         # validate=False: the router's expert ids are in [-1, E) by construction, and the check is a host read
         self.buffer = Buffer(config.max_tokens_per_rank, h, k, e, config.ep_size, config.prefetch_slots,
                              token_padding=config.token_padding, world=world, dtype=dtype, validate=False)
+        groups = config.experts_per_rank + config.prefetch_slots  # this rank's compute groups
+        problem = GemmProblem(((2 * f, h), (h, f)), rows_per_group=config.max_tokens_per_rank * k // groups)
         gemm = select_grouped_gemm(config.grouped_gemm, device, dtype, k=math.gcd(h, f),
-                                   token_padding=config.token_padding)
+                                   token_padding=config.token_padding, problem=problem)
         grad_dtype = torch.promote_types(dtype, torch.float32)
         if config.expert_grad_dtype == "param":
             grad_dtype = dtype
