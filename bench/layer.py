@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=2048)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--backends", nargs="*", default=["torch", "deep_gemm"])
+    parser.add_argument("--backends", nargs="*", default=["torch", "deep_gemm", "triton", "auto"])
     parser.add_argument("--grad-dtypes", nargs="*", default=["float32", "param"],
                         help="MoEConfig.expert_grad_dtype values to run (default both)")
     parser.add_argument("--out", default=None)
