@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moonep_moe.comm.world import SymmetricTensor, place_rows
+from moonep_moe.comm.world import EPWorld, SymmetricTensor, order_by_rank, place_rows
 
 DEFAULT_TIMEOUT_S = 300.0
 """Collectives that wait longer than this raise (the process-group timeout of `init_collective`)."""
@@ -95,22 +95,14 @@ class CollectiveWorld:
     def symmetric(self, key: str, tensor: torch.Tensor) -> SymmetricTensor:
         """Register `tensor` under `key`; only `local` is available (`peer(r)` of another rank raises).
 
-        Checks that every rank registered the same key, shape and dtype (one all-gather of a `[3 + 8]`
-        signature; it reads the result on the host, at construction time), which also catches ranks that
-        build different layers or disagree on the config.
+        Checks that every rank registered the same key, shape and dtype (`check_same_registration`), which
+        also catches ranks that build different layers or disagree on the config.
         """
         if key in self._keys:
             raise ValueError(f"symmetric key {key!r} is already registered on rank {self.rank}")
         if tensor.device != self.device:
             raise ValueError(f"symmetric key {key!r}: tensor must be on {self.device}, got {tensor.device}")
-        signature_r = self.all_gather(_signature(key, tensor).to(self.device)).cpu()
-        mine = signature_r[self.rank]
-        differ = [r for r in range(self.size) if not torch.equal(signature_r[r], mine)]
-        if differ:
-            raise ValueError(
-                f"symmetric key {key!r}: rank {self.rank} registered {_describe(mine)}, rank(s) {differ} "
-                f"registered {', '.join(_describe(signature_r[r]) for r in differ)}: every rank must build "
-                "the same layers in the same order from the same config")
+        check_same_registration(self, key, tensor)
         self._keys.add(key)
         return SymmetricTensor(key, self.rank, tuple(tensor if r == self.rank else None
                                                      for r in range(self.size)))
@@ -167,7 +159,7 @@ class CollectiveWorld:
         """`[n]` each entry's place in the `[R * capacity + 1]` send buffer: `rank * capacity + i`, where i
         counts the earlier entries to the same rank; `R * capacity` (the dump row, never sent) for rank -1.
         On the CPU an overflow raises (a free check there)."""
-        order_n, count_r = _order_by_rank(rank_n, self.size)
+        order_n, count_r = order_by_rank(rank_n, self.size)
         start_r = torch.cumsum(count_r, 0) - count_r
         key_n = torch.where(rank_n >= 0, rank_n, self.size)
         within_n = torch.empty_like(rank_n)
@@ -180,7 +172,7 @@ class CollectiveWorld:
     def _exact_splits(self, rank_n: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
         """The real entries `[m]` in order of destination rank, and the rows this rank sends to / receives
         from each rank. NOTE: the one device-to-host read of the exact-size mode (`2R` ints)."""
-        order_n, count_r = _order_by_rank(rank_n, self.size)
+        order_n, count_r = order_by_rank(rank_n, self.size)
         splits = torch.cat([count_r[:self.size], self._all_to_all(count_r[:self.size])]).tolist()
         send_r, recv_r = splits[:self.size], splits[self.size:]
         return order_n[:sum(send_r)], send_r, recv_r
@@ -195,13 +187,17 @@ class CollectiveWorld:
         return recv_m
 
 
-def _order_by_rank(rank_n: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stable order `[n]` of the entries by rank (rank -1 last), and the entries per rank `[R + 1]` (the last
-    counts rank -1). No host read."""
-    key_n = torch.where(rank_n >= 0, rank_n, size)
-    count_r = torch.zeros(size + 1, dtype=torch.int64, device=rank_n.device)
-    count_r.scatter_add_(0, key_n, torch.ones_like(key_n))
-    return torch.argsort(key_n, stable=True), count_r
+def check_same_registration(world: EPWorld, key: str, tensor: torch.Tensor) -> None:
+    """Collective: raise on every rank, naming the ranks, unless every rank registers `tensor` with the same
+    key, shape and dtype (one all-gather of a `[3 + 8]` signature, read on the host: construction time)."""
+    signature_r = world.all_gather(_signature(key, tensor).to(world.device)).cpu()
+    mine = signature_r[world.rank]
+    differ = [r for r in range(world.size) if not torch.equal(signature_r[r], mine)]
+    if differ:
+        raise ValueError(
+            f"symmetric key {key!r}: rank {world.rank} registered {_describe(mine)}, rank(s) {differ} "
+            f"registered {', '.join(_describe(signature_r[r]) for r in differ)}: every rank must build "
+            "the same layers in the same order from the same config")
 
 
 def _signature(key: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -14,10 +14,16 @@ else, so the same layer code runs on every transport:
 - `barrier()`: orders the phases of an exchange (writes before reads, reads before the next writes);
 - `globals`: this process's state shared by all layers (the slot pools live there).
 
-This module holds the threads backend: R ranks as R Python threads in one process, on the CPU or on one GPU,
-sharing tensors through a registry. It runs the unchanged layer code, so tests and the demo can use an
-8-rank EP group anywhere. `single_world()` is the trivial R = 1 world. `run_ranks(fn, R)` runs `fn(world)`
-on R thread-ranks and returns their results in rank order.
+Worlds whose symmetric tensors map every peer (threads here, symmetric memory in `comm.symmetric`) share
+one peer exchange: `PeerWorld.gather_rows` reads peers' rows directly (`read_peer_rows`), and a world whose
+targets carry a dump row writes peers' rows directly (`write_peer_rows`). Both move `R * c` rows per rank
+(c = the call's `capacity`), with each rank's entries grouped by peer (`entries_by_rank`); nothing reads a
+device value on the host.
+
+This module also holds the threads backend: R ranks as R Python threads in one process, on the CPU or on
+one GPU, sharing tensors through a registry. It runs the unchanged layer code, so tests and the demo can use
+an 8-rank EP group anywhere. `single_world()` is the trivial R = 1 world. `run_ranks(fn, R)` runs
+`fn(world)` on R thread-ranks and returns their results in rank order.
 """
 
 from __future__ import annotations
@@ -53,7 +59,9 @@ class EPWorld(Protocol):
         ...
 
     def symmetric(self, key: str, tensor: torch.Tensor) -> SymmetricTensor:
-        """Collective: every rank registers its `tensor` under `key` (same shape and dtype on every rank)."""
+        """Collective: every rank registers its `tensor` under `key` (same shape and dtype on every rank).
+        The result's `local` is `tensor` itself: a world that needs special memory moves the contents there
+        and re-points `tensor` at it, so register a tensor before taking views of it."""
         ...
 
     def scatter_rows(self, target: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor,
@@ -103,6 +111,96 @@ class SymmetricTensor:
         return tensor
 
 
+# -- the peer exchange --------------------------------------------------------------------------------------
+
+
+class PeerWorld:
+    """What worlds whose `SymmetricTensor`s map every peer share: `gather_rows` reads peers' rows directly.
+
+    A mixin for `EPWorld` implementations: subclasses provide `size` and `barrier()` (which must order each
+    rank's earlier work before every rank's later work). Not an nn.Module; owns nothing.
+    """
+
+    size: int
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def gather_rows(self, source: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor, *,
+                    capacity: int | None = None) -> torch.Tensor:
+        """`[n, *row]` rows `source.peer(rank_n[i])[row_n[i]]`, zero where `rank_n[i]` is -1, read directly
+        from the peers (`read_peer_rows`, `R * capacity` row reads); between two barriers."""
+        self.barrier()  # every rank's source is final
+        rows = read_peer_rows(source, rank_n, row_n, capacity)
+        self.barrier()  # every rank is done reading this rank's source
+        return rows
+
+
+def order_by_rank(rank_n: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable order `[n]` of the entries by rank (rank -1 last), and the entries per rank `[R + 1]` (the last
+    counts rank -1). No host read."""
+    key_n = torch.where(rank_n >= 0, rank_n, size)
+    count_r = torch.zeros(size + 1, dtype=torch.int64, device=rank_n.device)
+    count_r.scatter_add_(0, key_n, torch.ones_like(key_n))
+    return torch.argsort(key_n, stable=True), count_r
+
+
+def entries_by_rank(rank_n: torch.Tensor, size: int, capacity: int | None) -> torch.Tensor:
+    """`[R, c]` int64: row d lists the entries (indices into `rank_n [n]`) addressed to rank d, in order,
+    then n (no entry) in the slots left over; c = min(capacity, n) (capacity None = n). Entries beyond the
+    capacity are left out: the capacity is the caller's promise (nothing here reads the device to check
+    it). Fixed shapes, no host read."""
+    n = len(rank_n)
+    c = n if capacity is None else min(capacity, n)
+    rank_n = rank_n.long()
+    order_n, count_r = order_by_rank(rank_n, size)
+    start_r = torch.cumsum(count_r, 0) - count_r
+    slot_c = torch.arange(c, device=rank_n.device)
+    position_rc = start_r[:size, None] + slot_c
+    real_rc = slot_c < count_r[:size, None]
+    entry_rc = order_n.index_select(0, position_rc.clamp(max=max(n - 1, 0)).view(-1)).view(size, c)
+    return torch.where(real_rc, entry_rc, n)
+
+
+def read_peer_rows(source: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor,
+                   capacity: int | None = None) -> torch.Tensor:
+    """`[n, *row]`: row `row_n[i]` of `source.peer(rank_n[i])`, a zero row where `rank_n[i]` is -1. Per peer,
+    one fixed-shape `[c]` read of its rows and one local write of them (c from `capacity`, as in
+    `entries_by_rank`); slots without an entry read row 0 into a dump row that is cut off. The caller orders
+    it between barriers."""
+    local = source.local
+    n = len(rank_n)
+    rows = local.new_zeros((n + 1, *local.shape[1:]))  # row n: the dump of the slots without an entry
+    if n and local.shape[0]:
+        entry_rc = entries_by_rank(rank_n, len(source.peers), capacity)
+        row_n = row_n.long()
+        for rank, entry_c in enumerate(entry_rc):
+            read_c = torch.where(entry_c < n, row_n.index_select(0, entry_c.clamp(max=n - 1)), 0)
+            rows.index_copy_(0, entry_c, source.peer(rank).index_select(0, read_c))
+    return rows[:n]
+
+
+def write_peer_rows(targets: tuple[torch.Tensor, ...], rank_n: torch.Tensor, row_n: torch.Tensor,
+                    values_n: torch.Tensor, capacity: int | None = None) -> None:
+    """`targets[rank_n[i]][row_n[i]] = values_n[i]` for every entry with rank >= 0, written straight into the
+    peers' memory: per peer one fixed-shape `[c]` write (c from `capacity`). `targets[r]` is rank r's tensor
+    with one extra last row, the dump row, which takes the writes of the slots without an entry (so no
+    write needs a mask and no two writers race on a real row). The caller orders it between barriers."""
+    n = len(rank_n)
+    if not n:
+        return
+    dump = targets[0].shape[0] - 1
+    entry_rc = entries_by_rank(rank_n, len(targets), capacity)
+    row_n = row_n.long()
+    for target, entry_c in zip(targets, entry_rc, strict=True):
+        entry_c, real_c = entry_c.clamp(max=n - 1), entry_c < n
+        target.index_copy_(0, torch.where(real_c, row_n.index_select(0, entry_c), dump),
+                           values_n.index_select(0, entry_c).to(target.dtype))
+
+
+# -- the threads world --------------------------------------------------------------------------------------
+
+
 class ThreadGroup:
     """The shared state of R thread-ranks: a barrier, a registry of symmetric tensors, a gather board.
 
@@ -138,7 +236,7 @@ class ThreadGroup:
 
 
 @dataclass(eq=False)
-class ThreadsWorld:
+class ThreadsWorld(PeerWorld):
     """Rank `rank` of a `ThreadGroup`. Barrier = synchronise this thread's stream + `threading.Barrier` (a
     host sync on a GPU, so only a one-rank threads world, whose barrier is a no-op, can run a step under
     `torch.cuda.set_sync_debug_mode("error")` or in a CUDA graph)."""
@@ -185,22 +283,6 @@ class ThreadsWorld:
             place_rows(local, torch.where(sender_n == self.rank, sender_row_n, -1),
                        sender_values_n.to(local.dtype))
         self.barrier()  # every rank has read the board (senders may reuse their values)
-
-    def gather_rows(self, source: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor, *,
-                    capacity: int | None = None) -> torch.Tensor:
-        """Reads each peer's rows directly: one fixed-shape `[n]` gather per peer, kept where the entry
-        names that peer (R * n row reads)."""
-        self.barrier()
-        local = source.local
-        rows = local.new_zeros((len(rank_n), *local.shape[1:]))
-        expand = (-1,) + (1,) * (local.dim() - 1)
-        if local.shape[0]:
-            for rank in range(self.size):
-                from_rank_n = rank_n == rank
-                picked = source.peer(rank).index_select(0, torch.where(from_rank_n, row_n, 0))
-                rows = torch.where(from_rank_n.view(expand), picked, rows)
-        self.barrier()
-        return rows
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         self.barrier()  # the board is free: every rank has read the previous gather

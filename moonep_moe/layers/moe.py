@@ -51,17 +51,20 @@ class SharedExperts(nn.Module):
 
 def default_world(config: MoEConfig) -> EPWorld:
     """The world a layer built without one uses: `world="threads"` -> a one-rank world on the CPU (only with
-    ep_size == 1); `"collective"` -> the initialised default process group's `CollectiveWorld`."""
+    ep_size == 1); `"collective"` -> the initialised default process group's `CollectiveWorld`;
+    `"symmetric"` -> its `SymmetricWorld` (one GPU per rank, `cuda:LOCAL_RANK`)."""
     if config.world == "collective":
         from moonep_moe.comm.collective import collective_world
 
         return collective_world()
-    if config.world != "threads":
-        raise ValueError(f"world={config.world!r} is not available yet: use 'threads' or 'collective', or "
-                         "pass a world object")
+    if config.world == "symmetric":
+        from moonep_moe.comm.symmetric import symmetric_world
+
+        return symmetric_world()
     if config.ep_size != 1:
         raise ValueError(f"ep_size={config.ep_size} needs a world with {config.ep_size} ranks "
-                         "(e.g. moonep_moe.comm.world.run_ranks, or world='collective' under torchrun)")
+                         "(e.g. moonep_moe.comm.world.run_ranks, or world='symmetric' / 'collective' under "
+                         "torchrun)")
     return single_world()
 
 
