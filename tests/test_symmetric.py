@@ -37,6 +37,7 @@ import moonep_moe.comm.symmetric as symmetric_module
 from moonep_moe.comm.symmetric import NO_MULTICAST_ENV, SymmetricWorld, init_symmetric
 from moonep_moe.comm.world import entries_by_rank, run_ranks, write_peer_rows
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.weights.arena import PhysicalRows
 from moonep_moe.weights.pool import ExpertRows, slot_grad_pool, slot_pool
 
 TIMEOUT_S = 60.0
@@ -342,8 +343,9 @@ def checks_job(world: SymmetricWorld) -> dict:
 
 
 def misuse(world: SymmetricWorld) -> dict[str, str]:
-    """The ValueError of each misuse (every rank must raise, none may hang): rank 1 registering another
-    shape, an all-gather larger than the board, a scatter into rows too large for a dump row."""
+    """The error of each misuse (every rank must raise, none may hang): rank 1 registering another shape,
+    an all-gather larger than the board, a scatter into rows too large for a dump row, a registration
+    while the weight pools use the expert arena (stood in for by a bare `PhysicalRows`)."""
     device = world.device
     big_rows = world.symmetric("test/big_rows", torch.zeros(2, 1 << 19, device=device))
     index_1 = torch.zeros(1, dtype=torch.int64, device=device)
@@ -353,14 +355,18 @@ def misuse(world: SymmetricWorld) -> dict[str, str]:
         "board": lambda: world.all_gather(torch.zeros(1 << 20, device=device)),
         "no_dump": lambda: world.scatter_rows(big_rows, index_1 - 1, index_1, torch.zeros(1, 1 << 19,
                                                                                          device=device)),
+        "arena": lambda: world.symmetric("test/arena", torch.zeros(2, device=device)),
     }
     errors = {}
     for name, attempt in attempts.items():
+        if name == "arena":
+            world.globals["test/arena"] = object.__new__(PhysicalRows)
         try:
             attempt()
             errors[name] = "no error"
-        except ValueError as error:
+        except (ValueError, NotImplementedError) as error:
             errors[name] = str(error)
+        world.globals.pop("test/arena", None)
     return errors
 
 
@@ -408,6 +414,7 @@ def assert_misuse_errors(errors: list[dict[str, str]]) -> None:
         assert "rank 1 registered" in mismatch or "rank(s) [1]" in mismatch, rank_errors
         assert "exceeds the board" in rank_errors["board"], rank_errors
         assert "no dump row" in rank_errors["no_dump"], rank_errors
+        assert "expert arena" in rank_errors["arena"], rank_errors
 
 
 @pytest.mark.gpu

@@ -41,6 +41,7 @@ import torch.distributed._symmetric_memory as symm_mem
 
 from moonep_moe.comm.collective import DEFAULT_TIMEOUT_S, check_same_registration, init_collective
 from moonep_moe.comm.world import BARRIER_TIMEOUT_S, PeerWorld, SymmetricTensor, write_peer_rows
+from moonep_moe.weights.arena import PhysicalRows
 
 NO_MULTICAST_ENV = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0",
                     "NVSHMEM_DISABLE_NVLS": "1"}
@@ -145,6 +146,11 @@ class SymmetricWorld(PeerWorld):
             raise ValueError(f"symmetric key {key!r} is already registered on rank {self.rank}")
         if tensor.device != self.device:
             raise ValueError(f"symmetric key {key!r}: tensor must be on {self.device}, got {tensor.device}")
+        if any(isinstance(value, PhysicalRows) for value in self.globals.values()):
+            raise NotImplementedError(
+                f"symmetric key {key!r}: the expert arena (weights.arena) joins home experts and slots in "
+                "its own memory, which this world would move into symmetric memory, leaving the joined view "
+                "stale; the weight pools must not use the arena with world='symmetric'")
         check_same_registration(self, key, tensor)
         return self._register(key, tensor)
 
