@@ -230,12 +230,12 @@ def graph_exchange(world: SymmetricWorld, replays: int) -> list[dict[str, torch.
     rank_n, row_n = problem.rank_rn[r].to(device), problem.row_rn[r].to(device)
     req_rank_n, req_row_n = problem.req_rank_rn[r].to(device), problem.req_row_rn[r].to(device)
     values_nw = problem.values_rnw[r].to(device)
+    capacity, req_capacity = problem.capacity(problem.rank_rn), problem.capacity(problem.req_rank_rn)
     out = {}
 
     def step() -> None:
-        world.scatter_rows(target, rank_n, row_n, values_nw, capacity=problem.capacity(problem.rank_rn))
-        out["gathered"] = world.gather_rows(target, req_rank_n, req_row_n,
-                                            capacity=problem.capacity(problem.req_rank_rn))
+        world.scatter_rows(target, rank_n, row_n, values_nw, capacity=capacity)
+        out["gathered"] = world.gather_rows(target, req_rank_n, req_row_n, capacity=req_capacity)
 
     side = torch.cuda.Stream()  # warm up off the default stream, as graph capture asks
     side.wait_stream(torch.cuda.current_stream())

@@ -16,9 +16,10 @@ else, so the same layer code runs on every transport:
 
 Worlds whose symmetric tensors map every peer (threads here, symmetric memory in `comm.symmetric`) share
 one peer exchange: `PeerWorld.gather_rows` reads peers' rows directly (`read_peer_rows`), and a world whose
-targets carry a dump row writes peers' rows directly (`write_peer_rows`). Both move `R * c` rows per rank
-(c = the call's `capacity`), with each rank's entries grouped by peer (`entries_by_rank`); nothing reads a
-device value on the host.
+targets carry a dump row writes peers' rows directly (`write_peer_rows`: the symmetric world allocates its
+tensors, dump row included; the threads world registers the caller's tensors as they are, so its
+`scatter_rows` stays receiver-side). Both move `R * c` rows per rank (c = the call's `capacity`), with each
+rank's entries grouped by peer (`entries_by_rank`); nothing reads a device value on the host.
 
 This module also holds the threads backend: R ranks as R Python threads in one process, on the CPU or on
 one GPU, sharing tensors through a registry. It runs the unchanged layer code, so tests and the demo can use
