@@ -312,8 +312,9 @@ def test_world_size_mismatch_raises():
         MoonEPMoELayer(make_config(2))
 
 
-def test_unavailable_world_backend_raises_at_construction():
-    with pytest.raises(ValueError, match="world"):
+def test_symmetric_world_without_its_setup_raises_at_construction():
+    """No GPU: a ValueError saying so; a GPU but no process group: a RuntimeError naming init_symmetric."""
+    with pytest.raises((ValueError, RuntimeError), match="CUDA|init_symmetric"):
         one_rank_layer(world="symmetric")
 
 

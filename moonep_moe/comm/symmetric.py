@@ -82,6 +82,9 @@ class SymmetricWorld(PeerWorld):
         timeout_s: a barrier that waits longer traps on the device (the process fails instead of hanging).
     """
 
+    moves_registered_tensors = True
+    """`symmetric()` moves a tensor into symmetric memory: the weight pools then do without the arena."""
+
     def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | str | None = None, *,
                  board_bytes: int = BOARD_BYTES, timeout_s: float = BARRIER_TIMEOUT_S):
         device = resolve_device(device)

@@ -37,13 +37,22 @@ class ExpertRows:
         return tuple(t for t in (self.home.local, self.slots.local) if t.shape[0])
 
 
+def _arena_reason(world: EPWorld, region_bytes: list[int]) -> str | None:
+    """Why this world's weight pools cannot use the arena, or None when they can. A world that moves the
+    tensors it registers into memory of its own (`moves_registered_tensors`, e.g. symmetric memory) would
+    leave the arena's joined view pointing at the old memory."""
+    if getattr(world, "moves_registered_tensors", False):
+        return f"{type(world).__name__} moves registered tensors into its own memory"
+    return expert_arena_reason(world.device, region_bytes)
+
+
 def _pool(world: EPWorld, kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> SymmetricTensor:
     key = (kind, shape, dtype)
     if key not in world.globals:
         name = f"pool/{kind}/{'x'.join(map(str, shape))}/{dtype}".replace("torch.", "")
         device = world.device
         tensor = torch.zeros(shape, dtype=dtype, device=device)
-        if kind == "slots" and shape[0] and expert_arena_reason(device, [_nbytes(shape, dtype)]) is None:
+        if kind == "slots" and shape[0] and _arena_reason(world, [_nbytes(shape, dtype)]) is None:
             physical = PhysicalRows(shape[0], shape[1:], dtype, device)  # the arena maps it after home rows
             world.globals[("slots_physical", shape, dtype)] = physical
             tensor = physical.tensor.zero_()
@@ -63,7 +72,7 @@ def allocate_home(world: EPWorld, num_home: int, row_shape: tuple[int, ...], dty
     slot_pool(world, slots_shape, dtype)
     physical = world.globals.get(("slots_physical", slots_shape, dtype))
     home_shape = (num_home, *row_shape)
-    if physical is None or expert_arena_reason(world.device, [_nbytes(home_shape, dtype)]) is not None:
+    if physical is None or _arena_reason(world, [_nbytes(home_shape, dtype)]) is not None:
         return torch.empty(home_shape, dtype=dtype, device=world.device), None
     home = PhysicalRows(num_home, row_shape, dtype, world.device)
     return home.tensor, joined_rows(home, physical)
