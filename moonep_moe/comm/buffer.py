@@ -18,10 +18,24 @@ Backward reuses the forward plan: `dispatch(grad_out_sh, plan=plan)` brings the 
 `reduce_grad(plan, ...)` adds every replica's gradient into its home expert's gradient and clears the slots.
 
 Memory: the Buffer owns three symmetric tensors (peers write and read them): the rows `[NvS, H]`, their
-route weights `[NvS]` and the duplicate sources `[NvS]`. Everything that crosses ranks goes through the
-world's two collective row exchanges, `scatter_rows` (dispatch) and `gather_rows` (combine, prefetch,
-reduce_grad), so every EP world (threads, symmetric memory, torch.distributed collectives) runs this same
-reference; local work (padding zero-fill, duplicate expansion and pre-reduction) happens between them.
+route weights `[NvS]` and the duplicate sources `[NvS]`.
+
+Two implementations of every operation, selected once at construction (`kernels`), sharing the checks, the
+plan and every index they build (primary rows, dup tables, replica tables):
+
+- the torch reference: everything that crosses ranks goes through the world's two collective row exchanges,
+  `scatter_rows` (dispatch) and `gather_rows` (combine, prefetch, reduce_grad), so every EP world (threads,
+  symmetric memory, torch.distributed collectives) runs it; local work (padding zero-fill, duplicate
+  expansion and pre-reduction) happens between them;
+- the Triton row kernels (`comm.kernels.rows`), where every peer's memory is mapped (the threads world on
+  one GPU, the symmetric-memory world): kernels read and write peers' rows through pointer tables, and
+  `world.barrier()` orders the phases where the reference's exchanges order them (before the first access
+  to peers' tensors, and after it). Results equal the reference's bit for bit (combine sums in fp32 in k
+  order in both, duplicates in row order, replicas in the same order).
+
+`async_finish=True` queues an operation on this rank's comm stream (priority `comm_stream_priority`), after
+the caller's current stream's work, and returns a `CommEvent`; without it an operation runs on the current
+stream.
 
 No host reads: every index the operations build has a shape fixed by the config (N routes, NvS rows, R*B
 slots); entries that are not needed are marked, never masked out (rank -1 in the exchanges, a zero
@@ -33,7 +47,9 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -46,8 +62,8 @@ _buffer_ids = itertools.count()
 
 @dataclass(frozen=True)
 class CommEvent:
-    """Marks the end of an operation queued with `async_finish=True`; `wait()` makes the current stream
-    wait for it. The reference implementation finishes before returning, so on the CPU it is complete."""
+    """Marks the end of an operation queued with `async_finish=True` on the comm stream; `wait()` makes the
+    current stream wait for it. Off CUDA the operation has finished before returning (`event` is None)."""
 
     event: torch.cuda.Event | None
 
@@ -56,12 +72,20 @@ class CommEvent:
             torch.cuda.current_stream().wait_event(self.event)
 
 
-def _event(device: torch.device) -> CommEvent:
-    if device.type != "cuda":
-        return CommEvent(None)
-    event = torch.cuda.Event()
-    event.record()
-    return CommEvent(event)
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in `value`: tensors, tuples/lists of them, and a plan's tensor fields."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, MoonEPCommPlan):
+        for field in fields(value):
+            yield from _tensors(getattr(value, field.name))
+    elif isinstance(value, ExpertRows):
+        yield from _tensors((value.home.local, value.slots.local))
+    elif isinstance(value, SymmetricTensor):
+        yield value.local
 
 
 def _check(tensor: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype | tuple,
@@ -119,8 +143,9 @@ class Buffer:
         H: hidden size. K: routed experts per token. E: experts in the group.
         num_ep_ranks: R, must equal `world.size`; E % R == 0.
         B: prefetch slots per rank, default `E / R` (training needs it; 0 when R == 1); B <= E - E / R.
-        num_sms, comm_stream_priority, enable_pdl: launch hints of the GPU kernels; the reference
-            implementation ignores them.
+        num_sms: SMs the row kernels' grid-stride loops size their grids for (default: the device's).
+        comm_stream_priority: priority of the comm stream that `async_finish=True` operations run on
+            (torch's convention: lower is higher priority; e.g. -1). enable_pdl: reserved launch hint.
         token_padding: every non-empty segment is padded to a multiple of it (128: Hopper's M-block).
         explicitly_destroy: when True the caller must call `destroy()`; otherwise the memory is released
             when the Buffer is garbage-collected.
@@ -132,12 +157,17 @@ class Buffer:
             graph is being captured, and production turns it off (`validate=False`, or set
             `buffer.validate = False`) to run a step under `torch.cuda.set_sync_debug_mode("error")`.
             Everything else the Buffer does on the device reads nothing on the host.
+        kernels: run the Triton row kernels (`comm.kernels.rows`) instead of the torch reference. None
+            (default) = where they apply: a CUDA world whose symmetric tensors map every peer (threads world
+            on one GPU, symmetric-memory world), rows in bf16/fp16/fp32/fp64. True forces them (a ValueError
+            where they cannot run; on CPU tensors they need Triton's interpreter, `TRITON_INTERPRET=1`, which
+            is how the tests check them against the reference); False forces the reference.
     """
 
     def __init__(self, S: int, H: int, K: int, E: int, num_ep_ranks: int, B: int | None = None,
                  num_sms: int | None = None, token_padding: int = 128, comm_stream_priority: int = 0,
                  enable_pdl: bool = False, explicitly_destroy: bool = False, *, world: EPWorld,
-                 dtype: torch.dtype = torch.bfloat16, validate: bool = True):
+                 dtype: torch.dtype = torch.bfloat16, validate: bool = True, kernels: bool | None = None):
         for name, value in dict(S=S, H=H, K=K, E=E, num_ep_ranks=num_ep_ranks,
                                 token_padding=token_padding).items():
             if not isinstance(value, int) or value < 1:
@@ -167,12 +197,74 @@ class Buffer:
                                         torch.zeros(self.NvS, dtype=self.weight_dtype, device=device))
         self._dup_source = world.symmetric(f"{prefix}/dup_source",
                                            torch.full((self.NvS,), -1, dtype=torch.int32, device=device))
+        self._kernels = self._select_kernels(kernels)
+        """The `comm.kernels.rows` module where the row kernels run, else None (the torch reference)."""
         keys = [t.key for t in (self._rows, self._weights, self._dup_source)]
         self._finalizer = None if explicitly_destroy else weakref.finalize(self, _release, world, keys)
         self._keys = keys
         self._destroyed = False
         self._pending_views: MoonEPCommPlan | None = None
         """The plan of a step whose zero-copy dispatch views have not been combined yet (see `dispatch`)."""
+
+    def _select_kernels(self, kernels: bool | None):
+        """The row-kernel module if this Buffer runs the kernels (see `kernels` in the class docstring)."""
+        if kernels is False:
+            return None
+        device = self.world.device
+        reasons = []
+        if any(peer is None for peer in self._rows.peers):
+            reasons.append("the world does not map every peer's memory")
+        if self.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            reasons.append(f"rows in {self.dtype} are not supported")
+        try:
+            from moonep_moe.comm.kernels import rows
+        except ImportError as error:  # no Triton: the reference runs everywhere
+            rows = None
+            reasons.append(f"Triton is not importable ({error})")
+        if rows is not None and device.type != "cuda" and not (device.type == "cpu" and rows.interpreted()):
+            reasons.append(f"{device} tensors: the kernels run on CUDA, or on the CPU in Triton's "
+                           "interpreter (TRITON_INTERPRET=1)")
+        if kernels is None:
+            return rows if device.type == "cuda" and not reasons else None
+        if reasons:
+            raise ValueError(f"kernels=True: the row kernels cannot run here: {'; '.join(reasons)}")
+        return rows
+
+    @property
+    def uses_kernels(self) -> bool:
+        """True where the operations run the Triton row kernels, False where the torch reference runs."""
+        return self._kernels is not None
+
+    def _comm_stream(self) -> torch.cuda.Stream:
+        """This rank's comm stream of that priority, shared by its Buffers (created on first use)."""
+        key = ("comm_stream", self.world.device, self.comm_stream_priority)
+        if key not in self.world.globals:
+            self.world.globals[key] = torch.cuda.Stream(self.world.device, priority=self.comm_stream_priority)
+        return self.world.globals[key]
+
+    def _launch(self, async_finish: bool, op: Callable[[], Any], inputs: tuple
+                ) -> tuple[Any, CommEvent | None]:
+        """`op()` on the current stream (event None), or with `async_finish` on the comm stream after the
+        current stream's queued work, returning its `CommEvent`. The comm stream holds on to `inputs` (their
+        memory is not reused before it is done with them) and the caller's stream to the results."""
+        if not async_finish:
+            return op(), None
+        if self.world.device.type != "cuda":
+            return op(), CommEvent(None)
+        caller = torch.cuda.current_stream(self.world.device)
+        stream = self._comm_stream()
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            result = op()
+            event = torch.cuda.Event()
+            event.record(stream)
+        for tensor in _tensors(inputs):
+            if tensor.device.type == "cuda":
+                tensor.record_stream(stream)
+        for tensor in _tensors(result):
+            if tensor.device.type == "cuda":
+                tensor.record_stream(caller)
+        return result, CommEvent(event)
 
     # -- lifetime -------------------------------------------------------------------------------------------
 
@@ -274,25 +366,32 @@ class Buffer:
                 raise ValueError("route_weights_sk is required when no plan is given")
             if self.validate and (device.type != "cuda" or not torch.cuda.is_current_stream_capturing()):
                 self._check_expert_ids(topk_experts_sk)
-            counts_re = self.world.all_gather(tokens_per_expert.to(torch.int64))
-            plan = plan_routes(counts_re, topk_experts_sk, rank=self.world.rank, num_slots=self.B,
-                               token_padding=self.token_padding, rows_per_rank=self.NvS, owner=self.id)
-            cu_seqlens = plan.cu_seqlens
         else:
             self._check_plan(plan)
             if plan.num_routes != num_tokens * self.K:
                 raise ValueError(f"hidden_sh has {num_tokens} tokens, the plan was made for "
                                  f"{plan.num_routes // self.K}")
-            cu_seqlens = None
-        self._send_rows(plan, hidden_sh, route_weights_sk, record_duplicates=cu_seqlens is not None)
-        if cu_seqlens is not None and (zero_copy or router_weights_zero_copy):
-            self._pending_views = plan
-        rows_nvsh = self._rows.local if zero_copy else self._rows.local.clone()
-        weights_nvs = None
-        if route_weights_sk is not None:
-            weights_nvs = self._weights.local if router_weights_zero_copy else self._weights.local.clone()
-        result = (rows_nvsh, weights_nvs, cu_seqlens, plan)
-        return (*result, _event(device)) if async_finish else result
+
+        def op():
+            step_plan, cu_seqlens = plan, None
+            if step_plan is None:
+                counts_re = self.world.all_gather(tokens_per_expert.to(torch.int64))
+                step_plan = plan_routes(counts_re, topk_experts_sk, rank=self.world.rank, num_slots=self.B,
+                                        token_padding=self.token_padding, rows_per_rank=self.NvS,
+                                        owner=self.id)
+                cu_seqlens = step_plan.cu_seqlens
+            self._send_rows(step_plan, hidden_sh, route_weights_sk, record_duplicates=plan is None)
+            rows_nvsh = self._rows.local if zero_copy else self._rows.local.clone()
+            weights_nvs = None
+            if route_weights_sk is not None:
+                weights_nvs = self._weights.local if router_weights_zero_copy else self._weights.local.clone()
+            return rows_nvsh, weights_nvs, cu_seqlens, step_plan
+
+        result, event = self._launch(async_finish, op, (hidden_sh, route_weights_sk, topk_experts_sk,
+                                                         tokens_per_expert, plan))
+        if plan is None and (zero_copy or router_weights_zero_copy):
+            self._pending_views = result[3]
+        return (*result, event) if async_finish else result
 
     def _check_expert_ids(self, topk_experts_sk: torch.Tensor) -> None:
         """Expert ids in [-1, E). Reads the tensor on the host: on a GPU this syncs (see `validate`)."""
@@ -306,32 +405,53 @@ class Buffer:
         """Every route's payload row (primaries only) and weight to its destination row; the duplicate
         sources too when `record_duplicates` (the forward dispatch, which fills the plan's dup tables).
         Then zero the padding rows and copy each primary row into its duplicates (all NvS rows)."""
-        dest_n, row_n, primary_n, valid_n = decode_dst(plan.dst, self.NvS)
-        token_n = torch.arange(plan.dst.numel(), device=plan.dst.device) // self.K
+        primary_row_n = self._primary_rows(plan) if record_duplicates else None
         world = self.world
-        # capacities: a token sends one payload row per destination rank (<= S), a weight per route (<= S*K)
-        world.scatter_rows(self._rows, torch.where(valid_n & primary_n, dest_n, -1), row_n,
-                           hidden_sh.index_select(0, token_n), capacity=self.S)
-        if route_weights_sk is not None:
-            world.scatter_rows(self._weights, torch.where(valid_n, dest_n, -1), row_n,
-                               route_weights_sk.reshape(-1), capacity=self.S * self.K)
+        if self._kernels is not None:
+            world.barrier()  # every rank is done with the rows' previous contents
+            self._kernels.send_routes(hidden_sh.contiguous(), None if route_weights_sk is None else
+                                      route_weights_sk.contiguous(), plan.dst, primary_row_n, self._rows,
+                                      self._weights, self._dup_source)
+            world.barrier()  # every write into this rank's rows has landed
+        else:
+            dest_n, row_n, primary_n, valid_n = decode_dst(plan.dst, self.NvS)
+            token_n = torch.arange(plan.dst.numel(), device=plan.dst.device) // self.K
+            # capacities: a token sends one payload row per destination rank (<= S), a weight per route
+            world.scatter_rows(self._rows, torch.where(valid_n & primary_n, dest_n, -1), row_n,
+                               hidden_sh.index_select(0, token_n), capacity=self.S)
+            if route_weights_sk is not None:
+                world.scatter_rows(self._weights, torch.where(valid_n, dest_n, -1), row_n,
+                                   route_weights_sk.reshape(-1), capacity=self.S * self.K)
+            if record_duplicates:
+                world.scatter_rows(self._dup_source, torch.where(valid_n & ~primary_n, dest_n, -1), row_n,
+                                   primary_row_n, capacity=self.S * self.K)
         if record_duplicates:
-            world.scatter_rows(self._dup_source, torch.where(valid_n & ~primary_n, dest_n, -1), row_n,
-                               self._primary_rows(dest_n, row_n, valid_n), capacity=self.S * self.K)
             self._record_duplicates(plan)
+        rows_nvsh, weights_nvs = self._rows.local, self._weights.local
+        if self._kernels is not None:
+            self._kernels.zero_padding(rows_nvsh, weights_nvs, plan.zero_fill_ranges, self.token_padding)
+            self._kernels.expand_duplicates(rows_nvsh, plan.dup_groups, plan.dup_loffs, plan.dup_counts,
+                                            self.K - 1, self._max_dup_groups, self.num_sms)
+            return
         padding_nvs = _padding_mask(plan.zero_fill_ranges, self.NvS)
-        self._rows.local.masked_fill_(padding_nvs[:, None], 0)
-        self._weights.local.masked_fill_(padding_nvs, 0)
-        rows_nvsh = self._rows.local
+        rows_nvsh.masked_fill_(padding_nvs[:, None], 0)
+        weights_nvs.masked_fill_(padding_nvs, 0)
         rows_nvsh.copy_(rows_nvsh.index_select(0, self._source_rows(plan)))
 
-    def _primary_rows(self, dest_n: torch.Tensor, row_n: torch.Tensor, valid_n: torch.Tensor) -> torch.Tensor:
-        """`[N]` for each route the row of its token's primary route on the same rank (itself if primary)."""
+    @property
+    def _max_dup_groups(self) -> int:
+        """A bound on a rank's duplicate groups: each is one (source rank, token) pair and spans >= 2 rows."""
+        return min(self.NvS // 2, self.R * self.S)
+
+    def _primary_rows(self, plan: MoonEPCommPlan) -> torch.Tensor:
+        """`[N]` int32: for each route the row of its token's primary route on the same rank (itself if
+        primary): what a duplicate route records as its duplicate source."""
+        dest_n, row_n, _, valid_n = decode_dst(plan.dst, self.NvS)
         dest_sk = torch.where(valid_n, dest_n, -1).view(-1, self.K)
         # the primary is the first k of the token with the same destination
         same_skk = dest_sk[:, :, None] == dest_sk[:, None, :]
         first_sk = same_skk.int().argmax(-1)
-        return torch.gather(row_n.view(-1, self.K), 1, first_sk).reshape(-1)
+        return torch.gather(row_n.view(-1, self.K), 1, first_sk).reshape(-1).to(torch.int32)
 
     def _record_duplicates(self, plan: MoonEPCommPlan) -> None:
         """Turn the received `[NvS]` duplicate sources (-1: not a duplicate) into the plan's dup tables and
@@ -397,8 +517,6 @@ class Buffer:
         self._check_plan(plan)
         device = self.world.device
         _check(hidden_nvsh, "hidden_nvsh", (self.NvS, self.H), self.dtype, device)
-        if plan is self._pending_views:
-            self._pending_views = None
         if route_weights_nvs is not None:
             _check(route_weights_nvs, "route_weights_nvs", (self.NvS,), self.weight_dtype, device)
         if zero_copy:
@@ -407,11 +525,25 @@ class Buffer:
                 if given is not None and given.data_ptr() != own.data_ptr():
                     raise ValueError(f"zero_copy=True needs {name} to be this Buffer's own view "
                                      f"({name.split('_')[0]}_*_buffer_view()), got another tensor")
-        if route_weights_nvs is not None and not zero_copy:
-            self._weights.local.copy_(route_weights_nvs)
-        accumulate = torch.promote_types(self.dtype, torch.float32)
+        if plan is self._pending_views:
+            self._pending_views = None
+
+        def op():
+            if route_weights_nvs is not None and not zero_copy:
+                self._weights.local.copy_(route_weights_nvs)
+            if self._kernels is not None:
+                return self._combine_kernels(plan, hidden_nvsh, route_weights_nvs is not None, zero_copy)
+            return self._combine_reference(plan, hidden_nvsh, route_weights_nvs is not None)
+
+        (out_sh, weights_sk), event = self._launch(async_finish, op, (plan, hidden_nvsh, route_weights_nvs))
+        return out_sh, weights_sk, event
+
+    def _combine_reference(self, plan: MoonEPCommPlan, hidden_nvsh: torch.Tensor, with_weights: bool):
+        """`combine` through the world's `gather_rows` -> (`[s, H]`, `[s, K]` or None)."""
+        device = self.world.device
+        accumulate = self.weight_dtype
         # pre-reduce: every row adds into its source row (duplicates into their primary, the rest into
-        # themselves), in fp32; only primary rows are read below
+        # themselves), in fp32, in row order; only primary rows are read below
         sums_nvsh = torch.zeros(self.NvS, self.H, dtype=accumulate, device=device)
         sums_nvsh.index_add_(0, self._source_rows(plan), hidden_nvsh.to(accumulate))
         self._rows.local.copy_(sums_nvsh)
@@ -424,11 +556,30 @@ class Buffer:
         for k in range(self.K):  # fp32 sum in k order
             out_sh += gathered_nh.view(num_tokens, self.K, self.H)[:, k]
         weights_sk = None
-        if route_weights_nvs is not None:
+        if with_weights:
             weights_n = self.world.gather_rows(self._weights, torch.where(valid_n, dest_n, -1), row_n,
                                                capacity=self.S * self.K)
             weights_sk = weights_n.view(num_tokens, self.K)
-        return out_sh.to(self.dtype), weights_sk, (_event(device) if async_finish else None)
+        return out_sh.to(self.dtype), weights_sk
+
+    def _combine_kernels(self, plan: MoonEPCommPlan, hidden_nvsh: torch.Tensor, with_weights: bool,
+                         zero_copy: bool):
+        """`combine` with the row kernels: pre-reduce locally, barrier, pull and sum, barrier."""
+        rows_nvsh = self._rows.local
+        if not zero_copy:
+            rows_nvsh.copy_(hidden_nvsh)
+        self._kernels.pre_reduce_duplicates(rows_nvsh, plan.dup_groups, plan.dup_loffs, plan.dup_counts,
+                                            self.K - 1, self._max_dup_groups, self.weight_dtype, self.num_sms)
+        num_tokens = plan.dst.numel() // self.K
+        out_sh = torch.empty(num_tokens, self.H, dtype=self.dtype, device=rows_nvsh.device)
+        weights_sk = None
+        if with_weights:
+            weights_sk = torch.empty(num_tokens, self.K, dtype=self.weight_dtype, device=rows_nvsh.device)
+        self.world.barrier()  # every rank's primary rows are final
+        self._kernels.gather_routes(plan.dst, self._rows, self._weights if with_weights else None, out_sh,
+                                    weights_sk, self.weight_dtype)
+        self.world.barrier()  # every rank is done reading this rank's rows
+        return out_sh, weights_sk
 
     # -- weights --------------------------------------------------------------------------------------------
 
@@ -447,25 +598,53 @@ class Buffer:
         self._check_plan(plan)
         if scales is not None:
             raise NotImplementedError("prefetch_weight(scales=...): quantised experts are not supported yet")
-        expert_b = plan.experts_to_copy[self.world.rank].long()
-        used_b = expert_b >= 0
-        for weight in (full_gate_weight, full_up_weight, full_down_weight):
-            if weight is None:
-                continue
+        projections = [w for w in (full_gate_weight, full_up_weight, full_down_weight) if w is not None]
+        for weight in projections:
             if isinstance(weight, ExpertRows):
+                self._check_rows(weight, "full weight")
+            else:
+                self._check_full(weight, "full weight")
+
+        def op():
+            expert_b = plan.experts_to_copy[self.world.rank]
+            used_b = expert_b >= 0
+            for weight in projections:  # the replicated form is local: every expert is on every rank
+                if not isinstance(weight, ExpertRows):
+                    copies = weight.index_select(0, expert_b.long().clamp(min=0))
+                    weight[self.E:].copy_(copies.masked_fill_(~used_b.view(-1, *[1] * (copies.dim() - 1)), 0))
+            expert_rows = [w for w in projections if isinstance(w, ExpertRows)]
+            if not expert_rows:
+                return
+            if self._kernels is not None:
+                self.world.barrier()  # every rank's home weights are final
+                for weight in expert_rows:
+                    self._kernels.copy_experts(weight.home, weight.slots.local, expert_b)
+                self.world.barrier()  # every rank is done reading this rank's home weights
+                return
+            expert_b = expert_b.long()
+            for weight in expert_rows:
                 copies = self.world.gather_rows(weight.home, torch.where(used_b, expert_b // self.epn, -1),
                                                 expert_b.clamp(min=0) % self.epn, capacity=self.B)
                 weight.slots.local.copy_(copies)
-            else:
-                self._check_full(weight, "full weight")
-                copies = weight.index_select(0, expert_b.clamp(min=0))
-                weight[self.E:].copy_(copies.masked_fill_(~used_b.view(-1, *[1] * (copies.dim() - 1)), 0))
-        return _event(self.world.device) if async_finish else None
+
+        return self._launch(async_finish, op, (plan, *projections))[1]
 
     def _check_full(self, tensor: torch.Tensor, name: str) -> None:
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 or tensor.shape[0] != self.E + self.B:
             shape = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ValueError(f"{name} must be [E+B={self.E + self.B}, N, K] or ExpertRows, got {shape}")
+
+    def _check_rows(self, rows: ExpertRows, name: str,
+                    slots_dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+        """Home `[epn, *row]` and slots `[B, *row]` on this device, contiguous (the row kernels address them
+        as flat rows); the slots in the home dtype, or in one of `slots_dtypes`."""
+        home, slots = rows.home.local, rows.slots.local
+        row = tuple(home.shape[1:])
+        for tensor, part, count, dtypes in ((home, "home", self.epn, (home.dtype,)),
+                                            (slots, "slots", self.B, slots_dtypes or (home.dtype,))):
+            _check(tensor, f"{name} {part}", (count, *row), dtypes, self.world.device)
+            if not tensor.is_contiguous():
+                raise ValueError(f"{name} {part} must be contiguous")
 
     @torch.no_grad()
     def reduce_grad(self, plan: MoonEPCommPlan, full_gate_grad, full_up_grad, full_down_grad,
@@ -478,44 +657,88 @@ class Buffer:
         Each projection's gradient is either an `ExpertRows` (home fp32 gradients + the symmetric slot-grad
         pool) or the replicated form `[E+B, N, K]` fp32 with the slot gradients in rows E.., in which case
         its `*_reduce_buffer` (a symmetric `[B, N, K]` fp32 tensor) stages them for the peers. None skips a
-        projection. Collective: every rank must call it with the same projections.
+        projection. Collective: every rank must call it with the same projections. Replicas are added in
+        (slot, rank) order, the same order on both implementations: deterministic.
         """
         self._check_alive()
         self._check_plan(plan)
-        projections = []
+        given = []
         for grad, staging, name in ((full_gate_grad, gate_reduce_buffer, "gate"),
                                     (full_up_grad, up_reduce_buffer, "up"),
                                     (full_down_grad, down_reduce_buffer, "down")):
             if grad is None:
                 continue
             if isinstance(grad, ExpertRows):
-                projections.append((grad.home.local, grad.slots, None))
-                continue
-            self._check_full(grad, f"full_{name}_grad")
-            if not isinstance(staging, SymmetricTensor):
-                raise ValueError(f"full_{name}_grad in the [E+B, ...] form needs {name}_reduce_buffer, "
-                                 "a SymmetricTensor [B, N, K]")
-            staging.local.copy_(grad[self.E:])
+                self._check_rows(grad, f"full_{name}_grad", (torch.float32, torch.float64))
+            else:
+                self._check_full(grad, f"full_{name}_grad")
+                if not isinstance(staging, SymmetricTensor):
+                    raise ValueError(f"full_{name}_grad in the [E+B, ...] form needs {name}_reduce_buffer, "
+                                     "a SymmetricTensor [B, N, K]")
+                _check(staging.local, f"{name}_reduce_buffer", tuple(grad[self.E:].shape),
+                       (grad.dtype, torch.float32, torch.float64), self.world.device)
+                if not grad.is_contiguous():
+                    raise ValueError(f"full_{name}_grad must be contiguous")
+            given.append((grad, staging))
+
+        def op():
             rank = self.world.rank
-            projections.append((grad[rank * self.epn:(rank + 1) * self.epn], staging, grad[self.E:]))
-        # which slot of which rank holds which of this rank's home experts ([R, B], fixed shape)
+            projections = []  # (home gradients [epn, ...], symmetric slot gradients, replicated slot rows)
+            for grad, staging in given:
+                if isinstance(grad, ExpertRows):
+                    projections.append((grad.home.local, grad.slots, None))
+                else:
+                    staging.local.copy_(grad[self.E:])
+                    projections.append((grad[rank * self.epn:(rank + 1) * self.epn], staging, grad[self.E:]))
+            mine_rb, home_rb = self._replica_tables(plan)
+            if self._kernels is not None:
+                sources_hr = replica_sources(mine_rb, home_rb, self.epn)
+                self.world.barrier()  # every rank's slot gradients are final
+                for home, slots, _ in projections:
+                    self._kernels.add_replicas(home, slots, sources_hr)
+                self.world.barrier()  # every rank is done reading this rank's slot gradients
+            else:
+                rank_r = torch.arange(self.R, device=mine_rb.device)
+                for home, slots, _ in projections:
+                    # one slot index per exchange: R rows in flight (the peak memory), R * B rows in all;
+                    # rows of other ranks' experts come back zero and add nothing
+                    for slot in range(self.B):
+                        pulled_r = self.world.gather_rows(slots, torch.where(mine_rb[:, slot], rank_r, -1),
+                                                          torch.full_like(rank_r, slot), capacity=1)
+                        _index_add_blocked_(home, home_rb[:, slot], pulled_r.to(home.dtype))
+            used_b = plan.experts_to_copy[rank] >= 0
+            for _, slots, replicated in projections:
+                expand = (-1,) + (1,) * (slots.local.dim() - 1)
+                slots.local.masked_fill_(used_b.view(expand), 0)
+                if replicated is not None:
+                    replicated.masked_fill_(used_b.view(expand), 0)
+
+        return self._launch(async_finish, op, (plan, *given))[1]
+
+    def _replica_tables(self, plan: MoonEPCommPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[R, B]` (slot j of rank d holds one of this rank's home experts, which one: index in [0, epn))."""
         table_rb = plan.experts_to_copy.long()
         mine_rb = (table_rb >= 0) & (table_rb // self.epn == self.world.rank)
-        home_rb = table_rb.clamp(min=0) % self.epn
-        rank_r = torch.arange(self.R, device=table_rb.device)
-        used_b = table_rb[self.world.rank] >= 0
-        for home, slots, replicated in projections:
-            # one slot index per exchange: R rows in flight (the peak memory), R * B rows in all; rows of
-            # other ranks' experts come back zero and add nothing
-            for slot in range(self.B):
-                pulled_r = self.world.gather_rows(slots, torch.where(mine_rb[:, slot], rank_r, -1),
-                                                  torch.full_like(rank_r, slot), capacity=1)
-                _index_add_blocked_(home, home_rb[:, slot], pulled_r.to(home.dtype))
-            expand = (-1,) + (1,) * (slots.local.dim() - 1)
-            slots.local.masked_fill_(used_b.view(expand), 0)
-            if replicated is not None:
-                replicated.masked_fill_(used_b.view(expand), 0)
-        return _event(self.world.device) if async_finish else None
+        return mine_rb, table_rb.clamp(min=0) % self.epn
+
+
+def replica_sources(mine_rb: torch.Tensor, home_rb: torch.Tensor, num_home: int) -> torch.Tensor:
+    """`[epn, R]` int32: each of this rank's home experts' replicas as `rank * B + slot` in (slot, rank)
+    order (the reference's order of adds), then -1; from `mine_rb [R, B]` (slot j of rank d holds one of
+    this rank's experts) and `home_rb [R, B]` (which one, in [0, epn)). A rank holds an expert at most
+    once, so R entries suffice. Fixed shapes: other ranks' experts are scattered into a dump row."""
+    num_ranks, num_slots = mine_rb.shape
+    device = mine_rb.device
+    rank_rb = torch.arange(num_ranks, device=device)[:, None].expand(-1, num_slots)
+    slot_rb = torch.arange(num_slots, device=device)[None, :].expand(num_ranks, -1)
+    slot_xr = torch.full((num_home + 1, num_ranks), -1, dtype=torch.int64, device=device)
+    slot_xr[torch.where(mine_rb, home_rb, num_home), rank_rb] = slot_rb
+    slot_hr = slot_xr[:num_home]
+    rank_r = torch.arange(num_ranks, device=device)
+    key_hr = torch.where(slot_hr >= 0, slot_hr * num_ranks + rank_r, num_slots * num_ranks)
+    order_hr = torch.argsort(key_hr, dim=1, stable=True)
+    slot_hr = slot_hr.gather(1, order_hr)
+    return torch.where(slot_hr >= 0, order_hr * num_slots + slot_hr, -1).to(torch.int32)
 
 
 def _release(world: EPWorld, keys: list[str]) -> None:

@@ -1,0 +1,133 @@
+"""Row-kernel micro-benchmark: the comm core's Triton kernels against the device copy bandwidth.
+
+One GPU. Rank 0 of an R-rank group is simulated: the R ranks' symmetric tensors all live on this GPU, so
+every "peer" access is a local one and the numbers are the kernels' own bandwidth (NVLink is not measured
+here; bench/comm.py runs whole groups). Routing is uniform over E experts (each token's K experts distinct).
+
+- `send_routes` (dispatch's peer phase): reads S token rows, writes one row per (token, destination rank);
+- `gather_routes` (combine's peer phase): reads the same rows back, writes S rows (fp32 k-order sums);
+- `copy_experts` (prefetch, ExpertRows): B slots of a `[H, H']` bf16 projection from their home ranks;
+- `add_replicas` (reduce_grad): every home expert's fp32 gradient plus its replicas' (skewed routing);
+- `buffer_dispatch` / `buffer_combine`: whole one-rank Buffer operations, kernels vs the torch reference.
+
+Bandwidth = bytes read + written / time, as a fraction of `limits.copy_bytes_per_s` (a 4 GiB `copy_`).
+
+    python -m bench.rows                       # S=8192 H=7168 K=8 E=384 R=8 H'=2048
+
+Writes `bench/results/rows-<device>-<date>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.common import measure_limits, timed, write_record
+from moonep_moe.comm.buffer import Buffer, replica_sources
+from moonep_moe.comm.kernels import rows
+from moonep_moe.comm.plan import decode_dst, default_slots, plan_routes, rows_capacity
+from moonep_moe.comm.world import SymmetricTensor, single_world
+
+
+def symmetric(key: str, tensors: list[torch.Tensor]) -> SymmetricTensor:
+    """Rank 0's view of R tensors on this GPU (a simulated group: no world, no barrier)."""
+    return SymmetricTensor(key, 0, tuple(tensors))
+
+
+def routing(S: int, K: int, E: int, R: int, skewed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`topk_sk` of rank 0 and a group histogram `[R, E]` (every rank routes like rank 0)."""
+    p_e = torch.ones(E, device="cuda")
+    if skewed:
+        p_e[E // R:] = 0.02
+    topk_sk = torch.multinomial(p_e.expand(S, -1), K).int()
+    counts_e = torch.bincount(topk_sk.view(-1).long(), minlength=E)
+    return topk_sk, counts_e.expand(R, -1).contiguous()
+
+
+def peer_phases(record, S: int, H: int, K: int, E: int, R: int, B: int, nvs: int) -> None:
+    """Dispatch's and combine's peer phases on rank 0 of R (uniform routing)."""
+    topk_sk, counts_re = routing(S, K, E, R, skewed=False)
+    plan = plan_routes(counts_re, topk_sk, rank=0, num_slots=B, token_padding=128, rows_per_rank=nvs)
+    hidden_sh = torch.randn(S, H, device="cuda").bfloat16()
+    weights_sk = torch.rand(S, K, device="cuda")
+    peers = symmetric("rows", [torch.zeros(nvs, H, dtype=torch.bfloat16, device="cuda") for _ in range(R)])
+    weights = symmetric("weights", [torch.zeros(nvs, device="cuda") for _ in range(R)])
+    sources = symmetric("sources", [torch.zeros(nvs, dtype=torch.int32, device="cuda") for _ in range(R)])
+    _, _, primary_n, valid_n = decode_dst(plan.dst, nvs)
+    moved = (S + int((primary_n & valid_n).sum())) * H * 2  # token rows read + payload rows written
+    record("send_routes", timed(lambda: rows.send_routes(hidden_sh, weights_sk, plan.dst, None, peers,
+                                                          weights, sources)), moved)
+    out_sh = torch.empty(S, H, dtype=torch.bfloat16, device="cuda")
+    record("gather_routes", timed(lambda: rows.gather_routes(plan.dst, peers, None, out_sh, None,
+                                                             torch.float32)), moved)
+
+
+def weight_phases(record, S: int, H: int, K: int, E: int, R: int, B: int, nvs: int, ffn: int) -> None:
+    """prefetch's and reduce_grad's peer phases on rank 0 of R (skewed routing: slots in use)."""
+    topk_sk, counts_re = routing(S, K, E, R, skewed=True)
+    plan = plan_routes(counts_re, topk_sk, rank=0, num_slots=B, token_padding=128, rows_per_rank=nvs)
+    epn, row = E // R, (H, ffn)
+    home = symmetric("home", [torch.randn(epn, *row, device="cuda").bfloat16() for _ in range(R)])
+    slots_bx = torch.empty(B, *row, dtype=torch.bfloat16, device="cuda")
+    experts_b = plan.experts_to_copy[0]
+    record("copy_experts", timed(lambda: rows.copy_experts(home, slots_bx, experts_b)),
+           2 * B * slots_bx[0].nbytes)
+    grads = torch.zeros(epn, *row, device="cuda")
+    slot_grads = symmetric("slot_grads", [torch.zeros(B, *row, device="cuda") for _ in range(R)])
+    table_rb = plan.experts_to_copy.long()
+    mine_rb, home_rb = (table_rb >= 0) & (table_rb // epn == 0), table_rb.clamp(min=0) % epn
+    sources_hr = replica_sources(mine_rb, home_rb, epn)
+    record("add_replicas", timed(lambda: rows.add_replicas(grads, slot_grads, sources_hr)),
+           (2 * epn + int(mine_rb.sum())) * grads[0].nbytes)
+
+
+def buffer_ops(record, S: int, H: int, K: int, E: int) -> None:
+    """Whole one-rank Buffer operations (all K routes local: K - 1 duplicates per token), kernels vs the
+    torch reference. Bytes counted: S token rows and S*K routed rows (an approximation of the traffic)."""
+    world = single_world("cuda")
+    topk_sk, _ = routing(S, K, E, 1, skewed=False)
+    tpe = torch.bincount(topk_sk.view(-1).long(), minlength=E).int()
+    hidden_sh = torch.randn(S, H, device="cuda").bfloat16()
+    weights_sk = torch.rand(S, K, device="cuda")
+    for kernels in (True, False):
+        buf = Buffer(S, H, K, E, 1, world=world, validate=False, kernels=kernels)
+        *_, plan = buf.dispatch(hidden_sh, weights_sk, topk_sk, tpe, zero_copy=True)
+        tag = "kernels" if kernels else "reference"
+        record(f"dispatch_{tag}", timed(lambda buf=buf, plan=plan: buf.dispatch(
+            hidden_sh, None, None, None, plan=plan, zero_copy=True)), (S + S * K) * H * 2)
+        record(f"combine_{tag}", timed(lambda buf=buf, plan=plan: buf.combine(
+            plan, buf.hidden_nvsh_buffer_view(), zero_copy=True)), (S * K + S) * H * 2)
+        buf.destroy()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--S", type=int, default=8192)
+    parser.add_argument("--H", type=int, default=7168)
+    parser.add_argument("--K", type=int, default=8)
+    parser.add_argument("--E", type=int, default=384)
+    parser.add_argument("--R", type=int, default=8)
+    parser.add_argument("--ffn", type=int, default=2048)
+    args = parser.parse_args()
+    S, H, K, E, R = args.S, args.H, args.K, args.E, args.R
+    B = default_slots(E, R)
+    nvs = rows_capacity(S, K, R, E, B, 128)
+    limits = measure_limits()
+    results = []
+
+    def record(name: str, seconds: float, nbytes: int) -> None:
+        fraction = nbytes / seconds / limits["copy_bytes_per_s"]
+        results.append({"op": name, "seconds": seconds, "bytes": nbytes, "bytes_per_s": nbytes / seconds,
+                        "fraction_of_copy": fraction})
+        print(f"{name:20s} {seconds * 1e6:9.1f} us  {nbytes / seconds / 1e12:6.2f} TB/s  "
+              f"{fraction:.0%} of copy")
+
+    peer_phases(record, S, H, K, E, R, B, nvs)
+    weight_phases(record, S, H, K, E, R, B, nvs, args.ffn)
+    buffer_ops(record, S, H, K, E)
+    print(f"wrote {write_record('rows', limits, results)}")
+
+
+if __name__ == "__main__":
+    main()

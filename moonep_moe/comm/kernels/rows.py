@@ -1,0 +1,462 @@
+"""Triton kernels that move the Buffer's rows between ranks through per-rank pointer tables.
+
+A pointer table is an int64 `[R]` device tensor holding `peers[r].data_ptr()` of one symmetric tensor
+(`pointer_table`, built once per tensor and cached), so a kernel on rank r loads rank d's base address and
+reads or writes rank d's memory directly. It needs a world whose symmetric tensors have every peer mapped:
+the threads world (one process, one device) and the symmetric-memory world (NVLink peer mappings).
+
+These kernels only move bytes; the Buffer orders them with `world.barrier()` where its torch reference
+orders its phases, and builds every index both paths share (the plan's `dst`, dup tables, slot tables):
+
+- `send_routes`: each token row is read once and written once per destination rank, straight into its
+  expert-grouped row there (primary routes); every route's weight; duplicates record their primary row.
+- `zero_padding` / `expand_duplicates`: after the barrier, local: padding rows and weights become zero,
+  primary rows are copied into their duplicate rows.
+- `pre_reduce_duplicates`: local, before combine's barrier: each duplicate group summed into its primary
+  row in fp32, in row order (the order of the reference's `index_add_`).
+- `gather_routes`: per token its K rows pulled from their ranks and summed in fp32 in k order (the
+  reference's order, so the result is identical bit for bit), and optionally every route's weight.
+- `copy_experts`: each prefetch slot gets its expert's rows from the home rank's weights.
+- `add_replicas`: each home expert's fp32 gradient gets its replicas' slot gradients added, in the order
+  of `replica_sources` (the reference's order).
+
+Speed: rows are moved in blocks of 1024-2048 elements per program (16-byte vector accesses: the peer base
+addresses are 16-byte aligned, asserted when a table is built, and told to the compiler), with grids of
+tokens x row blocks (or slots x row chunks) that fill every SM; inner loops have trip counts fixed at
+compile time (K, R, the padding tile) and index math once per row, never per element. Everything a kernel
+reads from the plan is read on the device: no host sync.
+
+bf16 is widened and rounded (to nearest even) by bit operations: exact on the GPU, where they equal the
+hardware conversions, and in Triton's CPU interpreter, whose own bf16 conversions are not (they truncate
+or mis-round), so the interpreter tests compare bit for bit too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from moonep_moe.comm.world import SymmetricTensor
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+              torch.float64: tl.float64}
+
+ALIGNMENT = 16
+"""Bytes every peer base address must be a multiple of (what the kernels promise the compiler)."""
+
+
+# -- host side: pointer tables, launch parameters ------------------------------------------------------------
+
+
+def pointer_table(tensor: SymmetricTensor) -> torch.Tensor:
+    """`[R]` int64 on the tensor's device: every rank's base address of `tensor` (all peers mapped).
+
+    Cached by the addresses themselves, so it is built once per symmetric tensor; built with one `fill_`
+    per rank (no host-to-device copy, so no sync, and capturable in a CUDA graph)."""
+    if any(peer is None for peer in tensor.peers):
+        raise RuntimeError(f"symmetric tensor {tensor.key!r}: the row kernels need every peer mapped")
+    addresses = tuple(peer.data_ptr() for peer in tensor.peers)
+    if any(address % ALIGNMENT for address in addresses):
+        raise ValueError(f"symmetric tensor {tensor.key!r}: peer addresses must be {ALIGNMENT}-byte aligned")
+    return _table(str(tensor.local.device), addresses)
+
+
+@functools.lru_cache(maxsize=4096)
+def _table(device: str, addresses: tuple[int, ...]) -> torch.Tensor:
+    table_r = torch.empty(len(addresses), dtype=torch.int64, device=device)
+    for rank, address in enumerate(addresses):
+        table_r[rank].fill_(address)
+    return table_r
+
+
+def interpreted() -> bool:
+    """True where the kernels run in Triton's CPU interpreter (`TRITON_INTERPRET=1` at import)."""
+    return isinstance(_send_routes_kernel, InterpretedFunction)
+
+
+_interpreter_lock = threading.Lock()
+
+
+def _launching():
+    """The interpreter keeps its program ids and language patches in globals: thread-ranks take turns."""
+    return _interpreter_lock if interpreted() else contextlib.nullcontext()
+
+
+def _row_block(width: int, itemsize: int) -> tuple[int, int]:
+    """(elements per program, warps) for rows of `width` elements: 4 KiB blocks at most, halved when that
+    divides the row exactly (H = 7168 bf16 -> 1024: no masked tail), 16 bytes per thread and access."""
+    block = min(triton.next_power_of_2(width), 4096 // itemsize)
+    if width % block and width % (block // 2) == 0 and block >= 512:
+        block //= 2
+    return block, max(1, min(8, block * itemsize // 512))
+
+
+def _group_programs(capacity: int, device: torch.device, num_sms: int | None) -> tuple[int, int]:
+    """(programs, iterations) of a grid-stride loop over at most `capacity` items counted on the device."""
+    if device.type == "cuda":
+        num_sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
+        programs = min(capacity, 4 * num_sms)
+    else:
+        programs = min(capacity, 4)
+    programs = max(programs, 1)
+    return programs, triton.cdiv(capacity, programs)
+
+
+# -- device helpers ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _peer(table_ptr, rank, like_ptr):
+    """Rank `rank`'s base pointer from a pointer table, typed like `like_ptr`."""
+    address = tl.load(table_ptr + rank)
+    return tl.multiple_of(address.to(tl.pointer_type(like_ptr.dtype.element_ty)), 16)
+
+
+@triton.jit
+def _decode(dst_ptr, rows_per_rank):
+    """One `dst` entry -> (destination rank, row, is primary, is valid); rank and row 0 when invalid."""
+    dst = tl.load(dst_ptr).to(tl.int64)
+    valid = dst != -2147483648
+    primary = dst >= 0
+    raw = tl.where(primary, dst, -dst - 1)
+    raw = tl.where(valid, raw, 0)
+    return raw // rows_per_rank, raw % rows_per_rank, primary, valid
+
+
+@triton.jit
+def _widen(x, ACC: tl.constexpr):
+    """Rows -> the accumulation dtype, exactly (bf16 by its bits)."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(ACC)
+    return x.to(ACC)
+
+
+@triton.jit
+def _narrow(acc, OUT: tl.constexpr):
+    """The accumulation dtype -> rows, rounded to nearest even (bf16 by its bits; NaN stays NaN)."""
+    if OUT == tl.bfloat16:
+        bits = acc.to(tl.float32).to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(acc != acc, 0x7FC0, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return acc.to(OUT)
+
+
+# -- dispatch ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _send_routes_kernel(hidden_ptr, weights_ptr, dst_ptr, primary_row_ptr,
+                        rows_table, weights_table, sources_table, rows_like, weights_like, sources_like,
+                        H, rows_per_rank, K: tl.constexpr, WEIGHTS: tl.constexpr, RECORD: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
+    token = tl.program_id(0)
+    block = tl.program_id(1)
+    offs = block * BLOCK_H + tl.arange(0, BLOCK_H)
+    inside = offs < H
+    x = tl.load(hidden_ptr + token.to(tl.int64) * H + offs, mask=inside)
+    first_block = block == 0
+    for k in tl.static_range(K):
+        route = token * K + k
+        dest, row, primary, valid = _decode(dst_ptr + route, rows_per_rank)
+        tl.store(_peer(rows_table, dest, rows_like) + row * H + offs, x, mask=inside & primary)
+        if WEIGHTS:
+            tl.store(_peer(weights_table, dest, weights_like) + row, tl.load(weights_ptr + route),
+                     mask=valid & first_block)
+        if RECORD:
+            tl.store(_peer(sources_table, dest, sources_like) + row, tl.load(primary_row_ptr + route),
+                     mask=valid & ~primary & first_block)
+
+
+def send_routes(hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None, dst_n: torch.Tensor,
+                primary_row_n: torch.Tensor | None, rows: SymmetricTensor, weights: SymmetricTensor,
+                sources: SymmetricTensor) -> None:
+    """Every route of this rank to its destination rank's rows (peer writes; the caller barriers).
+
+    Args:
+        hidden_sh: `[s, H]` rows, contiguous. route_weights_sk: `[s, K]` or None (no weights sent).
+        dst_n: `[s*K]` int32 the plan's destinations. primary_row_n: `[s*K]` int32, the row of each route's
+            primary (written as the duplicate source of every duplicate route), or None (not recorded).
+        rows, weights, sources: the Buffer's symmetric `[NvS, H]` rows, `[NvS]` weights, `[NvS]` int32
+            duplicate sources.
+    """
+    num_tokens, width = hidden_sh.shape
+    if num_tokens == 0:
+        return
+    top_k = dst_n.numel() // num_tokens
+    block, warps = _row_block(width, hidden_sh.element_size())
+    with _launching():
+        _send_routes_kernel[(num_tokens, triton.cdiv(width, block))](
+            hidden_sh, route_weights_sk if route_weights_sk is not None else hidden_sh, dst_n,
+            primary_row_n if primary_row_n is not None else dst_n,
+            pointer_table(rows), pointer_table(weights), pointer_table(sources),
+            rows.local, weights.local, sources.local, width, rows.local.shape[0], K=top_k,
+            WEIGHTS=route_weights_sk is not None, RECORD=primary_row_n is not None, BLOCK_H=block,
+            num_warps=warps)
+
+
+@triton.jit
+def _zero_padding_kernel(rows_ptr, weights_ptr, zero_fill_ptr, H, PADDING: tl.constexpr,
+                         TILE: tl.constexpr, BLOCK_H: tl.constexpr):
+    group = tl.program_id(0)
+    block = tl.program_id(1)
+    first = tl.load(zero_fill_ptr + 2 * group).to(tl.int64)
+    count = tl.load(zero_fill_ptr + 2 * group + 1)
+    offs = block * BLOCK_H + tl.arange(0, BLOCK_H)
+    inside = offs < H
+    zeros = tl.zeros([TILE, BLOCK_H], dtype=rows_ptr.dtype.element_ty)
+    for start in tl.range(0, PADDING, TILE):
+        pad = start + tl.arange(0, TILE)
+        padding = pad < count
+        tl.store(rows_ptr + (first + pad)[:, None] * H + offs[None, :], zeros,
+                 mask=padding[:, None] & inside[None, :])
+        tl.store(weights_ptr + first + pad, tl.zeros([TILE], dtype=weights_ptr.dtype.element_ty),
+                 mask=padding & (block == 0))
+
+
+def zero_padding(rows_nvsh: torch.Tensor, weights_nvs: torch.Tensor, zero_fill_g2: torch.Tensor,
+                 token_padding: int) -> None:
+    """Zero every padding row and its weight: group g's `zero_fill_g2[g, 1]` (< tp) rows from
+    `zero_fill_g2[g, 0]` (`[G, 2]` int32, read on the device)."""
+    num_groups, width = zero_fill_g2.shape[0], rows_nvsh.shape[1]
+    if num_groups == 0 or token_padding == 1:
+        return
+    block, warps = _row_block(width, rows_nvsh.element_size())
+    tile = min(16, triton.next_power_of_2(token_padding))
+    with _launching():
+        _zero_padding_kernel[(num_groups, triton.cdiv(width, block))](
+            rows_nvsh, weights_nvs, zero_fill_g2, width, PADDING=token_padding - 1, TILE=tile,
+            BLOCK_H=block, num_warps=warps)
+
+
+@triton.jit
+def _duplicate_group(groups_ptr, group):
+    """Group `group` of the dup tables -> (primary row, first dup_loffs index, duplicates)."""
+    return (tl.load(groups_ptr + 3 * group).to(tl.int64), tl.load(groups_ptr + 3 * group + 1),
+            tl.load(groups_ptr + 3 * group + 2))
+
+
+@triton.jit
+def _expand_duplicates_kernel(rows_ptr, groups_ptr, loffs_ptr, counts_ptr, H, MAX_DUPS: tl.constexpr,
+                              ITERATIONS: tl.constexpr, BLOCK_H: tl.constexpr):
+    block = tl.program_id(1)
+    offs = block * BLOCK_H + tl.arange(0, BLOCK_H)
+    inside = offs < H
+    for iteration in tl.range(ITERATIONS):
+        group = tl.program_id(0) + iteration * tl.num_programs(0)
+        if group < tl.load(counts_ptr):
+            primary, first, count = _duplicate_group(groups_ptr, group)
+            x = tl.load(rows_ptr + primary * H + offs, mask=inside)
+            for i in tl.static_range(MAX_DUPS):
+                has = i < count
+                row = tl.load(loffs_ptr + first + i, mask=has, other=0).to(tl.int64)
+                tl.store(rows_ptr + row * H + offs, x, mask=inside & has)
+
+
+def expand_duplicates(rows_nvsh: torch.Tensor, dup_groups: torch.Tensor, dup_loffs: torch.Tensor,
+                      dup_counts: torch.Tensor, max_duplicates: int, max_groups: int,
+                      num_sms: int | None = None) -> None:
+    """Copy each duplicate group's primary row into its duplicate rows (the plan's dup tables, read on the
+    device; at most `max_groups` groups of at most `max_duplicates` rows: static bounds)."""
+    if max_duplicates == 0 or max_groups == 0:
+        return
+    width = rows_nvsh.shape[1]
+    block, warps = _row_block(width, rows_nvsh.element_size())
+    programs, iterations = _group_programs(max_groups, rows_nvsh.device, num_sms)
+    with _launching():
+        _expand_duplicates_kernel[(programs, triton.cdiv(width, block))](
+            rows_nvsh, dup_groups, dup_loffs, dup_counts, width, MAX_DUPS=max_duplicates,
+            ITERATIONS=iterations, BLOCK_H=block, num_warps=warps)
+
+
+# -- combine -------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _pre_reduce_kernel(rows_ptr, groups_ptr, loffs_ptr, counts_ptr, H, ACC: tl.constexpr,
+                       MAX_DUPS: tl.constexpr, ITERATIONS: tl.constexpr, BLOCK_H: tl.constexpr):
+    block = tl.program_id(1)
+    offs = block * BLOCK_H + tl.arange(0, BLOCK_H)
+    inside = offs < H
+    for iteration in tl.range(ITERATIONS):
+        group = tl.program_id(0) + iteration * tl.num_programs(0)
+        if group < tl.load(counts_ptr):
+            primary, first, count = _duplicate_group(groups_ptr, group)
+            primary_ptrs = rows_ptr + primary * H + offs
+            # the group's rows in ascending row order (duplicates are sorted; the primary slots in where it
+            # belongs); +0.0 is added where nothing is (exact: the sum starts at +0.0, so is never -0.0)
+            total = tl.zeros([BLOCK_H], dtype=ACC)
+            added = tl.full([], 0, tl.int1)
+            for i in tl.static_range(MAX_DUPS):
+                has = i < count
+                row = tl.load(loffs_ptr + first + i, mask=has, other=0).to(tl.int64)
+                primary_now = has & (row > primary) & ~added
+                total += _widen(tl.load(primary_ptrs, mask=inside & primary_now, other=0.0), ACC)
+                added = added | primary_now
+                total += _widen(tl.load(rows_ptr + row * H + offs, mask=inside & has, other=0.0), ACC)
+            total += _widen(tl.load(primary_ptrs, mask=inside & ~added, other=0.0), ACC)
+            tl.store(primary_ptrs, _narrow(total, rows_ptr.dtype.element_ty), mask=inside)
+
+
+def pre_reduce_duplicates(rows_nvsh: torch.Tensor, dup_groups: torch.Tensor, dup_loffs: torch.Tensor,
+                          dup_counts: torch.Tensor, max_duplicates: int, max_groups: int,
+                          accumulate: torch.dtype, num_sms: int | None = None) -> None:
+    """In place: each duplicate group's rows (primary and duplicates) summed in `accumulate`, in ascending
+    row order, into the primary row. Duplicate rows are left as they are (combine reads primaries only)."""
+    if max_duplicates == 0 or max_groups == 0:
+        return
+    width = rows_nvsh.shape[1]
+    block, warps = _row_block(width, 4)
+    programs, iterations = _group_programs(max_groups, rows_nvsh.device, num_sms)
+    with _launching():
+        _pre_reduce_kernel[(programs, triton.cdiv(width, block))](
+            rows_nvsh, dup_groups, dup_loffs, dup_counts, width, ACC=_TL_DTYPES[accumulate],
+            MAX_DUPS=max_duplicates, ITERATIONS=iterations, BLOCK_H=block, num_warps=warps)
+
+
+@triton.jit
+def _gather_routes_kernel(out_ptr, weights_out_ptr, dst_ptr, rows_table, weights_table, rows_like,
+                          weights_like, H, rows_per_rank, ACC: tl.constexpr, K: tl.constexpr,
+                          WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0)
+    block = tl.program_id(1)
+    offs = block * BLOCK_H + tl.arange(0, BLOCK_H)
+    inside = offs < H
+    first_block = block == 0
+    total = tl.zeros([BLOCK_H], dtype=ACC)
+    for k in tl.static_range(K):  # in k order, +0.0 for duplicates and invalid routes: the reference's sum
+        route = token * K + k
+        dest, row, primary, valid = _decode(dst_ptr + route, rows_per_rank)
+        x = tl.load(_peer(rows_table, dest, rows_like) + row * H + offs, mask=inside & primary, other=0.0)
+        total += _widen(x, ACC)
+        if WEIGHTS:
+            weight = tl.load(_peer(weights_table, dest, weights_like) + row, mask=valid & first_block,
+                             other=0.0)
+            tl.store(weights_out_ptr + route, weight, mask=first_block)
+    tl.store(out_ptr + token.to(tl.int64) * H + offs, _narrow(total, out_ptr.dtype.element_ty), mask=inside)
+
+
+def gather_routes(dst_n: torch.Tensor, rows: SymmetricTensor, weights: SymmetricTensor | None,
+                  out_sh: torch.Tensor, weights_out_sk: torch.Tensor | None, accumulate: torch.dtype) -> None:
+    """`out_sh[t] = sum_k rows[dst[t, k]]` over primary routes, in `accumulate` and k order (peer reads;
+    the caller barriers); with `weights`, `weights_out_sk[t, k]` = the weight at every valid route's row
+    (0 for invalid routes).
+
+    Args:
+        dst_n: `[s*K]` int32. rows: `[NvS, H]` symmetric (pre-reduced). weights: `[NvS]` symmetric or None.
+        out_sh: `[s, H]` contiguous output. weights_out_sk: `[s, K]` contiguous output or None.
+    """
+    num_tokens, width = out_sh.shape
+    if num_tokens == 0:
+        return
+    block, warps = _row_block(width, 4)
+    with_weights = weights is not None
+    with _launching():
+        _gather_routes_kernel[(num_tokens, triton.cdiv(width, block))](
+            out_sh, weights_out_sk if with_weights else out_sh, dst_n, pointer_table(rows),
+            pointer_table(weights) if with_weights else pointer_table(rows), rows.local,
+            weights.local if with_weights else rows.local, width, rows.local.shape[0],
+            ACC=_TL_DTYPES[accumulate], K=dst_n.numel() // num_tokens, WEIGHTS=with_weights, BLOCK_H=block,
+            num_warps=warps)
+
+
+# -- weights -------------------------------------------------------------------------------------------------
+
+
+def _flat_block(numel: int, itemsize: int) -> tuple[int, int, int]:
+    """(elements per access, accesses per program, warps) to copy rows of `numel` elements."""
+    block = min(triton.next_power_of_2(numel), 4096 // itemsize)
+    return block, min(8, triton.cdiv(numel, block)), max(1, min(8, block * itemsize // 512))
+
+
+@triton.jit
+def _copy_experts_kernel(slots_ptr, experts_ptr, home_table, home_like, numel, experts_per_rank,
+                         BLOCK: tl.constexpr, ITERATIONS: tl.constexpr):
+    chunk = tl.program_id(0)
+    slot = tl.program_id(1)
+    expert = tl.load(experts_ptr + slot)
+    used = expert >= 0
+    expert = tl.maximum(expert, 0)
+    source = _peer(home_table, expert // experts_per_rank, home_like) + (expert % experts_per_rank).to(
+        tl.int64) * numel
+    target = slots_ptr + slot.to(tl.int64) * numel
+    for i in tl.range(ITERATIONS):
+        offs = (chunk * ITERATIONS + i).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < numel
+        tl.store(target + offs, tl.load(source + offs, mask=inside & used, other=0.0), mask=inside)
+
+
+def copy_experts(home: SymmetricTensor, slots_bx: torch.Tensor, experts_b: torch.Tensor) -> None:
+    """`slots_bx[j] = home expert experts_b[j]` from its home rank (expert e lives on rank e // epn at
+    index e % epn of `home`), a zero row where `experts_b[j]` is -1 (peer reads; the caller barriers).
+
+    Args:
+        home: symmetric `[epn, *row]` home experts. slots_bx: `[B, *row]` contiguous, same dtype.
+        experts_b: `[B]` int32 global expert per slot, -1 = unused.
+    """
+    num_slots = slots_bx.shape[0]
+    numel = slots_bx[0].numel() if num_slots else 0
+    if num_slots == 0 or numel == 0:
+        return
+    block, iterations, warps = _flat_block(numel, slots_bx.element_size())
+    with _launching():
+        _copy_experts_kernel[(triton.cdiv(numel, block * iterations), num_slots)](
+            slots_bx, experts_b, pointer_table(home), home.local, numel, home.local.shape[0], BLOCK=block,
+            ITERATIONS=iterations, num_warps=warps)
+
+
+@triton.jit
+def _add_replicas_kernel(home_ptr, sources_ptr, slots_table, slots_like, numel, num_slots, ACC: tl.constexpr,
+                         MAX_REPLICAS: tl.constexpr, BLOCK: tl.constexpr, ITERATIONS: tl.constexpr):
+    chunk = tl.program_id(0)
+    expert = tl.program_id(1)
+    HOME: tl.constexpr = home_ptr.dtype.element_ty
+    target = home_ptr + expert.to(tl.int64) * numel
+    for i in tl.range(ITERATIONS):
+        offs = (chunk * ITERATIONS + i).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < numel
+        total = _widen(tl.load(target + offs, mask=inside), ACC)
+        for j in tl.static_range(MAX_REPLICAS):
+            source = tl.load(sources_ptr + expert * MAX_REPLICAS + j)
+            has = source >= 0
+            source = tl.maximum(source, 0)
+            replica = _peer(slots_table, source // num_slots, slots_like) + (source % num_slots).to(
+                tl.int64) * numel
+            # the reference's exchange of one slot index: `home += replica.to(home dtype)` for every rank
+            # holding the expert in that slot, summed in ACC and rounded to the home dtype once
+            x = _narrow(_widen(tl.load(replica + offs, mask=inside & has, other=0.0), ACC), HOME)
+            total += _widen(x, ACC)
+            if j + 1 < MAX_REPLICAS:
+                following = tl.load(sources_ptr + expert * MAX_REPLICAS + j + 1)
+                last_of_slot = (following < 0) | (following % num_slots != source % num_slots)
+                total = tl.where(last_of_slot, _widen(_narrow(total, HOME), ACC), total)
+        tl.store(target + offs, _narrow(total, HOME), mask=inside)
+
+
+def add_replicas(home_hx: torch.Tensor, slots: SymmetricTensor, sources_hr: torch.Tensor) -> None:
+    """`home_hx[h] += slots(rank)[slot]` for each `sources_hr[h, i] = rank * B + slot` (-1: none), in i
+    order (peer reads; the caller barriers). Like the reference's one `index_add_` per slot index: each
+    replica is rounded to the home dtype, and the sum to it once per slot index (sources are sorted by slot);
+    with fp32 home gradients that is a plain fp32 sum.
+
+    Args:
+        home_hx: `[epn, *row]` contiguous home gradients. slots: symmetric `[B, *row]` slot gradients.
+        sources_hr: `[epn, R]` int32 replica sources of each home expert, in the order they are added.
+    """
+    num_home, max_replicas = sources_hr.shape
+    numel = home_hx[0].numel() if num_home else 0
+    if num_home == 0 or numel == 0 or slots.local.shape[0] == 0:
+        return
+    block, iterations, warps = _flat_block(numel, home_hx.element_size())
+    accumulate = torch.promote_types(torch.promote_types(home_hx.dtype, slots.local.dtype), torch.float32)
+    with _launching():
+        _add_replicas_kernel[(triton.cdiv(numel, block * iterations), num_home)](
+            home_hx, sources_hr, pointer_table(slots), slots.local, numel, slots.local.shape[0],
+            ACC=_TL_DTYPES[accumulate], MAX_REPLICAS=max_replicas, BLOCK=block, ITERATIONS=iterations,
+            num_warps=warps)

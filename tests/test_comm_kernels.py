@@ -1,0 +1,272 @@
+"""The Buffer's Triton row kernels (`comm.kernels.rows`) against its torch reference, bit for bit.
+
+Every rank of a threads world holds two Buffers of the same shape, one forced onto the kernels
+(`kernels=True`; on the CPU they run in Triton's interpreter, which conftest turns on) and one onto the
+reference (`kernels=False`), and runs the same step on both from fresh random inputs: dispatch, combine
+(with and without route weights, copy and zero-copy), the backward dispatch through the plan,
+prefetch_weight and reduce_grad in both weight forms. Every output, the plan's dup tables and the state
+left in the slots and home gradients must be equal (`torch.equal`): the kernels add in the reference's
+order (combine's fp32 sum in k order, duplicates in row order, replicas in (slot, rank) order), so even
+bf16 results are exact. Skewed routing sends every route to rank 0's experts: replicas and duplicate
+routes are then guaranteed.
+
+On a GPU (`@pytest.mark.gpu`) the kernels run on CUDA thread-ranks with larger shapes and are compared with
+the reference run on the CPU from the same inputs (the CUDA reference's `index_add_` adds in no fixed
+order); a one-rank step also runs under `torch.cuda.set_sync_debug_mode("error")`, and `async_finish`
+results are compared with synchronous ones after `event.wait()`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from moonep_moe.comm.buffer import Buffer
+from moonep_moe.comm.world import run_ranks, single_world
+from moonep_moe.weights.pool import ExpertRows
+
+GATE_NK, DOWN_NK = (6, 8), (8, 6)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One EP group's step: R ranks, capacity S, `tokens` per rank (None: S), H, K, E, tp, routing `kind`
+    ("uniform" or "skewed": every route to rank 0's experts), a share of invalid routes, row dtype."""
+
+    R: int
+    S: int = 16
+    H: int = 16
+    K: int = 3
+    E: int = 8
+    tp: int = 4
+    kind: str = "uniform"
+    invalid: float = 0.2
+    dtype: torch.dtype = torch.bfloat16
+    tokens: tuple[int, ...] | None = None
+    seed: int = 0
+
+    @property
+    def epn(self) -> int:
+        return self.E // self.R
+
+    def buffer(self, world, kernels: bool, **kwargs) -> Buffer:
+        return Buffer(self.S, self.H, self.K, self.E, self.R, token_padding=self.tp, world=world,
+                      dtype=self.dtype, kernels=kernels, **kwargs)
+
+    def inputs(self, rank: int) -> dict[str, torch.Tensor]:
+        """Random hidden `[s, H]`, route weights `[s, K]`, distinct experts per token `[s, K]` with -1s,
+        the histogram `[E]`, expert outputs `[NvS, H]`, a gradient `[s, H]`, per-row values `[NvS]`."""
+        s = self.S if self.tokens is None else self.tokens[rank]
+        gen = torch.Generator().manual_seed(1000 * self.seed + rank)
+        p_e = torch.ones(self.E)
+        if self.kind == "skewed":
+            p_e[self.epn:] = 0
+        topk = torch.multinomial(p_e.expand(s, -1), self.K, generator=gen) if s else torch.empty(0, self.K)
+        topk = topk.long()
+        topk[torch.rand(s, self.K, generator=gen) < self.invalid] = -1
+        weight_dtype = torch.promote_types(self.dtype, torch.float32)
+        return dict(hidden=torch.randn(s, self.H, generator=gen).to(self.dtype),
+                    weights=torch.rand(s, self.K, generator=gen, dtype=weight_dtype),
+                    topk=topk.int(), tpe=torch.bincount(topk[topk >= 0], minlength=self.E).int(),
+                    grad=torch.randn(s, self.H, generator=gen).to(self.dtype))
+
+
+def prepare(step: Step, world, kernels: bool, **buffer_kwargs) -> dict:
+    """A Buffer and every input of `operate` on the world's device (fresh random values, fixed seeds)."""
+    device, r, epn = world.device, world.rank, step.epn
+    buf = step.buffer(world, kernels, **buffer_kwargs)
+    assert buf.uses_kernels == kernels
+    B, tag = buf.B, f"test/{next(world.globals.setdefault('test_serial', itertools.count()))}"
+    gen = torch.Generator().manual_seed(77 + r)
+    experts = [torch.randn(step.E, *shape, generator=torch.Generator().manual_seed(5 + i)).to(step.dtype)
+               for i, shape in enumerate((GATE_NK, DOWN_NK))]  # the same group experts on every rank
+
+    def symmetric(name, tensor):
+        return world.symmetric(f"{tag}/{name}", tensor.to(device))
+
+    return dict(
+        buf=buf, x={k: v.to(device) for k, v in step.inputs(r).items()},
+        expert_out=torch.randn(buf.NvS, step.H, generator=gen).to(step.dtype).to(device),
+        values=torch.randn(buf.NvS, generator=gen, dtype=buf.weight_dtype).to(device),
+        rows=[ExpertRows(symmetric(f"home{i}", w[r * epn:(r + 1) * epn].clone()),
+                         symmetric(f"slots{i}", torch.full((B, *w.shape[1:]), 7.0, dtype=step.dtype)))
+              for i, w in enumerate(experts)],
+        replicated=torch.cat([experts[0], torch.full((B, *GATE_NK), 7.0, dtype=step.dtype)]).to(device),
+        # fp32 home gradients, and home gradients in the row dtype (bf16 parameters' own grads)
+        grads=[ExpertRows(symmetric(f"grad{i}", torch.randn(epn, *shape, generator=gen).to(home_dtype)),
+                          symmetric(f"slot_grads{i}", torch.randn(B, *shape, generator=gen)))
+               for i, (shape, home_dtype) in enumerate(((GATE_NK, torch.float32), (DOWN_NK, step.dtype)))],
+        full=torch.randn(step.E + B, *DOWN_NK, generator=gen).to(device),
+        staging=symmetric("staging", torch.zeros(B, *DOWN_NK)))
+
+
+def operate(state: dict) -> dict:
+    """Every Buffer operation on one rank; returns everything they produce or leave behind (no host read,
+    so it can run under `set_sync_debug_mode("error")`)."""
+    buf, x = state["buf"], state["x"]
+    out = {}
+    rows, weights, cu, plan = buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"])
+    out.update(rows=rows, weights=weights, cu=cu, dst=plan.dst, dup_groups=plan.dup_groups,
+               dup_loffs=plan.dup_loffs, dup_counts=plan.dup_counts, experts_to_copy=plan.experts_to_copy)
+    out["combined"], out["no_values"], _ = buf.combine(plan, state["expert_out"])
+    out["combined_again"], out["values_sk"], _ = buf.combine(plan, state["expert_out"], state["values"])
+    out["grad_rows"], out["grad_weights"], out["grad_cu"], _ = buf.dispatch(x["grad"], None, None, None,
+                                                                            plan=plan)
+    # zero copy: the "expert" writes in place into the Buffer's own views
+    rows, weights, _, plan = buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"], zero_copy=True,
+                                          router_weights_zero_copy=True)
+    rows.mul_(2)
+    weights.add_(1)
+    out["zero_copy"], out["zero_copy_sk"], _ = buf.combine(plan, rows, weights, zero_copy=True)
+    gate, down = state["rows"]
+    buf.prefetch_weight(plan, gate, None, down)
+    buf.prefetch_weight(plan, state["replicated"], None, None)
+    buf.reduce_grad(plan, state["grads"][0], None, state["grads"][1])
+    buf.reduce_grad(plan, None, None, state["full"], down_reduce_buffer=state["staging"])
+    out.update(slots0=gate.slots.local, slots1=down.slots.local, replicated=state["replicated"],
+               home_grad0=state["grads"][0].home.local, slot_grad0=state["grads"][0].slots.local,
+               home_grad1=state["grads"][1].home.local, full_grad=state["full"])
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+
+
+def run_step(step: Step, world, kernels: bool) -> dict:
+    return operate(prepare(step, world, kernels))
+
+
+def both_paths(step: Step, device: str = "cpu") -> list[tuple[dict, dict]]:
+    """(kernels, reference) results of every rank; the reference runs on the CPU."""
+    kernels = run_ranks(lambda world: run_step(step, world, kernels=True), step.R, device=device)
+    reference = run_ranks(lambda world: run_step(step, world, kernels=False), step.R)
+    return list(zip(kernels, reference, strict=True))
+
+
+def assert_equal(step: Step, results: list[tuple[dict, dict]]) -> None:
+    for rank, (kernels, reference) in enumerate(results):
+        assert kernels.keys() == reference.keys()
+        for key, want in reference.items():
+            got = kernels[key]
+            if isinstance(want, torch.Tensor):
+                got = got.cpu()
+                assert got.dtype == want.dtype and got.shape == want.shape, (rank, key)
+                assert torch.equal(got, want), (rank, key, (got != want).sum().item())
+            else:
+                assert got == want, (rank, key)
+    if step.kind == "skewed" and step.R > 1:
+        reference = [res for _, res in results]
+        assert bool((reference[0]["experts_to_copy"] >= 0).any()), "skewed routing uses replicas"
+        assert sum(int(res["dup_counts"][1]) for res in reference) > 0, "and duplicate routes"
+
+
+# -- CPU: the interpreter ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["uniform", "skewed"])
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_kernels_equal_reference(R, kind):
+    step = Step(R=R, S=16 if R < 4 else 8, E=8 if R < 4 else 16, K=3 if R < 4 else 4, kind=kind, seed=R)
+    assert_equal(step, both_paths(step))
+
+
+@pytest.mark.parametrize("kind", ["uniform", "skewed"])
+def test_kernels_equal_reference_fp32_rows(kind):
+    step = Step(R=2, S=12, K=4, kind=kind, dtype=torch.float32, seed=5)
+    assert_equal(step, both_paths(step))
+
+
+def test_fewer_tokens_and_invalid_routes():
+    """s < S on every rank (one rank with no token at all), many invalid routes, H with a masked tail."""
+    step = Step(R=4, S=8, H=20, K=2, E=8, tp=8, kind="skewed", invalid=0.5, tokens=(5, 8, 0, 1), seed=9)
+    assert_equal(step, both_paths(step))
+
+
+def test_wide_rows_span_several_blocks():
+    """H larger than one kernel block (several programs per row), duplicates K - 1 deep."""
+    step = Step(R=2, S=4, H=2048 + 64, K=4, E=8, tp=4, kind="skewed", invalid=0.0, dtype=torch.float32)
+    assert_equal(step, both_paths(step))
+
+
+def test_auto_selection_and_forcing():
+    cpu = single_world()
+    assert not Step(R=1).buffer(cpu, kernels=None).uses_kernels, "the reference is the CPU default"
+    assert Step(R=1).buffer(cpu, kernels=True).uses_kernels, "the interpreter runs them on CPU tensors"
+    meta = single_world("meta")
+    with pytest.raises(ValueError, match="kernels=True"):
+        Step(R=1).buffer(meta, kernels=True)
+
+
+def test_async_finish_off_cuda_returns_a_finished_event():
+    step = Step(R=1)
+    buf = step.buffer(single_world(), kernels=True)
+    x = step.inputs(0)
+    *_, plan, event = buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"], async_finish=True)
+    assert event.event is None
+    event.wait()
+
+
+# -- GPU ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["uniform", "skewed"])
+@pytest.mark.parametrize("R", [1, 2, 4, 8])
+def test_cuda_kernels_equal_reference(R, kind):
+    step = Step(R=R, S=256, H=1024 + 128, K=8, E=64, tp=128, kind=kind, invalid=0.1, seed=R,
+                tokens=tuple(256 - 17 * r for r in range(R)))
+    assert_equal(step, both_paths(step, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_cuda_fp32_rows_equal_reference():
+    step = Step(R=4, S=64, H=7168, K=8, E=32, tp=128, kind="skewed", dtype=torch.float32)
+    assert_equal(step, both_paths(step, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_cuda_one_rank_kernels_run_under_sync_debug_error():
+    """A one-rank step on the kernels (every operation) under `set_sync_debug_mode("error")`, after a
+    warm-up step that compiles the kernels."""
+    step = Step(R=1, S=64, H=1024, K=4, E=8, tp=16, kind="skewed")
+    world = single_world("cuda")
+    operate(prepare(step, world, kernels=True, validate=False))
+    state = prepare(step, world, kernels=True, validate=False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = operate(state)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert_equal(step, [(result, run_step(step, single_world(), kernels=False))])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "reference"])
+def test_cuda_async_finish_orders_on_the_comm_stream(kernels):
+    """Every operation with `async_finish=True` (comm stream, priority -1) equals the synchronous result
+    once the caller waits on its event; the inputs are produced by a long kernel on the caller's stream
+    just before, so an operation that did not wait for the caller's stream would read stale inputs."""
+    step = Step(R=2, S=128, H=2048, K=4, E=16, tp=32, kind="skewed")
+
+    def fn(world):
+        sync = step.buffer(world, kernels)
+        asyn = step.buffer(world, kernels, comm_stream_priority=-1)
+        x = {k: v.cuda() for k, v in step.inputs(world.rank).items()}
+        rows, weights, _, plan = sync.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"])
+        out, _, _ = sync.combine(plan, rows)
+        slow = torch.randn(4096, 4096, device="cuda")
+        for _ in range(8):
+            slow = slow @ slow / 64  # keeps the caller's stream busy
+        hidden = x["hidden"] + slow[0, 0].to(x["hidden"].dtype) * 0
+        *result, event = asyn.dispatch(hidden, x["weights"], x["topk"], x["tpe"], async_finish=True)
+        event.wait()
+        rows_a, weights_a, _, plan_a = result
+        assert torch.equal(rows_a, rows) and torch.equal(weights_a, weights)
+        out_a, _, event = asyn.combine(plan_a, rows_a, async_finish=True)
+        assert event.event is not None
+        event.wait()
+        assert torch.equal(out_a, out)
+        return True
+
+    assert all(run_ranks(fn, step.R, device="cuda"))
