@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(os.environ.get("MOONEP_BENCH_OUT") or Path(__file__).resolve().parent / "results")
+"""Where records go: bench/results, or $MOONEP_BENCH_OUT (e.g. a remote machine's output folder)."""
 
 
 def timed(fn: Callable[[], object], warmup: int = 3, repeat: int = 10) -> float:
