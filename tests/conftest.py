@@ -16,10 +16,14 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `@pytest.mark.gpu` skip, with a reason, where there is no CUDA device."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device (run on the H200)")
+    """Tests marked `gpu` skip, with a reason, where there is no CUDA device; tests marked `interpreter`
+    (Triton kernels on CPU tensors) skip where there is one: there the kernels are compiled, and the `gpu`
+    tests check them on CUDA tensors."""
+    cuda = torch.cuda.is_available()
+    skips = {"gpu": pytest.mark.skip(reason="needs a CUDA device (run on the H200)"),
+             "interpreter": pytest.mark.skip(reason="Triton's interpreter runs only where there is no GPU; "
+                                                     "the gpu-marked tests cover the compiled kernels")}
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if marker in item.keywords and (marker == "gpu") != cuda:
+                item.add_marker(skip)

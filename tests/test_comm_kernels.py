@@ -163,6 +163,7 @@ def assert_equal(step: Step, results: list[tuple[dict, dict]]) -> None:
 # -- CPU: the interpreter ----------------------------------------------------------------------------------
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("kind", ["uniform", "skewed"])
 @pytest.mark.parametrize("R", [1, 2, 4])
 def test_kernels_equal_reference(R, kind):
@@ -170,24 +171,28 @@ def test_kernels_equal_reference(R, kind):
     assert_equal(step, both_paths(step))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("kind", ["uniform", "skewed"])
 def test_kernels_equal_reference_fp32_rows(kind):
     step = Step(R=2, S=12, K=4, kind=kind, dtype=torch.float32, seed=5)
     assert_equal(step, both_paths(step))
 
 
+@pytest.mark.interpreter
 def test_fewer_tokens_and_invalid_routes():
     """s < S on every rank (one rank with no token at all), many invalid routes, H with a masked tail."""
     step = Step(R=4, S=8, H=20, K=2, E=8, tp=8, kind="skewed", invalid=0.5, tokens=(5, 8, 0, 1), seed=9)
     assert_equal(step, both_paths(step))
 
 
+@pytest.mark.interpreter
 def test_wide_rows_span_several_blocks():
     """H larger than one kernel block (several programs per row), duplicates K - 1 deep."""
     step = Step(R=2, S=4, H=2048 + 64, K=4, E=8, tp=4, kind="skewed", invalid=0.0, dtype=torch.float32)
     assert_equal(step, both_paths(step))
 
 
+@pytest.mark.interpreter
 def test_auto_selection_and_forcing():
     cpu = single_world()
     assert not Step(R=1).buffer(cpu, kernels=None).uses_kernels, "the reference is the CPU default"
@@ -197,6 +202,7 @@ def test_auto_selection_and_forcing():
         Step(R=1).buffer(meta, kernels=True)
 
 
+@pytest.mark.interpreter
 def test_async_finish_off_cuda_returns_a_finished_event():
     step = Step(R=1)
     buf = step.buffer(single_world(), kernels=True)

@@ -46,6 +46,7 @@ def split(out_gnk: torch.Tensor, cuts: list[int]) -> list[torch.Tensor]:
     return [part.clone() for part in out_gnk.tensor_split(cuts)]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize(("cuts", "dtype"), [
     ([], torch.bfloat16), ([5], torch.bfloat16), ([0], torch.bfloat16), ([9], torch.bfloat16),
     ([2, 5, 6], torch.bfloat16), ([5], torch.float16),
@@ -61,6 +62,7 @@ def test_overwrite_writes_every_group(cuts, dtype):
             assert not got_gnk[g].any(), f"empty group {g} must be overwritten with zeros"
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("cuts", [[], [5]], ids=["one", "home+slots"])
 def test_accumulate_adds_and_leaves_empty_groups_alone(cuts):
     dy_mn, x_mk = random_rows(SIZES_G, N, K, torch.bfloat16)
@@ -71,6 +73,7 @@ def test_accumulate_adds_and_leaves_empty_groups_alone(cuts):
                                before_gnk.double() + expected_gnk(dy_mn, x_mk, SIZES_G), **FP32_TOL)
 
 
+@pytest.mark.interpreter
 def test_parts_of_different_dtypes():
     """Home gradients in the parameters' dtype (bf16), slot gradients in fp32, in one launch."""
     dy_mn, x_mk = random_rows(SIZES_G, N, K, torch.bfloat16)
@@ -82,6 +85,7 @@ def test_parts_of_different_dtypes():
     torch.testing.assert_close(home.double(), want_gnk[:5], rtol=2**-7, atol=1e-4)
 
 
+@pytest.mark.interpreter
 def test_matches_reference_backend_on_skewed_routing():
     """All rows in one group but a few, fresh data: the reference backend (fp32) agrees."""
     sizes_g = [3, 0, 0, 250, 0, 1]
