@@ -109,6 +109,6 @@ def test_peak_memory_does_not_depend_on_routing_skew():
         step(layer, x_th, grad_th)
         torch.cuda.synchronize()
         peaks[strength] = torch.cuda.max_memory_allocated()
-    maxvio = layer.balance_stats()["ep_maxvio"]
-    assert float(maxvio) > 1.0, "the skewed step was not skewed"
+    load_e = layer._state.last_plan.expert_load.double()
+    assert float(load_e.max() / load_e.mean()) > 2.0, "the skewed step was not skewed"
     assert peaks[0.0] == peaks[100.0], peaks

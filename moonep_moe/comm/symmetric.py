@@ -108,7 +108,6 @@ class SymmetricWorld(PeerWorld):
             symm_mem.set_backend("CUDA")  # raises if another backend already allocated in this process
         self._board = self._register(BOARD_KEY, torch.zeros(self.size, board_bytes, dtype=torch.uint8,
                                                             device=device))
-        self._board_handle = self._handles[BOARD_KEY]
 
     @classmethod
     def from_process_group(cls, group: dist.ProcessGroup | None = None,
@@ -120,7 +119,7 @@ class SymmetricWorld(PeerWorld):
 
     def barrier(self) -> None:
         """Device-side barrier on the current stream (no host sync, graph-capturable, self-resetting)."""
-        self._board_handle.barrier(channel=BARRIER_CHANNEL, timeout_ms=self.timeout_ms)
+        self._handles[BOARD_KEY].barrier(channel=BARRIER_CHANNEL, timeout_ms=self.timeout_ms)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """`[*shape]` on every rank -> `[R, *shape]` (a fresh tensor): every rank writes its bytes into row
@@ -175,6 +174,9 @@ class SymmetricWorld(PeerWorld):
             local.copy_(tensor)
             tensor.set_(local)
         self._handles[key] = handle
+        # every rank's initial contents land before any peer may write them (the H200 run without this
+        # barrier lost a peer's first write to the receiver's late copy of its zeros)
+        self.barrier()
         if dump:
             self._targets[key] = mapped
         peers = tuple(tensor if r == self.rank else (m[:rows] if dump else m) for r, m in enumerate(mapped))
