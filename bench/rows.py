@@ -71,8 +71,9 @@ def weight_phases(record, S: int, H: int, K: int, E: int, R: int, B: int, nvs: i
     home = symmetric("home", [torch.randn(epn, *row, device="cuda").bfloat16() for _ in range(R)])
     slots_bx = torch.empty(B, *row, dtype=torch.bfloat16, device="cuda")
     experts_b = plan.experts_to_copy[0]
+    used = int((experts_b >= 0).sum())  # used slots are read and written, unused ones only zero-filled
     record("copy_experts", timed(lambda: rows.copy_experts(home, slots_bx, experts_b)),
-           2 * B * slots_bx[0].nbytes)
+           (2 * used + B - used) * slots_bx[0].nbytes)
     grads = torch.zeros(epn, *row, device="cuda")
     slot_grads = symmetric("slot_grads", [torch.zeros(B, *row, device="cuda") for _ in range(R)])
     table_rb = plan.experts_to_copy.long()
