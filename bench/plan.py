@@ -7,8 +7,18 @@ shared by the group, tokens drawn without replacement per rank), it times on ran
   (on CUDA including the device-to-host read of the histogram);
 - `device_global_s`: `plan_global_device`, the same global plan computed with fixed-shape device ops;
 - `route_destinations_s`: the rank's `dst` from the global plan;
-- `plan_routes_s`: the whole plan as a step builds it (`plan_global_device` + `route_destinations`);
+- `plan_routes_s`: the whole plan as a step builds it (`plan_routes`: on CUDA the Triton planner, elsewhere
+  `plan_global_device` + `route_destinations`);
 - `plan_routes_graph_s` (CUDA only): the same, captured once in a CUDA graph and replayed.
+
+On CUDA also the Triton planner (`moonep_moe.comm.kernels.plan`, target 20 us for the whole plan at S=8192
+K=8 E=384 R=8 B=48 tp=128), each result checked field by field against the torch planner first:
+
+- `triton_global_s`: launch 1 (the global plan beside the token blocks' positions and histograms);
+- `triton_destinations_s`: launch 2 (every route's `dst`);
+- `triton_plan_routes_s`: the whole `plan_routes_triton` (allocation + both launches), eager;
+- `triton_global_w{1,2,4,8}_s`: launch 1 with that many warps (its loops reduce across warps: the choice
+  is `PLAN_WARPS`, to be set from this sweep).
 
 Medians over `--iters` runs after `--warmup`: CUDA events on CUDA (`bench.common.timed`), wall clock on the
 CPU. Every device result is checked against the reference before timing.
@@ -25,12 +35,14 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 from bench.common import measure_limits, timed, write_record
 from moonep_moe.comm.plan import (
+    MoonEPCommPlan,
     default_slots,
     plan_global,
     plan_global_device,
@@ -111,6 +123,29 @@ def time_plan(args: argparse.Namespace, sigma: float) -> dict[str, float]:
         with torch.cuda.graph(graph):
             plan_routes(counts_re, topk_sk, **kwargs)
         row["plan_routes_graph_s"] = measure(graph.replay)
+        row.update(time_triton(counts_re, topk_sk, kwargs, measure))
+    return row
+
+
+def time_triton(counts_re: torch.Tensor, topk_sk: torch.Tensor, kwargs: dict,
+                measure: Callable[[Callable[[], object]], float]) -> dict[str, float]:
+    """The Triton planner's launches (module docstring), after checking its plan against the torch planner."""
+    from moonep_moe.comm.kernels.plan import plan_routes_triton, prepare
+
+    expected = plan_routes(counts_re.cpu(), topk_sk.cpu(), **kwargs)
+    plan = plan_routes_triton(counts_re, topk_sk, **kwargs)
+    for name in (f.name for f in fields(MoonEPCommPlan)):
+        a, b = getattr(plan, name), getattr(expected, name)
+        if not (torch.equal(a.cpu(), b) if isinstance(b, torch.Tensor) else a == b):
+            raise AssertionError(f"the Triton plan differs from the torch plan in {name}")
+    launch = prepare(counts_re, topk_sk, **kwargs)
+    row = dict(triton_global_s=measure(launch.plan_group),
+               triton_destinations_s=measure(launch.route_destinations),
+               triton_plan_routes_s=measure(lambda: plan_routes_triton(counts_re, topk_sk, **kwargs)))
+    for warps in (1, 2, 4, 8):
+        row[f"triton_global_w{warps}_s"] = measure(prepare(counts_re, topk_sk, **kwargs,
+                                                           plan_warps=warps).plan_group)
+    row["triton_meets_20us"] = row["triton_plan_routes_s"] <= 20e-6
     return row
 
 

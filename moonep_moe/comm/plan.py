@@ -35,6 +35,9 @@ Two implementations of steps 1-5 compute the same global plan, bit for bit:
   an explicit combined key (`_first_argmax`), never by relying on `argmax`'s tie order.
 
 Step 6 (`route_destinations`) is one implementation, sync-free on every device.
+
+On CUDA (with Triton) `plan_routes` runs steps 1-6 as two Triton launches instead
+(`moonep_moe.comm.kernels.plan`, equal to these bit for bit); elsewhere the torch path above.
 """
 
 from __future__ import annotations
@@ -458,10 +461,22 @@ def route_destinations(topk_experts_sk: torch.Tensor, counts_re: torch.Tensor, a
     return torch.where(valid_n, dst_n, NO_ROUTE).to(torch.int32)
 
 
+def _use_triton(topk_experts_sk: torch.Tensor) -> bool:
+    """The one place that picks the planner kernels: CUDA routes with Triton installed."""
+    if not topk_experts_sk.is_cuda:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def plan_routes(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int, num_slots: int,
                 token_padding: int, rows_per_rank: int, owner: int | None = None) -> MoonEPCommPlan:
     """The full plan of `rank` from the gathered histogram and the rank's own routes, built on the device of
-    `topk_experts_sk` without a host read (`plan_global_device`, `route_destinations`).
+    `topk_experts_sk` without a host read: on CUDA with Triton by `plan_routes_triton` (two launches),
+    elsewhere by `plan_global_device` and `route_destinations`.
 
     Only on the CPU does it check that this rank's rows fit (`cu_seqlens[-1] <= NvS`, a host read): on other
     devices the check would sync. `rows_capacity` guarantees it by construction; the CPU tests check it.
@@ -471,6 +486,11 @@ def plan_routes(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank:
         topk_experts_sk: `[S, K]` int, this rank's routed experts, -1 = no route.
         num_slots: B. token_padding: tp. rows_per_rank: NvS (capacity of the dispatched rows).
     """
+    if _use_triton(topk_experts_sk):
+        from moonep_moe.comm.kernels.plan import plan_routes_triton
+
+        return plan_routes_triton(counts_re, topk_experts_sk, rank=rank, num_slots=num_slots,
+                                  token_padding=token_padding, rows_per_rank=rows_per_rank, owner=owner)
     num_ranks, num_experts = counts_re.shape
     device = topk_experts_sk.device
     counts_re = counts_re.to(device=device, dtype=torch.int64)

@@ -1,0 +1,436 @@
+"""The planner as two Triton launches: the gathered histogram and the rank's routes -> `MoonEPCommPlan`.
+
+The contract is `moonep_moe.comm.plan` (module docstring, steps 1-6); this is its GPU implementation, equal to
+the reference bit for bit, with no host read (every size is a launch constant; nothing is read back).
+
+Legend: R ranks, E experts, `epn = E / R`, B slots, K routes per token, s tokens (`[s, K]` routes), tp token
+padding, NvS rows per rank. `R_P`, `W`, `B_P`, `K_P`, `E_P`: padded powers of two. In the global program,
+`_gw` tensors are indexed by (group or rank g, expert-in-group or rank w): `[R_P, W]` with
+`W = max(R_P, epn padded)` so that donor x expert and donor x receiver matrices share one shape (and one
+register layout: their row reductions meet without a layout conversion). `_dgw`: (computing rank d, g, w).
+
+Launch 1, `_plan_kernel` (grid `nb + 1`), two kinds of program that run side by side:
+
+- programs `0 .. nb-1` each take a block of `TOK` tokens and write, for every valid route, its position
+  among the block's earlier routes to the same expert in (token, k) order (`position_n`), and the block's
+  expert histogram (`block_counts_be`); they also zero the dup tables (the planner leaves them empty);
+- the last program plans the group (steps 1-5): rank balancing and the per-donor split as loops that stop
+  when nothing moves (the reference's `break`; each moving iteration exhausts a receiver or an expert), then
+  every rank's segments at once, and writes the plan's global fields plus two `[E, R]` tables for launch 2:
+  `ends_er[e, d]` (routes of expert e computed on ranks `<= d`) and `offset_er[e, d]`
+  (`d * NvS + row_base[d, e] - start`: a route with index i in e's group order on d lands at
+  `offset + i`), and `before_e` (routes of expert e on ranks before this one).
+
+Launch 2, `_destinations_kernel` (grid `nb`): block b adds the histograms of blocks `< b` to `before_e`,
+so every route gets its index in its expert's (source rank, token, k) order; its destination rank is the
+number of `ends_er[e, :]` at or below the index; duplicates (a later k of the same token to the same rank)
+are encoded `-dst - 1`, invalid routes `NO_ROUTE`; `remote_stats` is summed with integer atomics (exact in any
+order).
+
+Limits: the group's total routes and `R * NvS` below 2^31 (int32 plan fields), expert ids in [-1, E)
+(`Buffer(validate=True)` checks them; an id outside is treated as no route, never read out of bounds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moonep_moe.comm.plan import NO_ROUTE, MoonEPCommPlan
+
+ROUTES_PER_BLOCK = 1024
+"""Routes (tokens x padded K) per block program: S=8192, K=8 gives 64 blocks."""
+PLAN_WARPS = 4
+"""Warps of launch 1 (the global program's loops reduce across them; `bench.plan` sweeps the choice)."""
+DESTINATION_WARPS = 4
+ZERO_CHUNK = tl.constexpr(1024)
+"""Elements a block program zeroes per store of the dup tables."""
+BIG = tl.constexpr(2**31 - 1)
+_PLAN_CONSTANTS = ("R", "E", "B", "TP", "NVS", "K", "R_P", "W", "B_P", "DC", "K_P", "E_P", "TOK", "SUB")
+
+
+@triton.jit
+def _block_positions(topk_ptr, num_tokens, position_ptr, block_counts_ptr, dup_ptr, dup_numel, dup_share,
+                     block, E: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr,
+                     TOK: tl.constexpr, SUB: tl.constexpr):
+    """Block `block`: each valid route's position among the block's routes to its expert (token, k order),
+    and the block's histogram `[E]`; a slice of the dup tables zeroed."""
+    C: tl.constexpr = SUB * K_P
+    i_c = tl.arange(0, C)
+    earlier_cc = i_c[None, :] < i_c[:, None]
+    seen_e = tl.zeros([E_P], tl.int32)
+    for t0 in range(0, TOK, SUB):
+        token_c = block * TOK + t0 + i_c // K_P
+        k_c = i_c % K_P
+        route_c = token_c * K + k_c
+        expert_c = tl.load(topk_ptr + route_c, mask=(k_c < K) & (token_c < num_tokens), other=-1).to(tl.int32)
+        valid_c = (expert_c >= 0) & (expert_c < E)
+        expert_c = tl.where(valid_c, expert_c, 0)
+        same_cc = (expert_c[:, None] == expert_c[None, :]) & valid_c[None, :] & earlier_cc
+        position_c = tl.gather(seen_e, expert_c, 0) + tl.sum(same_cc.to(tl.int32), 1)
+        tl.store(position_ptr + route_c, position_c, mask=valid_c)
+        seen_e += tl.histogram(expert_c, E_P, mask=valid_c)
+    e_e = tl.arange(0, E_P)
+    tl.store(block_counts_ptr + block * E + e_e, seen_e, mask=e_e < E)
+    for z0 in range(0, dup_share, ZERO_CHUNK):
+        z = block * dup_share + z0 + tl.arange(0, ZERO_CHUNK)
+        tl.store(dup_ptr + z, tl.zeros([ZERO_CHUNK], tl.int32), mask=z < dup_numel)
+
+
+@triton.jit
+def _global_plan(counts_ptr, counts_stride_r, counts_stride_e, rank, received_ptr, before_ptr, ends_ptr,
+                 offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr, remote_stats_ptr,
+                 rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr, R: tl.constexpr,
+                 E: tl.constexpr, B: tl.constexpr, TP: tl.constexpr, NVS: tl.constexpr, R_P: tl.constexpr,
+                 W: tl.constexpr, B_P: tl.constexpr, DC: tl.constexpr):
+    """Steps 1-5 of the planner for the whole group (one program)."""
+    EPN: tl.constexpr = E // R
+    g_g = tl.arange(0, R_P)
+    g_1g = g_g[None, :]
+    w_w1 = tl.arange(0, W)[:, None]
+    cell_wg = (g_1g < R) & (w_w1 < EPN)
+    expert_wg = g_1g * EPN + w_w1
+    tl.store(remote_stats_ptr + tl.arange(0, 2), tl.zeros([2], tl.int32))
+    tl.store(received_ptr + w_w1 * R_P + g_1g, tl.zeros([W, R_P], tl.int32))
+    tl.debug_barrier()  # the zeros land before any move is stored over them
+
+    # 1. Loads: routes per expert in the group and on the ranks before this one.
+    load_wg = tl.zeros([W, R_P], tl.int32)
+    before_wg = tl.zeros([W, R_P], tl.int32)
+    for r in tl.static_range(R):
+        counts_wg = tl.load(counts_ptr + r * counts_stride_r + expert_wg * counts_stride_e, mask=cell_wg,
+                            other=0).to(tl.int32)
+        load_wg += counts_wg
+        before_wg += tl.where(r < rank, counts_wg, 0)
+    tl.store(before_ptr + expert_wg, before_wg, mask=cell_wg)
+    tl.store(expert_load_ptr + expert_wg, load_wg, mask=cell_wg)
+    home_g = tl.sum(load_wg, 0)
+    tl.store(home_load_ptr + g_g, home_g, mask=g_g < R)
+
+    # Targets: T // R each, one more for the T % R most loaded ranks (ties: lowest rank).
+    home_w1 = tl.sum(tl.where(w_w1 == g_1g, home_g[None, :], 0), 1)[:, None]  # rank w's home load
+    ahead_wg = (home_w1 > home_g[None, :]) | ((home_w1 == home_g[None, :]) & (w_w1 < g_1g))
+    ahead_g = tl.sum((ahead_wg & (w_w1 < R)).to(tl.int32), 0)
+    total = tl.sum(home_g, 0)
+    balance_g = tl.where(g_g < R, home_g - (total // R + (ahead_g < total % R).to(tl.int32)), 0)
+
+    # 2. Rank balancing: quota_wg[receiver, donor]. An iteration after the reference's `break` moves 0.
+    quota_wg = tl.zeros([W, R_P], tl.int32)
+    for _ in range(R):
+        surplus, donor = tl.max(tl.where(g_g < R, balance_g, -BIG), 0, return_indices=True,
+                                return_indices_tie_break_left=True)
+        lowest, receiver = tl.min(tl.where(g_g < R, balance_g, BIG), 0, return_indices=True,
+                                  return_indices_tie_break_left=True)
+        routes = tl.where((surplus > 0) & (lowest < 0), -lowest, 0)
+        balance_g += tl.where(g_g == receiver, routes, 0) - tl.where(g_g == donor, routes, 0)
+        quota_wg += tl.where((w_w1 == receiver) & (g_1g == donor), routes, 0)
+
+    # 3. Per-donor split, all donors at once (column g = donor): the open receiver with the largest quota
+    # takes the expert with the most remaining routes (ties: lowest index). A receiver takes an expert at
+    # most once (afterwards the receiver is closed or the expert exhausted), so each move is stored to its
+    # own cell of received_wr[expert in the donor's group, receiver]. Stops when no donor moves.
+    remaining_wg = tl.where(cell_wg, load_wg, -1)
+    slots_wg = tl.where(quota_wg > 0, B, 0)
+    from_wg = quota_wg > 0
+    moving = total >= 0
+    while moving:
+        most_g, expert_g = tl.max(remaining_wg, 0, return_indices=True, return_indices_tie_break_left=True)
+        largest_g, receiver_g = tl.max(tl.where((quota_wg > 0) & (slots_wg > 0), quota_wg, -1), 0,
+                                       return_indices=True, return_indices_tie_break_left=True)
+        routes_1g = tl.maximum(tl.minimum(largest_g, most_g), 0)[None, :]
+        to_wg = w_w1 == receiver_g[None, :]
+        quota_wg -= tl.where(to_wg, routes_1g, 0)
+        slots_wg -= (to_wg & (routes_1g > 0)).to(tl.int32)
+        taken_wg = w_w1 == expert_g[None, :]
+        remaining_wg -= tl.where(taken_wg, routes_1g, 0)
+        tl.store(received_ptr + w_w1 * R_P + receiver_g[None, :], tl.broadcast_to(routes_1g, [W, R_P]),
+                 mask=taken_wg & (routes_1g > 0))
+        moving = tl.max(tl.max(routes_1g, 1), 0) > 0
+    tl.debug_barrier()
+
+    # 4-5. Every rank's segments, DC ranks at a time (ends_er accumulates over the ranks in order).
+    home_alloc_wg = tl.where(cell_wg, remaining_wg, 0)
+    routes_before_wg = tl.zeros([W, R_P], tl.int32)
+    for d0 in tl.static_range(0, R_P, DC):
+        routes_before_wg = _rank_segments(d0, routes_before_wg, home_alloc_wg, from_wg, rank, received_ptr,
+                                          ends_ptr, offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr,
+                                          zero_fill_ptr, rank_load_ptr, slots_used_ptr, R, E, B, TP, NVS, R_P,
+                                          W, B_P, DC)
+
+
+@triton.jit
+def _rank_segments(d0, routes_before_wg, home_alloc_wg, from_wg, rank, received_ptr, ends_ptr, offset_ptr,
+                   experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr, rank_load_ptr, slots_used_ptr,
+                   R: tl.constexpr, E: tl.constexpr, B: tl.constexpr, TP: tl.constexpr, NVS: tl.constexpr,
+                   R_P: tl.constexpr, W: tl.constexpr, B_P: tl.constexpr, DC: tl.constexpr):
+    """Ranks `d0 .. d0+DC-1`: slots, segments, `ends_er` / `offset_er` columns, loads; and this rank's
+    `cu_seqlens` / `zero_fill_ranges` if it is among them. Returns `routes_before_wg` plus their routes.
+
+    `alloc_dwg[d, w, g]`: routes of expert (g, w) computed on d: the remainder of its home experts, and what
+    it received from its donor (at most one group).
+    """
+    EPN: tl.constexpr = E // R
+    d_d = d0 + tl.arange(0, DC)
+    d_d11 = d_d[:, None, None]
+    w_1w1 = tl.arange(0, W)[None, :, None]
+    g_11g = tl.arange(0, R_P)[None, None, :]
+    cell_dwg = (d_d11 < R) & (g_11g < R) & (w_1w1 < EPN)
+    expert_dwg = tl.broadcast_to(g_11g * EPN + w_1w1, [DC, W, R_P])
+    received_dw = tl.load(received_ptr + tl.arange(0, W)[None, :] * R_P + d_d[:, None])
+    receives_dg = tl.sum((from_wg[None, :, :] & (w_1w1 == d_d11)).to(tl.int32), 1) > 0
+    home_dwg = d_d11 == g_11g
+    alloc_dwg = (tl.where(home_dwg, home_alloc_wg[None, :, :], 0)
+                 + tl.where(receives_dg[:, None, :], received_dw[:, :, None], 0))
+    padded_dwg = (alloc_dwg + TP - 1) // TP * TP
+    end_dwg = tl.cumsum(padded_dwg, 1)
+    home_rows_d11 = tl.sum(tl.sum(tl.where(home_dwg, padded_dwg, 0), 2), 1)[:, None, None]
+    # Segment start of every expert on d: home groups in expert order, then the slots (ascending expert).
+    start_dwg = tl.where(home_dwg, end_dwg - padded_dwg, home_rows_d11 + end_dwg - padded_dwg)
+    ends_dwg = routes_before_wg[None, :, :] + tl.cumsum(alloc_dwg, 0)
+    table_dwg = expert_dwg * R + d_d11
+    tl.store(ends_ptr + table_dwg, ends_dwg, mask=cell_dwg)
+    tl.store(offset_ptr + table_dwg, d_d11 * NVS + start_dwg - (ends_dwg - alloc_dwg), mask=cell_dwg)
+    replica_dwg = ~home_dwg & (alloc_dwg > 0)
+    slot_dwg = tl.cumsum(replica_dwg.to(tl.int32), 1) - 1
+    tl.store(experts_to_copy_ptr + d_d11 * B + slot_dwg, expert_dwg, mask=replica_dwg)
+    used_d = tl.sum(tl.sum(replica_dwg.to(tl.int32), 2), 1)
+    tl.store(slots_used_ptr + d_d, used_d, mask=d_d < R)
+    tl.store(rank_load_ptr + d_d, tl.sum(tl.sum(alloc_dwg, 2), 1), mask=d_d < R)
+    d_d1 = d_d[:, None]
+    s_1s = tl.arange(0, B_P)[None, :]
+    unused_ds = (d_d1 < R) & (s_1s < B) & (s_1s >= used_d[:, None])
+    tl.store(experts_to_copy_ptr + d_d1 * B + s_1s, tl.full([DC, B_P], -1, tl.int32), mask=unused_ds)
+
+    # This rank's groups: E experts (only its home ones non-empty), then its B slots.
+    mine_dwg = cell_dwg & (d_d11 == rank)
+    home_routes_dwg = tl.where(home_dwg, alloc_dwg, 0)
+    home_padded_dwg = tl.where(home_dwg, padded_dwg, 0)
+    home_end_dwg = tl.where(g_11g < d_d11, 0, tl.where(home_dwg, end_dwg, home_rows_d11))
+    tl.store(cu_seqlens_ptr + expert_dwg, home_end_dwg, mask=mine_dwg)
+    tl.store(zero_fill_ptr + 2 * expert_dwg, home_end_dwg - home_padded_dwg + home_routes_dwg, mask=mine_dwg)
+    tl.store(zero_fill_ptr + 2 * expert_dwg + 1, home_padded_dwg - home_routes_dwg, mask=mine_dwg)
+    slot_end_dwg = home_rows_d11 + end_dwg
+    mine_replica_dwg = replica_dwg & (d_d11 == rank)
+    tl.store(cu_seqlens_ptr + E + slot_dwg, slot_end_dwg, mask=mine_replica_dwg)
+    tl.store(zero_fill_ptr + 2 * (E + slot_dwg), slot_end_dwg - padded_dwg + alloc_dwg, mask=mine_replica_dwg)
+    tl.store(zero_fill_ptr + 2 * (E + slot_dwg) + 1, padded_dwg - alloc_dwg, mask=mine_replica_dwg)
+    rows_d1 = tl.sum(tl.sum(tl.where(home_dwg | replica_dwg, padded_dwg, 0), 2), 1)[:, None]
+    unused_mine_ds = unused_ds & (d_d1 == rank)
+    slot_ds = tl.broadcast_to(E + s_1s, [DC, B_P])
+    rows_ds = tl.broadcast_to(rows_d1, [DC, B_P])
+    tl.store(cu_seqlens_ptr + slot_ds, rows_ds, mask=unused_mine_ds)
+    tl.store(zero_fill_ptr + 2 * slot_ds, rows_ds, mask=unused_mine_ds)
+    tl.store(zero_fill_ptr + 2 * slot_ds + 1, tl.zeros([DC, B_P], tl.int32), mask=unused_mine_ds)
+    return routes_before_wg + tl.sum(alloc_dwg, 0)
+
+
+@triton.jit(do_not_specialize=["counts_stride_e"])
+def _plan_kernel(counts_ptr, counts_stride_r, counts_stride_e, topk_ptr, num_tokens, rank, position_ptr,
+                 block_counts_ptr, dup_ptr, dup_numel, dup_share, received_ptr, before_ptr, ends_ptr,
+                 offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr, remote_stats_ptr,
+                 rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr, R: tl.constexpr,
+                 E: tl.constexpr, B: tl.constexpr, TP: tl.constexpr, NVS: tl.constexpr, K: tl.constexpr,
+                 R_P: tl.constexpr,
+                 W: tl.constexpr, B_P: tl.constexpr, DC: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr,
+                 TOK: tl.constexpr, SUB: tl.constexpr):
+    """Launch 1: programs `< nb` are token blocks (`_block_positions`), the last one plans the group."""
+    pid = tl.program_id(0)
+    num_blocks = tl.num_programs(0) - 1
+    if pid == num_blocks:
+        _global_plan(counts_ptr, counts_stride_r, counts_stride_e, rank, received_ptr, before_ptr, ends_ptr,
+                     offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr, remote_stats_ptr,
+                     rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr, R, E, B, TP, NVS, R_P, W,
+                     B_P, DC)
+    else:
+        _block_positions(topk_ptr, num_tokens, position_ptr, block_counts_ptr, dup_ptr, dup_numel, dup_share,
+                         pid, E, K, K_P, E_P, TOK, SUB)
+
+
+@triton.jit
+def _destinations_kernel(topk_ptr, num_tokens, rank, position_ptr, block_counts_ptr, before_ptr, ends_ptr,
+                         offset_ptr, dst_ptr, remote_stats_ptr, R: tl.constexpr, E: tl.constexpr,
+                         K: tl.constexpr, NVS: tl.constexpr, NO_ROUTE_: tl.constexpr, R_P: tl.constexpr,
+                         K_P: tl.constexpr, E_P: tl.constexpr, TOK: tl.constexpr, SUB: tl.constexpr,
+                         NB_CHUNK: tl.constexpr):
+    """Launch 2: `dst` of block `program_id`'s routes, and this block's share of `remote_stats`."""
+    block = tl.program_id(0)
+    e_e = tl.arange(0, E_P)
+    # Routes of each expert before this block: on earlier ranks, then in earlier blocks of this rank.
+    first_e = tl.load(before_ptr + e_e, mask=e_e < E, other=0)
+    b0 = block * 0
+    while b0 < block:  # (a while loop: the interpreter takes no program-dependent range bound)
+        b_b1 = b0 + tl.arange(0, NB_CHUNK)[:, None]
+        counts_be = tl.load(block_counts_ptr + b_b1 * E + e_e[None, :],
+                            mask=(b_b1 < block) & (e_e[None, :] < E), other=0)
+        first_e += tl.sum(counts_be, 0)
+        b0 += NB_CHUNK
+    C: tl.constexpr = SUB * K_P
+    i_c = tl.arange(0, C)
+    d_1r = tl.arange(0, R_P)[None, :]
+    earlier_same_token_cc = (i_c[None, :] < i_c[:, None]) & (i_c[None, :] // K_P == i_c[:, None] // K_P)
+    remote = tl.zeros([], tl.int32)
+    remote_primary = tl.zeros([], tl.int32)
+    for t0 in range(0, TOK, SUB):
+        token_c = block * TOK + t0 + i_c // K_P
+        k_c = i_c % K_P
+        route_c = token_c * K + k_c
+        inside_c = (k_c < K) & (token_c < num_tokens)
+        expert_c = tl.load(topk_ptr + route_c, mask=inside_c, other=-1).to(tl.int32)
+        valid_c = (expert_c >= 0) & (expert_c < E)
+        expert_c = tl.where(valid_c, expert_c, 0)
+        index_c = tl.gather(first_e, expert_c, 0) + tl.load(position_ptr + route_c, mask=valid_c, other=0)
+        ends_cr = tl.load(ends_ptr + expert_c[:, None] * R + d_1r, mask=valid_c[:, None] & (d_1r < R),
+                          other=BIG)
+        dest_c = tl.minimum(tl.sum((ends_cr <= index_c[:, None]).to(tl.int32), 1), R - 1)
+        dst_c = tl.load(offset_ptr + expert_c * R + dest_c, mask=valid_c, other=0) + index_c
+        dest_c = tl.where(valid_c, dest_c, -1)
+        again_cc = (dest_c[:, None] == dest_c[None, :]) & earlier_same_token_cc
+        duplicate_c = (tl.sum(again_cc.to(tl.int32), 1) > 0) & valid_c
+        dst_c = tl.where(duplicate_c, -dst_c - 1, dst_c)
+        tl.store(dst_ptr + route_c, tl.where(valid_c, dst_c, NO_ROUTE_), mask=inside_c)
+        remote_c = valid_c & (dest_c != rank)
+        remote += tl.sum(remote_c.to(tl.int32), 0)
+        remote_primary += tl.sum((remote_c & ~duplicate_c).to(tl.int32), 0)
+    tl.atomic_add(remote_stats_ptr, remote)
+    tl.atomic_add(remote_stats_ptr + 1, remote_primary)
+
+
+
+@dataclass(frozen=True)
+class PlanLaunch:
+    """One planning of one rank: its inputs, launch constants and every tensor the two launches write.
+
+    All tensors are int32 views of one allocation. The plan's fields are those of `MoonEPCommPlan` (shapes
+    there); the rest is scratch between the launches, kept for tests and benchmarks:
+
+    Attributes:
+        position_n: `[s*K]` a valid route's position among its block's earlier routes to its expert.
+        block_counts_be: `[nb, E]` valid routes per expert in each token block.
+        received_wr: `[W, R_P]` routes receiver r computes of expert w of its donor's group.
+        before_e: `[E]` routes of expert e on the ranks before this one.
+        ends_er: `[E, R]` routes of expert e computed on ranks `<= d` (cumulative over d).
+        offset_er: `[E, R]` `d * NvS + row_base[d, e] - (ends_er[e, d] - alloc[d, e])`.
+    """
+
+    counts_re: torch.Tensor
+    topk_sk: torch.Tensor
+    rank: int
+    constants: dict
+    num_blocks: int
+    dup_share: int
+    dst: torch.Tensor
+    experts_to_copy: torch.Tensor
+    cu_seqlens: torch.Tensor
+    zero_fill_ranges: torch.Tensor
+    remote_stats: torch.Tensor
+    dup_tables: torch.Tensor
+    dup_groups: torch.Tensor
+    dup_loffs: torch.Tensor
+    dup_counts: torch.Tensor
+    rank_load: torch.Tensor
+    home_load: torch.Tensor
+    expert_load: torch.Tensor
+    slots_used: torch.Tensor
+    position_n: torch.Tensor
+    block_counts_be: torch.Tensor
+    received_wr: torch.Tensor
+    before_e: torch.Tensor
+    ends_er: torch.Tensor
+    offset_er: torch.Tensor
+
+    def plan_group(self) -> None:
+        """Launch 1: the global plan (last program) beside the token blocks' positions and histograms."""
+        c = self.constants
+        _plan_kernel[(self.num_blocks + 1,)](
+            self.counts_re, *self.counts_re.stride(), self.topk_sk, self.topk_sk.shape[0], self.rank,
+            self.position_n, self.block_counts_be, self.dup_tables, self.dup_tables.numel(), self.dup_share,
+            self.received_wr, self.before_e, self.ends_er, self.offset_er, self.experts_to_copy,
+            self.cu_seqlens, self.zero_fill_ranges, self.remote_stats, self.rank_load, self.home_load,
+            self.expert_load, self.slots_used, **{name: c[name] for name in _PLAN_CONSTANTS},
+            num_warps=c["plan_warps"])
+
+    def route_destinations(self) -> None:
+        """Launch 2: `dst` of every route of this rank and `remote_stats` (after `plan_group`)."""
+        c = self.constants
+        _destinations_kernel[(self.num_blocks,)](
+            self.topk_sk, self.topk_sk.shape[0], self.rank, self.position_n, self.block_counts_be,
+            self.before_e, self.ends_er, self.offset_er, self.dst, self.remote_stats, R=c["R"], E=c["E"],
+            K=c["K"], NVS=c["NVS"], NO_ROUTE_=NO_ROUTE, R_P=c["R_P"], K_P=c["K_P"], E_P=c["E_P"],
+            TOK=c["TOK"], SUB=c["SUB"], NB_CHUNK=8, num_warps=DESTINATION_WARPS)
+
+    def plan(self, owner: int | None = None) -> MoonEPCommPlan:
+        """The plan made of this launch's fields (valid once both launches ran)."""
+        c = self.constants
+        return MoonEPCommPlan(
+            dst=self.dst, experts_to_copy=self.experts_to_copy, cu_seqlens=self.cu_seqlens,
+            zero_fill_ranges=self.zero_fill_ranges, remote_stats=self.remote_stats,
+            dup_groups=self.dup_groups, dup_loffs=self.dup_loffs, dup_counts=self.dup_counts,
+            rank_load=self.rank_load, home_load=self.home_load, expert_load=self.expert_load,
+            slots_used=self.slots_used,
+            num_routes=self.dst.numel(), num_ranks=c["R"], num_experts=c["E"], num_slots=c["B"],
+            rows_per_rank=c["NVS"], top_k=c["K"], rank=self.rank, owner=owner)
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(n, 1))
+
+
+def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int, num_slots: int,
+            token_padding: int, rows_per_rank: int, plan_warps: int = PLAN_WARPS) -> PlanLaunch:
+    """Allocate (one int32 tensor, no kernel) and describe the two launches of one rank's plan.
+
+    Args: as `plan_routes_triton`; `plan_warps`: warps of launch 1. Its per-thread register tiles stay near
+    16-32 elements: the `[C, C]` route comparisons (C = 32 routes below 4 warps, else 64) and the
+    `[DC, R_P, W]` segment tiles.
+    """
+    device = topk_experts_sk.device
+    num_ranks, num_experts = counts_re.shape
+    num_tokens, top_k = topk_experts_sk.shape
+    epn = num_experts // num_ranks
+    R_P, K_P = _pow2(num_ranks), _pow2(top_k)
+    W = max(R_P, _pow2(epn))
+    SUB = max(1, (32 if plan_warps < 4 else 64) // K_P)
+    TOK = max(SUB, ROUTES_PER_BLOCK // K_P)
+    threads = 32 * plan_warps
+    constants = dict(R=num_ranks, E=num_experts, B=num_slots, TP=token_padding, NVS=rows_per_rank, K=top_k,
+                     R_P=R_P, W=W, B_P=_pow2(num_slots),
+                     DC=min(R_P, max(1, 16 * threads // (R_P * W))), K_P=K_P, E_P=_pow2(num_experts), TOK=TOK,
+                     SUB=SUB, plan_warps=plan_warps)
+    num_blocks = max(1, triton.cdiv(num_tokens, TOK))
+    N, R, E, B, NvS = num_tokens * top_k, num_ranks, num_experts, num_slots, rows_per_rank
+    shapes = dict(dst=(N,), experts_to_copy=(R, B), cu_seqlens=(E + B,), zero_fill_ranges=(E + B, 2),
+                  remote_stats=(2,), dup_groups=(NvS, 3), dup_loffs=(NvS,), dup_counts=(2,), rank_load=(R,),
+                  home_load=(R,), expert_load=(E,), slots_used=(R,), position_n=(N,),
+                  block_counts_be=(num_blocks, E), received_wr=(W, R_P), before_e=(E,), ends_er=(E, R),
+                  offset_er=(E, R))
+    sizes = [torch.Size(shape).numel() for shape in shapes.values()]
+    flat = torch.empty(sum(sizes), dtype=torch.int32, device=device)
+    views = {name: part.view(shape)
+             for (name, shape), part in zip(shapes.items(), flat.split(sizes), strict=True)}
+    names = list(shapes)
+    first, last = names.index("dup_groups"), names.index("dup_counts")
+    dup_start = sum(sizes[:first])
+    dup_tables = flat[dup_start:dup_start + sum(sizes[first:last + 1])]
+    dup_share = triton.cdiv(triton.cdiv(dup_tables.numel(), num_blocks), ZERO_CHUNK) * ZERO_CHUNK
+    return PlanLaunch(counts_re=counts_re.to(device), topk_sk=topk_experts_sk.contiguous(), rank=rank,
+                      constants=constants, num_blocks=num_blocks, dup_share=dup_share, dup_tables=dup_tables,
+                      **views)
+
+
+def plan_routes_triton(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int, num_slots: int,
+                       token_padding: int, rows_per_rank: int, owner: int | None = None) -> MoonEPCommPlan:
+    """`moonep_moe.comm.plan.plan_routes` in two Triton launches (equal to it bit for bit, no host read).
+
+    Args:
+        counts_re: `[R, E]` int32/int64, valid routes from each source rank to each expert.
+        topk_experts_sk: `[s, K]` int32/int64, this rank's routed experts, -1 = no route.
+        num_slots: B. token_padding: tp. rows_per_rank: NvS.
+    """
+    launch = prepare(counts_re, topk_experts_sk, rank=rank, num_slots=num_slots, token_padding=token_padding,
+                     rows_per_rank=rows_per_rank)
+    launch.plan_group()
+    launch.route_destinations()
+    return launch.plan(owner)
