@@ -706,12 +706,15 @@ class Buffer:
                         pulled_r = self.world.gather_rows(slots, torch.where(mine_rb[:, slot], rank_r, -1),
                                                           torch.full_like(rank_r, slot), capacity=1)
                         _index_add_blocked_(home, home_rb[:, slot], pulled_r.to(home.dtype))
-            used_b = plan.experts_to_copy[rank] >= 0
+            experts_b = plan.experts_to_copy[rank]
             for _, slots, replicated in projections:
-                expand = (-1,) + (1,) * (slots.local.dim() - 1)
-                slots.local.masked_fill_(used_b.view(expand), 0)
-                if replicated is not None:
-                    replicated.masked_fill_(used_b.view(expand), 0)
+                for cleared in (slots.local, replicated):
+                    if cleared is None:
+                        continue
+                    if self._kernels is not None and cleared.is_contiguous():
+                        self._kernels.clear_slots(cleared, experts_b)
+                    else:
+                        cleared.masked_fill_((experts_b >= 0).view((-1,) + (1,) * (cleared.dim() - 1)), 0)
 
         return self._launch(async_finish, op, (plan, *given))[1]
 

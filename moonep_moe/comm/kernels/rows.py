@@ -412,10 +412,42 @@ def copy_experts(home: SymmetricTensor, slots_bx: torch.Tensor, experts_b: torch
 
 
 @triton.jit
+def _clear_slots_kernel(slots_ptr, experts_ptr, numel, BLOCK: tl.constexpr, ITERATIONS: tl.constexpr):
+    chunk = tl.program_id(0)
+    slot = tl.program_id(1)
+    if tl.load(experts_ptr + slot) < 0:
+        return  # an unused slot holds nothing to clear
+    target = slots_ptr + slot.to(tl.int64) * numel
+    zeros = tl.zeros([BLOCK], dtype=slots_ptr.dtype.element_ty)
+    for i in tl.range(ITERATIONS):
+        offs = (chunk * ITERATIONS + i).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(target + offs, zeros, mask=offs < numel)
+
+
+def clear_slots(slots_bx: torch.Tensor, experts_b: torch.Tensor) -> None:
+    """`slots_bx[j] = 0` for every used slot (`experts_b[j] >= 0`), in one launch; unused slots are not
+    touched (the reference's `masked_fill_` reads and writes every slot).
+
+    Args:
+        slots_bx: `[B, *row]` contiguous slot gradients. experts_b: `[B]` int32 expert per slot, -1 = unused.
+    """
+    num_slots = slots_bx.shape[0]
+    numel = slots_bx[0].numel() if num_slots else 0
+    if num_slots == 0 or numel == 0:
+        return
+    block, iterations, warps = _flat_block(numel, slots_bx.element_size())
+    with _launching():
+        _clear_slots_kernel[(triton.cdiv(numel, block * iterations), num_slots)](
+            slots_bx, experts_b, numel, BLOCK=block, ITERATIONS=iterations, num_warps=warps)
+
+
+@triton.jit
 def _add_replicas_kernel(home_ptr, sources_ptr, slots_table, slots_like, numel, num_slots, ACC: tl.constexpr,
                          MAX_REPLICAS: tl.constexpr, BLOCK: tl.constexpr, ITERATIONS: tl.constexpr):
     chunk = tl.program_id(0)
     expert = tl.program_id(1)
+    if tl.load(sources_ptr + expert * MAX_REPLICAS) < 0:
+        return  # no replica: the home gradient stays as it is (no read, no write)
     HOME: tl.constexpr = home_ptr.dtype.element_ty
     target = home_ptr + expert.to(tl.int64) * numel
     for i in tl.range(ITERATIONS):
@@ -441,9 +473,9 @@ def _add_replicas_kernel(home_ptr, sources_ptr, slots_table, slots_like, numel, 
 
 def add_replicas(home_hx: torch.Tensor, slots: SymmetricTensor, sources_hr: torch.Tensor) -> None:
     """`home_hx[h] += slots(rank)[slot]` for each `sources_hr[h, i] = rank * B + slot` (-1: none), in i
-    order (peer reads; the caller barriers). Like the reference's one `index_add_` per slot index: each
-    replica is rounded to the home dtype, and the sum to it once per slot index (sources are sorted by slot);
-    with fp32 home gradients that is a plain fp32 sum.
+    order (peer reads; the caller barriers); experts without replicas are not touched. Like the reference's
+    one `index_add_` per slot index: each replica is rounded to the home dtype, and the sum to it once per
+    slot index (sources are sorted by slot); with fp32 home gradients that is a plain fp32 sum.
 
     Args:
         home_hx: `[epn, *row]` contiguous home gradients. slots: symmetric `[B, *row]` slot gradients.
