@@ -5,10 +5,11 @@
 
 The baseline is what users run today, written here in the torchtitan style: a softmax top-k router, a
 sort-based permute, `torch._grouped_mm` experts with autograd, an `index_add` unpermute. Both layers get the
-same weights and tokens; ours runs with each grouped-GEMM backend and each `expert_grad_dtype` (fp32 home
-gradients, or the parameters' bf16 like the baseline). Reported: fwd+bwd time (median of CUDA-event
-timings), its ratio to the baseline, and each one's peak memory during a step (parameters and gradients
-included).
+same weights and tokens; ours runs with each grouped-GEMM backend, each `expert_grad_dtype` (fp32 home
+gradients, or the parameters' bf16 like the baseline) and each token padding (the segment alignment: 128
+for DeepGEMM; at EP=1 with E=256 it adds ~25% rows, 16 adds ~3%). Reported: fwd+bwd time (median of
+CUDA-event timings), its ratio to the baseline, and each one's peak memory during a step (parameters and
+gradients included).
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def main() -> None:
     parser.add_argument("--backends", nargs="*", default=["torch", "deep_gemm", "triton", "auto"])
     parser.add_argument("--grad-dtypes", nargs="*", default=["float32", "param"],
                         help="MoEConfig.expert_grad_dtype values to run (default both)")
+    parser.add_argument("--token-paddings", nargs="*", type=int, default=[128, 16],
+                        help="MoEConfig.token_padding values: 128 (DeepGEMM's M-block) pads each of the E "
+                             "segments by 64 rows on average; 16 wastes less where the backend allows it")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     limits = measure_limits()
@@ -103,25 +107,27 @@ def main() -> None:
     del baseline
     rows = [{"layer": "torch-native", "ms": base_s * 1e3, "vs_baseline": 1.0, "peak_gib": base_gib,
              "tflops": flops / base_s / 1e12}]
-    print(f"{'torch-native':36} {base_s * 1e3:8.2f} ms  peak {base_gib:6.1f} GiB", flush=True)
-    for backend, grad_dtype in itertools.product(args.backends, args.grad_dtypes):
+    print(f"{'torch-native':44} {base_s * 1e3:8.2f} ms  peak {base_gib:6.1f} GiB", flush=True)
+    runs = itertools.product(args.token_paddings, args.backends, args.grad_dtypes)
+    for padding, backend, grad_dtype in runs:
         gc.collect()
         torch.cuda.empty_cache()
         cfg = MoEConfig(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=args.top_k,
                         max_tokens_per_rank=args.tokens, dtype="bfloat16", grouped_gemm=backend,
-                        expert_grad_dtype=grad_dtype)
+                        expert_grad_dtype=grad_dtype, token_padding=padding)
         try:
             layer = MoonEPMoELayer(cfg, single_world("cuda"))
         except ValueError as error:
-            print(f"skipping {backend}: {error}")
+            print(f"skipping {backend} at token_padding={padding}: {error}")
             continue
         layer.load_state_dict({"router.weight": weights["router"], "experts.gate_up_proj": weights["gate_up"],
                                "experts.down_proj": weights["down"]})
         seconds, gib = measure(layer, x_th, grad_th)
-        name = f"moonep ({backend}, {grad_dtype} grads)"
-        rows.append({"layer": name, "ms": seconds * 1e3, "vs_baseline": seconds / base_s,
+        name = f"moonep ({backend}, {grad_dtype} grads, tp {padding})"
+        rows.append({"layer": name, "backend": backend, "expert_grad_dtype": grad_dtype,
+                     "token_padding": padding, "ms": seconds * 1e3, "vs_baseline": seconds / base_s,
                      "peak_gib": gib, "tflops": flops / seconds / 1e12})
-        print(f"{name:36} {seconds * 1e3:8.2f} ms  peak {gib:6.1f} GiB  "
+        print(f"{name:44} {seconds * 1e3:8.2f} ms  peak {gib:6.1f} GiB  "
               f"{seconds / base_s:.2f}x torch-native", flush=True)
         layer.destroy()
         del layer
