@@ -11,7 +11,6 @@ module-scoped fixture; results come back through files. Every wait is bounded.
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 import traceback
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import spawn_ranks
 from test_layer import TOL, make_config, make_problem, rank_step, run_dense, run_moonep
 
 from moonep_moe.comm.collective import (
@@ -97,21 +97,7 @@ def rank_main(job: Callable, rank: int, size: int, folder: str) -> None:
 
 def spawn(job: Callable, size: int, folder: Path) -> list[dict]:
     """`job` on `size` gloo processes; their results in rank order. Fails on any error or past the bound."""
-    context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=rank_main, args=(job, r, size, str(folder))) for r in range(size)]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    for process in processes:
-        process.join(max(deadline - time.monotonic(), 0.1))
-    hung = [r for r, process in enumerate(processes) if process.is_alive()]
-    for r in hung:
-        processes[r].kill()
-    assert not hung, f"ranks {hung} still running after {RUN_TIMEOUT_S} s"
-    results = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(size)]
-    errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
-    assert not errors, "\n".join(errors)
-    return results
+    return spawn_ranks(rank_main, job, size, folder, RUN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-processes", "4-processes"])

@@ -18,10 +18,8 @@ CPU tensors and strings, run on `size` ranks of one GPU.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from processes import spawn_ranks
 from test_buffer import DOWN_NK, GATE_NK, Case, dispatch, full_weights
 from test_layer import TOL, make_config, make_problem, rank_step, run_moonep
 
@@ -72,24 +71,7 @@ def spawn_symmetric(job: Callable[[SymmetricWorld], dict], size: int, folder: Pa
                     timeout_s: float = RUN_TIMEOUT_S) -> list[dict]:
     """`job(world)` on `size` processes sharing GPU 0, each a rank of one `SymmetricWorld`; their results in
     rank order. Fails on any rank's error, or past `timeout_s` (the processes are killed)."""
-    context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=rank_main, args=(job, r, size, str(folder))) for r in range(size)]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + timeout_s
-    for process in processes:
-        process.join(max(deadline - time.monotonic(), 0.1))
-    hung = [r for r, process in enumerate(processes) if process.is_alive()]
-    for r in hung:
-        processes[r].kill()
-    assert not hung, f"ranks {hung} still running after {timeout_s} s"
-    missing = [r for r in range(size) if not (folder / f"rank{r}.pt").exists()]
-    codes = [p.exitcode for p in processes]
-    assert not missing, f"ranks {missing} died without a result (exit codes {codes})"
-    results = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(size)]
-    errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
-    assert not errors, "\n".join(errors)
-    return results
+    return spawn_ranks(rank_main, job, size, folder, timeout_s)
 
 
 # -- row exchanges: problems and their plain reference -----------------------------------------------------

@@ -1,0 +1,34 @@
+"""Spawning test ranks as processes: shared by the multi-process tests (collective and symmetric worlds)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def spawn_ranks(rank_main: Callable, job: Callable, size: int, folder: Path, timeout_s: float) -> list[dict]:
+    """`rank_main(job, rank, size, str(folder))` on `size` spawned processes, each saving its result dict to
+    `folder/rank{rank}.pt` (`{"error": traceback}` on failure); the results in rank order. Fails on a rank
+    still running after `timeout_s` (all such are killed), a rank that died without a result, or any error."""
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=rank_main, args=(job, r, size, str(folder))) for r in range(size)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(max(deadline - time.monotonic(), 0.1))
+    hung = [r for r, process in enumerate(processes) if process.is_alive()]
+    for r in hung:
+        processes[r].kill()
+    assert not hung, f"ranks {hung} still running after {timeout_s} s"
+    missing = [r for r in range(size) if not (folder / f"rank{r}.pt").exists()]
+    codes = [p.exitcode for p in processes]
+    assert not missing, f"ranks {missing} died without a result (exit codes {codes})"
+    results = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(size)]
+    errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
+    assert not errors, "\n".join(errors)
+    return results
