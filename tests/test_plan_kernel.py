@@ -45,6 +45,7 @@ def assert_kernel_plan(sc: Scenario, rank: int, topk_sk: torch.Tensor | None = N
     assert kernel.home_load.tolist() == ref.home_load
 
 
+@pytest.mark.interpreter
 @settings(max_examples=6, deadline=None)
 @given(st.one_of(scenarios(), scenarios(slots="zero", min_ranks=2), scenarios(slots="one", min_epn=2,
                                                                                min_ranks=2)), st.data())
@@ -87,6 +88,7 @@ def _adversarial_cases() -> dict[str, Scenario]:
     }
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", list(_adversarial_cases()))
 def test_kernel_plan_adversarial(name):
     sc = _adversarial_cases()[name]
@@ -94,12 +96,14 @@ def test_kernel_plan_adversarial(name):
         assert_kernel_plan(sc, rank)
 
 
+@pytest.mark.interpreter
 def test_kernel_plan_fewer_tokens_than_capacity():
     """s < S (a short batch): the kernel plans the s tokens it is given; the plan equals the torch plan."""
     sc = _adversarial_cases()["dropped_and_padding"]
     assert_kernel_plan(sc, 2, sc.topk_rsk[2][:5])
 
 
+@pytest.mark.interpreter
 @settings(max_examples=8, deadline=None)
 @given(histograms(), st.data())
 def test_kernel_tables_give_the_reference_allocation(case, data):
