@@ -159,3 +159,18 @@ def test_stacked_layers_reprefetch_in_backward():
         torch.testing.assert_close(results[rank][1], bottom["grad_x"], **TOL)
         down_grad_0 += bottom["grad_down"]
     torch.testing.assert_close(torch.cat([r[2] for r in results]), down_grad_0, **TOL)
+
+
+def test_compute_weights_without_slots_is_the_home_tensor_itself():
+    """B = 0 (EP = 1): the grouped GEMM gets the home experts as one tensor (no per-call copy); with slots
+    (no arena on the CPU) it gets both parts, home first."""
+    alone = MoonEPMoELayer(config(1))
+    assert all(len(rows.compute_weights()) == 1 and rows.compute_weights()[0] is rows.home.local
+               for rows in alone.experts.rows)
+
+    def rank_fn(world):
+        rows = MoonEPMoELayer(config(2), world).experts.rows[0]
+        parts = (rows.home.local, rows.slots.local)
+        return [t is part for t, part in zip(rows.compute_weights(), parts, strict=True)]
+
+    assert all(all(same) for same in run_ranks(rank_fn, 2))
