@@ -1,12 +1,13 @@
 """Grouped-GEMM backends on the expert shapes of real models, against the dense bf16 rate of the same run.
 
-    python -m bench.gemm                    # all shapes, uniform and skewed segments (an H200: ~5 min)
-    python -m bench.gemm --shapes deepseek-v3 --rows 65536
+    python -m bench.gemm                    # all shapes, uniform and skewed segments (an H200: ~6 min)
+    python -m bench.gemm --shapes deepseek-v3 --rows 65536 --layouts plain arena
 
 For each model's expert shape at EP=8 (epn home + B = epn slot groups, rows = the routes of one rank,
 each segment padded to 128) and each backend: TFLOP/s (on the used rows) of fwd, dgrad and wgrad of both
 projections, as a ratio to the dense bf16 rate, with the weights given as a (home, slots) pair (the GEMM
-backend copies them together) and as one arena tensor (`moonep_moe.weights.arena`: no copy); the weight
+backend copies them together), as one ordinary tensor ("plain": what an EP=1 layer has), and as one arena
+tensor (`moonep_moe.weights.arena`: two VMM allocations mapped back to back, no copy); the weight
 gradient against its floor (its FLOPs at the dense rate, or its bytes at the copy bandwidth: the fp32
 gradients written (overwrite, as the layer runs it), the bf16 inputs read; the larger); and the whole expert
 block forward + backward (the layer's own code path) against the sum of its GEMMs.
@@ -86,7 +87,8 @@ def gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down) -> dict:
     }
 
 
-def bench_shape(name: str, rows: int, skew: float, backends: list[str], limits: dict) -> list[dict]:
+def bench_shape(name: str, rows: int, skew: float, backends: list[str], limits: dict,
+                wanted_layouts: list[str]) -> list[dict]:
     h, f, epn = SHAPES[name]
     groups = 2 * epn
     gen = torch.Generator().manual_seed(0)
@@ -100,8 +102,10 @@ def bench_shape(name: str, rows: int, skew: float, backends: list[str], limits: 
     w = torch.rand(m_total, device="cuda")
     layouts = {"pair": ((rand(epn, 2 * f, h), rand(groups - epn, 2 * f, h)),
                         (rand(epn, h, f), rand(groups - epn, h, f)))}
+    layouts["plain"] = tuple((torch.cat(pair),) for pair in layouts["pair"])
     if expert_arena_reason(torch.device("cuda", 0), [epn * 2 * f * h * 2, epn * h * f * 2]) is None:
         layouts["arena"] = tuple((arena_weights(*pair),) for pair in layouts["pair"])
+    layouts = {name: weights for name, weights in layouts.items() if name in wanted_layouts}
     dab, hw = rand(m_total, 2 * f), rand(m_total, f)
     flops = 2 * rows * 3 * f * h  # per op pair, on the real rows (not the padding)
     dense, copy = limits["dense_bf16_flops_per_s"], limits["copy_bytes_per_s"]
@@ -144,6 +148,8 @@ def main() -> None:
     parser.add_argument("--rows", nargs="*", type=int, default=[16384, 65536])
     parser.add_argument("--skews", nargs="*", type=float, default=[0.0, 1.5])
     parser.add_argument("--backends", nargs="*", default=["torch", "deep_gemm", "triton", "auto"])
+    parser.add_argument("--layouts", nargs="*", default=["pair", "plain", "arena"],
+                        help="(home, slots) copied per call, one ordinary tensor, or the VMM arena")
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = parser.parse_args()
     limits = measure_limits()
@@ -157,7 +163,7 @@ def main() -> None:
         except (ValueError, ImportError) as error:
             print(f"skipping backend {name}: {error}")
     rows = [r for shape in args.shapes for m in args.rows for skew in args.skews
-            for r in bench_shape(shape, m, skew, backends, limits)]
+            for r in bench_shape(shape, m, skew, backends, limits, args.layouts)]
     print("results:", write_record("gemm", limits, rows, Path(args.out) if args.out else None))
 
 
