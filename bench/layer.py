@@ -62,6 +62,14 @@ def step(layer: nn.Module, x_th: torch.Tensor, grad_th: torch.Tensor) -> None:
     layer(x_th).backward(grad_th)
 
 
+def print_profile(layer: nn.Module, x_th: torch.Tensor, grad_th: torch.Tensor) -> None:
+    """The GPU kernels of one step, by total time (where the time goes)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step(layer, x_th, grad_th)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+
+
 def measure(layer: nn.Module, x_th: torch.Tensor, grad_th: torch.Tensor) -> tuple[float, float]:
     """(median fwd+bwd seconds, peak GiB of one step)."""
     seconds = timed(lambda: step(layer, x_th, grad_th), warmup=2, repeat=7)
@@ -86,6 +94,7 @@ def main() -> None:
     parser.add_argument("--token-paddings", nargs="*", type=int, default=[128, 16],
                         help="MoEConfig.token_padding values: 128 (DeepGEMM's M-block) pads each of the E "
                              "segments by 64 rows on average; 16 wastes less where the backend allows it")
+    parser.add_argument("--profile", action="store_true", help="also print each layer's kernels of one step")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     limits = measure_limits()
@@ -104,6 +113,8 @@ def main() -> None:
         baseline.gate_up.copy_(weights["gate_up"])
         baseline.down.copy_(weights["down"])
     base_s, base_gib = measure(baseline, x_th, grad_th)
+    if args.profile:
+        print_profile(baseline, x_th, grad_th)
     del baseline
     rows = [{"layer": "torch-native", "ms": base_s * 1e3, "vs_baseline": 1.0, "peak_gib": base_gib,
              "tflops": flops / base_s / 1e12}]
@@ -123,6 +134,8 @@ def main() -> None:
         layer.load_state_dict({"router.weight": weights["router"], "experts.gate_up_proj": weights["gate_up"],
                                "experts.down_proj": weights["down"]})
         seconds, gib = measure(layer, x_th, grad_th)
+        if args.profile:
+            print_profile(layer, x_th, grad_th)
         name = f"moonep ({backend}, {grad_dtype} grads, tp {padding})"
         rows.append({"layer": name, "backend": backend, "expert_grad_dtype": grad_dtype,
                      "token_padding": padding, "ms": seconds * 1e3, "vs_baseline": seconds / base_s,
