@@ -711,7 +711,7 @@ class Buffer:
                 for cleared in (slots.local, replicated):
                     if cleared is None:
                         continue
-                    if self._kernels is not None and cleared.is_contiguous():
+                    if self._kernels is not None:  # both forms were checked contiguous above
                         self._kernels.clear_slots(cleared, experts_b)
                     else:
                         cleared.masked_fill_((experts_b >= 0).view((-1,) + (1,) * (cleared.dim() - 1)), 0)

@@ -104,10 +104,9 @@ class MoonEPExperts(torch.autograd.Function):
         dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_rows.compute_weights(), offs_g)
         grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs)
         buffer.reduce_grad(plan, gate_up_grads, None, down_grads)
-        home_grads = [gate_up_grads.home.local, down_grads.home.local]
-        del gate_up_grads, down_grads
         # fresh tensors: in the parameters' dtype autograd keeps them as .grad without a copy. Cast one at a
-        # time (fp32 mode): each fp32 gradient is freed as soon as its cast exists
-        gate_up_grad = home_grads.pop(0).to(gate_up.dtype)
-        down_grad = home_grads.pop(0).to(down.dtype)
+        # time (fp32 mode): the fp32 gate_up gradient is freed before down's cast exists
+        gate_up_grad = gate_up_grads.home.local.to(gate_up.dtype)
+        del gate_up_grads
+        down_grad = down_grads.home.local.to(down.dtype)
         return grad_hidden_sh, grad_route_weights_sk, None, None, gate_up_grad, down_grad, None

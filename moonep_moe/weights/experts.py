@@ -69,10 +69,11 @@ class HomeExperts(nn.Module):
         are local to this rank (peers only pull slot gradients)."""
         world = self.world
         grads = []
-        for weight, slots in zip((self.gate_up, self.down), self.slot_grads, strict=True):
+        for kind, weight, slots in zip(("gate_up", "down"), (self.gate_up, self.down), self.slot_grads,
+                                       strict=True):
             home = torch.empty(weight.shape, dtype=dtype, device=weight.device)
             peers = tuple(home if r == world.rank else None for r in range(world.size))
-            grads.append(ExpertRows(SymmetricTensor(f"{self.name}/grad", world.rank, peers), slots))
+            grads.append(ExpertRows(SymmetricTensor(f"{self.name}/{kind}_grad", world.rank, peers), slots))
         return grads[0], grads[1]
 
     def reset_parameters(self) -> None:
