@@ -29,6 +29,8 @@ from moonep_moe.comm.world import run_ranks, single_world
 from moonep_moe.weights.pool import ExpertRows
 
 GATE_NK, DOWN_NK = (6, 8), (8, 6)
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""Where the small cases run the kernels: compiled on CUDA, else in Triton's interpreter on CPU tensors."""
 
 
 @dataclass(frozen=True)
@@ -160,36 +162,35 @@ def assert_equal(step: Step, results: list[tuple[dict, dict]]) -> None:
         assert sum(int(res["dup_counts"][1]) for res in reference) > 0, "and duplicate routes"
 
 
-# -- CPU: the interpreter ----------------------------------------------------------------------------------
+# -- Both: compiled on a GPU, in the interpreter on the CPU ----------------------------------------------
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("kind", ["uniform", "skewed"])
 @pytest.mark.parametrize("R", [1, 2, 4])
 def test_kernels_equal_reference(R, kind):
     step = Step(R=R, S=16 if R < 4 else 8, E=8 if R < 4 else 16, K=3 if R < 4 else 4, kind=kind, seed=R)
-    assert_equal(step, both_paths(step))
+    assert_equal(step, both_paths(step, KERNEL_DEVICE))
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("kind", ["uniform", "skewed"])
 def test_kernels_equal_reference_fp32_rows(kind):
     step = Step(R=2, S=12, K=4, kind=kind, dtype=torch.float32, seed=5)
-    assert_equal(step, both_paths(step))
+    assert_equal(step, both_paths(step, KERNEL_DEVICE))
 
 
-@pytest.mark.interpreter
 def test_fewer_tokens_and_invalid_routes():
     """s < S on every rank (one rank with no token at all), many invalid routes, H with a masked tail."""
     step = Step(R=4, S=8, H=20, K=2, E=8, tp=8, kind="skewed", invalid=0.5, tokens=(5, 8, 0, 1), seed=9)
-    assert_equal(step, both_paths(step))
+    assert_equal(step, both_paths(step, KERNEL_DEVICE))
 
 
-@pytest.mark.interpreter
 def test_wide_rows_span_several_blocks():
     """H larger than one kernel block (several programs per row), duplicates K - 1 deep."""
     step = Step(R=2, S=4, H=2048 + 64, K=4, E=8, tp=4, kind="skewed", invalid=0.0, dtype=torch.float32)
-    assert_equal(step, both_paths(step))
+    assert_equal(step, both_paths(step, KERNEL_DEVICE))
+
+
+# -- CPU: the interpreter ---------------------------------------------------------------------------------
 
 
 @pytest.mark.interpreter

@@ -2,8 +2,9 @@
 bit: every plan field, every rank, on random and adversarial routing; its internal tables give back the
 reference's allocation and segment starts.
 
-On the CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), so the cases are small;
-the `gpu` test runs the DeepSeek-V3-sized case on CUDA with synchronisation forbidden.
+The random and adversarial cases run the kernels on `KERNEL_DEVICE`: compiled on CUDA where there is a GPU,
+in Triton's interpreter on CPU tensors elsewhere (conftest sets TRITON_INTERPRET=1), so the cases are small;
+the `gpu` test adds the DeepSeek-V3-sized case on CUDA with synchronisation forbidden.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from test_plan import Scenario, histograms, scenarios, topk_from_counts
 
 from moonep_moe.comm.kernels.plan import plan_routes_triton, prepare
 from moonep_moe.comm.plan import MoonEPCommPlan, default_slots, plan_global, plan_routes, rows_capacity
+
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def assert_plans_equal(kernel: MoonEPCommPlan, torch_plan: MoonEPCommPlan) -> None:
@@ -36,7 +39,7 @@ def assert_kernel_plan(sc: Scenario, rank: int, topk_sk: torch.Tensor | None = N
     test_plan.py) and, for the global fields, the host reference `plan_global` directly."""
     topk_sk = sc.topk_rsk[rank] if topk_sk is None else topk_sk
     kwargs = dict(rank=rank, num_slots=sc.B, token_padding=sc.tp, rows_per_rank=sc.NvS)
-    kernel = plan_routes_triton(sc.counts_re, topk_sk, **kwargs)
+    kernel = plan_routes_triton(sc.counts_re.to(KERNEL_DEVICE), topk_sk.to(KERNEL_DEVICE), **kwargs)
     assert_plans_equal(kernel, plan_routes(sc.counts_re, topk_sk, **kwargs))
     ref = plan_global(sc.counts_re.tolist(), sc.B, sc.tp)
     assert kernel.experts_to_copy.tolist() == ref.experts_to_copy
@@ -45,7 +48,6 @@ def assert_kernel_plan(sc: Scenario, rank: int, topk_sk: torch.Tensor | None = N
     assert kernel.home_load.tolist() == ref.home_load
 
 
-@pytest.mark.interpreter
 @settings(max_examples=6, deadline=None)
 @given(st.one_of(scenarios(), scenarios(slots="zero", min_ranks=2), scenarios(slots="one", min_epn=2,
                                                                                min_ranks=2)), st.data())
@@ -88,7 +90,6 @@ def _adversarial_cases() -> dict[str, Scenario]:
     }
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("name", list(_adversarial_cases()))
 def test_kernel_plan_adversarial(name):
     sc = _adversarial_cases()[name]
@@ -96,14 +97,12 @@ def test_kernel_plan_adversarial(name):
         assert_kernel_plan(sc, rank)
 
 
-@pytest.mark.interpreter
 def test_kernel_plan_fewer_tokens_than_capacity():
     """s < S (a short batch): the kernel plans the s tokens it is given; the plan equals the torch plan."""
     sc = _adversarial_cases()["dropped_and_padding"]
     assert_kernel_plan(sc, 2, sc.topk_rsk[2][:5])
 
 
-@pytest.mark.interpreter
 @settings(max_examples=8, deadline=None)
 @given(histograms(), st.data())
 def test_kernel_tables_give_the_reference_allocation(case, data):
@@ -115,14 +114,14 @@ def test_kernel_tables_give_the_reference_allocation(case, data):
     assume(int(counts_re.sum()) < 2**31)
     rank = data.draw(st.integers(0, R - 1))
     NvS = rows_capacity(1, 1, R, E, B, tp)
-    launch = prepare(counts_re, torch.full((1, 1), -1), rank=rank, num_slots=B, token_padding=tp,
-                     rows_per_rank=NvS)
+    launch = prepare(counts_re.to(KERNEL_DEVICE), torch.full((1, 1), -1, device=KERNEL_DEVICE), rank=rank,
+                     num_slots=B, token_padding=tp, rows_per_rank=NvS)
     launch.plan_group()
     ref = plan_global(counts_re.tolist(), B, tp)
-    ends_er = launch.ends_er.long()
+    ends_er = launch.ends_er.cpu().long()
     alloc_re = (ends_er - torch.nn.functional.pad(ends_er, (1, 0))[:, :-1]).t()
     start_re = (ends_er.t() - alloc_re)
-    row_base_re = launch.offset_er.long().t() - torch.arange(R)[:, None] * NvS + start_re
+    row_base_re = launch.offset_er.cpu().long().t() - torch.arange(R)[:, None] * NvS + start_re
     assert alloc_re.tolist() == ref.alloc
     assert torch.where(alloc_re > 0, row_base_re, -1).tolist() == ref.row_base
     assert launch.experts_to_copy.tolist() == ref.experts_to_copy
