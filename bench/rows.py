@@ -11,8 +11,11 @@ here; bench/comm.py runs whole groups). Routing is uniform over E experts (each 
 - `buffer_dispatch` / `buffer_combine`: whole one-rank Buffer operations, kernels vs the torch reference.
 
 Bandwidth = bytes read + written / time, as a fraction of `limits.copy_bytes_per_s` (a 4 GiB `copy_`).
+`--row-block-bytes` times the peer phases once per largest row block (`rows.ROW_BLOCK_BYTES`); the other
+operations run with the package's setting.
 
     python -m bench.rows                       # S=8192 H=7168 K=8 E=384 R=8 H'=2048
+    python -m bench.rows --row-block-bytes 4096 8192 16384
 
 Writes `bench/results/rows-<device>-<date>.json`.
 """
@@ -110,6 +113,7 @@ def main() -> None:
     parser.add_argument("--E", type=int, default=384)
     parser.add_argument("--R", type=int, default=8)
     parser.add_argument("--ffn", type=int, default=2048)
+    parser.add_argument("--row-block-bytes", type=int, nargs="+", default=[rows.ROW_BLOCK_BYTES])
     args = parser.parse_args()
     S, H, K, E, R = args.S, args.H, args.K, args.E, args.R
     B = default_slots(E, R)
@@ -119,12 +123,16 @@ def main() -> None:
 
     def record(name: str, seconds: float, nbytes: int) -> None:
         fraction = nbytes / seconds / limits["copy_bytes_per_s"]
-        results.append({"op": name, "seconds": seconds, "bytes": nbytes, "bytes_per_s": nbytes / seconds,
-                        "fraction_of_copy": fraction})
-        print(f"{name:20s} {seconds * 1e6:9.1f} us  {nbytes / seconds / 1e12:6.2f} TB/s  "
-              f"{fraction:.0%} of copy")
+        results.append({"op": name, "row_block_bytes": rows.ROW_BLOCK_BYTES, "seconds": seconds,
+                        "bytes": nbytes, "bytes_per_s": nbytes / seconds, "fraction_of_copy": fraction})
+        print(f"{name:20s} {rows.ROW_BLOCK_BYTES:6d} {seconds * 1e6:9.1f} us  "
+              f"{nbytes / seconds / 1e12:6.2f} TB/s  {fraction:.0%} of copy")
 
-    peer_phases(record, S, H, K, E, R, B, nvs)
+    default = rows.ROW_BLOCK_BYTES
+    for block_bytes in args.row_block_bytes:
+        rows.ROW_BLOCK_BYTES = block_bytes
+        peer_phases(record, S, H, K, E, R, B, nvs)
+    rows.ROW_BLOCK_BYTES = default
     weight_phases(record, S, H, K, E, R, B, nvs, args.ffn)
     buffer_ops(record, S, H, K, E)
     print(f"wrote {write_record('rows', limits, results)}")

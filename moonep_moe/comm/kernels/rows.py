@@ -88,10 +88,15 @@ def _launching():
     return _interpreter_lock if interpreted() else contextlib.nullcontext()
 
 
+ROW_BLOCK_BYTES = 4096
+"""Largest row block one program moves per access (`bench.rows --row-block-bytes` sweeps it)."""
+
+
 def _row_block(width: int, itemsize: int) -> tuple[int, int]:
-    """(elements per program, warps) for rows of `width` elements: 4 KiB blocks at most, halved when that
-    divides the row exactly (H = 7168 bf16 -> 1024: no masked tail), 16 bytes per thread and access."""
-    block = min(triton.next_power_of_2(width), 4096 // itemsize)
+    """(elements per program, warps) for rows of `width` elements: `ROW_BLOCK_BYTES` blocks at most, halved
+    when that divides the row exactly (H = 7168 bf16 -> 1024: no masked tail), 16 bytes per thread and
+    access, at most 8 warps (larger blocks give each thread several accesses in flight)."""
+    block = min(triton.next_power_of_2(width), ROW_BLOCK_BYTES // itemsize)
     if width % block and width % (block // 2) == 0 and block >= 512:
         block //= 2
     return block, max(1, min(8, block * itemsize // 512))
@@ -120,13 +125,14 @@ def _peer(table_ptr, rank, like_ptr):
 
 @triton.jit
 def _decode(dst_ptr, rows_per_rank):
-    """One `dst` entry -> (destination rank, row, is primary, is valid); rank and row 0 when invalid."""
-    dst = tl.load(dst_ptr).to(tl.int64)
+    """One int32 `dst` entry -> (destination rank, int64 row, is primary, is valid); rank and row 0 when
+    invalid. In int32 (the plan keeps `R * NvS` below 2^31): one division per route, not a 64-bit one."""
+    dst = tl.load(dst_ptr)
     valid = dst != -2147483648
     primary = dst >= 0
-    raw = tl.where(primary, dst, -dst - 1)
-    raw = tl.where(valid, raw, 0)
-    return raw // rows_per_rank, raw % rows_per_rank, primary, valid
+    raw = tl.where(valid, tl.where(primary, dst, ~dst), 0)  # ~dst == -dst - 1
+    rank = raw // rows_per_rank
+    return rank, (raw - rank * rows_per_rank).to(tl.int64), primary, valid
 
 
 @triton.jit
