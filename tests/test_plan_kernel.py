@@ -34,12 +34,29 @@ def assert_plans_equal(kernel: MoonEPCommPlan, torch_plan: MoonEPCommPlan) -> No
             assert a == b, f.name
 
 
-def assert_kernel_plan(sc: Scenario, rank: int, topk_sk: torch.Tensor | None = None) -> None:
-    """The kernel's plan of `rank` equals the torch planner's (itself checked against the reference by
-    test_plan.py) and, for the global fields, the host reference `plan_global` directly."""
+TUNINGS = {
+    "default": {},
+    # token blocks of 2-4 tokens: many blocks, so launch 2 sums earlier blocks' histograms in several chunks
+    "many_blocks": dict(routes_per_block=16, plan_warps=1, destination_warps=1),
+    # 16 tokens a block at K=8: launch 2 takes each block in two steps
+    "two_steps": dict(routes_per_block=128, plan_warps=1, destination_warps=1),
+}
+"""Launch shapes (`prepare`'s tuning arguments) every case runs with: the default and two that exercise the
+loops the small cases would otherwise run once."""
+
+
+def assert_kernel_plan(sc: Scenario, rank: int, topk_sk: torch.Tensor | None = None, **tuning) -> None:
+    """The kernel's plan of `rank` (launch shape `tuning`) equals the torch planner's (itself checked
+    against the reference by test_plan.py) and, for the global fields, the host reference `plan_global`."""
     topk_sk = sc.topk_rsk[rank] if topk_sk is None else topk_sk
     kwargs = dict(rank=rank, num_slots=sc.B, token_padding=sc.tp, rows_per_rank=sc.NvS)
-    kernel = plan_routes_triton(sc.counts_re.to(KERNEL_DEVICE), topk_sk.to(KERNEL_DEVICE), **kwargs)
+    if tuning:
+        launch = prepare(sc.counts_re.to(KERNEL_DEVICE), topk_sk.to(KERNEL_DEVICE), **kwargs, **tuning)
+        launch.plan_group()
+        launch.route_destinations()
+        kernel = launch.plan()
+    else:  # the public entry point
+        kernel = plan_routes_triton(sc.counts_re.to(KERNEL_DEVICE), topk_sk.to(KERNEL_DEVICE), **kwargs)
     assert_plans_equal(kernel, plan_routes(sc.counts_re, topk_sk, **kwargs))
     ref = plan_global(sc.counts_re.tolist(), sc.B, sc.tp)
     assert kernel.experts_to_copy.tolist() == ref.experts_to_copy
@@ -53,9 +70,11 @@ def assert_kernel_plan(sc: Scenario, rank: int, topk_sk: torch.Tensor | None = N
                                                                                min_ranks=2)), st.data())
 def test_kernel_plan_equals_torch_plan(sc, data):
     """Random routing of every strategy (uniform, zipf, hot expert, one rank, direct histograms, dropped
-    tokens and routes), B = epn, B > epn, B = 0 and B = 1 < epn; the first, the last and one random rank."""
+    tokens and routes), B = epn, B > epn, B = 0 and B = 1 < epn; the first, the last and one random rank;
+    a random launch shape."""
+    tuning = TUNINGS[data.draw(st.sampled_from(list(TUNINGS)))]
     for rank in sorted({0, sc.R - 1, data.draw(st.integers(0, sc.R - 1))}):
-        assert_kernel_plan(sc, rank)
+        assert_kernel_plan(sc, rank, **tuning)
 
 
 def _case(R: int, epn: int, K: int, S: int, B: int | None, tp: int, topk_rsk: list[torch.Tensor]) -> Scenario:
@@ -87,14 +106,17 @@ def _adversarial_cases() -> dict[str, Scenario]:
         "dropped_and_padding": _case(R, epn, K, S, None, 8, [dropped, skew, full_group, ties]),
         "one_rank": _case(1, 16, K, S, None, 8, [skew]),
         "two_ranks_epn_not_pow2": _case(2, 3, 2, S, None, 8, [dropped[:, :2] % 6, ties[:, :2] % 6]),
+        "dsv3_like": _case(8, 48, 8, 64, None, 128, [topk_from_counts(
+            torch.tensor([64] * 3 + [1] * 320 + [0] * 61), 64, 8, gen) for _ in range(8)]),
     }
 
 
+@pytest.mark.parametrize("tuning", list(TUNINGS))
 @pytest.mark.parametrize("name", list(_adversarial_cases()))
-def test_kernel_plan_adversarial(name):
+def test_kernel_plan_adversarial(name, tuning):
     sc = _adversarial_cases()[name]
     for rank in sorted({0, sc.R - 1}):
-        assert_kernel_plan(sc, rank)
+        assert_kernel_plan(sc, rank, **TUNINGS[tuning])
 
 
 def test_kernel_plan_fewer_tokens_than_capacity():

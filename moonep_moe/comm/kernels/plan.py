@@ -41,11 +41,13 @@ import triton.language as tl
 
 from moonep_moe.comm.plan import NO_ROUTE, MoonEPCommPlan
 
-ROUTES_PER_BLOCK = 1024
-"""Routes (tokens x padded K) per block program: S=8192, K=8 gives 64 blocks."""
-PLAN_WARPS = 4
+ROUTES_PER_BLOCK = 512
+"""Routes (tokens x padded K) per block program: S=8192, K=8 gives 128 blocks (the H200 sweep of 256 .. 2048
+in `bench.plan` put 512 first)."""
+PLAN_WARPS = 8
 """Warps of launch 1 (the global program's loops reduce across them; `bench.plan` sweeps the choice)."""
-DESTINATION_WARPS = 4
+DESTINATION_WARPS = 8
+"""Warps of launch 2 (`bench.plan` sweeps them)."""
 ZERO_CHUNK = tl.constexpr(1024)
 """Elements a block program zeroes per store of the dup tables."""
 BIG = tl.constexpr(2**31 - 1)
@@ -255,7 +257,8 @@ def _destinations_kernel(topk_ptr, num_tokens, rank, position_ptr, block_counts_
                          K: tl.constexpr, NVS: tl.constexpr, NO_ROUTE_: tl.constexpr, R_P: tl.constexpr,
                          K_P: tl.constexpr, E_P: tl.constexpr, TOK: tl.constexpr, SUB: tl.constexpr,
                          NB_CHUNK: tl.constexpr):
-    """Launch 2: `dst` of block `program_id`'s routes, and this block's share of `remote_stats`."""
+    """Launch 2: `dst` of block `program_id`'s routes, `SUB` tokens a step, and this block's share of
+    `remote_stats`."""
     block = tl.program_id(0)
     e_e = tl.arange(0, E_P)
     # Routes of each expert before this block: on earlier ranks, then in earlier blocks of this rank.
@@ -270,7 +273,8 @@ def _destinations_kernel(topk_ptr, num_tokens, rank, position_ptr, block_counts_
     C: tl.constexpr = SUB * K_P
     i_c = tl.arange(0, C)
     d_1r = tl.arange(0, R_P)[None, :]
-    earlier_same_token_cc = (i_c[None, :] < i_c[:, None]) & (i_c[None, :] // K_P == i_c[:, None] // K_P)
+    k_k = tl.arange(0, K_P)
+    earlier_1kk = (k_k[None, None, :] < k_k[None, :, None])
     remote = tl.zeros([], tl.int32)
     remote_primary = tl.zeros([], tl.int32)
     for t0 in range(0, TOK, SUB):
@@ -287,8 +291,10 @@ def _destinations_kernel(topk_ptr, num_tokens, rank, position_ptr, block_counts_
         dest_c = tl.minimum(tl.sum((ends_cr <= index_c[:, None]).to(tl.int32), 1), R - 1)
         dst_c = tl.load(offset_ptr + expert_c * R + dest_c, mask=valid_c, other=0) + index_c
         dest_c = tl.where(valid_c, dest_c, -1)
-        again_cc = (dest_c[:, None] == dest_c[None, :]) & earlier_same_token_cc
-        duplicate_c = (tl.sum(again_cc.to(tl.int32), 1) > 0) & valid_c
+        # a duplicate: an earlier k of the same token goes to the same rank ([SUB, K_P, K_P] compares)
+        dest_tk = tl.reshape(dest_c, [SUB, K_P])
+        again_tkk = (dest_tk[:, :, None] == dest_tk[:, None, :]) & earlier_1kk
+        duplicate_c = (tl.reshape(tl.sum(again_tkk.to(tl.int32), 2), [C]) > 0) & valid_c
         dst_c = tl.where(duplicate_c, -dst_c - 1, dst_c)
         tl.store(dst_ptr + route_c, tl.where(valid_c, dst_c, NO_ROUTE_), mask=inside_c)
         remote_c = valid_c & (dest_c != rank)
@@ -296,7 +302,6 @@ def _destinations_kernel(topk_ptr, num_tokens, rank, position_ptr, block_counts_
         remote_primary += tl.sum((remote_c & ~duplicate_c).to(tl.int32), 0)
     tl.atomic_add(remote_stats_ptr, remote)
     tl.atomic_add(remote_stats_ptr + 1, remote_primary)
-
 
 
 @dataclass(frozen=True)
@@ -359,7 +364,7 @@ class PlanLaunch:
             self.topk_sk, self.topk_sk.shape[0], self.rank, self.position_n, self.block_counts_be,
             self.before_e, self.ends_er, self.offset_er, self.dst, self.remote_stats, R=c["R"], E=c["E"],
             K=c["K"], NVS=c["NVS"], NO_ROUTE_=NO_ROUTE, R_P=c["R_P"], K_P=c["K_P"], E_P=c["E_P"],
-            TOK=c["TOK"], SUB=c["SUB"], NB_CHUNK=8, num_warps=DESTINATION_WARPS)
+            TOK=c["TOK"], SUB=c["SUB2"], NB_CHUNK=c["NB_CHUNK"], num_warps=c["destination_warps"])
 
     def plan(self, owner: int | None = None) -> MoonEPCommPlan:
         """The plan made of this launch's fields (valid once both launches ran)."""
@@ -379,26 +384,32 @@ def _pow2(n: int) -> int:
 
 
 def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int, num_slots: int,
-            token_padding: int, rows_per_rank: int, plan_warps: int = PLAN_WARPS) -> PlanLaunch:
+            token_padding: int, rows_per_rank: int, routes_per_block: int = ROUTES_PER_BLOCK,
+            plan_warps: int = PLAN_WARPS, destination_warps: int = DESTINATION_WARPS) -> PlanLaunch:
     """Allocate (one int32 tensor, no kernel) and describe the two launches of one rank's plan.
 
-    Args: as `plan_routes_triton`; `plan_warps`: warps of launch 1. Its per-thread register tiles stay near
-    16-32 elements: the `[C, C]` route comparisons (C = 32 routes below 4 warps, else 64) and the
-    `[DC, R_P, W]` segment tiles.
+    Args: as `plan_routes_triton`; the rest tune the launches (`bench.plan` sweeps them):
+        routes_per_block: routes (tokens x padded K) of one token block, a power of two.
+        plan_warps / destination_warps: warps of launch 1 / launch 2.
+    Per-thread register tiles stay near 16-32 elements: launch 1's `[C, C]` route comparisons (C = 32 routes
+    below 4 warps, else 64) and `[DC, R_P, W]` segment tiles; launch 2's `[C2, R_P]` destination search
+    (C2 routes a step, `SUB2` tokens) and `[NB_CHUNK, E_P]` histogram rows.
     """
     device = topk_experts_sk.device
     num_ranks, num_experts = counts_re.shape
     num_tokens, top_k = topk_experts_sk.shape
     epn = num_experts // num_ranks
-    R_P, K_P = _pow2(num_ranks), _pow2(top_k)
+    R_P, K_P, E_P = _pow2(num_ranks), _pow2(top_k), _pow2(num_experts)
     W = max(R_P, _pow2(epn))
     SUB = max(1, (32 if plan_warps < 4 else 64) // K_P)
-    TOK = max(SUB, ROUTES_PER_BLOCK // K_P)
-    threads = 32 * plan_warps
+    TOK = max(SUB, routes_per_block // K_P)
+    threads, threads2 = 32 * plan_warps, 32 * destination_warps
     constants = dict(R=num_ranks, E=num_experts, B=num_slots, TP=token_padding, NVS=rows_per_rank, K=top_k,
                      R_P=R_P, W=W, B_P=_pow2(num_slots),
-                     DC=min(R_P, max(1, 16 * threads // (R_P * W))), K_P=K_P, E_P=_pow2(num_experts), TOK=TOK,
-                     SUB=SUB, plan_warps=plan_warps)
+                     DC=min(R_P, max(1, 16 * threads // (R_P * W))), K_P=K_P, E_P=E_P, TOK=TOK, SUB=SUB,
+                     SUB2=min(TOK, max(1, 16 * threads2 // (R_P * K_P))),
+                     NB_CHUNK=max(1, 32 * threads2 // E_P), plan_warps=plan_warps,
+                     destination_warps=destination_warps)
     num_blocks = max(1, triton.cdiv(num_tokens, TOK))
     N, R, E, B, NvS = num_tokens * top_k, num_ranks, num_experts, num_slots, rows_per_rank
     shapes = dict(dst=(N,), experts_to_copy=(R, B), cu_seqlens=(E + B,), zero_fill_ranges=(E + B, 2),
