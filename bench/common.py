@@ -37,6 +37,19 @@ def timed(fn: Callable[[], object], warmup: int = 3, repeat: int = 10) -> float:
     return statistics.median(times)
 
 
+def graph_timed(fn: Callable[[], object], warmup: int = 3, repeat: int = 10, calls: int = 20) -> float:
+    """Median seconds of one `fn()` on the device alone: `calls` calls captured in one CUDA graph, the graph
+    replayed `repeat` times (after `warmup`) and timed with CUDA events; no host launch time is counted.
+    `fn` must be capturable (no host sync) and run once before capture (compilation)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return timed(graph.replay, warmup, repeat) / calls
+
+
 def measure_limits() -> dict[str, float]:
     """The two ceilings: device copy bandwidth (bytes read + written per second, 4 GiB copy) and the dense
     bf16 GEMM rate (8192^3 through torch.matmul, random data)."""

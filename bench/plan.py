@@ -12,13 +12,16 @@ shared by the group, tokens drawn without replacement per rank), it times on ran
 - `plan_routes_graph_s` (CUDA only): the same, captured once in a CUDA graph and replayed.
 
 On CUDA also the Triton planner (`moonep_moe.comm.kernels.plan`, target 20 us for the whole plan at S=8192
-K=8 E=384 R=8 B=48 tp=128), each result checked field by field against the torch planner first:
+K=8 E=384 R=8 B=48 tp=128), each result checked field by field against the torch planner first. Kernel
+times are device times (`bench.common.graph_timed`: 20 calls captured in a CUDA graph and replayed, no host
+launch time):
 
 - `triton_global_s`: launch 1 (the global plan beside the token blocks' positions and histograms);
 - `triton_destinations_s`: launch 2 (every route's `dst`);
-- `triton_plan_routes_s`: the whole `plan_routes_triton` (allocation + both launches), eager;
-- `triton_global_w{1,2,4,8}_s`: launch 1 with that many warps (its loops reduce across warps: the choice
-  is `PLAN_WARPS`, to be set from this sweep).
+- `triton_plan_s`: both launches (the planner's device time: what the 20 us target is about);
+- `triton_plan_routes_s`: the whole `plan_routes_triton` (allocation + both launches), eager, host included;
+- `triton_sweep`: `triton_plan_s` of every launch shape (`prepare`'s routes_per_block x plan_warps x
+  destination_warps) in `--sweep`; the package's defaults are set from it.
 
 Medians over `--iters` runs after `--warmup`: CUDA events on CUDA (`bench.common.timed`), wall clock on the
 CPU. Every device result is checked against the reference before timing.
@@ -32,6 +35,8 @@ Writes `bench/results/plan-<device>-<date>.json` (device, commit, command, rows 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -40,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import measure_limits, timed, write_record
+from bench.common import graph_timed, measure_limits, timed, write_record
 from moonep_moe.comm.plan import (
     MoonEPCommPlan,
     default_slots,
@@ -63,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--token-padding", type=int, default=128, help="tp (default 128)")
     parser.add_argument("--sigmas", type=float, nargs="+", default=[0.0, 1.0, 3.0],
                         help="expert popularity skews exp(N(0, sigma)) (default 0 1 3)")
+    parser.add_argument("--sweep", type=json.loads, default=[[256, 512, 1024], [4, 8], [4, 8]],
+                        help="JSON [routes_per_block values, plan_warps values, destination_warps values]")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None, help="result folder (default bench/results)")
@@ -123,12 +130,13 @@ def time_plan(args: argparse.Namespace, sigma: float) -> dict[str, float]:
         with torch.cuda.graph(graph):
             plan_routes(counts_re, topk_sk, **kwargs)
         row["plan_routes_graph_s"] = measure(graph.replay)
-        row.update(time_triton(counts_re, topk_sk, kwargs, measure))
+        row.update(time_triton(counts_re, topk_sk, kwargs, measure, args.iters, args.sweep))
     return row
 
 
 def time_triton(counts_re: torch.Tensor, topk_sk: torch.Tensor, kwargs: dict,
-                measure: Callable[[Callable[[], object]], float]) -> dict[str, float]:
+                measure: Callable[[Callable[[], object]], float], iters: int,
+                sweep: list[list[int]]) -> dict[str, object]:
     """The Triton planner's launches (module docstring), after checking its plan against the torch planner."""
     from moonep_moe.comm.kernels.plan import plan_routes_triton, prepare
 
@@ -139,13 +147,25 @@ def time_triton(counts_re: torch.Tensor, topk_sk: torch.Tensor, kwargs: dict,
         if not (torch.equal(a.cpu(), b) if isinstance(b, torch.Tensor) else a == b):
             raise AssertionError(f"the Triton plan differs from the torch plan in {name}")
     launch = prepare(counts_re, topk_sk, **kwargs)
-    row = dict(triton_global_s=measure(launch.plan_group),
-               triton_destinations_s=measure(launch.route_destinations),
+
+    def both(launch=launch) -> None:
+        launch.plan_group()
+        launch.route_destinations()
+
+    row = dict(triton_global_s=graph_timed(launch.plan_group, repeat=iters),
+               triton_destinations_s=graph_timed(launch.route_destinations, repeat=iters),
+               triton_plan_s=graph_timed(both, repeat=iters),
                triton_plan_routes_s=measure(lambda: plan_routes_triton(counts_re, topk_sk, **kwargs)))
-    for warps in (1, 2, 4, 8):
-        row[f"triton_global_w{warps}_s"] = measure(prepare(counts_re, topk_sk, **kwargs,
-                                                           plan_warps=warps).plan_group)
-    row["triton_meets_20us"] = row["triton_plan_routes_s"] <= 20e-6
+    row["triton_meets_20us"] = row["triton_plan_s"] <= 20e-6
+    row["triton_sweep"] = []
+    for routes_per_block, plan_warps, destination_warps in itertools.product(*sweep):
+        tuning = dict(routes_per_block=routes_per_block, plan_warps=plan_warps,
+                      destination_warps=destination_warps)
+        launch = prepare(counts_re, topk_sk, **kwargs, **tuning)
+        both(launch)
+        if not torch.equal(launch.plan().dst.cpu(), expected.dst):
+            raise AssertionError(f"the Triton plan with {tuning} differs from the torch plan in dst")
+        row["triton_sweep"].append(dict(**tuning, triton_plan_s=graph_timed(both, repeat=iters)))
     return row
 
 
@@ -154,7 +174,10 @@ def main(argv: list[str] | None = None) -> Path:
     rows = []
     for sigma in args.sigmas:
         rows.append(time_plan(args, sigma))
-        print({k: f"{v * 1e6:.1f} us" if k.endswith("_s") else v for k, v in rows[-1].items()})
+        print({k: f"{v * 1e6:.1f} us" if k.endswith("_s") else v for k, v in rows[-1].items()
+               if k != "triton_sweep"})
+        for shape in rows[-1].get("triton_sweep", []):
+            print(f"  sweep {shape}")
     limits = measure_limits() if args.device.startswith("cuda") else {}
     path = write_record("plan", limits, rows, args.out)
     print(path)
