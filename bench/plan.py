@@ -20,8 +20,9 @@ launch time):
 - `triton_destinations_s`: launch 2 (every route's `dst`);
 - `triton_plan_s`: both launches (the planner's device time: what the 20 us target is about);
 - `triton_plan_routes_s`: the whole `plan_routes_triton` (allocation + both launches), eager, host included;
-- `triton_sweep`: `triton_plan_s` of every launch shape (`prepare`'s routes_per_block x plan_warps x
-  destination_warps) in `--sweep`; the package's defaults are set from it.
+- `triton_sweep`: `triton_plan_s` of every launch shape in `--sweep` (the product of the values it lists for
+  `prepare`'s tuning arguments), each plan checked field by field first; the package's defaults are set
+  from it.
 
 Medians over `--iters` runs after `--warmup`: CUDA events on CUDA (`bench.common.timed`), wall clock on the
 CPU. Every device result is checked against the reference before timing.
@@ -68,8 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--token-padding", type=int, default=128, help="tp (default 128)")
     parser.add_argument("--sigmas", type=float, nargs="+", default=[0.0, 1.0, 3.0],
                         help="expert popularity skews exp(N(0, sigma)) (default 0 1 3)")
-    parser.add_argument("--sweep", type=json.loads, default=[[256, 512, 1024], [4, 8], [4, 8]],
-                        help="JSON [routes_per_block values, plan_warps values, destination_warps values]")
+    sweep = {"routes_per_block": [256, 512, 1024], "plan_warps": [2, 4, 8], "segment_ranks": [2, 8]}
+    parser.add_argument("--sweep", type=json.loads, default=sweep,
+                        help="JSON {tuning argument of prepare: [values]}: the launch shapes to time")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None, help="result folder (default bench/results)")
@@ -136,36 +138,39 @@ def time_plan(args: argparse.Namespace, sigma: float) -> dict[str, float]:
 
 def time_triton(counts_re: torch.Tensor, topk_sk: torch.Tensor, kwargs: dict,
                 measure: Callable[[Callable[[], object]], float], iters: int,
-                sweep: list[list[int]]) -> dict[str, object]:
+                sweep: dict[str, list]) -> dict[str, object]:
     """The Triton planner's launches (module docstring), after checking its plan against the torch planner."""
-    from moonep_moe.comm.kernels.plan import plan_routes_triton, prepare
+    from moonep_moe.comm.kernels.plan import PlanLaunch, plan_routes_triton, prepare
 
     expected = plan_routes(counts_re.cpu(), topk_sk.cpu(), **kwargs)
-    plan = plan_routes_triton(counts_re, topk_sk, **kwargs)
-    for name in (f.name for f in fields(MoonEPCommPlan)):
-        a, b = getattr(plan, name), getattr(expected, name)
-        if not (torch.equal(a.cpu(), b) if isinstance(b, torch.Tensor) else a == b):
-            raise AssertionError(f"the Triton plan differs from the torch plan in {name}")
+
+    def check(plan: MoonEPCommPlan, what: str) -> None:
+        for name in (f.name for f in fields(MoonEPCommPlan)):
+            a, b = getattr(plan, name), getattr(expected, name)
+            if not (torch.equal(a.cpu(), b) if isinstance(b, torch.Tensor) else a == b):
+                raise AssertionError(f"the Triton plan ({what}) differs from the torch plan in {name}")
+
+    check(plan_routes_triton(counts_re, topk_sk, **kwargs), "defaults")
     launch = prepare(counts_re, topk_sk, **kwargs)
 
-    def both(launch=launch) -> None:
-        launch.plan_group()
-        launch.route_destinations()
+    def both(launch: PlanLaunch) -> Callable[[], None]:
+        def run() -> None:
+            launch.plan_group()
+            launch.route_destinations()
+        return run
 
     row = dict(triton_global_s=graph_timed(launch.plan_group, repeat=iters),
                triton_destinations_s=graph_timed(launch.route_destinations, repeat=iters),
-               triton_plan_s=graph_timed(both, repeat=iters),
+               triton_plan_s=graph_timed(both(launch), repeat=iters),
                triton_plan_routes_s=measure(lambda: plan_routes_triton(counts_re, topk_sk, **kwargs)))
     row["triton_meets_20us"] = row["triton_plan_s"] <= 20e-6
     row["triton_sweep"] = []
-    for routes_per_block, plan_warps, destination_warps in itertools.product(*sweep):
-        tuning = dict(routes_per_block=routes_per_block, plan_warps=plan_warps,
-                      destination_warps=destination_warps)
+    for values in itertools.product(*sweep.values()):
+        tuning = dict(zip(sweep, values, strict=True))
         launch = prepare(counts_re, topk_sk, **kwargs, **tuning)
-        both(launch)
-        if not torch.equal(launch.plan().dst.cpu(), expected.dst):
-            raise AssertionError(f"the Triton plan with {tuning} differs from the torch plan in dst")
-        row["triton_sweep"].append(dict(**tuning, triton_plan_s=graph_timed(both, repeat=iters)))
+        both(launch)()
+        check(launch.plan(), str(tuning))
+        row["triton_sweep"].append(dict(**tuning, triton_plan_s=graph_timed(both(launch), repeat=iters)))
     return row
 
 

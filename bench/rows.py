@@ -10,7 +10,11 @@ here; bench/comm.py runs whole groups). Routing is uniform over E experts (each 
 - `add_replicas` (reduce_grad): every home expert's fp32 gradient plus its replicas' (skewed routing);
 - `buffer_dispatch` / `buffer_combine`: whole one-rank Buffer operations, kernels vs the torch reference.
 
-Bandwidth = bytes read + written / time, as a fraction of `limits.copy_bytes_per_s` (a 4 GiB `copy_`).
+Bandwidth = bytes read + written / time, as a fraction of `limits.copy_bytes_per_s` (a 4 GiB `copy_`). The
+kernels' `seconds` are device time (`bench.common.graph_timed`: calls replayed in a CUDA graph), the 80%
+target's measure; `eager_seconds` times one eager call with events and so also counts the host's launch
+when it is longer than the GPU's queue (Triton's launcher: tens of microseconds). The whole Buffer
+operations (`buffer_*`) are timed eagerly only (the torch reference is not capturable).
 `--row-block-bytes` times the peer phases once per largest row block (`rows.ROW_BLOCK_BYTES`); the other
 operations run with the package's setting.
 
@@ -23,10 +27,11 @@ Writes `bench/results/rows-<device>-<date>.json`.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 
-from bench.common import measure_limits, timed, write_record
+from bench.common import graph_timed, measure_limits, timed, write_record
 from moonep_moe.comm.buffer import Buffer, replica_sources
 from moonep_moe.comm.kernels import rows
 from moonep_moe.comm.plan import decode_dst, default_slots, plan_routes, rows_capacity
@@ -59,11 +64,11 @@ def peer_phases(record, S: int, H: int, K: int, E: int, R: int, B: int, nvs: int
     sources = symmetric("sources", [torch.zeros(nvs, dtype=torch.int32, device="cuda") for _ in range(R)])
     _, _, primary_n, valid_n = decode_dst(plan.dst, nvs)
     moved = (S + int((primary_n & valid_n).sum())) * H * 2  # token rows read + payload rows written
-    record("send_routes", timed(lambda: rows.send_routes(hidden_sh, weights_sk, plan.dst, None, peers,
-                                                          weights, sources)), moved)
+    record("send_routes", lambda: rows.send_routes(hidden_sh, weights_sk, plan.dst, None, peers, weights,
+                                                   sources), moved)
     out_sh = torch.empty(S, H, dtype=torch.bfloat16, device="cuda")
-    record("gather_routes", timed(lambda: rows.gather_routes(plan.dst, peers, None, out_sh, None,
-                                                             torch.float32)), moved)
+    record("gather_routes", lambda: rows.gather_routes(plan.dst, peers, None, out_sh, None, torch.float32),
+           moved)
 
 
 def weight_phases(record, S: int, H: int, K: int, E: int, R: int, B: int, nvs: int, ffn: int) -> None:
@@ -75,14 +80,14 @@ def weight_phases(record, S: int, H: int, K: int, E: int, R: int, B: int, nvs: i
     slots_bx = torch.empty(B, *row, dtype=torch.bfloat16, device="cuda")
     experts_b = plan.experts_to_copy[0]
     used = int((experts_b >= 0).sum())  # used slots are read and written, unused ones only zero-filled
-    record("copy_experts", timed(lambda: rows.copy_experts(home, slots_bx, experts_b)),
+    record("copy_experts", lambda: rows.copy_experts(home, slots_bx, experts_b),
            (2 * used + B - used) * slots_bx[0].nbytes)
     grads = torch.zeros(epn, *row, device="cuda")
     slot_grads = symmetric("slot_grads", [torch.zeros(B, *row, device="cuda") for _ in range(R)])
     table_rb = plan.experts_to_copy.long()
     mine_rb, home_rb = (table_rb >= 0) & (table_rb // epn == 0), table_rb.clamp(min=0) % epn
     sources_hr = replica_sources(mine_rb, home_rb, epn)
-    record("add_replicas", timed(lambda: rows.add_replicas(grads, slot_grads, sources_hr)),
+    record("add_replicas", lambda: rows.add_replicas(grads, slot_grads, sources_hr),
            (2 * epn + int(mine_rb.sum())) * grads[0].nbytes)
 
 
@@ -98,10 +103,10 @@ def buffer_ops(record, S: int, H: int, K: int, E: int) -> None:
         buf = Buffer(S, H, K, E, 1, world=world, validate=False, kernels=kernels)
         *_, plan = buf.dispatch(hidden_sh, weights_sk, topk_sk, tpe, zero_copy=True)
         tag = "kernels" if kernels else "reference"
-        record(f"dispatch_{tag}", timed(lambda buf=buf, plan=plan: buf.dispatch(
-            hidden_sh, None, None, None, plan=plan, zero_copy=True)), (S + S * K) * H * 2)
-        record(f"combine_{tag}", timed(lambda buf=buf, plan=plan: buf.combine(
-            plan, buf.hidden_nvsh_buffer_view(), zero_copy=True)), (S * K + S) * H * 2)
+        record(f"dispatch_{tag}", lambda buf=buf, plan=plan: buf.dispatch(
+            hidden_sh, None, None, None, plan=plan, zero_copy=True), (S + S * K) * H * 2, capturable=False)
+        record(f"combine_{tag}", lambda buf=buf, plan=plan: buf.combine(
+            plan, buf.hidden_nvsh_buffer_view(), zero_copy=True), (S * K + S) * H * 2, capturable=False)
         buf.destroy()
 
 
@@ -121,11 +126,14 @@ def main() -> None:
     limits = measure_limits()
     results = []
 
-    def record(name: str, seconds: float, nbytes: int) -> None:
+    def record(name: str, fn: Callable[[], object], nbytes: int, capturable: bool = True) -> None:
+        eager_s = timed(fn)
+        seconds = graph_timed(fn) if capturable else eager_s
         fraction = nbytes / seconds / limits["copy_bytes_per_s"]
         results.append({"op": name, "row_block_bytes": rows.ROW_BLOCK_BYTES, "seconds": seconds,
-                        "bytes": nbytes, "bytes_per_s": nbytes / seconds, "fraction_of_copy": fraction})
-        print(f"{name:20s} {rows.ROW_BLOCK_BYTES:6d} {seconds * 1e6:9.1f} us  "
+                        "eager_seconds": eager_s, "bytes": nbytes, "bytes_per_s": nbytes / seconds,
+                        "fraction_of_copy": fraction})
+        print(f"{name:20s} {rows.ROW_BLOCK_BYTES:6d} {seconds * 1e6:9.1f} us (eager {eager_s * 1e6:7.1f})  "
               f"{nbytes / seconds / 1e12:6.2f} TB/s  {fraction:.0%} of copy")
 
     default = rows.ROW_BLOCK_BYTES

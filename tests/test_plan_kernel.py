@@ -39,7 +39,7 @@ TUNINGS = {
     # token blocks of 2-4 tokens: many blocks, so launch 2 sums earlier blocks' histograms in several chunks
     "many_blocks": dict(routes_per_block=16, plan_warps=1, destination_warps=1),
     # 16 tokens a block at K=8: launch 2 takes each block in two steps
-    "two_steps": dict(routes_per_block=128, plan_warps=1, destination_warps=1),
+    "two_steps": dict(routes_per_block=128, plan_warps=1, destination_warps=1, segment_ranks=2),
 }
 """Launch shapes (`prepare`'s tuning arguments) every case runs with: the default and two that exercise the
 loops the small cases would otherwise run once."""

@@ -385,12 +385,15 @@ def _pow2(n: int) -> int:
 
 def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int, num_slots: int,
             token_padding: int, rows_per_rank: int, routes_per_block: int = ROUTES_PER_BLOCK,
-            plan_warps: int = PLAN_WARPS, destination_warps: int = DESTINATION_WARPS) -> PlanLaunch:
+            plan_warps: int = PLAN_WARPS, destination_warps: int = DESTINATION_WARPS,
+            segment_ranks: int | None = None) -> PlanLaunch:
     """Allocate (one int32 tensor, no kernel) and describe the two launches of one rank's plan.
 
     Args: as `plan_routes_triton`; the rest tune the launches (`bench.plan` sweeps them):
         routes_per_block: routes (tokens x padded K) of one token block, a power of two.
         plan_warps / destination_warps: warps of launch 1 / launch 2.
+        segment_ranks: ranks whose segments the global program computes at once (DC, a power of two; None:
+            as many as keep its `[DC, W, R_P]` tiles near 16 elements a thread).
     Per-thread register tiles stay near 16-32 elements: launch 1's `[C, C]` route comparisons (C = 32 routes
     below 4 warps, else 64) and `[DC, R_P, W]` segment tiles; launch 2's `[C2, R_P]` destination search
     (C2 routes a step, `SUB2` tokens) and `[NB_CHUNK, E_P]` histogram rows.
@@ -406,7 +409,8 @@ def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int
     threads, threads2 = 32 * plan_warps, 32 * destination_warps
     constants = dict(R=num_ranks, E=num_experts, B=num_slots, TP=token_padding, NVS=rows_per_rank, K=top_k,
                      R_P=R_P, W=W, B_P=_pow2(num_slots),
-                     DC=min(R_P, max(1, 16 * threads // (R_P * W))), K_P=K_P, E_P=E_P, TOK=TOK, SUB=SUB,
+                     DC=min(R_P, segment_ranks or max(1, 16 * threads // (R_P * W))), K_P=K_P, E_P=E_P,
+                     TOK=TOK, SUB=SUB,
                      SUB2=min(TOK, max(1, 16 * threads2 // (R_P * K_P))),
                      NB_CHUNK=max(1, 32 * threads2 // E_P), plan_warps=plan_warps,
                      destination_warps=destination_warps)
