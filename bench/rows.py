@@ -14,7 +14,7 @@ Bandwidth = bytes read + written / time, as a fraction of `limits.copy_bytes_per
 kernels' `seconds` are device time (`bench.common.graph_timed`: calls replayed in a CUDA graph), the 80%
 target's measure; `eager_seconds` times one eager call with events and so also counts the host's launch
 when it is longer than the GPU's queue (Triton's launcher: tens of microseconds). The whole Buffer
-operations (`buffer_*`) are timed eagerly only (the torch reference is not capturable).
+operations on the torch reference are timed eagerly only (not capturable).
 `--row-block-bytes` times the peer phases once per largest row block (`rows.ROW_BLOCK_BYTES`); the other
 operations run with the package's setting.
 
@@ -104,9 +104,9 @@ def buffer_ops(record, S: int, H: int, K: int, E: int) -> None:
         *_, plan = buf.dispatch(hidden_sh, weights_sk, topk_sk, tpe, zero_copy=True)
         tag = "kernels" if kernels else "reference"
         record(f"dispatch_{tag}", lambda buf=buf, plan=plan: buf.dispatch(
-            hidden_sh, None, None, None, plan=plan, zero_copy=True), (S + S * K) * H * 2, capturable=False)
+            hidden_sh, None, None, None, plan=plan, zero_copy=True), (S + S * K) * H * 2, capturable=kernels)
         record(f"combine_{tag}", lambda buf=buf, plan=plan: buf.combine(
-            plan, buf.hidden_nvsh_buffer_view(), zero_copy=True), (S * K + S) * H * 2, capturable=False)
+            plan, buf.hidden_nvsh_buffer_view(), zero_copy=True), (S * K + S) * H * 2, capturable=kernels)
         buf.destroy()
 
 
