@@ -40,8 +40,8 @@ them; the record names the ones timed).
     python -m bench.comm                  # the suite on one GPU (threads world, 8 ranks)
     python -m bench.comm --small          # a CPU smoke run: S=2048 H=64 H'=32 K=2 E=64 R=4
 
-Writes `bench/results/comm-<device>-<date>.json` (device, commit, command, copy baseline, setup, one row
-per skew) and a PNG of the same name: MoonEP's operation times, and the hottest rank's expert time of
+Writes `bench/results/comm-<device>-<date>-<commit>.json` (device, commit, command, copy baseline, setup,
+one row per skew) and a PNG of the same name: MoonEP's operation times, and the hottest rank's expert time of
 MoonEP and plain EP, against skew.
 """
 

@@ -76,14 +76,17 @@ def commit() -> str:
         return "unknown"
 
 
-def write_record(name: str, limits: dict[str, float], rows: list[dict], out_dir: Path | None = None) -> Path:
-    """`bench/results/<name>-<device>-<date>.json` (or under `out_dir`) with device, commit and command."""
+def write_record(name: str, limits: dict[str, float], rows: list[dict], out_dir: Path | None = None,
+                 **fields: object) -> Path:
+    """`bench/results/<name>-<device>-<date>-<commit>.json` (or under `out_dir`) with device, commit,
+    command, the limits measured in the run, the rows and any further `fields` (setup, baselines); one file
+    per commit and day, so a later run at another commit never overwrites an earlier record."""
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     record = {"benchmark": name, "device": device, "commit": commit(), "command": " ".join(sys.argv),
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "limits": limits,
-              "results": rows}
+              **fields, "results": rows}
     out_dir = out_dir or RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}-{device.replace(' ', '_')}-{time.strftime('%Y%m%d')}.json"
+    path = out_dir / f"{name}-{device.replace(' ', '_')}-{time.strftime('%Y%m%d')}-{record['commit']}.json"
     path.write_text(json.dumps(record, indent=1))
     return path

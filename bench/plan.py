@@ -30,7 +30,7 @@ CPU. Every device result is checked against the reference before timing.
     python -m bench.plan                                   # CPU, S=8192 K=8 E=384 R=8
     python -m bench.plan --device cuda                     # the 20 us target is on an H200
 
-Writes `bench/results/plan-<device>-<date>.json` (device, commit, command, rows per sigma).
+Writes `bench/results/plan-<device>-<date>-<commit>.json` (device, commit, command, rows per sigma).
 """
 
 from __future__ import annotations

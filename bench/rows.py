@@ -21,7 +21,7 @@ operations run with the package's setting.
     python -m bench.rows                       # S=8192 H=7168 K=8 E=384 R=8 H'=2048
     python -m bench.rows --row-block-bytes 4096 8192 16384
 
-Writes `bench/results/rows-<device>-<date>.json`.
+Writes `bench/results/rows-<device>-<date>-<commit>.json`.
 """
 
 from __future__ import annotations

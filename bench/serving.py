@@ -17,23 +17,19 @@ those of the whole group on one chip; the ratios to the baseline are what this m
     python -m bench.serving --device cuda --ranks 8 --hidden 7168 --ffn 2048 --experts 256 --top-k 8 \
         --tokens 1024 --dtype bfloat16            # DeepSeek-V3's MoE layer at EP=8 on one GPU
 
-Writes `bench/results/serving-<device>-<date>.json` (device, commit, command, shape, baseline, rows).
+Writes `bench/results/serving-<device>-<date>-<commit>.json` (device, commit, command, shape, baseline, rows).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, commit
+from bench.common import write_record
 from moonep_moe.comm.world import run_ranks
 from moonep_moe.communicator import MoECommunicator
 from moonep_moe.layers.grouped_gemm import select_grouped_gemm
@@ -55,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=None, help="result file (default bench/results/...)")
+    parser.add_argument("--out", type=Path, default=None, help="result folder (default bench/results)")
     return parser.parse_args(argv)
 
 
@@ -132,12 +128,6 @@ def rank_bench(world, args: argparse.Namespace) -> dict:
     return dict(rows=rows, pool=pool)
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
-
-
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -147,19 +137,13 @@ def main(argv: list[str] | None = None) -> Path:
     for row in rows:
         for key in ("comm_s", "layer_s"):
             row[key.replace("_s", "_vs_full")] = row[key] / baseline[key]
-    record = dict(
-        benchmark="serving", device=device_name(device), device_type=device.type, commit=commit(),
-        command=" ".join([Path(sys.executable).name, *sys.argv]), date=datetime.datetime.now().isoformat(),
-        torch=torch.__version__, world=f"threads, {args.ranks} ranks on one {device.type} device",
+    out = write_record(
+        "serving", {}, rows, args.out, world=f"threads, {args.ranks} ranks on one {device.type} device",
         shape=dict(H=args.hidden, I=args.ffn, E=args.experts, K=args.top_k, S=args.tokens, B=args.slots,
                    token_padding=args.token_padding, dtype=args.dtype),
-        warmup=args.warmup, iters=args.iters, baseline=dict(tokens=baseline["tokens"],
-                                                           comm_s=baseline["comm_s"],
-                                                           layer_s=baseline["layer_s"]),
-        pool=result["pool"], rows=rows)
-    out = args.out or RESULTS / f"serving-{device.type}-{datetime.date.today().isoformat()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
+        warmup=args.warmup, iters=args.iters,
+        baseline=dict(tokens=baseline["tokens"], comm_s=baseline["comm_s"], layer_s=baseline["layer_s"]),
+        pool=result["pool"])
     print(f"{'tokens':>6} {'cap':>5} {'comm ms':>9} {'padded':>9} {'layer ms':>9} {'padded':>9} "
           f"{'layer/full':>10}")
     for row in rows:
