@@ -264,6 +264,19 @@ def test_cache_in_process_then_on_file(tmp_path):
     assert len(json.loads(path.read_text())) == 6 + 6 + 6 + 2
 
 
+def test_wgrad_choice_is_kept_per_gradient_dtype(tmp_path):
+    """The gradients' dtype changes what wgrad writes, so its choice is kept per dtype; fwd and dgrad
+    keep theirs."""
+    backends, path = [TorchGroupedGemm(), ReferenceGroupedGemm()], tmp_path / "gemm.json"
+    timer = FakeTimer({"fwd": "torch", "dgrad": "torch", "wgrad": "reference"})
+    for grad_dtype in (torch.float32, torch.bfloat16, torch.float32):
+        problem = GemmProblem(SHAPES.shapes_nk, SHAPES.rows_per_group, grad_dtype=grad_dtype)
+        measure_grouped_gemm(backends, problem, CONTEXT, timer, ChoiceCache(path))
+    assert [call[0] for call in timer.calls] == ["fwd"] * 2 + ["dgrad"] * 2 + ["wgrad"] * 4
+    wgrad_keys = sorted(key.rsplit("|", 1)[1] for key in json.loads(path.read_text()) if "|wgrad|" in key)
+    assert wgrad_keys == ["grad=bfloat16"] * 2 + ["grad=float32"] * 2
+
+
 def test_cache_file_unreadable_or_stale_is_timed_again(tmp_path):
     path = tmp_path / "gemm.json"
     path.write_text("{not json")

@@ -14,6 +14,7 @@ import torch
 
 from moonep_moe.comm.world import run_ranks, single_world
 from moonep_moe.config import MoEConfig
+from moonep_moe.layers import moe
 from moonep_moe.layers.dense import dense_step
 from moonep_moe.layers.moe import MoonEPMoELayer
 
@@ -249,6 +250,22 @@ def test_same_gradients_at_ep_r_and_ep_1():
     torch.testing.assert_close(torch.cat([g["grad_down"] for g in got4]), got1["grad_down"], **TOL)
     torch.testing.assert_close(torch.cat([g["out"] for g in got4]), got1["out"], **TOL)
     torch.testing.assert_close(sum(g["grad_router"] for g in got4), got1["grad_router"], **TOL)
+
+
+def test_grouped_gemm_is_chosen_for_the_layers_gradient_dtype(monkeypatch):
+    """The layer asks for its grouped GEMM with the dtype its wgrad will write (`expert_grad_dtype`), so
+    "auto" times wgrad into the gradients it will really produce."""
+    seen = []
+    select = moe.select_grouped_gemm
+
+    def spy(*args, problem, **kwargs):
+        seen.append(problem.grad_dtype)
+        return select(*args, problem=problem, **kwargs)
+
+    monkeypatch.setattr(moe, "select_grouped_gemm", spy)
+    for mode in ("float32", "param"):
+        MoonEPMoELayer(make_config(1, dtype="bfloat16", expert_grad_dtype=mode))
+    assert seen == [torch.float32, torch.bfloat16]
 
 
 def test_aux_loss_is_returned_and_differentiable():

@@ -21,6 +21,7 @@ on CUDA its "auto" times the backends per primitive and weight shape once and ca
 (``measure_grouped_gemm``, ``ChoiceCache``).
 """
 
+import dataclasses
 import itertools
 import json
 import os
@@ -344,10 +345,13 @@ class GemmProblem:
     shapes_nk: the ``(n, k)`` of each projection's weights; the expert block: ``((2F, H), (H, F))``.
     rows_per_group: the typical rows of one group (e.g. tokens per rank * top-k / groups); timed at the next
         power of two, rounded up to the segment alignment.
+    grad_dtype: the dtype wgrad writes the home experts' gradients in (the layer's `expert_grad_dtype`;
+        slot gradients are fp32 either way); None: the activations' dtype promoted to at least fp32.
     """
 
     shapes_nk: tuple[tuple[int, int], ...]
     rows_per_group: int
+    grad_dtype: torch.dtype | None = None
 
 
 Timer = Callable[[str, int, int, int, Sequence[GroupedGemm]], Sequence[float]]
@@ -416,7 +420,8 @@ def measure_grouped_gemm(backends: Sequence[GroupedGemm], problem: GemmProblem, 
     Args:
         backends: the candidates; the first is also the fallback for shapes not measured.
         context: what else the speed depends on (device name, versions, dtype); part of every cache key,
-            with the primitive, ``n``, ``k``, the timed rows per group and the candidates' names.
+            with the primitive, ``n``, ``k``, the timed rows per group, the candidates' names and, for
+            wgrad, ``problem.grad_dtype`` where it is given.
         timer: ``timer(op, n, k, rows_per_group, backends)`` -> seconds each (``cuda_timer`` on a GPU).
         cache: where winners are looked up and stored.
         align: the segment alignment (``token_padding``); the timed rows per group are a multiple of it.
@@ -431,6 +436,8 @@ def measure_grouped_gemm(backends: Sequence[GroupedGemm], problem: GemmProblem, 
                 continue
             names = "/".join(gemm.name for gemm in rivals)
             key = f"{context}|{op}|n={n}|k={k}|rows={rows}|{names}"
+            if op == "wgrad" and problem.grad_dtype is not None:
+                key += f"|grad={str(problem.grad_dtype).removeprefix('torch.')}"
             name = cache.get(key) if len(rivals) > 1 else rivals[0].name
             if name not in by_name:
                 seconds = timer(op, n, k, rows, rivals)
@@ -440,19 +447,19 @@ def measure_grouped_gemm(backends: Sequence[GroupedGemm], problem: GemmProblem, 
     return MeasuredGroupedGemm(chosen, fallback=backends[0])
 
 
-def cuda_timer(device: torch.device, dtype: torch.dtype, groups: int = 8, warmup: int = 2,
-               repeat: int = 5) -> Timer:
+def cuda_timer(device: torch.device, dtype: torch.dtype, grad_dtype: torch.dtype, groups: int = 8,
+               warmup: int = 2, repeat: int = 5) -> Timer:
     """A ``Timer`` on synthetic uniform segments: ``groups`` groups of the given rows (few groups keep the
-    fp32 gradients of the timing small; speed per group depends on the rows per group), random data, the
-    weights as one tensor; mean seconds over ``repeat`` calls after ``warmup`` (compilation, autotuning),
-    CUDA events. A backend that raises is reported and counts as infinitely slow."""
+    gradients of the timing small; speed per group depends on the rows per group), random data, the weights
+    as one tensor, wgrad writing ``grad_dtype``; mean seconds over ``repeat`` calls after ``warmup``
+    (compilation, autotuning), CUDA events. A backend that raises is reported and counts as infinitely
+    slow."""
 
     def timer(op: str, n: int, k: int, rows: int, backends: Sequence[GroupedGemm]) -> list[float]:
         offs_g = torch.arange(1, groups + 1, dtype=torch.int32, device=device) * rows
         x_mk = torch.randn(groups * rows, k, device=device, dtype=dtype)
         dy_mn = torch.randn(groups * rows, n, device=device, dtype=dtype)
         if op == "wgrad":
-            grad_dtype = torch.promote_types(dtype, torch.float32)
             out_gnk = torch.empty(groups, n, k, device=device, dtype=grad_dtype)
             calls = [lambda g=gemm: g.wgrad(dy_mn, x_mk, offs_g, (out_gnk,), accumulate=False)
                      for gemm in backends]
@@ -523,8 +530,11 @@ def select_grouped_gemm(
     if device.type == "cuda" and problem is not None:
         backends = [makers[backend]() for backend, reason in reasons.items() if reason() is None]
         if len(backends) > 1:
+            problem = dataclasses.replace(
+                problem, grad_dtype=problem.grad_dtype or torch.promote_types(dtype, torch.float32))
             context = f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|{dtype}".replace(
                 "torch.", "")
-            return measure_grouped_gemm(backends, problem, context, cuda_timer(device, dtype),
-                                        default_choice_cache(), align=token_padding or 1)
+            return measure_grouped_gemm(backends, problem, context,
+                                        cuda_timer(device, dtype, problem.grad_dtype), default_choice_cache(),
+                                        align=token_padding or 1)
     return ReferenceGroupedGemm() if reasons["torch"]() is not None else TorchGroupedGemm()

@@ -116,13 +116,14 @@ class MoonEPMoELayer(nn.Module):
         # validate=False: the router's expert ids are in [-1, E) by construction, and the check is a host read
         self.buffer = Buffer(config.max_tokens_per_rank, h, k, e, config.ep_size, config.prefetch_slots,
                              token_padding=config.token_padding, world=world, dtype=dtype, validate=False)
-        groups = config.experts_per_rank + config.prefetch_slots  # this rank's compute groups
-        problem = GemmProblem(((2 * f, h), (h, f)), rows_per_group=config.max_tokens_per_rank * k // groups)
-        gemm = select_grouped_gemm(config.grouped_gemm, device, dtype, k=math.gcd(h, f),
-                                   token_padding=config.token_padding, problem=problem)
         grad_dtype = torch.promote_types(dtype, torch.float32)
         if config.expert_grad_dtype == "param":
             grad_dtype = dtype
+        groups = config.experts_per_rank + config.prefetch_slots  # this rank's compute groups
+        problem = GemmProblem(((2 * f, h), (h, f)), rows_per_group=config.max_tokens_per_rank * k // groups,
+                              grad_dtype=grad_dtype)
+        gemm = select_grouped_gemm(config.grouped_gemm, device, dtype, k=math.gcd(h, f),
+                                   token_padding=config.token_padding, problem=problem)
         self._state = ExpertsState(self.buffer, self.experts, gemm, grad_dtype)
         expert_load_e = torch.zeros(e, dtype=torch.int64, device=device)
         self.register_buffer("expert_load", expert_load_e, persistent=False)
