@@ -62,13 +62,7 @@ class CollectiveWorld:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, exact_size: bool = False):
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("the collective EP world needs an initialised torch.distributed process "
-                               "group: call moonep_moe.comm.collective.init_collective() (or "
-                               "torch.distributed.init_process_group) first, e.g. under torchrun")
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.size = dist.get_world_size(self.group)
+        self.group, self.rank, self.size = joined_group(group, "collective", "collective.init_collective")
         self.exact_size = exact_size
         if dist.get_backend(self.group) == "nccl":
             local_rank = int(os.environ.get("LOCAL_RANK", self.rank % torch.cuda.device_count()))
@@ -185,6 +179,22 @@ class CollectiveWorld:
         dist.all_to_all_single(recv_m, send_m.contiguous(), output_split_sizes=recv_r,
                                input_split_sizes=send_r, group=self.group)
         return recv_m
+
+
+def joined_group(group: dist.ProcessGroup | None, world: str,
+                 init: str) -> tuple[dist.ProcessGroup, int, int]:
+    """`(group, rank, size)` of a process-group EP world: `group`, or the default group where it is None.
+
+    Raises:
+        RuntimeError naming the `world` and its `init` function (in `moonep_moe.comm`) when torch.distributed
+        has no initialised process group.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"the {world} EP world needs an initialised torch.distributed process group: call "
+                           f"moonep_moe.comm.{init}() (or torch.distributed.init_process_group) first, e.g. "
+                           "under torchrun")
+    group = group if group is not None else dist.group.WORLD
+    return group, dist.get_rank(group), dist.get_world_size(group)
 
 
 def check_same_registration(world: EPWorld, key: str, tensor: torch.Tensor) -> None:

@@ -39,7 +39,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
-from moonep_moe.comm.collective import DEFAULT_TIMEOUT_S, check_same_registration, init_collective
+from moonep_moe.comm.collective import (
+    DEFAULT_TIMEOUT_S,
+    check_same_registration,
+    init_collective,
+    joined_group,
+)
 from moonep_moe.comm.world import BARRIER_TIMEOUT_S, PeerWorld, SymmetricTensor, write_peer_rows
 from moonep_moe.weights.arena import PhysicalRows
 
@@ -88,13 +93,7 @@ class SymmetricWorld(PeerWorld):
     def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | str | None = None, *,
                  board_bytes: int = BOARD_BYTES, timeout_s: float = BARRIER_TIMEOUT_S):
         device = resolve_device(device)
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("the symmetric EP world needs an initialised torch.distributed process group: "
-                               "call moonep_moe.comm.symmetric.init_symmetric() (or "
-                               "torch.distributed.init_process_group) first, e.g. under torchrun")
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.size = dist.get_world_size(self.group)
+        self.group, self.rank, self.size = joined_group(group, "symmetric", "symmetric.init_symmetric")
         self.device = device
         self.globals: dict[Any, Any] = {}
         self.timeout_ms = max(int(timeout_s * 1000), 1)
