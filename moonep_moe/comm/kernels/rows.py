@@ -266,6 +266,16 @@ def _expand_duplicates_kernel(rows_ptr, groups_ptr, loffs_ptr, counts_ptr, H, MA
                 tl.store(rows_ptr + row * H + offs, x, mask=inside & has)
 
 
+def _duplicate_groups_launch(rows_nvsh: torch.Tensor, itemsize: int, max_groups: int,
+                             num_sms: int | None) -> tuple[tuple[int, int], dict[str, int]]:
+    """(grid, launch constants) of a kernel over the dup tables: a grid-stride loop over at most
+    `max_groups` groups x row blocks sized for `itemsize`-byte elements."""
+    block, warps = _row_block(rows_nvsh.shape[1], itemsize)
+    programs, iterations = _group_programs(max_groups, rows_nvsh.device, num_sms)
+    return ((programs, triton.cdiv(rows_nvsh.shape[1], block)),
+            dict(ITERATIONS=iterations, BLOCK_H=block, num_warps=warps))
+
+
 def expand_duplicates(rows_nvsh: torch.Tensor, dup_groups: torch.Tensor, dup_loffs: torch.Tensor,
                       dup_counts: torch.Tensor, max_duplicates: int, max_groups: int,
                       num_sms: int | None = None) -> None:
@@ -273,13 +283,10 @@ def expand_duplicates(rows_nvsh: torch.Tensor, dup_groups: torch.Tensor, dup_lof
     device; at most `max_groups` groups of at most `max_duplicates` rows: static bounds)."""
     if max_duplicates == 0 or max_groups == 0:
         return
-    width = rows_nvsh.shape[1]
-    block, warps = _row_block(width, rows_nvsh.element_size())
-    programs, iterations = _group_programs(max_groups, rows_nvsh.device, num_sms)
+    grid, launch = _duplicate_groups_launch(rows_nvsh, rows_nvsh.element_size(), max_groups, num_sms)
     with _launching():
-        _expand_duplicates_kernel[(programs, triton.cdiv(width, block))](
-            rows_nvsh, dup_groups, dup_loffs, dup_counts, width, MAX_DUPS=max_duplicates,
-            ITERATIONS=iterations, BLOCK_H=block, num_warps=warps)
+        _expand_duplicates_kernel[grid](rows_nvsh, dup_groups, dup_loffs, dup_counts, rows_nvsh.shape[1],
+                                        MAX_DUPS=max_duplicates, **launch)
 
 
 # -- combine -------------------------------------------------------------------------------------------------
@@ -318,13 +325,10 @@ def pre_reduce_duplicates(rows_nvsh: torch.Tensor, dup_groups: torch.Tensor, dup
     row order, into the primary row. Duplicate rows are left as they are (combine reads primaries only)."""
     if max_duplicates == 0 or max_groups == 0:
         return
-    width = rows_nvsh.shape[1]
-    block, warps = _row_block(width, 4)
-    programs, iterations = _group_programs(max_groups, rows_nvsh.device, num_sms)
+    grid, launch = _duplicate_groups_launch(rows_nvsh, 4, max_groups, num_sms)
     with _launching():
-        _pre_reduce_kernel[(programs, triton.cdiv(width, block))](
-            rows_nvsh, dup_groups, dup_loffs, dup_counts, width, ACC=_TL_DTYPES[accumulate],
-            MAX_DUPS=max_duplicates, ITERATIONS=iterations, BLOCK_H=block, num_warps=warps)
+        _pre_reduce_kernel[grid](rows_nvsh, dup_groups, dup_loffs, dup_counts, rows_nvsh.shape[1],
+                                 ACC=_TL_DTYPES[accumulate], MAX_DUPS=max_duplicates, **launch)
 
 
 @triton.jit
