@@ -50,13 +50,7 @@ def assert_kernel_plan(sc: Scenario, rank: int, topk_sk: torch.Tensor | None = N
     against the reference by test_plan.py) and, for the global fields, the host reference `plan_global`."""
     topk_sk = sc.topk_rsk[rank] if topk_sk is None else topk_sk
     kwargs = dict(rank=rank, num_slots=sc.B, token_padding=sc.tp, rows_per_rank=sc.NvS)
-    if tuning:
-        launch = prepare(sc.counts_re.to(KERNEL_DEVICE), topk_sk.to(KERNEL_DEVICE), **kwargs, **tuning)
-        launch.plan_group()
-        launch.route_destinations()
-        kernel = launch.plan()
-    else:  # the public entry point
-        kernel = plan_routes_triton(sc.counts_re.to(KERNEL_DEVICE), topk_sk.to(KERNEL_DEVICE), **kwargs)
+    kernel = plan_routes_triton(sc.counts_re.to(KERNEL_DEVICE), topk_sk.to(KERNEL_DEVICE), **kwargs, **tuning)
     assert_plans_equal(kernel, plan_routes(sc.counts_re, topk_sk, **kwargs))
     ref = plan_global(sc.counts_re.tolist(), sc.B, sc.tp)
     assert kernel.experts_to_copy.tolist() == ref.experts_to_copy

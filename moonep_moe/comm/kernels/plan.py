@@ -436,16 +436,18 @@ def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int
 
 
 def plan_routes_triton(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int, num_slots: int,
-                       token_padding: int, rows_per_rank: int, owner: int | None = None) -> MoonEPCommPlan:
+                       token_padding: int, rows_per_rank: int, owner: int | None = None,
+                       **tuning: int | None) -> MoonEPCommPlan:
     """`moonep_moe.comm.plan.plan_routes` in two Triton launches (equal to it bit for bit, no host read).
 
     Args:
         counts_re: `[R, E]` int32/int64, valid routes from each source rank to each expert.
         topk_experts_sk: `[s, K]` int32/int64, this rank's routed experts, -1 = no route.
         num_slots: B. token_padding: tp. rows_per_rank: NvS.
+        tuning: `prepare`'s launch-shape arguments (default: its defaults).
     """
     launch = prepare(counts_re, topk_experts_sk, rank=rank, num_slots=num_slots, token_padding=token_padding,
-                     rows_per_rank=rows_per_rank)
+                     rows_per_rank=rows_per_rank, **tuning)
     launch.plan_group()
     launch.route_destinations()
     return launch.plan(owner)
