@@ -125,6 +125,13 @@ def _peer(table_ptr, rank, like_ptr):
 
 
 @triton.jit
+def _both(a, b):
+    """`a & b` for int1 masks of broadcastable shapes (a block and a scalar, a column and a row). Not `&`:
+    Triton 3.9's interpreter broadcasts int1 into int32 blocks, which its loads and stores reject."""
+    return tl.where(a, b, False)
+
+
+@triton.jit
 def _decode(dst_ptr, rows_per_rank):
     """One int32 `dst` entry -> (destination rank, int64 row, is primary, is valid); rank and row 0 when
     invalid. In int32 (the plan keeps `R * NvS` below 2^31): one division per route, not a 64-bit one."""
@@ -172,7 +179,7 @@ def _send_routes_kernel(hidden_ptr, weights_ptr, dst_ptr, primary_row_ptr,
     for k in tl.static_range(K):
         route = token * K + k
         dest, row, primary, valid = _decode(dst_ptr + route, rows_per_rank)
-        tl.store(_peer(rows_table, dest, rows_like) + row * H + offs, x, mask=inside & primary)
+        tl.store(_peer(rows_table, dest, rows_like) + row * H + offs, x, mask=_both(inside, primary))
         if WEIGHTS:
             tl.store(_peer(weights_table, dest, weights_like) + row, tl.load(weights_ptr + route),
                      mask=valid & first_block)
@@ -222,9 +229,9 @@ def _zero_padding_kernel(rows_ptr, weights_ptr, zero_fill_ptr, H, PADDING: tl.co
         pad = start + tl.arange(0, TILE)
         padding = pad < count
         tl.store(rows_ptr + (first + pad)[:, None] * H + offs[None, :], zeros,
-                 mask=padding[:, None] & inside[None, :])
+                 mask=_both(padding[:, None], inside[None, :]))
         tl.store(weights_ptr + first + pad, tl.zeros([TILE], dtype=weights_ptr.dtype.element_ty),
-                 mask=padding & (block == 0))
+                 mask=_both(padding, block == 0))
 
 
 def zero_padding(rows_nvsh: torch.Tensor, weights_nvs: torch.Tensor, zero_fill_g2: torch.Tensor,
@@ -263,7 +270,7 @@ def _expand_duplicates_kernel(rows_ptr, groups_ptr, loffs_ptr, counts_ptr, H, MA
             for i in tl.static_range(MAX_DUPS):
                 has = i < count
                 row = tl.load(loffs_ptr + first + i, mask=has, other=0).to(tl.int64)
-                tl.store(rows_ptr + row * H + offs, x, mask=inside & has)
+                tl.store(rows_ptr + row * H + offs, x, mask=_both(inside, has))
 
 
 def _duplicate_groups_launch(rows_nvsh: torch.Tensor, itemsize: int, max_groups: int,
@@ -311,10 +318,10 @@ def _pre_reduce_kernel(rows_ptr, groups_ptr, loffs_ptr, counts_ptr, H, ACC: tl.c
                 has = i < count
                 row = tl.load(loffs_ptr + first + i, mask=has, other=0).to(tl.int64)
                 primary_now = has & (row > primary) & ~added
-                total += _widen(tl.load(primary_ptrs, mask=inside & primary_now, other=0.0), ACC)
+                total += _widen(tl.load(primary_ptrs, mask=_both(inside, primary_now), other=0.0), ACC)
                 added = added | primary_now
-                total += _widen(tl.load(rows_ptr + row * H + offs, mask=inside & has, other=0.0), ACC)
-            total += _widen(tl.load(primary_ptrs, mask=inside & ~added, other=0.0), ACC)
+                total += _widen(tl.load(rows_ptr + row * H + offs, mask=_both(inside, has), other=0.0), ACC)
+            total += _widen(tl.load(primary_ptrs, mask=_both(inside, ~added), other=0.0), ACC)
             tl.store(primary_ptrs, _narrow(total, rows_ptr.dtype.element_ty), mask=inside)
 
 
@@ -344,7 +351,8 @@ def _gather_routes_kernel(out_ptr, weights_out_ptr, dst_ptr, rows_table, weights
     for k in tl.static_range(K):  # in k order, +0.0 for duplicates and invalid routes: the reference's sum
         route = token * K + k
         dest, row, primary, valid = _decode(dst_ptr + route, rows_per_rank)
-        x = tl.load(_peer(rows_table, dest, rows_like) + row * H + offs, mask=inside & primary, other=0.0)
+        x = tl.load(_peer(rows_table, dest, rows_like) + row * H + offs, mask=_both(inside, primary),
+                    other=0.0)
         total += _widen(x, ACC)
         if WEIGHTS:
             weight = tl.load(_peer(weights_table, dest, weights_like) + row, mask=valid & first_block,
@@ -400,7 +408,7 @@ def _copy_experts_kernel(slots_ptr, experts_ptr, home_table, home_like, numel, e
     for i in tl.range(ITERATIONS):
         offs = (chunk * ITERATIONS + i).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < numel
-        tl.store(target + offs, tl.load(source + offs, mask=inside & used, other=0.0), mask=inside)
+        tl.store(target + offs, tl.load(source + offs, mask=_both(inside, used), other=0.0), mask=inside)
 
 
 def copy_experts(home: SymmetricTensor, slots_bx: torch.Tensor, experts_b: torch.Tensor) -> None:
@@ -473,7 +481,7 @@ def _add_replicas_kernel(home_ptr, sources_ptr, slots_table, slots_like, numel, 
                 tl.int64) * numel
             # the reference's exchange of one slot index: `home += replica.to(home dtype)` for every rank
             # holding the expert in that slot, summed in ACC and rounded to the home dtype once
-            x = _narrow(_widen(tl.load(replica + offs, mask=inside & has, other=0.0), ACC), HOME)
+            x = _narrow(_widen(tl.load(replica + offs, mask=_both(inside, has), other=0.0), ACC), HOME)
             total += _widen(x, ACC)
             if j + 1 < MAX_REPLICAS:
                 following = tl.load(sources_ptr + expert * MAX_REPLICAS + j + 1)
