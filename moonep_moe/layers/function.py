@@ -23,6 +23,8 @@ Home gradients (`MoEConfig.expert_grad_dtype`): "param" writes fresh ones in the
 overwrites them, fp32 accumulation inside the GEMM) and hands them to autograd as `.grad`; "main_grad" adds
 wgrad straight into each parameter's persistent fp32 `main_grad` (the slot gradients are zero between steps,
 so adding into them is exact too) and hands autograd None.
+
+Under `torch.compile` the whole Function runs eagerly between compiled graphs (`routed_experts`).
 """
 
 from __future__ import annotations
@@ -115,3 +117,21 @@ class MoonEPExperts(torch.autograd.Function):
         # fresh tensors in the parameters' dtype: autograd keeps them as .grad without a copy
         return (grad_hidden_sh, grad_route_weights_sk, None, None, gate_up_grads.home.local,
                 down_grads.home.local, None)
+
+
+COMPILE_BREAK_REASON = (
+    "MoonEP's routed experts (planner, dispatch, prefetch, grouped GEMMs, combine, reduce_grad) run eagerly "
+    "between compiled graphs: they launch their own kernels on peer and process-global memory that the "
+    "compiled graph cannot see, and their reference paths read segment sizes on the host. "
+    "torch.compile(fullgraph=True) cannot trace them: compile the layer without fullgraph (one graph break "
+    "around the experts) or capture forward + backward in a CUDA graph"
+)
+
+
+@torch.compiler.disable(reason=COMPILE_BREAK_REASON)
+def routed_experts(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, gate_up, down,
+                   state: ExpertsState) -> torch.Tensor:
+    """`MoonEPExperts.apply` (same arguments), run eagerly under `torch.compile`: the graph breaks around
+    it (`COMPILE_BREAK_REASON`, which is also what `fullgraph=True` raises with)."""
+    return MoonEPExperts.apply(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, gate_up, down,
+                               state)

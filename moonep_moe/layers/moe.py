@@ -25,7 +25,7 @@ from torch import nn
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.world import EPWorld, single_world
 from moonep_moe.config import MoEConfig
-from moonep_moe.layers.function import ExpertsState, MoonEPExperts
+from moonep_moe.layers.function import ExpertsState, routed_experts
 from moonep_moe.layers.grouped_gemm import GemmProblem, select_grouped_gemm
 from moonep_moe.layers.router import TopKRouter
 from moonep_moe.weights.experts import HomeExperts
@@ -157,9 +157,9 @@ class MoonEPMoELayer(nn.Module):
         if self.record_router_logits:
             self.last_router_logits_te = routing.logits_te
         route_weights_tk = routing.route_weights_tk.to(self.buffer.weight_dtype)
-        out_th = MoonEPExperts.apply(hidden_th.contiguous(), route_weights_tk,
-                                     routing.topk_experts_tk, routing.tokens_per_expert_e,
-                                     self.experts.gate_up, self.experts.down, self._state)
+        out_th = routed_experts(hidden_th.contiguous(), route_weights_tk,
+                                routing.topk_experts_tk, routing.tokens_per_expert_e,
+                                self.experts.gate_up, self.experts.down, self._state)
         with torch.no_grad():
             self.expert_load += self._state.last_plan.expert_load
         if self.shared_experts is not None:
