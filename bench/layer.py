@@ -2,14 +2,17 @@
 
     python -m bench.layer                   # DeepSeek-V3 layer at EP=1: T=8192, H=7168, H'=2048, E=256, K=8
     python -m bench.layer --tokens 4096 --experts 64
+    python -m bench.layer --backends --token-paddings   # the torch-native baseline and the DEFAULT row only
 
 The baseline is what users run today, written here in the torchtitan style: a softmax top-k router, a
 sort-based permute, `torch._grouped_mm` experts with autograd, an `index_add` unpermute. Both layers get the
-same weights and tokens; ours runs with each grouped-GEMM backend, each `expert_grad_dtype` (fp32 home
-gradients, or the parameters' bf16 like the baseline) and each token padding (the segment alignment: 128
-for DeepGEMM; at EP=1 with E=256 it adds ~25% rows, 16 adds ~3%). Reported: fwd+bwd time (median of
-CUDA-event timings), its ratio to the baseline, and each one's peak memory during a step (parameters and
-gradients included).
+same weights and tokens. Ours runs first as the DEFAULT row: `MoEConfig` with only the shapes given and every
+other setting at its default (what a user gets; `"config": "default"` in the JSON), then with each
+grouped-GEMM backend, each `expert_grad_dtype` (`param`: gradients in the parameters' bf16 like the
+baseline; `main_grad`: a persistent fp32 `main_grad` that wgrad adds into, never zeroed here, as across
+micro-batches) and each token padding (the segment alignment: 128 for DeepGEMM; at EP=1 with E=256 it adds
+~25% rows, 16 adds ~3%). Reported: fwd+bwd time (median of CUDA-event timings), its ratio to the baseline,
+and each one's peak memory during a step (parameters and gradients, `main_grad` included).
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--backends", nargs="*", default=["torch", "deep_gemm", "triton", "auto"])
-    parser.add_argument("--grad-dtypes", nargs="*", default=["float32", "param"],
+    parser.add_argument("--grad-dtypes", nargs="*", default=["param", "main_grad"],
                         help="MoEConfig.expert_grad_dtype values to run (default both)")
     parser.add_argument("--token-paddings", nargs="*", type=int, default=[128, 16],
                         help="MoEConfig.token_padding values: 128 (DeepGEMM's M-block) pads each of the E "
@@ -119,27 +122,32 @@ def main() -> None:
     rows = [{"layer": "torch-native", "ms": base_s * 1e3, "vs_baseline": 1.0, "peak_gib": base_gib,
              "tflops": flops / base_s / 1e12}]
     print(f"{'torch-native':44} {base_s * 1e3:8.2f} ms  peak {base_gib:6.1f} GiB", flush=True)
-    runs = itertools.product(args.token_paddings, args.backends, args.grad_dtypes)
-    for padding, backend, grad_dtype in runs:
+    shapes = dict(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=args.top_k,
+                  max_tokens_per_rank=args.tokens)
+    runs = [("DEFAULT config", {})]
+    variants = itertools.product(args.token_paddings, args.backends, args.grad_dtypes)
+    for padding, backend, grad_dtype in variants:
+        runs.append((f"{backend}, {grad_dtype} grads, tp {padding}",
+                     dict(grouped_gemm=backend, expert_grad_dtype=grad_dtype, token_padding=padding)))
+    for label, settings in runs:
         gc.collect()
         torch.cuda.empty_cache()
-        cfg = MoEConfig(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=args.top_k,
-                        max_tokens_per_rank=args.tokens, dtype="bfloat16", grouped_gemm=backend,
-                        expert_grad_dtype=grad_dtype, token_padding=padding)
+        cfg = MoEConfig(**shapes, **settings)
         try:
             layer = MoonEPMoELayer(cfg, single_world("cuda"))
         except ValueError as error:
-            print(f"skipping {backend} at token_padding={padding}: {error}")
+            print(f"skipping {label}: {error}")
             continue
         layer.load_state_dict({"router.weight": weights["router"], "experts.gate_up_proj": weights["gate_up"],
                                "experts.down_proj": weights["down"]})
         seconds, gib = measure(layer, x_th, grad_th)
         if args.profile:
             print_profile(layer, x_th, grad_th)
-        name = f"moonep ({backend}, {grad_dtype} grads, tp {padding})"
-        rows.append({"layer": name, "backend": backend, "expert_grad_dtype": grad_dtype,
-                     "token_padding": padding, "ms": seconds * 1e3, "vs_baseline": seconds / base_s,
-                     "peak_gib": gib, "tflops": flops / seconds / 1e12})
+        name = f"moonep ({label})"
+        rows.append({"layer": name, "config": "default" if not settings else "variant",
+                     "backend": cfg.grouped_gemm, "expert_grad_dtype": cfg.expert_grad_dtype,
+                     "token_padding": cfg.token_padding, "dtype": cfg.dtype, "ms": seconds * 1e3,
+                     "vs_baseline": seconds / base_s, "peak_gib": gib, "tflops": flops / seconds / 1e12})
         print(f"{name:44} {seconds * 1e3:8.2f} ms  peak {gib:6.1f} GiB  "
               f"{seconds / base_s:.2f}x torch-native", flush=True)
         layer.destroy()

@@ -2,6 +2,11 @@
 selection ("auto") with an injected timer and its cache, in process and on file."""
 
 import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +19,7 @@ from moonep_moe.layers.grouped_gemm import (
     ReferenceGroupedGemm,
     TorchGroupedGemm,
     TritonGroupedGemm,
+    choice_context,
     measure_grouped_gemm,
     rows_bucket,
     select_grouped_gemm,
@@ -297,6 +303,64 @@ def test_default_cache_location(monkeypatch, tmp_path):
     monkeypatch.setattr(grouped_gemm, "_DEFAULT_CACHE", None)
     monkeypatch.setenv("MOONEP_MOE_CACHE", "off")
     assert grouped_gemm.default_choice_cache().path is None
+    monkeypatch.setattr(grouped_gemm, "_DEFAULT_CACHE", None)
+    monkeypatch.delenv("MOONEP_MOE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert grouped_gemm.default_choice_cache().path == tmp_path / "moonep-moe" / "gemm.json"
+
+
+def test_measured_selection_logs_what_it_times_what_it_chose_and_the_cache(caplog, tmp_path):
+    """INFO on the "moonep_moe" logger: each timing (candidates, primitive, shape, where the winner is
+    kept), each winner, and a summary; a later process that reads every choice from the file says so."""
+    caplog.set_level(logging.INFO, logger="moonep_moe")
+    path = tmp_path / "gemm.json"
+    backends = [TorchGroupedGemm(), ReferenceGroupedGemm()]
+    timer = FakeTimer({"fwd": "torch", "dgrad": "reference", "wgrad": "reference"})
+    measure_grouped_gemm(backends, SHAPES, CONTEXT, timer, ChoiceCache(path))
+    lines = [record.getMessage() for record in caplog.records if record.name.startswith("moonep_moe")]
+    assert f"grouped_gemm=auto: timing torch/reference fwd on [{N}, {K}] weights, 128 rows per group " \
+           f"({CONTEXT}), once: the winner is kept in {path}" in lines
+    assert any(line.startswith(f"grouped_gemm=auto: dgrad {N}x{K} -> reference (torch 2000.000 ms, "
+                               "reference 1000.000 ms") for line in lines)
+    assert sum("timing" in line for line in lines) == 6
+    assert f"fwd {N}x{K}: torch" in lines[-1] and "6 timed" in lines[-1] and str(path) in lines[-1]
+    caplog.clear()
+    measure_grouped_gemm(backends, SHAPES, CONTEXT, timer, ChoiceCache(path))  # as a later process would
+    lines = [record.getMessage() for record in caplog.records if record.name.startswith("moonep_moe")]
+    assert len(lines) == 1 and "0 timed, the rest from the cache" in lines[0] and str(path) in lines[0]
+
+
+SECOND_PROCESS = """
+from moonep_moe.layers.grouped_gemm import *
+from moonep_moe.layers.grouped_gemm import default_choice_cache
+calls = []
+def timer(op, n, k, rows, backends):
+    calls.append(op)
+    return [float(i) for i, _ in enumerate(backends)]
+problem = GemmProblem(((32, 16), (16, 32)), rows_per_group=100)
+gemm = measure_grouped_gemm([TorchGroupedGemm(), ReferenceGroupedGemm()], problem, "ctx", timer,
+                            default_choice_cache())
+print(len(calls), gemm.describe())
+"""
+
+
+def test_a_second_process_reads_the_default_cache_file_instead_of_timing(tmp_path):
+    """Two processes with the same `MOONEP_MOE_CACHE`: the first times every primitive and shape, the second
+    none, and both choose the same."""
+    env = {**os.environ, "MOONEP_MOE_CACHE": str(tmp_path)}
+    root = Path(__file__).resolve().parents[1]
+    outputs = [subprocess.run([sys.executable, "-c", SECOND_PROCESS], env=env, cwd=root, capture_output=True,
+                              text=True, check=True, timeout=120).stdout.strip() for _ in range(2)]
+    (first_timed, first_choice), (second_timed, second_choice) = (out.split(" ", 1) for out in outputs)
+    assert (first_timed, second_timed) == ("6", "0") and first_choice == second_choice
+    assert len(json.loads((tmp_path / "gemm.json").read_text())) == 6
+
+
+def test_choice_context_names_the_device_the_versions_and_the_dtype():
+    import triton
+
+    context = choice_context("NVIDIA H200", torch.bfloat16)
+    assert context == f"NVIDIA H200|torch {torch.__version__}|triton {triton.__version__}|bfloat16"
 
 
 @pytest.mark.parametrize(("rows", "align", "bucket"), [(0, 1, 1), (1, 1, 1), (100, 1, 128), (128, 1, 128),

@@ -17,9 +17,14 @@ Backward reuses the forward plan (never plans again):
    and, recomputed in the same pass, `hw`; `dW_down = g^T hw` (wgrad into this step's home grads and the fp32
    slot grads); gate_up: `dW_gate_up = dab^T x`, `dx = dab @ gate_up`.
 3. `combine(plan, dx, grad_w)`: input and route-weight gradients back to the tokens.
-4. `reduce_grad`: every replica's fp32 gradient added into its home expert's, slots cleared. The home
-   gradients (fp32, or the parameters' dtype: `MoEConfig.expert_grad_dtype`) go to autograd in the
-   parameters' dtype.
+4. `reduce_grad`: every replica's fp32 gradient added into its home expert's, slots cleared.
+
+Home gradients (`MoEConfig.expert_grad_dtype`): "param" writes fresh ones in the parameters' dtype (wgrad
+overwrites them, fp32 accumulation inside the GEMM) and hands them to autograd as `.grad`; "main_grad" adds
+wgrad straight into each parameter's persistent fp32 `main_grad` (the slot gradients are zero between steps,
+so adding into them is exact too) and hands autograd None.
+
+Under `torch.compile` the whole Function runs eagerly between compiled graphs (`routed_experts`).
 """
 
 from __future__ import annotations
@@ -44,7 +49,9 @@ class ExpertsState:
     experts: HomeExperts
     gemm: GroupedGemm
     grad_dtype: torch.dtype
-    """dtype of the home experts' gradients within a step (`MoEConfig.expert_grad_dtype`)."""
+    """dtype of the home experts' gradients (the parameters' dtype, or fp32 / float64 with `main_grad`)."""
+    main_grad: bool = False
+    """`MoEConfig.expert_grad_dtype == "main_grad"`: wgrad adds into the parameters' `main_grad`."""
     last_plan: MoonEPCommPlan | None = None
 
 
@@ -80,33 +87,51 @@ class MoonEPExperts(torch.autograd.Function):
         hw_nvf = swiglu_weighted(ab_nv2f, w_nvs, offs_g[-1:])
         y_nvsh = gemm.fwd(hw_nvf, down_rows.compute_weights(), offs_g)
         out_sh, _, _ = buffer.combine(plan, y_nvsh)
-        ctx.save_for_backward(x_nvsh, ab_nv2f, w_nvs, offs_g, gate_up, down)
+        ctx.save_for_backward(x_nvsh, ab_nv2f, w_nvs, offs_g)
         ctx.plan, ctx.state = plan, state
         state.last_plan = plan
         return out_sh
 
     @staticmethod
     def backward(ctx, grad_out_sh):
-        x_nvsh, ab_nv2f, w_nvs, offs_g, gate_up, down = ctx.saved_tensors
+        x_nvsh, ab_nv2f, w_nvs, offs_g = ctx.saved_tensors
         plan, state = ctx.plan, ctx.state
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
         gate_up_rows, down_rows = experts.rows
-        gate_up_grads, down_grads = experts.new_grads(state.grad_dtype)
+        gate_up_grads, down_grads = experts.new_grads(state.grad_dtype, state.main_grad)
         g_nvsh, _, _, _ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None,
                                           plan=plan)
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
         u_nvf = gemm.dgrad(g_nvsh, down_rows.compute_weights(), offs_g)
         dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:])
-        # overwrite: this step's home and slot gradients start here (no zeroing pass)
-        gemm.wgrad(g_nvsh, hw_nvf, offs_g, (down_grads.home.local, down_grads.slots.local), accumulate=False)
-        gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (gate_up_grads.home.local, gate_up_grads.slots.local),
-                   accumulate=False)
+        # "param": overwrite, this step's home and slot gradients start here (no zeroing pass); "main_grad":
+        # add into the persistent main_grad and the slot gradients (zero between steps)
+        add = state.main_grad
+        gemm.wgrad(g_nvsh, hw_nvf, offs_g, (down_grads.home.local, down_grads.slots.local), add)
+        gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (gate_up_grads.home.local, gate_up_grads.slots.local), add)
         dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_rows.compute_weights(), offs_g)
         grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs)
         buffer.reduce_grad(plan, gate_up_grads, None, down_grads)
-        # fresh tensors: in the parameters' dtype autograd keeps them as .grad without a copy. Cast one at a
-        # time (fp32 mode): the fp32 gate_up gradient is freed before down's cast exists
-        gate_up_grad = gate_up_grads.home.local.to(gate_up.dtype)
-        del gate_up_grads
-        down_grad = down_grads.home.local.to(down.dtype)
-        return grad_hidden_sh, grad_route_weights_sk, None, None, gate_up_grad, down_grad, None
+        if state.main_grad:
+            return grad_hidden_sh, grad_route_weights_sk, None, None, None, None, None
+        # fresh tensors in the parameters' dtype: autograd keeps them as .grad without a copy
+        return (grad_hidden_sh, grad_route_weights_sk, None, None, gate_up_grads.home.local,
+                down_grads.home.local, None)
+
+
+COMPILE_BREAK_REASON = (
+    "MoonEP's routed experts (planner, dispatch, prefetch, grouped GEMMs, combine, reduce_grad) run eagerly "
+    "between compiled graphs: they launch their own kernels on peer and process-global memory that the "
+    "compiled graph cannot see, and their reference paths read segment sizes on the host. "
+    "torch.compile(fullgraph=True) cannot trace them: compile the layer without fullgraph (one graph break "
+    "around the experts) or capture forward + backward in a CUDA graph"
+)
+
+
+@torch.compiler.disable(reason=COMPILE_BREAK_REASON)
+def routed_experts(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, gate_up, down,
+                   state: ExpertsState) -> torch.Tensor:
+    """`MoonEPExperts.apply` (same arguments), run eagerly under `torch.compile`: the graph breaks around
+    it (`COMPILE_BREAK_REASON`, which is also what `fullgraph=True` raises with)."""
+    return MoonEPExperts.apply(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, gate_up, down,
+                               state)

@@ -18,15 +18,18 @@ Primitives (every backend implements all three, as pure functions of their argum
 Backends: ``reference`` (the oracle), ``torch`` (``torch._grouped_mm``), ``deep_gemm`` (fwd and dgrad) and
 ``triton`` (wgrad, `moonep_moe.layers.kernels.wgrad`). ``select_grouped_gemm`` is the one place that picks;
 on CUDA its "auto" times the backends per primitive and weight shape once and caches the winners
-(``measure_grouped_gemm``, ``ChoiceCache``).
+(``measure_grouped_gemm``, ``ChoiceCache``: in process and in a per-user file that later processes read), and
+says what it times, what it chose and where the cache file is on ``logging.getLogger("moonep_moe")`` at INFO.
 """
 
 import dataclasses
 import itertools
 import json
+import logging
 import os
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,6 +50,8 @@ __all__ = [
     "measure_grouped_gemm",
     "select_grouped_gemm",
 ]
+
+logger = logging.getLogger(__name__)  # a child of "moonep_moe"
 
 GROUPED_GEMM_NAMES = ("auto", "torch", "reference", "deep_gemm", "triton")
 OPS = ("fwd", "dgrad", "wgrad")
@@ -333,9 +338,12 @@ class MeasuredGroupedGemm:
               accumulate: bool = True) -> None:
         self._for("wgrad", out_gnk[0]).wgrad(dy_mn, x_mk, offs_g, out_gnk, accumulate)
 
+    def describe(self) -> str:
+        """``"fwd 4096x7168: deep_gemm, ..."``: each primitive and weight shape with its backend."""
+        return ", ".join(f"{op} {n}x{k}: {gemm.name}" for (op, n, k), gemm in self.chosen.items())
+
     def __repr__(self) -> str:
-        picks = ", ".join(f"{op} {n}x{k}: {gemm.name}" for (op, n, k), gemm in self.chosen.items())
-        return f"MeasuredGroupedGemm({picks})"
+        return f"MeasuredGroupedGemm({self.describe()})"
 
 
 @dataclass(frozen=True)
@@ -397,11 +405,12 @@ _MEASURE_LOCK = threading.Lock()  # thread-ranks build their layers at once: one
 
 
 def default_choice_cache() -> ChoiceCache:
-    """The process's cache; its file is ``$MOONEP_MOE_CACHE/gemm.json`` (default ``~/.cache/moonep-moe``),
-    none with ``MOONEP_MOE_CACHE=off``."""
+    """The process's cache; its file is ``$MOONEP_MOE_CACHE/gemm.json``, per user by default
+    (``$XDG_CACHE_HOME/moonep-moe``, else ``~/.cache/moonep-moe``), none with ``MOONEP_MOE_CACHE=off``."""
     global _DEFAULT_CACHE
     if _DEFAULT_CACHE is None:
-        folder = os.environ.get("MOONEP_MOE_CACHE", str(Path.home() / ".cache" / "moonep-moe"))
+        user_cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        folder = os.environ.get("MOONEP_MOE_CACHE", str(Path(user_cache) / "moonep-moe"))
         _DEFAULT_CACHE = ChoiceCache(None if folder == "off" else Path(folder) / "gemm.json")
     return _DEFAULT_CACHE
 
@@ -428,7 +437,8 @@ def measure_grouped_gemm(backends: Sequence[GroupedGemm], problem: GemmProblem, 
     """
     by_name = {gemm.name: gemm for gemm in backends}
     rows = rows_bucket(problem.rows_per_group, align)
-    chosen = {}
+    where = str(cache.path) if cache.path is not None else "this process only (MOONEP_MOE_CACHE=off)"
+    chosen, timed = {}, 0
     with _MEASURE_LOCK:
         for op, (n, k) in itertools.product(OPS, dict.fromkeys(problem.shapes_nk)):
             rivals = [gemm for gemm in backends if op in gemm.ops]
@@ -440,11 +450,34 @@ def measure_grouped_gemm(backends: Sequence[GroupedGemm], problem: GemmProblem, 
                 key += f"|grad={str(problem.grad_dtype).removeprefix('torch.')}"
             name = cache.get(key) if len(rivals) > 1 else rivals[0].name
             if name not in by_name:
-                seconds = timer(op, n, k, rows, rivals)
-                name = min(zip(seconds, names.split("/"), strict=True))[1]
+                logger.info("grouped_gemm=auto: timing %s %s on [%d, %d] weights, %d rows per group (%s), "
+                            "once: the winner is kept in %s", names, op, n, k, rows, context, where)
+                start = time.perf_counter()
+                timings = list(zip(timer(op, n, k, rows, rivals), names.split("/"), strict=True))
+                name = min(timings)[1]
+                logger.info("grouped_gemm=auto: %s %dx%d -> %s (%s; timed in %.1f s)", op, n, k, name,
+                            ", ".join(f"{rival} {t * 1e3:.3f} ms" for t, rival in timings),
+                            time.perf_counter() - start)
                 cache.put(key, name)
+                timed += 1
             chosen[(op, n, k)] = by_name[name]
-    return MeasuredGroupedGemm(chosen, fallback=backends[0])
+    gemm = MeasuredGroupedGemm(chosen, fallback=backends[0])
+    logger.info("grouped_gemm=auto (%s, %d rows per group): %s; %d timed, the rest from the cache %s "
+                "(MOONEP_MOE_CACHE=<folder> moves it, =off disables it)", context, rows,
+                gemm.describe(), timed, where)
+    return gemm
+
+
+def choice_context(device_name: str, dtype: torch.dtype) -> str:
+    """What a measured choice depends on besides the problem: the device's name, the torch and Triton
+    versions and the dtype (the first part of every ``ChoiceCache`` key)."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    return f"{device_name}|torch {torch.__version__}|triton {triton_version}|{dtype}".replace("torch.", "")
 
 
 def cuda_timer(device: torch.device, dtype: torch.dtype, grad_dtype: torch.dtype, groups: int = 8,
@@ -532,9 +565,11 @@ def select_grouped_gemm(
         if len(backends) > 1:
             problem = dataclasses.replace(
                 problem, grad_dtype=problem.grad_dtype or torch.promote_types(dtype, torch.float32))
-            context = f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|{dtype}".replace(
-                "torch.", "")
-            return measure_grouped_gemm(backends, problem, context,
-                                        cuda_timer(device, dtype, problem.grad_dtype), default_choice_cache(),
+            context = choice_context(torch.cuda.get_device_name(device), dtype)
+            timer = cuda_timer(device, dtype, problem.grad_dtype)
+            gemm = measure_grouped_gemm(backends, problem, context, timer, default_choice_cache(),
                                         align=token_padding or 1)
+            logger.info("grouped_gemm=auto: the first forward + backward compiles the Triton (and DeepGEMM) "
+                        "kernels it uses, once per shape; both keep them on disk for later processes")
+            return gemm
     return ReferenceGroupedGemm() if reasons["torch"]() is not None else TorchGroupedGemm()

@@ -25,7 +25,7 @@ from torch import nn
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.world import EPWorld, single_world
 from moonep_moe.config import MoEConfig
-from moonep_moe.layers.function import ExpertsState, MoonEPExperts
+from moonep_moe.layers.function import ExpertsState, routed_experts
 from moonep_moe.layers.grouped_gemm import GemmProblem, select_grouped_gemm
 from moonep_moe.layers.router import TopKRouter
 from moonep_moe.weights.experts import HomeExperts
@@ -116,15 +116,14 @@ class MoonEPMoELayer(nn.Module):
         # validate=False: the router's expert ids are in [-1, E) by construction, and the check is a host read
         self.buffer = Buffer(config.max_tokens_per_rank, h, k, e, config.ep_size, config.prefetch_slots,
                              token_padding=config.token_padding, world=world, dtype=dtype, validate=False)
-        grad_dtype = torch.promote_types(dtype, torch.float32)
-        if config.expert_grad_dtype == "param":
-            grad_dtype = dtype
+        main_grad = config.expert_grad_dtype == "main_grad"
+        grad_dtype = torch.promote_types(dtype, torch.float32) if main_grad else dtype
         groups = config.experts_per_rank + config.prefetch_slots  # this rank's compute groups
         problem = GemmProblem(((2 * f, h), (h, f)), rows_per_group=config.max_tokens_per_rank * k // groups,
                               grad_dtype=grad_dtype)
         gemm = select_grouped_gemm(config.grouped_gemm, device, dtype, k=math.gcd(h, f),
                                    token_padding=config.token_padding, problem=problem)
-        self._state = ExpertsState(self.buffer, self.experts, gemm, grad_dtype)
+        self._state = ExpertsState(self.buffer, self.experts, gemm, grad_dtype, main_grad)
         expert_load_e = torch.zeros(e, dtype=torch.int64, device=device)
         self.register_buffer("expert_load", expert_load_e, persistent=False)
         self.record_router_logits = False
@@ -158,9 +157,9 @@ class MoonEPMoELayer(nn.Module):
         if self.record_router_logits:
             self.last_router_logits_te = routing.logits_te
         route_weights_tk = routing.route_weights_tk.to(self.buffer.weight_dtype)
-        out_th = MoonEPExperts.apply(hidden_th.contiguous(), route_weights_tk,
-                                     routing.topk_experts_tk, routing.tokens_per_expert_e,
-                                     self.experts.gate_up, self.experts.down, self._state)
+        out_th = routed_experts(hidden_th.contiguous(), route_weights_tk,
+                                routing.topk_experts_tk, routing.tokens_per_expert_e,
+                                self.experts.gate_up, self.experts.down, self._state)
         with torch.no_grad():
             self.expert_load += self._state.last_plan.expert_load
         if self.shared_experts is not None:
@@ -174,6 +173,14 @@ class MoonEPMoELayer(nn.Module):
         since the last call (identical on every rank, so the bias stays replicated), then reset them."""
         self.router.update_expert_bias(self.expert_load)
         self.expert_load.zero_()
+
+    @torch.no_grad()
+    def zero_main_grad(self) -> None:
+        """`expert_grad_dtype="main_grad"`: zero the home experts' persistent `main_grad` (where allocated),
+        e.g. after each optimizer step; the layer never zeroes it itself."""
+        for weight in (self.experts.gate_up, self.experts.down):
+            if getattr(weight, "main_grad", None) is not None:
+                weight.main_grad.zero_()
 
     def balance_stats(self) -> dict[str, torch.Tensor]:
         """The last step's balance, as device tensors (no host sync until you read them).

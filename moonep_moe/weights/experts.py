@@ -7,7 +7,8 @@ replicated copy of all E. Both parameters are registered with the EP world so pe
 (prefetch): create the layer in its final dtype and device (the config's) rather than converting it
 later. On CUDA, where `weights.arena` can, the home experts are mapped right before the shared slot pool, so
 the grouped GEMMs read home experts and slots as one tensor without copying them. The home experts'
-gradients are made fresh every step (`new_grads`); the replicas' accumulate in the shared fp32 slot-gradient
+gradients are made fresh every step (`new_grads`), or are each parameter's persistent fp32 `main_grad`
+(`MoEConfig.expert_grad_dtype="main_grad"`); the replicas' accumulate in the shared fp32 slot-gradient
 pools, which peers pull.
 
 Checkpoints hold one entry per expert under its global id, whatever the EP size:
@@ -61,17 +62,22 @@ class HomeExperts(nn.Module):
         self.slot_grads = (slot_grad_pool(world, (num_slots, 2 * f, h), dtype),
                            slot_grad_pool(world, (num_slots, h, f), dtype))
 
-    def new_grads(self, dtype: torch.dtype) -> tuple[ExpertRows, ExpertRows]:
-        """This step's gradients of `(gate_up, down)`: fresh `[epn, N, K]` home gradients in `dtype`
-        (uninitialised: the weight-gradient GEMMs overwrite every home expert) beside the shared fp32 slot
-        gradient pools. Fresh per step, so autograd can keep a returned home gradient as `.grad` without a
-        copy and nothing of the size of the parameters stays allocated between steps. The home gradients
-        are local to this rank (peers only pull slot gradients)."""
+    def new_grads(self, dtype: torch.dtype, main_grad: bool = False) -> tuple[ExpertRows, ExpertRows]:
+        """This step's gradients of `(gate_up, down)`: `[epn, N, K]` home gradients beside the shared fp32
+        slot gradient pools. The home gradients are local to this rank (peers only pull slot gradients).
+
+        By default fresh in `dtype` (uninitialised: the weight-gradient GEMMs overwrite every home expert),
+        so autograd can keep a returned home gradient as `.grad` without a copy and nothing of the size of
+        the parameters stays allocated between steps. With `main_grad`, each parameter's persistent
+        `main_grad` (`persistent_main_grad`), which the weight-gradient GEMMs add into."""
         world = self.world
         grads = []
         for kind, weight, slots in zip(("gate_up", "down"), (self.gate_up, self.down), self.slot_grads,
                                        strict=True):
-            home = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+            if main_grad:
+                home = persistent_main_grad(weight, f"experts.{kind}", world.rank)
+            else:
+                home = torch.empty(weight.shape, dtype=dtype, device=weight.device)
             peers = tuple(home if r == world.rank else None for r in range(world.size))
             grads.append(ExpertRows(SymmetricTensor(f"{self.name}/{kind}_grad", world.rank, peers), slots))
         return grads[0], grads[1]
@@ -134,3 +140,22 @@ class HomeExperts(nn.Module):
             known = {f"{e}.{n}.weight" for e in range(self.num_experts)
                      for names in PER_EXPERT_NAMES.values() for n in names}
             unexpected_keys.extend(k for name, k in ours.items() if name not in known)
+
+
+def persistent_main_grad(weight: nn.Parameter, name: str, rank: int) -> torch.Tensor:
+    """`weight.main_grad`: fp32 (float64 for float64 weights), `weight`'s shape and device, contiguous;
+    allocated zero on first use, or the one already attached (e.g. a view of a contiguous grad buffer).
+
+    Raises:
+        ValueError naming `name` and `rank` when an attached `main_grad` has another dtype, shape or device.
+    """
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    grad = getattr(weight, "main_grad", None)
+    if grad is None:
+        grad = weight.main_grad = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+    elif (grad.dtype, grad.shape, grad.device) != (dtype, weight.shape, weight.device) or \
+            not grad.is_contiguous():
+        raise ValueError(f"{name}.main_grad on rank {rank} must be a contiguous {dtype} tensor of shape "
+                         f"{list(weight.shape)} on {weight.device}, got {grad.dtype} {list(grad.shape)} on "
+                         f"{grad.device}")
+    return grad
