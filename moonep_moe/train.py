@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from tqdm import tqdm
 
 from moonep_moe.comm.world import EPWorld, run_ranks
+from moonep_moe.config import read_config_yaml
 from moonep_moe.layers.moe import MoonEPMoELayer
 
 __all__ = ["TrainConfig", "load_train_config", "train"]
@@ -63,10 +63,12 @@ class TrainConfig(BaseModel):
     train: TrainSection = Field(default_factory=TrainSection)
 
 
-def load_train_config(path: str | Path, **train_overrides: Any) -> TrainConfig:
-    """Read a training YAML; `train_overrides` replace fields of its `train:` section."""
-    data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    data["train"] = {**data.get("train", {}), **train_overrides}
+def load_train_config(path_or_name: str | Path, **train_overrides: Any) -> TrainConfig:
+    """Read a training YAML: a path, or a packaged name (`"tiny-transformer"`, listed by
+    `available_configs("train")`); `train_overrides` replace fields of its `train:` section. Errors as
+    `moonep_moe.config.load_config`'s."""
+    data, _ = read_config_yaml(path_or_name, "train")
+    data["train"] = {**(data.get("train") or {}), **train_overrides}
     return TrainConfig.model_validate(data)
 
 

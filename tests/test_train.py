@@ -50,6 +50,10 @@ def test_resume_repeats_the_uninterrupted_run(tmp_path):
     assert_states_close(rest["model"], full["model"], rtol=0, atol=0)
 
 
+def test_packaged_training_config_loads_by_name():
+    assert load_train_config("tiny-transformer") == load_train_config(CONFIG)
+
+
 def test_checkpoint_saved_at_ep4_loads_at_ep1_and_ep2_with_identical_outputs(tmp_path):
     ckpt = tmp_path / "ep4.pt"
     train(small(ep_size=4, steps=2), save=str(ckpt), progress=False)
