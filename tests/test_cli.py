@@ -25,6 +25,12 @@ needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                               reason="needs transformers (the hf extra)")
 
 
+@pytest.fixture(autouse=True)
+def cpu(monkeypatch):
+    """`train` as on a machine without a GPU (where there is one, it trains a single rank on it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 @pytest.fixture
 def no_work(monkeypatch):
     """Make any started demo or training run fail the test: errors must come before the work."""
@@ -170,7 +176,9 @@ def checkpoint(tmp_path_factory) -> tuple[Path, Path]:
     pytest.importorskip("transformers")
     folder = tmp_path_factory.mktemp("resume")
     config, ckpt = tiny_yaml(folder), folder / "step2.pt"
-    assert main(["train", "--config", str(config), "--steps", "2", "--save", str(ckpt), "--quiet"]) == 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        assert main(["train", "--config", str(config), "--steps", "2", "--save", str(ckpt), "--quiet"]) == 0
     return config, ckpt
 
 
