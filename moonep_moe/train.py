@@ -11,9 +11,10 @@ and draws its own batch. One step (`train_step`):
    tokens and are divided by R, so the step minimises the mean of the ranks' losses;
 3. AdamW step.
 
-Data are a pure function of (seed, step, rank), so a resumed run sees the same batches. Checkpoints
-(`save_checkpoint`) hold the model's state_dict merged over ranks (experts under their global ids, loadable
-at any EP size), the optimizer state keyed by parameter name and global expert, the step and the RNG state.
+Data are a pure function of (seed, step, rank), so a run resumed at the same EP size sees the same batches.
+Checkpoints (`save_checkpoint`) hold the model's state_dict merged over ranks (experts under their global ids,
+loadable at any EP size), the optimizer state keyed by parameter name and global expert, the step, the global
+batch (kept when a run resumes at another EP size) and the RNG state.
 Slot pools are neither parameters nor buffers, so they never reach a checkpoint or the optimizer.
 """
 
@@ -25,15 +26,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from tqdm import tqdm
 
 from moonep_moe.comm.world import EPWorld, run_ranks
+from moonep_moe.config import read_config_yaml
 from moonep_moe.layers.moe import MoonEPMoELayer
 
-__all__ = ["TrainConfig", "load_train_config", "train"]
+__all__ = ["TrainConfig", "load_checkpoint", "load_train_config", "resumed_config", "train"]
 
 
 class TrainSection(BaseModel):
@@ -44,7 +45,8 @@ class TrainSection(BaseModel):
     ep_size: int = Field(2, ge=1, description="EP ranks (threads); 1 on a GPU.")
     steps: int = Field(60, ge=0, description="Optimizer steps in total (a resumed run continues to it).")
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate (no schedule, no weight decay).")
-    batch_size: int = Field(8, ge=1, description="Sequences per rank per step.")
+    batch_size: int = Field(8, ge=1, description="Sequences per rank per step. A resumed run keeps its "
+                            "checkpoint's global batch: this becomes that batch / ep_size.")
     seq_len: int = Field(32, ge=2, description="Tokens per sequence.")
     seed: int = Field(0, description="Seeds the model, the Markov chain and every batch.")
     branching: int = Field(2, ge=1, description="Likely successors per token in the Markov chain.")
@@ -63,10 +65,12 @@ class TrainConfig(BaseModel):
     train: TrainSection = Field(default_factory=TrainSection)
 
 
-def load_train_config(path: str | Path, **train_overrides: Any) -> TrainConfig:
-    """Read a training YAML; `train_overrides` replace fields of its `train:` section."""
-    data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    data["train"] = {**data.get("train", {}), **train_overrides}
+def load_train_config(path_or_name: str | Path, **train_overrides: Any) -> TrainConfig:
+    """Read a training YAML: a path, or a packaged name (`"tiny-transformer"`, listed by
+    `available_configs("train")`); `train_overrides` replace fields of its `train:` section. Errors as
+    `moonep_moe.config.load_config`'s."""
+    data, _ = read_config_yaml(path_or_name, "train")
+    data["train"] = {**(data.get("train") or {}), **train_overrides}
     return TrainConfig.model_validate(data)
 
 
@@ -171,17 +175,59 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                               for k, v in state.items()}
 
 
-def save_checkpoint(path: str | Path, shards: list[dict[str, Any]], step: int) -> None:
-    """Write the ranks' `{"model", "optimizer"}` shards merged into one file, with the step and RNG state."""
+CHECKPOINT_KEYS = ("model", "optimizer", "step", "global_batch", "rng")
+
+
+def save_checkpoint(path: str | Path, shards: list[dict[str, Any]], step: int, global_batch: int) -> None:
+    """Write the ranks' `{"model", "optimizer"}` shards merged into one file, with the step, the global batch
+    (sequences per step over all ranks) and the RNG state."""
     merged = {key: {k: v for shard in shards for k, v in shard[key].items()}
               for key in ("model", "optimizer")}
-    torch.save({**merged, "step": step, "rng": torch.get_rng_state()}, path)
+    torch.save({**merged, "step": step, "global_batch": global_batch, "rng": torch.get_rng_state()}, path)
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Read a checkpoint written by `save_checkpoint` (tensors on the CPU).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError (one line, naming the file): torch cannot read it, or it lacks one of `CHECKPOINT_KEYS`.
+    """
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"checkpoint not found: {str(path)!r}")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch.load raises what its unpickler or zip reader raised
+        reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+        raise ValueError(f"{path}: not a checkpoint torch.load can read ({reason})") from error
+    missing = [k for k in CHECKPOINT_KEYS if not isinstance(checkpoint, dict) or k not in checkpoint]
+    if missing:
+        raise ValueError(f"{path}: not a moonep-moe train checkpoint (no {', '.join(missing)})")
+    return checkpoint
+
+
+def resumed_config(cfg: TrainConfig, checkpoint: dict[str, Any]) -> TrainConfig:
+    """`cfg` to continue `checkpoint` with: the checkpoint's global batch split over `cfg.train.ep_size`
+    ranks (`batch_size` per rank), so that resuming at another EP size trains on the same global batch.
+
+    Raises:
+        ValueError: `cfg.train.steps` is not beyond the checkpoint's step (nothing to train), or the global
+            batch does not divide over the ranks.
+    """
+    tc, step, global_batch = cfg.train, checkpoint["step"], checkpoint["global_batch"]
+    if tc.steps <= step:
+        raise ValueError(f"steps={tc.steps} is not beyond the checkpoint's step {step}: nothing to train")
+    if global_batch % tc.ep_size:
+        raise ValueError(f"the checkpoint's global batch of {global_batch} sequences does not split evenly "
+                         f"over {tc.ep_size} EP ranks; use a number of ranks that divides {global_batch}")
+    return cfg.model_copy(update={"train": tc.model_copy(update={"batch_size": global_batch // tc.ep_size})})
 
 
 def train(cfg: TrainConfig, device: str = "cpu", save: str | None = None, resume: str | None = None,
           log: Callable[[str], None] | None = None, keep_states: bool = False,
           progress: bool = True) -> dict[str, Any]:
-    """Run `cfg` from step 0 (or from the checkpoint `resume`) to `cfg.train.steps`.
+    """Run `cfg` from step 0 (or from the checkpoint `resume`, keeping its global batch: `resumed_config`)
+    to `cfg.train.steps`.
 
     Returns `losses` (mean over ranks, per step run), `balance` (per step: replicas and plain-EP max/mean
     load and slots used, worst over layers, rank 0's view: the plan is global), and with `keep_states` the
@@ -189,8 +235,10 @@ def train(cfg: TrainConfig, device: str = "cpu", save: str | None = None, resume
     """
     import transformers
 
+    checkpoint = load_checkpoint(resume) if resume else None
+    if checkpoint:
+        cfg = resumed_config(cfg, checkpoint)
     tc = cfg.train
-    checkpoint = torch.load(resume, weights_only=True) if resume else None
     start = checkpoint["step"] if checkpoint else 0
     torch.manual_seed(tc.seed)
     base = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg.model)).float()
@@ -225,7 +273,7 @@ def train(cfg: TrainConfig, device: str = "cpu", save: str | None = None, resume
     shards = run_ranks(rank_fn, tc.ep_size, device=device)
     bar.close()
     if save:
-        save_checkpoint(save, shards, tc.steps)
+        save_checkpoint(save, shards, tc.steps, tc.batch_size * tc.ep_size)
     result = {"losses": [r["loss"] for r in records[0]], "balance": [r["balance"] for r in records[0]]}
     if keep_states:
         result["states"] = [{k: v for rank in records for k, v in rank[i]["state"].items()}

@@ -14,6 +14,7 @@ from moonep_moe.config import (
     available_configs,
     load_config,
 )
+from moonep_moe.train import load_train_config
 
 PACKAGED = ["deepseek-v3", "kimi-k2", "mixtral-8x7b", "qwen3-moe-30b-a3b", "tiny-cpu"]
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -110,6 +111,27 @@ def test_yaml_must_be_a_mapping(tmp_path):
     path.write_text("- 1\n- 2\n")
     with pytest.raises(ValueError, match="mapping"):
         load_config(path)
+
+
+@pytest.mark.parametrize("text, where", [
+    ("hidden_size: 8\nrouter:\n  score_function: [softmax\n", "line 4, column 1"),
+    ("hidden_size: 8\n  top_k: 2\n", "line 2, column 8"),
+    ("hidden_size: 8\n\ttop_k: 2\n", "line 2, column 1"),
+], ids=["unclosed-list", "bad-indent", "tab"])
+def test_yaml_syntax_error_names_the_file_and_line_on_one_line(tmp_path, text, where):
+    path = tmp_path / "broken.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="invalid YAML") as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}, {where}: invalid YAML: ") and "\n" not in str(info.value)
+
+
+def test_training_and_layer_configs_are_told_apart():
+    assert available_configs("train") == ["tiny-transformer"]
+    with pytest.raises(ValueError, match="'tiny-transformer' is a training config, not a layer config"):
+        load_config("tiny-transformer")
+    with pytest.raises(ValueError, match="'tiny-cpu' is a layer config, not a training config"):
+        load_train_config("tiny-cpu")
 
 
 def test_unknown_yaml_key_is_named(tmp_path):

@@ -11,6 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import moonep_moe.train  # noqa: E402
 from moonep_moe.comm.world import run_ranks  # noqa: E402
 from moonep_moe.train import build_model, load_train_config, sample_batch, train  # noqa: E402
 
@@ -48,6 +49,28 @@ def test_resume_repeats_the_uninterrupted_run(tmp_path):
     rest = train(small(ep_size=2, steps=6), resume=str(ckpt), progress=False)
     assert first["losses"] + rest["losses"] == full["losses"]
     assert_states_close(rest["model"], full["model"], rtol=0, atol=0)
+
+
+def test_packaged_training_config_loads_by_name():
+    assert load_train_config("tiny-transformer") == load_train_config(CONFIG)
+
+
+def test_resume_keeps_the_global_batch_at_another_ep_size_and_refuses_nothing_to_train(tmp_path, monkeypatch):
+    ckpt = tmp_path / "ep2.pt"
+    train(small(ep_size=2, steps=1), save=str(ckpt), progress=False)  # global batch 2 x 4 sequences
+    with pytest.raises(ValueError, match="steps=1 is not beyond the checkpoint's step 1"):
+        train(small(ep_size=2, steps=1), resume=str(ckpt), progress=False)
+    with pytest.raises(ValueError, match="global batch of 8 sequences does not split evenly over 3 EP ranks"):
+        train(small(ep_size=3, steps=2), resume=str(ckpt), progress=False)
+    sizes = []
+
+    def spy(probs_vv, cfg, step, rank):
+        sizes.append(cfg.batch_size)
+        return sample_batch(probs_vv, cfg, step, rank)
+
+    monkeypatch.setattr(moonep_moe.train, "sample_batch", spy)
+    train(small(ep_size=1, steps=2), resume=str(ckpt), progress=False)
+    assert sizes == [8]  # one step on one rank: the whole global batch
 
 
 def test_checkpoint_saved_at_ep4_loads_at_ep1_and_ep2_with_identical_outputs(tmp_path):

@@ -1,0 +1,216 @@
+"""The `moonep-moe` command: `--version`, `configs`, configs by name or path in every subcommand, user errors
+as one line with exit status 2 found before any work starts (and a traceback with `--debug`), and `--resume`
+keeping the checkpoint's global batch at any EP size."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import moonep_moe
+import moonep_moe.demo
+import moonep_moe.train
+from moonep_moe.cli import main
+from moonep_moe.config import available_configs
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                              reason="needs transformers (the hf extra)")
+
+
+@pytest.fixture(autouse=True)
+def cpu(monkeypatch):
+    """`train` as on a machine without a GPU (where there is one, it trains a single rank on it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Make any started demo or training run fail the test: errors must come before the work."""
+    def started(*_, **__):
+        raise AssertionError("the run started before the error was found")
+
+    monkeypatch.setattr(moonep_moe.demo, "run_demo", started)
+    monkeypatch.setattr(moonep_moe.train, "train", started)
+
+
+def tiny_yaml(folder: Path, **train_fields) -> Path:
+    """The packaged tiny-transformer with 2 sequences of 8 tokens per rank: a training config by path."""
+    data = yaml.safe_load((ROOT / "configs" / "tiny-transformer.yaml").read_text())
+    data["train"].update({"batch_size": 2, "seq_len": 8, "ep_size": 2, **train_fields})
+    path = folder / "tiny.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def error_line(capsys) -> str:
+    """The one line a user error printed: stdout empty (no header, nothing ran), stderr one line."""
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("moonep-moe: error: "), err
+    return err
+
+
+# --- --version, configs --------------------------------------------------------------------------------
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    want = f"moonep-moe {moonep_moe.__version__} (torch {torch.__version__})\n"
+    assert capsys.readouterr().out == want
+
+
+def test_configs_lists_every_packaged_config_with_its_shape(capsys):
+    assert main(["configs"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name in available_configs():
+        cfg = moonep_moe.load_config(name)
+        (line,) = [line for line in lines if line.split()[0] == name]
+        assert line.split()[1:6] == [str(v) for v in (cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts,
+                                                       cfg.top_k, cfg.ep_size)]
+    (line,) = [line for line in lines if line.split()[0] == "tiny-transformer"]
+    assert "Qwen3-MoE with 2 layers, H=64, E=8, K=2" in line
+
+
+# --- configs by name or path, resolved inside the package ---------------------------------------------------
+
+
+@needs_hf
+@pytest.mark.parametrize("config", [[], ["--config", "tiny-transformer"]], ids=["default", "by-name"])
+def test_train_finds_packaged_configs_outside_the_repo(config, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *config, "--ranks", "1", "--steps", "1", "--quiet"]) == 0
+    assert capsys.readouterr().out.startswith("moonep-moe train: config tiny-transformer, ")
+
+
+# --- user errors: one line, exit status 2, before any work ---------------------------------------------
+
+
+def bad_yaml(folder: Path) -> Path:
+    path = folder / "bad.yaml"
+    path.write_text("hidden_size: 64\nrouter:\n  score_function: [softmax\n")
+    return path
+
+
+ERRORS = {
+    "unknown-name": (["demo", "--config", "no-such-model"], "no packaged layer config named 'no-such-model'"),
+    "missing-file": (["demo", "--config", "{tmp}/nowhere.yaml"], "nowhere.yaml"),
+    "yaml-syntax": (["demo", "--config", "{tmp}/bad.yaml"], "bad.yaml, line 4"),
+    "invalid-field": (["demo", "--ranks", "3"], "--config tiny-cpu --ranks 3: MoEConfig: num_experts (E=64) "
+                                               "must be divisible by ep_size (R=3)"),
+    "train-config-to-demo": (["demo", "--config", "tiny-transformer"], "is a training config"),
+    "layer-config-to-train": (["train", "--config", "tiny-cpu"], "is a layer config"),
+    "out-folder-missing": (["demo", "--out", "{tmp}/no-folder/plot.png"], "no-folder' does not exist"),
+    "out-format": (["demo", "--out", "{tmp}/plot.txt"], "matplotlib cannot write .txt files"),
+    "save-folder-missing": (["train", "--save", "{tmp}/no-folder/ckpt.pt"], "no-folder' does not exist"),
+    "resume-missing": (["train", "--resume", "{tmp}/nowhere.pt"], "checkpoint not found"),
+    "resume-not-a-checkpoint": (["train", "--resume", "{tmp}/bad.yaml"], "not a checkpoint torch.load can"),
+    "ranks-with-collective": (["demo", "--world", "collective", "--ranks", "2"], "torchrun's processes"),
+}
+
+
+@pytest.mark.parametrize("case", ERRORS)
+def test_user_errors_are_one_line_with_status_2_before_any_work(case, tmp_path, no_work, capsys):
+    argv, message = ERRORS[case]
+    bad_yaml(tmp_path)
+    if argv[0] == "train":
+        pytest.importorskip("transformers")
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    assert message in error_line(capsys)
+
+
+def test_debug_shows_the_traceback(no_work):
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        main(["demo", "--config", "no-such-model", "--debug"])
+
+
+def test_the_command_prints_no_traceback():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "moonep_moe.cli", "demo", "--config", "no-such-model"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
+    assert done.stderr.startswith("moonep-moe: error: no packaged layer config")
+
+
+COUNTS = {"demo-ranks": ["demo", "--ranks", "0"], "train-ranks": ["train", "--ranks", "0"],
+          "train-steps": ["train", "--steps", "0"]}
+
+
+@pytest.mark.parametrize("case", COUNTS)
+def test_counts_below_one_are_refused_not_replaced(case, no_work, capsys):
+    argv = COUNTS[case]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert f"argument {argv[1]}: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_train_without_transformers_says_how_to_install(monkeypatch, no_work, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    assert main(["train"]) == 2
+    assert "pip install 'moonep-moe[hf]'" in error_line(capsys)
+
+
+@needs_hf
+def test_train_on_a_gpu_refuses_several_ranks(monkeypatch, no_work, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert main(["train", "--ranks", "2"]) == 2
+    assert "--ranks 2: on a GPU, train runs one rank" in error_line(capsys)
+
+
+# --- --resume -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny training config (2 ranks x 2 sequences: global batch 4) and its checkpoint at step 2."""
+    pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("resume")
+    config, ckpt = tiny_yaml(folder), folder / "step2.pt"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        assert main(["train", "--config", str(config), "--steps", "2", "--save", str(ckpt), "--quiet"]) == 0
+    return config, ckpt
+
+
+def resume(checkpoint: tuple[Path, Path], *args: str) -> list[str]:
+    config, ckpt = checkpoint
+    return ["train", "--config", str(config), "--resume", str(ckpt), *args]
+
+
+@pytest.mark.parametrize("steps", ["1", "2"])
+def test_steps_not_beyond_the_checkpoint_are_refused(steps, checkpoint, no_work, capsys):
+    assert main(resume(checkpoint, "--steps", steps)) == 2
+    assert f"steps={steps} is not beyond the checkpoint's step 2: nothing to train" in error_line(capsys)
+
+
+@pytest.mark.parametrize("ranks", [1, 4])
+def test_resume_at_another_ep_size_keeps_the_global_batch(ranks, checkpoint, tmp_path, monkeypatch, capsys):
+    sample_batch, rows = moonep_moe.train.sample_batch, []
+
+    def spy(probs_vv, cfg, step, rank):
+        rows.append(cfg.batch_size)
+        return sample_batch(probs_vv, cfg, step, rank)
+
+    monkeypatch.setattr(moonep_moe.train, "sample_batch", spy)
+    saved = tmp_path / "step3.pt"
+    argv = resume(checkpoint, "--steps", "3", "--ranks", str(ranks), "--save", str(saved), "--quiet")
+    assert main(argv) == 0
+    assert rows == [4 // ranks] * ranks  # step 3 only, on every rank
+    assert torch.load(saved, weights_only=True)["global_batch"] == 4
+    assert f"{4 // ranks} sequences of 8 tokens per rank (the checkpoint's global batch of 4)" in \
+        capsys.readouterr().out
+
+
+def test_resume_refuses_a_global_batch_the_ranks_do_not_divide(checkpoint, no_work, capsys):
+    assert main(resume(checkpoint, "--steps", "3", "--ranks", "3")) == 2
+    assert "global batch of 4 sequences does not split evenly over 3 EP ranks" in error_line(capsys)
