@@ -112,6 +112,8 @@ class Stress:
                 self._rank_streams[key] = current
         if target == "current":
             return [current]
+        if torch.cuda.is_current_stream_capturing():
+            return []  # a graph being captured: only its own stream is delayed (the delay is captured too)
         if target == "comm":
             return comm_streams(world)
         with self._lock:
