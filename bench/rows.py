@@ -106,7 +106,7 @@ def buffer_ops(record, S: int, H: int, K: int, E: int) -> None:
         record(f"dispatch_{tag}", lambda buf=buf, plan=plan: buf.dispatch(
             hidden_sh, None, None, None, plan=plan, zero_copy=True), (S + S * K) * H * 2, capturable=kernels)
         record(f"combine_{tag}", lambda buf=buf, plan=plan: buf.combine(
-            plan, buf.hidden_nvsh_buffer_view(), zero_copy=True), (S * K + S) * H * 2, capturable=kernels)
+            plan, buf.hidden_nvsh_buffer_view, zero_copy=True), (S * K + S) * H * 2, capturable=kernels)
         buf.destroy()
 
 

@@ -27,6 +27,7 @@ or at the first call with a message naming what is supported.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
@@ -43,6 +44,9 @@ from moonep_moe.weights.layout import ExpertLayout
 
 T = TypeVar("T")
 _communicator_ids = itertools.count()
+
+FACADE_DISPATCH_NAMES = ("input_th", "weights_tk", "topk_ids_tk")
+"""How `MoECommunicator.dispatch` calls the rows, route weights and expert ids (in its errors)."""
 
 
 class CommunicatorConfig(BaseModel):
@@ -128,18 +132,21 @@ class DispatchHandle:
 
 
 class CommRequest(Generic[T]):
-    """An operation started by `dispatch_async` / `combine_async`. `wait()` makes the current stream wait
-    for it and returns its result. The reference implementation completes before returning."""
+    """An operation started by `dispatch_async` / `combine_async`, queued on the Buffer's comm stream (on
+    CUDA). `wait()` makes the current stream wait for it and returns its result (built on the current
+    stream after the wait); nothing of the step may be used before. Off CUDA it completed before returning.
+    """
 
-    def __init__(self, result: T, event: CommEvent):
-        self._result, self._event = result, event
+    def __init__(self, finish: Callable[[], T], event: CommEvent):
+        self._finish, self._event = finish, event
 
     def is_completed(self) -> bool:
-        return True
+        """Whether the queued operation has finished on the device (True off CUDA)."""
+        return self._event.event is None or self._event.event.query()
 
     def wait(self) -> T:
         self._event.wait()
-        return self._result
+        return self._finish()
 
 
 class MoECommunicator:
@@ -161,7 +168,8 @@ class MoECommunicator:
     supports_variable_tokens = True
     """Steps may carry any t <= S tokens; padding routes (-1) are neither counted nor sent."""
     supports_async = False
-    """`dispatch_async` / `combine_async` exist but complete before returning: no overlap yet."""
+    """`dispatch_async` / `combine_async` queue the step on the comm stream, but no overlap is promised: the
+    EP worlds' barriers may block the host (the threads world synchronises at every barrier)."""
     supports_cuda_graph = False
     """The reference planner and Buffer read small device values on the host (the histogram, the slot table,
     the duplicate counts): a step cannot be captured in a CUDA graph yet."""
@@ -232,27 +240,36 @@ class MoECommunicator:
         return self._dispatch(input_th, topk_ids_tk, weights_tk, async_finish=True)
 
     def _dispatch(self, input_th, topk_ids_tk, weights_tk, async_finish: bool):
+        """Check the arguments under their names here, then queue the step on the serving Buffer's comm
+        stream; `dispatch` waits for it (the caller's stream is ordered after it, then the layout is built),
+        `dispatch_async` returns the request whose `wait()` does the same."""
         self._check_alive()
-        if not isinstance(input_th, torch.Tensor) or input_th.dim() != 2:
-            raise ValueError(f"input must be a [t, H={self.config.hidden_size}] tensor, got "
-                             f"{getattr(input_th, 'shape', type(input_th).__name__)}")
+        rank, capacity = self.world.rank, self.config.max_tokens_per_rank
+        if not isinstance(input_th, torch.Tensor) or input_th.dim() != 2 or input_th.shape[0] > capacity:
+            raise ValueError(f"rank {rank}: input_th must be a [t <= max_tokens_per_rank={capacity}, "
+                             f"H={self.config.hidden_size}] tensor, got "
+                             f"{list(getattr(input_th, 'shape', [])) or type(input_th).__name__}")
         if input_th.is_floating_point() and input_th.dtype.itemsize == 1:
-            raise NotImplementedError(f"quantised dispatch ({input_th.dtype}) is not supported: pass the "
-                                      f"activations in {self.dtype} (supports_quantized_dispatch is False)")
+            raise NotImplementedError(f"rank {rank}: quantised dispatch ({input_th.dtype}) is not supported: "
+                                      f"pass the activations in {self.dtype} (supports_quantized_dispatch is "
+                                      "False)")
         num_tokens = input_th.shape[0]
         buffer = self._pool.get(num_tokens)
-        if weights_tk is None and isinstance(topk_ids_tk, torch.Tensor):
+        weighted = weights_tk is not None
+        if not weighted and isinstance(topk_ids_tk, torch.Tensor):
             weights_tk = torch.ones(topk_ids_tk.shape, dtype=buffer.weight_dtype, device=input_th.device)
-            weighted = False
-        else:
-            weighted = True
-        tokens_per_expert_e = _histogram(topk_ids_tk, self.config.num_experts)
-        *result, event = buffer.dispatch(input_th, weights_tk, topk_ids_tk, tokens_per_expert_e,
-                                         async_finish=True, zero_copy=True, router_weights_zero_copy=weighted)
+        buffer._check_dispatch(input_th, weights_tk, topk_ids_tk, None, None, FACADE_DISPATCH_NAMES)
+        *result, event = buffer._dispatch(input_th, weights_tk, topk_ids_tk, None, async_finish=True,
+                                          zero_copy=True, router_weights_zero_copy=weighted)
         tokens_nvsh, weights_nvs, cu_seqlens_g, plan = result
-        output = self._layout(tokens_nvsh, weights_nvs if weighted else None, cu_seqlens_g, plan)
         handle = DispatchHandle(self.id, buffer, plan, num_tokens)
-        return CommRequest((output, handle), event) if async_finish else (output, handle)
+
+        def finish() -> tuple[DispatchOutput, DispatchHandle]:
+            output = self._layout(tokens_nvsh, weights_nvs if weighted else None, cu_seqlens_g, plan)
+            return output, handle
+
+        request = CommRequest(finish, event)
+        return request if async_finish else request.wait()
 
     def _layout(self, tokens_nvsh, weights_nvs, cu_seqlens_g, plan: MoonEPCommPlan) -> DispatchOutput:
         rank, epn, E = self.world.rank, self.num_local_experts, self.config.num_experts
@@ -271,12 +288,13 @@ class MoECommunicator:
         runner can compute the slot groups (`expert_ids_g[epn:]`) with `layout.*.slots`."""
         self._check_handle(handle)
         if not isinstance(layout, ExpertLayout):
-            raise TypeError(f"layout must be an ExpertLayout, got {type(layout).__name__}")
+            raise TypeError(f"rank {self.world.rank}: layout must be an ExpertLayout, got "
+                            f"{type(layout).__name__}")
         expected = (self.config.num_experts, self.local_expert_start, self.num_local_experts, self.num_slots)
         given = (layout.num_experts, layout.local_expert_start, layout.num_local_experts, layout.num_slots)
         if given != expected:
-            raise ValueError(f"layout has (E, local_expert_start, num_local_experts, B) = {given}, this "
-                             f"communicator {expected}")
+            raise ValueError(f"rank {self.world.rank}: layout has (E, local_expert_start, num_local_experts, "
+                             f"B) = {given}, this communicator {expected}")
         handle._buffer.prefetch_weight(handle._plan, layout.gate_up, None, layout.down)
 
     # -- combine --------------------------------------------------------------------------------------------
@@ -298,16 +316,21 @@ class MoECommunicator:
         return self._combine(expert_output_nvsh, handle, async_finish=True)
 
     def _combine(self, expert_output_nvsh, handle: DispatchHandle, async_finish: bool):
+        """Check the arguments under their names here, then combine on the comm stream; `combine` waits for
+        it (the caller's stream is ordered after it), `combine_async` returns the request."""
         self._check_handle(handle)
         if handle._combined:
-            raise RuntimeError("this DispatchHandle was already combined: one combine per dispatch")
+            raise RuntimeError(f"rank {self.world.rank}: this DispatchHandle was already combined: one "
+                               "combine per dispatch")
         buffer = handle._buffer
         in_place = (isinstance(expert_output_nvsh, torch.Tensor)
-                    and expert_output_nvsh.data_ptr() == buffer.hidden_nvsh_buffer_view().data_ptr())
-        out_th, _, event = buffer.combine(handle._plan, expert_output_nvsh, zero_copy=in_place,
-                                          async_finish=True)
+                    and expert_output_nvsh.data_ptr() == buffer.hidden_nvsh_buffer_view.data_ptr())
+        buffer._check_combine(handle._plan, expert_output_nvsh, None, in_place, "expert_output_nvsh")
+        out_th, _, event = buffer._combine(handle._plan, expert_output_nvsh, None, in_place,
+                                           async_finish=True)
         handle._combined = True
-        return CommRequest(out_th, event) if async_finish else out_th
+        request = CommRequest(lambda: out_th, event)
+        return request if async_finish else request.wait()
 
     def discard(self, handle: DispatchHandle) -> None:
         """Give up a step that failed between dispatch and combine, so that the next dispatch may run.
@@ -328,50 +351,41 @@ class MoECommunicator:
 
     def _check_alive(self) -> None:
         if self._pool.destroyed:
-            raise RuntimeError("this MoECommunicator was destroyed; create a new one")
+            raise RuntimeError(f"rank {self.world.rank}: this MoECommunicator was destroyed; create a new "
+                               "one")
 
     def _check_handle(self, handle: DispatchHandle) -> None:
         self._check_alive()
         if not isinstance(handle, DispatchHandle) or handle._owner != self.id:
-            raise ValueError("handle must be a DispatchHandle returned by this communicator's dispatch")
-
-
-def _histogram(topk_ids_tk: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """`[E]` int32 count of the valid (>= 0) routes, without a host read (invalid ids are checked later by
-    the Buffer; here they only need to stay in range)."""
-    if not isinstance(topk_ids_tk, torch.Tensor) or topk_ids_tk.is_floating_point():
-        raise ValueError(f"topk_ids must be an int32/int64 tensor, got "
-                         f"{getattr(topk_ids_tk, 'dtype', type(topk_ids_tk).__name__)}")
-    ids_n = topk_ids_tk.reshape(-1).long()
-    valid_n = (ids_n >= 0) & (ids_n < num_experts)
-    counts_e = torch.zeros(num_experts + 1, dtype=torch.int32, device=topk_ids_tk.device)
-    counts_e.index_add_(0, torch.where(valid_n, ids_n, num_experts), valid_n.int())
-    return counts_e[:num_experts]
+            raise ValueError(f"rank {self.world.rank}: handle must be a DispatchHandle returned by this "
+                             "communicator's dispatch")
 
 
 def _check_supported(config: CommunicatorConfig, world: EPWorld) -> None:
     """Raise before anything is allocated if the config asks for what this implementation cannot do."""
+    where = f"rank {world.rank}"
     if config.expert_bias:
-        raise NotImplementedError("expert_bias=True: expert projections with bias terms are not supported "
-                                  "(prefetch copies weights only); supported: expert_bias=False")
+        raise NotImplementedError(f"{where}: expert_bias=True: expert projections with bias terms are not "
+                                  "supported (prefetch copies weights only); supported: expert_bias=False")
     if config.quantization != "none":
-        raise NotImplementedError(f"quantization={config.quantization!r}: quantised dispatch is not "
+        raise NotImplementedError(f"{where}: quantization={config.quantization!r}: quantised dispatch is not "
                                   "supported; supported: quantization='none' (rows in the config's dtype)")
     E, R = config.num_experts, world.size
     if config.ep_size is not None and config.ep_size != R:
-        raise ValueError(f"ep_size={config.ep_size} does not match the world's size {R}")
+        raise ValueError(f"{where}: ep_size={config.ep_size} does not match the world's size {R}")
     if E % R:
-        raise ValueError(f"num_experts (E={E}) must be divisible by the EP size (R={R})")
+        raise ValueError(f"{where}: num_experts (E={E}) must be divisible by the EP size (R={R})")
     if config.top_k > E:
-        raise ValueError(f"top_k (K={config.top_k}) must be <= num_experts (E={E})")
+        raise ValueError(f"{where}: top_k (K={config.top_k}) must be <= num_experts (E={E})")
     epn = E // R
     placement = (config.num_local_experts, config.local_expert_start)
     if placement[0] not in (None, epn) or placement[1] not in (None, world.rank * epn):
-        raise ValueError(f"expert placement (num_local_experts, local_expert_start) = {placement} on rank "
-                         f"{world.rank} is not supported: only contiguous blocks, (E/R, rank*E/R) = "
+        raise ValueError(f"{where}: expert placement (num_local_experts, local_expert_start) = {placement} "
+                         f"is not supported: only contiguous blocks, (E/R, rank*E/R) = "
                          f"({epn}, {world.rank * epn})")
     if config.num_prefetch_slots is not None and config.num_prefetch_slots > E - epn:
-        raise ValueError(f"num_prefetch_slots (B={config.num_prefetch_slots}) must be <= E - E/R = {E - epn}")
+        raise ValueError(f"{where}: num_prefetch_slots (B={config.num_prefetch_slots}) must be <= "
+                         f"E - E/R = {E - epn}")
     if config.min_capacity > config.max_tokens_per_rank:
-        raise ValueError(f"min_capacity ({config.min_capacity}) must be <= max_tokens_per_rank "
+        raise ValueError(f"{where}: min_capacity ({config.min_capacity}) must be <= max_tokens_per_rank "
                          f"({config.max_tokens_per_rank})")

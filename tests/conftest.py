@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from stress import ENV, install_from_env
 
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors, so CI checks every kernel
 # against its reference too (small shapes); the flag must be set before any kernel is defined.
@@ -13,6 +14,16 @@ if not torch.cuda.is_available():
 # Thread-ranks run R Python threads on a 2-core CI machine: nested intra-op OpenMP threads only
 # oversubscribe it (and make timings erratic), so every op runs single-threaded.
 torch.set_num_threads(1)
+
+# MOONEP_STRESS=1: every comm operation first delays a stream (tests/stress.py), so a missing wait between
+# streams or thread-ranks fails every time on a GPU; off CUDA it changes nothing.
+STRESS = install_from_env()
+
+
+def pytest_report_header(config):
+    if STRESS is not None:
+        return f"{ENV}: every comm operation delays a stream by {STRESS.cycles} cycles (tests/stress.py)"
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

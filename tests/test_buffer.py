@@ -6,6 +6,7 @@ with `torch.equal` against a hand computation from the inputs (never against a r
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import pytest
@@ -224,14 +225,14 @@ def test_zero_copy_views():
         buf = case.buffer(world)
         x = case.inputs(world.rank)
         rows, weights_nvs, _, plan = dispatch(buf, x, zero_copy=True, router_weights_zero_copy=True)
-        assert rows.data_ptr() == buf.hidden_nvsh_buffer_view().data_ptr()
-        assert weights_nvs.data_ptr() == buf.router_weight_buffer_view().data_ptr()
+        assert rows.data_ptr() == buf.hidden_nvsh_buffer_view.data_ptr()
+        assert weights_nvs.data_ptr() == buf.router_weight_buffer_view.data_ptr()
         with pytest.raises(ValueError, match="hidden_nvsh"):
             buf.combine(plan, rows.clone(), zero_copy=True)
         rows.mul_(weights_nvs[:, None])  # the "expert" writes its output in place
-        out, _, _ = buf.combine(plan, buf.hidden_nvsh_buffer_view(), zero_copy=True)
+        out, _, _ = buf.combine(plan, buf.hidden_nvsh_buffer_view, zero_copy=True)
         copied, _, _, _ = dispatch(buf, x)
-        assert copied.data_ptr() != buf.hidden_nvsh_buffer_view().data_ptr()
+        assert copied.data_ptr() != buf.hidden_nvsh_buffer_view.data_ptr()
         return x, out
 
     for x, out in run_ranks(fn, case.R):
@@ -422,7 +423,7 @@ def test_use_after_destroy(one):
     assert buf.destroyed
     assert not any(k in buf.world.group._registry for k in keys)
     for call in (lambda: dispatch(buf, x), lambda: buf.combine(plan, torch.zeros(buf.NvS, buf.H, dtype=F64)),
-                 buf.hidden_nvsh_buffer_view, buf.router_weight_buffer_view):
+                 lambda: buf.hidden_nvsh_buffer_view, lambda: buf.router_weight_buffer_view):
         with pytest.raises(RuntimeError, match="destroyed"):
             call()
 
@@ -459,3 +460,121 @@ def test_failed_call_leaves_buffer_usable():
     with pytest.raises(ValueError, match="topk_experts_sk"):
         run_ranks(rank0_fails, case.R, group=group)
     run_ranks(lambda world: exact_step(buffers[world.rank], world), case.R, group=group)
+
+
+# -- plans, histograms and replicated weights that do not belong to the step -------------------------------
+
+
+def test_operations_refuse_a_plan_older_than_the_latest_dispatch():
+    """Dispatch A, dispatch B: A's plan no longer describes the Buffer's step (combining B's rows with it
+    returned wrong rows, relative error 3.7). A backward dispatch(plan=A) makes A the latest again, which is
+    what activation recomputation and pipeline schedules do, and its combine is exact."""
+    case = Case(R=2, S=16, H=8, K=3, E=8, tp=4)
+    other = Case(R=2, S=16, H=8, K=3, E=8, tp=4, kind="skewed", seed=5)
+
+    def fn(world):
+        buf = case.buffer(world)
+        x, y = case.inputs(world.rank), other.inputs(world.rank)
+        _, _, _, plan_a = dispatch(buf, x)
+        rows_b, _, _, plan_b = dispatch(buf, y)
+        with pytest.raises(ValueError, match=f"rank {world.rank}: plan is the plan of step 1 .* latest "
+                                             "dispatch was step 2"):
+            buf.combine(plan_a, rows_b)
+        with pytest.raises(ValueError, match="plan of step 1"):
+            buf.prefetch_weight(plan_a, None, None, None)
+        grad_rows, _, _, _ = buf.dispatch(x["hidden"], plan=plan_a)  # backward of step A
+        out_a, _, _ = buf.combine(plan_a, grad_rows)
+        with pytest.raises(ValueError, match="plan of step 2 .* latest dispatch was step 1"):
+            buf.combine(plan_b, rows_b)
+        return x, out_a
+
+    for x, out_a in run_ranks(fn, case.R):
+        assert torch.equal(out_a, valid_sk(x).sum(1, keepdim=True) * x["hidden"])
+
+
+def test_tokens_per_expert_is_counted_from_the_ids():
+    """The plan comes from the ids, never from a histogram that disagrees with them (which gave wrong
+    outputs); with `validate` such a histogram raises, naming it; None is accepted."""
+    case = Case(R=2, S=16, H=8, K=3, E=8, tp=4, kind="skewed", invalid=0.1)
+
+    def fn(world):
+        x = case.inputs(world.rank)
+        wrong = x["tpe"].flip(0).contiguous()
+        strict = case.buffer(world)
+        with pytest.raises(ValueError, match=f"rank {world.rank}: tokens_per_expert\\[.*topk_experts_sk"):
+            strict.dispatch(x["hidden"], x["weights"], x["topk"], wrong)
+        buf = case.buffer(world, validate=False)
+        outs = []
+        for tokens_per_expert in (wrong, None):
+            rows, weights_nvs, _, plan = buf.dispatch(x["hidden"], x["weights"], x["topk"], tokens_per_expert)
+            outs.append(buf.combine(plan, rows * weights_nvs[:, None])[0])
+        return x, outs
+
+    for x, outs in run_ranks(fn, case.R):
+        for out in outs:
+            assert torch.equal(out, (x["weights"] * valid_sk(x)).sum(1, keepdim=True) * x["hidden"])
+
+
+def test_prefetch_weight_refuses_replicated_rows_that_are_not_the_experts():
+    """The replicated `[E+B, N, K]` form is read locally: a weight whose other ranks' rows are not those
+    experts' weights (here zeros: only the home rows filled) raised nothing and filled the slots with
+    them. With `validate` it raises on the rank whose slot would get the wrong expert."""
+    case = Case(R=2, S=16, H=8, K=2, E=8, tp=4, kind="skewed", invalid=0.0)
+
+    def fn(world):
+        buf = case.buffer(world)
+        _, _, _, plan = dispatch(buf, case.inputs(world.rank))
+        gate_e = full_weights(case, GATE_NK, 1)
+        home = slice(world.rank * case.epn, (world.rank + 1) * case.epn)
+        only_home = torch.zeros(case.E + buf.B, *GATE_NK, dtype=F64)
+        only_home[home] = gate_e[home]
+        try:
+            buf.prefetch_weight(plan, only_home, None, None)
+        except ValueError as error:
+            return str(error)
+        return None
+
+    errors = run_ranks(fn, case.R)
+    assert errors[0] is None, "rank 0 holds the hot experts: it copies nothing"
+    assert errors[1] is not None and "rank 1: full_gate_weight[" in errors[1] and "home rank 0" in errors[1]
+
+
+# -- MoonEP's guide, as written ----------------------------------------------------------------------------
+
+
+def test_guide_backward_dispatch_views_and_explicit_destroy():
+    """The guide's backward call `dispatch(grad, plan=plan, async_finish=True)`, the views as properties,
+    and `explicitly_destroy=True` without `destroy()`: a ResourceWarning naming the Buffer, then released."""
+    case = Case(R=1, S=16, H=8, K=2, E=8, tp=4)
+    world = single_world()
+    buf = case.buffer(world, explicitly_destroy=True)
+    x = case.inputs(0)
+    rows, _, _, plan = dispatch(buf, x)
+    buf.combine(plan, rows)
+    grad, weights, cu_seqlens, same, event = buf.dispatch(x["hidden"], plan=plan, async_finish=True)
+    event.wait()
+    assert same is plan and weights is None and cu_seqlens is None
+    assert buf.hidden_nvsh_buffer_view.shape == (buf.NvS, case.H)
+    assert buf.router_weight_buffer_view.shape == (buf.NvS,)
+    keys, name = list(buf._keys), f"Buffer {buf.id} on rank 0"
+    assert all(k in world.group._registry for k in keys)
+    with pytest.warns(ResourceWarning, match=f"{name} was created with explicitly_destroy=True"):
+        del buf
+        gc.collect()
+    assert not any(k in world.group._registry for k in keys), "released after the warning"
+
+
+def test_errors_name_the_rank():
+    case = Case(R=2, S=16, H=8, K=2, E=8, tp=4)
+
+    def fn(world):
+        buf = case.buffer(world)
+        x = case.inputs(world.rank)
+        if world.rank == 1:
+            dispatch(buf, dict(x, hidden=x["hidden"].float()))
+        dispatch(buf, x)
+
+    with pytest.raises(ValueError, match="rank 1: hidden_sh must have dtype"):
+        run_ranks(fn, case.R)
+    with pytest.raises(ValueError, match="rank 0: B=5"):
+        Buffer(16, 8, 2, 8, 2, B=5, world=ThreadGroup(2).worlds[0], dtype=F64)

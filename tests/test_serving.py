@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from stress import comm_streams
 
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.plan import decode_dst
@@ -64,7 +65,7 @@ def test_small_step_moves_only_its_routes():
 
     def fn(world):
         buf = Buffer(S, H, K, E, R, token_padding=TP, world=world, dtype=F64)
-        buf.hidden_nvsh_buffer_view().fill_(77.0)  # sentinel: rows nobody may touch
+        buf.hidden_nvsh_buffer_view.fill_(77.0)  # sentinel: rows nobody may touch
         x = step_inputs(world.rank, TOKENS[world.rank])
         rows, weights_nvs, cu_seqlens, plan = run(buf, x, zero_copy=True)
         used = int(cu_seqlens[-1])
@@ -125,7 +126,7 @@ def test_two_inflight_zero_copy_steps_raise_and_training_order_stays_legal():
     rows, _, _, plan = run(buf, x, zero_copy=True)
     with pytest.raises(RuntimeError, match="two in-flight steps cannot share one Buffer"):
         run(buf, y)
-    assert torch.equal(rows, buf.hidden_nvsh_buffer_view()), "the refused step wrote nothing"
+    assert torch.equal(rows, buf.hidden_nvsh_buffer_view), "the refused step wrote nothing"
     buf.combine(plan, rows, zero_copy=True)
     # training: forward dispatch -> combine -> backward dispatch(plan) -> combine -> next step
     rows, _, _, plan = run(buf, x, zero_copy=True)
@@ -395,3 +396,61 @@ def test_two_inflight_steps_on_one_communicator_raise():
     comm.discard(failed)  # the runner failed: the next step may run
     out, handle = comm.dispatch(x["hidden"], x["topk"], x["weights"])
     assert torch.equal(comm.combine(out.tokens_nvsh * out.weights_nvs[:, None], handle), expected_out(x))
+
+
+def test_communicator_errors_name_its_arguments_and_the_rank():
+    """Errors speak of the facade's arguments (input_th, topk_ids_tk, weights_tk, expert_output_nvsh), not
+    of the Buffer's internal names, and name the rank."""
+    comm = MoECommunicator(comm_config(), world=single_world())
+    x = step_inputs(0, 4)
+    hidden, topk, weights = x["hidden"], x["topk"], x["weights"]
+    out_of_range = topk.clone()
+    out_of_range[1, 0] = E
+    bad_calls = [
+        ((hidden.float(), topk, weights), "rank 0: input_th must have dtype"),
+        ((torch.zeros(S + 1, H, dtype=F64), topk, None), "rank 0: input_th must be a"),
+        ((hidden, topk.float(), weights), "rank 0: topk_ids_tk must have dtype"),
+        ((hidden, topk[:, :1], weights), "rank 0: topk_ids_tk must have shape"),
+        ((hidden, topk, weights.float()), "rank 0: weights_tk must have dtype"),
+        ((hidden, out_of_range, weights), f"rank 0: topk_ids_tk holds expert id {E}"),
+    ]
+    for args, match in bad_calls:
+        with pytest.raises(ValueError, match=match):
+            comm.dispatch(*args)
+    out, handle = comm.dispatch(hidden, topk, weights)
+    with pytest.raises(ValueError, match="rank 0: expert_output_nvsh must have shape"):
+        comm.combine(out.tokens_nvsh[:-1], handle)
+    assert torch.equal(comm.combine(out.tokens_nvsh * out.weights_nvs[:, None], handle), expected_out(x))
+    comm.destroy()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_async", [False, True])
+def test_communicator_results_are_final_on_the_callers_stream_while_the_comm_stream_is_busy(use_async):
+    """The facade runs each step on the Buffer's comm stream. `dispatch` / `combine` (and `wait()` of the
+    async forms) must order the caller's stream after it: with the comm stream kept busy (a long sleep
+    queued on it before each call), what the caller's stream reads at once must be the final result (it
+    differed in 3 of 3 trials on the H200 when the synchronous calls returned without that wait)."""
+    comm = MoECommunicator(comm_config(), world=single_world("cuda"))
+    x = {k: v.cuda() for k, v in step_inputs(0, S).items()}
+    calm, handle = comm.dispatch(x["hidden"], x["topk"], x["weights"])  # creates the comm stream
+    calm = {f: getattr(calm, f).clone() for f in ("tokens_nvsh", "weights_nvs", "num_tokens_per_expert_g",
+                                                   "offsets_g", "expert_ids_g")}
+    comm.combine(calm["tokens_nvsh"] * calm["weights_nvs"][:, None], handle)
+    (comm_stream,) = comm_streams(comm.world)
+
+    def busy(call):
+        with torch.cuda.stream(comm_stream):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s on an H200: far longer than the caller's reads below
+        return call().wait() if use_async else call()
+
+    send = comm.dispatch_async if use_async else comm.dispatch
+    out, handle = busy(lambda: send(x["hidden"], x["topk"], x["weights"]))
+    read = {f: getattr(out, f).clone() for f in calm}  # on the caller's stream, at once
+    for field, value in calm.items():
+        assert torch.equal(read[field], value), field
+    y_nvsh = out.tokens_nvsh * out.weights_nvs[:, None]
+    gather = comm.combine_async if use_async else comm.combine
+    y_read = busy(lambda: gather(y_nvsh, handle)).clone()
+    assert torch.equal(y_read, expected_out(x))
+    comm.destroy()

@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from processes import spawn_ranks
+from stress import install_from_env
 from test_buffer import DOWN_NK, GATE_NK, Case, dispatch, full_weights
 from test_layer import TOL, make_config, make_problem, rank_step, run_moonep
 
@@ -56,6 +57,7 @@ def rank_main(job: Callable, rank: int, size: int, folder: str) -> None:
     `job(world)`, save its result or its error."""
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     torch.set_num_threads(1)
+    install_from_env()  # MOONEP_STRESS reaches the spawned ranks too (tests/stress.py)
     try:
         torch.cuda.set_device(0)
         world = init_symmetric("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=size,

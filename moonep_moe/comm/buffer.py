@@ -46,9 +46,10 @@ graph. The one host read left is the expert-id check of `dispatch`, behind `vali
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -58,6 +59,9 @@ from moonep_moe.comm.world import EPWorld, SymmetricTensor
 from moonep_moe.weights.pool import ExpertRows
 
 _buffer_ids = itertools.count()
+
+DISPATCH_NAMES = ("hidden_sh", "route_weights_sk", "topk_experts_sk")
+"""How `Buffer.dispatch` calls its rows, route weights and expert ids (in its errors)."""
 
 
 @dataclass(frozen=True)
@@ -89,19 +93,41 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _check(tensor: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype | tuple,
-           device: torch.device) -> None:
-    """Raise a ValueError naming `name` unless `tensor` has this shape (None = any size), dtype and device."""
+           device: torch.device, rank: int) -> None:
+    """Raise a ValueError naming `rank` and `name` unless `tensor` has this shape (None = any size), dtype
+    and device."""
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        raise TypeError(f"rank {rank}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
     dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
     if tensor.dtype not in dtypes:
-        raise ValueError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {tensor.dtype}")
+        raise ValueError(f"rank {rank}: {name} must have dtype {' or '.join(map(str, dtypes))}, "
+                         f"got {tensor.dtype}")
     if tensor.dim() != len(shape) or any(s is not None and s != t for s, t in zip(shape, tensor.shape,
                                                                                   strict=True)):
         expected = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{name} must have shape {expected}, got {list(tensor.shape)}")
+        raise ValueError(f"rank {rank}: {name} must have shape {expected}, got {list(tensor.shape)}")
     if tensor.device != device:
-        raise ValueError(f"{name} must be on {device}, got {tensor.device}")
+        raise ValueError(f"rank {rank}: {name} must be on {device}, got {tensor.device}")
+
+
+def expert_histogram(topk_experts_sk: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`[E]` int64 valid routes per expert of `topk_experts_sk [s, K]` (ids outside [0, E) count nowhere).
+    A fixed-shape scatter-add on the ids' device: no host read (unlike `bincount`, whose length is read)."""
+    ids_n = topk_experts_sk.reshape(-1).long()
+    valid_n = (ids_n >= 0) & (ids_n < num_experts)
+    counts_e = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids_n.device)
+    counts_e.index_add_(0, torch.where(valid_n, ids_n, num_experts), valid_n.long())
+    return counts_e[:num_experts]
+
+
+def row_fingerprints(rows_x: torch.Tensor) -> torch.Tensor:
+    """`[x, *row]` -> `[x, 2]` int64: per row the sum of its elements' bit patterns and their sum weighted by
+    position (wrapping integer sums: exact and independent of the summation order, so two ranks holding
+    the same row get the same fingerprint bit for bit, and a zero or permuted row gets another)."""
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[rows_x.element_size()]
+    values_xm = rows_x.flatten(1).view(bits).long()
+    position_m = torch.arange(1, values_xm.shape[1] + 1, device=rows_x.device)
+    return torch.stack([values_xm.sum(1), (values_xm * position_m).sum(1)], 1)
 
 
 def _padding_mask(zero_fill_g2: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -147,14 +173,17 @@ class Buffer:
         comm_stream_priority: priority of the comm stream that `async_finish=True` operations run on
             (torch's convention: lower is higher priority; e.g. -1). enable_pdl: reserved launch hint.
         token_padding: every non-empty segment is padded to a multiple of it (128: Hopper's M-block).
-        explicitly_destroy: when True the caller must call `destroy()`; otherwise the memory is released
-            when the Buffer is garbage-collected.
+        explicitly_destroy: when True the caller must call `destroy()`: a Buffer garbage-collected without
+            it warns (ResourceWarning, naming the Buffer and rank) and then releases its memory; when False
+            the memory is released silently when the Buffer is garbage-collected.
         world: the EP world (`moonep_moe.comm.world`).
         dtype: dtype of the dispatched rows (bf16 in production; float64 for exact tests). Route weights
             are fp32 (float64 for float64 rows).
-        validate: check in `dispatch` that every expert id is in [-1, E) and raise a ValueError naming the
-            bad id. It reads the ids on the host: on a GPU that is a sync, so it is skipped while a CUDA
-            graph is being captured, and production turns it off (`validate=False`, or set
+        validate: check in `dispatch` that every expert id is in [-1, E) (a ValueError naming the bad id)
+            and that a given `tokens_per_expert` counts them, and in `prefetch_weight` that the slots'
+            experts copied from a replicated `[E+B, ...]` weight equal their home rank's rows. These read
+            device values on the host: on a GPU that is a sync, so they are skipped while a CUDA graph is
+            being captured, and production turns them off (`validate=False`, or set
             `buffer.validate = False`) to run a step under `torch.cuda.set_sync_debug_mode("error")`.
             Everything else the Buffer does on the device reads nothing on the host.
         kernels: run the Triton row kernels (`comm.kernels.rows`) instead of the torch reference. None
@@ -168,20 +197,21 @@ class Buffer:
                  num_sms: int | None = None, token_padding: int = 128, comm_stream_priority: int = 0,
                  enable_pdl: bool = False, explicitly_destroy: bool = False, *, world: EPWorld,
                  dtype: torch.dtype = torch.bfloat16, validate: bool = True, kernels: bool | None = None):
+        where = f"rank {world.rank}"
         for name, value in dict(S=S, H=H, K=K, E=E, num_ep_ranks=num_ep_ranks,
                                 token_padding=token_padding).items():
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+                raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
         if E % num_ep_ranks:
-            raise ValueError(f"E={E} must be divisible by num_ep_ranks={num_ep_ranks}")
+            raise ValueError(f"{where}: E={E} must be divisible by num_ep_ranks={num_ep_ranks}")
         if world.size != num_ep_ranks:
-            raise ValueError(f"num_ep_ranks={num_ep_ranks} must equal the world's size {world.size}")
+            raise ValueError(f"{where}: num_ep_ranks={num_ep_ranks} must equal the world's size {world.size}")
         if K > E:
-            raise ValueError(f"K={K} must be <= E={E}")
+            raise ValueError(f"{where}: K={K} must be <= E={E}")
         epn = E // num_ep_ranks
         B = default_slots(E, num_ep_ranks) if B is None else B
         if not 0 <= B <= E - epn:
-            raise ValueError(f"B={B} must be in [0, E - E/R = {E - epn}]")
+            raise ValueError(f"{where}: B={B} must be in [0, E - E/R = {E - epn}]")
         self.S, self.H, self.K, self.E, self.R, self.B = S, H, K, E, num_ep_ranks, B
         self.epn, self.token_padding, self.world, self.dtype = epn, token_padding, world, dtype
         self.validate = validate
@@ -200,11 +230,16 @@ class Buffer:
         self._kernels = self._select_kernels(kernels)
         """The `comm.kernels.rows` module where the row kernels run, else None (the torch reference)."""
         keys = [t.key for t in (self._rows, self._weights, self._dup_source)]
-        self._finalizer = None if explicitly_destroy else weakref.finalize(self, _release, world, keys)
+        unreleased = f"Buffer {self.id} on rank {world.rank}" if explicitly_destroy else None
+        self._finalizer = weakref.finalize(self, _release, world, keys, unreleased)
         self._keys = keys
         self._destroyed = False
         self._pending_views: MoonEPCommPlan | None = None
         """The plan of a step whose zero-copy dispatch views have not been combined yet (see `dispatch`)."""
+        self._steps = 0
+        """Forward dispatches so far: the step number of the latest plan made (`MoonEPCommPlan.step`)."""
+        self._current_step: int | None = None
+        """The step of the latest dispatch (forward, or backward with `plan=`): the plan operations take."""
 
     def _select_kernels(self, kernels: bool | None):
         """The row-kernel module if this Buffer runs the kernels (see `kernels` in the class docstring)."""
@@ -227,7 +262,8 @@ class Buffer:
         if kernels is None:
             return rows if device.type == "cuda" and not reasons else None
         if reasons:
-            raise ValueError(f"kernels=True: the row kernels cannot run here: {'; '.join(reasons)}")
+            raise ValueError(f"rank {self.world.rank}: kernels=True: the row kernels cannot run here: "
+                             f"{'; '.join(reasons)}")
         return rows
 
     @property
@@ -277,8 +313,7 @@ class Buffer:
         if self._destroyed:
             return
         self._destroyed = True
-        if self._finalizer is not None:
-            self._finalizer.detach()
+        self._finalizer.detach()
         _release(self.world, self._keys)
 
     @property
@@ -293,23 +328,36 @@ class Buffer:
 
     def _check_alive(self) -> None:
         if self._destroyed:
-            raise RuntimeError("this Buffer was destroyed; create a new one")
+            raise RuntimeError(f"rank {self.world.rank}: this Buffer ({self.id}) was destroyed; "
+                               "create a new one")
 
-    def _check_plan(self, plan: MoonEPCommPlan) -> None:
+    def _check_plan(self, plan: MoonEPCommPlan, backward_dispatch: bool = False) -> None:
+        """`plan` must come from this Buffer on this rank and be the plan of its latest dispatch (a backward
+        `dispatch(plan=...)` may take any earlier plan of this Buffer and makes it the latest). Host ints
+        only: no device read."""
+        rank = self.world.rank
         if not isinstance(plan, MoonEPCommPlan):
-            raise TypeError(f"plan must be a MoonEPCommPlan, got {type(plan).__name__}")
-        if plan.owner != self.id or plan.rank != self.world.rank:
-            raise ValueError(f"plan was made by Buffer {plan.owner} on rank {plan.rank}, "
-                             f"not by this Buffer ({self.id}) on rank {self.world.rank}")
+            raise TypeError(f"rank {rank}: plan must be a MoonEPCommPlan, got {type(plan).__name__}")
+        if plan.owner != self.id or plan.rank != rank:
+            raise ValueError(f"rank {rank}: plan was made by Buffer {plan.owner} on rank {plan.rank}, "
+                             f"not by this Buffer ({self.id}) on rank {rank}")
+        if not backward_dispatch and plan.step != self._current_step:
+            raise ValueError(
+                f"rank {rank}: plan is the plan of step {plan.step} of Buffer {self.id}, whose latest "
+                f"dispatch was step {self._current_step}: every operation takes the plan of the latest "
+                "dispatch (a backward dispatch(..., plan=plan) makes an earlier plan the latest again); two "
+                "steps in flight at once need two Buffers")
 
     # -- views ----------------------------------------------------------------------------------------------
 
+    @property
     def hidden_nvsh_buffer_view(self) -> torch.Tensor:
         """`[NvS, H]` the persistent rows: write expert outputs here and `combine(..., zero_copy=True)`.
         Overwritten by the next dispatch or combine: never save it for backward."""
         self._check_alive()
         return self._rows.local
 
+    @property
     def router_weight_buffer_view(self) -> torch.Tensor:
         """`[NvS]` the persistent route weights (fp32), same lifetime rules as the rows."""
         self._check_alive()
@@ -318,8 +366,8 @@ class Buffer:
     # -- dispatch -------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def dispatch(self, hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None,
-                 topk_experts_sk: torch.Tensor | None, tokens_per_expert: torch.Tensor | None,
+    def dispatch(self, hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None = None,
+                 topk_experts_sk: torch.Tensor | None = None, tokens_per_expert: torch.Tensor | None = None,
                  plan: MoonEPCommPlan | None = None, async_finish: bool = False, zero_copy: bool = False,
                  router_weights_zero_copy: bool = False):
         """Send every route's row and weight to the rank and row where it is computed.
@@ -328,57 +376,107 @@ class Buffer:
             hidden_sh: `[s, H]` rows in the Buffer's dtype, s <= S.
             route_weights_sk: `[s, K]` fp32 (float64 for float64 rows) route weights; may be None with a plan.
             topk_experts_sk: `[s, K]` int32/int64 experts in [-1, E), -1 = no route. Ignored with a plan.
-            tokens_per_expert: `[E]` int histogram of this rank's valid routes (`bincount` of the non-negative
-                entries of `topk_experts_sk`). Ignored with a plan.
-            plan: a plan from an earlier dispatch of this Buffer (the combine-backward path): no planning,
-                the returned `cu_seqlens` is None.
+            tokens_per_expert: optional `[E]` int histogram of this rank's valid routes (MoonEP's signature).
+                The Buffer counts `topk_experts_sk` itself on the device (`expert_histogram`), so the plan
+                never depends on it; with `validate` a histogram that disagrees with the ids raises.
+                Ignored with a plan.
+            plan: the plan of an earlier forward dispatch of this Buffer (the combine-backward path, e.g.
+                `dispatch(grad_sh, plan=plan, async_finish=True)`): no planning, the returned `cu_seqlens`
+                is None, and `plan` becomes the plan the next operations take.
             zero_copy / router_weights_zero_copy: return the Buffer's persistent views instead of copies.
                 Until this step's `combine`, a dispatch of a new step (without a plan) raises: it would
                 overwrite the views (two in-flight steps cannot share one Buffer; give each its own).
                 Dispatches with a plan (backward) stay legal: forward dispatch -> combine -> backward
-                dispatch(plan) -> combine. Copy-mode steps own their rows and are not tracked.
+                dispatch(plan) -> combine.
+
+        A plan is valid for the operations after its dispatch (prefetch_weight, combine, reduce_grad) until
+        the next dispatch of this Buffer; a backward `dispatch(plan=...)` makes an earlier plan of this
+        Buffer valid again (activation recomputation, pipeline schedules). Other plans raise.
 
         Returns:
             `(hidden_nvsh [NvS, H], route_weights_nvs [NvS] or None, cu_seqlens [E+B] int32 or None, plan)`,
             plus a `CommEvent` when `async_finish`. Rows of padding are zero; rows past `cu_seqlens[-1]` are
             unspecified. Raises before any exchange if an argument is malformed.
         """
+        self._check_dispatch(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, plan,
+                             DISPATCH_NAMES)
+        return self._dispatch(hidden_sh, route_weights_sk, topk_experts_sk, plan, async_finish, zero_copy,
+                              router_weights_zero_copy)
+
+    def _check_dispatch(self, hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert,
+                        plan: MoonEPCommPlan | None, names: tuple[str, str, str]) -> None:
+        """`dispatch`'s argument checks; every error names the rank and the argument as `names` (hidden,
+        route weights, expert ids) calls it: the communicator checks its own arguments through this."""
         self._check_alive()
-        device = self.world.device
-        if hidden_sh.dim() != 2 or hidden_sh.shape[0] > self.S:
-            raise ValueError(f"hidden_sh must have shape [s <= S={self.S}, H={self.H}], got "
+        device, rank = self.world.device, self.world.rank
+        hidden_name, weights_name, topk_name = names
+        if isinstance(hidden_sh, torch.Tensor) and (hidden_sh.dim() != 2 or hidden_sh.shape[0] > self.S):
+            raise ValueError(f"rank {rank}: {hidden_name} must have shape [s <= S={self.S}, H={self.H}], got "
                              f"{list(hidden_sh.shape)}")
-        num_tokens = hidden_sh.shape[0]
-        _check(hidden_sh, "hidden_sh", (num_tokens, self.H), self.dtype, device)
+        num_tokens = hidden_sh.shape[0] if isinstance(hidden_sh, torch.Tensor) else 0
+        _check(hidden_sh, hidden_name, (num_tokens, self.H), self.dtype, device, rank)
         if route_weights_sk is not None:
-            _check(route_weights_sk, "route_weights_sk", (num_tokens, self.K), self.weight_dtype, device)
-        if plan is None:
-            if self._pending_views is not None:
-                raise RuntimeError(
-                    f"Buffer {self.id}: a new step was dispatched while the previous step's zero-copy views "
-                    "have not been combined: two in-flight steps cannot share one Buffer. Combine the "
-                    "previous step first, give each in-flight step its own Buffer, or call end_step() if "
-                    "the previous step failed")
-            ints = (torch.int32, torch.int64)
-            _check(topk_experts_sk, "topk_experts_sk", (num_tokens, self.K), ints, device)
-            _check(tokens_per_expert, "tokens_per_expert", (self.E,), ints, device)
-            if route_weights_sk is None:
-                raise ValueError("route_weights_sk is required when no plan is given")
-            if self.validate and (device.type != "cuda" or not torch.cuda.is_current_stream_capturing()):
-                self._check_expert_ids(topk_experts_sk)
-        else:
-            self._check_plan(plan)
+            _check(route_weights_sk, weights_name, (num_tokens, self.K), self.weight_dtype, device, rank)
+        if plan is not None:
+            self._check_plan(plan, backward_dispatch=True)
             if plan.num_routes != num_tokens * self.K:
-                raise ValueError(f"hidden_sh has {num_tokens} tokens, the plan was made for "
+                raise ValueError(f"rank {rank}: {hidden_name} has {num_tokens} tokens, the plan was made for "
                                  f"{plan.num_routes // self.K}")
+            return
+        if self._pending_views is not None:
+            raise RuntimeError(
+                f"rank {rank}: Buffer {self.id}: a new step was dispatched while the previous step's "
+                "zero-copy views have not been combined: two in-flight steps cannot share one Buffer. "
+                "Combine the previous step first, give each in-flight step its own Buffer, or call "
+                "end_step() if the previous step failed")
+        ints = (torch.int32, torch.int64)
+        _check(topk_experts_sk, topk_name, (num_tokens, self.K), ints, device, rank)
+        if tokens_per_expert is not None:
+            _check(tokens_per_expert, "tokens_per_expert", (self.E,), ints, device, rank)
+        if route_weights_sk is None:
+            raise ValueError(f"rank {rank}: {weights_name} is required when no plan is given")
+        if self._validating():
+            self._check_routing(topk_experts_sk, tokens_per_expert, topk_name)
+
+    def _validating(self) -> bool:
+        """`validate`, except while a CUDA graph is being captured (its host reads would break capture)."""
+        cuda = self.world.device.type == "cuda"
+        return self.validate and not (cuda and torch.cuda.is_current_stream_capturing())
+
+    def _check_routing(self, topk_experts_sk: torch.Tensor, tokens_per_expert: torch.Tensor | None,
+                       topk_name: str) -> None:
+        """Expert ids in [-1, E), and `tokens_per_expert` (if given) their histogram. One host read of two
+        flags: on a GPU this syncs (see `validate`)."""
+        rank = self.world.rank
+        bad_sk = (topk_experts_sk < -1) | (topk_experts_sk >= self.E)
+        flags = [bad_sk.any()]
+        if tokens_per_expert is not None:
+            flags.append((expert_histogram(topk_experts_sk, self.E) != tokens_per_expert).any())
+        bad_ids, *bad_counts = torch.stack(flags).tolist()
+        if bad_ids:
+            value = int(topk_experts_sk[bad_sk][0])
+            raise ValueError(f"rank {rank}: {topk_name} holds expert id {value}: ids must be in "
+                             f"[-1, E={self.E})")
+        if any(bad_counts):
+            counts_e = expert_histogram(topk_experts_sk, self.E)
+            expert = int(torch.nonzero(counts_e != tokens_per_expert)[0])
+            raise ValueError(f"rank {rank}: tokens_per_expert[{expert}] = {int(tokens_per_expert[expert])}, "
+                             f"but {topk_name} routes {int(counts_e[expert])} tokens to expert {expert}: "
+                             "tokens_per_expert must count the valid ids (or be None: the Buffer counts "
+                             "them)")
+
+    def _dispatch(self, hidden_sh, route_weights_sk, topk_experts_sk, plan: MoonEPCommPlan | None,
+                  async_finish: bool, zero_copy: bool, router_weights_zero_copy: bool):
+        """`dispatch` after its checks."""
+        step = self._steps + 1 if plan is None else plan.step
 
         def op():
             step_plan, cu_seqlens = plan, None
             if step_plan is None:
-                counts_re = self.world.all_gather(tokens_per_expert.to(torch.int64))
-                step_plan = plan_routes(counts_re, topk_experts_sk, rank=self.world.rank, num_slots=self.B,
-                                        token_padding=self.token_padding, rows_per_rank=self.NvS,
-                                        owner=self.id)
+                counts_re = self.world.all_gather(expert_histogram(topk_experts_sk, self.E))
+                step_plan = replace(plan_routes(counts_re, topk_experts_sk, rank=self.world.rank,
+                                                num_slots=self.B, token_padding=self.token_padding,
+                                                rows_per_rank=self.NvS, owner=self.id), step=step)
                 cu_seqlens = step_plan.cu_seqlens
             self._send_rows(step_plan, hidden_sh, route_weights_sk, record_duplicates=plan is None)
             rows_nvsh = self._rows.local if zero_copy else self._rows.local.clone()
@@ -387,18 +485,11 @@ class Buffer:
                 weights_nvs = self._weights.local if router_weights_zero_copy else self._weights.local.clone()
             return rows_nvsh, weights_nvs, cu_seqlens, step_plan
 
-        result, event = self._launch(async_finish, op, (hidden_sh, route_weights_sk, topk_experts_sk,
-                                                         tokens_per_expert, plan))
+        result, event = self._launch(async_finish, op, (hidden_sh, route_weights_sk, topk_experts_sk, plan))
+        self._steps, self._current_step = max(self._steps, step), step
         if plan is None and (zero_copy or router_weights_zero_copy):
             self._pending_views = result[3]
         return (*result, event) if async_finish else result
-
-    def _check_expert_ids(self, topk_experts_sk: torch.Tensor) -> None:
-        """Expert ids in [-1, E). Reads the tensor on the host: on a GPU this syncs (see `validate`)."""
-        bad = (topk_experts_sk < -1) | (topk_experts_sk >= self.E)
-        if bool(bad.any()):
-            value = int(topk_experts_sk[bad][0])
-            raise ValueError(f"topk_experts_sk holds expert id {value}: ids must be in [-1, E={self.E})")
 
     def _send_rows(self, plan: MoonEPCommPlan, hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None,
                    record_duplicates: bool) -> None:
@@ -503,28 +594,39 @@ class Buffer:
         """Bring every route's row home and sum each token's K rows in fp32, in k order.
 
         Args:
-            plan: the plan of this step's dispatch.
+            plan: the plan of this Buffer's latest dispatch.
             hidden_nvsh: `[NvS, H]` expert outputs in the Buffer's dtype, unweighted sums: the experts apply
-                the route weights. With `zero_copy` it must be `hidden_nvsh_buffer_view()` itself.
+                the route weights. With `zero_copy` it must be `hidden_nvsh_buffer_view` itself.
             route_weights_nvs: optional `[NvS]` fp32 per-row values gathered back per route (backward: the
-                route-weight gradients); with `zero_copy` it must be `router_weight_buffer_view()`.
+                route-weight gradients); with `zero_copy` it must be `router_weight_buffer_view`.
 
         Returns:
             `(hidden_sh [s, H] in the Buffer's dtype, route_weights_sk [s, K] or None, event or None)`;
             invalid routes contribute zero.
         """
+        self._check_combine(plan, hidden_nvsh, route_weights_nvs, zero_copy, "hidden_nvsh")
+        return self._combine(plan, hidden_nvsh, route_weights_nvs, zero_copy, async_finish)
+
+    def _check_combine(self, plan: MoonEPCommPlan, hidden_nvsh, route_weights_nvs, zero_copy: bool,
+                       hidden_name: str) -> None:
+        """`combine`'s argument checks; errors name the rank and the rows as `hidden_name` calls them."""
         self._check_alive()
         self._check_plan(plan)
-        device = self.world.device
-        _check(hidden_nvsh, "hidden_nvsh", (self.NvS, self.H), self.dtype, device)
+        device, rank = self.world.device, self.world.rank
+        _check(hidden_nvsh, hidden_name, (self.NvS, self.H), self.dtype, device, rank)
         if route_weights_nvs is not None:
-            _check(route_weights_nvs, "route_weights_nvs", (self.NvS,), self.weight_dtype, device)
+            _check(route_weights_nvs, "route_weights_nvs", (self.NvS,), self.weight_dtype, device, rank)
         if zero_copy:
-            for given, own, name in ((hidden_nvsh, self._rows.local, "hidden_nvsh"),
-                                     (route_weights_nvs, self._weights.local, "route_weights_nvs")):
+            for given, own, name, view in ((hidden_nvsh, self._rows.local, hidden_name, "hidden_nvsh"),
+                                           (route_weights_nvs, self._weights.local, "route_weights_nvs",
+                                            "router_weight")):
                 if given is not None and given.data_ptr() != own.data_ptr():
-                    raise ValueError(f"zero_copy=True needs {name} to be this Buffer's own view "
-                                     f"({name.split('_')[0]}_*_buffer_view()), got another tensor")
+                    raise ValueError(f"rank {rank}: zero_copy=True needs {name} to be this Buffer's own view "
+                                     f"({view}_buffer_view), got another tensor")
+
+    def _combine(self, plan: MoonEPCommPlan, hidden_nvsh, route_weights_nvs, zero_copy: bool,
+                 async_finish: bool):
+        """`combine` after its checks."""
         if plan is self._pending_views:
             self._pending_views = None
 
@@ -592,25 +694,39 @@ class Buffer:
         vLLM's integration passes it: rows E+j are the slots) or an `ExpertRows` (home experts read from
         their rank + this rank's slot pool). A projection given as None is skipped (a fused gate_up passed
         as the gate). Every slot is written (fixed shapes): slots marked -1 are zeroed, their segments are
-        empty. `scales` (quantised weights) is not supported yet and must be None.
+        empty. `scales` (quantised weights) is not supported yet and must be None. Collective: every rank
+        calls it with the same forms.
+
+        The replicated form is read locally, so its rows of other ranks' experts must be those experts'
+        real weights: with `validate` every copied expert is compared with its home rank's rows (exact
+        fingerprints, one all-gather, one host read) and a mismatch raises before any slot is written. A
+        weight that holds only this rank's home experts must be passed as `ExpertRows`.
         """
         self._check_alive()
         self._check_plan(plan)
+        rank = self.world.rank
         if scales is not None:
-            raise NotImplementedError("prefetch_weight(scales=...): quantised experts are not supported yet")
-        projections = [w for w in (full_gate_weight, full_up_weight, full_down_weight) if w is not None]
-        for weight in projections:
+            raise NotImplementedError(f"rank {rank}: prefetch_weight(scales=...): quantised experts are not "
+                                      "supported yet")
+        named = [(w, name) for w, name in ((full_gate_weight, "full_gate_weight"),
+                                           (full_up_weight, "full_up_weight"),
+                                           (full_down_weight, "full_down_weight")) if w is not None]
+        for weight, name in named:
             if isinstance(weight, ExpertRows):
-                self._check_rows(weight, "full weight")
+                self._check_rows(weight, name)
             else:
-                self._check_full(weight, "full weight")
+                self._check_full(weight, name)
+        projections = [w for w, _ in named]
+        validate = self._validating()
 
         def op():
-            expert_b = plan.experts_to_copy[self.world.rank]
+            expert_b = plan.experts_to_copy[rank]
             used_b = expert_b >= 0
-            for weight in projections:  # the replicated form is local: every expert is on every rank
+            for weight, name in named:  # the replicated form is local: every expert is on every rank
                 if not isinstance(weight, ExpertRows):
                     copies = weight.index_select(0, expert_b.long().clamp(min=0))
+                    if validate:
+                        self._check_replicated(weight, name, copies, expert_b)
                     weight[self.E:].copy_(copies.masked_fill_(~used_b.view(-1, *[1] * (copies.dim() - 1)), 0))
             expert_rows = [w for w in projections if isinstance(w, ExpertRows)]
             if not expert_rows:
@@ -629,10 +745,26 @@ class Buffer:
 
         return self._launch(async_finish, op, (plan, *projections))[1]
 
+    def _check_replicated(self, weight: torch.Tensor, name: str, copies_b: torch.Tensor,
+                          expert_b: torch.Tensor) -> None:
+        """Collective: raise unless every used slot's copy `copies_b [B, N, K]` (rows of `weight [E+B, N, K]`
+        for the experts `expert_b [B]`, -1 unused) equals that expert's rows on its home rank."""
+        rank, epn = self.world.rank, self.epn
+        home_ex2 = self.world.all_gather(row_fingerprints(weight[rank * epn:(rank + 1) * epn]))
+        expected_b2 = home_ex2.view(self.E, 2).index_select(0, expert_b.long().clamp(min=0))
+        wrong_b = (expert_b >= 0) & (row_fingerprints(copies_b) != expected_b2).any(1)
+        if bool(wrong_b.any()):  # the host read of `validate`
+            expert = int(expert_b[wrong_b][0])
+            raise ValueError(
+                f"rank {rank}: {name}[{expert}] differs from expert {expert}'s weights on its home rank "
+                f"{expert // epn}: the replicated [E+B, N, K] form must hold every expert's real weights on "
+                "every rank; pass a weight that holds only the home experts as ExpertRows")
+
     def _check_full(self, tensor: torch.Tensor, name: str) -> None:
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 or tensor.shape[0] != self.E + self.B:
             shape = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(f"{name} must be [E+B={self.E + self.B}, N, K] or ExpertRows, got {shape}")
+            raise ValueError(f"rank {self.world.rank}: {name} must be [E+B={self.E + self.B}, N, K] or "
+                             f"ExpertRows, got {shape}")
 
     def _check_rows(self, rows: ExpertRows, name: str,
                     slots_dtypes: tuple[torch.dtype, ...] | None = None) -> None:
@@ -642,9 +774,9 @@ class Buffer:
         row = tuple(home.shape[1:])
         for tensor, part, count, dtypes in ((home, "home", self.epn, (home.dtype,)),
                                             (slots, "slots", self.B, slots_dtypes or (home.dtype,))):
-            _check(tensor, f"{name} {part}", (count, *row), dtypes, self.world.device)
+            _check(tensor, f"{name} {part}", (count, *row), dtypes, self.world.device, self.world.rank)
             if not tensor.is_contiguous():
-                raise ValueError(f"{name} {part} must be contiguous")
+                raise ValueError(f"rank {self.world.rank}: {name} {part} must be contiguous")
 
     @torch.no_grad()
     def reduce_grad(self, plan: MoonEPCommPlan, full_gate_grad, full_up_grad, full_down_grad,
@@ -673,12 +805,12 @@ class Buffer:
             else:
                 self._check_full(grad, f"full_{name}_grad")
                 if not isinstance(staging, SymmetricTensor):
-                    raise ValueError(f"full_{name}_grad in the [E+B, ...] form needs {name}_reduce_buffer, "
-                                     "a SymmetricTensor [B, N, K]")
+                    raise ValueError(f"rank {self.world.rank}: full_{name}_grad in the [E+B, ...] form needs "
+                                     f"{name}_reduce_buffer, a SymmetricTensor [B, N, K]")
                 _check(staging.local, f"{name}_reduce_buffer", tuple(grad[self.E:].shape),
-                       (grad.dtype, torch.float32, torch.float64), self.world.device)
+                       (grad.dtype, torch.float32, torch.float64), self.world.device, self.world.rank)
                 if not grad.is_contiguous():
-                    raise ValueError(f"full_{name}_grad must be contiguous")
+                    raise ValueError(f"rank {self.world.rank}: full_{name}_grad must be contiguous")
             given.append((grad, staging))
 
         def op():
@@ -744,6 +876,12 @@ def replica_sources(mine_rb: torch.Tensor, home_rb: torch.Tensor, num_home: int)
     return torch.where(slot_hr >= 0, order_hr * num_slots + slot_hr, -1).to(torch.int32)
 
 
-def _release(world: EPWorld, keys: list[str]) -> None:
+def _release(world: EPWorld, keys: list[str], unreleased: str | None = None) -> None:
+    """Forget this rank's registrations of `keys`; `unreleased` names a Buffer created with
+    `explicitly_destroy=True` that is being garbage-collected without `destroy()` (warned about)."""
+    if unreleased is not None:
+        warnings.warn(f"{unreleased} was created with explicitly_destroy=True and garbage-collected without "
+                      "destroy(): releasing its symmetric memory now; call destroy() (collectively, on every "
+                      "rank) when done with it", ResourceWarning, stacklevel=2)
     for key in keys:
         world.release(key)

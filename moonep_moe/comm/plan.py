@@ -75,6 +75,9 @@ class MoonEPCommPlan:
         slots_used: `[R]` slots holding a replica on each rank.
         num_routes, num_ranks, num_experts, num_slots, rows_per_rank, top_k: the scalars N, R, E, B, NvS, K.
         rank: the rank this plan belongs to; owner: id of the Buffer that made it (None: a bare plan).
+        step: which forward dispatch of that Buffer made it (1, 2, ...; None: a bare plan). Host int: the
+            Buffer checks with it, without a device read, that an operation gets the plan of its latest
+            dispatch.
     """
 
     dst: torch.Tensor
@@ -97,6 +100,7 @@ class MoonEPCommPlan:
     top_k: int
     rank: int
     owner: int | None = None
+    step: int | None = None
 
     N = property(lambda self: self.num_routes)
     R = property(lambda self: self.num_ranks)

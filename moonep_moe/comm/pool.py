@@ -41,9 +41,10 @@ class BufferPool:
                  world: EPWorld, num_slots: int | None = None, token_padding: int = 128,
                  dtype: torch.dtype = torch.bfloat16, min_capacity: int = 1):
         if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
-            raise ValueError(f"max_tokens_per_rank must be a positive int, got {max_tokens_per_rank!r}")
+            raise ValueError(f"rank {world.rank}: max_tokens_per_rank must be a positive int, got "
+                             f"{max_tokens_per_rank!r}")
         if not isinstance(min_capacity, int) or not 1 <= min_capacity <= max_tokens_per_rank:
-            raise ValueError(f"min_capacity must be an int in [1, max_tokens_per_rank="
+            raise ValueError(f"rank {world.rank}: min_capacity must be an int in [1, max_tokens_per_rank="
                              f"{max_tokens_per_rank}], got {min_capacity!r}")
         self.max_tokens_per_rank, self.min_capacity, self.world = max_tokens_per_rank, min_capacity, world
         self._shape = dict(H=hidden_size, K=top_k, E=num_experts, num_ep_ranks=world.size, B=num_slots,
@@ -57,7 +58,7 @@ class BufferPool:
 
         One all-gather of one int per rank (a host read of `[R]` ints)."""
         if not isinstance(num_tokens, int) or not 0 <= num_tokens <= self.max_tokens_per_rank:
-            raise ValueError(f"num_tokens must be an int in [0, max_tokens_per_rank="
+            raise ValueError(f"rank {self.world.rank}: num_tokens must be an int in [0, max_tokens_per_rank="
                              f"{self.max_tokens_per_rank}], got {num_tokens!r}")
         count = torch.tensor(num_tokens, dtype=torch.int64, device=self.world.device)
         counts_r = self.world.all_gather(count)
@@ -67,7 +68,7 @@ class BufferPool:
     def get(self, num_tokens: int) -> Buffer:
         """Collective: the Buffer of `capacity_for(num_tokens)`, created on first use."""
         if self._destroyed:
-            raise RuntimeError("this BufferPool was destroyed; create a new one")
+            raise RuntimeError(f"rank {self.world.rank}: this BufferPool was destroyed; create a new one")
         capacity = self.capacity_for(num_tokens)
         if capacity not in self._buffers:
             self._buffers[capacity] = Buffer(capacity, **self._shape, explicitly_destroy=True,

@@ -124,11 +124,12 @@ class SymmetricWorld(PeerWorld):
         """`[*shape]` on every rank -> `[R, *shape]` (a fresh tensor): every rank writes its bytes into row
         `rank` of every peer's board, then copies its own board. Two barriers, R small peer copies."""
         if tensor.device != self.device:
-            raise ValueError(f"all_gather: tensor must be on {self.device}, got {tensor.device}")
+            raise ValueError(f"rank {self.rank}: all_gather: tensor must be on {self.device}, got "
+                             f"{tensor.device}")
         bytes_b = tensor.detach().contiguous().view(-1).view(torch.uint8)
         nbytes = bytes_b.numel()
         if nbytes > self._board.local.shape[1]:
-            raise ValueError(f"all_gather of {nbytes} bytes per rank exceeds the board's "
+            raise ValueError(f"rank {self.rank}: all_gather of {nbytes} bytes per rank exceeds the board's "
                              f"{self._board.local.shape[1]} (SymmetricWorld(board_bytes=...))")
         self.barrier()  # every rank has copied the previous gather out of its board
         for board in self._board.peers:
@@ -196,8 +197,9 @@ class SymmetricWorld(PeerWorld):
         by this rank straight into the peers' memory, R * c rows (`write_peer_rows`); between barriers."""
         targets = self._targets.get(target.key)
         if targets is None:
-            raise ValueError(f"symmetric key {target.key!r} has no dump row (its rows are larger than "
-                             f"DUMP_ROW_MAX_BYTES={DUMP_ROW_MAX_BYTES}, or it is empty or 0-dimensional): "
+            raise ValueError(f"rank {self.rank}: symmetric key {target.key!r} has no dump row (its rows are "
+                             f"larger than DUMP_ROW_MAX_BYTES={DUMP_ROW_MAX_BYTES}, or it is empty or "
+                             "0-dimensional): "
                              "it cannot be a scatter_rows target")
         self.barrier()  # every rank is done with the targets' previous contents
         write_peer_rows(targets, rank_n, row_n, values_n, capacity)

@@ -286,10 +286,14 @@ class ThreadsWorld(PeerWorld):
         self.barrier()  # every rank has read the board (senders may reuse their values)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank posts its tensor on the board and stacks the board on its own stream. Returns once
+        every rank's stack has run: a posted tensor may be freed and its memory reused on its owner's
+        stream as soon as the call returns, whichever stream the next collective runs on."""
         self.barrier()  # the board is free: every rank has read the previous gather
         self.group._board[self.rank] = tensor
         self.barrier()
         gathered = torch.stack([t.to(tensor.device) for t in self.group._board])
+        self.barrier()  # every rank's stack has run (a barrier synchronises each rank's current stream)
         return gathered
 
     def symmetric(self, key: str, tensor: torch.Tensor) -> SymmetricTensor:

@@ -57,18 +57,30 @@ ALIGNMENT = 16
 def pointer_table(tensor: SymmetricTensor) -> torch.Tensor:
     """`[R]` int64 on the tensor's device: every rank's base address of `tensor` (all peers mapped).
 
-    Cached by the addresses themselves, so it is built once per symmetric tensor; built with one `fill_`
-    per rank (no host-to-device copy, so no sync, and capturable in a CUDA graph)."""
+    Cached by the addresses and the current stream, so it is built once per symmetric tensor and stream;
+    built with one `fill_` per rank (no host-to-device copy, so no sync, and capturable in a CUDA graph).
+    The fills are queued on the current stream, so only kernels on that stream are ordered after them: a
+    table shared across streams (the thread-ranks of one GPU all map the same addresses; a rank's comm
+    stream and its caller's stream) could be read before its fills ran. A table built while a CUDA graph
+    is captured is filled by the graph's replays only: it is the graph's own, never cached."""
     if any(peer is None for peer in tensor.peers):
-        raise RuntimeError(f"symmetric tensor {tensor.key!r}: the row kernels need every peer mapped")
+        raise RuntimeError(f"rank {tensor.rank}: symmetric tensor {tensor.key!r}: the row kernels need every "
+                           "peer mapped")
     addresses = tuple(peer.data_ptr() for peer in tensor.peers)
     if any(address % ALIGNMENT for address in addresses):
-        raise ValueError(f"symmetric tensor {tensor.key!r}: peer addresses must be {ALIGNMENT}-byte aligned")
-    return _table(str(tensor.local.device), addresses)
+        raise ValueError(f"rank {tensor.rank}: symmetric tensor {tensor.key!r}: peer addresses must be "
+                         f"{ALIGNMENT}-byte aligned")
+    device = tensor.local.device
+    if device.type != "cuda":
+        return _table(str(device), 0, addresses)
+    if torch.cuda.is_current_stream_capturing():  # its fills run at each replay, not now: never cached
+        return _table.__wrapped__(str(device), 0, addresses)
+    return _table(str(device), torch.cuda.current_stream(device).cuda_stream, addresses)
 
 
 @functools.lru_cache(maxsize=4096)
-def _table(device: str, addresses: tuple[int, ...]) -> torch.Tensor:
+def _table(device: str, stream: int, addresses: tuple[int, ...]) -> torch.Tensor:
+    """The table of `addresses`, filled on `stream` (the current one: the caller's cache key)."""
     table_r = torch.empty(len(addresses), dtype=torch.int64, device=device)
     for rank, address in enumerate(addresses):
         table_r[rank].fill_(address)
