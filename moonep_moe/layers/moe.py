@@ -240,32 +240,34 @@ class MoonEPMoELayer(nn.Module):
         gate_up, down = self.experts.gate_up, self.experts.down
         return gate_up.device, gate_up.data_ptr(), down.data_ptr()
 
-    def _world_for(self, device: torch.device) -> EPWorld:
-        """The world of this layer on `device`; raises, before anything moves, where the layer cannot go."""
-        world = self.world
-        if device == world.device:
-            return world
-        if world.size > 1:
-            where = "to meta" if device.type == "meta" else f"to {device}"
-            raise ValueError(f"cannot move a {world.size}-rank MoonEPMoELayer {where} (rank {world.rank}): "
-                             f"it is bound to its EP world's device {world.device}, where its comm memory is "
-                             "registered with its peers; build it on the device of a world there instead")
-        return world_on(world, device)
-
-    def _apply(self, fn, recurse=True):
-        """nn.Module's `.to()` / `.cuda()` / `.cpu()` / `to_empty()` / `.half()` ...: checks first that the
-        dtypes stay the config's and that the layer may go where `fn` sends it, then moves the parameters
-        and, where the home experts moved, its comm memory (released on meta, allocated on a real device)."""
-        device = self.experts.gate_up.device
+    def _world_after(self, fn) -> EPWorld:
+        """The world this layer would have after `_apply(fn)`, found on empty probes of its dtypes before
+        anything moves: raises where `fn` changes a dtype (they are the config's) or moves a multi-rank
+        layer off its world's device (its comm memory is registered with its peers there)."""
+        world, device = self.world, self.experts.gate_up.device
         for dtype in {t.dtype for t in self.parameters()}:
-            moved = fn(torch.empty(0, dtype=dtype, device=device))
-            if moved.dtype != dtype:
+            probe = fn(torch.empty(0, dtype=dtype, device=device))
+            if probe.dtype != dtype:
                 cfg = self.config
-                raise ValueError(f"cannot convert MoonEPMoELayer's {dtype} parameters to {moved.dtype} "
-                                 f"(rank {self.world.rank}): its dtypes are the config's (dtype={cfg.dtype}, "
+                raise ValueError(f"cannot convert MoonEPMoELayer's {dtype} parameters to {probe.dtype} "
+                                 f"(rank {world.rank}): its dtypes are the config's (dtype={cfg.dtype}, "
                                  f"router.dtype={cfg.router.dtype}); build it from a config with the dtype "
                                  "you want")
-        world = self._world_for(_indexed(moved.device))
+        target = probe.device
+        if target == world.device:
+            return world
+        if world.size > 1:
+            raise ValueError(f"cannot move a {world.size}-rank MoonEPMoELayer to {target} (rank "
+                             f"{world.rank}): it is bound to its EP world's device {world.device}, where its "
+                             "comm memory is registered with its peers; build it on the device of a world "
+                             "there instead")
+        return world_on(world, target)
+
+    def _apply(self, fn, recurse=True):
+        """nn.Module's `.to()` / `.cuda()` / `.cpu()` / `to_empty()` / `.half()` ...: checks first where `fn`
+        sends the layer (`_world_after`), then moves the parameters and, where the home experts moved (new
+        device or new storage), the comm memory: released, then allocated again unless on meta."""
+        world = self._world_after(fn)
         before = self._placement()
         super()._apply(fn, recurse)
         if self._placement() != before:
