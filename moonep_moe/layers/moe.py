@@ -28,7 +28,7 @@ from moonep_moe.config import MoEConfig
 from moonep_moe.layers.function import ExpertsState, routed_experts
 from moonep_moe.layers.grouped_gemm import GemmProblem, select_grouped_gemm
 from moonep_moe.layers.router import TopKRouter
-from moonep_moe.weights.experts import HomeExperts
+from moonep_moe.weights.experts import HomeExperts, seeded_uniform_
 
 
 class SharedExperts(nn.Module):
@@ -49,10 +49,10 @@ class SharedExperts(nn.Module):
         return out_th * torch.sigmoid(self.gate(hidden_th)) if self.gate is not None else out_th
 
 
-def default_world(config: MoEConfig) -> EPWorld:
-    """The world a layer built without one uses: `world="threads"` -> a one-rank world on the CPU (only with
-    ep_size == 1); `"collective"` -> the initialised default process group's `CollectiveWorld`;
-    `"symmetric"` -> its `SymmetricWorld` (one GPU per rank, `cuda:LOCAL_RANK`)."""
+def default_world(config: MoEConfig, device: torch.device | None = None) -> EPWorld:
+    """The world a layer built without one uses: `world="threads"` -> a one-rank world on `device` (default:
+    torch's default device; only with ep_size == 1); `"collective"` -> the initialised default process
+    group's `CollectiveWorld`; `"symmetric"` -> its `SymmetricWorld` (one GPU per rank, `cuda:LOCAL_RANK`)."""
     if config.world == "collective":
         from moonep_moe.comm.collective import collective_world
 
@@ -65,19 +65,72 @@ def default_world(config: MoEConfig) -> EPWorld:
         raise ValueError(f"ep_size={config.ep_size} needs a world with {config.ep_size} ranks "
                          "(e.g. moonep_moe.comm.world.run_ranks, or world='symmetric' / 'collective' under "
                          "torchrun)")
-    return single_world()
+    return single_world(torch.get_default_device() if device is None else device)
 
 
-def check_same_config(world: EPWorld, config: MoEConfig) -> None:
-    """Collective: raise on every rank, naming the ranks, unless all ranks hold the same config (one
-    all-gather of a 63-bit hash of `config.model_dump_json()`, read on the host at construction)."""
+def _indexed(device: torch.device) -> torch.device:
+    """`cuda` -> `cuda:<current device>` (tensors and worlds report their index); other devices as given."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def place_layer(config: MoEConfig, world: EPWorld | None, device: torch.device | str | None
+                ) -> tuple[EPWorld, torch.device]:
+    """A new layer's world and the device its parameters start on (`MoonEPMoELayer`'s `world`, `device`):
+    device None -> `meta` under `torch.device("meta")` / `set_default_device("meta")`, else the world's
+    device (the default world's: torch's default device for `world="threads"`). A device other than the
+    world's or `meta` raises."""
+    if device is None and torch.get_default_device().type == "meta":
+        device = "meta"
+    device = None if device is None else _indexed(torch.device(device))
+    world = default_world(config, device) if world is None else world
+    device = world.device if device is None else device
+    if device.type != "meta" and device != world.device:
+        raise ValueError(f"device={device} differs from the EP world's device {world.device} (rank "
+                         f"{world.rank}): a layer lives on its world's device, or on meta until to_empty()")
+    return world, device
+
+
+def agree_on_init_seed(world: EPWorld, config: MoEConfig) -> int:
+    """Collective, at construction: the layer's init seed, rank 0's draw from torch's CPU generator (so
+    `torch.manual_seed` before construction makes the layer reproducible), and a check that every rank holds
+    the same config (a 63-bit hash of `config.model_dump_json()`): one all-gather of two int64, read on the
+    host. Raises on every rank, naming the ranks, when the configs differ.
+
+    Every rank draws once, so the ranks' generators stay in step. Thread-ranks share one generator: rank 0
+    draws before the gather, the others after it, and a barrier keeps the next layer's draw after theirs, so
+    rank 0 gets the draw a one-rank run would (for the first layer after `torch.manual_seed`).
+    """
+
+    def draw() -> int:
+        return int(torch.randint(0, 2**62, (), device="cpu"))
+
+    if world.size == 1:
+        return draw()
     digest = hashlib.sha256(config.model_dump_json().encode()).digest()
-    mine = torch.tensor([int.from_bytes(digest[:8], "little") >> 1], dtype=torch.int64, device=world.device)
-    hash_r = world.all_gather(mine).view(-1).tolist()
+    mine = [int.from_bytes(digest[:8], "little") >> 1, draw() if world.rank == 0 else 0]
+    gathered_r2 = world.all_gather(torch.tensor(mine, dtype=torch.int64, device=world.device)).tolist()
+    if world.rank != 0:
+        draw()
+    world.barrier()
+    hash_r = [h for h, _ in gathered_r2]
     if len(set(hash_r)) > 1:
         differ = [r for r, h in enumerate(hash_r) if h != hash_r[0]]
         raise ValueError(f"MoEConfig differs across the EP ranks: rank(s) {differ} disagree with rank 0 "
                          f"(seen on rank {world.rank}); every rank must build the layer from the same config")
+    return gathered_r2[0][1]
+
+
+def world_on(world: EPWorld, device: torch.device) -> EPWorld:
+    """A one-rank world's counterpart on `device`: `world` itself on its own device, else a one-rank threads
+    world, one per device and shared by every layer that shared `world` (kept in `world.globals`)."""
+    siblings = world.globals.setdefault("worlds_by_device", {world.device: world})
+    if device not in siblings:
+        moved = single_world(device)
+        moved.globals["worlds_by_device"] = siblings
+        siblings[device] = moved
+    return siblings[device]
 
 
 class MoonEPMoELayer(nn.Module):
@@ -87,8 +140,28 @@ class MoonEPMoELayer(nn.Module):
     Args:
         config: the layer's `MoEConfig` (validated).
         world: the EP world (any `EPWorld`), whose size must be `config.ep_size`; default from
-            `config.world` (`default_world`). Every rank must construct its layers in the same order, from
-            the same config (checked: ranks that disagree raise, named).
+            `config.world` (`default_world`: for `"threads"`, a one-rank world on `device`). Every rank must
+            construct its layers in the same order, from the same config (checked: ranks that disagree
+            raise, named).
+        device: where the layer is built. Default: the world's device when a world is given (or
+            `config.world` names a process world), else torch's default device (`torch.set_default_device`);
+            `meta` whenever torch's default device is meta. A given world and a device other than its own
+            or `meta` raise.
+
+    Device semantics (nn.Module conventions):
+    - On `meta` nothing is allocated: no comm memory (Buffer, symmetric registrations, slot pools) and no
+      parameter memory. `to_empty(device=...)` then `reset_parameters()` gives a working layer equal to
+      one built directly after the same `torch.manual_seed` (the torchtitan / FSDP2 pattern); the comm
+      memory is allocated when the layer first reaches a real device (collective on a multi-rank world).
+    - A one-rank layer moves with `.to()` / `.cuda()` / `.cpu()`, its comm memory too (its world becomes
+      a one-rank world on the new device, `world_on`). A multi-rank layer is bound to its world's device:
+      moving it elsewhere raises (its comm memory is registered with its peers there).
+    - Dtypes are the config's (`dtype`, `router.dtype`): `.to(dtype)`, `.half()`, ... that would change
+      one raise; build the layer from a config with the dtype you want.
+    - Replicated parameters (router, shared experts) start identical on every rank, and home experts are
+      drawn per global expert id, so the initial model is the same at every EP size (`reset_parameters`).
+    - `copy.deepcopy`, `pickle` and `torch.save(layer)` raise (the comm memory belongs to the world): save
+      `layer.state_dict()`, rebuild with `MoonEPMoELayer(config, world)` and `load_state_dict`.
 
     `forward` returns a tensor of the input's shape, or `(output, aux_loss)` when
     `config.router.aux_loss_coeff > 0`.
@@ -96,23 +169,52 @@ class MoonEPMoELayer(nn.Module):
 
     _serial = itertools.count()
 
-    def __init__(self, config: MoEConfig, world: EPWorld | None = None):
+    def __init__(self, config: MoEConfig, world: EPWorld | None = None, *,
+                 device: torch.device | str | None = None):
         super().__init__()
-        world = default_world(config) if world is None else world
+        world, device = place_layer(config, world, device)
         if world.size != config.ep_size:
             raise ValueError(f"ep_size={config.ep_size} does not match the world's size {world.size}")
-        check_same_config(world, config)
+        self.init_seed = agree_on_init_seed(world, config)
+        """The seed every parameter is drawn from (`reset_parameters`): rank 0's draw, on every rank."""
         self.config, self.world = config, world
-        dtype, device = config.torch_dtype, world.device
+        dtype = config.torch_dtype
         h, f, e, k = config.hidden_size, config.ffn_hidden_size, config.num_experts, config.top_k
         serial = world.globals.setdefault("layer_serial", itertools.count())
-        self.router = TopKRouter(config.router, h, e, k).to(device)
-        self.experts = HomeExperts(world, e, h, f, config.prefetch_slots, dtype, name=f"moe{next(serial)}")
         shared = config.shared_experts
-        self.shared_experts = None
-        if shared.num_shared_experts:
-            width = shared.num_shared_experts * (shared.ffn_hidden_size or f)
-            self.shared_experts = SharedExperts(h, width, shared.gate, dtype, device)
+        with torch.device("meta"):  # unallocated, and nothing drawn from torch's generator (see below)
+            self.router = TopKRouter(config.router, h, e, k)
+            self.shared_experts = None
+            if shared.num_shared_experts:
+                width = shared.num_shared_experts * (shared.ffn_hidden_size or f)
+                self.shared_experts = SharedExperts(h, width, shared.gate, dtype, torch.device("meta"))
+        self.experts = HomeExperts(world, e, h, f, config.prefetch_slots, dtype, name=f"moe{next(serial)}",
+                                   seed=self.init_seed)
+        expert_load_e = torch.zeros(e, dtype=torch.int64, device=device)
+        self.register_buffer("expert_load", expert_load_e, persistent=False)
+        self.record_router_logits = False
+        """When True, `forward` keeps the router's logits `[T, E]` (with their autograd graph) in
+        `last_router_logits_te` until the next call, so a wrapper can return them without routing twice."""
+        self.last_router_logits_te: torch.Tensor | None = None
+        self.buffer: Buffer | None = None
+        self._state: ExpertsState | None = None
+        if device.type != "meta":
+            for module in (self.router, self.shared_experts):
+                if module is not None:
+                    module.to_empty(device=device)
+            self._bind_comm()
+        # from `init_seed` alone: built here, it equals a layer built on meta + to_empty + reset_parameters
+        self.reset_parameters()
+
+    # -- device, comm memory and init ---------------------------------------------------------------------
+
+    def _bind_comm(self) -> None:
+        """Allocate this rank's comm memory on `self.world` (collective): the home experts' registration
+        (`HomeExperts.bind`), the Buffer, and the grouped GEMM chosen for the device."""
+        config, world = self.config, self.world
+        h, f, k, e = config.hidden_size, config.ffn_hidden_size, config.top_k, config.num_experts
+        dtype, device = config.torch_dtype, world.device
+        self.experts.bind(world)
         # validate=False: the router's expert ids are in [-1, E) by construction, and the check is a host read
         self.buffer = Buffer(config.max_tokens_per_rank, h, k, e, config.ep_size, config.prefetch_slots,
                              token_padding=config.token_padding, world=world, dtype=dtype, validate=False)
@@ -124,12 +226,76 @@ class MoonEPMoELayer(nn.Module):
         gemm = select_grouped_gemm(config.grouped_gemm, device, dtype, k=math.gcd(h, f),
                                    token_padding=config.token_padding, problem=problem)
         self._state = ExpertsState(self.buffer, self.experts, gemm, grad_dtype, main_grad)
-        expert_load_e = torch.zeros(e, dtype=torch.int64, device=device)
-        self.register_buffer("expert_load", expert_load_e, persistent=False)
-        self.record_router_logits = False
-        """When True, `forward` keeps the router's logits `[T, E]` (with their autograd graph) in
-        `last_router_logits_te` until the next call, so a wrapper can return them without routing twice."""
-        self.last_router_logits_te: torch.Tensor | None = None
+
+    def _release_comm(self) -> None:
+        """Give the comm memory back to the world (the Buffer's and the home experts' registrations)."""
+        if self.buffer is not None:
+            self.buffer.destroy()
+        self.experts.release()
+        self.buffer = self._state = None
+
+    def _placement(self) -> tuple:
+        """Where the home experts are: device and storage (a move or `to_empty` changes it)."""
+        gate_up, down = self.experts.gate_up, self.experts.down
+        return gate_up.device, gate_up.data_ptr(), down.data_ptr()
+
+    def _world_after(self, fn) -> EPWorld:
+        """The world this layer would have after `_apply(fn)`, found on empty probes of its dtypes before
+        anything moves: raises where `fn` changes a dtype (they are the config's) or moves a multi-rank
+        layer off its world's device (its comm memory is registered with its peers there)."""
+        world, device = self.world, self.experts.gate_up.device
+        for dtype in {t.dtype for t in self.parameters()}:
+            probe = fn(torch.empty(0, dtype=dtype, device=device))
+            if probe.dtype != dtype:
+                cfg = self.config
+                raise ValueError(f"cannot convert MoonEPMoELayer's {dtype} parameters to {probe.dtype} "
+                                 f"(rank {world.rank}): its dtypes are the config's (dtype={cfg.dtype}, "
+                                 f"router.dtype={cfg.router.dtype}); build it from a config with the dtype "
+                                 "you want")
+        target = probe.device
+        if target == world.device:
+            return world
+        if world.size > 1:
+            raise ValueError(f"cannot move a {world.size}-rank MoonEPMoELayer to {target} (rank "
+                             f"{world.rank}): it is bound to its EP world's device {world.device}, where its "
+                             "comm memory is registered with its peers; build it on the device of a world "
+                             "there instead")
+        return world_on(world, target)
+
+    def _apply(self, fn, recurse=True):
+        """nn.Module's `.to()` / `.cuda()` / `.cpu()` / `to_empty()` / `.half()` ...: checks first where `fn`
+        sends the layer (`_world_after`), then moves the parameters and, where the home experts moved (new
+        device or new storage), the comm memory: released, then allocated again unless on meta."""
+        world = self._world_after(fn)
+        before = self._placement()
+        super()._apply(fn, recurse)
+        if self._placement() != before:
+            self._release_comm()
+            self.world = world
+            if self.experts.gate_up.device.type != "meta":
+                self._bind_comm()
+        return self
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """(Re)initialise every parameter and buffer as at construction, from `init_seed`: the router and the
+        shared experts as nn.Linear does (uniform in +-1/sqrt(fan_in)), identical on every rank; the home
+        experts per global expert id (`HomeExperts.reset_parameters`); the expert bias and the expert loads
+        zero. Not collective; nothing to do on meta. After `to_empty()` it gives the layer built directly."""
+        seed = self.init_seed
+        seeded_uniform_(self.router.weight, seed, "router.weight")
+        if self.router.expert_bias is not None:
+            self.router.expert_bias.zero_()
+        if self.shared_experts is not None:
+            for name, weight in self.shared_experts.named_parameters():
+                seeded_uniform_(weight, seed, f"shared_experts.{name}")
+        self.experts.reset_parameters()
+        self.expert_load.zero_()
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("MoonEPMoELayer cannot be pickled, deep-copied or saved whole (torch.save(layer)): "
+                        "its comm memory is registered with its EP world. Save layer.state_dict() instead "
+                        "and rebuild with MoonEPMoELayer(config, world) + load_state_dict()")
 
     def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None):
         """`[T, H]` or `[B, L, H]` with `B*L <= max_tokens_per_rank` -> the same shape (and the aux loss).
@@ -145,6 +311,12 @@ class MoonEPMoELayer(nn.Module):
         if hidden_states.dtype != cfg.torch_dtype:
             raise ValueError(f"hidden_states must have dtype {cfg.torch_dtype} (config.dtype), "
                              f"got {hidden_states.dtype}")
+        if self.buffer is None:
+            raise RuntimeError(f"MoonEPMoELayer is on the meta device (rank {self.world.rank}): call "
+                               "to_empty(device=...) and reset_parameters() (or load_state_dict) first")
+        if hidden_states.device != self.world.device:
+            raise ValueError(f"hidden_states must be on {self.world.device} (the layer's device), "
+                             f"got {hidden_states.device}")
         hidden_th = hidden_states.reshape(-1, cfg.hidden_size)
         if hidden_th.shape[0] > cfg.max_tokens_per_rank:
             raise ValueError(f"{hidden_th.shape[0]} tokens exceed "
@@ -202,4 +374,5 @@ class MoonEPMoELayer(nn.Module):
 
     def destroy(self) -> None:
         """Release the layer's comm memory (its Buffer). The layer cannot run afterwards."""
-        self.buffer.destroy()
+        if self.buffer is not None:
+            self.buffer.destroy()

@@ -4,12 +4,15 @@ Legend: e experts (epn home experts here, E in the group), f = H' (expert FFN si
 Layout (nn.Linear style, `[experts, out, in]`): `gate_up [epn, 2F, H]` (rows [0, F) gate, [F, 2F) up, so
 both projections run as one GEMM) and `down [epn, H, F]`. Only the home experts are stored: never a
 replicated copy of all E. Both parameters are registered with the EP world so peers can read them
-(prefetch): create the layer in its final dtype and device (the config's) rather than converting it
-later. On CUDA, where `weights.arena` can, the home experts are mapped right before the shared slot pool, so
-the grouped GEMMs read home experts and slots as one tensor without copying them. The home experts'
-gradients are made fresh every step (`new_grads`), or are each parameter's persistent fp32 `main_grad`
-(`MoEConfig.expert_grad_dtype="main_grad"`); the replicas' accumulate in the shared fp32 slot-gradient
-pools, which peers pull.
+(prefetch); `bind(world)` does it, and again whenever the parameters move (a one-rank layer's `.to()`,
+`to_empty()`): on the meta device nothing is registered or allocated. On CUDA, where `weights.arena` can,
+the home experts are mapped right before the shared slot pool, so the grouped GEMMs read home experts and
+slots as one tensor without copying them. The home experts' gradients are made fresh every step
+(`new_grads`), or are each parameter's persistent fp32 `main_grad` (`MoEConfig.expert_grad_dtype=
+"main_grad"`); the replicas' accumulate in the shared fp32 slot-gradient pools, which peers pull.
+
+Initialisation (`reset_parameters`) draws each expert from a generator seeded with the layer's seed and
+the expert's GLOBAL id (`seeded_uniform_`), so the initial model is the same at every EP size.
 
 Checkpoints hold one entry per expert under its global id, whatever the EP size:
 `{e}.gate_proj.weight [F, H]`, `{e}.up_proj.weight [F, H]`, `{e}.down_proj.weight [H, F]`. Loading also
@@ -21,6 +24,8 @@ per-rank dicts are merged (`{**rank0, **rank1, ...}`).
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import nn
 
@@ -31,6 +36,24 @@ PER_EXPERT_NAMES = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down"
 FUSED_NAMES = (("gate_up_proj", "down_proj"), ("w13", "w2"))
 
 
+def derived_seed(seed: int, key: str) -> int:
+    """A 63-bit seed of its own for `key` (e.g. `"expert7.down"`) under the layer seed `seed`."""
+    digest = hashlib.sha256(f"{seed}/{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+@torch.no_grad()
+def seeded_uniform_(weight: torch.Tensor, seed: int, key: str) -> None:
+    """nn.Linear's default init in place: uniform in +-1/sqrt(fan_in), fan_in = `weight.shape[-1]`, drawn
+    from a generator of the weight's device seeded with `derived_seed(seed, key)`: the same values for the
+    same (seed, key, shape, dtype, device type), whatever was drawn before (on other ranks, other layers)."""
+    if weight.device.type == "meta":
+        return  # nothing to initialise (as torch's own init on meta tensors)
+    generator = torch.Generator(weight.device).manual_seed(derived_seed(seed, key))
+    bound = weight.shape[-1] ** -0.5
+    weight.uniform_(-bound, bound, generator=generator)
+
+
 class HomeExperts(nn.Module):
     """This rank's `epn` routed experts of one MoE layer.
 
@@ -38,29 +61,60 @@ class HomeExperts(nn.Module):
         world: the EP world (rank r owns experts [r*epn, (r+1)*epn)).
         num_experts: E. hidden_size: H. ffn_hidden_size: F. num_slots: B prefetch slots per rank.
         dtype: parameter dtype. name: a key unique to this layer on every rank (the same on all ranks).
+        seed: the layer's init seed (the same on every rank; see `reset_parameters`).
+
+    The parameters start on meta, unallocated: the owner calls `bind(world)` once they are to live on a real
+    device, then `reset_parameters()` (or loads a checkpoint).
     """
 
     def __init__(self, world: EPWorld, num_experts: int, hidden_size: int, ffn_hidden_size: int,
-                 num_slots: int, dtype: torch.dtype, name: str):
+                 num_slots: int, dtype: torch.dtype, name: str, seed: int):
         super().__init__()
-        self.world, self.num_experts = world, num_experts
+        self.world, self.num_experts, self.num_slots = world, num_experts, num_slots
+        self.name, self.seed = name, seed
         self.epn = num_experts // world.size
         self.first_expert = world.rank * self.epn
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         h, f, epn = hidden_size, ffn_hidden_size, self.epn
-        gate_up, gate_up_compute = allocate_home(world, epn, (2 * f, h), dtype, num_slots)
-        down, down_compute = allocate_home(world, epn, (h, f), dtype, num_slots)
-        self.gate_up, self.down = nn.Parameter(gate_up), nn.Parameter(down)
-        self.reset_parameters()
-        self.name = name
+        self.gate_up = nn.Parameter(torch.empty(epn, 2 * f, h, dtype=dtype, device="meta"))
+        self.down = nn.Parameter(torch.empty(epn, h, f, dtype=dtype, device="meta"))
+        self.rows: tuple[ExpertRows, ExpertRows] | None = None
+        """`(gate_up, down)` rows as registered with the world; None while unbound (e.g. on meta)."""
+        self.slot_grads: tuple[SymmetricTensor, SymmetricTensor] | None = None
+
+    def bind(self, world: EPWorld) -> None:
+        """Move the home experts into memory of `world.device` that peers can read (the arena where it
+        applies), keeping their values unless they are on meta, and register them, the slot pools and the
+        slot-gradient pools with `world`. Releases an earlier binding first. Collective."""
+        self.release()
+        self.world = world
+        f, h = self.ffn_hidden_size, self.hidden_size
+        computes = []
+        for name, row_shape in (("gate_up", (2 * f, h)), ("down", (h, f))):
+            param = getattr(self, name)
+            home, compute = allocate_home(world, self.epn, row_shape, param.dtype, self.num_slots)
+            if param.device.type == "meta":  # nothing to keep, and `.data` cannot leave meta
+                setattr(self, name, nn.Parameter(home, requires_grad=param.requires_grad))
+            else:
+                home.copy_(param.detach())
+                param.data = home
+            computes.append(compute)
+        dtype, b = self.gate_up.dtype, self.num_slots
         self.rows = (
-            ExpertRows(world.symmetric(f"{name}/gate_up", self.gate_up),
-                       slot_pool(world, (num_slots, 2 * f, h), dtype), gate_up_compute),
-            ExpertRows(world.symmetric(f"{name}/down", self.down),
-                       slot_pool(world, (num_slots, h, f), dtype), down_compute),
+            ExpertRows(world.symmetric(f"{self.name}/gate_up", self.gate_up),
+                       slot_pool(world, (b, 2 * f, h), dtype), computes[0]),
+            ExpertRows(world.symmetric(f"{self.name}/down", self.down),
+                       slot_pool(world, (b, h, f), dtype), computes[1]),
         )
-        self.slot_grads = (slot_grad_pool(world, (num_slots, 2 * f, h), dtype),
-                           slot_grad_pool(world, (num_slots, h, f), dtype))
+        self.slot_grads = (slot_grad_pool(world, (b, 2 * f, h), dtype),
+                           slot_grad_pool(world, (b, h, f), dtype))
+
+    def release(self) -> None:
+        """Forget this layer's registrations with its world (the shared pools stay); idempotent."""
+        if self.rows is not None:
+            for rows in self.rows:
+                self.world.release(rows.home.key)
+        self.rows = self.slot_grads = None
 
     def new_grads(self, dtype: torch.dtype, main_grad: bool = False) -> tuple[ExpertRows, ExpertRows]:
         """This step's gradients of `(gate_up, down)`: `[epn, N, K]` home gradients beside the shared fp32
@@ -83,11 +137,11 @@ class HomeExperts(nn.Module):
         return grads[0], grads[1]
 
     def reset_parameters(self) -> None:
-        """nn.Linear's default init per expert (uniform in +-1/sqrt(fan_in))."""
-        with torch.no_grad():
-            for weight in (self.gate_up, self.down):
-                bound = weight.shape[-1] ** -0.5
-                weight.uniform_(-bound, bound)
+        """nn.Linear's default init per expert (uniform in +-1/sqrt(fan_in)), each expert from its own
+        generator seeded by (`seed`, global expert id): the same experts at every EP size. Not collective."""
+        for i, expert in enumerate(self.home_experts):
+            seeded_uniform_(self.gate_up[i], self.seed, f"expert{expert}.gate_up")
+            seeded_uniform_(self.down[i], self.seed, f"expert{expert}.down")
 
     @property
     def home_experts(self) -> range:
