@@ -29,6 +29,8 @@ Under `torch.compile` the whole Function runs eagerly between compiled graphs (`
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -128,10 +130,10 @@ COMPILE_BREAK_REASON = (
 )
 
 
-@torch.compiler.disable(reason=COMPILE_BREAK_REASON)
-def routed_experts(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, gate_up, down,
-                   state: ExpertsState) -> torch.Tensor:
-    """`MoonEPExperts.apply` (same arguments), run eagerly under `torch.compile`: the graph breaks around
-    it (`COMPILE_BREAK_REASON`, which is also what `fullgraph=True` raises with)."""
-    return MoonEPExperts.apply(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, gate_up, down,
-                               state)
+@functools.cache
+def routed_experts() -> Callable[..., torch.Tensor]:
+    """`MoonEPExperts.apply` (same arguments) wrapped to run eagerly under `torch.compile`: the graph breaks
+    around it (`COMPILE_BREAK_REASON`, which is also what `fullgraph=True` raises with). Built on first use,
+    outside any compiled region (the layer's constructor): `torch.compiler.disable` imports torch._dynamo,
+    which takes longer than importing torch itself."""
+    return torch.compiler.disable(MoonEPExperts.apply, reason=COMPILE_BREAK_REASON)

@@ -196,6 +196,7 @@ class MoonEPMoELayer(nn.Module):
         """When True, `forward` keeps the router's logits `[T, E]` (with their autograd graph) in
         `last_router_logits_te` until the next call, so a wrapper can return them without routing twice."""
         self.last_router_logits_te: torch.Tensor | None = None
+        self._routed_experts = routed_experts()  # built here, outside any compiled region
         self.buffer: Buffer | None = None
         self._state: ExpertsState | None = None
         if device.type != "meta":
@@ -329,9 +330,9 @@ class MoonEPMoELayer(nn.Module):
         if self.record_router_logits:
             self.last_router_logits_te = routing.logits_te
         route_weights_tk = routing.route_weights_tk.to(self.buffer.weight_dtype)
-        out_th = routed_experts(hidden_th.contiguous(), route_weights_tk,
-                                routing.topk_experts_tk, routing.tokens_per_expert_e,
-                                self.experts.gate_up, self.experts.down, self._state)
+        out_th = self._routed_experts(hidden_th.contiguous(), route_weights_tk, routing.topk_experts_tk,
+                                      routing.tokens_per_expert_e, self.experts.gate_up, self.experts.down,
+                                      self._state)
         with torch.no_grad():
             self.expert_load += self._state.last_plan.expert_load
         if self.shared_experts is not None:
