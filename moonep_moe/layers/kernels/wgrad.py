@@ -20,9 +20,11 @@ Groups live in up to two output tensors per launch (home gradients, then the slo
 two base pointers and the first one's group count (the two may differ in dtype, e.g. bf16 home gradients and
 fp32 slot gradients): no concatenation, no pointer table to upload. More parts take one launch per pair.
 
-Tile configs are autotuned per ``(N, K)`` on the first call (host syncs then; Triton caches the choice on
-disk). In accumulate mode the timing runs would add into the gradients, so the tuner keeps a copy of the
-outputs and restores it after each run (a transient copy, on the first call per shape only).
+Tile configs are autotuned per ``(N, K)`` and dtypes on the first call (host syncs then; Triton caches the
+choice on disk). Timing runs in accumulate mode would add into the gradients, so an accumulating call first
+tunes on an overwriting launch over scratch outputs of a few groups (same dtypes, so the same autotuner key):
+no copy of the gradients (a copy of a DeepSeek-V3 layer's fp32 gate_up gradient is 28 GiB, and ran the H200
+out of memory in `main_grad` mode).
 """
 
 from __future__ import annotations
@@ -55,25 +57,7 @@ def _configs() -> list[triton.Config]:
             for bn, bk, bm, w, s in tiles]
 
 
-_SAVED_OUTPUTS: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-
-def _save_outputs(nargs: dict, reset_only: bool = False) -> None:
-    """Autotuner pre-hook: before a timing run in accumulate mode, copy the outputs it will add into."""
-    if nargs["ACCUMULATE"] and not reset_only:
-        outs = {out.data_ptr(): out for out in (nargs["out0_ptr"], nargs["out1_ptr"])}
-        _SAVED_OUTPUTS[:] = [(out, out.clone()) for out in outs.values()]
-
-
-def _restore_outputs(nargs: dict, exception: BaseException | None) -> None:
-    """Autotuner post-hook: undo the timing run's additions."""
-    for out, saved in _SAVED_OUTPUTS:
-        out.copy_(saved)
-    _SAVED_OUTPUTS.clear()
-
-
-@triton.autotune(configs=_configs(), key=["N", "K"], cache_results=True, pre_hook=_save_outputs,
-                 post_hook=_restore_outputs)
+@triton.autotune(configs=_configs(), key=["N", "K"], cache_results=True)
 @triton.jit
 def _grouped_wgrad_kernel(dy_ptr, x_ptr, offs_ptr, out0_ptr, out1_ptr, groups0, first_group, N, K, stride_dy,
                           stride_x, stride_out0, stride_out1, ACCUMULATE: tl.constexpr, SWIZZLE: tl.constexpr,
@@ -172,17 +156,44 @@ def grouped_wgrad_triton(dy_mn: torch.Tensor, x_mk: torch.Tensor, offs_g: torch.
         accumulate: add into ``out_gnk``; False overwrites every group (empty ones with zeros).
     """
     _check(dy_mn, x_mk, offs_g, out_gnk)
-    n, k = dy_mn.shape[1], x_mk.shape[1]
     first_group = 0
     for pair in (out_gnk[i:i + 2] for i in range(0, len(out_gnk), 2)):
         out0, out1 = pair[0], pair[-1]
         groups0 = out0.shape[0]
         groups = groups0 + (out1.shape[0] if len(pair) == 2 else 0)
+        if groups and accumulate:
+            _tune_overwriting(dy_mn, x_mk, offs_g, out0, out1, first_group)
         if groups:
-            grid = lambda meta, groups=groups: (
-                groups * triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(k, meta["BLOCK_K"]),)
-            _grouped_wgrad_kernel[grid](dy_mn, x_mk, offs_g, out0, out1, groups0, first_group, n, k,
-                                        dy_mn.stride(0), x_mk.stride(0), out0.stride(0), out1.stride(0),
-                                        ACCUMULATE=accumulate, SWIZZLE=SWIZZLE,
-                                        INTERPRET_ROWS=dy_mn.shape[0] if _INTERPRET else 0)
+            _launch(dy_mn, x_mk, offs_g, out0, out1, groups, groups0, first_group, accumulate)
         first_group += groups
+
+
+def _launch(dy_mn: torch.Tensor, x_mk: torch.Tensor, offs_g: torch.Tensor, out0: torch.Tensor,
+            out1: torch.Tensor, groups: int, groups0: int, first_group: int, accumulate: bool) -> None:
+    """One launch over groups `[first_group, first_group + groups)`, the first `groups0` in `out0`."""
+    n, k = dy_mn.shape[1], x_mk.shape[1]
+    grid = lambda meta: (groups * triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(k, meta["BLOCK_K"]),)
+    _grouped_wgrad_kernel[grid](dy_mn, x_mk, offs_g, out0, out1, groups0, first_group, n, k, dy_mn.stride(0),
+                                x_mk.stride(0), out0.stride(0), out1.stride(0), ACCUMULATE=accumulate,
+                                SWIZZLE=SWIZZLE, INTERPRET_ROWS=dy_mn.shape[0] if _INTERPRET else 0)
+
+
+_TUNING_GROUPS = 8
+_TUNED: set[tuple] = set()
+
+
+def _tune_overwriting(dy_mn: torch.Tensor, x_mk: torch.Tensor, offs_g: torch.Tensor, out0: torch.Tensor,
+                      out1: torch.Tensor, first_group: int) -> None:
+    """Before the first accumulating launch of a shape and dtypes in this process: an overwriting launch over
+    the first `_TUNING_GROUPS` groups into scratch outputs of `out0`'s and `out1`'s dtypes, which runs the
+    autotuner (or loads its disk cache) for the key the accumulating launch uses."""
+    key = (dy_mn.dtype, dy_mn.shape[1], x_mk.shape[1], out0.dtype, out1.dtype, dy_mn.device)
+    if key in _TUNED:
+        return
+    rows = (dy_mn.shape[1], x_mk.shape[1])
+    scratch0 = torch.empty((_TUNING_GROUPS - 1, *rows), dtype=out0.dtype, device=out0.device)
+    scratch1 = torch.empty((1, *rows), dtype=out1.dtype, device=out1.device)
+    groups = min(_TUNING_GROUPS, offs_g.numel() - first_group)
+    _launch(dy_mn, x_mk, offs_g, scratch0, scratch1, groups, min(groups, _TUNING_GROUPS - 1), first_group,
+            accumulate=False)
+    _TUNED.add(key)
