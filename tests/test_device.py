@@ -214,7 +214,7 @@ def test_cuda_one_rank_layer_moves_between_cpu_and_cuda():
     want = step(layer, tokens(8))
     layer.cuda()
     assert on_device(layer) == {"cuda:0"} and layer.world.device == torch.device("cuda", 0)
-    assert layer.buffer.hidden_nvsh_buffer_view().device.type == "cuda"
+    assert layer.buffer.hidden_nvsh_buffer_view.device.type == "cuda"
     got = step(layer, tokens(8, "cuda"))
     for key, value in want.items():
         torch.testing.assert_close(got[key].cpu(), value, rtol=1e-10, atol=1e-10, msg=key)
