@@ -35,17 +35,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moonep_moe.comm.world import EPWorld, SymmetricTensor, order_by_rank, place_rows
+from moonep_moe.comm.world import (
+    EPWorld,
+    RankFailedError,
+    SymmetricTensor,
+    failure_message,
+    order_by_rank,
+    place_rows,
+)
 
 DEFAULT_TIMEOUT_S = 300.0
 """Collectives that wait longer than this raise (the process-group timeout of `init_collective`)."""
 
 _MAX_DIMS = 8
 """Most dimensions of a symmetric tensor (its shape travels in a fixed-size signature)."""
-
-
-class RankFailedError(RuntimeError):
-    """Raised on a rank whose peer failed first; the message names that rank and its error."""
 
 
 class CollectiveWorld:
@@ -275,7 +278,7 @@ def fail_fast() -> Iterator[None]:
         if not dist.is_initialized():
             raise
         store = dist.PrefixStore("moonep/fail_fast", dist.distributed_c10d._get_default_store())
-        message = f"rank {dist.get_rank()} failed: {type(error).__name__}: {error}"
+        message = failure_message(dist.get_rank(), error)
         first = store.compare_set("first", "", message).decode()
         dist.distributed_c10d._abort_process_group()
         if first != message:

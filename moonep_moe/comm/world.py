@@ -24,7 +24,8 @@ rank's entries grouped by peer (`entries_by_rank`); nothing reads a device value
 This module also holds the threads backend: R ranks as R Python threads in one process, on the CPU or on
 one GPU, sharing tensors through a registry. It runs the unchanged layer code, so tests and the demo can use
 an 8-rank EP group anywhere. `single_world()` is the trivial R = 1 world. `run_ranks(fn, R)` runs
-`fn(world)` on R thread-ranks and returns their results in rank order.
+`fn(world)` on R thread-ranks and returns their results in rank order; a rank that fails is named in the
+`RankFailedError` it raises.
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ T = TypeVar("T")
 
 BARRIER_TIMEOUT_S = 300.0
 """A rank that waits longer than this at a barrier raises instead of hanging the whole group."""
+
+
+class RankFailedError(RuntimeError):
+    """A rank's failure, reported by someone other than that rank (a peer, or `run_ranks` on the caller's
+    thread): the message names the rank(s) and what went wrong; the failed rank's own exception, where there
+    is one, is the `__cause__`."""
+
+
+def failure_message(rank: int, error: BaseException) -> str:
+    """`rank r failed: <type>: <message>`: how every world reports a rank's exception."""
+    return f"rank {rank} failed: {type(error).__name__}: {error}"
 
 
 class EPWorld(Protocol):
@@ -345,9 +357,13 @@ def run_ranks(fn: Callable[[ThreadsWorld], T], size: int, device: torch.device |
               group: ThreadGroup | None = None) -> list[T]:
     """Run `fn(world)` on `size` thread-ranks of `group` (a new one by default); results in rank order.
 
-    The first exception raised on any rank aborts the group (peers stop waiting) and is re-raised here;
-    the group is reset afterwards, so a later call can reuse it. On CUDA every thread runs on its own
-    stream, so ranks overlap the way processes would.
+    The first exception raised on any rank aborts the group (peers stop waiting); the group is reset
+    afterwards, so a later call can reuse it. On CUDA every thread runs on its own stream, so ranks overlap
+    the way processes would.
+
+    Raises:
+        RankFailedError "rank r failed: <type>: <message>" from the exception of the lowest rank that raised
+            one of its own (not a peer's failure seen at a barrier).
     """
     group = group or ThreadGroup(size, device)
     if group.size != size:
@@ -375,7 +391,11 @@ def run_ranks(fn: Callable[[ThreadsWorld], T], size: int, device: torch.device |
         thread.join()
     group.reset()
     if errors:
-        primary = [e for e in errors if not isinstance(e[1], threading.BrokenBarrierError)] or errors
-        rank, error = min(primary, key=lambda e: e[0])
-        raise error
+        errors.sort(key=lambda e: e[0])
+        own = [(rank, error) for rank, error in errors if not isinstance(error, threading.BrokenBarrierError)]
+        if not own:
+            raise errors[0][1]
+        rank, error = own[0]
+        also = f" (ranks {[r for r, _ in own[1:]]} failed too)" if len(own) > 1 else ""
+        raise RankFailedError(failure_message(rank, error) + also) from error
     return results
