@@ -11,6 +11,8 @@ module-scoped fixture; results come back through files. Every wait is bounded.
 
 from __future__ import annotations
 
+import os
+import re
 import time
 import traceback
 from collections.abc import Callable
@@ -83,6 +85,27 @@ def checks_job(world: CollectiveWorld) -> dict:
     return results
 
 
+DYING_RANK = 1
+
+
+def dying_job(world: CollectiveWorld) -> dict:
+    """One step on every rank, then rank 1 exits without raising (`os._exit(1)`, as a crash or a kill would);
+    the others, in their next step, must raise `RankFailedError` naming rank 1, within seconds."""
+    p = problem(world.size, dict(seed=6), dict(num_experts=30))  # E divisible by 3 ranks
+    layer = MoonEPMoELayer(p.cfg, world)
+    start = time.perf_counter()
+    try:
+        with fail_fast():
+            layer(p.hidden[world.rank])
+            if world.rank == DYING_RANK:
+                os._exit(1)
+            start = time.perf_counter()
+            layer(p.hidden[world.rank])
+    except RankFailedError as error:
+        return {"failure": (str(error), time.perf_counter() - start)}
+    return {"failure": None}
+
+
 def rank_main(job: Callable, rank: int, size: int, folder: str) -> None:
     """One spawned rank: join the gloo group (file store), run `job(world)`, save its result or error."""
     torch.set_num_threads(1)
@@ -95,9 +118,10 @@ def rank_main(job: Callable, rank: int, size: int, folder: str) -> None:
     torch.save(result, f"{folder}/rank{rank}.pt")
 
 
-def spawn(job: Callable, size: int, folder: Path) -> list[dict]:
-    """`job` on `size` gloo processes; their results in rank order. Fails on any error or past the bound."""
-    return spawn_ranks(rank_main, job, size, folder, RUN_TIMEOUT_S)
+def spawn(job: Callable, size: int, folder: Path, dying: tuple[int, ...] = ()) -> list[dict | None]:
+    """`job` on `size` gloo processes; their results in rank order (None for the `dying` ranks, which must
+    exit without one). Fails on any error or past the bound."""
+    return spawn_ranks(rank_main, job, size, folder, RUN_TIMEOUT_S, dying)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-processes", "4-processes"])
@@ -148,6 +172,19 @@ def test_failing_rank_stops_the_group_with_its_name(group_run):
     for rank in [0, *range(2, size)]:
         message, seconds = results[rank]["failure"]
         assert message == "rank 1 failed: ValueError: rank 1 fails on purpose", message
+        assert seconds < 10, f"rank {rank} took {seconds:.1f} s to learn of the failure"
+
+
+def test_rank_that_dies_is_named_by_its_peers(tmp_path):
+    """Three processes, so that two peers must agree on whom to blame (not on each other)."""
+    results = spawn(dying_job, 3, tmp_path, dying=(DYING_RANK,))
+    (message, _), (other, _) = results[0]["failure"], results[2]["failure"]
+    assert message == other, "every peer raises the same message"
+    assert re.fullmatch(rf"rank {DYING_RANK} stopped without raising an error \(it exited, was killed, or is "
+                        r"stuck: no report within \d s\) while rank [02] waited in torch\.distributed\.\w+ "
+                        r"\(CollectiveWorld\.\w+ <- .*\)", message), message
+    for rank in (0, 2):
+        seconds = results[rank]["failure"][1]
         assert seconds < 10, f"rank {rank} took {seconds:.1f} s to learn of the failure"
 
 
