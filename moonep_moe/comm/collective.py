@@ -286,28 +286,44 @@ def fail_fast() -> Iterator[None]:
        waited; or they are stuck): it records `rank d stopped without raising an error ... while rank r
        waited in torch.distributed.<op> (<caller>)` as the first failure.
     Every rank then raises `RankFailedError` with the first failure's message, from its own exception; the
-    rank that failed first re-raises its own.
+    rank that failed first re-raises its own. A rank whose collective failed and which cannot reach the store
+    names the store's host instead (rank 0, unless a launcher such as torchrun serves the store).
     """
     try:
         yield
     except BaseException as error:
         if not dist.is_initialized():
             raise
-        rank, size = dist.get_rank(), dist.get_world_size()
-        store = dist.PrefixStore("moonep/fail_fast", dist.distributed_c10d._get_default_store())
-        store.set(f"reported/{rank}", "")
-        store.add("reported", 1)
-        own = message = failure_message(rank, error)
+        rank = dist.get_rank()
+        own = failure_message(rank, error)
         collective = _collective_frame(error)
-        if collective is not None:  # most likely a consequence: the ranks waiting on this one fail too
-            dist.distributed_c10d._abort_process_group()
-            message = _blame_silent(store, rank, size, collective) or own
-        first = store.compare_set("first", "", message).decode()
-        if collective is None:  # recorded before the peers learn of it
-            dist.distributed_c10d._abort_process_group()
+        try:
+            first = _record_failure(rank, own, collective)
+        except dist.DistError as unreachable:
+            first = own if collective is None else (
+                "rank 0 (or the launcher serving the store) stopped: the process group's store is "
+                f"unreachable ({type(unreachable).__name__}: {str(unreachable).splitlines()[0]}) and rank "
+                f"{rank}'s collective failed ({type(error).__name__}: {error})")
+        finally:
+            if dist.is_initialized():
+                dist.distributed_c10d._abort_process_group()
         if first != own:
             raise RankFailedError(first) from error
         raise
+
+
+def _record_failure(rank: int, own: str, collective: FrameType | None) -> str:
+    """Report rank `rank`'s failure (message `own`; `collective`: the frame of the `torch.distributed` call
+    that raised it, if one did) to the default group's store and record the group's first failure
+    (`fail_fast`'s steps 1 and 2); returns the first failure's message."""
+    size = dist.get_world_size()
+    store = dist.PrefixStore("moonep/fail_fast", dist.distributed_c10d._get_default_store())
+    store.set(f"reported/{rank}", "")
+    store.add("reported", 1)
+    if collective is None:  # recorded before the peers learn of it (the caller aborts)
+        return store.compare_set("first", "", own).decode()
+    dist.distributed_c10d._abort_process_group()  # a consequence, most likely: ranks waiting on this one fail
+    return store.compare_set("first", "", _blame_silent(store, rank, size, collective) or own).decode()
 
 
 def _collective_frame(error: BaseException) -> FrameType | None:
