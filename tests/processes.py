@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
 
 
-def spawn_ranks(rank_main: Callable, job: Callable, size: int, folder: Path, timeout_s: float) -> list[dict]:
+def spawn_ranks(rank_main: Callable, job: Callable, size: int, folder: Path, timeout_s: float,
+                dying: Collection[int] = ()) -> list[dict | None]:
     """`rank_main(job, rank, size, str(folder))` on `size` spawned processes, each saving its result dict to
     `folder/rank{rank}.pt` (`{"error": traceback}` on failure); the results in rank order. Fails on a rank
-    still running after `timeout_s` (all such are killed), a rank that died without a result, or any error."""
+    still running after `timeout_s` (all such are killed), a rank that died without a result, or any error.
+    The ranks in `dying` must instead exit with a non-zero code and no result (their entries are None)."""
     context = multiprocessing.get_context("spawn")
     processes = [context.Process(target=rank_main, args=(job, r, size, str(folder))) for r in range(size)]
     for process in processes:
@@ -25,10 +27,13 @@ def spawn_ranks(rank_main: Callable, job: Callable, size: int, folder: Path, tim
     for r in hung:
         processes[r].kill()
     assert not hung, f"ranks {hung} still running after {timeout_s} s"
-    missing = [r for r in range(size) if not (folder / f"rank{r}.pt").exists()]
     codes = [p.exitcode for p in processes]
-    assert not missing, f"ranks {missing} died without a result (exit codes {codes})"
-    results = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(size)]
-    errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
+    results = [torch.load(folder / f"rank{r}.pt", weights_only=False) if (folder / f"rank{r}.pt").exists()
+               else None for r in range(size)]
+    errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if res and "error" in res]
     assert not errors, "\n".join(errors)
+    unexpected = [r for r in range(size) if (results[r] is None) != (r in dying)]
+    assert not unexpected and all(codes[r] != 0 for r in dying), \
+        f"ranks {list(dying)} should die without a result, the others save one: exit codes {codes}, " \
+        f"results from ranks {[r for r in range(size) if results[r] is not None]}"
     return results

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.plan import decode_dst
-from moonep_moe.comm.world import ThreadGroup, run_ranks, single_world
+from moonep_moe.comm.world import RankFailedError, ThreadGroup, run_ranks, single_world
 from moonep_moe.weights.pool import ExpertRows, slot_grad_pool, slot_pool
 
 F64 = torch.float64
@@ -457,7 +457,7 @@ def test_failed_call_leaves_buffer_usable():
             x["topk"][0, 0] = -3
         dispatch(buffers[world.rank], x)
 
-    with pytest.raises(ValueError, match="topk_experts_sk"):
+    with pytest.raises(RankFailedError, match="rank 0 failed: ValueError: .*topk_experts_sk"):
         run_ranks(rank0_fails, case.R, group=group)
     run_ranks(lambda world: exact_step(buffers[world.rank], world), case.R, group=group)
 

@@ -11,6 +11,10 @@ module-scoped fixture; results come back through files. Every wait is bounded.
 
 from __future__ import annotations
 
+import functools
+import os
+import re
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -83,21 +87,49 @@ def checks_job(world: CollectiveWorld) -> dict:
     return results
 
 
-def rank_main(job: Callable, rank: int, size: int, folder: str) -> None:
-    """One spawned rank: join the gloo group (file store), run `job(world)`, save its result or error."""
+def dying_job(world: CollectiveWorld, dying: int) -> dict:
+    """One step on every rank, then rank `dying` exits without raising (`os._exit(1)`, as a crash or a kill
+    would); the others, in their next step, must raise `RankFailedError` naming it, within seconds."""
+    p = problem(world.size, dict(seed=6), dict(num_experts=30))  # E divisible by 3 ranks
+    layer = MoonEPMoELayer(p.cfg, world)
+    start = time.perf_counter()
+    try:
+        with fail_fast():
+            layer(p.hidden[world.rank])
+            if world.rank == dying:
+                os._exit(1)
+            start = time.perf_counter()
+            layer(p.hidden[world.rank])
+    except RankFailedError as error:
+        return {"failure": (str(error), time.perf_counter() - start)}
+    return {"failure": None}
+
+
+def rank_main(job: Callable, rank: int, size: int, folder: str, init_method: str | None = None) -> None:
+    """One spawned rank: join the gloo group (`init_method`, default a file store in `folder`), run
+    `job(world)`, save its result or error."""
     torch.set_num_threads(1)
     try:
-        world = init_collective("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=size,
-                                timeout_s=COLLECTIVE_TIMEOUT_S)
+        world = init_collective("gloo", init_method=init_method or f"file://{folder}/store", rank=rank,
+                                world_size=size, timeout_s=COLLECTIVE_TIMEOUT_S)
         result = job(world)
     except BaseException:  # noqa: B036 - reported to the parent, which fails the test
         result = {"error": traceback.format_exc()}
     torch.save(result, f"{folder}/rank{rank}.pt")
 
 
-def spawn(job: Callable, size: int, folder: Path) -> list[dict]:
-    """`job` on `size` gloo processes; their results in rank order. Fails on any error or past the bound."""
-    return spawn_ranks(rank_main, job, size, folder, RUN_TIMEOUT_S)
+def spawn(job: Callable, size: int, folder: Path, dying: tuple[int, ...] = (),
+          init_method: str | None = None) -> list[dict | None]:
+    """`job` on `size` gloo processes (joined through `init_method`, as `rank_main`); their results in rank
+    order (None for the `dying` ranks, which must exit without one). Fails on any error or past the bound."""
+    main = functools.partial(rank_main, init_method=init_method)
+    return spawn_ranks(main, job, size, folder, RUN_TIMEOUT_S, dying)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-processes", "4-processes"])
@@ -149,6 +181,30 @@ def test_failing_rank_stops_the_group_with_its_name(group_run):
         message, seconds = results[rank]["failure"]
         assert message == "rank 1 failed: ValueError: rank 1 fails on purpose", message
         assert seconds < 10, f"rank {rank} took {seconds:.1f} s to learn of the failure"
+
+
+def test_rank_that_dies_is_named_by_its_peers(tmp_path):
+    """Three processes, so that two peers must agree on whom to blame (not on each other)."""
+    results = spawn(functools.partial(dying_job, dying=1), 3, tmp_path, dying=(1,))
+    (message, _), (other, _) = results[0]["failure"], results[2]["failure"]
+    assert message == other, "every peer raises the same message"
+    assert re.fullmatch(r"rank 1 stopped without raising an error \(it exited, was killed, or is stuck: no "
+                        r"report within \d s\) while rank [02] waited in torch\.distributed\.\w+ "
+                        r"\(CollectiveWorld\.\w+ <- .*\)", message), message
+    for rank in (0, 2):
+        seconds = results[rank]["failure"][1]
+        assert seconds < 10, f"rank {rank} took {seconds:.1f} s to learn of the failure"
+
+
+def test_rank_hosting_the_store_that_dies_is_named(tmp_path):
+    """With `tcp://`, rank 0 serves the store: when it dies its peer cannot report there, and says so."""
+    results = spawn(functools.partial(dying_job, dying=0), 2, tmp_path, dying=(0,),
+                    init_method=f"tcp://127.0.0.1:{free_port()}")
+    message, seconds = results[1]["failure"]
+    pattern = (r"rank 0 \(or the launcher serving the store\) stopped: the process group's store is "
+               r"unreachable \(\w+: .*\) and rank 1's collective failed \(RuntimeError: .*\)")
+    assert re.fullmatch(pattern, message), message
+    assert seconds < 10, f"rank 1 took {seconds:.1f} s to learn of the failure"
 
 
 # -- in this process ----------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from stress import comm_streams
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.plan import decode_dst
 from moonep_moe.comm.pool import BufferPool, next_power_of_two
-from moonep_moe.comm.world import run_ranks, single_world
+from moonep_moe.comm.world import RankFailedError, run_ranks, single_world
 from moonep_moe.communicator import CommunicatorConfig, DispatchHandle, MoECommunicator
 from moonep_moe.config import load_config
 from moonep_moe.weights.layout import ExpertLayout
@@ -235,7 +235,7 @@ def test_layout_errors():
     w13, w2 = model_weights()
     with pytest.raises(ValueError, match="w2 must be"):
         ExpertLayout.from_fused(single_world(), w13, w2[:, :, :-1], num_slots=0, name="x")
-    with pytest.raises(ValueError, match="divisible"):
+    with pytest.raises(RankFailedError, match="rank 0 failed: ValueError: .*divisible"):
         run_ranks(lambda world: ExpertLayout.from_fused(world, w13[:6], w2[:6], num_slots=0, name="x"), 4)
     with pytest.raises(ValueError, match="num_slots"):
         ExpertLayout.from_fused(single_world(), w13, w2, num_slots=1, name="x")

@@ -20,32 +20,43 @@ Two modes:
 Launching: one process per rank (`torchrun`), `init_collective()` (or your own `init_process_group` with a
 timeout and `CollectiveWorld()`), and the rank's work inside `fail_fast()`, so that a rank that raises aborts
 the group: its peers raise `RankFailedError` naming it within about a second instead of hanging until the
-timeout.
+timeout. A rank that stops without raising (it crashed, was killed, or returned early and exited) is named
+by its peers too, within `REPORT_WAIT_S` of their collective failing.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from moonep_moe.comm.world import EPWorld, SymmetricTensor, order_by_rank, place_rows
+from moonep_moe.comm.world import (
+    EPWorld,
+    RankFailedError,
+    SymmetricTensor,
+    call_site,
+    failure_message,
+    order_by_rank,
+    place_rows,
+)
 
 DEFAULT_TIMEOUT_S = 300.0
 """Collectives that wait longer than this raise (the process-group timeout of `init_collective`)."""
 
+REPORT_WAIT_S = 2.0
+"""How long a rank whose collective failed waits for every peer to report to `fail_fast`: a peer that has not
+reported by then is named as the one that stopped (it exited, was killed, or is stuck)."""
+
 _MAX_DIMS = 8
 """Most dimensions of a symmetric tensor (its shape travels in a fixed-size signature)."""
-
-
-class RankFailedError(RuntimeError):
-    """Raised on a rank whose peer failed first; the message names that rank and its error."""
 
 
 class CollectiveWorld:
@@ -264,20 +275,86 @@ def init_collective(backend: str | None = None, *, init_method: str | None = Non
 def fail_fast() -> Iterator[None]:
     """Run a rank's body so that a failure anywhere stops every rank with an error naming the failed rank.
 
-    The first rank to raise records `rank r failed: <error>` in the default group's store and aborts its
-    process groups; its peers' pending and later collectives then fail at once (gloo: the connections
-    close; NCCL: the communicators abort), and they raise `RankFailedError` with that message. The rank
-    that failed first re-raises its own exception.
+    Nothing runs while the body succeeds. On an exception, the rank reports to the default group's store:
+    1. a rank whose own code raised records `rank r failed: <error>` as the group's first failure (unless
+       another rank's is there already) and aborts its process groups; its peers' pending and later
+       collectives then fail at once (gloo: the connections close; NCCL: the communicators abort);
+    2. a rank whose collective failed (a `torch.distributed` call raised: a peer aborted, exited or timed
+       out) aborts too, so that ranks waiting on it learn of the failure, then waits until the first
+       failure is recorded or every rank has reported, at most `REPORT_WAIT_S`. Ranks that never reported
+       stopped without raising (they crashed, were killed, or returned and exited while a peer still
+       waited; or they are stuck): it records `rank d stopped without raising an error ... while rank r
+       waited in torch.distributed.<op> (<caller>)` as the first failure.
+    Every rank then raises `RankFailedError` with the first failure's message, from its own exception; the
+    rank that failed first re-raises its own. A rank whose collective failed and which cannot reach the store
+    names the store's host instead (rank 0, unless a launcher such as torchrun serves the store).
     """
     try:
         yield
     except BaseException as error:
         if not dist.is_initialized():
             raise
-        store = dist.PrefixStore("moonep/fail_fast", dist.distributed_c10d._get_default_store())
-        message = f"rank {dist.get_rank()} failed: {type(error).__name__}: {error}"
-        first = store.compare_set("first", "", message).decode()
-        dist.distributed_c10d._abort_process_group()
-        if first != message:
+        rank = dist.get_rank()
+        own = failure_message(rank, error)
+        collective = _collective_frame(error)
+        try:
+            first = _record_failure(rank, own, collective)
+        except dist.DistError as unreachable:
+            first = own if collective is None else (
+                "rank 0 (or the launcher serving the store) stopped: the process group's store is "
+                f"unreachable ({type(unreachable).__name__}: {str(unreachable).splitlines()[0]}) and rank "
+                f"{rank}'s collective failed ({type(error).__name__}: {error})")
+        finally:
+            if dist.is_initialized():
+                dist.distributed_c10d._abort_process_group()
+        if first != own:
             raise RankFailedError(first) from error
         raise
+
+
+def _record_failure(rank: int, own: str, collective: FrameType | None) -> str:
+    """Report rank `rank`'s failure (message `own`; `collective`: the frame of the `torch.distributed` call
+    that raised it, if one did) to the default group's store and record the group's first failure
+    (`fail_fast`'s steps 1 and 2); returns the first failure's message."""
+    size = dist.get_world_size()
+    store = dist.PrefixStore("moonep/fail_fast", dist.distributed_c10d._get_default_store())
+    store.set(f"reported/{rank}", "")
+    store.add("reported", 1)
+    if collective is None:  # recorded before the peers learn of it (the caller aborts)
+        return store.compare_set("first", "", own).decode()
+    dist.distributed_c10d._abort_process_group()  # a consequence, most likely: ranks waiting on this one fail
+    return store.compare_set("first", "", _blame_silent(store, rank, size, collective) or own).decode()
+
+
+def _collective_frame(error: BaseException) -> FrameType | None:
+    """The frame that raised `error` where it is a `torch.distributed` call (a collective that failed because
+    of a peer, most likely), else None."""
+    traceback = error.__traceback__
+    while traceback is not None and traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    if traceback is None or not _module(traceback.tb_frame).startswith("torch.distributed"):
+        return None
+    return traceback.tb_frame
+
+
+def _module(frame: FrameType) -> str:
+    return frame.f_globals.get("__name__", "")
+
+
+def _blame_silent(store: dist.Store, rank: int, size: int, collective: FrameType) -> str | None:
+    """After rank `rank`'s collective (`collective`, its frame) failed: wait until a first failure is recorded
+    or all `size` ranks have reported, at most `REPORT_WAIT_S`; then the message naming the ranks that never
+    reported, or None if there is a first failure or every rank reported."""
+    deadline = time.monotonic() + REPORT_WAIT_S
+    while not store.check(["first"]) and store.add("reported", 0) < size and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if store.check(["first"]):
+        return None
+    silent = [r for r in range(size) if not store.check([f"reported/{r}"])]
+    if not silent:
+        return None
+    who = f"rank {silent[0]}" if len(silent) == 1 else f"ranks {silent}"
+    caller = call_site(collective, lambda frame: _module(frame).startswith("torch."))
+    return (f"{who} stopped without raising an error (it exited, was killed, or is stuck: no report within "
+            f"{REPORT_WAIT_S:g} s) while rank {rank} waited in torch.distributed.{collective.f_code.co_name} "
+            f"({caller})")
