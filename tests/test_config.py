@@ -291,3 +291,12 @@ def test_torch_dtypes():
 
 def test_align_up():
     assert [align_up(x, 8) for x in (0, 1, 8, 9)] == [0, 8, 8, 16]
+
+
+def test_token_padding_defaults_to_16_and_to_128_for_deep_gemm():
+    """The default is the measured faster, smaller one; DeepGEMM's M-block where it is the backend; an explicit
+    value always wins (packaged production configs leave it out, so they get the default)."""
+    assert make().token_padding == 16
+    assert make(grouped_gemm="deep_gemm").token_padding == 128
+    assert make(token_padding=8, grouped_gemm="deep_gemm").token_padding == 8
+    assert load_config("deepseek-v3").token_padding == 16
