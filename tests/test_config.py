@@ -294,8 +294,8 @@ def test_align_up():
 
 
 def test_token_padding_defaults_to_16_and_to_128_for_deep_gemm():
-    """The default is the measured faster, smaller one; DeepGEMM's M-block where it is the backend; an explicit
-    value always wins (packaged production configs leave it out, so they get the default)."""
+    """The default is the measured smaller one; DeepGEMM's M-block where it is the backend; an explicit value
+    always wins (packaged production configs leave it out, so they get the default)."""
     assert make().token_padding == 16
     assert make(grouped_gemm="deep_gemm").token_padding == 128
     assert make(token_padding=8, grouped_gemm="deep_gemm").token_padding == 8
