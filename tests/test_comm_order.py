@@ -12,10 +12,15 @@ written out here from the inputs:
 - combine: every token's K rows summed in fp32 in k order, each primary route carrying its duplicate
   group (its own row and its duplicates' rows on the same rank) pre-reduced in fp32 in ascending row order;
 - reduce_grad: each home expert's gradient plus its replicas' slot gradients in (slot, rank) order.
+
+A bound on the dup tables (`Buffer._max_dup_groups`, `min(NvS // 2, R * S)`) sizes the kernels' loops over
+duplicate groups: a routing that fills it exactly, where `NvS // 2` is the smaller term as at production
+shapes (S=4096, K=8, R=8), checks that no group is skipped.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_comm_kernels import KERNEL_DEVICE, Step, assert_equal, operate, prepare
 
@@ -157,3 +162,21 @@ def test_reduce_grad_adds_replicas_in_slot_then_rank_order():
                 wrong = int((got != want).sum())
                 assert wrong == 0, f"{path}, rank {rank}: {wrong} {key} values not in (slot, rank) order"
     assert all(reordered.values()), f"the values must make the order of the replicas visible: {reordered}"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dup_groups_fill_the_bound_where_rows_decide_it(tp):
+    """Rank r's 4 tokens each pick both experts of rank r + 1 (E=8, K=2): every rank receives 4 duplicate
+    groups of 2 rows. With S=4, R=4, tp=1 the bound `min(NvS // 2, R * S)` is `NvS // 2 = 4`, exactly the
+    groups received: a smaller bound leaves groups unexpanded in dispatch and unreduced in combine (tp=2:
+    NvS // 2 = 6, groups above half of it)."""
+    R, S, E = 4, 4, 8
+    histogram = tuple(tuple(S if e // 2 == (r + 1) % R else 0 for e in range(E)) for r in range(R))
+    step = Step(R=R, S=S, H=8, K=2, E=E, tp=tp, dtype=torch.float32, histogram=histogram, spread=24)
+    inputs, kernels, reference = both_paths_with_inputs(step)
+    for rank, result in enumerate(reference):
+        NvS = result["rows"].shape[0]
+        assert NvS // 2 < R * S and int(result["dup_counts"][0]) > NvS // 4, (rank, NvS, result["dup_counts"])
+        want = combine_in_order(step, inputs, reference, rank)
+        for path, results in (("kernels", kernels), ("reference", reference)):
+            assert torch.equal(results[rank]["combined"], want), f"{path}, rank {rank}: combine"
