@@ -33,10 +33,33 @@ KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 """Where the small cases run the kernels: compiled on CUDA, else in Triton's interpreter on CPU tensors."""
 
 
+def routes_from_histogram(counts_e: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """`[s, K]` int64 routes with this histogram `counts_e [E]` (each count <= s, total <= s*K): the routes
+    expert by expert, dealt to the tokens round robin (route i is token i % s's k = i // s, so a token's
+    experts are distinct), the rest -1."""
+    experts = torch.repeat_interleave(torch.arange(len(counts_e)), counts_e)
+    topk = torch.full((top_k * num_tokens,), -1, dtype=torch.int64)
+    topk[:len(experts)] = experts
+    return topk.view(top_k, num_tokens).t().contiguous()
+
+
+def mixed(shape: tuple[int, ...], gen: torch.Generator, spread: int) -> torch.Tensor:
+    """`randn(shape)` fp32, each value times 2^j, j uniform in [-spread, spread] (spread=0: plain `randn`, the
+    same draws): mixed magnitudes make fp32 sums order-sensitive."""
+    values = torch.randn(shape, generator=gen)
+    if spread:
+        values = values * torch.exp2(torch.randint(-spread, spread + 1, shape, generator=gen).float())
+    return values
+
+
 @dataclass(frozen=True)
 class Step:
     """One EP group's step: R ranks, capacity S, `tokens` per rank (None: S), H, K, E, tp, routing `kind`
-    ("uniform" or "skewed": every route to rank 0's experts), a share of invalid routes, row dtype."""
+    ("uniform" or "skewed": every route to rank 0's experts), a share of invalid routes, row dtype.
+
+    `histogram` (`[R][E]`: routes from each rank to each expert) replaces the random routing: rank r's
+    routes come from `routes_from_histogram(histogram[r])`. Expert outputs and gradients span 2^+-`spread`
+    (`mixed`)."""
 
     R: int
     S: int = 16
@@ -49,6 +72,8 @@ class Step:
     dtype: torch.dtype = torch.bfloat16
     tokens: tuple[int, ...] | None = None
     seed: int = 0
+    histogram: tuple[tuple[int, ...], ...] | None = None
+    spread: int = 0
 
     @property
     def epn(self) -> int:
@@ -63,12 +88,16 @@ class Step:
         the histogram `[E]`, expert outputs `[NvS, H]`, a gradient `[s, H]`, per-row values `[NvS]`."""
         s = self.S if self.tokens is None else self.tokens[rank]
         gen = torch.Generator().manual_seed(1000 * self.seed + rank)
-        p_e = torch.ones(self.E)
-        if self.kind == "skewed":
-            p_e[self.epn:] = 0
-        topk = torch.multinomial(p_e.expand(s, -1), self.K, generator=gen) if s else torch.empty(0, self.K)
-        topk = topk.long()
-        topk[torch.rand(s, self.K, generator=gen) < self.invalid] = -1
+        if self.histogram is not None:
+            topk = routes_from_histogram(torch.tensor(self.histogram[rank]), s, self.K)
+        else:
+            p_e = torch.ones(self.E)
+            if self.kind == "skewed":
+                p_e[self.epn:] = 0
+            topk = torch.empty(0, self.K, dtype=torch.long)
+            if s:
+                topk = torch.multinomial(p_e.expand(s, -1), self.K, generator=gen)
+            topk[torch.rand(s, self.K, generator=gen) < self.invalid] = -1
         weight_dtype = torch.promote_types(self.dtype, torch.float32)
         return dict(hidden=torch.randn(s, self.H, generator=gen).to(self.dtype),
                     weights=torch.rand(s, self.K, generator=gen, dtype=weight_dtype),
@@ -91,17 +120,17 @@ def prepare(step: Step, world, kernels: bool, **buffer_kwargs) -> dict:
 
     return dict(
         buf=buf, x={k: v.to(device) for k, v in step.inputs(r).items()},
-        expert_out=torch.randn(buf.NvS, step.H, generator=gen).to(step.dtype).to(device),
+        expert_out=mixed((buf.NvS, step.H), gen, step.spread).to(step.dtype).to(device),
         values=torch.randn(buf.NvS, generator=gen, dtype=buf.weight_dtype).to(device),
         rows=[ExpertRows(symmetric(f"home{i}", w[r * epn:(r + 1) * epn].clone()),
                          symmetric(f"slots{i}", torch.full((B, *w.shape[1:]), 7.0, dtype=step.dtype)))
               for i, w in enumerate(experts)],
         replicated=torch.cat([experts[0], torch.full((B, *GATE_NK), 7.0, dtype=step.dtype)]).to(device),
         # fp32 home gradients, and home gradients in the row dtype (bf16 parameters' own grads)
-        grads=[ExpertRows(symmetric(f"grad{i}", torch.randn(epn, *shape, generator=gen).to(home_dtype)),
-                          symmetric(f"slot_grads{i}", torch.randn(B, *shape, generator=gen)))
+        grads=[ExpertRows(symmetric(f"grad{i}", mixed((epn, *shape), gen, step.spread).to(home_dtype)),
+                          symmetric(f"slot_grads{i}", mixed((B, *shape), gen, step.spread)))
                for i, (shape, home_dtype) in enumerate(((GATE_NK, torch.float32), (DOWN_NK, step.dtype)))],
-        full=torch.randn(step.E + B, *DOWN_NK, generator=gen).to(device),
+        full=mixed((step.E + B, *DOWN_NK), gen, step.spread).to(device),
         staging=symmetric("staging", torch.zeros(B, *DOWN_NK)))
 
 
@@ -153,7 +182,8 @@ def assert_equal(step: Step, results: list[tuple[dict, dict]]) -> None:
             if isinstance(want, torch.Tensor):
                 got = got.cpu()
                 assert got.dtype == want.dtype and got.shape == want.shape, (rank, key)
-                assert torch.equal(got, want), (rank, key, (got != want).sum().item())
+                wrong = int((got != want).sum())
+                assert wrong == 0, f"rank {rank}: {wrong} {key} values differ (kernels vs reference)"
             else:
                 assert got == want, (rank, key)
     if step.kind == "skewed" and step.R > 1:

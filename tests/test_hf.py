@@ -29,19 +29,19 @@ VOCAB, BATCH, SEQ = 64, 2, 12
 TOKENS = BATCH * SEQ
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, num_experts_per_tok=2, output_router_logits=True)
-MODELS = {
-    "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        **COMMON, intermediate_size=16, num_local_experts=8)),
-    "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+MODELS = {  # each takes further config fields (ones it does not set)
+    "mixtral": lambda **fields: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **COMMON, intermediate_size=16, num_local_experts=8, **fields)),
+    "qwen2_moe": lambda **fields: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
         **COMMON, moe_intermediate_size=16, intermediate_size=48, shared_expert_intermediate_size=24,
-        num_experts=8, norm_topk_prob=False)),
-    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        num_experts=8, norm_topk_prob=False, **fields)),
+    "qwen3_moe": lambda **fields: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         **COMMON, moe_intermediate_size=16, intermediate_size=48, num_experts=8, norm_topk_prob=True,
-        head_dim=8)),
-    "deepseek_v3": lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        head_dim=8, **fields)),
+    "deepseek_v3": lambda **fields: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
         **COMMON, moe_intermediate_size=16, intermediate_size=48, n_routed_experts=8, n_shared_experts=1,
         n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=0, q_lora_rank=16,
-        kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)),
+        kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, **fields)),
 }
 # Worst |got - want| over max |want|, per tensor. bf16 runs both models in bf16: the two only differ in
 # summation order and where route weights are rounded, so the bound is a few bf16 ulps of the largest value.
@@ -51,10 +51,11 @@ MODELS = {
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
-def make_model(name: str, dtype: torch.dtype, seed: int) -> torch.nn.Module:
-    """A tiny random model; DeepSeek-V3 gets a random `e_score_correction_bias` so it shifts selection."""
+def make_model(name: str, dtype: torch.dtype, seed: int, **fields) -> torch.nn.Module:
+    """A tiny random model (with further config `fields`); DeepSeek-V3 gets a random
+    `e_score_correction_bias` so it shifts selection."""
     torch.manual_seed(seed)
-    model = MODELS[name]()
+    model = MODELS[name](**fields)
     with torch.no_grad():
         for module in model.modules():
             if hasattr(module, "e_score_correction_bias"):
@@ -129,6 +130,19 @@ def test_swapped_model_matches_original_ep4(name, dtype):
         rest = {k: v for k, v in got[rank].items() if k not in expert_got}
         rest_want = {k: v for k, v in want[rank].items() if k not in expert_want}
         assert_close(rest, rest_want, TOL[dtype], f"{name} {dtype} EP=4 rank {rank}")
+
+
+def test_deepseek_v3_without_top_k_renormalisation():
+    """`norm_topk_prob: false` (route weights are the raw sigmoid scores times `routed_scaling_factor`; the
+    tests above build the default, true): the swapped model must match the original, gradients included."""
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+    original = make_model("deepseek_v3", torch.float32, seed=3, norm_topk_prob=False)
+    want = step(original, ids)
+    normalised = make_model("deepseek_v3", torch.float32, seed=3, norm_topk_prob=True)
+    assert rel_err(step(normalised, ids)["logits"], want["logits"]) > 1e-3, "the flag must change the model"
+    swapped = swap_moe_blocks(copy.deepcopy(original), TOKENS, token_padding=8)
+    got = step(swapped, ids, lambda m: hf_state_dict(m, grads=True))
+    assert_close(got, want, TOL[torch.float32], "deepseek_v3 norm_topk_prob=False EP=1")
 
 
 def test_unsupported_blocks_fail_with_a_message():

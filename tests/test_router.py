@@ -177,3 +177,31 @@ def test_bad_sizes_are_rejected():
         TopKRouter(RouterConfig(n_group=3, topk_group=1), 16, E, K)
     with pytest.raises(ValueError, match="top_k"):
         TopKRouter(RouterConfig(n_group=4, topk_group=1), 16, E, K)
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def test_token_mask_routes_real_tokens_as_if_alone(score_function):
+    """Masked (padding) tokens get expert -1 and weight 0 on every route; the real tokens' routes, the
+    histogram, the aux loss and the router gradient are those of the batch without the padding."""
+    router = identity_router(score_function=score_function, aux_loss_coeff=0.1)
+    gen = torch.Generator().manual_seed(7)
+    logits_te = torch.randn(T, E, dtype=torch.float64, generator=gen)
+    mask_t = torch.rand(T, generator=gen) < 0.6
+    mask_t[:2] = torch.tensor([True, False])
+    upstream_tk = torch.randn(T, K, dtype=torch.float64, generator=gen)
+
+    def route(hidden_th, upstream_tk, token_mask_t=None):
+        router.weight.grad = None
+        out = router(hidden_th, token_mask_t)
+        ((out.route_weights_tk * upstream_tk).sum() + out.aux_loss).backward()
+        return out, router.weight.grad.clone()
+
+    masked, masked_grad = route(logits_te, upstream_tk, mask_t)
+    alone, alone_grad = route(logits_te[mask_t], upstream_tk[mask_t])
+    assert (masked.topk_experts_tk[~mask_t] == -1).all(), "masked tokens must get no route (-1)"
+    assert (masked.route_weights_tk[~mask_t] == 0).all(), "masked tokens must get route weight 0"
+    assert torch.equal(masked.topk_experts_tk[mask_t], alone.topk_experts_tk)
+    assert torch.equal(masked.route_weights_tk[mask_t], alone.route_weights_tk)
+    assert torch.equal(masked.tokens_per_expert_e, alone.tokens_per_expert_e)
+    torch.testing.assert_close(masked.aux_loss, alone.aux_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(masked_grad, alone_grad, rtol=1e-12, atol=1e-15)

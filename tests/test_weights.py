@@ -84,6 +84,41 @@ def test_checkpoint_saved_at_ep4_loads_at_ep1_and_ep2_with_identical_outputs():
     torch.testing.assert_close(forward_all(2, merged, tokens), out4, **TOL)
 
 
+def saved(R: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` loaded on an R-rank group, then every rank's `state_dict()` merged."""
+
+    def rank_fn(world):
+        layer = MoonEPMoELayer(config(R), world)
+        layer.load_state_dict(state)
+        return layer.state_dict()
+
+    return {k: v for shard in run_ranks(rank_fn, R) for k, v in shard.items()}
+
+
+def test_saved_names_hold_their_halves_and_round_trip_through_fused_layouts():
+    """Distinct per-expert gate, up and down, given in transformers' fused layout (`gate_up_proj`: gate rows
+    first): each saved name holds its own projection, and the saved experts fused again (`gate_up_proj` /
+    `down_proj`, vLLM's `w13` / `w2`) load at another EP size into the same checkpoint."""
+    gen = torch.Generator().manual_seed(5)
+    gate, up = torch.randn(E, F, H, generator=gen, dtype=F64), torch.randn(E, F, H, generator=gen, dtype=F64)
+    down = torch.randn(E, H, F, generator=gen, dtype=F64)
+    router = torch.randn(E, H, generator=gen, dtype=F64)
+    state = saved(2, {"router.weight": router, "experts.gate_up_proj": torch.cat([gate, up], 1),
+                      "experts.down_proj": down})
+    for e in range(E):
+        for name, want in (("gate_proj", gate[e]), ("up_proj", up[e]), ("down_proj", down[e])):
+            key = f"experts.{e}.{name}.weight"
+            assert torch.equal(state[key], want), f"{key} does not hold expert {e}'s {name}"
+    fused_e2fh = torch.stack([torch.cat([state[f"experts.{e}.gate_proj.weight"],
+                                         state[f"experts.{e}.up_proj.weight"]]) for e in range(E)])
+    down_ehf = torch.stack([state[f"experts.{e}.down_proj.weight"] for e in range(E)])
+    for gate_up_name, down_name in (("gate_up_proj", "down_proj"), ("w13", "w2")):
+        again = saved(4, {"router.weight": router, f"experts.{gate_up_name}": fused_e2fh,
+                          f"experts.{down_name}": down_ehf})
+        assert again.keys() == state.keys()
+        assert all(torch.equal(again[k], state[k]) for k in state), gate_up_name
+
+
 @pytest.mark.parametrize("layout", ["fused", "fused_transposed", "w13", "per_expert", "mixtral"])
 def test_checkpoint_layouts_load_to_the_same_model(layout):
     fused = full_checkpoint(seed=2)
