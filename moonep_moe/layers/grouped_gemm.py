@@ -242,7 +242,8 @@ class DeepGemmGroupedGemm:
         return self._psum(self._deep_gemm.m_grouped_bf16_gemm_nt_contiguous, x, weights, offs_g, dim=1)
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        nn = self._deep_gemm.m_grouped_bf16_gemm_nn_contiguous  # b [G, K, N]: w as stored, [G, cols, inner]
+        # DeepGEMM's operand b, [G, K, N] in its own letters, is w as stored: [G, cols, inner]
+        nn = self._deep_gemm.m_grouped_bf16_gemm_nn_contiguous
         return self._psum(nn, dy, weights, offs_g, dim=2)
 
     @staticmethod
