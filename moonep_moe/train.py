@@ -1,7 +1,8 @@
 """`moonep-moe train`: a tiny transformers Qwen3-MoE, its MoE blocks swapped for `MoonEPMoELayer`, trained on
 a synthetic Markov chain with R EP ranks as threads (needs the `hf` extra).
 
-Legend: b sequences per rank, l sequence length, v vocabulary.
+Shapes use the suffix letters of DESIGN.md, "Notation"; the data's own sizes are spelled out:
+`ids [batch_size, seq_len]` token ids of one rank's batch, `probs [vocab, vocab]` the Markov chain.
 
 Every rank holds a full copy of the non-expert model (data parallel) and its home experts (expert parallel),
 and draws its own batch. One step (`train_step`):
@@ -75,22 +76,23 @@ def load_train_config(path_or_name: str | Path, **train_overrides: Any) -> Train
 
 
 def markov_chain(vocab: int, branching: int, seed: int) -> torch.Tensor:
-    """`[V, V]` transition probabilities: each token has `branching` likely successors (90% of the mass)."""
+    """`[vocab, vocab]` transition probabilities: each token has `branching` likely successors (90% of the
+    mass)."""
     gen = torch.Generator().manual_seed(seed)
-    probs_vv = torch.full((vocab, vocab), 0.1 / vocab)
+    probs = torch.full((vocab, vocab), 0.1 / vocab)
     for v in range(vocab):
-        probs_vv[v, torch.randperm(vocab, generator=gen)[:branching]] += 0.9 / branching
-    return probs_vv / probs_vv.sum(-1, keepdim=True)
+        probs[v, torch.randperm(vocab, generator=gen)[:branching]] += 0.9 / branching
+    return probs / probs.sum(-1, keepdim=True)
 
 
-def sample_batch(probs_vv: torch.Tensor, cfg: TrainSection, step: int, rank: int) -> torch.Tensor:
-    """`[b, l]` token ids of rank `rank` at `step`, a pure function of (seed, step, rank)."""
+def sample_batch(probs: torch.Tensor, cfg: TrainSection, step: int, rank: int) -> torch.Tensor:
+    """`[batch_size, seq_len]` token ids of rank `rank` at `step`, a pure function of (seed, step, rank)."""
     gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 1_009 + rank)
-    ids_bl = torch.empty(cfg.batch_size, cfg.seq_len, dtype=torch.long)
-    ids_bl[:, 0] = torch.randint(0, probs_vv.shape[0], (cfg.batch_size,), generator=gen)
+    ids = torch.empty(cfg.batch_size, cfg.seq_len, dtype=torch.long)
+    ids[:, 0] = torch.randint(0, probs.shape[0], (cfg.batch_size,), generator=gen)
     for t in range(1, cfg.seq_len):
-        ids_bl[:, t] = torch.multinomial(probs_vv[ids_bl[:, t - 1]], 1, generator=gen).squeeze(1)
-    return ids_bl
+        ids[:, t] = torch.multinomial(probs[ids[:, t - 1]], 1, generator=gen).squeeze(1)
+    return ids
 
 
 def build_model(cfg: TrainConfig, world: EPWorld, base: nn.Module) -> nn.Module:
@@ -134,10 +136,10 @@ def sync_grads(model: nn.Module, world: EPWorld) -> None:
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, world: EPWorld,
-               ids_bl: torch.Tensor) -> torch.Tensor:
-    """One step on this rank's batch `ids_bl [b, l]`; returns the rank's loss (detached)."""
+               ids: torch.Tensor) -> torch.Tensor:
+    """One step on this rank's batch `ids [batch_size, seq_len]`; returns the rank's loss (detached)."""
     optimizer.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids_bl.to(world.device), labels=ids_bl.to(world.device)).loss
+    loss = model(input_ids=ids.to(world.device), labels=ids.to(world.device)).loss
     loss.backward()
     sync_grads(model, world)
     optimizer.step()
@@ -244,7 +246,7 @@ def train(cfg: TrainConfig, device: str = "cpu", save: str | None = None, resume
     base = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg.model)).float()
     if checkpoint:
         torch.set_rng_state(checkpoint["rng"])
-    probs_vv = markov_chain(cfg.model["vocab_size"], tc.branching, tc.seed)
+    probs = markov_chain(cfg.model["vocab_size"], tc.branching, tc.seed)
     steps = range(start, tc.steps)
     bar = tqdm(steps, desc="train", disable=not progress, leave=False)
     records: list[list[dict[str, Any]]] = [[] for _ in range(tc.ep_size)]
@@ -256,7 +258,7 @@ def train(cfg: TrainConfig, device: str = "cpu", save: str | None = None, resume
             model.load_state_dict(checkpoint["model"])
             load_optimizer_state(model, optimizer, checkpoint["optimizer"])
         for step in steps:
-            loss = train_step(model, optimizer, world, sample_batch(probs_vv, tc, step, world.rank))
+            loss = train_step(model, optimizer, world, sample_batch(probs, tc, step, world.rank))
             losses_r = world.all_gather(loss.float().reshape(1))
             record = {"loss": float(losses_r.mean())}
             if keep_states:

@@ -98,7 +98,7 @@ def test_matches_reference_backend_on_skewed_routing():
 
 @pytest.mark.parametrize(
     ("change", "match"),
-    [(dict(dtype=torch.float32), "bfloat16 or float16"), (dict(out_dtype=torch.float64), "every out_gnk"),
+    [(dict(dtype=torch.float32), "bfloat16 or float16"), (dict(out_dtype=torch.float64), "every out part"),
      (dict(groups=3), "offs_g"), (dict(transpose_out=True), "contiguous")],
 )
 def test_bad_arguments_are_rejected(change, match):

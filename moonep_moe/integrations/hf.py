@@ -1,14 +1,13 @@
 """Swap the MoE blocks of a Hugging Face transformers model for `MoonEPMoELayer`.
 
-Legend: t tokens of this rank, h hidden, e experts (E in the group, epn home experts on a rank), f expert FFN
-size, w shared-expert width.
+Shapes use the suffix letters of DESIGN.md, "Notation" (``t``: the tokens the model passes to a block).
 
 `swap_moe_blocks(model, max_tokens_per_rank, world)` replaces every supported MoE block in place with a
 `MoonEPBlock`: a thin module around one `MoonEPMoELayer` that keeps the block's call signature
-(`forward(hidden_states [B, L, H]) -> [B, L, H]`) and copies its weights (router, this rank's home experts,
-shared experts and their gate, DeepSeek-V3's `e_score_correction_bias`). The rest of the model is untouched:
-at EP = R, every rank holds a full copy of the non-expert model, runs its own batch and swaps its own copy
-with its own world (every rank in the same order).
+(`forward(hidden_states [batch, seq, H]) -> [batch, seq, H]`) and copies its weights (router, this rank's
+home experts, shared experts and their gate, DeepSeek-V3's `e_score_correction_bias`). The rest of the model
+is untouched: at EP = R, every rank holds a full copy of the non-expert model, runs its own batch and swaps
+its own copy with its own world (every rank in the same order).
 
 Router logits: transformers (the pinned v5) does not return them from the block; the model records them with
 a forward hook on the router class when asked (`output_router_logits=True`, which also adds the aux loss).
@@ -108,7 +107,8 @@ class RouterLogits(nn.Module):
 
 
 class MoonEPBlock(nn.Module):
-    """A transformers MoE block backed by `MoonEPMoELayer`: `forward(hidden_states [B, L, H]) -> [B, L, H]`.
+    """A transformers MoE block backed by `MoonEPMoELayer`: `forward(hidden_states [batch, seq, H])` ->
+    `[batch, seq, H]`.
 
     Attributes:
         moe: the layer (`moe.router`, `moe.experts` (home experts), `moe.shared_experts`).
@@ -133,7 +133,8 @@ class MoonEPBlock(nn.Module):
 
         `experts.gate_up_proj [epn, 2F, H]` and `experts.down_proj [epn, H, F]` are this rank's home experts
         (global ids `moe.experts.home_experts`); shared-expert `gate_proj`/`up_proj` are the two halves of
-        the fused `gate_up [2W, H]`. Buffers (`gate.e_score_correction_bias`) only when `grads` is False.
+        the fused `gate_up [2 * width, H]` (width: the shared experts' FFN width). Buffers
+        (`gate.e_score_correction_bias`) only when `grads` is False.
         """
         def get(p: torch.Tensor) -> torch.Tensor | None:
             return p.grad if grads else p

@@ -1,6 +1,6 @@
 """The dense single-device MoE: the oracle the whole layer is tested against.
 
-Legend: t tokens, h hidden size, f expert FFN size, e experts, k routes per token, r routes of one expert.
+Shapes use the suffix letters of DESIGN.md, "Notation" (``t``: the caller's tokens).
 Plain torch autograd ops, a loop over experts, no tricks: keep it obviously correct.
 """
 
@@ -36,11 +36,12 @@ def dense_moe(
     """
     out_th = hidden_th.new_zeros(hidden_th.shape)
     for expert in range(gate_up_e2fh.shape[0]):
-        token_r, slot_r = (topk_experts_tk == expert).nonzero(as_tuple=True)
-        gate_rf, up_rf = (hidden_th[token_r] @ gate_up_e2fh[expert].T).chunk(2, dim=-1)
-        weight_r1 = route_weights_tk[token_r, slot_r].to(hidden_th.dtype)[:, None]
-        y_rh = (F.silu(gate_rf) * up_rf * weight_r1) @ down_ehf[expert].T
-        out_th = out_th.index_add(0, token_r, y_rh)
+        # m: this expert's routes, as (token, k) index lists
+        token_m, k_m = (topk_experts_tk == expert).nonzero(as_tuple=True)
+        gate_mf, up_mf = (hidden_th[token_m] @ gate_up_e2fh[expert].T).chunk(2, dim=-1)
+        weight_m1 = route_weights_tk[token_m, k_m].to(hidden_th.dtype)[:, None]
+        y_mh = (F.silu(gate_mf) * up_mf * weight_m1) @ down_ehf[expert].T
+        out_th = out_th.index_add(0, token_m, y_mh)
     return out_th
 
 

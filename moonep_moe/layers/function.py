@@ -1,7 +1,7 @@
 """`MoonEPExperts`: dispatch -> prefetch -> grouped-GEMM experts -> combine as one autograd Function.
 
-Legend: s tokens on this rank, k top-k, h hidden, f expert FFN size, nv dispatched rows (NvS), g the
-`epn + B` compute groups of this rank (home experts, then slots).
+Shapes use the suffix letters of DESIGN.md, "Notation" (`g`: this rank's `epn + B` compute groups, home
+experts then slots).
 
 Forward, on every rank:
 1. `Buffer.dispatch`: plan from the gathered histogram, rows and route weights to their expert-grouped rows.
@@ -13,9 +13,9 @@ Forward, on every rank:
 Backward reuses the forward plan (never plans again):
 1. `dispatch(grad_out, plan=plan)` brings the gradient to the rows; `prefetch_weight` again (later layers
    overwrote the shared slot pool).
-2. down: `u = g @ down` (dgrad); the fused SwiGLU backward gives `dab`, the route-weight gradient per row
-   and, recomputed in the same pass, `hw`; `dW_down = g^T hw` (wgrad into this step's home grads and the fp32
-   slot grads); gate_up: `dW_gate_up = dab^T x`, `dx = dab @ gate_up`.
+2. down: `u = dy @ down` (dgrad); the fused SwiGLU backward gives `dab`, the route-weight gradient per row
+   and, recomputed in the same pass, `hw`; `dW_down = dy^T hw` (wgrad into this step's home grads and the
+   fp32 slot grads); gate_up: `dW_gate_up = dab^T x`, `dx = dab @ gate_up`.
 3. `combine(plan, dx, grad_w)`: input and route-weight gradients back to the tokens.
 4. `reduce_grad`: every replica's fp32 gradient added into its home expert's, slots cleared.
 
@@ -58,7 +58,8 @@ class ExpertsState:
 
 
 def compute_offsets(cu_seqlens_g: torch.Tensor, rank: int, epn: int, num_experts: int) -> torch.Tensor:
-    """`[E+B]` padded group ends -> `[epn+B]` ends of this rank's compute groups (home experts, then slots).
+    """`[E+B]` padded ends of the physical groups -> `[epn+B]` ends of this rank's compute groups (home
+    experts, then slots).
 
     Exact without a host read: the groups before and after the home range are empty on this rank.
     """
@@ -101,15 +102,15 @@ class MoonEPExperts(torch.autograd.Function):
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
         gate_up_rows, down_rows = experts.rows
         gate_up_grads, down_grads = experts.new_grads(state.grad_dtype, state.main_grad)
-        g_nvsh, _, _, _ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None,
-                                          plan=plan)
+        dy_nvsh, _, _, _ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None,
+                                           plan=plan)
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
-        u_nvf = gemm.dgrad(g_nvsh, down_rows.compute_weights(), offs_g)
+        u_nvf = gemm.dgrad(dy_nvsh, down_rows.compute_weights(), offs_g)
         dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:])
         # "param": overwrite, this step's home and slot gradients start here (no zeroing pass); "main_grad":
         # add into the persistent main_grad and the slot gradients (zero between steps)
         add = state.main_grad
-        gemm.wgrad(g_nvsh, hw_nvf, offs_g, (down_grads.home.local, down_grads.slots.local), add)
+        gemm.wgrad(dy_nvsh, hw_nvf, offs_g, (down_grads.home.local, down_grads.slots.local), add)
         gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (gate_up_grads.home.local, gate_up_grads.slots.local), add)
         dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_rows.compute_weights(), offs_g)
         grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs)

@@ -1,19 +1,23 @@
 """Grouped GEMMs over contiguous row segments: the three matmuls of the expert block, behind one seam.
 
-Legend: m rows (dispatched routes, grouped by expert), k input features, n output features, g groups (home
-experts, then prefetch slots).
+Shapes use the suffix letters of DESIGN.md, "Notation"; ``g`` are the groups of one call (a rank's
+``epn + B`` compute groups: home experts, then prefetch slots). The GEMM's own sizes are spelled out and
+named after the forward product: ``x [rows, inner] @ w^T -> y [rows, cols]``, each group's weight
+``w [cols, inner]`` in nn.Linear layout (cols = output features, inner = input features); the rows are
+dispatched rows, grouped by expert.
 
 Segments: ``offs_g`` int32 [G] holds cumulative END offsets; group g covers rows ``[offs[g-1], offs[g])``
-with ``offs[-1]`` taken as 0. Empty groups are allowed. Rows at and past ``offs[G-1]`` are ignored in inputs
-and unspecified in outputs.
+(``start:end`` below) with ``offs[-1]`` taken as 0. Empty groups are allowed. Rows at and past
+``offs[G-1]`` are ignored in inputs and unspecified in outputs.
 
-Weights come as a sequence of 3D tensors ``[g_i, n, k]`` (nn.Linear layout) whose groups concatenate to G,
-e.g. ``(home_experts [epn,n,k], prefetch_slots [B,n,k])``, so callers never copy them together.
+Weights come as a sequence of 3D tensors ``[g_i, cols, inner]`` whose groups concatenate to G, e.g.
+``(home_experts [epn, cols, inner], prefetch_slots [B, cols, inner])``, so callers never copy them together.
 
 Primitives (every backend implements all three, as pure functions of their arguments):
-- ``fwd``:   ``y[s:e] = x[s:e] @ w[g]^T``   x_mk, weights_gnk -> y_mn
-- ``dgrad``: ``dx[s:e] = dy[s:e] @ w[g]``   dy_mn, weights_gnk -> dx_mk
-- ``wgrad``: ``out[g] += dy[s:e]^T @ x[s:e]`` accumulated into fp32 (or wider) gradient tensors.
+- ``fwd``:   ``y[start:end] = x[start:end] @ w[g]^T``    x [rows, inner], weights -> y [rows, cols]
+- ``dgrad``: ``dx[start:end] = dy[start:end] @ w[g]``    dy [rows, cols], weights -> dx [rows, inner]
+- ``wgrad``: ``out[g] += dy[start:end]^T @ x[start:end]`` into ``[g_i, cols, inner]`` parts split like the
+  weights, accumulated into fp32 (or wider) gradient tensors.
 
 Backends: ``reference`` (the oracle), ``torch`` (``torch._grouped_mm``), ``deep_gemm`` (fwd and dgrad) and
 ``triton`` (wgrad, `moonep_moe.layers.kernels.wgrad`). ``select_grouped_gemm`` is the one place that picks;
@@ -65,25 +69,25 @@ class GroupedGemm(Protocol):
     """The primitives this backend computes itself; it hands the others to another backend (measured
     selection times a backend only on its own)."""
 
-    def fwd(self, x_mk: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        """``y_mn`` with ``y[s:e] = x[s:e] @ w[g]^T`` for every group g."""
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        """``y [rows, cols]`` with ``y[start:end] = x[start:end] @ w[g]^T`` for every group g."""
         ...
 
-    def dgrad(self, dy_mn: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        """``dx_mk`` with ``dx[s:e] = dy[s:e] @ w[g]`` for every group g."""
+    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        """``dx [rows, inner]`` with ``dx[start:end] = dy[start:end] @ w[g]`` for every group g."""
         ...
 
-    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor],
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
               accumulate: bool = True) -> None:
-        """Add ``dy[s:e]^T @ x[s:e]`` into group g of ``out_gnk`` (split like the weights); with
+        """Add ``dy[start:end]^T @ x[start:end]`` into group g of ``out`` (split like the weights); with
         ``accumulate=False`` overwrite instead (every group written, empty ones with zeros), which saves
         zeroing the fp32 gradients and reading them back."""
         ...
 
 
-def _check_groups(parts_gnk: Sequence[Tensor], offs_g: Tensor, arg: str) -> None:
-    """Shape-only check (no host sync) that ``parts_gnk`` holds one ``[n,k]`` matrix per segment."""
-    num_groups = sum(part.shape[0] for part in parts_gnk)
+def _check_groups(parts: Sequence[Tensor], offs_g: Tensor, arg: str) -> None:
+    """Shape-only check (no host sync) that ``parts`` holds one ``[cols, inner]`` matrix per segment."""
+    num_groups = sum(part.shape[0] for part in parts)
     if offs_g.dim() != 1 or offs_g.dtype != torch.int32 or num_groups != offs_g.numel():
         raise ValueError(
             f"offs_g must be int32 [G] with G = total groups in {arg} ({num_groups}); "
@@ -97,14 +101,14 @@ def _host_segments(offs_g: Tensor) -> list[tuple[int, int]]:
     return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
-def _segment_matmul(a_mx: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor, transpose_w: bool) -> Tensor:
-    """``a[s:e] @ w[g]^T`` (``transpose_w``) or ``a[s:e] @ w[g]`` per group, in fp32 or wider."""
-    _check_groups(weights_gnk, offs_g, "weights_gnk")
-    compute = torch.promote_types(a_mx.dtype, torch.float32)
-    ws = [w.T if transpose_w else w for part in weights_gnk for w in part.unbind(0)]
-    out = a_mx.new_zeros(a_mx.shape[0], ws[0].shape[1])
+def _segment_matmul(a: Tensor, weights: Sequence[Tensor], offs_g: Tensor, transpose_w: bool) -> Tensor:
+    """``a[start:end] @ w[g]^T`` (``transpose_w``) or ``a[start:end] @ w[g]`` per group, in fp32 or wider."""
+    _check_groups(weights, offs_g, "weights")
+    compute = torch.promote_types(a.dtype, torch.float32)
+    ws = [w.T if transpose_w else w for part in weights for w in part.unbind(0)]
+    out = a.new_zeros(a.shape[0], ws[0].shape[1])
     for (start, end), w in zip(_host_segments(offs_g), ws, strict=True):
-        out[start:end] = (a_mx[start:end].to(compute) @ w.to(compute)).to(a_mx.dtype)
+        out[start:end] = (a[start:end].to(compute) @ w.to(compute)).to(a.dtype)
     return out
 
 
@@ -119,52 +123,53 @@ class ReferenceGroupedGemm:
     name = "reference"
     ops = OPS
 
-    def fwd(self, x_mk: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        return _segment_matmul(x_mk, weights_gnk, offs_g, transpose_w=True)
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        return _segment_matmul(x, weights, offs_g, transpose_w=True)
 
-    def dgrad(self, dy_mn: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        return _segment_matmul(dy_mn, weights_gnk, offs_g, transpose_w=False)
+    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        return _segment_matmul(dy, weights, offs_g, transpose_w=False)
 
-    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor],
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
               accumulate: bool = True) -> None:
-        _check_groups(out_gnk, offs_g, "out_gnk")
-        compute = torch.promote_types(x_mk.dtype, torch.float32)
-        outs_nk = [out_nk for part in out_gnk for out_nk in part.unbind(0)]
-        for (start, end), out_nk in zip(_host_segments(offs_g), outs_nk, strict=True):
-            _store(out_nk, dy_mn[start:end].to(compute).T @ x_mk[start:end].to(compute), accumulate)
+        _check_groups(out, offs_g, "out")
+        compute = torch.promote_types(x.dtype, torch.float32)
+        group_outs = [group_out for part in out for group_out in part.unbind(0)]
+        for (start, end), group_out in zip(_host_segments(offs_g), group_outs, strict=True):
+            _store(group_out, dy[start:end].to(compute).T @ x[start:end].to(compute), accumulate)
 
 
 class TorchGroupedGemm:
     """``torch._grouped_mm``: no host sync, reads ``offs_g`` on the device.
 
-    fwd and dgrad are 2D x 3D calls with ``offs``; wgrad is a 2D x 2D call giving ``[G,n,k]``, which is added
-    into the fp32 gradients. ``torch._grouped_mm`` insists that its output dtype equals its input dtype, so
-    for bf16 each wgrad product is rounded to bf16 before that fp32 add.
+    fwd and dgrad are 2D x 3D calls with ``offs``; wgrad is a 2D x 2D call giving ``[G, cols, inner]``, which
+    is added into the fp32 gradients. ``torch._grouped_mm`` insists that its output dtype equals its input
+    dtype, so for bf16 each wgrad product is rounded to bf16 before that fp32 add.
 
     Known cost: a weights sequence of more than one tensor (home experts + slots) is joined with
     ``torch.cat`` on every call, a copy of the weights; a later issue removes it.
 
     Limits (torch 2.13, found by experiment; ``select_grouped_gemm`` checks them): float32, bfloat16 and
-    float16 on CPU, bfloat16 on CUDA; every operand's row stride (k and n) must be a multiple of 16 bytes.
+    float16 on CPU, bfloat16 on CUDA; every operand's row stride (inner and cols) must be a multiple of 16
+    bytes.
     """
 
     name = "torch"
     ops = OPS
 
-    def fwd(self, x_mk: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        _check_groups(weights_gnk, offs_g, "weights_gnk")
-        return torch._grouped_mm(x_mk, _cat_groups(weights_gnk).transpose(-2, -1), offs=offs_g)
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        _check_groups(weights, offs_g, "weights")
+        return torch._grouped_mm(x, _cat_groups(weights).transpose(-2, -1), offs=offs_g)
 
-    def dgrad(self, dy_mn: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        _check_groups(weights_gnk, offs_g, "weights_gnk")
-        return torch._grouped_mm(dy_mn, _cat_groups(weights_gnk), offs=offs_g)
+    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        _check_groups(weights, offs_g, "weights")
+        return torch._grouped_mm(dy, _cat_groups(weights), offs=offs_g)
 
-    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor],
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
               accumulate: bool = True) -> None:
-        _check_groups(out_gnk, offs_g, "out_gnk")
-        grad_gnk = torch._grouped_mm(dy_mn.T, x_mk, offs=offs_g)
-        for out, grad in zip(out_gnk, grad_gnk.split([part.shape[0] for part in out_gnk]), strict=True):
-            _store(out, grad, accumulate)
+        _check_groups(out, offs_g, "out")
+        grads = torch._grouped_mm(dy.T, x, offs=offs_g)  # [G, cols, inner]
+        for part, grad in zip(out, grads.split([part.shape[0] for part in out]), strict=True):
+            _store(part, grad, accumulate)
 
 
 def _store(out: Tensor, value: Tensor, accumulate: bool) -> None:
@@ -175,10 +180,10 @@ def _store(out: Tensor, value: Tensor, accumulate: bool) -> None:
         out.copy_(value)
 
 
-def _cat_groups(weights_gnk: Sequence[Tensor]) -> Tensor:
-    """One ``[G,n,k]`` tensor; copies when more than one part has groups (see ``TorchGroupedGemm``): with
-    no replicas in use (B = 0) the home experts go through as they are."""
-    parts = [w for w in weights_gnk if w.shape[0]] or list(weights_gnk[:1])
+def _cat_groups(weights: Sequence[Tensor]) -> Tensor:
+    """One ``[G, cols, inner]`` tensor; copies when more than one part has groups (see ``TorchGroupedGemm``):
+    with no replicas in use (B = 0) the home experts go through as they are."""
+    parts = [w for w in weights if w.shape[0]] or list(weights[:1])
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -233,25 +238,26 @@ class DeepGemmGroupedGemm:
         self._deep_gemm = import_deep_gemm()
         self._torch = TorchGroupedGemm()
 
-    def fwd(self, x_mk: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        return self._psum(self._deep_gemm.m_grouped_bf16_gemm_nt_contiguous, x_mk, weights_gnk, offs_g, dim=1)
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        return self._psum(self._deep_gemm.m_grouped_bf16_gemm_nt_contiguous, x, weights, offs_g, dim=1)
 
-    def dgrad(self, dy_mn: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        nn = self._deep_gemm.m_grouped_bf16_gemm_nn_contiguous  # b as stored: [G, N, K] read as [G, K', N']
-        return self._psum(nn, dy_mn, weights_gnk, offs_g, dim=2)
+    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        # DeepGEMM's operand b, [G, K, N] in its own letters, is w as stored: [G, cols, inner]
+        nn = self._deep_gemm.m_grouped_bf16_gemm_nn_contiguous
+        return self._psum(nn, dy, weights, offs_g, dim=2)
 
     @staticmethod
-    def _psum(kernel, a_mx: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor, dim: int) -> Tensor:
+    def _psum(kernel, a: Tensor, weights: Sequence[Tensor], offs_g: Tensor, dim: int) -> Tensor:
         """`kernel(a, w, out, offs)` on the psum layout; `out` has `w.shape[dim]` columns."""
-        _check_groups(weights_gnk, offs_g, "weights_gnk")
-        w_gnk = _cat_groups(weights_gnk)
-        out = a_mx.new_empty(a_mx.shape[0], w_gnk.shape[dim])
-        kernel(a_mx, w_gnk, out, offs_g, use_psum_layout=True)
+        _check_groups(weights, offs_g, "weights")
+        joined = _cat_groups(weights)
+        out = a.new_empty(a.shape[0], joined.shape[dim])
+        kernel(a, joined, out, offs_g, use_psum_layout=True)
         return out
 
-    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor],
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
               accumulate: bool = True) -> None:
-        self._torch.wgrad(dy_mn, x_mk, offs_g, out_gnk, accumulate)
+        self._torch.wgrad(dy, x, offs_g, out, accumulate)
 
 
 def _deep_gemm_unsupported_reason(device: torch.device, dtype: torch.dtype,
@@ -287,16 +293,16 @@ class TritonGroupedGemm:
         self._wgrad = grouped_wgrad_triton
         self._torch = TorchGroupedGemm()
 
-    def fwd(self, x_mk: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        return self._torch.fwd(x_mk, weights_gnk, offs_g)
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        return self._torch.fwd(x, weights, offs_g)
 
-    def dgrad(self, dy_mn: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        return self._torch.dgrad(dy_mn, weights_gnk, offs_g)
+    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        return self._torch.dgrad(dy, weights, offs_g)
 
-    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor],
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
               accumulate: bool = True) -> None:
-        _check_groups(out_gnk, offs_g, "out_gnk")
-        self._wgrad(dy_mn, x_mk, offs_g, out_gnk, accumulate)
+        _check_groups(out, offs_g, "out")
+        self._wgrad(dy, x, offs_g, out, accumulate)
 
 
 def _triton_unsupported_reason(device: torch.device, dtype: torch.dtype, k: int | None) -> str | None:
@@ -313,34 +319,35 @@ def _triton_unsupported_reason(device: torch.device, dtype: torch.dtype, k: int 
 
 
 class MeasuredGroupedGemm:
-    """Sends each call to the backend measured fastest for its primitive and weight shape ``[n, k]`` (built by
-    ``measure_grouped_gemm``); shapes that were not measured go to ``fallback``. Pure dispatch: a dict look-up
-    per call, no host sync."""
+    """Sends each call to the backend measured fastest for its primitive and weight shape ``[cols, inner]``
+    (built by ``measure_grouped_gemm``); shapes that were not measured go to ``fallback``. Pure dispatch: a
+    dict look-up per call, no host sync."""
 
     name = "auto"
     ops = OPS
 
     def __init__(self, chosen: dict[tuple[str, int, int], GroupedGemm], fallback: GroupedGemm) -> None:
         self.chosen = chosen
-        """``(op, n, k) -> backend``."""
+        """``(op, cols, inner) -> backend``."""
         self.fallback = fallback
 
-    def _for(self, op: str, part_nk: Tensor) -> GroupedGemm:
-        return self.chosen.get((op, part_nk.shape[-2], part_nk.shape[-1]), self.fallback)
+    def _for(self, op: str, part: Tensor) -> GroupedGemm:
+        return self.chosen.get((op, part.shape[-2], part.shape[-1]), self.fallback)
 
-    def fwd(self, x_mk: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        return self._for("fwd", weights_gnk[0]).fwd(x_mk, weights_gnk, offs_g)
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        return self._for("fwd", weights[0]).fwd(x, weights, offs_g)
 
-    def dgrad(self, dy_mn: Tensor, weights_gnk: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        return self._for("dgrad", weights_gnk[0]).dgrad(dy_mn, weights_gnk, offs_g)
+    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        return self._for("dgrad", weights[0]).dgrad(dy, weights, offs_g)
 
-    def wgrad(self, dy_mn: Tensor, x_mk: Tensor, offs_g: Tensor, out_gnk: Sequence[Tensor],
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
               accumulate: bool = True) -> None:
-        self._for("wgrad", out_gnk[0]).wgrad(dy_mn, x_mk, offs_g, out_gnk, accumulate)
+        self._for("wgrad", out[0]).wgrad(dy, x, offs_g, out, accumulate)
 
     def describe(self) -> str:
         """``"fwd 4096x7168: deep_gemm, ..."``: each primitive and weight shape with its backend."""
-        return ", ".join(f"{op} {n}x{k}: {gemm.name}" for (op, n, k), gemm in self.chosen.items())
+        return ", ".join(f"{op} {cols}x{inner}: {gemm.name}"
+                         for (op, cols, inner), gemm in self.chosen.items())
 
     def __repr__(self) -> str:
         return f"MeasuredGroupedGemm({self.describe()})"
@@ -350,7 +357,8 @@ class MeasuredGroupedGemm:
 class GemmProblem:
     """What a layer will multiply, for measured selection.
 
-    shapes_nk: the ``(n, k)`` of each projection's weights; the expert block: ``((2F, H), (H, F))``.
+    shapes_nk: the ``(cols, inner)`` of each projection's weights; the expert block: ``((2F, H), (H, F))``
+        (the field's name predates DESIGN.md's notation and is kept for callers).
     rows_per_group: the typical rows of one group (e.g. tokens per rank * top-k / groups); timed at the next
         power of two, rounded up to the segment alignment.
     grad_dtype: the dtype wgrad writes the home experts' gradients in (the layer's `expert_grad_dtype`;
@@ -363,7 +371,7 @@ class GemmProblem:
 
 
 Timer = Callable[[str, int, int, int, Sequence[GroupedGemm]], Sequence[float]]
-"""``timer(op, n, k, rows_per_group, backends)`` -> seconds of one ``op`` call per backend."""
+"""``timer(op, cols, inner, rows_per_group, backends)`` -> seconds of one ``op`` call per backend."""
 
 
 class ChoiceCache:
@@ -429,9 +437,9 @@ def measure_grouped_gemm(backends: Sequence[GroupedGemm], problem: GemmProblem, 
     Args:
         backends: the candidates; the first is also the fallback for shapes not measured.
         context: what else the speed depends on (device name, versions, dtype); part of every cache key,
-            with the primitive, ``n``, ``k``, the timed rows per group, the candidates' names and, for
-            wgrad, ``problem.grad_dtype`` where it is given.
-        timer: ``timer(op, n, k, rows_per_group, backends)`` -> seconds each (``cuda_timer`` on a GPU).
+            with the primitive, ``cols`` (``n=`` in the key), ``inner`` (``k=``), the timed rows per group,
+            the candidates' names and, for wgrad, ``problem.grad_dtype`` where it is given.
+        timer: ``timer(op, cols, inner, rows_per_group, backends)`` -> seconds each (``cuda_timer`` on a GPU).
         cache: where winners are looked up and stored.
         align: the segment alignment (``token_padding``); the timed rows per group are a multiple of it.
     """
@@ -440,27 +448,27 @@ def measure_grouped_gemm(backends: Sequence[GroupedGemm], problem: GemmProblem, 
     where = str(cache.path) if cache.path is not None else "this process only (MOONEP_MOE_CACHE=off)"
     chosen, timed = {}, 0
     with _MEASURE_LOCK:
-        for op, (n, k) in itertools.product(OPS, dict.fromkeys(problem.shapes_nk)):
+        for op, (cols, inner) in itertools.product(OPS, dict.fromkeys(problem.shapes_nk)):
             rivals = [gemm for gemm in backends if op in gemm.ops]
             if not rivals:
                 continue
             names = "/".join(gemm.name for gemm in rivals)
-            key = f"{context}|{op}|n={n}|k={k}|rows={rows}|{names}"
+            key = f"{context}|{op}|n={cols}|k={inner}|rows={rows}|{names}"  # the key format of existing files
             if op == "wgrad" and problem.grad_dtype is not None:
                 key += f"|grad={str(problem.grad_dtype).removeprefix('torch.')}"
             name = cache.get(key) if len(rivals) > 1 else rivals[0].name
             if name not in by_name:
                 logger.info("grouped_gemm=auto: timing %s %s on [%d, %d] weights, %d rows per group (%s), "
-                            "once: the winner is kept in %s", names, op, n, k, rows, context, where)
+                            "once: the winner is kept in %s", names, op, cols, inner, rows, context, where)
                 start = time.perf_counter()
-                timings = list(zip(timer(op, n, k, rows, rivals), names.split("/"), strict=True))
+                timings = list(zip(timer(op, cols, inner, rows, rivals), names.split("/"), strict=True))
                 name = min(timings)[1]
-                logger.info("grouped_gemm=auto: %s %dx%d -> %s (%s; timed in %.1f s)", op, n, k, name,
+                logger.info("grouped_gemm=auto: %s %dx%d -> %s (%s; timed in %.1f s)", op, cols, inner, name,
                             ", ".join(f"{rival} {t * 1e3:.3f} ms" for t, rival in timings),
                             time.perf_counter() - start)
                 cache.put(key, name)
                 timed += 1
-            chosen[(op, n, k)] = by_name[name]
+            chosen[(op, cols, inner)] = by_name[name]
     gemm = MeasuredGroupedGemm(chosen, fallback=backends[0])
     logger.info("grouped_gemm=auto (%s, %d rows per group): %s; %d timed, the rest from the cache %s "
                 "(MOONEP_MOE_CACHE=<folder> moves it, =off disables it)", context, rows,
@@ -488,19 +496,19 @@ def cuda_timer(device: torch.device, dtype: torch.dtype, grad_dtype: torch.dtype
     (compilation, autotuning), CUDA events. A backend that raises is reported and counts as infinitely
     slow."""
 
-    def timer(op: str, n: int, k: int, rows: int, backends: Sequence[GroupedGemm]) -> list[float]:
+    def timer(op: str, cols: int, inner: int, rows: int, backends: Sequence[GroupedGemm]) -> list[float]:
         offs_g = torch.arange(1, groups + 1, dtype=torch.int32, device=device) * rows
-        x_mk = torch.randn(groups * rows, k, device=device, dtype=dtype)
-        dy_mn = torch.randn(groups * rows, n, device=device, dtype=dtype)
+        x = torch.randn(groups * rows, inner, device=device, dtype=dtype)
+        dy = torch.randn(groups * rows, cols, device=device, dtype=dtype)
         if op == "wgrad":
-            out_gnk = torch.empty(groups, n, k, device=device, dtype=grad_dtype)
-            calls = [lambda g=gemm: g.wgrad(dy_mn, x_mk, offs_g, (out_gnk,), accumulate=False)
+            out = torch.empty(groups, cols, inner, device=device, dtype=grad_dtype)
+            calls = [lambda g=gemm: g.wgrad(dy, x, offs_g, (out,), accumulate=False)
                      for gemm in backends]
         else:
-            w_gnk = torch.randn(groups, n, k, device=device, dtype=dtype) / k**0.5
-            a_mx = x_mk if op == "fwd" else dy_mn
-            calls = [lambda g=gemm: getattr(g, op)(a_mx, (w_gnk,), offs_g) for gemm in backends]
-        return [_cuda_seconds(call, warmup, repeat, f"{gemm.name} {op} {n}x{k}")
+            w = torch.randn(groups, cols, inner, device=device, dtype=dtype) / inner**0.5
+            a = x if op == "fwd" else dy
+            calls = [lambda g=gemm: getattr(g, op)(a, (w,), offs_g) for gemm in backends]
+        return [_cuda_seconds(call, warmup, repeat, f"{gemm.name} {op} {cols}x{inner}")
                 for call, gemm in zip(calls, backends, strict=True)]
 
     return timer
@@ -536,8 +544,9 @@ def select_grouped_gemm(
             bucket (``measure_grouped_gemm``, cached in process and in ``default_choice_cache()``'s file);
             elsewhere torch where it supports the case, else the reference.
         device, dtype: where and in what dtype the expert activations and weights live.
-        k: the row length every operand will have, for the 16-byte stride check. The expert block uses both
-            H and F as row lengths: pass ``math.gcd(H, F)``. None skips the check.
+        k: the row length every operand will have, for the 16-byte stride check (a GEMM size, not the top-k
+            of DESIGN.md's notation; the keyword is kept for callers). The expert block uses both H and F as
+            row lengths: pass ``math.gcd(H, F)``. None skips the check.
         token_padding: the segments' alignment (DeepGEMM needs a multiple of 128).
         problem: the shapes and typical rows to measure "auto" on (the expert block:
             ``GemmProblem(((2F, H), (H, F)), rows_per_group)``).

@@ -1,8 +1,9 @@
 """`MoonEPMoELayer`: the MoE block of a transformer with MoonEP's exactly balanced expert parallelism.
 
-Legend: t tokens of this rank (T <= S), h hidden, e experts, k top-k.
+Shapes use the suffix letters of DESIGN.md, "Notation": the caller's `T` tokens (`t`) are, inside the layer,
+this rank's tokens of the step (`s`, at most S).
 
-forward(hidden [T, H] or [B, L, H]):
+forward(hidden [T, H] or [batch, seq, H]):
 1. router -> `topk_experts_tk`, `route_weights_tk` (ordinary autograd; its gradient arrives through the
    route weights), the local histogram and the optional aux loss;
 2. `MoonEPExperts` (one autograd Function): dispatch, prefetch, grouped-GEMM SwiGLU experts, combine;
@@ -299,16 +300,17 @@ class MoonEPMoELayer(nn.Module):
                         "and rebuild with MoonEPMoELayer(config, world) + load_state_dict()")
 
     def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None):
-        """`[T, H]` or `[B, L, H]` with `B*L <= max_tokens_per_rank` -> the same shape (and the aux loss).
+        """`[T, H]` or `[batch, seq, H]` with `T = batch * seq <= max_tokens_per_rank` -> the same shape (and
+        the aux loss).
 
-        `token_mask` (`[T]` or `[B, L]` bool, True = real token) keeps padding tokens out of routing: their
-        routes are -1 (not counted, not sent, zero routed output), so padding never changes the plan of the
-        real tokens.
+        `token_mask` (`[T]` or `[batch, seq]` bool, True = real token) keeps padding tokens out of routing:
+        their routes are -1 (not counted, not sent, zero routed output), so padding never changes the plan of
+        the real tokens.
         """
         cfg = self.config
         if hidden_states.dim() not in (2, 3) or hidden_states.shape[-1] != cfg.hidden_size:
-            raise ValueError(f"hidden_states must be [T, {cfg.hidden_size}] or [B, L, {cfg.hidden_size}], "
-                             f"got {list(hidden_states.shape)}")
+            raise ValueError(f"hidden_states must be [T, {cfg.hidden_size}] or "
+                             f"[batch, seq, {cfg.hidden_size}], got {list(hidden_states.shape)}")
         if hidden_states.dtype != cfg.torch_dtype:
             raise ValueError(f"hidden_states must have dtype {cfg.torch_dtype} (config.dtype), "
                              f"got {hidden_states.dtype}")
@@ -318,26 +320,26 @@ class MoonEPMoELayer(nn.Module):
         if hidden_states.device != self.world.device:
             raise ValueError(f"hidden_states must be on {self.world.device} (the layer's device), "
                              f"got {hidden_states.device}")
-        hidden_th = hidden_states.reshape(-1, cfg.hidden_size)
-        if hidden_th.shape[0] > cfg.max_tokens_per_rank:
-            raise ValueError(f"{hidden_th.shape[0]} tokens exceed "
+        hidden_sh = hidden_states.reshape(-1, cfg.hidden_size)
+        if hidden_sh.shape[0] > cfg.max_tokens_per_rank:
+            raise ValueError(f"{hidden_sh.shape[0]} tokens exceed "
                              f"max_tokens_per_rank={cfg.max_tokens_per_rank}")
         if token_mask is not None and (token_mask.shape != hidden_states.shape[:-1]
                                        or token_mask.dtype != torch.bool):
             raise ValueError(f"token_mask must be a bool tensor of shape {list(hidden_states.shape[:-1])}, "
                              f"got {token_mask.dtype} {list(token_mask.shape)}")
-        routing = self.router(hidden_th, None if token_mask is None else token_mask.reshape(-1))
+        routing = self.router(hidden_sh, None if token_mask is None else token_mask.reshape(-1))
         if self.record_router_logits:
             self.last_router_logits_te = routing.logits_te
-        route_weights_tk = routing.route_weights_tk.to(self.buffer.weight_dtype)
-        out_th = self._routed_experts(hidden_th.contiguous(), route_weights_tk, routing.topk_experts_tk,
+        route_weights_sk = routing.route_weights_tk.to(self.buffer.weight_dtype)
+        out_sh = self._routed_experts(hidden_sh.contiguous(), route_weights_sk, routing.topk_experts_tk,
                                       routing.tokens_per_expert_e, self.experts.gate_up, self.experts.down,
                                       self._state)
         with torch.no_grad():
             self.expert_load += self._state.last_plan.expert_load
         if self.shared_experts is not None:
-            out_th = out_th + self.shared_experts(hidden_th)
-        out = out_th.view(hidden_states.shape)
+            out_sh = out_sh + self.shared_experts(hidden_sh)
+        out = out_sh.view(hidden_states.shape)
         return (out, routing.aux_loss) if routing.aux_loss is not None else out
 
     @torch.no_grad()

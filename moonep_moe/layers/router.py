@@ -1,6 +1,8 @@
 """Top-k router: logits, scores, (group-limited) expert selection, route weights, load-balancing terms.
 
-Legend: t tokens, h hidden size, e experts, k experts per token (top-k), g expert groups, x experts per group.
+Shapes use the suffix letters of DESIGN.md, "Notation" (``t``: the caller's tokens). The expert groups of
+group-limited routing (``n_group`` blocks of ``E / n_group`` consecutive experts) are spelled out, not given a
+letter.
 
 The router is ordinary autograd: it receives its gradient through ``route_weights_tk`` (and the aux loss).
 Selection (which experts) is not differentiable; the optional expert bias (DeepSeek-V3's
@@ -109,17 +111,21 @@ class TopKRouter(nn.Module):
         )
 
     def _mask_groups(self, select_te: Tensor) -> Tensor:
-        """Set the selection scores of every expert outside the token's ``topk_group`` best groups to -inf."""
+        """Set the selection scores of every expert outside the token's ``topk_group`` best groups to -inf.
+
+        Works on ``by_group [T, n_group, E / n_group]`` (the scores of each group's experts) and
+        ``group_score``, ``keep`` ``[T, n_group]``.
+        """
         cfg = self.config
-        select_tgx = rearrange(select_te, "t (g x) -> t g x", g=cfg.n_group)
+        by_group = rearrange(select_te, "t (group member) -> t group member", group=cfg.n_group)
         if cfg.score_function == "sigmoid":
-            group_tg = select_tgx.topk(min(2, select_tgx.shape[-1]), dim=-1).values.sum(-1)
+            group_score = by_group.topk(min(2, by_group.shape[-1]), dim=-1).values.sum(-1)
         else:
-            group_tg = select_tgx.amax(dim=-1)
-        keep_tg = torch.zeros_like(group_tg, dtype=torch.bool)
-        keep_tg.scatter_(1, group_tg.topk(cfg.topk_group, dim=-1).indices, True)
-        masked_tgx = select_tgx.masked_fill(~keep_tg[..., None], float("-inf"))
-        return rearrange(masked_tgx, "t g x -> t (g x)")
+            group_score = by_group.amax(dim=-1)
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(cfg.topk_group, dim=-1).indices, True)
+        masked = by_group.masked_fill(~keep[..., None], float("-inf"))
+        return rearrange(masked, "t group member -> t (group member)")
 
     def _aux_loss(self, scores_te: Tensor, real_t: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
         """``coeff * E * sum_e f_e * P_e`` over the real tokens; f_e = share of their routes (no grad),

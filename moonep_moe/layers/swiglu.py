@@ -1,10 +1,11 @@
 """The elementwise middle of the expert block: SwiGLU times the per-row route weight, and its backward.
 
-Legend: m rows (dispatched routes), f expert FFN size; ``ab_m2f`` is the fused gate+up projection output,
-columns ``[0, f)`` = a (gate), ``[f, 2f)`` = b (up). Both functions are pure, compute in fp32 (float64 for
-float64 input) and cast back to the input dtypes. On CUDA (with Triton) they run as one fused kernel each
-(`moonep_moe.layers.kernels.swiglu`), elsewhere as the torch reference below; rows at and past `num_rows`
-(an int32 device scalar such as `cu_seqlens[-1]`) are then left unspecified.
+Shapes use the suffix letters of DESIGN.md, "Notation": a row is a dispatched row (``nv``), ``ab_nv2f`` the
+fused gate+up projection output, columns ``[0, F)`` = a (gate), ``[F, 2F)`` = b (up). Both functions are
+pure, compute in fp32 (float64 for float64 input) and cast back to the input dtypes. On CUDA (with Triton)
+they run as one fused kernel each (`moonep_moe.layers.kernels.swiglu`), elsewhere as the torch reference
+below; rows at and past `num_rows` (an int32 device scalar such as `cu_seqlens[-1]`) are then left
+unspecified.
 
 Forward:  ``hw = silu(a) * b * w[:, None]``.
 Backward, with ``u`` the gradient w.r.t. ``hw`` (``u = dy @ Wd``) and ``dh = u * w[:, None]``:
@@ -35,52 +36,54 @@ def _use_triton(tensor: Tensor) -> bool:
     return True
 
 
-def swiglu_weighted(ab_m2f: Tensor, route_weights_m: Tensor, num_rows: Tensor | None = None) -> Tensor:
-    """``hw_mf = silu(a) * b * w[:, None]``.
+def swiglu_weighted(ab_nv2f: Tensor, route_weights_nvs: Tensor, num_rows: Tensor | None = None) -> Tensor:
+    """``hw_nvf = silu(a) * b * w[:, None]``.
 
     Args:
-        ab_m2f: [M, 2F] gate and up projections, any floating dtype.
-        route_weights_m: [M] route weight per row (fp32 usually; padding rows carry 0).
+        ab_nv2f: [NvS, 2F] gate and up projections, any floating dtype.
+        route_weights_nvs: [NvS] route weight per row (fp32 usually; padding rows carry 0).
 
     Returns:
-        hw_mf: [M, F] in ``ab_m2f.dtype``.
+        hw_nvf: [NvS, F] in ``ab_nv2f.dtype``.
     """
-    if _use_triton(ab_m2f):
+    if _use_triton(ab_nv2f):
         from moonep_moe.layers.kernels.swiglu import swiglu_weighted_triton
 
-        return swiglu_weighted_triton(ab_m2f, route_weights_m, num_rows)
-    compute = _compute_dtype(ab_m2f.dtype)
-    a_mf, b_mf = ab_m2f.to(compute).chunk(2, dim=-1)
-    w_m1 = route_weights_m.to(compute)[:, None]
-    return (F.silu(a_mf) * b_mf * w_m1).to(ab_m2f.dtype)
+        return swiglu_weighted_triton(ab_nv2f, route_weights_nvs, num_rows)
+    compute = _compute_dtype(ab_nv2f.dtype)
+    a_nvf, b_nvf = ab_nv2f.to(compute).chunk(2, dim=-1)
+    w_nv1 = route_weights_nvs.to(compute)[:, None]
+    return (F.silu(a_nvf) * b_nvf * w_nv1).to(ab_nv2f.dtype)
 
 
-def swiglu_weighted_backward(u_mf: Tensor, ab_m2f: Tensor, route_weights_m: Tensor,
+def swiglu_weighted_backward(u_nvf: Tensor, ab_nv2f: Tensor, route_weights_nvs: Tensor,
                              num_rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of ``swiglu_weighted`` given ``u_mf``, the gradient w.r.t. its output ``hw_mf``.
+    """Gradients of ``swiglu_weighted`` given ``u_nvf``, the gradient w.r.t. its output ``hw_nvf``.
 
     Args:
-        u_mf: [M, F] gradient w.r.t. ``hw_mf``.
-        ab_m2f: [M, 2F] the forward input.
-        route_weights_m: [M] the forward route weights.
+        u_nvf: [NvS, F] gradient w.r.t. ``hw_nvf``.
+        ab_nv2f: [NvS, 2F] the forward input.
+        route_weights_nvs: [NvS] the forward route weights.
 
     Returns:
-        dab_m2f: [M, 2F] in ``ab_m2f.dtype``.
-        grad_route_weights_m: [M] in ``route_weights_m.dtype``, reduced in fp32 (or float64).
-        hw_mf: [M, F] the forward output, recomputed in the same pass (the down projection's wgrad needs it).
+        dab_nv2f: [NvS, 2F] in ``ab_nv2f.dtype``.
+        grad_route_weights_nvs: [NvS] in ``route_weights_nvs.dtype``, reduced in fp32 (or float64).
+        hw_nvf: [NvS, F] the forward output, recomputed in the same pass (the down projection's wgrad needs
+            it).
     """
-    if _use_triton(ab_m2f):
+    if _use_triton(ab_nv2f):
         from moonep_moe.layers.kernels.swiglu import swiglu_weighted_backward_triton
 
-        return swiglu_weighted_backward_triton(u_mf, ab_m2f, route_weights_m, num_rows)
-    compute = _compute_dtype(ab_m2f.dtype)
-    a_mf, b_mf = ab_m2f.to(compute).chunk(2, dim=-1)
-    u_mf = u_mf.to(compute)
-    sig_mf = torch.sigmoid(a_mf)
-    silu_mf = a_mf * sig_mf
-    grad_route_weights_m = (u_mf * silu_mf * b_mf).sum(-1)
-    dh_mf = u_mf * route_weights_m.to(compute)[:, None]
-    da_mf = dh_mf * b_mf * sig_mf * (1 + a_mf * (1 - sig_mf))
-    dab_m2f = torch.cat([da_mf, dh_mf * silu_mf], dim=-1)
-    hw_mf = silu_mf * b_mf * route_weights_m.to(compute)[:, None]
-    return dab_m2f.to(ab_m2f.dtype), grad_route_weights_m.to(route_weights_m.dtype), hw_mf.to(ab_m2f.dtype)
+        return swiglu_weighted_backward_triton(u_nvf, ab_nv2f, route_weights_nvs, num_rows)
+    compute = _compute_dtype(ab_nv2f.dtype)
+    a_nvf, b_nvf = ab_nv2f.to(compute).chunk(2, dim=-1)
+    u_nvf = u_nvf.to(compute)
+    sig_nvf = torch.sigmoid(a_nvf)
+    silu_nvf = a_nvf * sig_nvf
+    grad_route_weights_nvs = (u_nvf * silu_nvf * b_nvf).sum(-1)
+    dh_nvf = u_nvf * route_weights_nvs.to(compute)[:, None]
+    da_nvf = dh_nvf * b_nvf * sig_nvf * (1 + a_nvf * (1 - sig_nvf))
+    dab_nv2f = torch.cat([da_nvf, dh_nvf * silu_nvf], dim=-1)
+    hw_nvf = silu_nvf * b_nvf * route_weights_nvs.to(compute)[:, None]
+    return (dab_nv2f.to(ab_nv2f.dtype), grad_route_weights_nvs.to(route_weights_nvs.dtype),
+            hw_nvf.to(ab_nv2f.dtype))

@@ -1,12 +1,12 @@
 """Expert rows as one tensor without copies: a layer's home experts and the shared slot pool, mapped back
 to back in virtual memory (CUDA VMM).
 
-Grouped GEMMs take one `[groups, N, K]` weight tensor, but a rank's compute groups live in two places: the
+Grouped GEMMs take one `[groups, out, in]` weight tensor, but a rank's compute groups live in two places: the
 layer's `epn` home experts and the `B` prefetch slots shared by every layer of that shape. Joining them with
 `torch.cat` copies `epn + B` experts on every GEMM call. Instead, each layer reserves a virtual range of
 `epn + B` experts and maps two physical allocations into it: its own home experts, then the process-wide
 slot pool (the same physical memory for every layer, also mapped once on its own for prefetch writes). The
-result is an ordinary `[epn + B, N, K]` tensor whose first `epn` rows are the parameters and whose last `B`
+result is an ordinary `[epn + B, out, in]` tensor whose first `epn` rows are the parameters and whose last `B`
 rows are the slots.
 
 Needs CUDA, the `cuda-python` driver bindings (`cuda.bindings.driver`) and region sizes that are multiples of
@@ -113,7 +113,8 @@ def _unmap(pointer: int, size: int) -> None:
 
 
 class PhysicalRows:
-    """`rows` rows of `[N, K]` in one physical allocation, plus its own mapping as `tensor`."""
+    """`rows` expert matrices of `row_shape` (`[out, in]`) in one physical allocation, plus its own mapping
+    as `tensor`."""
 
     def __init__(self, rows: int, row_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         cu = _driver()
@@ -126,7 +127,7 @@ class PhysicalRows:
 
 
 def joined_rows(first: PhysicalRows, second: PhysicalRows) -> torch.Tensor:
-    """`[first.rows + second.rows, N, K]`: both allocations back to back, no copy (writes to either are
+    """`[first.rows + second.rows, out, in]`: both allocations back to back, no copy (writes to either are
     seen through it)."""
     mapping = _Mapping(first.device, [(first.handle, first.nbytes), (second.handle, second.nbytes)])
     return _as_tensor(mapping.pointer, (first.rows + second.rows, *first.row_shape), first.dtype,

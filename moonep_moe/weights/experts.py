@@ -1,15 +1,15 @@
 """`HomeExperts`: the routed experts a rank owns (its parameters), their gradients and checkpoint names.
 
-Legend: e experts (epn home experts here, E in the group), f = H' (expert FFN size), h = H (hidden size).
-Layout (nn.Linear style, `[experts, out, in]`): `gate_up [epn, 2F, H]` (rows [0, F) gate, [F, 2F) up, so
-both projections run as one GEMM) and `down [epn, H, F]`. Only the home experts are stored: never a
-replicated copy of all E. Both parameters are registered with the EP world so peers can read them
-(prefetch); `bind(world)` does it, and again whenever the parameters move (a one-rank layer's `.to()`,
-`to_empty()`): on the meta device nothing is registered or allocated. On CUDA, where `weights.arena` can,
-the home experts are mapped right before the shared slot pool, so the grouped GEMMs read home experts and
-slots as one tensor without copying them. The home experts' gradients are made fresh every step
-(`new_grads`), or are each parameter's persistent fp32 `main_grad` (`MoEConfig.expert_grad_dtype=
-"main_grad"`); the replicas' accumulate in the shared fp32 slot-gradient pools, which peers pull.
+Shapes use the suffix letters of DESIGN.md, "Notation". Layout (nn.Linear style, `[experts, out, in]`):
+`gate_up [epn, 2F, H]` (rows [0, F) gate, [F, 2F) up, so both projections run as one GEMM) and
+`down [epn, H, F]`. Only the home experts are stored: never a replicated copy of all E. Both parameters are
+registered with the EP world so peers can read them (prefetch); `bind(world)` does it, and again whenever the
+parameters move (a one-rank layer's `.to()`, `to_empty()`): on the meta device nothing is registered or
+allocated. On CUDA, where `weights.arena` can, the home experts are mapped right before the shared slot pool,
+so the grouped GEMMs read home experts and slots as one tensor without copying them. The home experts'
+gradients are made fresh every step (`new_grads`), or are each parameter's persistent fp32 `main_grad`
+(`MoEConfig.expert_grad_dtype="main_grad"`); the replicas' accumulate in the shared fp32 slot-gradient pools,
+which peers pull.
 
 Initialisation (`reset_parameters`) draws each expert from a generator seeded with the layer's seed and
 the expert's GLOBAL id (`seeded_uniform_`), so the initial model is the same at every EP size.
@@ -117,8 +117,9 @@ class HomeExperts(nn.Module):
         self.rows = self.slot_grads = None
 
     def new_grads(self, dtype: torch.dtype, main_grad: bool = False) -> tuple[ExpertRows, ExpertRows]:
-        """This step's gradients of `(gate_up, down)`: `[epn, N, K]` home gradients beside the shared fp32
-        slot gradient pools. The home gradients are local to this rank (peers only pull slot gradients).
+        """This step's gradients of `(gate_up, down)`: home gradients `[epn, 2F, H]` and `[epn, H, F]` beside
+        the shared fp32 slot gradient pools. The home gradients are local to this rank (peers only pull slot
+        gradients).
 
         By default fresh in `dtype` (uninitialised: the weight-gradient GEMMs overwrite every home expert),
         so autograd can keep a returned home gradient as `.grad` without a copy and nothing of the size of

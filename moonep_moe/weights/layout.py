@@ -1,6 +1,7 @@
 """`ExpertLayout`: a model's routed-expert weights laid out for one EP rank of an inference engine.
 
-Legend: e experts (E in the group, epn home experts on this rank), f = I (expert FFN size), h = H (hidden).
+Shapes use the suffix letters of DESIGN.md, "Notation" (``x``: this rank's home experts where E-sized
+tensors appear too); I is the expert FFN size H' (``f``), as inference engines name it.
 
 Engines load expert weights as `w13 [E, 2I, H]` (gate rows [0, I), up rows [I, 2I)) and `w2 [E, H, I]` (vLLM,
 SGLang; transformers v5 calls them `gate_up_proj` / `down_proj`), or one `gate/up/down` triple per expert.
@@ -88,18 +89,18 @@ class ExpertLayout:
         down [H, I])` and is called for this rank's home experts only (so a lazy loader reads its slice)."""
         start, epn = _home_range(world, num_experts)
         triples = [expert_weights(e) for e in range(start, start + epn)]
-        w13_e2fh = torch.stack([torch.cat([gate, up]) for gate, up, _ in triples])
-        w2_ehf = torch.stack([down for _, _, down in triples])
-        return cls._register(world, w13_e2fh, w2_ehf, start, num_experts, num_slots, name, dtype)
+        w13_x2fh = torch.stack([torch.cat([gate, up]) for gate, up, _ in triples])
+        w2_xhf = torch.stack([down for _, _, down in triples])
+        return cls._register(world, w13_x2fh, w2_xhf, start, num_experts, num_slots, name, dtype)
 
     @classmethod
-    def _register(cls, world: EPWorld, home_w13_e2fh: torch.Tensor, home_w2_ehf: torch.Tensor, start: int,
+    def _register(cls, world: EPWorld, home_w13_x2fh: torch.Tensor, home_w2_xhf: torch.Tensor, start: int,
                   num_experts: int, num_slots: int, name: str, dtype: torch.dtype) -> ExpertLayout:
-        if not isinstance(num_slots, int) or not 0 <= num_slots <= num_experts - home_w13_e2fh.shape[0]:
+        if not isinstance(num_slots, int) or not 0 <= num_slots <= num_experts - home_w13_x2fh.shape[0]:
             raise ValueError(f"num_slots must be an int in [0, E - E/R = "
-                             f"{num_experts - home_w13_e2fh.shape[0]}], got {num_slots!r}")
+                             f"{num_experts - home_w13_x2fh.shape[0]}], got {num_slots!r}")
         rows = []
-        for part, home in (("w13", home_w13_e2fh), ("w2", home_w2_ehf)):
+        for part, home in (("w13", home_w13_x2fh), ("w2", home_w2_xhf)):
             # an owned copy on the device: the full checkpoint tensor can be freed
             local = home.to(device=world.device, dtype=dtype, copy=True).contiguous()
             rows.append(ExpertRows(world.symmetric(f"{name}/{part}", local),

@@ -1,11 +1,12 @@
 """Expert rows of one projection, and the process-global prefetch-slot pools.
 
-The logical row space of a projection is `[E+B, N, K]`: rows [0, E) the group's experts, rows [E, E+B)
-this rank's prefetch slots. Physically (`ExpertRows`) a rank holds only its `epn` home experts (peers read
-them through the EP world) and B slots. Slots are shared by every layer of the same shape on this rank:
-`slot_pool` hands out one `[B, N, K]` tensor per (shape, dtype), and `slot_grad_pool` one fp32 gradient
-tensor, which peers pull in `Buffer.reduce_grad`. Neither is a parameter: optimizers, data-parallel grad
-reduction and checkpoints never see them. Because later layers overwrite the pool, backward prefetches again.
+The logical row space of a projection is `[E+B, out, in]` (one expert's matrix in nn.Linear layout: `[2F, H]`
+for gate_up, `[H, F]` for down): rows [0, E) the group's experts, rows [E, E+B) this rank's prefetch slots.
+Physically (`ExpertRows`) a rank holds only its `epn` home experts (peers read them through the EP world) and
+B slots. Slots are shared by every layer of the same shape on this rank: `slot_pool` hands out one
+`[B, out, in]` tensor per (shape, dtype), and `slot_grad_pool` one fp32 gradient tensor, which peers pull in
+`Buffer.reduce_grad`. Neither is a parameter: optimizers, data-parallel grad reduction and checkpoints never
+see them. Because later layers overwrite the pool, backward prefetches again.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from moonep_moe.weights.arena import PhysicalRows, expert_arena_reason, joined_r
 
 @dataclass(frozen=True)
 class ExpertRows:
-    """One projection: `home [epn, N, K]` (this rank's experts, symmetric) and `slots [B, N, K]`; `compute`
-    is both as one `[epn + B, N, K]` tensor without a copy (`weights.arena`), or None where unavailable."""
+    """One projection: `home [epn, out, in]` (this rank's experts, symmetric) and `slots [B, out, in]`;
+    `compute` is both as one `[epn + B, out, in]` tensor without a copy (`weights.arena`), or None where
+    unavailable."""
 
     home: SymmetricTensor
     slots: SymmetricTensor
@@ -66,8 +68,8 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 def allocate_home(world: EPWorld, num_home: int, row_shape: tuple[int, ...], dtype: torch.dtype,
                   num_slots: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A layer's home experts `[epn, N, K]` (uninitialised) and, where the arena can join them with the
-    slot pool of that shape, the `[epn + B, N, K]` compute view over both (else None)."""
+    """A layer's home experts `[epn, *row_shape]` (uninitialised) and, where the arena can join them with the
+    slot pool of that shape, the `[epn + B, *row_shape]` compute view over both (else None)."""
     slots_shape = (num_slots, *row_shape)
     slot_pool(world, slots_shape, dtype)
     physical = world.globals.get(("slots_physical", slots_shape, dtype))
@@ -78,12 +80,12 @@ def allocate_home(world: EPWorld, num_home: int, row_shape: tuple[int, ...], dty
     return home.tensor, joined_rows(home, physical)
 
 
-def slot_pool(world: EPWorld, shape_bnk: tuple[int, ...], dtype: torch.dtype) -> SymmetricTensor:
-    """This rank's `[B, N, K]` slot weights shared by every layer with that shape and dtype (collective on
+def slot_pool(world: EPWorld, shape: tuple[int, ...], dtype: torch.dtype) -> SymmetricTensor:
+    """This rank's `[B, out, in]` slot weights shared by every layer with that shape and dtype (collective on
     first use: every rank must build its layers in the same order)."""
-    return _pool(world, "slots", tuple(shape_bnk), dtype)
+    return _pool(world, "slots", tuple(shape), dtype)
 
 
-def slot_grad_pool(world: EPWorld, shape_bnk: tuple[int, ...], dtype: torch.dtype) -> SymmetricTensor:
-    """This rank's fp32 (float64 for float64 weights) `[B, N, K]` slot gradients, zero between steps."""
-    return _pool(world, "slot_grads", tuple(shape_bnk), torch.promote_types(dtype, torch.float32))
+def slot_grad_pool(world: EPWorld, shape: tuple[int, ...], dtype: torch.dtype) -> SymmetricTensor:
+    """This rank's fp32 (float64 for float64 weights) `[B, out, in]` slot gradients, zero between steps."""
+    return _pool(world, "slot_grads", tuple(shape), torch.promote_types(dtype, torch.float32))

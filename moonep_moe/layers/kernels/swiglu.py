@@ -1,6 +1,7 @@
 """Triton kernels of the expert block's elementwise middle (the contract is `moonep_moe.layers.swiglu`).
 
-Legend: m rows, f expert FFN size. `ab_m2f` holds gate (columns [0, f)) and up ([f, 2f)).
+Shapes use the suffix letters of DESIGN.md, "Notation" (rows: dispatched rows, `nv`). `ab_nv2f` holds gate
+(columns [0, F)) and up ([F, 2F)).
 
 - forward: one pass reads `ab` and `w`, writes `hw = silu(a) * b * w`;
 - backward: one pass reads `u` (the gradient w.r.t. `hw`), `ab` and `w`, writes `dab`, the route-weight
@@ -70,28 +71,31 @@ def _num_rows(num_rows: torch.Tensor | None, rows: int, device: torch.device) ->
     return torch.full((1,), rows, dtype=torch.int32, device=device) if num_rows is None else num_rows
 
 
-def swiglu_weighted_triton(ab_m2f: torch.Tensor, route_weights_m: torch.Tensor,
+def swiglu_weighted_triton(ab_nv2f: torch.Tensor, route_weights_nvs: torch.Tensor,
                            num_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """`[M, 2F]`, `[M]` -> `hw [M, F]` in `ab`'s dtype; rows >= `num_rows` (int32 device scalar) unwritten."""
-    rows, f = ab_m2f.shape[0], ab_m2f.shape[1] // 2
-    hw_mf = ab_m2f.new_empty(rows, f)
+    """`[NvS, 2F]`, `[NvS]` -> `hw [NvS, F]` in `ab`'s dtype; rows >= `num_rows` (int32 device scalar)
+    unwritten."""
+    rows, f = ab_nv2f.shape[0], ab_nv2f.shape[1] // 2
+    hw_nvf = ab_nv2f.new_empty(rows, f)
     if rows:
-        _swiglu_fwd_kernel[(rows,)](ab_m2f, route_weights_m, hw_mf, _num_rows(num_rows, rows, ab_m2f.device),
-                                    ab_m2f.stride(0), hw_mf.stride(0), F=f, BLOCK=_block(f))
-    return hw_mf
+        _swiglu_fwd_kernel[(rows,)](ab_nv2f, route_weights_nvs, hw_nvf,
+                                    _num_rows(num_rows, rows, ab_nv2f.device), ab_nv2f.stride(0),
+                                    hw_nvf.stride(0), F=f, BLOCK=_block(f))
+    return hw_nvf
 
 
-def swiglu_weighted_backward_triton(u_mf: torch.Tensor, ab_m2f: torch.Tensor, route_weights_m: torch.Tensor,
-                                    num_rows: torch.Tensor | None = None
+def swiglu_weighted_backward_triton(u_nvf: torch.Tensor, ab_nv2f: torch.Tensor,
+                                    route_weights_nvs: torch.Tensor, num_rows: torch.Tensor | None = None
                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> `(dab [M, 2F], grad_route_weights [M] in w's dtype, hw [M, F])`; rows >= `num_rows` unwritten."""
-    rows, f = ab_m2f.shape[0], ab_m2f.shape[1] // 2
-    dab_m2f = torch.empty_like(ab_m2f)
-    hw_mf = ab_m2f.new_empty(rows, f)
-    gw_m = torch.empty_like(route_weights_m)
+    """-> `(dab [NvS, 2F], grad_route_weights [NvS] in w's dtype, hw [NvS, F])`; rows >= `num_rows`
+    unwritten."""
+    rows, f = ab_nv2f.shape[0], ab_nv2f.shape[1] // 2
+    dab_nv2f = torch.empty_like(ab_nv2f)
+    hw_nvf = ab_nv2f.new_empty(rows, f)
+    gw_nvs = torch.empty_like(route_weights_nvs)
     if rows:
-        _swiglu_bwd_kernel[(rows,)](u_mf, ab_m2f, route_weights_m, dab_m2f, gw_m, hw_mf,
-                                    _num_rows(num_rows, rows, ab_m2f.device), u_mf.stride(0),
-                                    ab_m2f.stride(0), dab_m2f.stride(0), hw_mf.stride(0), F=f,
+        _swiglu_bwd_kernel[(rows,)](u_nvf, ab_nv2f, route_weights_nvs, dab_nv2f, gw_nvs, hw_nvf,
+                                    _num_rows(num_rows, rows, ab_nv2f.device), u_nvf.stride(0),
+                                    ab_nv2f.stride(0), dab_nv2f.stride(0), hw_nvf.stride(0), F=f,
                                     BLOCK=_block(f))
-    return dab_m2f, gw_m, hw_mf
+    return dab_nv2f, gw_nvs, hw_nvf
