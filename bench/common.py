@@ -1,4 +1,5 @@
-"""What every benchmark shares: the machine's measured limits, a CUDA-event timer, and the JSON record.
+"""What every benchmark shares: the machine's measured limits, a CUDA-event timer and the spread of its
+repetitions, and the JSON record.
 
 Every result file holds the device, the commit, the command line and the baselines measured in the same run
 (`limits`: device-to-device copy bandwidth and dense bf16 GEMM rate), so every speed can be stated as a ratio.
@@ -21,8 +22,8 @@ RESULTS = Path(os.environ.get("MOONEP_BENCH_OUT") or Path(__file__).resolve().pa
 """Where records go: bench/results, or $MOONEP_BENCH_OUT (e.g. a remote machine's output folder)."""
 
 
-def timed(fn: Callable[[], object], warmup: int = 3, repeat: int = 10) -> float:
-    """Median seconds of `fn()` over `repeat` runs after `warmup`, timed with CUDA events."""
+def timings(fn: Callable[[], object], warmup: int = 3, repeat: int = 10) -> list[float]:
+    """Seconds of each of `repeat` runs of `fn()` after `warmup`, each timed with its own CUDA events."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -34,7 +35,21 @@ def timed(fn: Callable[[], object], warmup: int = 3, repeat: int = 10) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return times
+
+
+def timed(fn: Callable[[], object], warmup: int = 3, repeat: int = 10) -> float:
+    """Median seconds of `fn()` over `repeat` runs after `warmup` (`timings`)."""
+    return statistics.median(timings(fn, warmup, repeat))
+
+
+def spread(seconds: list[float]) -> dict[str, float | list[float]]:
+    """Repeated timings in ms: `ms` (the median), `ms_min` and `ms_max` (the spread: min-max, every run
+    counted) and `ms_samples` (each run, in the order run)."""
+    if not seconds:
+        raise ValueError("spread needs at least one timing, got none")
+    ms = [s * 1e3 for s in seconds]
+    return {"ms": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms), "ms_samples": ms}
 
 
 def graph_timed(fn: Callable[[], object], warmup: int = 3, repeat: int = 10, calls: int = 20) -> float:

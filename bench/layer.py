@@ -1,36 +1,158 @@
-"""The whole MoonEPMoELayer forward + backward against a torch-native MoE layer, same shapes, same run.
+"""The whole MoonEPMoELayer against a torch-native MoE layer, eager and under `torch.compile`: same shapes,
+same weights, same tokens, same run, and every speed also as a share of that run's dense bf16 GEMM rate.
 
     python -m bench.layer                   # DeepSeek-V3 layer at EP=1: T=8192, H=7168, H'=2048, E=256, K=8
+    python -m bench.layer --profile         # and one step's GPU kernels, grouped (ours DEFAULT, torch-native)
     python -m bench.layer --tokens 4096 --experts 64
-    python -m bench.layer --backends --token-paddings   # the torch-native baseline and the DEFAULT row only
+    python -m bench.layer --main-grad-backends auto triton torch deep_gemm --token-paddings 16 128  # the grid
+    python -m bench.layer --backends --main-grad-backends --no-compile   # torch-native and the DEFAULT row
 
-The baseline is what users run today, written here in the torchtitan style: a softmax top-k router, a
-sort-based permute, `torch._grouped_mm` experts with autograd, an `index_add` unpermute. Both layers get the
-same weights and tokens. Ours runs first as the DEFAULT row: `MoEConfig` with only the shapes given and every
-other setting at its default (what a user gets; `"config": "default"` in the JSON), then with each
-grouped-GEMM backend, each `expert_grad_dtype` (`param`: gradients in the parameters' bf16 like the
-baseline; `main_grad`: a persistent fp32 `main_grad` that wgrad adds into, never zeroed here, as across
-micro-batches) and each token padding (the segment alignment: 128 for DeepGEMM; at EP=1 with E=256 it adds
-~25% rows, 16 adds ~3%). Reported: fwd+bwd time (median of CUDA-event timings), its ratio to the baseline,
-and each one's peak memory during a step (parameters and gradients, `main_grad` included).
+Layers, in the order run:
+- `torch-native`: what users run today, in the torchtitan style: an fp32 softmax top-k router, a sort-based
+  permute, `torch._grouped_mm` experts with autograd, an `index_add` unpermute;
+- `torch-native compiled`: the same module under `torch.compile` (default mode, static shapes; the
+  data-dependent `bincount` breaks the graph): what a careful user runs. Its first step compiles and is
+  timed apart (`compile_s`), never counted; --no-compile skips it; a compilation error is printed and
+  recorded (`compile_error`), and the eager layer is then the only baseline;
+- `moonep DEFAULT`: `MoEConfig` with only the shapes given, every other setting at its default (what a
+  user gets), always the first of ours;
+- moonep variants: each of --backends with `expert_grad_dtype="param"` (gradients in the parameters' bf16,
+  like the baseline) and each of --main-grad-backends with `main_grad` (a persistent fp32 `main_grad` that
+  wgrad adds into, never zeroed here, as across micro-batches), at each --token-paddings value (default:
+  the config's default, 128 for deep_gemm, else 16; at EP=1 with E=256, 128 adds ~25% rows, 16 ~3%). A
+  variant whose config equals an earlier row's is not run again (`auto`, `param` is the DEFAULT).
+
+Measured per layer, with the same inputs and output gradient (times: CUDA events, the median of --repeat
+runs after --warmup; the spread is min-max over those runs):
+- fwd+bwd: one training step (`zero_grad(set_to_none=True)`, forward, backward);
+- fwd: the forward alone, autograd recording as in training (the first half of the step);
+- the useful rate (`routed_flops`): the routed experts' FLOPs only (gate, up and down projections on the
+  T x K routed rows; padding rows, the router and the permutation not counted), as TFLOP/s and as a share of
+  the dense bf16 rate (`bench.common.measure_limits`, measured at the start of the same run);
+- peak memory: the most memory allocated during one step beyond what was allocated before the layer was
+  built (its parameters, gradients, comm buffers and activations, and the input's gradient; the inputs and
+  the benchmark's own copies of the weights excluded);
+- ratios, ours over theirs (< 1: faster, smaller): to `torch-native`, to `torch-native compiled`, and to
+  the baseline, the faster of the two in fwd+bwd time.
+
+--profile: one step's GPU kernels (and copies, fills) of ours (DEFAULT) and of `torch-native`, by total time,
+grouped by kernel name (`kernel_group`) into GEMMs, comm core, router, elementwise and other.
+
+The JSON record (`bench.common.write_record`: `bench/results/layer-<device>-<YYYYMMDD>-<commit>.json`,
+rewritten after every row so an interrupted run keeps what it measured): `benchmark`, `device`, `commit`
+(`$MOONEP_COMMIT` where set), `command`, `torch`, `date`, `limits` (`copy_bytes_per_s`,
+`dense_bf16_flops_per_s`); `setup` (the shapes, `warmup`, `repeat`, `flops_fwd_bwd`, `flops_fwd`, and in
+words what `spread` and `peak_gib` mean); `baseline` (the layer name every `vs_baseline` divides by);
+`baselines` (per torch-native layer: `ms`, `ms_min`, `ms_max`, `fwd_ms`, `peak_gib`, as in its row);
+`compile_s` (the compiled layer's first step, seconds; null when not compiled) or `compile_error`; `profile`
+(with --profile: per layer `total_ms`, `groups_ms` {group: ms}, `kernels` [{name, group, calls, ms}], by time)
+and `results`, one row per layer in the order run:
+- `layer`; `config`: "baseline", "default" or "variant"; ours also `backend`, `expert_grad_dtype`,
+  `token_padding`, `dtype` (the resolved config) and `gemm` (the backend per primitive and weight shape);
+- `ms`, `ms_min`, `ms_max`, `ms_samples`: fwd+bwd median, spread and every run, in ms; `tflops`: the useful
+  rate at the median; `of_dense`: `tflops` over the dense bf16 rate;
+- `fwd_ms`, `fwd_ms_min`, `fwd_ms_max`, `fwd_ms_samples`, `fwd_tflops`, `fwd_of_dense`: the same, forward;
+- `peak_gib`: peak memory as above, GiB;
+- `vs_eager`, `fwd_vs_eager`, `peak_vs_eager`: fwd+bwd time, forward time and peak over `torch-native`'s;
+  `vs_compiled`, ...: over `torch-native compiled`'s (absent without it); `vs_baseline`, ...: over the
+  baseline's;
+- `error` instead of the numbers where a variant ran out of memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import math
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import DeviceType
 
-from bench.common import measure_limits, timed, write_record
+from bench.common import measure_limits, spread, timings, write_record
 from moonep_moe.comm.world import single_world
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.moe import MoonEPMoELayer
+
+KERNEL_GROUPS = ("GEMMs", "comm core", "router", "elementwise", "other")
+"""The groups of a step profile, in the order printed."""
+
+SPREAD = "min-max of the timed runs (ms_min, ms_max), beside their median (ms)"
+PEAK = ("the most memory allocated during one fwd+bwd step minus what was allocated before the layer was "
+        "built (the inputs and the benchmark's weight copies excluded)")
+
+KERNEL_RULES = (
+    # fp32 GEMMs (cuBLAS SIMT / tf32 / nvjet sss kernels): the routers' (the experts' GEMMs are bf16)
+    ("router", r"sgemm|tf32|nvjet_(sm\d+_)?sss|f32f32_f32f32"),
+    # cuBLAS, CUTLASS (torch._grouped_mm), DeepGEMM, the Triton wgrad, inductor's GEMM templates
+    ("GEMMs", r"gemm|nvjet|cutlass|xmma|wgmma|gemv|grouped_mm|wgrad|splitkreduce|triton_tem_"),
+    # rows to and from expert order: moonep_moe.comm.kernels (plan, dispatch, combine, prefetch, reduce_grad),
+    # the native layer's sort, gather and index_add (and their backward)
+    ("comm core", r"_routes_kernel|_plan_|_destinations_kernel|_zero_padding|_duplicates|_pre_reduce|"
+                  r"_copy_experts|_clear_slots|_add_replicas|deviceradixsort|index_elementwise|indexselect|"
+                  r"indexfunc|indexing_backward"),
+    # scores, top-k (its sort) and the route-weight gather / scatter, the expert histogram
+    ("router", r"topk|softmax|sortkv|sortkeyvalue|scatter_gather|histogram"),
+    # pointwise and reductions: torch's elementwise / reduce kernels, SwiGLU, inductor's fused kernels
+    ("elementwise", r"elementwise|reduce_kernel|swiglu|silu|triton_(poi|red|per)_"),
+)
+"""`(group, pattern)`, first match wins, on the lower-cased kernel name; no match: "other" (copies, fills,
+scans, concatenations)."""
+
+
+def kernel_group(name: str) -> str:
+    """The step-profile group (one of `KERNEL_GROUPS`) of a GPU kernel, copy or fill, by its name."""
+    lowered = name.lower()
+    for group, pattern in KERNEL_RULES:
+        if re.search(pattern, lowered):
+            return group
+    return "other"
+
+
+def profile_summary(kernels: list[tuple[str, float]]) -> dict:
+    """`[(name, ms)]` of one step, one entry per launch -> `{"total_ms", "groups_ms": {group: ms} (every
+    group of KERNEL_GROUPS, in order), "kernels": [{"name", "group", "calls", "ms"}] (one per name, longest
+    total first)}`."""
+    calls, totals = {}, {}
+    for name, ms in kernels:
+        calls[name] = calls.get(name, 0) + 1
+        totals[name] = totals.get(name, 0.0) + ms
+    rows = [{"name": name, "group": kernel_group(name), "calls": calls[name], "ms": totals[name]}
+            for name in sorted(totals, key=lambda name: (-totals[name], name))]
+    groups_ms = {group: sum(row["ms"] for row in rows if row["group"] == group) for group in KERNEL_GROUPS}
+    return {"total_ms": sum(totals.values()), "groups_ms": groups_ms, "kernels": rows}
+
+
+def routed_flops(tokens: int, top_k: int, hidden: int, ffn: int, backward: bool) -> int:
+    """Useful FLOPs of the routed experts: three projections (gate, up, down; each H x H') on the T*K routed
+    rows, 2 per multiply-add; with `backward`, dgrad and wgrad too (3x the forward). Padding rows, the
+    router and the permutation are not counted."""
+    return (3 if backward else 1) * 3 * 2 * tokens * top_k * hidden * ffn
+
+
+def variant_settings(backends: list[str], main_grad_backends: list[str],
+                     token_paddings: list[int]) -> list[dict]:
+    """The `MoEConfig` settings of the variant rows, in the order run: per token padding (none given: the
+    config's default), each backend in `backends` with `param` grads, then, where it is also in
+    `main_grad_backends`, with `main_grad`; then the `main_grad_backends` not in `backends`."""
+    names = list(dict.fromkeys(backends + main_grad_backends))
+    runs = []
+    for padding in token_paddings or [None]:
+        for backend in names:
+            grad_dtypes = [g for g, members in (("param", backends), ("main_grad", main_grad_backends))
+                           if backend in members]
+            for grad_dtype in grad_dtypes:
+                settings = dict(grouped_gemm=backend, expert_grad_dtype=grad_dtype)
+                if padding is not None:
+                    settings["token_padding"] = padding
+                runs.append(settings)
+    return runs
 
 
 class TorchNativeMoE(nn.Module):
@@ -59,28 +181,221 @@ class TorchNativeMoE(nn.Module):
         return torch.zeros_like(x_th).index_add(0, token_n, y_nh)
 
 
+def layer_weights(hidden: int, ffn: int, experts: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Both layers' weights under our checkpoint names, drawn on the GPU from `seed` (the same every call):
+    `router.weight` fp32 `[E, H]`, `experts.gate_up_proj` bf16 `[E, 2H', H]`, `experts.down_proj` bf16
+    `[E, H, H']`, each normal with variance 1 / fan-in."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def draw(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen).div_(math.sqrt(shape[-1]))
+
+    return {"router.weight": draw(experts, hidden, dtype=torch.float32),
+            "experts.gate_up_proj": draw(experts, 2 * ffn, hidden, dtype=torch.bfloat16),
+            "experts.down_proj": draw(experts, hidden, ffn, dtype=torch.bfloat16)}
+
+
+def native_layer(hidden: int, ffn: int, experts: int, top_k: int) -> TorchNativeMoE:
+    """The torch-native layer with `layer_weights`."""
+    layer = TorchNativeMoE(hidden, ffn, experts, top_k)
+    weights = layer_weights(hidden, ffn, experts)
+    with torch.no_grad():
+        layer.router.weight.copy_(weights["router.weight"])
+        layer.gate_up.copy_(weights["experts.gate_up_proj"])
+        layer.down.copy_(weights["experts.down_proj"])
+    return layer
+
+
 def step(layer: nn.Module, x_th: torch.Tensor, grad_th: torch.Tensor) -> None:
+    """One training step of the layer: fresh gradients, forward, backward."""
     layer.zero_grad(set_to_none=True)
     x_th.grad = None
     layer(x_th).backward(grad_th)
 
 
-def print_profile(layer: nn.Module, x_th: torch.Tensor, grad_th: torch.Tensor) -> None:
-    """The GPU kernels of one step, by total time (where the time goes)."""
+def step_kernels(layer: nn.Module, x_th: torch.Tensor, grad_th: torch.Tensor) -> list[tuple[str, float]]:
+    """`[(name, ms)]`: every GPU kernel, copy and fill of one step, one entry per launch."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step(layer, x_th, grad_th)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+    return [(event.name, event.time_range.elapsed_us() / 1e3) for event in prof.events()
+            if event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)]
 
 
-def measure(layer: nn.Module, x_th: torch.Tensor, grad_th: torch.Tensor) -> tuple[float, float]:
-    """(median fwd+bwd seconds, peak GiB of one step)."""
-    seconds = timed(lambda: step(layer, x_th, grad_th), warmup=2, repeat=7)
+def print_profile(label: str, summary: dict, top: int = 15) -> None:
+    """A `profile_summary` as two tables: the groups, then the `top` kernels by time."""
+    total = summary["total_ms"]
+    print(f"\n{label}: one step, {total:.2f} ms of GPU kernels")
+    for group, ms in summary["groups_ms"].items():
+        print(f"  {group:12} {ms:8.2f} ms {ms / max(total, 1e-9):6.1%}")
+    print(f"  {'group':12} {'ms':>8} {'calls':>5}  kernel")
+    for kernel in summary["kernels"][:top]:
+        print(f"  {kernel['group']:12} {kernel['ms']:8.2f} {kernel['calls']:5d}  {kernel['name'][:100]}")
+    print(flush=True)
+
+
+def add_ratios(row: dict, reference: dict, tag: str) -> None:
+    """`vs_<tag>`, `fwd_vs_<tag>`, `peak_vs_<tag>`: the row's fwd+bwd time, forward time and peak over
+    `reference`'s."""
+    for key, measured in (("vs", "ms"), ("fwd_vs", "fwd_ms"), ("peak_vs", "peak_gib")):
+        row[f"{key}_{tag}"] = row[measured] / reference[measured]
+
+
+def header() -> str:
+    spread_ = "median (min-max) ms"
+    return (f"{'layer':46} {'fwd+bwd ' + spread_:>27} {'dense':>5} {'xeager':>6} {'xcomp':>6} | "
+            f"{'fwd ' + spread_:>24} {'dense':>5} {'xeager':>6} {'xcomp':>6} | "
+            f"{'peak GiB':>8} {'xeager':>6} {'xcomp':>6}")
+
+
+def format_row(row: dict) -> str:
+    """One printed line: time (median and spread), share of dense and ratios to torch-native eager and
+    compiled, for fwd+bwd, then fwd, then peak memory ("-": not measured)."""
+    if "error" in row:
+        return f"{row['layer']:46} {row['error']}"
+
+    def ratio(key: str) -> str:
+        return f"{row[key]:5.2f}x" if key in row else f"{'-':>6}"
+
+    def timing(prefix: str, width: int) -> str:
+        text = f"{row[prefix + 'ms']:.2f} ({row[prefix + 'ms_min']:.2f}-{row[prefix + 'ms_max']:.2f})"
+        return f"{text:>{width}} {row[prefix + 'of_dense']:5.2f} {ratio(prefix + 'vs_eager')} " \
+               f"{ratio(prefix + 'vs_compiled')}"
+
+    return (f"{row['layer']:46} {timing('', 27)} | {timing('fwd_', 24)} | {row['peak_gib']:8.1f} "
+            f"{ratio('peak_vs_eager')} {ratio('peak_vs_compiled')}")
+
+
+def free_memory() -> int:
+    """Collect garbage and return cached blocks; the bytes still allocated."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated()
+
+
+def compile_native(layer: nn.Module, x_th: torch.Tensor, grad_th: torch.Tensor) -> tuple[nn.Module, float]:
+    """`torch.compile(layer)` (default mode, static shapes) and the seconds of its first step (compiling
+    forward and backward); later steps run the compiled graphs."""
+    compiled = torch.compile(layer, dynamic=False)
+    start = time.perf_counter()
+    step(compiled, x_th, grad_th)
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    step(layer, x_th, grad_th)
-    torch.cuda.synchronize()
-    return seconds, torch.cuda.max_memory_allocated() / 2**30
+    return compiled, time.perf_counter() - start
+
+
+@dataclass
+class Bench:
+    """What every layer is measured with: the same tokens and output gradient, the useful FLOPs
+    (`routed_flops`, keys "fwd_bwd" and "fwd"), the dense bf16 rate of the run and the repetitions."""
+
+    x_th: torch.Tensor
+    grad_th: torch.Tensor
+    shape: tuple[int, int, int, int]
+    """(H, H', E, K)."""
+    flops: dict[str, int]
+    dense: float
+    warmup: int
+    repeat: int
+
+    def measure(self, layer: nn.Module, before_bytes: int) -> dict:
+        """fwd+bwd and fwd timings (`spread`), their useful rates (`tflops`, `of_dense`) and `peak_gib`, the
+        peak of one step beyond `before_bytes` (what was allocated before the layer was built)."""
+        x_th, grad_th = self.x_th, self.grad_th
+        row = spread(timings(lambda: step(layer, x_th, grad_th), self.warmup, self.repeat))
+        fwd = spread(timings(lambda: layer(x_th), self.warmup, self.repeat))
+        row.update({f"fwd_{key}": value for key, value in fwd.items()})
+        for prefix, flops in (("", self.flops["fwd_bwd"]), ("fwd_", self.flops["fwd"])):
+            row[f"{prefix}tflops"] = flops / (row[f"{prefix}ms"] / 1e3) / 1e12
+            row[f"{prefix}of_dense"] = row[f"{prefix}tflops"] * 1e12 / self.dense
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step(layer, x_th, grad_th)
+        torch.cuda.synchronize()
+        row["peak_gib"] = (torch.cuda.max_memory_allocated() - before_bytes) / 2**30
+        return row
+
+    def profile(self, layer: nn.Module) -> dict:
+        """The `profile_summary` of one step."""
+        return profile_summary(step_kernels(layer, self.x_th, self.grad_th))
+
+
+def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: dict | None) -> dict | None:
+    """Our layer built from `cfg` with `layer_weights`, measured (`Bench.measure`), released: its row, None
+    (printed) where `cfg` cannot run here, a row with `error` where it ran out of memory. With `profiles`,
+    its step profile is stored there under `name`."""
+    before = free_memory()
+    try:
+        layer = MoonEPMoELayer(cfg, single_world("cuda"))
+    except ValueError as error:
+        print(f"skipping {name}: {error}", flush=True)
+        return None
+    row = {"layer": name, "config": "default" if default else "variant", "backend": cfg.grouped_gemm,
+           "expert_grad_dtype": cfg.expert_grad_dtype, "token_padding": cfg.token_padding, "dtype": cfg.dtype}
+    try:
+        layer.load_state_dict(layer_weights(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts))
+        gemm = layer._state.gemm  # the backend of each primitive ("auto" picks per weight shape)
+        row["gemm"] = gemm.describe() if hasattr(gemm, "describe") else gemm.name
+        row.update(bench.measure(layer, before))
+        if profiles is not None:
+            profiles[name] = bench.profile(layer)
+    except torch.OutOfMemoryError as error:
+        row["error"] = f"out of memory: {str(error).splitlines()[0]}"
+    finally:
+        layer.destroy()
+        del layer
+    return row
+
+
+def run_all_ours(bench: Bench, shapes: dict, variants: list[dict], profiles: dict | None) -> Iterator[dict]:
+    """The DEFAULT row (`MoEConfig(**shapes)`, profiled into `profiles` when given), then one row per
+    variant (`variant_settings`) whose config can be built and differs from every earlier row's."""
+    seen = set()
+    for settings in [{}] + variants:
+        try:
+            cfg = MoEConfig(**shapes, **settings)
+        except ValueError as error:
+            print(f"skipping {settings}: {error}", flush=True)
+            continue
+        what = f"{cfg.grouped_gemm}, {cfg.expert_grad_dtype} grads, tp {cfg.token_padding}"
+        name = f"moonep DEFAULT ({what})" if not settings else f"moonep ({what})"
+        if cfg.model_dump_json() in seen:
+            print(f"{name:46} the same config as an earlier row, not run again", flush=True)
+            continue
+        seen.add(cfg.model_dump_json())
+        row = run_ours(cfg, name, not settings, bench, None if settings else profiles)
+        if row is not None:
+            yield row
+
+
+def run_native(bench: Bench, compile_too: bool, record: dict) -> list[dict]:
+    """The baseline rows: torch-native eager, then compiled (unless not `compile_too`), each with its ratios
+    to the other; `record` gets `compile_s` or `compile_error` and, where `record["profile"]` exists, the
+    eager layer's step profile."""
+    x_th, grad_th = bench.x_th, bench.grad_th
+    before = free_memory()
+    native = native_layer(*bench.shape)
+    eager = {"layer": "torch-native", "config": "baseline", **bench.measure(native, before)}
+    add_ratios(eager, eager, "eager")
+    print(format_row(eager), flush=True)
+    if "profile" in record:
+        record["profile"]["torch-native"] = bench.profile(native)
+    rows = [eager]
+    if compile_too:
+        try:
+            compiled, record["compile_s"] = compile_native(native, x_th, grad_th)
+            ref = {"layer": "torch-native compiled", "config": "baseline", **bench.measure(compiled, before)}
+            del compiled
+        except Exception as error:  # noqa: BLE001 - printed and recorded; the eager baseline remains
+            record["compile_error"] = f"{type(error).__name__}: {error}"[:2000]
+            print(f"torch.compile baseline failed, eager only: {record['compile_error'][:300]}", flush=True)
+        else:
+            add_ratios(ref, eager, "eager")
+            for row in (eager, ref):
+                add_ratios(row, ref, "compiled")
+            print(f"{format_row(ref)}   (compiled in {record['compile_s']:.0f} s, not counted)", flush=True)
+            rows.append(ref)
+        torch.compiler.reset()
+    return rows
 
 
 def main() -> None:
@@ -91,68 +406,68 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=2048)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--backends", nargs="*", default=["torch", "deep_gemm", "triton", "auto"])
-    parser.add_argument("--grad-dtypes", nargs="*", default=["param", "main_grad"],
-                        help="MoEConfig.expert_grad_dtype values to run (default both)")
-    parser.add_argument("--token-paddings", nargs="*", type=int, default=[128, 16],
-                        help="MoEConfig.token_padding values: 128 (DeepGEMM's M-block) pads each of the E "
-                             "segments by 64 rows on average; 16 wastes less where the backend allows it")
-    parser.add_argument("--profile", action="store_true", help="also print each layer's kernels of one step")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--backends", nargs="*", default=["auto", "triton", "torch", "deep_gemm"],
+                        help="grouped_gemm values run with expert_grad_dtype='param'")
+    parser.add_argument("--main-grad-backends", nargs="*", default=["auto"],
+                        help="grouped_gemm values run with expert_grad_dtype='main_grad'")
+    parser.add_argument("--token-paddings", nargs="*", type=int, default=[],
+                        help="MoEConfig.token_padding values for every variant (default: the config's)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=10, help="timed runs per layer (the median of them)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    parser.add_argument("--profile", action="store_true",
+                        help="also one step's GPU kernels of ours (DEFAULT) and of torch-native, grouped")
+    parser.add_argument("--out", default=None, help="folder of the JSON record (default bench/results)")
     args = parser.parse_args()
+    if args.repeat < 5:
+        parser.error(f"--repeat must be >= 5 (a median with a spread), got {args.repeat}")
     limits = measure_limits()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    h, f, e = args.hidden, args.ffn, args.experts
-    x_th = torch.randn(args.tokens, h, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-    grad_th = torch.randn(args.tokens, h, device="cuda", dtype=torch.bfloat16, generator=gen)
-    weights = {"router": torch.randn(e, h, device="cuda", generator=gen) / math.sqrt(h),
-               "gate_up": torch.randn(e, 2 * f, h, device="cuda", generator=gen).bfloat16() / math.sqrt(h),
-               "down": torch.randn(e, h, f, device="cuda", generator=gen).bfloat16() / math.sqrt(f)}
-    flops = 3 * 2 * args.tokens * args.top_k * 3 * f * h  # fwd + 2x bwd of the three projections
-
-    baseline = TorchNativeMoE(h, f, e, args.top_k)
-    with torch.no_grad():
-        baseline.router.weight.copy_(weights["router"])
-        baseline.gate_up.copy_(weights["gate_up"])
-        baseline.down.copy_(weights["down"])
-    base_s, base_gib = measure(baseline, x_th, grad_th)
+    h, f, e, k, t = args.hidden, args.ffn, args.experts, args.top_k, args.tokens
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    bench = Bench(x_th=torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(),
+                  grad_th=torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen),
+                  shape=(h, f, e, k), dense=limits["dense_bf16_flops_per_s"], warmup=args.warmup,
+                  repeat=args.repeat, flops={"fwd_bwd": routed_flops(t, k, h, f, backward=True),
+                                             "fwd": routed_flops(t, k, h, f, backward=False)})
+    record = {"setup": {"tokens": t, "hidden": h, "ffn": f, "experts": e, "top_k": k, "warmup": args.warmup,
+                        "repeat": args.repeat, "flops_fwd_bwd": bench.flops["fwd_bwd"],
+                        "flops_fwd": bench.flops["fwd"], "spread": SPREAD, "peak_gib": PEAK},
+              "baseline": None, "baselines": {}, "compile_s": None}
     if args.profile:
-        print_profile(baseline, x_th, grad_th)
-    del baseline
-    rows = [{"layer": "torch-native", "ms": base_s * 1e3, "vs_baseline": 1.0, "peak_gib": base_gib,
-             "tflops": flops / base_s / 1e12}]
-    print(f"{'torch-native':44} {base_s * 1e3:8.2f} ms  peak {base_gib:6.1f} GiB", flush=True)
-    shapes = dict(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=args.top_k,
-                  max_tokens_per_rank=args.tokens)
-    runs = [("DEFAULT config", {})]
-    variants = itertools.product(args.token_paddings, args.backends, args.grad_dtypes)
-    for padding, backend, grad_dtype in variants:
-        runs.append((f"{backend}, {grad_dtype} grads, tp {padding}",
-                     dict(grouped_gemm=backend, expert_grad_dtype=grad_dtype, token_padding=padding)))
-    for label, settings in runs:
-        gc.collect()
-        torch.cuda.empty_cache()
-        cfg = MoEConfig(**shapes, **settings)
-        try:
-            layer = MoonEPMoELayer(cfg, single_world("cuda"))
-        except ValueError as error:
-            print(f"skipping {label}: {error}")
-            continue
-        layer.load_state_dict({"router.weight": weights["router"], "experts.gate_up_proj": weights["gate_up"],
-                               "experts.down_proj": weights["down"]})
-        seconds, gib = measure(layer, x_th, grad_th)
-        if args.profile:
-            print_profile(layer, x_th, grad_th)
-        name = f"moonep ({label})"
-        rows.append({"layer": name, "config": "default" if not settings else "variant",
-                     "backend": cfg.grouped_gemm, "expert_grad_dtype": cfg.expert_grad_dtype,
-                     "token_padding": cfg.token_padding, "dtype": cfg.dtype, "ms": seconds * 1e3,
-                     "vs_baseline": seconds / base_s, "peak_gib": gib, "tflops": flops / seconds / 1e12})
-        print(f"{name:44} {seconds * 1e3:8.2f} ms  peak {gib:6.1f} GiB  "
-              f"{seconds / base_s:.2f}x torch-native", flush=True)
-        layer.destroy()
-        del layer
-    print("results:", write_record("layer", limits, rows, Path(args.out) if args.out else None))
+        record["profile"] = {}
+    rows = []
+
+    def save() -> Path:
+        return write_record("layer", limits, rows, Path(args.out) if args.out else None, **record)
+
+    print(f"{t} tokens, H={h}, H'={f}, E={e}, K={k}: {bench.flops['fwd_bwd'] / 1e12:.2f} TFLOP of routed "
+          f"work fwd+bwd; dense bf16 {bench.dense / 1e12:.0f} TFLOP/s. Times: median (min-max) of "
+          f"{args.repeat} runs; dense: useful rate / dense rate; x: ours / torch-native eager, compiled",
+          flush=True)
+    print(header(), flush=True)
+    rows += run_native(bench, not args.no_compile, record)
+    baseline = min(rows, key=lambda row: row["ms"])
+    record["baseline"] = baseline["layer"]
+    record["baselines"] = {row["layer"]: {key: row[key] for key in ("ms", "ms_min", "ms_max", "fwd_ms",
+                                                                    "peak_gib")} for row in rows}
+    refs = {"eager": rows[0], "compiled": rows[1] if len(rows) > 1 else None, "baseline": baseline}
+    for row in rows:
+        add_ratios(row, baseline, "baseline")
+    save()
+
+    shapes = dict(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=k, max_tokens_per_rank=t)
+    variants = variant_settings(args.backends, args.main_grad_backends, args.token_paddings)
+    for row in run_all_ours(bench, shapes, variants, record.get("profile")):
+        if "error" not in row:
+            for tag, ref in refs.items():
+                if ref is not None:
+                    add_ratios(row, ref, tag)
+        rows.append(row)
+        print(format_row(row), flush=True)
+        save()
+    for label, summary in record.get("profile", {}).items():
+        print_profile(label, summary)
+    print("results:", save())
 
 
 if __name__ == "__main__":
