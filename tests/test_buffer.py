@@ -574,7 +574,7 @@ def test_errors_name_the_rank():
             dispatch(buf, dict(x, hidden=x["hidden"].float()))
         dispatch(buf, x)
 
-    with pytest.raises(ValueError, match="rank 1: hidden_sh must have dtype"):
+    with pytest.raises(RankFailedError, match="rank 1 failed: ValueError: rank 1: hidden_sh must have dtype"):
         run_ranks(fn, case.R)
     with pytest.raises(ValueError, match="rank 0: B=5"):
         Buffer(16, 8, 2, 8, 2, B=5, world=ThreadGroup(2).worlds[0], dtype=F64)
