@@ -61,7 +61,8 @@ import torch
 from bench.common import measure_limits, timed, write_record
 from bench.plan import wall_time
 from moonep_moe.comm.buffer import Buffer
-from moonep_moe.comm.plan import MoonEPCommPlan, decode_dst, plan_routes
+from moonep_moe.comm.plan import plan_routes
+from moonep_moe.comm.plan_types import MoonEPCommPlan, decode_dst
 from moonep_moe.comm.world import ThreadGroup, ThreadsWorld, run_ranks
 from moonep_moe.layers.function import compute_offsets
 from moonep_moe.layers.grouped_gemm import select_grouped_gemm

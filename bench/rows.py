@@ -34,7 +34,8 @@ import torch
 from bench.common import graph_timed, measure_limits, timed, write_record
 from moonep_moe.comm.buffer import Buffer, replica_sources
 from moonep_moe.comm.kernels import rows
-from moonep_moe.comm.plan import decode_dst, default_slots, plan_routes, rows_capacity
+from moonep_moe.comm.plan import default_slots, plan_routes, rows_capacity
+from moonep_moe.comm.plan_types import decode_dst
 from moonep_moe.comm.world import SymmetricTensor, single_world
 
 

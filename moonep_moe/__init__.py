@@ -8,7 +8,7 @@ from importlib import import_module, metadata
 from typing import Any
 
 from moonep_moe.comm.buffer import Buffer, CommEvent
-from moonep_moe.comm.plan import MoonEPCommPlan
+from moonep_moe.comm.plan_types import MoonEPCommPlan
 from moonep_moe.comm.pool import BufferPool
 from moonep_moe.comm.world import EPWorld, run_ranks
 from moonep_moe.communicator import MoECommunicator

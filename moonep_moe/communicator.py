@@ -35,7 +35,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from moonep_moe.comm.buffer import Buffer, CommEvent
-from moonep_moe.comm.plan import MoonEPCommPlan, default_slots
+from moonep_moe.comm.plan import default_slots
+from moonep_moe.comm.plan_types import MoonEPCommPlan
 from moonep_moe.comm.pool import BufferPool
 from moonep_moe.comm.world import EPWorld
 from moonep_moe.config import MoEConfig

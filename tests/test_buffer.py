@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moonep_moe.comm.buffer import Buffer
-from moonep_moe.comm.plan import decode_dst
+from moonep_moe.comm.plan_types import decode_dst
 from moonep_moe.comm.world import RankFailedError, ThreadGroup, run_ranks, single_world
 from moonep_moe.weights.pool import ExpertRows, slot_grad_pool, slot_pool
 

@@ -8,7 +8,7 @@ import torch
 from stress import comm_streams
 
 from moonep_moe.comm.buffer import Buffer
-from moonep_moe.comm.plan import decode_dst
+from moonep_moe.comm.plan_types import decode_dst
 from moonep_moe.comm.pool import BufferPool, next_power_of_two
 from moonep_moe.comm.world import RankFailedError, run_ranks, single_world
 from moonep_moe.communicator import CommunicatorConfig, DispatchHandle, MoECommunicator

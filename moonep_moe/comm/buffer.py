@@ -54,7 +54,8 @@ from typing import Any
 
 import torch
 
-from moonep_moe.comm.plan import MoonEPCommPlan, decode_dst, default_slots, plan_routes, rows_capacity
+from moonep_moe.comm.plan import default_slots, plan_routes, rows_capacity
+from moonep_moe.comm.plan_types import MoonEPCommPlan, decode_dst
 from moonep_moe.comm.world import EPWorld, SymmetricTensor
 from moonep_moe.weights.pool import ExpertRows
 

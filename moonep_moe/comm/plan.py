@@ -42,77 +42,11 @@ On CUDA (with Triton) `plan_routes` runs steps 1-6 as two Triton launches instea
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 
-NO_ROUTE = -(2**31)
-"""`dst` of an invalid route (expert -1): not sent, contributes zero."""
-
-
-@dataclass(frozen=True)
-class MoonEPCommPlan:
-    """Everything a step needs to move rows; identical on every rank except the rank-local fields.
-
-    All tensors are int32, contiguous, on the rank's device. The dup tables describe this rank's *received*
-    rows and are filled by `Buffer.dispatch` (the planner leaves them empty).
-
-    Attributes:
-        dst: `[S*K]` per local route: `d * NvS + row`, `-(d * NvS + row) - 1` for a later route of the same
-            token to the same rank d, `NO_ROUTE` for an invalid route.
-        experts_to_copy: `[R, B]` global expert held by each rank's slot, -1 for an unused slot.
-        cu_seqlens: `[E+B]` this rank's padded group end offsets (groups: E experts, then B slots).
-        zero_fill_ranges: `[E+B, 2]` this rank's (first padding row, padding rows) per group.
-        remote_stats: `[2]` this rank's (valid routes computed on other ranks, payload rows sent to other
-            ranks after deduplication).
-        dup_groups: `[NvS, 3]` rows `(primary row, first index into dup_loffs, duplicates)`; the first
-            `dup_counts[0]` are used, sorted by primary row.
-        dup_loffs: `[NvS]` duplicate rows; the first `dup_counts[1]` are used.
-        dup_counts: `[2]` (duplicate groups, duplicate rows) received by this rank.
-        rank_load: `[R]` routes computed by each rank (telemetry; equal up to one when balanced).
-        home_load: `[R]` routes to each rank's home experts: the load of plain expert parallelism.
-        expert_load: `[E]` valid routes to each expert in the whole group (the gathered histogram's sum).
-        slots_used: `[R]` slots holding a replica on each rank.
-        num_routes, num_ranks, num_experts, num_slots, rows_per_rank, top_k: the scalars N, R, E, B, NvS, K.
-        rank: the rank this plan belongs to; owner: id of the Buffer that made it (None: a bare plan).
-        step: which forward dispatch of that Buffer made it (1, 2, ...; None: a bare plan). Host int: the
-            Buffer checks with it, without a device read, that an operation gets the plan of its latest
-            dispatch.
-    """
-
-    dst: torch.Tensor
-    experts_to_copy: torch.Tensor
-    cu_seqlens: torch.Tensor
-    zero_fill_ranges: torch.Tensor
-    remote_stats: torch.Tensor
-    dup_groups: torch.Tensor
-    dup_loffs: torch.Tensor
-    dup_counts: torch.Tensor
-    rank_load: torch.Tensor
-    home_load: torch.Tensor
-    expert_load: torch.Tensor
-    slots_used: torch.Tensor
-    num_routes: int
-    num_ranks: int
-    num_experts: int
-    num_slots: int
-    rows_per_rank: int
-    top_k: int
-    rank: int
-    owner: int | None = None
-    step: int | None = None
-
-    N = property(lambda self: self.num_routes)
-    R = property(lambda self: self.num_ranks)
-    E = property(lambda self: self.num_experts)
-    B = property(lambda self: self.num_slots)
-    NvS = property(lambda self: self.rows_per_rank)
-    K = property(lambda self: self.top_k)
-
-    def clone(self) -> MoonEPCommPlan:
-        """A deep copy: every tensor cloned (a later dispatch into the same Buffer cannot change it)."""
-        return replace(self, **{f.name: getattr(self, f.name).clone() for f in fields(self)
-                                if isinstance(getattr(self, f.name), torch.Tensor)})
+from moonep_moe.comm.plan_types import NO_ROUTE, MoonEPCommPlan, decode_dst
 
 
 @dataclass(frozen=True)
@@ -506,36 +440,16 @@ def plan_routes(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank:
                                rows_per_rank)
     dest_n, _, primary_n, valid_n = decode_dst(dst_n, rows_per_rank)
     remote_n = valid_n & (dest_n != rank)
-    i32 = torch.int32
-    return MoonEPCommPlan(
-        dst=dst_n,
-        experts_to_copy=glob.experts_to_copy_rb.to(i32),
-        cu_seqlens=cu_seqlens_g.to(i32),
-        zero_fill_ranges=glob.zero_fill_rg2[rank].to(i32),
-        remote_stats=torch.stack([remote_n.sum(), (remote_n & primary_n).sum()]).to(i32),
-        dup_groups=torch.zeros(rows_per_rank, 3, dtype=i32, device=device),
-        dup_loffs=torch.zeros(rows_per_rank, dtype=i32, device=device),
-        dup_counts=torch.zeros(2, dtype=i32, device=device),
-        rank_load=glob.alloc_re.sum(1).to(i32),
-        home_load=glob.home_load_r.to(i32),
-        expert_load=glob.alloc_re.sum(0).to(i32),
-        slots_used=(glob.experts_to_copy_rb >= 0).sum(1).to(i32),
-        num_routes=topk_experts_sk.numel(),
-        num_ranks=num_ranks,
-        num_experts=num_experts,
-        num_slots=num_slots,
-        rows_per_rank=rows_per_rank,
-        top_k=topk_experts_sk.shape[1],
-        rank=rank,
-        owner=owner,
-    )
-
-
-def decode_dst(dst_n: torch.Tensor, rows_per_rank: int) -> tuple[torch.Tensor, ...]:
-    """`dst [N]` -> (destination rank, row, is primary, is valid), each `[N]`; rank and row are 0 where
-    the route is invalid."""
-    valid_n = dst_n != NO_ROUTE
-    primary_n = dst_n >= 0
-    raw_n = torch.where(primary_n, dst_n, -dst_n.long() - 1)
-    raw_n = torch.where(valid_n, raw_n, 0).long()
-    return raw_n // rows_per_rank, raw_n % rows_per_rank, primary_n, valid_n
+    num_tokens, top_k = topk_experts_sk.shape
+    plan = MoonEPCommPlan.empty(num_tokens=num_tokens, top_k=top_k, num_ranks=num_ranks,
+                                num_experts=num_experts, num_slots=num_slots, rows_per_rank=rows_per_rank,
+                                rank=rank, device=device, owner=owner)
+    values = dict(dst=dst_n, experts_to_copy=glob.experts_to_copy_rb, cu_seqlens=cu_seqlens_g,
+                  zero_fill_ranges=glob.zero_fill_rg2[rank],
+                  remote_stats=torch.stack([remote_n.sum(), (remote_n & primary_n).sum()]),
+                  rank_load=glob.alloc_re.sum(1), home_load=glob.home_load_r,
+                  expert_load=glob.alloc_re.sum(0), slots_used=(glob.experts_to_copy_rb >= 0).sum(1))
+    for name, value in values.items():
+        getattr(plan, name).copy_(value)
+    plan.dup_tables.zero_()
+    return plan

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from moonep_moe.comm.buffer import Buffer
-from moonep_moe.comm.plan import MoonEPCommPlan
+from moonep_moe.comm.plan_types import MoonEPCommPlan
 from moonep_moe.layers.grouped_gemm import GroupedGemm
 from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
 from moonep_moe.weights.experts import HomeExperts
