@@ -32,7 +32,8 @@ from collections.abc import Callable
 import torch
 
 from bench.common import graph_timed, measure_limits, timed, write_record
-from moonep_moe.comm.buffer import Buffer, replica_sources
+from moonep_moe.comm.buffer import Buffer
+from moonep_moe.comm.exchange import replica_sources
 from moonep_moe.comm.kernels import rows
 from moonep_moe.comm.plan import default_slots, plan_routes, rows_capacity
 from moonep_moe.comm.plan_types import decode_dst

@@ -23,6 +23,7 @@ from test_buffer import DOWN_NK, GATE_NK, Case, full_weights
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import moonep_moe.comm.buffer as buffer_module
+import moonep_moe.comm.exchange as exchange_module
 from moonep_moe.comm.world import run_ranks, single_world
 from moonep_moe.weights.pool import ExpertRows, slot_grad_pool, slot_pool
 
@@ -199,7 +200,7 @@ def test_index_add_in_blocks_equals_index_add():
     want = target.clone().index_add_(0, index_c, values_c)
     for max_elements in (6, 13, 18, 10**9):
         got = target.clone()
-        buffer_module._index_add_blocked_(got, index_c, values_c, max_elements=max_elements)
+        exchange_module._index_add_blocked_(got, index_c, values_c, max_elements=max_elements)
         assert torch.equal(got, want), max_elements
 
 
