@@ -7,7 +7,8 @@ the names of modules that need one, or that join a process group, load on first 
 from importlib import import_module, metadata
 from typing import Any
 
-from moonep_moe.comm.buffer import Buffer, CommEvent
+from moonep_moe.comm.buffer import Buffer
+from moonep_moe.comm.event import CommEvent
 from moonep_moe.comm.plan_types import MoonEPCommPlan
 from moonep_moe.comm.pool import BufferPool
 from moonep_moe.comm.world import EPWorld, run_ranks

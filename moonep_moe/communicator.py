@@ -34,7 +34,8 @@ from typing import Any, Generic, Literal, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from moonep_moe.comm.buffer import Buffer, CommEvent
+from moonep_moe.comm.buffer import Buffer
+from moonep_moe.comm.event import CommEvent
 from moonep_moe.comm.plan import default_slots
 from moonep_moe.comm.plan_types import MoonEPCommPlan
 from moonep_moe.comm.pool import BufferPool
@@ -143,7 +144,7 @@ class CommRequest(Generic[T]):
 
     def is_completed(self) -> bool:
         """Whether the queued operation has finished on the device (True off CUDA)."""
-        return self._event.event is None or self._event.event.query()
+        return self._event.query()
 
     def wait(self) -> T:
         self._event.wait()

@@ -27,8 +27,8 @@ memory is mapped), equal bit for bit. Both read the indices the Buffer builds (t
 the replica tables).
 
 `async_finish=True` queues an operation on this rank's comm stream (priority `comm_stream_priority`), after
-the caller's current stream's work, and returns a `CommEvent`; without it an operation runs on the current
-stream.
+the caller's current stream's work; without it an operation runs on the current stream. Every operation
+returns its event last (`comm.event`): a `CommEvent` with `async_finish`, None without.
 
 No host reads: every index the operations build has a shape fixed by the config (N routes, NvS rows, R*B
 slots); entries that are not needed are marked, never masked out (rank -1 in the exchanges, a zero
@@ -42,11 +42,12 @@ import itertools
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
 
+from moonep_moe.comm.event import CommEvent
 from moonep_moe.comm.exchange import KernelExchange, RowMemory, select_exchange
 from moonep_moe.comm.plan import default_slots, plan_routes, rows_capacity
 from moonep_moe.comm.plan_types import MoonEPCommPlan, decode_dst
@@ -57,18 +58,6 @@ _buffer_ids = itertools.count()
 
 DISPATCH_NAMES = ("hidden_sh", "route_weights_sk", "topk_experts_sk")
 """How `Buffer.dispatch` calls its rows, route weights and expert ids (in its errors)."""
-
-
-@dataclass(frozen=True)
-class CommEvent:
-    """Marks the end of an operation queued with `async_finish=True` on the comm stream; `wait()` makes the
-    current stream wait for it. Off CUDA the operation has finished before returning (`event` is None)."""
-
-    event: torch.cuda.Event | None
-
-    def wait(self) -> None:
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -335,9 +324,9 @@ class Buffer:
         Buffer valid again (activation recomputation, pipeline schedules). Other plans raise.
 
         Returns:
-            `(hidden_nvsh [NvS, H], route_weights_nvs [NvS] or None, cu_seqlens [E+B] int32 or None, plan)`,
-            plus a `CommEvent` when `async_finish`. Rows of padding are zero; rows past `cu_seqlens[-1]` are
-            unspecified. Raises before any exchange if an argument is malformed.
+            `(hidden_nvsh [NvS, H], route_weights_nvs [NvS] or None, cu_seqlens [E+B] int32 or None, plan,
+            event)`, the event a `CommEvent` with `async_finish`, else None. Rows of padding are zero; rows
+            past `cu_seqlens[-1]` are unspecified. Raises before any exchange if an argument is malformed.
         """
         self._check_dispatch(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, plan,
                              DISPATCH_NAMES)
@@ -430,7 +419,7 @@ class Buffer:
         self._steps, self._current_step = max(self._steps, step), step
         if plan is None and (zero_copy or router_weights_zero_copy):
             self._pending_views = result[3]
-        return (*result, event) if async_finish else result
+        return (*result, event)
 
     def _send_rows(self, plan: MoonEPCommPlan, hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None,
                    record_duplicates: bool) -> None:
@@ -492,8 +481,8 @@ class Buffer:
                 route-weight gradients); with `zero_copy` it must be `router_weight_buffer_view`.
 
         Returns:
-            `(hidden_sh [s, H] in the Buffer's dtype, route_weights_sk [s, K] or None, event or None)`;
-            invalid routes contribute zero.
+            `(hidden_sh [s, H] in the Buffer's dtype, route_weights_sk [s, K] or None, event)`, the event a
+            `CommEvent` with `async_finish`, else None; invalid routes contribute zero.
         """
         self._check_combine(plan, hidden_nvsh, route_weights_nvs, zero_copy, "hidden_nvsh")
         return self._combine(plan, hidden_nvsh, route_weights_nvs, zero_copy, async_finish)
@@ -548,6 +537,8 @@ class Buffer:
         real weights: with `validate` every copied expert is compared with its home rank's rows (exact
         fingerprints, one all-gather, one host read) and a mismatch raises before any slot is written. A
         weight that holds only this rank's home experts must be passed as `ExpertRows`.
+
+        Returns the event: a `CommEvent` with `async_finish`, else None.
         """
         self._check_alive()
         self._check_plan(plan)
@@ -627,6 +618,8 @@ class Buffer:
         its `*_reduce_buffer` (a symmetric `[B, N, K]` fp32 tensor) stages them for the peers. None skips a
         projection. Collective: every rank must call it with the same projections. Replicas are added in
         (slot, rank) order, the same order on both implementations: deterministic.
+
+        Returns the event: a `CommEvent` with `async_finish`, else None.
         """
         self._check_alive()
         self._check_plan(plan)
