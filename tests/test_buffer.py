@@ -590,6 +590,19 @@ def test_every_operation_returns_its_event_last():
             assert events == [None] * 5
 
 
+def test_buffer_takes_only_options_that_run():
+    """No stored-but-unused options: `enable_pdl` (never read) and `prefetch_weight(scales=...)` (which only
+    raised, until quantised experts give it a meaning) are not accepted."""
+    case = Case(R=1, S=16, H=8, K=2, E=8, tp=4)
+    world = single_world()
+    with pytest.raises(TypeError, match="enable_pdl"):
+        case.buffer(world, enable_pdl=True)
+    buf = case.buffer(world)
+    _, _, _, plan, _ = dispatch(buf, case.inputs(0))
+    with pytest.raises(TypeError, match="scales"):
+        buf.prefetch_weight(plan, None, None, None, scales=None)
+
+
 def test_errors_name_the_rank():
     case = Case(R=2, S=16, H=8, K=2, E=8, tp=4)
 

@@ -124,7 +124,7 @@ class Buffer:
         B: prefetch slots per rank, default `E / R` (training needs it; 0 when R == 1); B <= E - E / R.
         num_sms: SMs the row kernels' grid-stride loops size their grids for (default: the device's).
         comm_stream_priority: priority of the comm stream that `async_finish=True` operations run on
-            (torch's convention: lower is higher priority; e.g. -1). enable_pdl: reserved launch hint.
+            (torch's convention: lower is higher priority; e.g. -1).
         token_padding: every non-empty segment is padded to a multiple of it (128: Hopper's M-block).
         explicitly_destroy: when True the caller must call `destroy()`: a Buffer garbage-collected without
             it warns (ResourceWarning, naming the Buffer and rank) and then releases its memory; when False
@@ -148,7 +148,7 @@ class Buffer:
 
     def __init__(self, S: int, H: int, K: int, E: int, num_ep_ranks: int, B: int | None = None,
                  num_sms: int | None = None, token_padding: int = 128, comm_stream_priority: int = 0,
-                 enable_pdl: bool = False, explicitly_destroy: bool = False, *, world: EPWorld,
+                 explicitly_destroy: bool = False, *, world: EPWorld,
                  dtype: torch.dtype = torch.bfloat16, validate: bool = True, kernels: bool | None = None):
         where = f"rank {world.rank}"
         for name, value in dict(S=S, H=H, K=K, E=E, num_ep_ranks=num_ep_ranks,
@@ -168,7 +168,7 @@ class Buffer:
         self.S, self.H, self.K, self.E, self.R, self.B = S, H, K, E, num_ep_ranks, B
         self.epn, self.token_padding, self.world, self.dtype = epn, token_padding, world, dtype
         self.validate = validate
-        self.num_sms, self.comm_stream_priority, self.enable_pdl = num_sms, comm_stream_priority, enable_pdl
+        self.num_sms, self.comm_stream_priority = num_sms, comm_stream_priority
         self.NvS = rows_capacity(S, K, num_ep_ranks, E, B, token_padding)
         self.weight_dtype = torch.promote_types(dtype, torch.float32)
         self.id = next(_buffer_ids)
@@ -523,14 +523,14 @@ class Buffer:
 
     @torch.no_grad()
     def prefetch_weight(self, plan: MoonEPCommPlan, full_gate_weight, full_up_weight, full_down_weight,
-                        scales=None, async_finish: bool = False) -> CommEvent | None:
+                        async_finish: bool = False) -> CommEvent | None:
         """Copy each replicated expert's weights into this rank's slots: slot j gets `experts_to_copy[r, j]`.
 
         Each projection is either the replicated form `[E+B, N, K]` (every expert present on every rank, as
         vLLM's integration passes it: rows E+j are the slots) or an `ExpertRows` (home experts read from
         their rank + this rank's slot pool). A projection given as None is skipped (a fused gate_up passed
         as the gate). Every slot is written (fixed shapes): slots marked -1 are zeroed, their segments are
-        empty. `scales` (quantised weights) is not supported yet and must be None. Collective: every rank
+        empty. Quantised weights (and their scales) are not supported yet. Collective: every rank
         calls it with the same forms.
 
         The replicated form is read locally, so its rows of other ranks' experts must be those experts'
@@ -543,9 +543,6 @@ class Buffer:
         self._check_alive()
         self._check_plan(plan)
         rank = self.world.rank
-        if scales is not None:
-            raise NotImplementedError(f"rank {rank}: prefetch_weight(scales=...): quantised experts are not "
-                                      "supported yet")
         named = [(w, name) for w, name in ((full_gate_weight, "full_gate_weight"),
                                            (full_up_weight, "full_up_weight"),
                                            (full_down_weight, "full_down_weight")) if w is not None]
