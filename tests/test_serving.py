@@ -352,6 +352,14 @@ def test_communicator_from_moe_config_and_keywords():
     assert keywords.config == comm_config(token_padding=128, dtype="bfloat16")
 
 
+def test_communicator_takes_a_layers_comm_config():
+    """`MoEConfig.comm` (a plain `CommConfig`) configures a communicator like the `MoEConfig` itself."""
+    cfg = load_config("tiny-cpu", ep_size=1, max_tokens_per_rank=16)
+    from_comm = MoECommunicator(cfg.comm, world=single_world(), dtype="float64")
+    from_layer = MoECommunicator(cfg, world=single_world(), dtype="float64")
+    assert type(from_comm.config) is CommunicatorConfig and from_comm.config == from_layer.config
+
+
 # -- capabilities, stated and enforced --------------------------------------------------------------------
 
 

@@ -49,12 +49,15 @@ import torch
 
 from moonep_moe.comm.event import CommEvent
 from moonep_moe.comm.exchange import KernelExchange, RowMemory, select_exchange
-from moonep_moe.comm.plan import default_slots, plan_routes, rows_capacity
+from moonep_moe.comm.plan import check_layout, default_slots, plan_routes, rows_capacity
 from moonep_moe.comm.plan_types import MoonEPCommPlan, decode_dst
 from moonep_moe.comm.world import EPWorld, SymmetricTensor
 from moonep_moe.weights.pool import ExpertRows
 
 _buffer_ids = itertools.count()
+
+BUFFER_NAMES = dict(E="E={}", R="num_ep_ranks={}", K="K={}", B="B={}")
+"""How `Buffer` calls E, R, K and B (its arguments) in `check_layout`'s errors."""
 
 DISPATCH_NAMES = ("hidden_sh", "route_weights_sk", "topk_experts_sk")
 """How `Buffer.dispatch` calls its rows, route weights and expert ids (in its errors)."""
@@ -155,16 +158,11 @@ class Buffer:
                                 token_padding=token_padding).items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
-        if E % num_ep_ranks:
-            raise ValueError(f"{where}: E={E} must be divisible by num_ep_ranks={num_ep_ranks}")
+        check_layout(E, num_ep_ranks, K, B, BUFFER_NAMES, where)
         if world.size != num_ep_ranks:
             raise ValueError(f"{where}: num_ep_ranks={num_ep_ranks} must equal the world's size {world.size}")
-        if K > E:
-            raise ValueError(f"{where}: K={K} must be <= E={E}")
         epn = E // num_ep_ranks
         B = default_slots(E, num_ep_ranks) if B is None else B
-        if not 0 <= B <= E - epn:
-            raise ValueError(f"{where}: B={B} must be in [0, E - E/R = {E - epn}]")
         self.S, self.H, self.K, self.E, self.R, self.B = S, H, K, E, num_ep_ranks, B
         self.epn, self.token_padding, self.world, self.dtype = epn, token_padding, world, dtype
         self.validate = validate
