@@ -13,7 +13,14 @@ from moonep_moe.comm.plan_types import MoonEPCommPlan
 from moonep_moe.comm.pool import BufferPool
 from moonep_moe.comm.world import EPWorld, run_ranks
 from moonep_moe.communicator import MoECommunicator
-from moonep_moe.config import MoEConfig, RouterConfig, SharedExpertConfig, available_configs, load_config
+from moonep_moe.config import (
+    CommConfig,
+    MoEConfig,
+    RouterConfig,
+    SharedExpertConfig,
+    available_configs,
+    load_config,
+)
 from moonep_moe.layers.moe import MoonEPMoELayer
 from moonep_moe.weights.layout import ExpertLayout
 
@@ -35,6 +42,7 @@ _LAZY = {
 __all__ = [
     "Buffer",
     "BufferPool",
+    "CommConfig",
     "CommEvent",
     "EPWorld",
     "ExpertLayout",
