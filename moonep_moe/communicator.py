@@ -1,7 +1,7 @@
 """`MoECommunicator`: a framework-neutral facade over the comm core for inference engines.
 
-Legend: t tokens of this rank in a step (t <= S), h hidden, k top-k, nv dispatched rows (NvS of the Buffer
-serving the step), g this rank's compute groups (`epn` home experts, then B slots).
+Notation and suffixes: DESIGN.md, "Notation" (`t`: the engine's tokens of this rank in a step, t <= S; `nv`:
+rows of the Buffer serving the step; `g`: this rank's compute groups, `epn` home experts then B slots).
 
 It follows the shape of the MSCCL++ expert-parallel API draft: one object per layer shape, `dispatch` returns
 the tokens in an expert-major layout plus an opaque handle, the engine runs its own expert GEMMs on that

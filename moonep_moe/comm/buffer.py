@@ -1,7 +1,6 @@
 """`Buffer`: the comm core of one MoE layer shape (MoonEP's public API and semantics, reference in torch).
 
-Shapes: S tokens of capacity, H hidden, K top-k, E experts, R ranks, `epn = E / R`, B slots, NvS rows.
-One step of a layer on every rank:
+Notation and suffixes: DESIGN.md, "Notation". One step of a layer on every rank:
 
 1. `dispatch(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert)`: gathers the `[R, E]`
    histogram, plans (identically on every rank), writes each token row once per destination rank straight
@@ -107,14 +106,14 @@ def expert_histogram(topk_experts_sk: torch.Tensor, num_experts: int) -> torch.T
     return counts_e[:num_experts]
 
 
-def row_fingerprints(rows_x: torch.Tensor) -> torch.Tensor:
-    """`[x, *row]` -> `[x, 2]` int64: per row the sum of its elements' bit patterns and their sum weighted by
+def row_fingerprints(rows_c: torch.Tensor) -> torch.Tensor:
+    """`[c, *row]` -> `[c, 2]` int64: per row the sum of its elements' bit patterns and their sum weighted by
     position (wrapping integer sums: exact and independent of the summation order, so two ranks holding
     the same row get the same fingerprint bit for bit, and a zero or permuted row gets another)."""
-    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[rows_x.element_size()]
-    values_xm = rows_x.flatten(1).view(bits).long()
-    position_m = torch.arange(1, values_xm.shape[1] + 1, device=rows_x.device)
-    return torch.stack([values_xm.sum(1), (values_xm * position_m).sum(1)], 1)
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[rows_c.element_size()]
+    values_cm = rows_c.flatten(1).view(bits).long()
+    position_m = torch.arange(1, values_cm.shape[1] + 1, device=rows_c.device)
+    return torch.stack([values_cm.sum(1), (values_cm * position_m).sum(1)], 1)
 
 
 class Buffer:
@@ -572,8 +571,8 @@ class Buffer:
         """Collective: raise unless every used slot's copy `copies_b [B, N, K]` (rows of `weight [E+B, N, K]`
         for the experts `expert_b [B]`, -1 unused) equals that expert's rows on its home rank."""
         rank, epn = self.world.rank, self.epn
-        home_ex2 = self.world.all_gather(row_fingerprints(weight[rank * epn:(rank + 1) * epn]))
-        expected_b2 = home_ex2.view(self.E, 2).index_select(0, expert_b.long().clamp(min=0))
+        home_rx2 = self.world.all_gather(row_fingerprints(weight[rank * epn:(rank + 1) * epn]))
+        expected_b2 = home_rx2.view(self.E, 2).index_select(0, expert_b.long().clamp(min=0))
         wrong_b = (expert_b >= 0) & (row_fingerprints(copies_b) != expected_b2).any(1)
         if bool(wrong_b.any()):  # the host read of `validate`
             expert = int(expert_b[wrong_b][0])

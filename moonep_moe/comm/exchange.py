@@ -106,8 +106,8 @@ class RowExchange(Protocol):
         [0, epn)) added into that expert's gradient, in (slot, rank) order."""
         ...
 
-    def clear_slots(self, slots_bx: torch.Tensor, expert_b: torch.Tensor) -> None:
-        """Local: the used slots (`expert_b [B] >= 0`) of `slots_bx [B, ...]` (contiguous) become zero."""
+    def clear_slots(self, slots_b: torch.Tensor, expert_b: torch.Tensor) -> None:
+        """Local: the used slots (`expert_b [B] >= 0`) of `slots_b [B, ...]` (contiguous) become zero."""
         ...
 
 
@@ -186,8 +186,8 @@ class ReferenceExchange:
                                                torch.full_like(rank_r, slot), capacity=1)
                 _index_add_blocked_(home, home_rb[:, slot], pulled_r.to(home.dtype))
 
-    def clear_slots(self, slots_bx, expert_b) -> None:
-        slots_bx.masked_fill_((expert_b >= 0).view((-1,) + (1,) * (slots_bx.dim() - 1)), 0)
+    def clear_slots(self, slots_b, expert_b) -> None:
+        slots_b.masked_fill_((expert_b >= 0).view((-1,) + (1,) * (slots_b.dim() - 1)), 0)
 
 
 @dataclass(frozen=True)
@@ -248,8 +248,8 @@ class KernelExchange:
             self.rows.add_replicas(home, slots, sources_xr)
         world.barrier()  # every rank is done reading this rank's slot gradients
 
-    def clear_slots(self, slots_bx, expert_b) -> None:
-        self.rows.clear_slots(slots_bx, expert_b)
+    def clear_slots(self, slots_b, expert_b) -> None:
+        self.rows.clear_slots(slots_b, expert_b)
 
 
 def select_exchange(memory: RowMemory, kernels: bool | None) -> RowExchange:

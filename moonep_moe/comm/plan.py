@@ -1,7 +1,6 @@
 """The planner: from the group's routing histogram to where every route is computed.
 
-Shapes (DESIGN.md): S tokens of capacity per rank, K routes per token, E experts, R ranks, `epn = E / R` home
-experts per rank, B prefetch slots per rank, `tp` token padding, `NvS` dispatched rows per rank.
+Notation and suffixes: DESIGN.md, "Notation" (S, K, E, R, `epn = E / R`, B, tp, NvS; `_re`: ranks x experts).
 
 Every rank calls `plan_routes` with the same gathered histogram `counts_re [R, E]` and gets the same global
 plan, bit for bit (no rank-0 broadcast):
@@ -241,17 +240,17 @@ def plan_global(counts_re: list[list[int]], num_slots: int, token_padding: int) 
     return GlobalPlan(alloc, experts_to_copy, row_base, cu_seqlens, zero_fill, home_load)
 
 
-def _first_argmax(key_xn: torch.Tensor) -> torch.Tensor:
-    """Index of the largest entry along the last dim of `key_xn [..., n]` -> `[...]`, the LOWEST index among
-    ties (Python's `max(range(n), key=lambda i: (key[i], -i))`).
+def _first_argmax(key_c: torch.Tensor) -> torch.Tensor:
+    """Index of the largest entry along the last dim of `key_c [..., c]` -> `[...]`, the LOWEST index among
+    ties (Python's `max(range(c), key=lambda i: (key[i], -i))`).
 
-    The tie-break is explicit: `key * n + (n - 1 - i)` is unique per row and orders first by key (keys are
-    integers, so keys that differ differ by at least n in the combined key) then by lowest index. Keys here
+    The tie-break is explicit: `key * c + (c - 1 - i)` is unique per row and orders first by key (keys are
+    integers, so keys that differ differ by at least c in the combined key) then by lowest index. Keys here
     are route counts (< 2^40), far from int64 overflow.
     """
-    n = key_xn.shape[-1]
-    reverse_n = torch.arange(n - 1, -1, -1, device=key_xn.device)
-    return torch.argmax(key_xn * n + reverse_n, dim=-1)
+    count = key_c.shape[-1]
+    reverse_c = torch.arange(count - 1, -1, -1, device=key_c.device)
+    return torch.argmax(key_c * count + reverse_c, dim=-1)
 
 
 def _rank_targets_device(home_load_r: torch.Tensor) -> torch.Tensor:
@@ -306,7 +305,7 @@ def _split_quotas_device(expert_load_e: torch.Tensor, quota_dr: torch.Tensor, nu
     Each iteration every donor d makes at most one move of the reference loop: its expert with the most
     remaining routes (ties: lowest id) goes to its open receiver (positive quota and a free slot) with the
     largest quota (ties: lowest rank). A donor whose reference loop has stopped moves 0 routes. The argmax
-    keys of `_first_argmax` are kept up to date in place (`remaining_key_dj [R, epn]`: remaining * epn +
+    keys of `_first_argmax` are kept up to date in place (`remaining_key_dx [R, epn]`: remaining * epn +
     epn - 1 - j) instead of being rebuilt each iteration. Receivers of different donors are distinct, so the
     moves of one iteration never collide; they are added to `alloc` once, after the loop.
     """
@@ -314,25 +313,25 @@ def _split_quotas_device(expert_load_e: torch.Tensor, quota_dr: torch.Tensor, nu
     epn = num_experts // num_ranks
     device = expert_load_e.device
     reverse_r = torch.arange(num_ranks - 1, -1, -1, device=device)
-    remaining_key_dj = expert_load_e.view(num_ranks, epn) * epn + torch.arange(epn - 1, -1, -1, device=device)
+    remaining_key_dx = expert_load_e.view(num_ranks, epn) * epn + torch.arange(epn - 1, -1, -1, device=device)
     slots_left_dr = torch.where(quota_dr > 0, num_slots, 0)
     receivers, experts, routes = [], [], []
     for _ in range(split_iterations(num_ranks, num_experts, num_slots)):
-        expert_d1 = remaining_key_dj.argmax(1, keepdim=True)
+        expert_d1 = remaining_key_dx.argmax(1, keepdim=True)
         open_key_dr = torch.where((quota_dr > 0) & (slots_left_dr > 0), quota_dr * num_ranks + reverse_r, -1)
         receiver_d1 = open_key_dr.argmax(1, keepdim=True)
         # A closed receiver decodes to quota -1, an exhausted expert to 0 remaining: both move 0 routes.
         routes_d1 = torch.minimum(open_key_dr.gather(1, receiver_d1).div(num_ranks, rounding_mode="floor"),
-                                  remaining_key_dj.gather(1, expert_d1) // epn).clamp(min=0)
+                                  remaining_key_dx.gather(1, expert_d1) // epn).clamp(min=0)
         quota_dr = quota_dr.scatter_add(1, receiver_d1, -routes_d1)
-        remaining_key_dj = remaining_key_dj.scatter_add(1, expert_d1, -routes_d1 * epn)
+        remaining_key_dx = remaining_key_dx.scatter_add(1, expert_d1, -routes_d1 * epn)
         slots_left_dr = slots_left_dr.scatter_add(1, receiver_d1, -(routes_d1 > 0).long())
         receivers.append(receiver_d1)
         experts.append(expert_d1)
         routes.append(routes_d1)
     # What a donor does not give away it computes itself (receivers are never donors: home cells are 0).
     home_re = _home_mask_re(num_ranks, num_experts, device)
-    alloc_re = torch.where(home_re, (remaining_key_dj // epn).view(1, num_experts), 0)
+    alloc_re = torch.where(home_re, (remaining_key_dx // epn).view(1, num_experts), 0)
     if routes:
         first_expert_1d1 = torch.arange(0, num_experts, epn, device=device)[None, :, None]  # donor's first
         cell_n = (torch.stack(receivers) * num_experts + first_expert_1d1 + torch.stack(experts)).view(-1)
@@ -365,8 +364,9 @@ def plan_global_device(counts_re: torch.Tensor, num_slots: int, token_padding: i
     expert_e = torch.arange(num_experts, device=device)
     replica_re = (alloc_re > 0) & ~home_re
     slot_re = torch.where(replica_re, (replica_re.cumsum(1) - 1).clamp(max=num_slots), num_slots + expert_e)
-    unset_rx = torch.full((num_ranks, num_slots + num_experts), -1, dtype=torch.int64, device=device)
-    experts_to_copy_rb = unset_rx.scatter(1, slot_re, expert_e.expand(num_ranks, -1))[:, :num_slots]
+    # c: the B slots, then a sentinel column per expert
+    unset_rc = torch.full((num_ranks, num_slots + num_experts), -1, dtype=torch.int64, device=device)
+    experts_to_copy_rb = unset_rc.scatter(1, slot_re, expert_e.expand(num_ranks, -1))[:, :num_slots]
     # Segments: the E expert groups (only home ones non-empty), then the B slots, each padded to tp.
     used_rb = experts_to_copy_rb >= 0
     slot_routes_rb = torch.where(used_rb, alloc_re.gather(1, experts_to_copy_rb.clamp(min=0)), 0)
@@ -380,8 +380,8 @@ def plan_global_device(counts_re: torch.Tensor, num_slots: int, token_padding: i
     # writes to its own sentinel column E + j, dropped).
     sentinel_b = num_experts + torch.arange(num_slots, device=device)
     slot_col_rb = torch.where(used_rb, experts_to_copy_rb, sentinel_b)
-    row_base_rx = torch.cat([torch.where(home_re, base_rg[:, :num_experts], -1), base_rg[:, num_experts:]], 1)
-    row_base_re = row_base_rx.scatter(1, slot_col_rb, base_rg[:, num_experts:])[:, :num_experts]
+    row_base_rg = torch.cat([torch.where(home_re, base_rg[:, :num_experts], -1), base_rg[:, num_experts:]], 1)
+    row_base_re = row_base_rg.scatter(1, slot_col_rb, base_rg[:, num_experts:])[:, :num_experts]
     return DeviceGlobalPlan(alloc_re, experts_to_copy_rb, row_base_re, cu_seqlens_rg, zero_fill_rg2,
                             home_load_r)
 

@@ -3,11 +3,11 @@
 The contract is `moonep_moe.comm.plan` (module docstring, steps 1-6); this is its GPU implementation, equal to
 the reference bit for bit, with no host read (every size is a launch constant; nothing is read back).
 
-Legend: R ranks, E experts, `epn = E / R`, B slots, K routes per token, s tokens (`[s, K]` routes), tp token
-padding, NvS rows per rank. `R_P`, `W`, `B_P`, `K_P`, `E_P`: padded powers of two. In the global program,
-`_gw` tensors are indexed by (group or rank g, expert-in-group or rank w): `[R_P, W]` with
+Notation and suffixes: DESIGN.md, "Notation", except the global program's tile axes, local to this file:
+`R_P`, `W`, `B_P`, `K_P`, `E_P` are padded powers of two, and `_wg` tiles are indexed by (expert-in-group
+or rank w, home group or rank g; g is not a compute group here): `[W, R_P]` with
 `W = max(R_P, epn padded)` so that donor x expert and donor x receiver matrices share one shape (and one
-register layout: their row reductions meet without a layout conversion). `_dgw`: (computing rank d, g, w).
+register layout: their row reductions meet without a layout conversion). `_dwg`: (computing rank d, w, g).
 
 Launch 1, `_plan_kernel` (grid `nb + 1`), two kinds of program that run side by side:
 
