@@ -169,7 +169,7 @@ def time_triton(counts_re: torch.Tensor, topk_sk: torch.Tensor, kwargs: dict,
         tuning = dict(zip(sweep, values, strict=True))
         launch = prepare(counts_re, topk_sk, **kwargs, **tuning)
         both(launch)()
-        check(launch.plan(), str(tuning))
+        check(launch.plan, str(tuning))
         row["triton_sweep"].append(dict(**tuning, triton_plan_s=graph_timed(both(launch), repeat=iters)))
     return row
 

@@ -32,9 +32,11 @@ from collections.abc import Callable
 import torch
 
 from bench.common import graph_timed, measure_limits, timed, write_record
-from moonep_moe.comm.buffer import Buffer, replica_sources
+from moonep_moe.comm.buffer import Buffer
+from moonep_moe.comm.exchange import replica_sources
 from moonep_moe.comm.kernels import rows
-from moonep_moe.comm.plan import decode_dst, default_slots, plan_routes, rows_capacity
+from moonep_moe.comm.plan import default_slots, plan_routes, rows_capacity
+from moonep_moe.comm.plan_types import decode_dst
 from moonep_moe.comm.world import SymmetricTensor, single_world
 
 
@@ -101,7 +103,7 @@ def buffer_ops(record, S: int, H: int, K: int, E: int) -> None:
     weights_sk = torch.rand(S, K, device="cuda")
     for kernels in (True, False):
         buf = Buffer(S, H, K, E, 1, world=world, validate=False, kernels=kernels)
-        *_, plan = buf.dispatch(hidden_sh, weights_sk, topk_sk, tpe, zero_copy=True)
+        *_, plan, _ = buf.dispatch(hidden_sh, weights_sk, topk_sk, tpe, zero_copy=True)
         tag = "kernels" if kernels else "reference"
         record(f"dispatch_{tag}", lambda buf=buf, plan=plan: buf.dispatch(
             hidden_sh, None, None, None, plan=plan, zero_copy=True), (S + S * K) * H * 2, capturable=kernels)

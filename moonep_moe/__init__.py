@@ -7,12 +7,20 @@ the names of modules that need one, or that join a process group, load on first 
 from importlib import import_module, metadata
 from typing import Any
 
-from moonep_moe.comm.buffer import Buffer, CommEvent
-from moonep_moe.comm.plan import MoonEPCommPlan
+from moonep_moe.comm.buffer import Buffer
+from moonep_moe.comm.event import CommEvent
+from moonep_moe.comm.plan_types import MoonEPCommPlan
 from moonep_moe.comm.pool import BufferPool
 from moonep_moe.comm.world import EPWorld, run_ranks
 from moonep_moe.communicator import MoECommunicator
-from moonep_moe.config import MoEConfig, RouterConfig, SharedExpertConfig, available_configs, load_config
+from moonep_moe.config import (
+    CommConfig,
+    MoEConfig,
+    RouterConfig,
+    SharedExpertConfig,
+    available_configs,
+    load_config,
+)
 from moonep_moe.layers.moe import MoonEPMoELayer
 from moonep_moe.weights.layout import ExpertLayout
 
@@ -34,6 +42,7 @@ _LAZY = {
 __all__ = [
     "Buffer",
     "BufferPool",
+    "CommConfig",
     "CommEvent",
     "EPWorld",
     "ExpertLayout",

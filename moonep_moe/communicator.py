@@ -1,7 +1,7 @@
 """`MoECommunicator`: a framework-neutral facade over the comm core for inference engines.
 
-Legend: t tokens of this rank in a step (t <= S), h hidden, k top-k, nv dispatched rows (NvS of the Buffer
-serving the step), g this rank's compute groups (`epn` home experts, then B slots).
+Notation and suffixes: DESIGN.md, "Notation" (`t`: the engine's tokens of this rank in a step, t <= S; `nv`:
+rows of the Buffer serving the step; `g`: this rank's compute groups, `epn` home experts then B slots).
 
 It follows the shape of the MSCCL++ expert-parallel API draft: one object per layer shape, `dispatch` returns
 the tokens in an expert-major layout plus an opaque handle, the engine runs its own expert GEMMs on that
@@ -32,13 +32,15 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from moonep_moe.comm.buffer import Buffer, CommEvent
-from moonep_moe.comm.plan import MoonEPCommPlan, default_slots
+from moonep_moe.comm.buffer import Buffer
+from moonep_moe.comm.event import CommEvent
+from moonep_moe.comm.plan import LAYOUT_NAMES, check_layout, default_slots
+from moonep_moe.comm.plan_types import MoonEPCommPlan
 from moonep_moe.comm.pool import BufferPool
 from moonep_moe.comm.world import EPWorld
-from moonep_moe.config import MoEConfig
+from moonep_moe.config import CommConfig, MoEConfig
 from moonep_moe.layers.function import compute_offsets
 from moonep_moe.weights.layout import ExpertLayout
 
@@ -49,26 +51,10 @@ FACADE_DISPATCH_NAMES = ("input_th", "weights_tk", "topk_ids_tk")
 """How `MoECommunicator.dispatch` calls the rows, route weights and expert ids (in its errors)."""
 
 
-class CommunicatorConfig(BaseModel):
-    """What the communicator needs of a layer: fewer fields than `MoEConfig` (no router, no GEMM backend)."""
+class CommunicatorConfig(CommConfig):
+    """What the communicator needs of a layer: the comm fields (`CommConfig`: H, E, K, S, R, B, tp, dtype;
+    `ep_size` None takes the world's size, if given it must equal it) and the facade's own options."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    hidden_size: int = Field(..., ge=1, description="H: hidden size of the dispatched rows. Required.")
-    num_experts: int = Field(..., ge=1, description="E: routed experts in the EP group. Required.")
-    top_k: int = Field(..., ge=1, description="K: routed experts per token. Required.")
-    max_tokens_per_rank: int = Field(..., ge=1, description=(
-        "S: the most tokens one rank passes in one step. Required. Steps may carry fewer tokens."))
-    ep_size: int | None = Field(None, ge=1, description=(
-        "R: ranks in the EP group. Default None takes the world's size; if given it must equal it."))
-    num_prefetch_slots: int | None = Field(None, ge=0, description=(
-        "B: replica slots per rank. Default None = E / R (exact balance); fewer slots save weight memory "
-        "and give best-effort balance (and larger row buffers, see `MoEConfig.rows_per_rank`)."))
-    token_padding: int = Field(128, ge=1, description=(
-        "tp: every non-empty group is padded with zero rows to a multiple of it. Default 128 (Hopper "
-        "grouped GEMMs' M-block)."))
-    dtype: Literal["bfloat16", "float16", "float32", "float64"] = Field(
-        "bfloat16", description="Dtype of the dispatched rows and of the expert outputs given to combine.")
     num_local_experts: int | None = Field(None, ge=1, description=(
         "Explicit expert placement: home experts per rank. Default None = E / R, the only placement "
         "supported (contiguous blocks); another value raises."))
@@ -87,12 +73,8 @@ class CommunicatorConfig(BaseModel):
 
     @classmethod
     def from_moe_config(cls, config: MoEConfig, **overrides: Any) -> CommunicatorConfig:
-        """The communicator fields of a layer's `MoEConfig`, with `overrides` applied."""
-        fields = dict(hidden_size=config.hidden_size, num_experts=config.num_experts, top_k=config.top_k,
-                      max_tokens_per_rank=config.max_tokens_per_rank, ep_size=config.ep_size,
-                      num_prefetch_slots=config.num_prefetch_slots, token_padding=config.token_padding,
-                      dtype=config.dtype)
-        return cls(**{**fields, **overrides})
+        """The comm fields of a layer's `MoEConfig` (`MoEConfig.comm`), with `overrides` applied."""
+        return cls(**{**config.comm.model_dump(), **overrides})
 
 
 @dataclass(frozen=True)
@@ -142,7 +124,7 @@ class CommRequest(Generic[T]):
 
     def is_completed(self) -> bool:
         """Whether the queued operation has finished on the device (True off CUDA)."""
-        return self._event.event is None or self._event.event.query()
+        return self._event.query()
 
     def wait(self) -> T:
         self._event.wait()
@@ -154,7 +136,7 @@ class MoECommunicator:
     experts. Owns its Buffers (created lazily, released by `destroy()`); holds no weights.
 
     Args:
-        config: a `CommunicatorConfig`, a `MoEConfig` (its communicator fields are used) or None.
+        config: a `CommunicatorConfig`, a `CommConfig` or a `MoEConfig` (its comm fields are used), or None.
         world: the EP world of this rank (`moonep_moe.comm.world`).
         **kwargs: `CommunicatorConfig` fields, overriding the config's (or the whole config when it is None).
 
@@ -182,13 +164,13 @@ class MoECommunicator:
     supports_backward = False
     """Forward (serving) only; training uses `MoonEPMoELayer`, whose backward reuses the forward plan."""
 
-    def __init__(self, config: CommunicatorConfig | MoEConfig | None = None, *, world: EPWorld,
+    def __init__(self, config: CommConfig | None = None, *, world: EPWorld,
                  **kwargs: Any):
         if isinstance(config, MoEConfig):
             config = CommunicatorConfig.from_moe_config(config, **kwargs)
         elif config is None:
             config = CommunicatorConfig(**kwargs)
-        elif kwargs:
+        elif kwargs or not isinstance(config, CommunicatorConfig):  # a CommConfig, or overrides
             config = CommunicatorConfig(**{**config.model_dump(), **kwargs})
         _check_supported(config, world)
         self.config, self.world = config, world
@@ -373,19 +355,14 @@ def _check_supported(config: CommunicatorConfig, world: EPWorld) -> None:
     E, R = config.num_experts, world.size
     if config.ep_size is not None and config.ep_size != R:
         raise ValueError(f"{where}: ep_size={config.ep_size} does not match the world's size {R}")
-    if E % R:
-        raise ValueError(f"{where}: num_experts (E={E}) must be divisible by the EP size (R={R})")
-    if config.top_k > E:
-        raise ValueError(f"{where}: top_k (K={config.top_k}) must be <= num_experts (E={E})")
+    names = {**LAYOUT_NAMES, "R": "ep_size (R={})" if config.ep_size is not None else "the EP size (R={})"}
+    check_layout(E, R, config.top_k, config.num_prefetch_slots, names, where)
     epn = E // R
     placement = (config.num_local_experts, config.local_expert_start)
     if placement[0] not in (None, epn) or placement[1] not in (None, world.rank * epn):
         raise ValueError(f"{where}: expert placement (num_local_experts, local_expert_start) = {placement} "
                          f"is not supported: only contiguous blocks, (E/R, rank*E/R) = "
                          f"({epn}, {world.rank * epn})")
-    if config.num_prefetch_slots is not None and config.num_prefetch_slots > E - epn:
-        raise ValueError(f"{where}: num_prefetch_slots (B={config.num_prefetch_slots}) must be <= "
-                         f"E - E/R = {E - epn}")
     if config.min_capacity > config.max_tokens_per_rank:
         raise ValueError(f"{where}: min_capacity ({config.min_capacity}) must be <= max_tokens_per_rank "
                          f"({config.max_tokens_per_rank})")

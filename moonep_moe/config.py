@@ -24,9 +24,10 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from moonep_moe.comm.plan import default_slots, rows_capacity
+from moonep_moe.comm.plan import check_layout, default_slots, rows_capacity
 
 __all__ = [
+    "CommConfig",
     "MoEConfig",
     "RouterConfig",
     "SharedExpertConfig",
@@ -167,8 +168,13 @@ class SharedExpertConfig(BaseModel):
     )
 
 
-class MoEConfig(BaseModel):
-    """One MoE layer and its expert-parallel group: shapes, EP layout, router, shared experts, backends."""
+class CommConfig(BaseModel):
+    """The comm core's fields of one layer shape: what the planner, the `Buffer` and `MoECommunicator` need.
+
+    Defined once: `MoEConfig` extends it (its YAML keys are these fields, flat) and `MoEConfig.comm` is its
+    comm part; `moonep_moe.communicator.CommunicatorConfig` extends it with the facade's options. The layout
+    checks (E % R, K <= E, B in [0, E - E/R]) are `comm.plan.check_layout`, the one check every caller runs.
+    """
 
     model_config = _STRICT
 
@@ -176,14 +182,6 @@ class MoEConfig(BaseModel):
         ...,
         ge=1,
         description="H: model hidden size (HF `hidden_size`). Required.",
-    )
-    ffn_hidden_size: int = Field(
-        ...,
-        ge=1,
-        description=(
-            "H': intermediate size of one routed expert (HF `moe_intermediate_size`, Mixtral "
-            "`intermediate_size`). Required. A multiple of 128 keeps grouped GEMMs on their fast path."
-        ),
     )
     num_experts: int = Field(
         ...,
@@ -200,12 +198,12 @@ class MoEConfig(BaseModel):
             "K: routed experts per token (HF `num_experts_per_tok`). Required; 1 <= top_k <= num_experts."
         ),
     )
-    ep_size: int = Field(
-        1,
+    ep_size: int | None = Field(
+        None,
         ge=1,
         description=(
-            "R: ranks in the EP group. Default 1 (no expert parallelism). Each rank owns "
-            "epn = num_experts // ep_size home experts."
+            "R: ranks in the EP group; each rank owns epn = num_experts // ep_size home experts. None: the "
+            "world's size, where a world is given (`MoECommunicator`); `MoEConfig` defaults it to 1."
         ),
     )
     num_prefetch_slots: int | None = Field(
@@ -220,16 +218,11 @@ class MoEConfig(BaseModel):
         ),
     )
     token_padding: int = Field(
-        None,
+        128,
         ge=1,
-        validate_default=False,
         description=(
-            "tp: every non-empty expert segment is padded with zero rows to a multiple of this. Default: 128 "
-            "with grouped_gemm='deep_gemm' (its M-block; it needs a multiple of 128), else 16, the alignment "
-            "torch._grouped_mm and the Triton wgrad take. Measured on the H200 (DeepSeek-V3 layer at EP=1, "
-            "bench/results/layer-NVIDIA_H200-20261201-0b81cc1.json): 128 pads ~25% more rows than 16 there "
-            "(256 segments of ~256 routes) for 2.2 GiB more peak memory and no speed gain with 'auto'. "
-            "Smaller values (e.g. 8) waste less memory in CPU tests and demos."
+            "tp: every non-empty expert segment is padded with zero rows to a multiple of this. Default 128 "
+            "(Hopper grouped GEMMs' M-block); `MoEConfig` picks its own default (see there)."
         ),
     )
     max_tokens_per_rank: int = Field(
@@ -245,6 +238,94 @@ class MoEConfig(BaseModel):
         description=(
             "Dtype of activations and expert weights. Default 'bfloat16' (production; required by DeepGEMM). "
             "'float32' for the CPU demo, 'float64' for reference tests."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_comm_layout(self) -> CommConfig:
+        # without an EP size (the world's, known later) only K <= E can be checked here
+        if self.ep_size is None:
+            check_layout(self.num_experts, 1, self.top_k, None)
+        else:
+            check_layout(self.num_experts, self.ep_size, self.top_k, self.num_prefetch_slots)
+        return self
+
+    def _ranks(self) -> int:
+        if self.ep_size is None:
+            raise ValueError("ep_size is None (the world's size): set it to derive per-rank sizes")
+        return self.ep_size
+
+    @property
+    def experts_per_rank(self) -> int:
+        """epn = E // R: home experts stored on each rank."""
+        return self.num_experts // self._ranks()
+
+    @property
+    def prefetch_slots(self) -> int:
+        """B, resolved: ``num_prefetch_slots``, or when None, epn if ``ep_size`` > 1 else 0."""
+        if self.num_prefetch_slots is not None:
+            return self.num_prefetch_slots
+        return default_slots(self.num_experts, self._ranks())
+
+    @property
+    def routes_per_rank(self) -> int:
+        """N = S * K: routes that leave one rank per step (at most; invalid routes are not sent)."""
+        return self.max_tokens_per_rank * self.top_k
+
+    @property
+    def rows_per_rank(self) -> int:
+        """NvS: dispatched-row capacity per rank, the first dimension of ``hidden_nvsh``.
+
+        A rank has at most epn + B non-empty segments (its home experts and its slots), each padded by
+        fewer than tp rows, so the capacity is ``align_up(routes + (tp - 1) * (epn + B), tp)``, where
+        ``routes`` is the most routes the planner can put on one rank:
+
+        - B >= epn: the balance invariant holds for any routing, so a rank computes at most S*K routes.
+        - B < epn: balance is best effort. In the worst case every rank sends all its S*K routes to this
+          rank's home experts and no replica can absorb them, so the bound is R*S*K. Static shapes must
+          cover that worst case, because sizing for the typical case would make a skewed step overflow.
+          (With R = 1, B = 0 < epn and the bound is S*K, as expected.)
+        """
+        return rows_capacity(self.max_tokens_per_rank, self.top_k, self._ranks(), self.num_experts,
+                             self.prefetch_slots, self.token_padding)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """``dtype`` as a ``torch.dtype`` (activations and expert weights)."""
+        return getattr(torch, self.dtype)
+
+
+class MoEConfig(CommConfig):
+    """One MoE layer and its expert-parallel group: the comm fields (`CommConfig`, flat in YAML), the expert
+    FFN size, router, shared experts, gradient mode and backends."""
+
+    ffn_hidden_size: int = Field(
+        ...,
+        ge=1,
+        description=(
+            "H': intermediate size of one routed expert (HF `moe_intermediate_size`, Mixtral "
+            "`intermediate_size`). Required. A multiple of 128 keeps grouped GEMMs on their fast path."
+        ),
+    )
+    ep_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "R: ranks in the EP group. Default 1 (no expert parallelism). Each rank owns "
+            "epn = num_experts // ep_size home experts."
+        ),
+    )
+    token_padding: int = Field(
+        None,
+        ge=1,
+        validate_default=False,
+        description=(
+            "tp: every non-empty expert segment is padded with zero rows to a multiple of this. Default: 128 "
+            "with grouped_gemm='deep_gemm' (its M-block; it needs a multiple of 128), else 16, the alignment "
+            "torch._grouped_mm and the Triton wgrad take. Measured on the H200 (DeepSeek-V3 layer at EP=1, "
+            "bench/results/layer-NVIDIA_H200-20261201-0b81cc1.json): 128 pads ~25% more rows than 16 there "
+            "(256 segments of ~256 routes) for 2.2 GiB more peak memory and no speed gain with 'auto'. "
+            "Smaller values (e.g. 8) waste less memory in CPU tests and demos."
         ),
     )
     expert_grad_dtype: Literal["param", "main_grad"] = Field(
@@ -315,18 +396,8 @@ class MoEConfig(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _check_layout(self) -> MoEConfig:
-        e, r, k = self.num_experts, self.ep_size, self.top_k
-        if e % r != 0:
-            raise ValueError(f"num_experts (E={e}) must be divisible by ep_size (R={r})")
-        if k > e:
-            raise ValueError(f"top_k (K={k}) must be <= num_experts (E={e}); expected 1 <= top_k <= E")
-        epn = e // r
-        if self.num_prefetch_slots is not None and self.num_prefetch_slots > e - epn:
-            raise ValueError(
-                f"num_prefetch_slots (B={self.num_prefetch_slots}) must be <= num_experts - experts_per_rank "
-                f"= {e} - {epn} = {e - epn}"
-            )
+    def _check_routing_and_backend(self) -> MoEConfig:
+        e, k = self.num_experts, self.top_k
         n_group, topk_group = self.router.n_group, self.router.topk_group
         if e % n_group != 0:
             raise ValueError(f"router.n_group ({n_group}) must divide num_experts (E={e})")
@@ -340,43 +411,10 @@ class MoEConfig(BaseModel):
         return self
 
     @property
-    def experts_per_rank(self) -> int:
-        """epn = E // R: home experts stored on each rank."""
-        return self.num_experts // self.ep_size
-
-    @property
-    def prefetch_slots(self) -> int:
-        """B, resolved: ``num_prefetch_slots``, or when None, epn if ``ep_size`` > 1 else 0."""
-        if self.num_prefetch_slots is not None:
-            return self.num_prefetch_slots
-        return default_slots(self.num_experts, self.ep_size)
-
-    @property
-    def routes_per_rank(self) -> int:
-        """N = S * K: routes that leave one rank per step (at most; invalid routes are not sent)."""
-        return self.max_tokens_per_rank * self.top_k
-
-    @property
-    def rows_per_rank(self) -> int:
-        """NvS: dispatched-row capacity per rank, the first dimension of ``hidden_nvsh``.
-
-        A rank has at most epn + B non-empty segments (its home experts and its slots), each padded by
-        fewer than tp rows, so the capacity is ``align_up(routes + (tp - 1) * (epn + B), tp)``, where
-        ``routes`` is the most routes the planner can put on one rank:
-
-        - B >= epn: the balance invariant holds for any routing, so a rank computes at most S*K routes.
-        - B < epn: balance is best effort. In the worst case every rank sends all its S*K routes to this
-          rank's home experts and no replica can absorb them, so the bound is R*S*K. Static shapes must
-          cover that worst case, because sizing for the typical case would make a skewed step overflow.
-          (With R = 1, B = 0 < epn and the bound is S*K, as expected.)
-        """
-        return rows_capacity(self.max_tokens_per_rank, self.top_k, self.ep_size, self.num_experts,
-                             self.prefetch_slots, self.token_padding)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """``dtype`` as a ``torch.dtype`` (activations and expert weights)."""
-        return getattr(torch, self.dtype)
+    def comm(self) -> CommConfig:
+        """The comm part of this layer's config (E, K, R, B, S, H, tp, dtype), for the Buffer and
+        `MoECommunicator`."""
+        return CommConfig(**self.model_dump(include=set(CommConfig.model_fields)))
 
 
 ConfigKind = Literal["layer", "train"]

@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moonep_moe.comm.buffer import Buffer
-from moonep_moe.comm.plan import decode_dst
+from moonep_moe.comm.buffer import Buffer, CommEvent
+from moonep_moe.comm.plan_types import decode_dst
 from moonep_moe.comm.world import RankFailedError, ThreadGroup, run_ranks, single_world
 from moonep_moe.weights.pool import ExpertRows, slot_grad_pool, slot_pool
 
@@ -101,7 +101,7 @@ def roundtrip(case: Case, topk_dtype: torch.dtype = torch.int32) -> list[dict]:
     def fn(world):
         buf = case.buffer(world)
         x = case.inputs(world.rank, topk_dtype)
-        rows, weights_nvs, cu_seqlens, plan = dispatch(buf, x)
+        rows, weights_nvs, cu_seqlens, plan, _ = dispatch(buf, x)
         out = dict(rank=world.rank, x=x, plan=plan.clone(), rows=rows, weights_nvs=weights_nvs, cu=cu_seqlens)
         out["scaled"], _, _ = buf.combine(plan, rows * weights_nvs[:, None])
         tags = world.rank * 10_000 + torch.arange(buf.NvS, dtype=F64)  # also left in the padding weights
@@ -113,7 +113,7 @@ def roundtrip(case: Case, topk_dtype: torch.dtype = torch.int32) -> list[dict]:
         out["identity"], none, _ = buf.combine(plan, garbage)
         assert none is None
         x["grad"] = torch.randint(-8, 9, x["hidden"].shape, dtype=torch.int64).to(F64)
-        out["grad_rows"], out["grad_w"], out["grad_cu"], same = buf.dispatch(x["grad"], None, None, None,
+        out["grad_rows"], out["grad_w"], out["grad_cu"], same, _ = buf.dispatch(x["grad"], None, None, None,
                                                                              plan=plan)
         assert same is plan
         out["again"] = dispatch(buf, x)  # over the garbage left by the combines: padding is zero again
@@ -190,7 +190,7 @@ def test_duplicates_are_expanded():
         x = case.inputs(world.rank)
         x["topk"][0] = torch.tensor([3, 1, 0, 2], dtype=torch.int32)
         x["tpe"] = torch.bincount(x["topk"][x["topk"] >= 0].long(), minlength=case.E).int()
-        rows, weights_nvs, _, plan = dispatch(buf, x)
+        rows, weights_nvs, _, plan, _ = dispatch(buf, x)
         identity, _, _ = buf.combine(plan, rows)
         return dict(rank=world.rank, x=x, plan=plan, rows=rows, weights_nvs=weights_nvs, identity=identity)
 
@@ -224,14 +224,14 @@ def test_zero_copy_views():
     def fn(world):
         buf = case.buffer(world)
         x = case.inputs(world.rank)
-        rows, weights_nvs, _, plan = dispatch(buf, x, zero_copy=True, router_weights_zero_copy=True)
+        rows, weights_nvs, _, plan, _ = dispatch(buf, x, zero_copy=True, router_weights_zero_copy=True)
         assert rows.data_ptr() == buf.hidden_nvsh_buffer_view.data_ptr()
         assert weights_nvs.data_ptr() == buf.router_weight_buffer_view.data_ptr()
         with pytest.raises(ValueError, match="hidden_nvsh"):
             buf.combine(plan, rows.clone(), zero_copy=True)
         rows.mul_(weights_nvs[:, None])  # the "expert" writes its output in place
         out, _, _ = buf.combine(plan, buf.hidden_nvsh_buffer_view, zero_copy=True)
-        copied, _, _, _ = dispatch(buf, x)
+        copied, _, _, _, _ = dispatch(buf, x)
         assert copied.data_ptr() != buf.hidden_nvsh_buffer_view.data_ptr()
         return x, out
 
@@ -256,7 +256,7 @@ def test_prefetch_weight_fills_slots(R):
 
     def fn(world):
         buf = case.buffer(world)
-        _, _, _, plan = dispatch(buf, case.inputs(world.rank))
+        _, _, _, plan, _ = dispatch(buf, case.inputs(world.rank))
         gate_e, down_e = full_weights(case, GATE_NK, 1), full_weights(case, DOWN_NK, 2)
         epn, r, B = case.epn, world.rank, buf.B
         # replicated form [E+B, N, K]: rows E.. are the slots
@@ -290,7 +290,7 @@ def test_reduce_grad_sums_replicas_into_home(R, form):
 
     def fn(world):
         buf = case.buffer(world)
-        _, _, _, plan = dispatch(buf, case.inputs(world.rank))
+        _, _, _, plan, _ = dispatch(buf, case.inputs(world.rank))
         r, B, epn = world.rank, buf.B, case.epn
         gen = torch.Generator().manual_seed(7 + r)
         used = torch.tensor([e >= 0 for e in plan.experts_to_copy[r].tolist()], dtype=torch.bool)
@@ -399,7 +399,7 @@ def test_error_world_size_mismatch():
 def test_error_plan_from_another_buffer(one):
     buf, x = one
     other = ONE.buffer(buf.world)
-    rows, _, _, plan = dispatch(other, x)
+    rows, _, _, plan, _ = dispatch(other, x)
     with pytest.raises(ValueError, match="plan"):
         buf.combine(plan, rows)
     with pytest.raises(ValueError, match="plan"):
@@ -408,14 +408,14 @@ def test_error_plan_from_another_buffer(one):
 
 def test_error_combine_zero_copy_foreign_tensor(one):
     buf, x = one
-    rows, _, _, plan = dispatch(buf, x)
+    rows, _, _, plan, _ = dispatch(buf, x)
     with pytest.raises(ValueError, match="hidden_nvsh"):
         buf.combine(plan, rows, zero_copy=True)
 
 
 def test_use_after_destroy(one):
     buf, x = one
-    _, _, _, plan = dispatch(buf, x)
+    _, _, _, plan, _ = dispatch(buf, x)
     keys = list(buf.world.group._registry)
     assert keys
     buf.destroy()
@@ -436,7 +436,7 @@ def test_failed_call_leaves_buffer_usable():
 
     def exact_step(buf, world):
         x = case.inputs(world.rank)
-        rows, _, _, plan = dispatch(buf, x)
+        rows, _, _, plan, _ = dispatch(buf, x)
         out, _, _ = buf.combine(plan, rows)
         assert torch.equal(out, valid_sk(x).sum(1, keepdim=True) * x["hidden"])
 
@@ -475,14 +475,14 @@ def test_operations_refuse_a_plan_older_than_the_latest_dispatch():
     def fn(world):
         buf = case.buffer(world)
         x, y = case.inputs(world.rank), other.inputs(world.rank)
-        _, _, _, plan_a = dispatch(buf, x)
-        rows_b, _, _, plan_b = dispatch(buf, y)
+        _, _, _, plan_a, _ = dispatch(buf, x)
+        rows_b, _, _, plan_b, _ = dispatch(buf, y)
         with pytest.raises(ValueError, match=f"rank {world.rank}: plan is the plan of step 1 .* latest "
                                              "dispatch was step 2"):
             buf.combine(plan_a, rows_b)
         with pytest.raises(ValueError, match="plan of step 1"):
             buf.prefetch_weight(plan_a, None, None, None)
-        grad_rows, _, _, _ = buf.dispatch(x["hidden"], plan=plan_a)  # backward of step A
+        grad_rows, _, _, _, _ = buf.dispatch(x["hidden"], plan=plan_a)  # backward of step A
         out_a, _, _ = buf.combine(plan_a, grad_rows)
         with pytest.raises(ValueError, match="plan of step 2 .* latest dispatch was step 1"):
             buf.combine(plan_b, rows_b)
@@ -506,7 +506,8 @@ def test_tokens_per_expert_is_counted_from_the_ids():
         buf = case.buffer(world, validate=False)
         outs = []
         for tokens_per_expert in (wrong, None):
-            rows, weights_nvs, _, plan = buf.dispatch(x["hidden"], x["weights"], x["topk"], tokens_per_expert)
+            rows, weights_nvs, _, plan, _ = buf.dispatch(x["hidden"], x["weights"], x["topk"],
+                                                         tokens_per_expert)
             outs.append(buf.combine(plan, rows * weights_nvs[:, None])[0])
         return x, outs
 
@@ -523,7 +524,7 @@ def test_prefetch_weight_refuses_replicated_rows_that_are_not_the_experts():
 
     def fn(world):
         buf = case.buffer(world)
-        _, _, _, plan = dispatch(buf, case.inputs(world.rank))
+        _, _, _, plan, _ = dispatch(buf, case.inputs(world.rank))
         gate_e = full_weights(case, GATE_NK, 1)
         home = slice(world.rank * case.epn, (world.rank + 1) * case.epn)
         only_home = torch.zeros(case.E + buf.B, *GATE_NK, dtype=F64)
@@ -549,7 +550,7 @@ def test_guide_backward_dispatch_views_and_explicit_destroy():
     world = single_world()
     buf = case.buffer(world, explicitly_destroy=True)
     x = case.inputs(0)
-    rows, _, _, plan = dispatch(buf, x)
+    rows, _, _, plan, _ = dispatch(buf, x)
     buf.combine(plan, rows)
     grad, weights, cu_seqlens, same, event = buf.dispatch(x["hidden"], plan=plan, async_finish=True)
     event.wait()
@@ -562,6 +563,44 @@ def test_guide_backward_dispatch_views_and_explicit_destroy():
         del buf
         gc.collect()
     assert not any(k in world.group._registry for k in keys), "released after the warning"
+
+
+def test_every_operation_returns_its_event_last():
+    """dispatch, combine, prefetch_weight and reduce_grad end their result with the operation's event: None
+    without `async_finish`, a `CommEvent` with it (finished off CUDA: its `event` is None, `query()` True)."""
+    case = Case(R=1, S=16, H=8, K=2, E=8, tp=4)
+    world = single_world()
+    buf = case.buffer(world)
+    x = case.inputs(0)
+    gate = ExpertRows(world.symmetric("test/event/gate", torch.zeros(case.epn, *GATE_NK, dtype=F64)),
+                      slot_pool(world, (buf.B, *GATE_NK), F64))
+    for async_finish in (False, True):
+        events = []
+        *_, plan, event = dispatch(buf, x, async_finish=async_finish)
+        events.append(event)
+        *_, event = buf.combine(plan, torch.zeros(buf.NvS, case.H, dtype=F64), async_finish=async_finish)
+        events.append(event)
+        *_, plan, event = buf.dispatch(x["hidden"], plan=plan, async_finish=async_finish)
+        events.append(event)
+        events.append(buf.prefetch_weight(plan, gate, None, None, async_finish=async_finish))
+        events.append(buf.reduce_grad(plan, gate, None, None, async_finish=async_finish))
+        if async_finish:
+            assert all(isinstance(e, CommEvent) and e.event is None and e.query() for e in events), events
+        else:
+            assert events == [None] * 5
+
+
+def test_buffer_takes_only_options_that_run():
+    """No stored-but-unused options: `enable_pdl` (never read) and `prefetch_weight(scales=...)` (which only
+    raised, until quantised experts give it a meaning) are not accepted."""
+    case = Case(R=1, S=16, H=8, K=2, E=8, tp=4)
+    world = single_world()
+    with pytest.raises(TypeError, match="enable_pdl"):
+        case.buffer(world, enable_pdl=True)
+    buf = case.buffer(world)
+    _, _, _, plan, _ = dispatch(buf, case.inputs(0))
+    with pytest.raises(TypeError, match="scales"):
+        buf.prefetch_weight(plan, None, None, None, scales=None)
 
 
 def test_errors_name_the_rank():

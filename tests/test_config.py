@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from moonep_moe.comm.plan import align_up
+from moonep_moe.communicator import CommunicatorConfig
 from moonep_moe.config import (
+    CommConfig,
     MoEConfig,
     RouterConfig,
     SharedExpertConfig,
@@ -192,6 +194,37 @@ def test_prefetch_slots_at_most_remote_experts():
 def test_single_rank_allows_no_prefetch_slots():
     with pytest.raises(pydantic.ValidationError, match=r"num_prefetch_slots \(B=1\)"):
         make(ep_size=1, num_prefetch_slots=1)
+
+
+def test_comm_config_is_the_layer_configs_comm_part():
+    """`MoEConfig.comm` holds the fields the comm core needs, with the layer's values, and derives the same
+    sizes; the YAML keys stay flat."""
+    cfg = load_config("tiny-cpu", ep_size=2)
+    comm = cfg.comm
+    assert type(comm) is CommConfig and isinstance(cfg, CommConfig)
+    assert comm.model_dump() == {name: getattr(cfg, name) for name in CommConfig.model_fields}
+    assert (comm.token_padding, comm.ep_size) == (8, 2), "tiny-cpu's own tp, the override's R"
+    for size in ("experts_per_rank", "prefetch_slots", "routes_per_rank", "rows_per_rank", "torch_dtype"):
+        assert getattr(comm, size) == getattr(cfg, size), size
+
+
+LAYOUT_ERRORS = [  # (E, R, K, B), the message every config names its fields in
+    ((16, 3, 4, None), r"num_experts \(E=16\) must be divisible by ep_size \(R=3\)"),
+    ((16, 4, 17, None), r"top_k \(K=17\) must be <= num_experts \(E=16\)"),
+    ((16, 4, 4, 13), r"num_prefetch_slots \(B=13\) must be <= E - E/R = 16 - 4 = 12"),
+]
+
+
+@pytest.mark.parametrize(("layout", "message"), LAYOUT_ERRORS)
+def test_layout_is_checked_once_for_every_config(layout, message):
+    """MoEConfig, CommConfig and the communicator's config run the one layout check (`check_layout`)."""
+    E, R, K, B = layout
+    fields = dict(hidden_size=64, num_experts=E, top_k=K, ep_size=R, num_prefetch_slots=B,
+                  max_tokens_per_rank=128)
+    for model in (CommConfig, CommunicatorConfig, MoEConfig):
+        extra = dict(ffn_hidden_size=32) if model is MoEConfig else {}
+        with pytest.raises(pydantic.ValidationError, match=message):
+            model(**fields, **extra)
 
 
 def test_n_group_must_divide_num_experts():

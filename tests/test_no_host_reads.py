@@ -23,6 +23,7 @@ from test_buffer import DOWN_NK, GATE_NK, Case, full_weights
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import moonep_moe.comm.buffer as buffer_module
+import moonep_moe.comm.exchange as exchange_module
 from moonep_moe.comm.world import run_ranks, single_world
 from moonep_moe.weights.pool import ExpertRows, slot_grad_pool, slot_pool
 
@@ -135,12 +136,12 @@ def buffer_step(world, case: Case, guarded_op: str | None) -> dict:
         return no_host_reads() if guarded_op in (op, None) else contextlib.nullcontext()
 
     with guard("dispatch"):
-        rows_nvsh, weights_nvs, _, plan = buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"])
+        rows_nvsh, weights_nvs, _, plan, _ = buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"])
     with guard("combine"):
         out_sh, _, _ = buf.combine(plan, rows_nvsh * weights_nvs[:, None])
         _, weights_sk, _ = buf.combine(plan, rows_nvsh, weights_nvs)
     with guard("dispatch-backward"):
-        grad_nvsh, _, _, _ = buf.dispatch(x["hidden"], None, None, None, plan=plan)
+        grad_nvsh, _, _, _, _ = buf.dispatch(x["hidden"], None, None, None, plan=plan)
     with guard("prefetch_weight"):
         buf.prefetch_weight(plan, rows[0], None, rows[1])
         buf.prefetch_weight(plan, replicated[0], None, replicated[1])
@@ -199,7 +200,7 @@ def test_index_add_in_blocks_equals_index_add():
     want = target.clone().index_add_(0, index_c, values_c)
     for max_elements in (6, 13, 18, 10**9):
         got = target.clone()
-        buffer_module._index_add_blocked_(got, index_c, values_c, max_elements=max_elements)
+        exchange_module._index_add_blocked_(got, index_c, values_c, max_elements=max_elements)
         assert torch.equal(got, want), max_elements
 
 
@@ -213,9 +214,9 @@ def test_cuda_one_rank_step_runs_under_sync_debug_error():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        rows_nvsh, weights_nvs, _, plan = buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"])
+        rows_nvsh, weights_nvs, _, plan, _ = buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"])
         out_sh, _, _ = buf.combine(plan, rows_nvsh * weights_nvs[:, None])
-        grad_nvsh, _, _, _ = buf.dispatch(x["hidden"], None, None, None, plan=plan)
+        grad_nvsh, _, _, _, _ = buf.dispatch(x["hidden"], None, None, None, plan=plan)
         _, weights_sk, _ = buf.combine(plan, grad_nvsh, weights_nvs)
     finally:
         torch.cuda.set_sync_debug_mode("default")

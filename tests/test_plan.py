@@ -23,15 +23,13 @@ from torch._subclasses.fake_tensor import (
 )
 
 from moonep_moe.comm.plan import (
-    NO_ROUTE,
-    MoonEPCommPlan,
-    decode_dst,
     default_slots,
     plan_global,
     plan_global_device,
     plan_routes,
     rows_capacity,
 )
+from moonep_moe.comm.plan_types import NO_ROUTE, MoonEPCommPlan, decode_dst
 
 RANKS = [1, 2, 3, 4, 8, 16]
 KINDS = ["uniform", "zipf", "hot_expert", "one_rank", "random", "adversarial", "direct"]

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from test_plan import Scenario, histograms, scenarios, topk_from_counts
 
 from moonep_moe.comm.kernels.plan import plan_routes_triton, prepare
-from moonep_moe.comm.plan import MoonEPCommPlan, default_slots, plan_global, plan_routes, rows_capacity
+from moonep_moe.comm.plan import default_slots, plan_global, plan_routes, rows_capacity
+from moonep_moe.comm.plan_types import MoonEPCommPlan
 
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -140,13 +141,13 @@ def test_kernel_tables_give_the_reference_allocation(case, data):
     row_base_re = launch.offset_er.cpu().long().t() - torch.arange(R)[:, None] * NvS + start_re
     assert alloc_re.tolist() == ref.alloc
     assert torch.where(alloc_re > 0, row_base_re, -1).tolist() == ref.row_base
-    assert launch.experts_to_copy.tolist() == ref.experts_to_copy
-    assert launch.cu_seqlens.tolist() == ref.cu_seqlens[rank]
-    assert launch.zero_fill_ranges.tolist() == ref.zero_fill[rank]
-    assert launch.rank_load.tolist() == alloc_re.sum(1).tolist()
-    assert launch.expert_load.tolist() == counts_re.sum(0).tolist()
-    assert launch.home_load.tolist() == ref.home_load
-    assert launch.slots_used.tolist() == [sum(e >= 0 for e in row) for row in ref.experts_to_copy]
+    assert launch.plan.experts_to_copy.tolist() == ref.experts_to_copy
+    assert launch.plan.cu_seqlens.tolist() == ref.cu_seqlens[rank]
+    assert launch.plan.zero_fill_ranges.tolist() == ref.zero_fill[rank]
+    assert launch.plan.rank_load.tolist() == alloc_re.sum(1).tolist()
+    assert launch.plan.expert_load.tolist() == counts_re.sum(0).tolist()
+    assert launch.plan.home_load.tolist() == ref.home_load
+    assert launch.plan.slots_used.tolist() == [sum(e >= 0 for e in row) for row in ref.experts_to_copy]
     assert launch.before_e.tolist() == counts_re[:rank].sum(0).tolist()
 
 

@@ -1,7 +1,6 @@
 """`Buffer`: the comm core of one MoE layer shape (MoonEP's public API and semantics, reference in torch).
 
-Shapes: S tokens of capacity, H hidden, K top-k, E experts, R ranks, `epn = E / R`, B slots, NvS rows.
-One step of a layer on every rank:
+Notation and suffixes: DESIGN.md, "Notation". One step of a layer on every rank:
 
 1. `dispatch(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert)`: gathers the `[R, E]`
    histogram, plans (identically on every rank), writes each token row once per destination rank straight
@@ -20,22 +19,15 @@ Backward reuses the forward plan: `dispatch(grad_out_sh, plan=plan)` brings the 
 Memory: the Buffer owns three symmetric tensors (peers write and read them): the rows `[NvS, H]`, their
 route weights `[NvS]` and the duplicate sources `[NvS]`.
 
-Two implementations of every operation, selected once at construction (`kernels`), sharing the checks, the
-plan and every index they build (primary rows, dup tables, replica tables):
-
-- the torch reference: everything that crosses ranks goes through the world's two collective row exchanges,
-  `scatter_rows` (dispatch) and `gather_rows` (combine, prefetch, reduce_grad), so every EP world (threads,
-  symmetric memory, torch.distributed collectives) runs it; local work (padding zero-fill, duplicate
-  expansion and pre-reduction) happens between them;
-- the Triton row kernels (`comm.kernels.rows`), where every peer's memory is mapped (the threads world on
-  one GPU, the symmetric-memory world): kernels read and write peers' rows through pointer tables, and
-  `world.barrier()` orders the phases where the reference's exchanges order them (before the first access
-  to peers' tensors, and after it). Results equal the reference's bit for bit (combine sums in fp32 in k
-  order in both, duplicates in row order, replicas in the same order).
+The Buffer keeps the API, the checks, the plans, the streams and the memory's lifetime; how rows cross ranks
+is its exchange (`comm.exchange`), chosen once at construction (`kernels`): the torch reference over the
+world's `scatter_rows` / `gather_rows` (every EP world) or the Triton row kernels (where every peer's
+memory is mapped), equal bit for bit. Both read the indices the Buffer builds (the plan, the dup tables,
+the replica tables).
 
 `async_finish=True` queues an operation on this rank's comm stream (priority `comm_stream_priority`), after
-the caller's current stream's work, and returns a `CommEvent`; without it an operation runs on the current
-stream.
+the caller's current stream's work; without it an operation runs on the current stream. Every operation
+returns its event last (`comm.event`): a `CommEvent` with `async_finish`, None without.
 
 No host reads: every index the operations build has a shape fixed by the config (N routes, NvS rows, R*B
 slots); entries that are not needed are marked, never masked out (rank -1 in the exchanges, a zero
@@ -49,31 +41,25 @@ import itertools
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
 
-from moonep_moe.comm.plan import MoonEPCommPlan, decode_dst, default_slots, plan_routes, rows_capacity
+from moonep_moe.comm.event import CommEvent
+from moonep_moe.comm.exchange import KernelExchange, RowMemory, select_exchange
+from moonep_moe.comm.plan import check_layout, default_slots, plan_routes, rows_capacity
+from moonep_moe.comm.plan_types import MoonEPCommPlan, decode_dst
 from moonep_moe.comm.world import EPWorld, SymmetricTensor
 from moonep_moe.weights.pool import ExpertRows
 
 _buffer_ids = itertools.count()
 
+BUFFER_NAMES = dict(E="E={}", R="num_ep_ranks={}", K="K={}", B="B={}")
+"""How `Buffer` calls E, R, K and B (its arguments) in `check_layout`'s errors."""
+
 DISPATCH_NAMES = ("hidden_sh", "route_weights_sk", "topk_experts_sk")
 """How `Buffer.dispatch` calls its rows, route weights and expert ids (in its errors)."""
-
-
-@dataclass(frozen=True)
-class CommEvent:
-    """Marks the end of an operation queued with `async_finish=True` on the comm stream; `wait()` makes the
-    current stream wait for it. Off CUDA the operation has finished before returning (`event` is None)."""
-
-    event: torch.cuda.Event | None
-
-    def wait(self) -> None:
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -120,45 +106,14 @@ def expert_histogram(topk_experts_sk: torch.Tensor, num_experts: int) -> torch.T
     return counts_e[:num_experts]
 
 
-def row_fingerprints(rows_x: torch.Tensor) -> torch.Tensor:
-    """`[x, *row]` -> `[x, 2]` int64: per row the sum of its elements' bit patterns and their sum weighted by
+def row_fingerprints(rows_c: torch.Tensor) -> torch.Tensor:
+    """`[c, *row]` -> `[c, 2]` int64: per row the sum of its elements' bit patterns and their sum weighted by
     position (wrapping integer sums: exact and independent of the summation order, so two ranks holding
     the same row get the same fingerprint bit for bit, and a zero or permuted row gets another)."""
-    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[rows_x.element_size()]
-    values_xm = rows_x.flatten(1).view(bits).long()
-    position_m = torch.arange(1, values_xm.shape[1] + 1, device=rows_x.device)
-    return torch.stack([values_xm.sum(1), (values_xm * position_m).sum(1)], 1)
-
-
-def _padding_mask(zero_fill_g2: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """`[G, 2]` (first padding row, padding rows) of groups in row order -> `[num_rows]` bool, True on
-    padding rows. Each row finds its group by its end offset (searchsorted), so the shape is fixed."""
-    first_g = zero_fill_g2[:, 0].long()
-    end_g = first_g + zero_fill_g2[:, 1].long()
-    row_v = torch.arange(num_rows, device=zero_fill_g2.device)
-    group_v = torch.searchsorted(end_g, row_v, right=True)
-    inside_v = group_v < len(end_g)
-    return inside_v & (row_v >= first_g[group_v.clamp(max=len(end_g) - 1)])
-
-
-def _index_add_blocked_(target: torch.Tensor, index_c: torch.Tensor, values_c: torch.Tensor,
-                        max_elements: int = 2**31 - 1) -> None:
-    """`target[index_c[i]] += values_c[i]` for all i (`[C]` indices, `[C, *row]` values), in blocks of
-    target rows each spanning at most `max_elements` (< 2^31) elements. CUDA's `index_add_` failed on the
-    H200 for a DeepSeek-V3 layer's fp32 home gradients (3.8e9 elements); a block that small takes the 32-bit
-    indexing path that every smaller call takes. Entries outside a block add a zero row there (a `where`,
-    not a product, so an inf gradient stays where it belongs). One block, the usual case, is one call."""
-    rows_per_block = max(1, max_elements // max(1, target[0].numel()))
-    if target.shape[0] <= rows_per_block:
-        target.index_add_(0, index_c, values_c)
-        return
-    expand = (-1,) + (1,) * (values_c.dim() - 1)
-    for first in range(0, target.shape[0], rows_per_block):
-        block = target[first:first + rows_per_block]
-        local_c = index_c - first
-        inside_c = (local_c >= 0) & (local_c < block.shape[0])
-        block.index_add_(0, local_c.clamp(0, block.shape[0] - 1),
-                         torch.where(inside_c.view(expand), values_c, 0))
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[rows_c.element_size()]
+    values_cm = rows_c.flatten(1).view(bits).long()
+    position_m = torch.arange(1, values_cm.shape[1] + 1, device=rows_c.device)
+    return torch.stack([values_cm.sum(1), (values_cm * position_m).sum(1)], 1)
 
 
 class Buffer:
@@ -171,7 +126,7 @@ class Buffer:
         B: prefetch slots per rank, default `E / R` (training needs it; 0 when R == 1); B <= E - E / R.
         num_sms: SMs the row kernels' grid-stride loops size their grids for (default: the device's).
         comm_stream_priority: priority of the comm stream that `async_finish=True` operations run on
-            (torch's convention: lower is higher priority; e.g. -1). enable_pdl: reserved launch hint.
+            (torch's convention: lower is higher priority; e.g. -1).
         token_padding: every non-empty segment is padded to a multiple of it (128: Hopper's M-block).
         explicitly_destroy: when True the caller must call `destroy()`: a Buffer garbage-collected without
             it warns (ResourceWarning, naming the Buffer and rank) and then releases its memory; when False
@@ -195,27 +150,22 @@ class Buffer:
 
     def __init__(self, S: int, H: int, K: int, E: int, num_ep_ranks: int, B: int | None = None,
                  num_sms: int | None = None, token_padding: int = 128, comm_stream_priority: int = 0,
-                 enable_pdl: bool = False, explicitly_destroy: bool = False, *, world: EPWorld,
+                 explicitly_destroy: bool = False, *, world: EPWorld,
                  dtype: torch.dtype = torch.bfloat16, validate: bool = True, kernels: bool | None = None):
         where = f"rank {world.rank}"
         for name, value in dict(S=S, H=H, K=K, E=E, num_ep_ranks=num_ep_ranks,
                                 token_padding=token_padding).items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
-        if E % num_ep_ranks:
-            raise ValueError(f"{where}: E={E} must be divisible by num_ep_ranks={num_ep_ranks}")
+        check_layout(E, num_ep_ranks, K, B, BUFFER_NAMES, where)
         if world.size != num_ep_ranks:
             raise ValueError(f"{where}: num_ep_ranks={num_ep_ranks} must equal the world's size {world.size}")
-        if K > E:
-            raise ValueError(f"{where}: K={K} must be <= E={E}")
         epn = E // num_ep_ranks
         B = default_slots(E, num_ep_ranks) if B is None else B
-        if not 0 <= B <= E - epn:
-            raise ValueError(f"{where}: B={B} must be in [0, E - E/R = {E - epn}]")
         self.S, self.H, self.K, self.E, self.R, self.B = S, H, K, E, num_ep_ranks, B
         self.epn, self.token_padding, self.world, self.dtype = epn, token_padding, world, dtype
         self.validate = validate
-        self.num_sms, self.comm_stream_priority, self.enable_pdl = num_sms, comm_stream_priority, enable_pdl
+        self.num_sms, self.comm_stream_priority = num_sms, comm_stream_priority
         self.NvS = rows_capacity(S, K, num_ep_ranks, E, B, token_padding)
         self.weight_dtype = torch.promote_types(dtype, torch.float32)
         self.id = next(_buffer_ids)
@@ -227,8 +177,10 @@ class Buffer:
                                         torch.zeros(self.NvS, dtype=self.weight_dtype, device=device))
         self._dup_source = world.symmetric(f"{prefix}/dup_source",
                                            torch.full((self.NvS,), -1, dtype=torch.int32, device=device))
-        self._kernels = self._select_kernels(kernels)
-        """The `comm.kernels.rows` module where the row kernels run, else None (the torch reference)."""
+        memory = RowMemory(world, self._rows, self._weights, self._dup_source, S, K, epn, B, token_padding,
+                           num_sms)
+        self._exchange = select_exchange(memory, kernels)
+        """How rows cross ranks: the Triton row kernels or the torch reference (`comm.exchange`)."""
         keys = [t.key for t in (self._rows, self._weights, self._dup_source)]
         unreleased = f"Buffer {self.id} on rank {world.rank}" if explicitly_destroy else None
         self._finalizer = weakref.finalize(self, _release, world, keys, unreleased)
@@ -241,35 +193,10 @@ class Buffer:
         self._current_step: int | None = None
         """The step of the latest dispatch (forward, or backward with `plan=`): the plan operations take."""
 
-    def _select_kernels(self, kernels: bool | None):
-        """The row-kernel module if this Buffer runs the kernels (see `kernels` in the class docstring)."""
-        if kernels is False:
-            return None
-        device = self.world.device
-        reasons = []
-        if any(peer is None for peer in self._rows.peers):
-            reasons.append("the world does not map every peer's memory")
-        if self.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-            reasons.append(f"rows in {self.dtype} are not supported")
-        try:
-            from moonep_moe.comm.kernels import rows
-        except ImportError as error:  # no Triton: the reference runs everywhere
-            rows = None
-            reasons.append(f"Triton is not importable ({error})")
-        if rows is not None and device.type != "cuda" and not (device.type == "cpu" and rows.interpreted()):
-            reasons.append(f"{device} tensors: the kernels run on CUDA, or on the CPU in Triton's "
-                           "interpreter (TRITON_INTERPRET=1)")
-        if kernels is None:
-            return rows if device.type == "cuda" and not reasons else None
-        if reasons:
-            raise ValueError(f"rank {self.world.rank}: kernels=True: the row kernels cannot run here: "
-                             f"{'; '.join(reasons)}")
-        return rows
-
     @property
     def uses_kernels(self) -> bool:
         """True where the operations run the Triton row kernels, False where the torch reference runs."""
-        return self._kernels is not None
+        return isinstance(self._exchange, KernelExchange)
 
     def _comm_stream(self) -> torch.cuda.Stream:
         """This rank's comm stream of that priority, shared by its Buffers (created on first use)."""
@@ -394,9 +321,9 @@ class Buffer:
         Buffer valid again (activation recomputation, pipeline schedules). Other plans raise.
 
         Returns:
-            `(hidden_nvsh [NvS, H], route_weights_nvs [NvS] or None, cu_seqlens [E+B] int32 or None, plan)`,
-            plus a `CommEvent` when `async_finish`. Rows of padding are zero; rows past `cu_seqlens[-1]` are
-            unspecified. Raises before any exchange if an argument is malformed.
+            `(hidden_nvsh [NvS, H], route_weights_nvs [NvS] or None, cu_seqlens [E+B] int32 or None, plan,
+            event)`, the event a `CommEvent` with `async_finish`, else None. Rows of padding are zero; rows
+            past `cu_seqlens[-1]` are unspecified. Raises before any exchange if an argument is malformed.
         """
         self._check_dispatch(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, plan,
                              DISPATCH_NAMES)
@@ -489,7 +416,7 @@ class Buffer:
         self._steps, self._current_step = max(self._steps, step), step
         if plan is None and (zero_copy or router_weights_zero_copy):
             self._pending_views = result[3]
-        return (*result, event) if async_finish else result
+        return (*result, event)
 
     def _send_rows(self, plan: MoonEPCommPlan, hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None,
                    record_duplicates: bool) -> None:
@@ -497,42 +424,10 @@ class Buffer:
         sources too when `record_duplicates` (the forward dispatch, which fills the plan's dup tables).
         Then zero the padding rows and copy each primary row into its duplicates (all NvS rows)."""
         primary_row_n = self._primary_rows(plan) if record_duplicates else None
-        world = self.world
-        if self._kernels is not None:
-            world.barrier()  # every rank is done with the rows' previous contents
-            self._kernels.send_routes(hidden_sh.contiguous(), None if route_weights_sk is None else
-                                      route_weights_sk.contiguous(), plan.dst, primary_row_n, self._rows,
-                                      self._weights, self._dup_source)
-            world.barrier()  # every write into this rank's rows has landed
-        else:
-            dest_n, row_n, primary_n, valid_n = decode_dst(plan.dst, self.NvS)
-            token_n = torch.arange(plan.dst.numel(), device=plan.dst.device) // self.K
-            # capacities: a token sends one payload row per destination rank (<= S), a weight per route
-            world.scatter_rows(self._rows, torch.where(valid_n & primary_n, dest_n, -1), row_n,
-                               hidden_sh.index_select(0, token_n), capacity=self.S)
-            if route_weights_sk is not None:
-                world.scatter_rows(self._weights, torch.where(valid_n, dest_n, -1), row_n,
-                                   route_weights_sk.reshape(-1), capacity=self.S * self.K)
-            if record_duplicates:
-                world.scatter_rows(self._dup_source, torch.where(valid_n & ~primary_n, dest_n, -1), row_n,
-                                   primary_row_n, capacity=self.S * self.K)
+        self._exchange.send_routes(plan, hidden_sh, route_weights_sk, primary_row_n)
         if record_duplicates:
             self._record_duplicates(plan)
-        rows_nvsh, weights_nvs = self._rows.local, self._weights.local
-        if self._kernels is not None:
-            self._kernels.zero_padding(rows_nvsh, weights_nvs, plan.zero_fill_ranges, self.token_padding)
-            self._kernels.expand_duplicates(rows_nvsh, plan.dup_groups, plan.dup_loffs, plan.dup_counts,
-                                            self.K - 1, self._max_dup_groups, self.num_sms)
-            return
-        padding_nvs = _padding_mask(plan.zero_fill_ranges, self.NvS)
-        rows_nvsh.masked_fill_(padding_nvs[:, None], 0)
-        weights_nvs.masked_fill_(padding_nvs, 0)
-        rows_nvsh.copy_(rows_nvsh.index_select(0, self._source_rows(plan)))
-
-    @property
-    def _max_dup_groups(self) -> int:
-        """A bound on a rank's duplicate groups: each is one (source rank, token) pair and spans >= 2 rows."""
-        return min(self.NvS // 2, self.R * self.S)
+        self._exchange.fill_rows(plan)
 
     def _primary_rows(self, plan: MoonEPCommPlan) -> torch.Tensor:
         """`[N]` int32: for each route the row of its token's primary route on the same rank (itself if
@@ -567,24 +462,6 @@ class Buffer:
         plan.dup_counts.copy_(torch.stack([starts_v.sum(), dup_v.sum()]))
         source_nvs.fill_(-1)
 
-    def _source_rows(self, plan: MoonEPCommPlan) -> torch.Tensor:
-        """`[NvS]` int64 from the plan's dup tables: each row's primary row if it is a duplicate, else the
-        row itself (so `rows[source]` expands duplicates, and an `index_add_` over it pre-reduces them)."""
-        nvs = self.NvS
-        groups_v3 = plan.dup_groups.long()
-        num_groups, num_dups = plan.dup_counts.long().unbind()
-        index_v = torch.arange(nvs, device=groups_v3.device)
-        dump_v = torch.full_like(index_v, nvs)
-        # the group of each dup_loffs entry: count the group starts at or before it
-        starts_v = torch.zeros(nvs + 1, dtype=torch.int64, device=index_v.device)
-        starts_v.index_add_(0, torch.where(index_v < num_groups, groups_v3[:, 1], dump_v),
-                            torch.ones_like(index_v))
-        group_v = (torch.cumsum(starts_v[:nvs], 0) - 1).clamp(min=0)
-        source_v = torch.arange(nvs + 1, device=index_v.device)
-        source_v.index_copy_(0, torch.where(index_v < num_dups, plan.dup_loffs.long(), dump_v),
-                             groups_v3[:, 0].index_select(0, group_v))
-        return source_v[:nvs]
-
     # -- combine --------------------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -601,8 +478,8 @@ class Buffer:
                 route-weight gradients); with `zero_copy` it must be `router_weight_buffer_view`.
 
         Returns:
-            `(hidden_sh [s, H] in the Buffer's dtype, route_weights_sk [s, K] or None, event or None)`;
-            invalid routes contribute zero.
+            `(hidden_sh [s, H] in the Buffer's dtype, route_weights_sk [s, K] or None, event)`, the event a
+            `CommEvent` with `async_finish`, else None; invalid routes contribute zero.
         """
         self._check_combine(plan, hidden_nvsh, route_weights_nvs, zero_copy, "hidden_nvsh")
         return self._combine(plan, hidden_nvsh, route_weights_nvs, zero_copy, async_finish)
@@ -633,81 +510,36 @@ class Buffer:
         def op():
             if route_weights_nvs is not None and not zero_copy:
                 self._weights.local.copy_(route_weights_nvs)
-            if self._kernels is not None:
-                return self._combine_kernels(plan, hidden_nvsh, route_weights_nvs is not None, zero_copy)
-            return self._combine_reference(plan, hidden_nvsh, route_weights_nvs is not None)
+            self._exchange.pre_reduce(plan, hidden_nvsh, zero_copy)
+            return self._exchange.gather_routes(plan, route_weights_nvs is not None)
 
         (out_sh, weights_sk), event = self._launch(async_finish, op, (plan, hidden_nvsh, route_weights_nvs))
         return out_sh, weights_sk, event
-
-    def _combine_reference(self, plan: MoonEPCommPlan, hidden_nvsh: torch.Tensor, with_weights: bool):
-        """`combine` through the world's `gather_rows` -> (`[s, H]`, `[s, K]` or None)."""
-        device = self.world.device
-        accumulate = self.weight_dtype
-        # pre-reduce: every row adds into its source row (duplicates into their primary, the rest into
-        # themselves), in fp32, in row order; only primary rows are read below
-        sums_nvsh = torch.zeros(self.NvS, self.H, dtype=accumulate, device=device)
-        sums_nvsh.index_add_(0, self._source_rows(plan), hidden_nvsh.to(accumulate))
-        self._rows.local.copy_(sums_nvsh)
-        del sums_nvsh
-        dest_n, row_n, primary_n, valid_n = decode_dst(plan.dst, self.NvS)
-        num_tokens = plan.dst.numel() // self.K
-        gathered_nh = self.world.gather_rows(self._rows, torch.where(valid_n & primary_n, dest_n, -1), row_n,
-                                             capacity=self.S).to(accumulate)
-        out_sh = torch.zeros(num_tokens, self.H, dtype=accumulate, device=device)
-        for k in range(self.K):  # fp32 sum in k order
-            out_sh += gathered_nh.view(num_tokens, self.K, self.H)[:, k]
-        weights_sk = None
-        if with_weights:
-            weights_n = self.world.gather_rows(self._weights, torch.where(valid_n, dest_n, -1), row_n,
-                                               capacity=self.S * self.K)
-            weights_sk = weights_n.view(num_tokens, self.K)
-        return out_sh.to(self.dtype), weights_sk
-
-    def _combine_kernels(self, plan: MoonEPCommPlan, hidden_nvsh: torch.Tensor, with_weights: bool,
-                         zero_copy: bool):
-        """`combine` with the row kernels: pre-reduce locally, barrier, pull and sum, barrier."""
-        rows_nvsh = self._rows.local
-        if not zero_copy:
-            rows_nvsh.copy_(hidden_nvsh)
-        self._kernels.pre_reduce_duplicates(rows_nvsh, plan.dup_groups, plan.dup_loffs, plan.dup_counts,
-                                            self.K - 1, self._max_dup_groups, self.weight_dtype, self.num_sms)
-        num_tokens = plan.dst.numel() // self.K
-        out_sh = torch.empty(num_tokens, self.H, dtype=self.dtype, device=rows_nvsh.device)
-        weights_sk = None
-        if with_weights:
-            weights_sk = torch.empty(num_tokens, self.K, dtype=self.weight_dtype, device=rows_nvsh.device)
-        self.world.barrier()  # every rank's primary rows are final
-        self._kernels.gather_routes(plan.dst, self._rows, self._weights if with_weights else None, out_sh,
-                                    weights_sk, self.weight_dtype)
-        self.world.barrier()  # every rank is done reading this rank's rows
-        return out_sh, weights_sk
 
     # -- weights --------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def prefetch_weight(self, plan: MoonEPCommPlan, full_gate_weight, full_up_weight, full_down_weight,
-                        scales=None, async_finish: bool = False) -> CommEvent | None:
+                        async_finish: bool = False) -> CommEvent | None:
         """Copy each replicated expert's weights into this rank's slots: slot j gets `experts_to_copy[r, j]`.
 
         Each projection is either the replicated form `[E+B, N, K]` (every expert present on every rank, as
         vLLM's integration passes it: rows E+j are the slots) or an `ExpertRows` (home experts read from
         their rank + this rank's slot pool). A projection given as None is skipped (a fused gate_up passed
         as the gate). Every slot is written (fixed shapes): slots marked -1 are zeroed, their segments are
-        empty. `scales` (quantised weights) is not supported yet and must be None. Collective: every rank
+        empty. Quantised weights (and their scales) are not supported yet. Collective: every rank
         calls it with the same forms.
 
         The replicated form is read locally, so its rows of other ranks' experts must be those experts'
         real weights: with `validate` every copied expert is compared with its home rank's rows (exact
         fingerprints, one all-gather, one host read) and a mismatch raises before any slot is written. A
         weight that holds only this rank's home experts must be passed as `ExpertRows`.
+
+        Returns the event: a `CommEvent` with `async_finish`, else None.
         """
         self._check_alive()
         self._check_plan(plan)
         rank = self.world.rank
-        if scales is not None:
-            raise NotImplementedError(f"rank {rank}: prefetch_weight(scales=...): quantised experts are not "
-                                      "supported yet")
         named = [(w, name) for w, name in ((full_gate_weight, "full_gate_weight"),
                                            (full_up_weight, "full_up_weight"),
                                            (full_down_weight, "full_down_weight")) if w is not None]
@@ -729,19 +561,8 @@ class Buffer:
                         self._check_replicated(weight, name, copies, expert_b)
                     weight[self.E:].copy_(copies.masked_fill_(~used_b.view(-1, *[1] * (copies.dim() - 1)), 0))
             expert_rows = [w for w in projections if isinstance(w, ExpertRows)]
-            if not expert_rows:
-                return
-            if self._kernels is not None:
-                self.world.barrier()  # every rank's home weights are final
-                for weight in expert_rows:
-                    self._kernels.copy_experts(weight.home, weight.slots.local, expert_b)
-                self.world.barrier()  # every rank is done reading this rank's home weights
-                return
-            expert_b = expert_b.long()
-            for weight in expert_rows:
-                copies = self.world.gather_rows(weight.home, torch.where(used_b, expert_b // self.epn, -1),
-                                                expert_b.clamp(min=0) % self.epn, capacity=self.B)
-                weight.slots.local.copy_(copies)
+            if expert_rows:
+                self._exchange.copy_experts(expert_rows, expert_b)
 
         return self._launch(async_finish, op, (plan, *projections))[1]
 
@@ -750,8 +571,8 @@ class Buffer:
         """Collective: raise unless every used slot's copy `copies_b [B, N, K]` (rows of `weight [E+B, N, K]`
         for the experts `expert_b [B]`, -1 unused) equals that expert's rows on its home rank."""
         rank, epn = self.world.rank, self.epn
-        home_ex2 = self.world.all_gather(row_fingerprints(weight[rank * epn:(rank + 1) * epn]))
-        expected_b2 = home_ex2.view(self.E, 2).index_select(0, expert_b.long().clamp(min=0))
+        home_rx2 = self.world.all_gather(row_fingerprints(weight[rank * epn:(rank + 1) * epn]))
+        expected_b2 = home_rx2.view(self.E, 2).index_select(0, expert_b.long().clamp(min=0))
         wrong_b = (expert_b >= 0) & (row_fingerprints(copies_b) != expected_b2).any(1)
         if bool(wrong_b.any()):  # the host read of `validate`
             expert = int(expert_b[wrong_b][0])
@@ -791,6 +612,8 @@ class Buffer:
         its `*_reduce_buffer` (a symmetric `[B, N, K]` fp32 tensor) stages them for the peers. None skips a
         projection. Collective: every rank must call it with the same projections. Replicas are added in
         (slot, rank) order, the same order on both implementations: deterministic.
+
+        Returns the event: a `CommEvent` with `async_finish`, else None.
         """
         self._check_alive()
         self._check_plan(plan)
@@ -823,30 +646,12 @@ class Buffer:
                     staging.local.copy_(grad[self.E:])
                     projections.append((grad[rank * self.epn:(rank + 1) * self.epn], staging, grad[self.E:]))
             mine_rb, home_rb = self._replica_tables(plan)
-            if self._kernels is not None:
-                sources_hr = replica_sources(mine_rb, home_rb, self.epn)
-                self.world.barrier()  # every rank's slot gradients are final
-                for home, slots, _ in projections:
-                    self._kernels.add_replicas(home, slots, sources_hr)
-                self.world.barrier()  # every rank is done reading this rank's slot gradients
-            else:
-                rank_r = torch.arange(self.R, device=mine_rb.device)
-                for home, slots, _ in projections:
-                    # one slot index per exchange: R rows in flight (the peak memory), R * B rows in all;
-                    # rows of other ranks' experts come back zero and add nothing
-                    for slot in range(self.B):
-                        pulled_r = self.world.gather_rows(slots, torch.where(mine_rb[:, slot], rank_r, -1),
-                                                          torch.full_like(rank_r, slot), capacity=1)
-                        _index_add_blocked_(home, home_rb[:, slot], pulled_r.to(home.dtype))
+            self._exchange.add_replicas([(home, slots) for home, slots, _ in projections], mine_rb, home_rb)
             experts_b = plan.experts_to_copy[rank]
-            for _, slots, replicated in projections:
-                for cleared in (slots.local, replicated):
-                    if cleared is None:
-                        continue
-                    if self._kernels is not None:  # both forms were checked contiguous above
-                        self._kernels.clear_slots(cleared, experts_b)
-                    else:
-                        cleared.masked_fill_((experts_b >= 0).view((-1,) + (1,) * (cleared.dim() - 1)), 0)
+            for _, slots, replicated in projections:  # both forms were checked contiguous above
+                self._exchange.clear_slots(slots.local, experts_b)
+                if replicated is not None:
+                    self._exchange.clear_slots(replicated, experts_b)
 
         return self._launch(async_finish, op, (plan, *given))[1]
 
@@ -855,25 +660,6 @@ class Buffer:
         table_rb = plan.experts_to_copy.long()
         mine_rb = (table_rb >= 0) & (table_rb // self.epn == self.world.rank)
         return mine_rb, table_rb.clamp(min=0) % self.epn
-
-
-def replica_sources(mine_rb: torch.Tensor, home_rb: torch.Tensor, num_home: int) -> torch.Tensor:
-    """`[epn, R]` int32: each of this rank's home experts' replicas as `rank * B + slot` in (slot, rank)
-    order (the reference's order of adds), then -1; from `mine_rb [R, B]` (slot j of rank d holds one of
-    this rank's experts) and `home_rb [R, B]` (which one, in [0, epn)). A rank holds an expert at most
-    once, so R entries suffice. Fixed shapes: other ranks' experts are scattered into a dump row."""
-    num_ranks, num_slots = mine_rb.shape
-    device = mine_rb.device
-    rank_rb = torch.arange(num_ranks, device=device)[:, None].expand(-1, num_slots)
-    slot_rb = torch.arange(num_slots, device=device)[None, :].expand(num_ranks, -1)
-    slot_xr = torch.full((num_home + 1, num_ranks), -1, dtype=torch.int64, device=device)
-    slot_xr[torch.where(mine_rb, home_rb, num_home), rank_rb] = slot_rb
-    slot_hr = slot_xr[:num_home]
-    rank_r = torch.arange(num_ranks, device=device)
-    key_hr = torch.where(slot_hr >= 0, slot_hr * num_ranks + rank_r, num_slots * num_ranks)
-    order_hr = torch.argsort(key_hr, dim=1, stable=True)
-    slot_hr = slot_hr.gather(1, order_hr)
-    return torch.where(slot_hr >= 0, order_hr * num_slots + slot_hr, -1).to(torch.int32)
 
 
 def _release(world: EPWorld, keys: list[str], unreleased: str | None = None) -> None:

@@ -2,8 +2,10 @@
 
 Beyond one NVLink domain ranks cannot map each other's memory, so `symmetric(key, tensor)` registers only
 this rank's tensor (after checking that every rank registered the same shape and dtype under the same key)
-and every row that crosses ranks travels in an all-to-all. Legend: n rows this rank sends or requests,
-R ranks, c the call's `capacity` (rows any rank exchanges with any one rank), `*row` the row shape.
+and every row that crosses ranks travels in an all-to-all. Notation and suffixes: DESIGN.md, "Notation";
+as in the world protocol, `n` counts the entries of one exchange (rows this rank sends or requests: routes,
+slots or ranks, as the Buffer calls it), `c` is the call's `capacity` (rows any rank exchanges with any one
+rank) and `*row` the row shape.
 
 Two modes:
 - static (default): every rank sends every rank a fixed block of c rows, padded, with the rows' target

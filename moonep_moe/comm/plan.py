@@ -1,7 +1,6 @@
 """The planner: from the group's routing histogram to where every route is computed.
 
-Shapes (DESIGN.md): S tokens of capacity per rank, K routes per token, E experts, R ranks, `epn = E / R` home
-experts per rank, B prefetch slots per rank, `tp` token padding, `NvS` dispatched rows per rank.
+Notation and suffixes: DESIGN.md, "Notation" (S, K, E, R, `epn = E / R`, B, tp, NvS; `_re`: ranks x experts).
 
 Every rank calls `plan_routes` with the same gathered histogram `counts_re [R, E]` and gets the same global
 plan, bit for bit (no rank-0 broadcast):
@@ -42,77 +41,11 @@ On CUDA (with Triton) `plan_routes` runs steps 1-6 as two Triton launches instea
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 
-NO_ROUTE = -(2**31)
-"""`dst` of an invalid route (expert -1): not sent, contributes zero."""
-
-
-@dataclass(frozen=True)
-class MoonEPCommPlan:
-    """Everything a step needs to move rows; identical on every rank except the rank-local fields.
-
-    All tensors are int32, contiguous, on the rank's device. The dup tables describe this rank's *received*
-    rows and are filled by `Buffer.dispatch` (the planner leaves them empty).
-
-    Attributes:
-        dst: `[S*K]` per local route: `d * NvS + row`, `-(d * NvS + row) - 1` for a later route of the same
-            token to the same rank d, `NO_ROUTE` for an invalid route.
-        experts_to_copy: `[R, B]` global expert held by each rank's slot, -1 for an unused slot.
-        cu_seqlens: `[E+B]` this rank's padded group end offsets (groups: E experts, then B slots).
-        zero_fill_ranges: `[E+B, 2]` this rank's (first padding row, padding rows) per group.
-        remote_stats: `[2]` this rank's (valid routes computed on other ranks, payload rows sent to other
-            ranks after deduplication).
-        dup_groups: `[NvS, 3]` rows `(primary row, first index into dup_loffs, duplicates)`; the first
-            `dup_counts[0]` are used, sorted by primary row.
-        dup_loffs: `[NvS]` duplicate rows; the first `dup_counts[1]` are used.
-        dup_counts: `[2]` (duplicate groups, duplicate rows) received by this rank.
-        rank_load: `[R]` routes computed by each rank (telemetry; equal up to one when balanced).
-        home_load: `[R]` routes to each rank's home experts: the load of plain expert parallelism.
-        expert_load: `[E]` valid routes to each expert in the whole group (the gathered histogram's sum).
-        slots_used: `[R]` slots holding a replica on each rank.
-        num_routes, num_ranks, num_experts, num_slots, rows_per_rank, top_k: the scalars N, R, E, B, NvS, K.
-        rank: the rank this plan belongs to; owner: id of the Buffer that made it (None: a bare plan).
-        step: which forward dispatch of that Buffer made it (1, 2, ...; None: a bare plan). Host int: the
-            Buffer checks with it, without a device read, that an operation gets the plan of its latest
-            dispatch.
-    """
-
-    dst: torch.Tensor
-    experts_to_copy: torch.Tensor
-    cu_seqlens: torch.Tensor
-    zero_fill_ranges: torch.Tensor
-    remote_stats: torch.Tensor
-    dup_groups: torch.Tensor
-    dup_loffs: torch.Tensor
-    dup_counts: torch.Tensor
-    rank_load: torch.Tensor
-    home_load: torch.Tensor
-    expert_load: torch.Tensor
-    slots_used: torch.Tensor
-    num_routes: int
-    num_ranks: int
-    num_experts: int
-    num_slots: int
-    rows_per_rank: int
-    top_k: int
-    rank: int
-    owner: int | None = None
-    step: int | None = None
-
-    N = property(lambda self: self.num_routes)
-    R = property(lambda self: self.num_ranks)
-    E = property(lambda self: self.num_experts)
-    B = property(lambda self: self.num_slots)
-    NvS = property(lambda self: self.rows_per_rank)
-    K = property(lambda self: self.top_k)
-
-    def clone(self) -> MoonEPCommPlan:
-        """A deep copy: every tensor cloned (a later dispatch into the same Buffer cannot change it)."""
-        return replace(self, **{f.name: getattr(self, f.name).clone() for f in fields(self)
-                                if isinstance(getattr(self, f.name), torch.Tensor)})
+from moonep_moe.comm.plan_types import NO_ROUTE, MoonEPCommPlan, decode_dst
 
 
 @dataclass(frozen=True)
@@ -161,6 +94,31 @@ def align_up(value: int, multiple: int) -> int:
 def default_slots(num_experts: int, num_ranks: int) -> int:
     """B when none is given: `E / R` (what training needs), 0 for a single rank (nothing to replicate)."""
     return num_experts // num_ranks if num_ranks > 1 else 0
+
+
+LAYOUT_NAMES = dict(E="num_experts (E={})", R="ep_size (R={})", K="top_k (K={})",
+                    B="num_prefetch_slots (B={})")
+"""How configs name E, R, K and B in `check_layout`'s errors (`MoEConfig`, `CommConfig`)."""
+
+
+def check_layout(E: int, R: int, K: int, B: int | None, names: dict[str, str] = LAYOUT_NAMES,
+                 where: str = "") -> None:
+    """Raise a one-line ValueError unless E % R == 0, K <= E and 0 <= B <= E - E/R (B None: the default,
+    always in range). The one check of an EP group's layout: configs, the communicator and the Buffer call
+    it. `names` spells each quantity as the caller's user wrote it (a template with `{}` for the value, e.g.
+    `"num_experts (E={})"` or `"E={}"`); `where` prefixes the message (e.g. `"rank 0"`)."""
+    E_, R_, K_ = names["E"].format(E), names["R"].format(R), names["K"].format(K)
+    problem = None
+    if E % R:
+        problem = f"{E_} must be divisible by {R_}"
+    elif K > E:
+        problem = f"{K_} must be <= {E_}"
+    elif B is not None and B < 0:
+        problem = f"{names['B'].format(B)} must be >= 0"
+    elif B is not None and B > E - E // R:
+        problem = f"{names['B'].format(B)} must be <= E - E/R = {E} - {E // R} = {E - E // R}"
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}" if where else problem)
 
 
 def rows_capacity(S: int, K: int, R: int, E: int, B: int, token_padding: int) -> int:
@@ -282,17 +240,17 @@ def plan_global(counts_re: list[list[int]], num_slots: int, token_padding: int) 
     return GlobalPlan(alloc, experts_to_copy, row_base, cu_seqlens, zero_fill, home_load)
 
 
-def _first_argmax(key_xn: torch.Tensor) -> torch.Tensor:
-    """Index of the largest entry along the last dim of `key_xn [..., n]` -> `[...]`, the LOWEST index among
-    ties (Python's `max(range(n), key=lambda i: (key[i], -i))`).
+def _first_argmax(key_c: torch.Tensor) -> torch.Tensor:
+    """Index of the largest entry along the last dim of `key_c [..., c]` -> `[...]`, the LOWEST index among
+    ties (Python's `max(range(c), key=lambda i: (key[i], -i))`).
 
-    The tie-break is explicit: `key * n + (n - 1 - i)` is unique per row and orders first by key (keys are
-    integers, so keys that differ differ by at least n in the combined key) then by lowest index. Keys here
+    The tie-break is explicit: `key * c + (c - 1 - i)` is unique per row and orders first by key (keys are
+    integers, so keys that differ differ by at least c in the combined key) then by lowest index. Keys here
     are route counts (< 2^40), far from int64 overflow.
     """
-    n = key_xn.shape[-1]
-    reverse_n = torch.arange(n - 1, -1, -1, device=key_xn.device)
-    return torch.argmax(key_xn * n + reverse_n, dim=-1)
+    count = key_c.shape[-1]
+    reverse_c = torch.arange(count - 1, -1, -1, device=key_c.device)
+    return torch.argmax(key_c * count + reverse_c, dim=-1)
 
 
 def _rank_targets_device(home_load_r: torch.Tensor) -> torch.Tensor:
@@ -347,7 +305,7 @@ def _split_quotas_device(expert_load_e: torch.Tensor, quota_dr: torch.Tensor, nu
     Each iteration every donor d makes at most one move of the reference loop: its expert with the most
     remaining routes (ties: lowest id) goes to its open receiver (positive quota and a free slot) with the
     largest quota (ties: lowest rank). A donor whose reference loop has stopped moves 0 routes. The argmax
-    keys of `_first_argmax` are kept up to date in place (`remaining_key_dj [R, epn]`: remaining * epn +
+    keys of `_first_argmax` are kept up to date in place (`remaining_key_dx [R, epn]`: remaining * epn +
     epn - 1 - j) instead of being rebuilt each iteration. Receivers of different donors are distinct, so the
     moves of one iteration never collide; they are added to `alloc` once, after the loop.
     """
@@ -355,25 +313,25 @@ def _split_quotas_device(expert_load_e: torch.Tensor, quota_dr: torch.Tensor, nu
     epn = num_experts // num_ranks
     device = expert_load_e.device
     reverse_r = torch.arange(num_ranks - 1, -1, -1, device=device)
-    remaining_key_dj = expert_load_e.view(num_ranks, epn) * epn + torch.arange(epn - 1, -1, -1, device=device)
+    remaining_key_dx = expert_load_e.view(num_ranks, epn) * epn + torch.arange(epn - 1, -1, -1, device=device)
     slots_left_dr = torch.where(quota_dr > 0, num_slots, 0)
     receivers, experts, routes = [], [], []
     for _ in range(split_iterations(num_ranks, num_experts, num_slots)):
-        expert_d1 = remaining_key_dj.argmax(1, keepdim=True)
+        expert_d1 = remaining_key_dx.argmax(1, keepdim=True)
         open_key_dr = torch.where((quota_dr > 0) & (slots_left_dr > 0), quota_dr * num_ranks + reverse_r, -1)
         receiver_d1 = open_key_dr.argmax(1, keepdim=True)
         # A closed receiver decodes to quota -1, an exhausted expert to 0 remaining: both move 0 routes.
         routes_d1 = torch.minimum(open_key_dr.gather(1, receiver_d1).div(num_ranks, rounding_mode="floor"),
-                                  remaining_key_dj.gather(1, expert_d1) // epn).clamp(min=0)
+                                  remaining_key_dx.gather(1, expert_d1) // epn).clamp(min=0)
         quota_dr = quota_dr.scatter_add(1, receiver_d1, -routes_d1)
-        remaining_key_dj = remaining_key_dj.scatter_add(1, expert_d1, -routes_d1 * epn)
+        remaining_key_dx = remaining_key_dx.scatter_add(1, expert_d1, -routes_d1 * epn)
         slots_left_dr = slots_left_dr.scatter_add(1, receiver_d1, -(routes_d1 > 0).long())
         receivers.append(receiver_d1)
         experts.append(expert_d1)
         routes.append(routes_d1)
     # What a donor does not give away it computes itself (receivers are never donors: home cells are 0).
     home_re = _home_mask_re(num_ranks, num_experts, device)
-    alloc_re = torch.where(home_re, (remaining_key_dj // epn).view(1, num_experts), 0)
+    alloc_re = torch.where(home_re, (remaining_key_dx // epn).view(1, num_experts), 0)
     if routes:
         first_expert_1d1 = torch.arange(0, num_experts, epn, device=device)[None, :, None]  # donor's first
         cell_n = (torch.stack(receivers) * num_experts + first_expert_1d1 + torch.stack(experts)).view(-1)
@@ -406,8 +364,9 @@ def plan_global_device(counts_re: torch.Tensor, num_slots: int, token_padding: i
     expert_e = torch.arange(num_experts, device=device)
     replica_re = (alloc_re > 0) & ~home_re
     slot_re = torch.where(replica_re, (replica_re.cumsum(1) - 1).clamp(max=num_slots), num_slots + expert_e)
-    unset_rx = torch.full((num_ranks, num_slots + num_experts), -1, dtype=torch.int64, device=device)
-    experts_to_copy_rb = unset_rx.scatter(1, slot_re, expert_e.expand(num_ranks, -1))[:, :num_slots]
+    # c: the B slots, then a sentinel column per expert
+    unset_rc = torch.full((num_ranks, num_slots + num_experts), -1, dtype=torch.int64, device=device)
+    experts_to_copy_rb = unset_rc.scatter(1, slot_re, expert_e.expand(num_ranks, -1))[:, :num_slots]
     # Segments: the E expert groups (only home ones non-empty), then the B slots, each padded to tp.
     used_rb = experts_to_copy_rb >= 0
     slot_routes_rb = torch.where(used_rb, alloc_re.gather(1, experts_to_copy_rb.clamp(min=0)), 0)
@@ -421,8 +380,8 @@ def plan_global_device(counts_re: torch.Tensor, num_slots: int, token_padding: i
     # writes to its own sentinel column E + j, dropped).
     sentinel_b = num_experts + torch.arange(num_slots, device=device)
     slot_col_rb = torch.where(used_rb, experts_to_copy_rb, sentinel_b)
-    row_base_rx = torch.cat([torch.where(home_re, base_rg[:, :num_experts], -1), base_rg[:, num_experts:]], 1)
-    row_base_re = row_base_rx.scatter(1, slot_col_rb, base_rg[:, num_experts:])[:, :num_experts]
+    row_base_rg = torch.cat([torch.where(home_re, base_rg[:, :num_experts], -1), base_rg[:, num_experts:]], 1)
+    row_base_re = row_base_rg.scatter(1, slot_col_rb, base_rg[:, num_experts:])[:, :num_experts]
     return DeviceGlobalPlan(alloc_re, experts_to_copy_rb, row_base_re, cu_seqlens_rg, zero_fill_rg2,
                             home_load_r)
 
@@ -506,36 +465,16 @@ def plan_routes(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank:
                                rows_per_rank)
     dest_n, _, primary_n, valid_n = decode_dst(dst_n, rows_per_rank)
     remote_n = valid_n & (dest_n != rank)
-    i32 = torch.int32
-    return MoonEPCommPlan(
-        dst=dst_n,
-        experts_to_copy=glob.experts_to_copy_rb.to(i32),
-        cu_seqlens=cu_seqlens_g.to(i32),
-        zero_fill_ranges=glob.zero_fill_rg2[rank].to(i32),
-        remote_stats=torch.stack([remote_n.sum(), (remote_n & primary_n).sum()]).to(i32),
-        dup_groups=torch.zeros(rows_per_rank, 3, dtype=i32, device=device),
-        dup_loffs=torch.zeros(rows_per_rank, dtype=i32, device=device),
-        dup_counts=torch.zeros(2, dtype=i32, device=device),
-        rank_load=glob.alloc_re.sum(1).to(i32),
-        home_load=glob.home_load_r.to(i32),
-        expert_load=glob.alloc_re.sum(0).to(i32),
-        slots_used=(glob.experts_to_copy_rb >= 0).sum(1).to(i32),
-        num_routes=topk_experts_sk.numel(),
-        num_ranks=num_ranks,
-        num_experts=num_experts,
-        num_slots=num_slots,
-        rows_per_rank=rows_per_rank,
-        top_k=topk_experts_sk.shape[1],
-        rank=rank,
-        owner=owner,
-    )
-
-
-def decode_dst(dst_n: torch.Tensor, rows_per_rank: int) -> tuple[torch.Tensor, ...]:
-    """`dst [N]` -> (destination rank, row, is primary, is valid), each `[N]`; rank and row are 0 where
-    the route is invalid."""
-    valid_n = dst_n != NO_ROUTE
-    primary_n = dst_n >= 0
-    raw_n = torch.where(primary_n, dst_n, -dst_n.long() - 1)
-    raw_n = torch.where(valid_n, raw_n, 0).long()
-    return raw_n // rows_per_rank, raw_n % rows_per_rank, primary_n, valid_n
+    num_tokens, top_k = topk_experts_sk.shape
+    plan = MoonEPCommPlan.empty(num_tokens=num_tokens, top_k=top_k, num_ranks=num_ranks,
+                                num_experts=num_experts, num_slots=num_slots, rows_per_rank=rows_per_rank,
+                                rank=rank, device=device, owner=owner)
+    values = dict(dst=dst_n, experts_to_copy=glob.experts_to_copy_rb, cu_seqlens=cu_seqlens_g,
+                  zero_fill_ranges=glob.zero_fill_rg2[rank],
+                  remote_stats=torch.stack([remote_n.sum(), (remote_n & primary_n).sum()]),
+                  rank_load=glob.alloc_re.sum(1), home_load=glob.home_load_r,
+                  expert_load=glob.alloc_re.sum(0), slots_used=(glob.experts_to_copy_rb >= 0).sum(1))
+    for name, value in values.items():
+        getattr(plan, name).copy_(value)
+    plan.dup_tables.zero_()
+    return plan

@@ -2,7 +2,8 @@
 ranks of one NVLink domain, one process and one GPU per rank.
 
 Every rank maps every peer's symmetric tensors, so rows move by plain loads and stores into peers' memory
-(legend: n entries of a call, R ranks, c its `capacity`, `*row` the row shape):
+(notation: DESIGN.md; as in the world protocol, n counts a call's entries, c is its `capacity`, `*row`
+the row shape):
 
 - `symmetric(key, tensor)`: allocates the tensor in symmetric memory (`symm_mem.empty`, plus one dump row
   where a row is small, see `DUMP_ROW_MAX_BYTES`), copies the contents, re-points `tensor` at it (so a

@@ -14,6 +14,9 @@ else, so the same layer code runs on every transport:
 - `barrier()`: orders the phases of an exchange (writes before reads, reads before the next writes);
 - `globals`: this process's state shared by all layers (the slot pools live there).
 
+Notation and suffixes: DESIGN.md, "Notation"; in the row exchanges `n` counts the entries of one call (routes,
+slots or ranks, as the Buffer calls them) and `c` is the call's `capacity`.
+
 Worlds whose symmetric tensors map every peer (threads here, symmetric memory in `comm.symmetric`) share
 one peer exchange: `PeerWorld.gather_rows` reads peers' rows directly (`read_peer_rows`), and a world whose
 targets carry a dump row writes peers' rows directly (`write_peer_rows`: the symmetric world allocates its

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from moonep_moe.comm.buffer import Buffer
-from moonep_moe.comm.plan import MoonEPCommPlan
+from moonep_moe.comm.plan_types import MoonEPCommPlan
 from moonep_moe.layers.grouped_gemm import GroupedGemm
 from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
 from moonep_moe.weights.experts import HomeExperts
@@ -81,8 +81,8 @@ class MoonEPExperts(torch.autograd.Function):
     def forward(ctx, hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, gate_up, down,
                 state: ExpertsState):
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
-        x_nvsh, w_nvs, cu_seqlens, plan = buffer.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
-                                                          tokens_per_expert)
+        x_nvsh, w_nvs, cu_seqlens, plan, _ = buffer.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
+                                                             tokens_per_expert)
         gate_up_rows, down_rows = experts.rows
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
         offs_g = compute_offsets(cu_seqlens, buffer.world.rank, buffer.epn, buffer.E)
@@ -102,8 +102,7 @@ class MoonEPExperts(torch.autograd.Function):
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
         gate_up_rows, down_rows = experts.rows
         gate_up_grads, down_grads = experts.new_grads(state.grad_dtype, state.main_grad)
-        dy_nvsh, _, _, _ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None,
-                                           plan=plan)
+        dy_nvsh, *_ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None, plan=plan)
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
         u_nvf = gemm.dgrad(dy_nvsh, down_rows.compute_weights(), offs_g)
         dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:])

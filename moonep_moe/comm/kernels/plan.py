@@ -3,11 +3,11 @@
 The contract is `moonep_moe.comm.plan` (module docstring, steps 1-6); this is its GPU implementation, equal to
 the reference bit for bit, with no host read (every size is a launch constant; nothing is read back).
 
-Legend: R ranks, E experts, `epn = E / R`, B slots, K routes per token, s tokens (`[s, K]` routes), tp token
-padding, NvS rows per rank. `R_P`, `W`, `B_P`, `K_P`, `E_P`: padded powers of two. In the global program,
-`_gw` tensors are indexed by (group or rank g, expert-in-group or rank w): `[R_P, W]` with
+Notation and suffixes: DESIGN.md, "Notation", except the global program's tile axes, local to this file:
+`R_P`, `W`, `B_P`, `K_P`, `E_P` are padded powers of two, and `_wg` tiles are indexed by (expert-in-group
+or rank w, home group or rank g; g is not a compute group here): `[W, R_P]` with
 `W = max(R_P, epn padded)` so that donor x expert and donor x receiver matrices share one shape (and one
-register layout: their row reductions meet without a layout conversion). `_dgw`: (computing rank d, g, w).
+register layout: their row reductions meet without a layout conversion). `_dwg`: (computing rank d, w, g).
 
 Launch 1, `_plan_kernel` (grid `nb + 1`), two kinds of program that run side by side:
 
@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moonep_moe.comm.plan import NO_ROUTE, MoonEPCommPlan
+from moonep_moe.comm.plan_types import NO_ROUTE, MoonEPCommPlan
 
 ROUTES_PER_BLOCK = 512
 """Routes (tokens x padded K) per block program: S=8192, K=8 gives 128 blocks (the H200 sweep of 256 .. 2048
@@ -306,10 +306,8 @@ def _destinations_kernel(topk_ptr, num_tokens, rank, position_ptr, block_counts_
 
 @dataclass(frozen=True)
 class PlanLaunch:
-    """One planning of one rank: its inputs, launch constants and every tensor the two launches write.
-
-    All tensors are int32 views of one allocation. The plan's fields are those of `MoonEPCommPlan` (shapes
-    there); the rest is scratch between the launches, kept for tests and benchmarks:
+    """One planning of one rank: its inputs, launch constants, the plan the two launches write
+    (`MoonEPCommPlan.empty`) and their scratch (int32, one allocation), kept for tests and benchmarks:
 
     Attributes:
         position_n: `[s*K]` a valid route's position among its block's earlier routes to its expert.
@@ -326,19 +324,7 @@ class PlanLaunch:
     constants: dict
     num_blocks: int
     dup_share: int
-    dst: torch.Tensor
-    experts_to_copy: torch.Tensor
-    cu_seqlens: torch.Tensor
-    zero_fill_ranges: torch.Tensor
-    remote_stats: torch.Tensor
-    dup_tables: torch.Tensor
-    dup_groups: torch.Tensor
-    dup_loffs: torch.Tensor
-    dup_counts: torch.Tensor
-    rank_load: torch.Tensor
-    home_load: torch.Tensor
-    expert_load: torch.Tensor
-    slots_used: torch.Tensor
+    plan: MoonEPCommPlan
     position_n: torch.Tensor
     block_counts_be: torch.Tensor
     received_wr: torch.Tensor
@@ -348,13 +334,14 @@ class PlanLaunch:
 
     def plan_group(self) -> None:
         """Launch 1: the global plan (last program) beside the token blocks' positions and histograms."""
-        c = self.constants
+        c, plan = self.constants, self.plan
+        dup_tables = plan.dup_tables
         _plan_kernel[(self.num_blocks + 1,)](
             self.counts_re, *self.counts_re.stride(), self.topk_sk, self.topk_sk.shape[0], self.rank,
-            self.position_n, self.block_counts_be, self.dup_tables, self.dup_tables.numel(), self.dup_share,
-            self.received_wr, self.before_e, self.ends_er, self.offset_er, self.experts_to_copy,
-            self.cu_seqlens, self.zero_fill_ranges, self.remote_stats, self.rank_load, self.home_load,
-            self.expert_load, self.slots_used, **{name: c[name] for name in _PLAN_CONSTANTS},
+            self.position_n, self.block_counts_be, dup_tables, dup_tables.numel(), self.dup_share,
+            self.received_wr, self.before_e, self.ends_er, self.offset_er, plan.experts_to_copy,
+            plan.cu_seqlens, plan.zero_fill_ranges, plan.remote_stats, plan.rank_load, plan.home_load,
+            plan.expert_load, plan.slots_used, **{name: c[name] for name in _PLAN_CONSTANTS},
             num_warps=c["plan_warps"])
 
     def route_destinations(self) -> None:
@@ -362,21 +349,9 @@ class PlanLaunch:
         c = self.constants
         _destinations_kernel[(self.num_blocks,)](
             self.topk_sk, self.topk_sk.shape[0], self.rank, self.position_n, self.block_counts_be,
-            self.before_e, self.ends_er, self.offset_er, self.dst, self.remote_stats, R=c["R"], E=c["E"],
-            K=c["K"], NVS=c["NVS"], NO_ROUTE_=NO_ROUTE, R_P=c["R_P"], K_P=c["K_P"], E_P=c["E_P"],
+            self.before_e, self.ends_er, self.offset_er, self.plan.dst, self.plan.remote_stats, R=c["R"],
+            E=c["E"], K=c["K"], NVS=c["NVS"], NO_ROUTE_=NO_ROUTE, R_P=c["R_P"], K_P=c["K_P"], E_P=c["E_P"],
             TOK=c["TOK"], SUB=c["SUB2"], NB_CHUNK=c["NB_CHUNK"], num_warps=c["destination_warps"])
-
-    def plan(self, owner: int | None = None) -> MoonEPCommPlan:
-        """The plan made of this launch's fields (valid once both launches ran)."""
-        c = self.constants
-        return MoonEPCommPlan(
-            dst=self.dst, experts_to_copy=self.experts_to_copy, cu_seqlens=self.cu_seqlens,
-            zero_fill_ranges=self.zero_fill_ranges, remote_stats=self.remote_stats,
-            dup_groups=self.dup_groups, dup_loffs=self.dup_loffs, dup_counts=self.dup_counts,
-            rank_load=self.rank_load, home_load=self.home_load, expert_load=self.expert_load,
-            slots_used=self.slots_used,
-            num_routes=self.dst.numel(), num_ranks=c["R"], num_experts=c["E"], num_slots=c["B"],
-            rows_per_rank=c["NVS"], top_k=c["K"], rank=self.rank, owner=owner)
 
 
 def _pow2(n: int) -> int:
@@ -384,10 +359,12 @@ def _pow2(n: int) -> int:
 
 
 def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int, num_slots: int,
-            token_padding: int, rows_per_rank: int, routes_per_block: int = ROUTES_PER_BLOCK,
+            token_padding: int, rows_per_rank: int, owner: int | None = None,
+            routes_per_block: int = ROUTES_PER_BLOCK,
             plan_warps: int = PLAN_WARPS, destination_warps: int = DESTINATION_WARPS,
             segment_ranks: int | None = None) -> PlanLaunch:
-    """Allocate (one int32 tensor, no kernel) and describe the two launches of one rank's plan.
+    """Allocate (the plan and one int32 scratch tensor, no kernel) and describe the two launches of one rank's
+    plan.
 
     Args: as `plan_routes_triton`; the rest tune the launches (`bench.plan` sweeps them):
         routes_per_block: routes (tokens x padded K) of one token block, a power of two.
@@ -415,24 +392,19 @@ def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int
                      NB_CHUNK=max(1, 32 * threads2 // E_P), plan_warps=plan_warps,
                      destination_warps=destination_warps)
     num_blocks = max(1, triton.cdiv(num_tokens, TOK))
-    N, R, E, B, NvS = num_tokens * top_k, num_ranks, num_experts, num_slots, rows_per_rank
-    shapes = dict(dst=(N,), experts_to_copy=(R, B), cu_seqlens=(E + B,), zero_fill_ranges=(E + B, 2),
-                  remote_stats=(2,), dup_groups=(NvS, 3), dup_loffs=(NvS,), dup_counts=(2,), rank_load=(R,),
-                  home_load=(R,), expert_load=(E,), slots_used=(R,), position_n=(N,),
-                  block_counts_be=(num_blocks, E), received_wr=(W, R_P), before_e=(E,), ends_er=(E, R),
-                  offset_er=(E, R))
+    plan = MoonEPCommPlan.empty(num_tokens=num_tokens, top_k=top_k, num_ranks=num_ranks,
+                                num_experts=num_experts, num_slots=num_slots, rows_per_rank=rows_per_rank,
+                                rank=rank, device=device, owner=owner)
+    shapes = dict(position_n=(num_tokens * top_k,), block_counts_be=(num_blocks, num_experts),
+                  received_wr=(W, R_P), before_e=(num_experts,), ends_er=(num_experts, num_ranks),
+                  offset_er=(num_experts, num_ranks))
     sizes = [torch.Size(shape).numel() for shape in shapes.values()]
-    flat = torch.empty(sum(sizes), dtype=torch.int32, device=device)
+    scratch = torch.empty(sum(sizes), dtype=torch.int32, device=device)
     views = {name: part.view(shape)
-             for (name, shape), part in zip(shapes.items(), flat.split(sizes), strict=True)}
-    names = list(shapes)
-    first, last = names.index("dup_groups"), names.index("dup_counts")
-    dup_start = sum(sizes[:first])
-    dup_tables = flat[dup_start:dup_start + sum(sizes[first:last + 1])]
-    dup_share = triton.cdiv(triton.cdiv(dup_tables.numel(), num_blocks), ZERO_CHUNK) * ZERO_CHUNK
+             for (name, shape), part in zip(shapes.items(), scratch.split(sizes), strict=True)}
+    dup_share = triton.cdiv(triton.cdiv(plan.dup_tables.numel(), num_blocks), ZERO_CHUNK) * ZERO_CHUNK
     return PlanLaunch(counts_re=counts_re.to(device), topk_sk=topk_experts_sk.contiguous(), rank=rank,
-                      constants=constants, num_blocks=num_blocks, dup_share=dup_share, dup_tables=dup_tables,
-                      **views)
+                      constants=constants, num_blocks=num_blocks, dup_share=dup_share, plan=plan, **views)
 
 
 def plan_routes_triton(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int, num_slots: int,
@@ -447,7 +419,7 @@ def plan_routes_triton(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *
         tuning: `prepare`'s launch-shape arguments (default: its defaults).
     """
     launch = prepare(counts_re, topk_experts_sk, rank=rank, num_slots=num_slots, token_padding=token_padding,
-                     rows_per_rank=rows_per_rank, **tuning)
+                     rows_per_rank=rows_per_rank, owner=owner, **tuning)
     launch.plan_group()
     launch.route_destinations()
-    return launch.plan(owner)
+    return launch.plan

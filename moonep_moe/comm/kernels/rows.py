@@ -423,22 +423,22 @@ def _copy_experts_kernel(slots_ptr, experts_ptr, home_table, home_like, numel, e
         tl.store(target + offs, tl.load(source + offs, mask=_both(inside, used), other=0.0), mask=inside)
 
 
-def copy_experts(home: SymmetricTensor, slots_bx: torch.Tensor, experts_b: torch.Tensor) -> None:
-    """`slots_bx[j] = home expert experts_b[j]` from its home rank (expert e lives on rank e // epn at
+def copy_experts(home: SymmetricTensor, slots_b: torch.Tensor, experts_b: torch.Tensor) -> None:
+    """`slots_b[j] = home expert experts_b[j]` from its home rank (expert e lives on rank e // epn at
     index e % epn of `home`), a zero row where `experts_b[j]` is -1 (peer reads; the caller barriers).
 
     Args:
-        home: symmetric `[epn, *row]` home experts. slots_bx: `[B, *row]` contiguous, same dtype.
+        home: symmetric `[epn, *row]` home experts. slots_b: `[B, *row]` contiguous, same dtype.
         experts_b: `[B]` int32 global expert per slot, -1 = unused.
     """
-    num_slots = slots_bx.shape[0]
-    numel = slots_bx[0].numel() if num_slots else 0
+    num_slots = slots_b.shape[0]
+    numel = slots_b[0].numel() if num_slots else 0
     if num_slots == 0 or numel == 0:
         return
-    block, iterations, warps = _flat_block(numel, slots_bx.element_size())
+    block, iterations, warps = _flat_block(numel, slots_b.element_size())
     with _launching():
         _copy_experts_kernel[(triton.cdiv(numel, block * iterations), num_slots)](
-            slots_bx, experts_b, pointer_table(home), home.local, numel, home.local.shape[0], BLOCK=block,
+            slots_b, experts_b, pointer_table(home), home.local, numel, home.local.shape[0], BLOCK=block,
             ITERATIONS=iterations, num_warps=warps)
 
 
@@ -455,21 +455,21 @@ def _clear_slots_kernel(slots_ptr, experts_ptr, numel, BLOCK: tl.constexpr, ITER
         tl.store(target + offs, zeros, mask=offs < numel)
 
 
-def clear_slots(slots_bx: torch.Tensor, experts_b: torch.Tensor) -> None:
-    """`slots_bx[j] = 0` for every used slot (`experts_b[j] >= 0`), in one launch; unused slots are not
+def clear_slots(slots_b: torch.Tensor, experts_b: torch.Tensor) -> None:
+    """`slots_b[j] = 0` for every used slot (`experts_b[j] >= 0`), in one launch; unused slots are not
     touched (the reference's `masked_fill_` reads and writes every slot).
 
     Args:
-        slots_bx: `[B, *row]` contiguous slot gradients. experts_b: `[B]` int32 expert per slot, -1 = unused.
+        slots_b: `[B, *row]` contiguous slot gradients. experts_b: `[B]` int32 expert per slot, -1 = unused.
     """
-    num_slots = slots_bx.shape[0]
-    numel = slots_bx[0].numel() if num_slots else 0
+    num_slots = slots_b.shape[0]
+    numel = slots_b[0].numel() if num_slots else 0
     if num_slots == 0 or numel == 0:
         return
-    block, iterations, warps = _flat_block(numel, slots_bx.element_size())
+    block, iterations, warps = _flat_block(numel, slots_b.element_size())
     with _launching():
         _clear_slots_kernel[(triton.cdiv(numel, block * iterations), num_slots)](
-            slots_bx, experts_b, numel, BLOCK=block, ITERATIONS=iterations, num_warps=warps)
+            slots_b, experts_b, numel, BLOCK=block, ITERATIONS=iterations, num_warps=warps)
 
 
 @triton.jit
@@ -502,24 +502,24 @@ def _add_replicas_kernel(home_ptr, sources_ptr, slots_table, slots_like, numel, 
         tl.store(target + offs, _narrow(total, HOME), mask=inside)
 
 
-def add_replicas(home_hx: torch.Tensor, slots: SymmetricTensor, sources_hr: torch.Tensor) -> None:
-    """`home_hx[h] += slots(rank)[slot]` for each `sources_hr[h, i] = rank * B + slot` (-1: none), in i
+def add_replicas(home_x: torch.Tensor, slots: SymmetricTensor, sources_xr: torch.Tensor) -> None:
+    """`home_x[x] += slots(rank)[slot]` for each `sources_xr[x, i] = rank * B + slot` (-1: none), in i
     order (peer reads; the caller barriers); experts without replicas are not touched. Like the reference's
     one `index_add_` per slot index: each replica is rounded to the home dtype, and the sum to it once per
     slot index (sources are sorted by slot); with fp32 home gradients that is a plain fp32 sum.
 
     Args:
-        home_hx: `[epn, *row]` contiguous home gradients. slots: symmetric `[B, *row]` slot gradients.
-        sources_hr: `[epn, R]` int32 replica sources of each home expert, in the order they are added.
+        home_x: `[epn, *row]` contiguous home gradients. slots: symmetric `[B, *row]` slot gradients.
+        sources_xr: `[epn, R]` int32 replica sources of each home expert, in the order they are added.
     """
-    num_home, max_replicas = sources_hr.shape
-    numel = home_hx[0].numel() if num_home else 0
+    num_home, max_replicas = sources_xr.shape
+    numel = home_x[0].numel() if num_home else 0
     if num_home == 0 or numel == 0 or slots.local.shape[0] == 0:
         return
-    block, iterations, warps = _flat_block(numel, home_hx.element_size())
-    accumulate = torch.promote_types(torch.promote_types(home_hx.dtype, slots.local.dtype), torch.float32)
+    block, iterations, warps = _flat_block(numel, home_x.element_size())
+    accumulate = torch.promote_types(torch.promote_types(home_x.dtype, slots.local.dtype), torch.float32)
     with _launching():
         _add_replicas_kernel[(triton.cdiv(numel, block * iterations), num_home)](
-            home_hx, sources_hr, pointer_table(slots), slots.local, numel, slots.local.shape[0],
+            home_x, sources_xr, pointer_table(slots), slots.local, numel, slots.local.shape[0],
             ACC=_TL_DTYPES[accumulate], MAX_REPLICAS=max_replicas, BLOCK=block, ITERATIONS=iterations,
             num_warps=warps)

@@ -1,0 +1,31 @@
+"""`CommEvent`: the one object that owns the wait for a comm operation queued on a comm stream.
+
+Every comm call returns its event last, the same way: `Buffer.dispatch` -> `(..., plan, event)`,
+`Buffer.combine` -> `(hidden_sh, route_weights_sk, event)`, `Buffer.prefetch_weight` and
+`Buffer.reduce_grad` -> `event`. The event is None without `async_finish` (the operation ran on the caller's
+stream, nothing to wait for), a `CommEvent` with it. `MoECommunicator`'s requests wait through it too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    """The end of an operation queued with `async_finish=True` on a comm stream. Nothing the operation
+    returned or wrote may be used on another stream before `wait()`. Off CUDA the operation had finished
+    before its call returned (`event` is None)."""
+
+    event: torch.cuda.Event | None
+
+    def wait(self) -> None:
+        """Make the current stream wait for the operation (returns at once on the host)."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def query(self) -> bool:
+        """Whether the operation has finished on the device (True off CUDA). Does not block."""
+        return self.event is None or self.event.query()
