@@ -54,7 +54,11 @@ def assert_compiled_matches_eager(dtype: str, device: str, tol: dict, **override
                              for _ in range(2))
             want, got = step(layer, layer, x_th, grad_th), step(layer, compiled, x_th, grad_th)
             for name, value in want.items():
-                torch.testing.assert_close(got[name], value, **tol, msg=lambda m, n=name: f"{n}: {m}")
+                if "norm" in tol:  # low precision: elementwise bounds fail where sums cancel
+                    error = (got[name].double() - value.double()).norm() / value.double().norm()
+                    assert error <= tol["norm"], f"{name}: relative error {error:.2e} > {tol['norm']:.2e}"
+                else:
+                    torch.testing.assert_close(got[name], value, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("mode", ["param", "main_grad"])
@@ -82,5 +86,8 @@ def test_fullgraph_fails_saying_why(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_compiled_layer_matches_eager_on_cuda(dtype):
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == "bfloat16" else dict(rtol=1e-4, atol=1e-4)
+    """bf16: inductor fuses the router and shared experts' elementwise work in fp32 where eager rounds each op
+    to bf16, so each tensor may differ by a few roundings of bf16's unit roundoff 2^-8 (in norm: single
+    elements of a gradient that sums many products may cancel to nothing and differ by more)."""
+    tol = dict(norm=4 * 2**-8) if dtype == "bfloat16" else dict(rtol=1e-4, atol=1e-4)
     assert_compiled_matches_eager(dtype, "cuda", tol)
