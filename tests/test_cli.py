@@ -134,7 +134,8 @@ def test_debug_shows_the_traceback(no_work):
 
 
 def test_the_command_prints_no_traceback():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     done = subprocess.run([sys.executable, "-m", "moonep_moe.cli", "demo", "--config", "no-such-model"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
