@@ -1,0 +1,194 @@
+"""EP beside data parallelism (`moonep_moe.parallel`) with real processes: gloo on the CPU.
+
+4 processes as a `("dp", "ep")` mesh of DP 2 x EP 2, and of DP 1 x EP 4 (EP alone), train a small float64
+model (a Linear, a MoonEP layer with a gated shared expert and skewed routing, so that replicas carry
+gradients, and a Linear head) under DDP and under FSDP2 (`fully_shard`, which torch 2.13 runs on the CPU
+with gloo), in both gradient modes, with 1 or 2 micro-batches per step. After every step's reduction
+(DDP / FSDP2 for the non-expert parameters, `reduce_expert_grads` for the home experts), every gradient must
+equal a single-process run's on the same global batch (one rank, all E experts, every rank's tokens in one
+batch); so must the parameters after SGD steps and the expert bias moved by `update_expert_bias`.
+
+A home-expert gradient reduced over the wrong group ("ep", or every rank) or scaled by 1/dp instead of 1/W
+fails these checks (checked by breaking `reduce_expert_grads` on purpose). One spawned run per mesh carries
+every case (spawning dominates the time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+from processes import spawn_ranks
+from test_collective import RUN_TIMEOUT_S, rank_main
+from torch import nn
+
+from moonep_moe.comm.world import single_world
+from moonep_moe.config import MoEConfig
+from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.parallel import (
+    data_parallel,
+    ep_world,
+    expert_parameters,
+    moe_mesh,
+    reduce_expert_grads,
+    update_expert_bias,
+)
+
+F64 = torch.float64
+TOL = dict(rtol=1e-9, atol=1e-12)
+H, TOKENS, STEPS = 16, 12, 2
+"""Hidden size, tokens per rank per step, optimizer steps per case."""
+
+# name: (strategy, expert_grad_dtype, micro-batches per step)
+CASES = {
+    "ddp": ("ddp", "param", 1),
+    "fsdp2-accumulate": ("fsdp", "param", 2),
+    "ddp-main_grad-accumulate": ("ddp", "main_grad", 2),
+}
+
+
+def make_config(ep: int, tokens: int, grad_mode: str = "param") -> MoEConfig:
+    return MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=8, top_k=2, ep_size=ep,
+                     max_tokens_per_rank=tokens, token_padding=4, dtype="float64", grouped_gemm="reference",
+                     expert_grad_dtype=grad_mode,
+                     router={"dtype": "float64", "expert_bias": True, "expert_bias_update_rate": 0.01},
+                     shared_experts={"num_shared_experts": 1, "gate": True})
+
+
+class Net(nn.Module):
+    """`out(h + moe(tanh(h)))`, `h = inp(x)`: replicated Linears around one MoonEP layer."""
+
+    def __init__(self, cfg: MoEConfig, world):
+        super().__init__()
+        self.inp = nn.Linear(H, H, dtype=F64)
+        self.moe = MoonEPMoELayer(cfg, world)
+        self.out = nn.Linear(H, 1, dtype=F64)
+        with torch.no_grad():
+            self.moe.router.expert_bias[:2] = 0.3  # experts 0 and 1 (rank 0's) hot: replicas elsewhere
+
+    def forward(self, x_th: torch.Tensor) -> torch.Tensor:
+        h_th = self.inp(x_th)
+        return self.out(h_th + self.moe(torch.tanh(h_th)))
+
+
+def build(cfg: MoEConfig, world) -> Net:
+    torch.manual_seed(0)
+    return Net(cfg, world)
+
+
+def global_batch(step: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s inputs `[ranks * TOKENS, H]` and targets `[ranks * TOKENS, 1]`; rank g takes block g."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    return (torch.randn(ranks * TOKENS, H, generator=gen, dtype=F64),
+            torch.randn(ranks * TOKENS, 1, generator=gen, dtype=F64))
+
+
+def expert_grad(p: nn.Parameter) -> torch.Tensor:
+    return getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A plain CPU float64 copy (an FSDP2 DTensor gathered whole: collective)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def snapshot(net: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient (home experts: `.grad` or `main_grad`), or every parameter and buffer."""
+    experts = set(expert_parameters(net))
+    if grads:
+        return {n: full(expert_grad(p) if p in experts else p.grad) for n, p in net.named_parameters()}
+    return {n: full(t) for n, t in [*net.named_parameters(), *net.named_buffers()]}
+
+
+def optimizer_step(net: Net, optimizer: torch.optim.Optimizer) -> None:
+    if net.moe.config.expert_grad_dtype == "main_grad":
+        for p in expert_parameters(net):
+            p.grad = p.main_grad.to(p.dtype)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    net.moe.zero_main_grad()
+
+
+def reference(ranks: int) -> tuple[list[dict], dict]:
+    """One process, one rank: every step on the whole global batch; the gradients of every step and the
+    final parameters and buffers."""
+    net = build(make_config(1, ranks * TOKENS), single_world())
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    grads = []
+    for step in range(STEPS):
+        x, y = global_batch(step, ranks)
+        nn.functional.mse_loss(net(x), y).backward()
+        grads.append(snapshot(net, grads=True))
+        optimizer_step(net, optimizer)
+        net.moe.update_expert_bias()
+    return grads, snapshot(net, grads=False)
+
+
+# -- what runs in the spawned processes ---------------------------------------------------------------------
+
+
+def run_case(dp: int, ep: int, strategy: str, grad_mode: str, micro: int) -> dict:
+    """This rank's gradients after each step's reduction and its final parameters, training `Net` on the
+    `(dp, ep)` mesh wrapped by `strategy`, with `micro` micro-batches per step."""
+    mesh = moe_mesh(dp, ep)
+    net = build(make_config(ep, TOKENS, grad_mode), ep_world(mesh))
+    model = data_parallel(net, mesh, strategy)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    rank = mesh.get_rank()
+    grads = []
+    for step in range(STEPS):
+        x, y = (t[rank * TOKENS:(rank + 1) * TOKENS] for t in global_batch(step, dp * ep))
+        for i, (x_m, y_m) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
+            last = i == micro - 1
+            sync = contextlib.nullcontext()
+            if strategy == "ddp" and not last:
+                sync = model.no_sync()
+            if strategy == "fsdp":
+                model.set_requires_gradient_sync(last)
+            with sync:
+                (nn.functional.mse_loss(model(x_m), y_m) / micro).backward()
+        reduce_expert_grads(model, mesh)
+        grads.append(snapshot(net, grads=True))
+        optimizer_step(net, optimizer)
+        update_expert_bias(model, mesh)
+    return {"grads": grads, "state": snapshot(net, grads=False), "ep_rank": mesh.get_local_rank("ep"),
+            "slots_used": int(net.moe.balance_stats()["slots_used"].sum())}
+
+
+def cases_job(world, dp: int, ep: int) -> dict:
+    return {name: run_case(dp, ep, *case) for name, case in CASES.items()}
+
+
+@pytest.fixture(scope="module", params=[(2, 2), (1, 4)], ids=["dp2xep2", "ep4"])
+def mesh_run(request, tmp_path_factory) -> tuple[tuple[int, int], list[dict]]:
+    dp, ep = request.param
+    job = functools.partial(cases_job, dp=dp, ep=ep)
+    return request.param, spawn_ranks(rank_main, job, dp * ep, tmp_path_factory.mktemp(f"dp{dp}ep{ep}"),
+                                      RUN_TIMEOUT_S)
+
+
+def assert_matches(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], ep_rank: int, epn: int,
+                   what: str) -> None:
+    """Home experts against their rows of the reference's E experts, everything else whole."""
+    assert got.keys() == want.keys()
+    home = slice(ep_rank * epn, (ep_rank + 1) * epn)
+    for name, value in got.items():
+        ref = want[name][home] if name.startswith("moe.experts.") else want[name]
+        torch.testing.assert_close(value, ref, **TOL, msg=lambda m, n=name: f"{what}: {n}: {m}")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_gradient_and_step_equals_one_process_on_the_global_batch(mesh_run, case):
+    (dp, ep), results = mesh_run
+    ref_grads, ref_state = reference(dp * ep)
+    epn = 8 // ep
+    for rank, result in enumerate(results):
+        got = result[case]
+        for step in range(STEPS):
+            assert_matches(got["grads"][step], ref_grads[step], got["ep_rank"], epn,
+                           f"{case}, rank {rank}, step {step} gradients")
+        assert_matches(got["state"], ref_state, got["ep_rank"], epn, f"{case}, rank {rank}, final state")
+    if ep > 1:
+        assert results[0][case]["slots_used"] > 0, "the skewed routing made no replicas"
