@@ -66,7 +66,7 @@ class Net(nn.Module):
         self.moe = MoonEPMoELayer(cfg, world)
         self.out = nn.Linear(H, 1, dtype=F64)
         with torch.no_grad():
-            self.moe.router.expert_bias[:2] = 0.3  # experts 0 and 1 (rank 0's) hot: replicas elsewhere
+            self.moe.router.expert_bias[:2] = 0.03  # experts 0 and 1 hot (replicas), every expert used
 
     def forward(self, x_th: torch.Tensor) -> torch.Tensor:
         h_th = self.inp(x_th)
