@@ -10,6 +10,12 @@ forward(hidden [T, H] or [B, L, H]):
 
 Per-step balance statistics stay on the device (`balance_stats()` returns tensors; reading them is the only
 host sync, and it is the caller's choice).
+
+Activation checkpointing (`torch.utils.checkpoint` around a block holding the layer): the recompute in
+backward routes and plans again, identically on every rank (the plan is a pure function of the gathered
+histogram), while the Function's backward takes the first forward's plan (a backward `dispatch(plan=...)`
+may take an earlier plan of the Buffer); gradients equal the uncheckpointed run's. The recompute leaves
+`expert_load` and the recorded router logits alone (`recomputing`), so they count each forward once.
 """
 
 from __future__ import annotations
@@ -120,6 +126,14 @@ def agree_on_init_seed(world: EPWorld, config: MoEConfig) -> int:
         raise ValueError(f"MoEConfig differs across the EP ranks: rank(s) {differ} disagree with rank 0 "
                          f"(seen on rank {world.rank}); every rank must build the layer from the same config")
     return gathered_r2[0][1]
+
+
+def recomputing() -> bool:
+    """True while autograd runs a backward pass on this thread: a forward that runs then is activation
+    checkpointing's recompute (`torch.utils.checkpoint`, reentrant or not), whose side effects (expert loads,
+    recorded router logits) the first forward already had. `torch.utils.checkpoint` asks the same
+    (private) `torch._C._current_graph_task_id`."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def world_on(world: EPWorld, device: torch.device) -> EPWorld:
@@ -327,14 +341,16 @@ class MoonEPMoELayer(nn.Module):
             raise ValueError(f"token_mask must be a bool tensor of shape {list(hidden_states.shape[:-1])}, "
                              f"got {token_mask.dtype} {list(token_mask.shape)}")
         routing = self.router(hidden_th, None if token_mask is None else token_mask.reshape(-1))
-        if self.record_router_logits:
+        recompute = recomputing()
+        if self.record_router_logits and not recompute:
             self.last_router_logits_te = routing.logits_te
         route_weights_tk = routing.route_weights_tk.to(self.buffer.weight_dtype)
         out_th = self._routed_experts(hidden_th.contiguous(), route_weights_tk, routing.topk_experts_tk,
                                       routing.tokens_per_expert_e, self.experts.gate_up, self.experts.down,
                                       self._state)
-        with torch.no_grad():
-            self.expert_load += self._state.last_plan.expert_load
+        if not recompute:  # counted by the first forward
+            with torch.no_grad():
+                self.expert_load += self._state.last_plan.expert_load
         if self.shared_experts is not None:
             out_th = out_th + self.shared_experts(hidden_th)
         out = out_th.view(hidden_states.shape)
