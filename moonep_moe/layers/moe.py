@@ -20,9 +20,11 @@ may take an earlier plan of the Buffer); gradients equal the uncheckpointed run'
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +33,9 @@ from torch import nn
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.world import EPWorld, single_world
 from moonep_moe.config import MoEConfig
-from moonep_moe.layers.function import ExpertsState, routed_experts
+from moonep_moe.layers.function import COMPILE_BREAK_REASON, ExpertsState, MoonEPExperts
 from moonep_moe.layers.grouped_gemm import GemmProblem, select_grouped_gemm
-from moonep_moe.layers.router import TopKRouter
+from moonep_moe.layers.router import RouterOutput, TopKRouter
 from moonep_moe.weights.experts import HomeExperts, seeded_uniform_
 
 
@@ -136,6 +138,32 @@ def recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def routed_step(layer: MoonEPMoELayer, hidden_th: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
+    """The routed half of `MoonEPMoELayer.forward`: `[T, H]` tokens through `MoonEPExperts` as the router
+    chose, then the forward's bookkeeping (the plan's loads into `expert_load`; the router logits kept with
+    `record_router_logits`), which a recompute under activation checkpointing skips (`recomputing`)."""
+    state = layer._state
+    route_weights_tk = routing.route_weights_tk.to(state.buffer.weight_dtype)
+    experts = layer.experts
+    out_th = MoonEPExperts.apply(hidden_th, route_weights_tk, routing.topk_experts_tk,
+                                 routing.tokens_per_expert_e, experts.gate_up, experts.down, state)
+    if not recomputing():
+        with torch.no_grad():
+            layer.expert_load += state.last_plan.expert_load
+        if layer.record_router_logits:
+            layer.last_router_logits_te = routing.logits_te
+    return out_th
+
+
+@functools.cache
+def eager_routed_step() -> Callable[..., torch.Tensor]:
+    """`routed_step` wrapped to run eagerly under `torch.compile`: the graph breaks around it
+    (`COMPILE_BREAK_REASON`, which is also what `fullgraph=True` raises with; the recompute check cannot be
+    traced either). Built on first use, outside any compiled region (the layer's constructor):
+    `torch.compiler.disable` imports torch._dynamo, which takes longer than importing torch itself."""
+    return torch.compiler.disable(routed_step, reason=COMPILE_BREAK_REASON)
+
+
 def world_on(world: EPWorld, device: torch.device) -> EPWorld:
     """A one-rank world's counterpart on `device`: `world` itself on its own device, else a one-rank threads
     world, one per device and shared by every layer that shared `world` (kept in `world.globals`)."""
@@ -210,7 +238,7 @@ class MoonEPMoELayer(nn.Module):
         """When True, `forward` keeps the router's logits `[T, E]` (with their autograd graph) in
         `last_router_logits_te` until the next call, so a wrapper can return them without routing twice."""
         self.last_router_logits_te: torch.Tensor | None = None
-        self._routed_experts = routed_experts()  # built here, outside any compiled region
+        self._routed_step = eager_routed_step()  # built here, outside any compiled region
         self.buffer: Buffer | None = None
         self._state: ExpertsState | None = None
         if device.type != "meta":
@@ -341,16 +369,7 @@ class MoonEPMoELayer(nn.Module):
             raise ValueError(f"token_mask must be a bool tensor of shape {list(hidden_states.shape[:-1])}, "
                              f"got {token_mask.dtype} {list(token_mask.shape)}")
         routing = self.router(hidden_th, None if token_mask is None else token_mask.reshape(-1))
-        recompute = recomputing()
-        if self.record_router_logits and not recompute:
-            self.last_router_logits_te = routing.logits_te
-        route_weights_tk = routing.route_weights_tk.to(self.buffer.weight_dtype)
-        out_th = self._routed_experts(hidden_th.contiguous(), route_weights_tk, routing.topk_experts_tk,
-                                      routing.tokens_per_expert_e, self.experts.gate_up, self.experts.down,
-                                      self._state)
-        if not recompute:  # counted by the first forward
-            with torch.no_grad():
-                self.expert_load += self._state.last_plan.expert_load
+        out_th = self._routed_step(self, hidden_th.contiguous(), routing)
         if self.shared_experts is not None:
             out_th = out_th + self.shared_experts(hidden_th)
         out = out_th.view(hidden_states.shape)
