@@ -346,14 +346,24 @@ class MoonEPMoELayer(nn.Module):
         `token_mask` (`[T]` or `[B, L]` bool, True = real token) keeps padding tokens out of routing: their
         routes are -1 (not counted, not sent, zero routed output), so padding never changes the plan of the
         real tokens.
+
+        Under `torch.autocast` (enabled for the input's device type) the input is cast to the layer's dtype
+        (`config.dtype`, whatever autocast's own dtype) and the layer runs with autocast off, as it would
+        without: the router in `router.dtype`, experts and shared experts in `config.dtype`; the output is in
+        `config.dtype`, the input's gradient in the input's dtype. Without autocast a dtype other than
+        `config.dtype` raises.
         """
+        device_type = hidden_states.device.type
+        if torch.is_autocast_enabled(device_type):
+            with torch.autocast(device_type, enabled=False):
+                return self.forward(hidden_states.to(self.config.torch_dtype), token_mask)
         cfg = self.config
         if hidden_states.dim() not in (2, 3) or hidden_states.shape[-1] != cfg.hidden_size:
             raise ValueError(f"hidden_states must be [T, {cfg.hidden_size}] or [B, L, {cfg.hidden_size}], "
                              f"got {list(hidden_states.shape)}")
         if hidden_states.dtype != cfg.torch_dtype:
             raise ValueError(f"hidden_states must have dtype {cfg.torch_dtype} (config.dtype), "
-                             f"got {hidden_states.dtype}")
+                             f"got {hidden_states.dtype} (under torch.autocast the layer casts it)")
         if self.buffer is None:
             raise RuntimeError(f"MoonEPMoELayer is on the meta device (rank {self.world.rank}): call "
                                "to_empty(device=...) and reset_parameters() (or load_state_dict) first")
