@@ -61,11 +61,11 @@ def moe_mesh(dp: int, ep: int, device_type: str = "cpu") -> DeviceMesh:
 
 
 def ep_world(mesh: DeviceMesh, kind: Literal["collective", "symmetric"] = "collective", *,
-             exact_size: bool = False) -> EPWorld:
+             exact_size: bool = False, device: torch.device | None = None) -> EPWorld:
     """The EP world of this rank's "ep" dimension of `mesh`: `collective_world` of its process group (NCCL
-    or gloo), or `symmetric_world` (one NVLink domain; on the rank's `cuda:LOCAL_RANK`). One per process and
-    group, so every layer built on it shares its slot pools. From a bare process group, call
-    `collective_world(group)` / `symmetric_world(group)` directly."""
+    or gloo; `exact_size` as there), or `symmetric_world` (one NVLink domain) on `device` (default
+    `cuda:LOCAL_RANK`). One per process and group, so every layer built on it shares its slot pools. From a
+    bare process group, call `collective_world(group)` / `symmetric_world(group)` directly."""
     group = mesh_dims(mesh)[EP].get_group()
     if kind == "collective":
         from moonep_moe.comm.collective import collective_world
@@ -74,7 +74,7 @@ def ep_world(mesh: DeviceMesh, kind: Literal["collective", "symmetric"] = "colle
     if kind == "symmetric":
         from moonep_moe.comm.symmetric import symmetric_world
 
-        return symmetric_world(group)
+        return symmetric_world(group, device)
     raise ValueError(f"kind must be 'collective' or 'symmetric', got {kind!r}")
 
 

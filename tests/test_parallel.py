@@ -11,19 +11,28 @@ batch); so must the parameters after SGD steps and the expert bias moved by `upd
 A home-expert gradient reduced over the wrong group ("ep", or every rank) or scaled by 1/dp instead of 1/W
 fails these checks (checked by breaking `reduce_expert_grads` on purpose). One spawned run per mesh carries
 every case (spawning dominates the time).
+
+End to end, `moonep-moe train --dp 2` under torchrun (4 processes: DP 2 x EP 2, DDP) must print the loss
+curve of one process training on the same global batch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from processes import spawn_ranks
 from test_collective import RUN_TIMEOUT_S, rank_main
 from torch import nn
 
+from moonep_moe.cli import main
 from moonep_moe.comm.world import single_world
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.moe import MoonEPMoELayer
@@ -192,3 +201,52 @@ def test_every_gradient_and_step_equals_one_process_on_the_global_batch(mesh_run
         assert_matches(got["state"], ref_state, got["ep_rank"], epn, f"{case}, rank {rank}, final state")
     if ep > 1:
         assert results[0][case]["slots_used"] > 0, "the skewed routing made no replicas"
+
+
+# -- the training command: torchrun, DP x EP ----------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_train_yaml(folder: Path) -> Path:
+    """The packaged tiny-transformer with 2 sequences of 8 tokens per rank and 3 steps."""
+    data = yaml.safe_load((ROOT / "configs" / "tiny-transformer.yaml").read_text())
+    data["train"].update({"batch_size": 2, "seq_len": 8, "steps": 3})
+    path = folder / "tiny.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_torchrun_train_dp2_ep2_has_the_loss_curve_of_one_process_on_the_global_batch(tmp_path):
+    """`torchrun --nproc-per-node 4 -m moonep_moe.cli train --dp 2` (DDP over 4 gloo processes, EP 2) prints
+    the losses of one rank training on the 4 ranks' sequences at once, with balance and step time."""
+    pytest.importorskip("transformers")
+    from moonep_moe.train import load_train_config, train
+
+    config = tiny_train_yaml(tmp_path)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
+               "moonep_moe.cli", "train", "--config", str(config), "--dp", "2"]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "DP 2 x EP 2 = 4 ranks as processes (gloo) on the cpu" in run.stdout, run.stdout
+    steps = re.findall(r"step +\d+  loss (\d+\.\d{4})  max/mean load: MoonEP (\d\.\d\d)  plain EP \d\.\d\d  "
+                       r"slots used \d+  \d+ ms", run.stdout + run.stderr)
+    one = train(load_train_config(config, ep_size=1, batch_size=8), progress=False)
+    assert [loss for loss, _ in steps] == [f"{loss:.4f}" for loss in one["losses"]], run.stdout + run.stderr
+    assert all(moonep == "1.00" for _, moonep in steps)
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--dp", "2"], {}, "--dp 2: the ranks are processes; run it under torchrun"),
+    (["--dp", "3"], {"WORLD_SIZE": "4"}, "--dp 3 does not divide the 4 processes"),
+    (["--dp", "2", "--ranks", "2"], {"WORLD_SIZE": "4"}, "--ranks 2: with --dp the ranks are torchrun's"),
+    (["--dp", "2", "--save", "x.pt"], {"WORLD_SIZE": "4"}, "--save x.pt: checkpoints need thread-ranks"),
+])
+def test_train_dp_refuses_what_cannot_run_before_any_work(argv, env, message, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["train", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"moonep-moe: error: {message}"), err
