@@ -354,7 +354,7 @@ class MoonEPMoELayer(nn.Module):
         `config.dtype` raises.
         """
         device_type = hidden_states.device.type
-        if torch.is_autocast_enabled(device_type):
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
             with torch.autocast(device_type, enabled=False):
                 return self.forward(hidden_states.to(self.config.torch_dtype), token_mask)
         cfg = self.config
