@@ -144,7 +144,7 @@ def run_case(dp: int, ep: int, strategy: str, grad_mode: str, micro: int) -> dic
     `(dp, ep)` mesh wrapped by `strategy`, with `micro` micro-batches per step."""
     mesh = moe_mesh(dp, ep)
     net = build(make_config(ep, TOKENS, grad_mode), ep_world(mesh))
-    model = data_parallel(net, mesh, strategy)
+    model = data_parallel(net, mesh, strategy, blocks=[net.moe] if strategy == "fsdp" else ())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     rank = mesh.get_rank()
     grads = []
