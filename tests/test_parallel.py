@@ -2,11 +2,12 @@
 
 4 processes as a `("dp", "ep")` mesh of DP 2 x EP 2, and of DP 1 x EP 4 (EP alone), train a small float64
 model (a Linear, a MoonEP layer with a gated shared expert and skewed routing, so that replicas carry
-gradients, and a Linear head) under DDP and under FSDP2 (`fully_shard`, which torch 2.13 runs on the CPU
-with gloo), in both gradient modes, with 1 or 2 micro-batches per step. After every step's reduction
-(DDP / FSDP2 for the non-expert parameters, `reduce_expert_grads` for the home experts), every gradient must
-equal a single-process run's on the same global batch (one rank, all E experts, every rank's tokens in one
-batch); so must the parameters after SGD steps and the expert bias moved by `update_expert_bias`.
+gradients, and a Linear head) under DDP and under FSDP2 (`fully_shard` of the MoE block, then of the model;
+torch 2.13 runs it on the CPU with gloo), in both gradient modes, with 1 or 2 micro-batches per step. After
+every step's reduction (DDP / FSDP2 for the non-expert parameters, `reduce_expert_grads` for the home
+experts), every gradient must equal a single-process run's on the same global batch (one rank, all E experts,
+every rank's tokens in one batch); so must the parameters after SGD steps and the expert bias moved by
+`update_expert_bias`.
 
 A home-expert gradient reduced over the wrong group ("ep", or every rank) or scaled by 1/dp instead of 1/W
 fails these checks (checked by breaking `reduce_expert_grads` on purpose). One spawned run per mesh carries
