@@ -7,7 +7,8 @@ torch 2.13 runs it on the CPU with gloo), in both gradient modes, with 1 or 2 mi
 every step's reduction (DDP / FSDP2 for the non-expert parameters, `reduce_expert_grads` for the home
 experts), every gradient must equal a single-process run's on the same global batch (one rank, all E experts,
 every rank's tokens in one batch); so must the parameters after SGD steps and the expert bias moved by
-`update_expert_bias`.
+`update_expert_bias`. One case runs the MoE layer under activation checkpointing (its recompute in backward
+plans and exchanges again beside DDP's reductions).
 
 A home-expert gradient reduced over the wrong group ("ep", or every rank) or scaled by 1/dp instead of 1/W
 fails these checks (checked by breaking `reduce_expert_grads` on purpose). One spawned run per mesh carries
@@ -33,6 +34,7 @@ import yaml
 from processes import spawn_ranks
 from test_collective import RUN_TIMEOUT_S, rank_main
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moonep_moe.cli import main
 from moonep_moe.comm.world import single_world
@@ -52,11 +54,11 @@ TOL = dict(rtol=1e-9, atol=1e-12)
 H, TOKENS, STEPS = 16, 12, 2
 """Hidden size, tokens per rank per step, optimizer steps per case."""
 
-# name: (strategy, expert_grad_dtype, micro-batches per step)
+# name: (strategy, expert_grad_dtype, micro-batches per step, the MoE layer under activation checkpointing)
 CASES = {
-    "ddp": ("ddp", "param", 1),
-    "fsdp2-accumulate": ("fsdp", "param", 2),
-    "ddp-main_grad-accumulate": ("ddp", "main_grad", 2),
+    "ddp": ("ddp", "param", 1, False),
+    "fsdp2-accumulate": ("fsdp", "param", 2, False),
+    "ddp-main_grad-accumulate-checkpointed": ("ddp", "main_grad", 2, True),
 }
 
 
@@ -71,8 +73,9 @@ def make_config(ep: int, tokens: int, grad_mode: str = "param") -> MoEConfig:
 class Net(nn.Module):
     """`out(h + moe(tanh(h)))`, `h = inp(x)`: replicated Linears around one MoonEP layer."""
 
-    def __init__(self, cfg: MoEConfig, world):
+    def __init__(self, cfg: MoEConfig, world, checkpointed: bool = False):
         super().__init__()
+        self.checkpointed = checkpointed
         self.inp = nn.Linear(H, H, dtype=F64)
         self.moe = MoonEPMoELayer(cfg, world)
         self.out = nn.Linear(H, 1, dtype=F64)
@@ -81,12 +84,14 @@ class Net(nn.Module):
 
     def forward(self, x_th: torch.Tensor) -> torch.Tensor:
         h_th = self.inp(x_th)
-        return self.out(h_th + self.moe(torch.tanh(h_th)))
+        moe_th = checkpoint(self.moe, torch.tanh(h_th), use_reentrant=False) if self.checkpointed else \
+            self.moe(torch.tanh(h_th))
+        return self.out(h_th + moe_th)
 
 
-def build(cfg: MoEConfig, world) -> Net:
+def build(cfg: MoEConfig, world, checkpointed: bool = False) -> Net:
     torch.manual_seed(0)
-    return Net(cfg, world)
+    return Net(cfg, world, checkpointed)
 
 
 def global_batch(step: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,11 +145,11 @@ def reference(ranks: int) -> tuple[list[dict], dict]:
 # -- what runs in the spawned processes ---------------------------------------------------------------------
 
 
-def run_case(dp: int, ep: int, strategy: str, grad_mode: str, micro: int) -> dict:
+def run_case(dp: int, ep: int, strategy: str, grad_mode: str, micro: int, checkpointed: bool) -> dict:
     """This rank's gradients after each step's reduction and its final parameters, training `Net` on the
     `(dp, ep)` mesh wrapped by `strategy`, with `micro` micro-batches per step."""
     mesh = moe_mesh(dp, ep)
-    net = build(make_config(ep, TOKENS, grad_mode), ep_world(mesh))
+    net = build(make_config(ep, TOKENS, grad_mode), ep_world(mesh), checkpointed)
     model = data_parallel(net, mesh, strategy, blocks=[net.moe] if strategy == "fsdp" else ())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     rank = mesh.get_rank()
