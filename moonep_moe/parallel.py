@@ -75,7 +75,7 @@ def ep_world(mesh: DeviceMesh, kind: Literal["collective", "symmetric"] = "colle
         from moonep_moe.comm.symmetric import symmetric_world
 
         return symmetric_world(group, device)
-    raise ValueError(f"kind must be 'collective' or 'symmetric', got {kind!r}")
+    raise ValueError(f"kind must be 'collective' or 'symmetric', got {kind!r} (rank {dist.get_rank()})")
 
 
 def mesh_dims(mesh: DeviceMesh) -> dict[str, DeviceMesh]:
@@ -83,7 +83,7 @@ def mesh_dims(mesh: DeviceMesh) -> dict[str, DeviceMesh]:
     W ranks. Raises unless `mesh` is 2-D with dimensions named "dp" and "ep"."""
     if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != (DP, EP):
         raise ValueError(f"mesh must be 2-D with dimensions named ({DP!r}, {EP!r}) (moe_mesh), got "
-                         f"{mesh.ndim}-D with names {mesh.mesh_dim_names}")
+                         f"{mesh.ndim}-D with names {mesh.mesh_dim_names} (rank {dist.get_rank()})")
     return {DP: mesh[DP], EP: mesh[EP], "all": mesh._flatten(f"{DP}_{EP}")}
 
 
@@ -144,7 +144,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, strategy: Literal["ddp", "
     """
     layers = check_layers(model, mesh)
     if strategy not in ("ddp", "fsdp"):
-        raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
+        raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r} (rank {dist.get_rank()})")
     sync_replicas(model, mesh)
     everyone = mesh_dims(mesh)["all"]
     experts = set(expert_parameters(model))
