@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moonep_moe.cli import main
+from moonep_moe.comm.collective import collective_world
 from moonep_moe.comm.world import single_world
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.moe import MoonEPMoELayer
@@ -173,8 +174,24 @@ def run_case(dp: int, ep: int, strategy: str, grad_mode: str, micro: int, checkp
             "slots_used": int(net.moe.balance_stats()["slots_used"].sum())}
 
 
+def errors(dp: int, ep: int) -> dict[str, str]:
+    """What the helpers raise: a strategy they do not know, a step without gradients, a layer built on
+    another EP group than the mesh's "ep" dimension (the WORLD group's: the "ep" group itself at dp 1)."""
+    mesh, raised = moe_mesh(dp, ep), {}
+    net = build(make_config(ep, TOKENS), ep_world(mesh))
+    other = build(make_config(dp * ep, TOKENS), collective_world(None))
+    for name, call in (("strategy", lambda: data_parallel(net, mesh, "zero")),
+                       ("no grad", lambda: reduce_expert_grads(net, mesh)),
+                       ("other group", lambda: data_parallel(other, mesh))):
+        try:
+            call()
+        except ValueError as error:
+            raised[name] = str(error)
+    return raised
+
+
 def cases_job(world, dp: int, ep: int) -> dict:
-    return {name: run_case(dp, ep, *case) for name, case in CASES.items()}
+    return {"errors": errors(dp, ep), **{name: run_case(dp, ep, *case) for name, case in CASES.items()}}
 
 
 @pytest.fixture(scope="module", params=[(2, 2), (1, 4)], ids=["dp2xep2", "ep4"])
@@ -265,3 +282,19 @@ def test_train_dp_refuses_what_cannot_run_before_any_work(argv, env, message, mo
     assert main(["train", *argv]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(f"moonep-moe: error: {message}"), err
+
+
+def test_helpers_refuse_misuse_naming_the_rank(mesh_run):
+    (dp, _), results = mesh_run
+    for rank, result in enumerate(results):
+        raised = result["errors"]
+        assert raised["strategy"] == f"strategy must be 'ddp' or 'fsdp', got 'zero' (rank {rank})"
+        assert raised["no grad"] == (f"MoonEP layer 0 experts.gate_up has no grad on rank {rank}: call "
+                                     "reduce_expert_grads after backward")
+        if dp == 1:  # the WORLD group is the mesh's "ep" group
+            assert "other group" not in raised
+            continue
+        other = raised["other group"]
+        assert other.startswith("a MoonEPMoELayer of model was built on an EP world of 4 ranks that is not "
+                                "the mesh's 'ep' dimension"), other
+        assert f"on rank {rank}: build every layer with MoonEPMoELayer(config, ep_world(mesh))" in other
