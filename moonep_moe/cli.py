@@ -143,6 +143,41 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if worst < TOLERANCE else 1
 
 
+def process_layout(args: argparse.Namespace) -> tuple[int, int] | None:
+    """`train --dp N`: `(dp, ep)` of the torchrun job this process belongs to (ep = its processes / N), or
+    None without `--dp` (thread-ranks). Refuses what cannot run with processes, before any work."""
+    if args.dp is None:
+        return None
+    if args.ranks is not None:
+        raise UsageError(f"--ranks {args.ranks}: with --dp the ranks are torchrun's processes "
+                         "(torchrun --nproc-per-node)")
+    for flag, value in (("--save", args.save), ("--resume", args.resume)):
+        if value:
+            raise UsageError(f"{flag} {value}: checkpoints need thread-ranks (train without --dp)")
+    size = int(os.environ.get("WORLD_SIZE", 0))
+    if not size:
+        raise UsageError(f"--dp {args.dp}: the ranks are processes; run it under torchrun, e.g. torchrun "
+                         f"--nproc-per-node 4 -m moonep_moe.cli train --dp {args.dp}")
+    if size % args.dp:
+        raise UsageError(f"--dp {args.dp} does not divide the {size} processes (ep = processes / dp)")
+    return args.dp, size // args.dp
+
+
+def join_processes(device: str, size: int) -> str:
+    """Join torchrun's process group for `train --dp`; returns how the ranks run, for the header. On the CPU
+    gloo (the collective EP world); on CUDA the symmetric EP world over NCCL with a GPU per rank, else over
+    gloo with ranks sharing the GPUs (`TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`, set here)."""
+    from moonep_moe.comm.collective import init_collective
+
+    backend = "gloo"
+    if device == "cuda" and torch.cuda.device_count() >= size:
+        backend = "nccl"
+    elif device == "cuda":
+        os.environ.setdefault("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
+    init_collective(backend)
+    return f"processes ({backend}) on the {device}"
+
+
 def train(args: argparse.Namespace) -> int:
     require_transformers()
     if args.save:
@@ -154,13 +189,17 @@ def train(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)  # the thread-ranks are the parallelism; nested OpenMP would oversubscribe
     device, ranks = ("cuda" if torch.cuda.is_available() else "cpu"), args.ranks
-    if device == "cuda":  # the threads world cannot run a multi-rank backward on one GPU
+    layout = process_layout(args)
+    if layout:
+        ranks = layout[1]
+    elif device == "cuda":  # the threads world cannot run a multi-rank backward on one GPU
         if ranks not in (None, 1):
             raise UsageError(f"--ranks {ranks}: on a GPU, train runs one rank (the threads world cannot run "
-                             "several ranks' backward on one device)")
+                             "several ranks' backward on one device); use --dp with torchrun for more")
         ranks = 1
     overrides = {k: v for k, v in (("ep_size", ranks), ("steps", args.steps)) if v is not None}
-    given = "".join(f" {flag} {v}" for flag, v in (("--ranks", args.ranks), ("--steps", args.steps)) if v)
+    given = "".join(f" {flag} {v}" for flag, v in (("--ranks", args.ranks), ("--dp", args.dp),
+                                                   ("--steps", args.steps)) if v)
     cfg = load(load_train_config, args.config, overrides, given)
     start, batch_from = 0, ""
     if args.resume:
@@ -172,12 +211,22 @@ def train(args: argparse.Namespace) -> int:
         start = checkpoint["step"]
         batch_from = f" (the checkpoint's global batch of {checkpoint['global_batch']})"
     tc = cfg.train
-    print(f"moonep-moe train: config {args.config}, {describe_model(cfg)}; {tc.ep_size} EP ranks as threads "
-          f"on the {device}, {tc.batch_size} sequences of {tc.seq_len} tokens per rank{batch_from}, "
-          f"steps {start} -> {tc.steps}" + (f", resuming {args.resume}" if args.resume else ""))
+    ranks_as = f"{tc.ep_size} EP ranks as threads on the {device}"
+    guard, lead = contextlib.nullcontext(), True
+    if layout:
+        from moonep_moe.comm.collective import fail_fast
+
+        dp, ep = layout
+        ranks_as = f"DP {dp} x EP {ep} = {dp * ep} ranks as {join_processes(device, dp * ep)}"
+        guard, lead = fail_fast(), torch.distributed.get_rank() == 0
+    print = builtins.print if lead else lambda *_, **__: None  # only rank 0 reports
+    print(f"moonep-moe train: config {args.config}, {describe_model(cfg)}; {ranks_as}, {tc.batch_size} "
+          f"sequences of {tc.seq_len} tokens per rank{batch_from}, steps {start} -> {tc.steps}"
+          + (f", resuming {args.resume}" if args.resume else ""))
     begin = time.perf_counter()
-    result = run_training(cfg, device=device, save=args.save, resume=args.resume,
-                          log=None if args.quiet else tqdm.write)
+    with guard:
+        result = run_training(cfg, device=device, save=args.save, resume=args.resume,
+                              log=None if args.quiet else tqdm.write, dp=layout[0] if layout else None)
     if result["losses"]:
         print(f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}   "
               f"time: {time.perf_counter() - begin:.1f} s" + (f"   saved: {args.save}" if args.save else ""))
@@ -231,6 +280,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="tiny-transformer",
                    help="packaged training config name or YAML path (tiny-transformer)")
     p.add_argument("--ranks", type=positive_int, help="EP ranks (threads); default: the config's")
+    p.add_argument("--dp", type=positive_int,
+                   help="data-parallel replicas: the ranks are torchrun's processes, DP x EP with EP = "
+                        "processes / DP (gloo on the CPU): torchrun --nproc-per-node 4 -m moonep_moe.cli "
+                        "train --dp 2")
     p.add_argument("--steps", type=positive_int,
                    help="total steps, counted from 0 (a resumed run continues to it); default: the config's")
     p.add_argument("--save", default=None, help="write a checkpoint here at the end (its folder must exist)")

@@ -1,39 +1,49 @@
 """`moonep-moe train`: a tiny transformers Qwen3-MoE, its MoE blocks swapped for `MoonEPMoELayer`, trained on
-a synthetic Markov chain with R EP ranks as threads (needs the `hf` extra).
+a synthetic Markov chain (needs the `hf` extra), with R EP ranks as threads, or as DP x EP processes under
+torchrun.
 
 Shapes use the suffix letters of DESIGN.md, "Notation"; the data's own sizes are spelled out:
-`ids [batch_size, seq_len]` token ids of one rank's batch, `probs [vocab, vocab]` the Markov chain.
+`ids [batch_size, seq_len]` token ids of one rank's batch, `probs [vocab, vocab]` the Markov chain; W is the
+number of ranks in all (R threads, or dp x ep processes).
 
 Every rank holds a full copy of the non-expert model (data parallel) and its home experts (expert parallel),
-and draws its own batch. One step (`train_step`):
+and trains on its own block of the step's global batch. One step (`train_step`):
 1. forward + backward of the rank's batch (the MoE layers exchange tokens and gradients inside);
-2. gradients: replicated parameters are averaged over the ranks (all-gather + mean, so every rank gets the
-   same bits and the replicas stay identical); home experts already hold the gradient of every rank's
-   tokens and are divided by R, so the step minimises the mean of the ranks' losses;
+2. gradients (`Ranks.sync_grads`), so that the step minimises the mean of the W ranks' losses:
+   - threads (`ThreadRanks`, EP only): replicated parameters averaged over the ranks (all-gather + mean, so
+     every rank gets the same bits and the replicas stay identical); home experts already hold the gradient
+     of every rank's tokens and are divided by R;
+   - processes (`MeshRanks`, a `(dp, ep)` mesh): DDP averages the replicated parameters over all W ranks,
+     `moonep_moe.parallel.reduce_expert_grads` sums the home experts over "dp" and divides by W;
 3. AdamW step.
 
-Data are a pure function of (seed, step, rank), so a run resumed at the same EP size sees the same batches.
-Checkpoints (`save_checkpoint`) hold the model's state_dict merged over ranks (experts under their global ids,
-loadable at any EP size), the optimizer state keyed by parameter name and global expert, the step, the global
-batch (kept when a run resumes at another EP size) and the RNG state.
+Data are a pure function of (seed, step, sequence index in the global batch), so every split of one global
+batch over ranks, at any EP or DP size, trains on the same sequences, and a resumed run sees the batches the
+uninterrupted run would.
+Checkpoints (`save_checkpoint`, threads only) hold the model's state_dict merged over ranks (experts under
+their global ids, loadable at any EP size), the optimizer state keyed by parameter name and global expert,
+the step, the global batch (kept when a run resumes at another EP size) and the RNG state.
 Slot pools are neither parameters nor buffers, so they never reach a checkpoint or the optimizer.
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from tqdm import tqdm
 
 from moonep_moe.comm.world import EPWorld, run_ranks
 from moonep_moe.config import read_config_yaml
-from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.parallel import data_parallel, ep_world, moe_layers, moe_mesh, reduce_expert_grads
 
 __all__ = ["TrainConfig", "load_checkpoint", "load_train_config", "resumed_config", "train"]
 
@@ -86,12 +96,15 @@ def markov_chain(vocab: int, branching: int, seed: int) -> torch.Tensor:
 
 
 def sample_batch(probs: torch.Tensor, cfg: TrainSection, step: int, rank: int) -> torch.Tensor:
-    """`[batch_size, seq_len]` token ids of rank `rank` at `step`, a pure function of (seed, step, rank)."""
-    gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 1_009 + rank)
+    """`[batch_size, seq_len]` token ids of rank `rank` at `step`: sequences `[rank * batch_size, (rank + 1) *
+    batch_size)` of the step's global batch, each a pure function of (seed, step, its index in it)."""
     ids = torch.empty(cfg.batch_size, cfg.seq_len, dtype=torch.long)
-    ids[:, 0] = torch.randint(0, probs.shape[0], (cfg.batch_size,), generator=gen)
-    for t in range(1, cfg.seq_len):
-        ids[:, t] = torch.multinomial(probs[ids[:, t - 1]], 1, generator=gen).squeeze(1)
+    for i in range(cfg.batch_size):
+        index = rank * cfg.batch_size + i
+        gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 1_000_033 + index)
+        ids[i, 0] = torch.randint(0, probs.shape[0], (), generator=gen)
+        for t in range(1, cfg.seq_len):
+            ids[i, t] = torch.multinomial(probs[ids[i, t - 1]], 1, generator=gen)
     return ids
 
 
@@ -110,10 +123,6 @@ def build_model(cfg: TrainConfig, world: EPWorld, base: nn.Module) -> nn.Module:
             with torch.no_grad():
                 layer.router.expert_bias[: layer.config.top_k] += cfg.train.skew
     return model
-
-
-def moe_layers(model: nn.Module) -> list[MoonEPMoELayer]:
-    return [m for m in model.modules() if isinstance(m, MoonEPMoELayer)]
 
 
 def expert_params(model: nn.Module) -> dict[nn.Parameter, range]:
@@ -135,13 +144,61 @@ def sync_grads(model: nn.Module, world: EPWorld) -> None:
             p.grad.copy_(world.all_gather(p.grad.clone()).mean(0))
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, world: EPWorld,
+class ThreadRanks:
+    """Rank `world.rank` of R thread-ranks of this process, EP only (`world` a threads world): its batch is
+    block `world.rank` of R, gradients are synchronised by `sync_grads`."""
+
+    def __init__(self, world: EPWorld):
+        self.world, self.shard, self.shards, self.lead = world, world.rank, world.size, world.rank == 0
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def sync_grads(self, model: nn.Module) -> None:
+        sync_grads(model, self.world)
+
+    def mean(self, value: torch.Tensor) -> float:
+        """The mean of a scalar over the ranks."""
+        return float(self.world.all_gather(value.float().reshape(1)).mean())
+
+
+class MeshRanks:
+    """This process as rank (d, r) of a `(dp, ep)` mesh of the default process group (torchrun): its batch is
+    block `d * ep + r` of W, the model is wrapped in DDP over all W ranks and the home experts are reduced
+    over "dp" (`moonep_moe.parallel`)."""
+
+    def __init__(self, dp: int, ep: int, device: torch.device):
+        self.mesh = moe_mesh(dp, ep, device.type)
+        if device.type == "cuda":  # ranks may share a GPU (a gloo group)
+            gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+            self.world = ep_world(self.mesh, "symmetric", device=gpu)
+        else:
+            self.world = ep_world(self.mesh)
+        self.shard, self.shards = self.mesh.get_rank(), self.mesh.size()
+        self.lead = self.shard == 0
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return data_parallel(model, self.mesh, "ddp")
+
+    def sync_grads(self, model: nn.Module) -> None:
+        reduce_expert_grads(model, self.mesh)
+
+    def mean(self, value: torch.Tensor) -> float:
+        """The mean of a scalar over all W ranks."""
+        total = value.detach().float().reshape(1).clone()
+        dist.all_reduce(total)
+        return float(total) / self.shards
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, ranks: ThreadRanks | MeshRanks,
                ids: torch.Tensor) -> torch.Tensor:
-    """One step on this rank's batch `ids [batch_size, seq_len]`; returns the rank's loss (detached)."""
+    """One step on this rank's batch `ids [batch_size, seq_len]` (`model` as `ranks.wrap` gave it); returns
+    the rank's loss (detached)."""
+    device = ranks.world.device
     optimizer.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids.to(world.device), labels=ids.to(world.device)).loss
+    loss = model(input_ids=ids.to(device), labels=ids.to(device)).loss
     loss.backward()
-    sync_grads(model, world)
+    ranks.sync_grads(model)
     optimizer.step()
     return loss.detach()
 
@@ -226,17 +283,39 @@ def resumed_config(cfg: TrainConfig, checkpoint: dict[str, Any]) -> TrainConfig:
 
 
 def train(cfg: TrainConfig, device: str = "cpu", save: str | None = None, resume: str | None = None,
-          log: Callable[[str], None] | None = None, keep_states: bool = False,
-          progress: bool = True) -> dict[str, Any]:
+          log: Callable[[str], None] | None = None, keep_states: bool = False, progress: bool = True,
+          dp: int | None = None) -> dict[str, Any]:
     """Run `cfg` from step 0 (or from the checkpoint `resume`, keeping its global batch: `resumed_config`)
     to `cfg.train.steps`.
 
-    Returns `losses` (mean over ranks, per step run), `balance` (per step: replicas and plain-EP max/mean
-    load and slots used, worst over layers, rank 0's view: the plan is global), and with `keep_states` the
-    merged model state_dict after every step (`states`). `log` receives one line per step.
+    `dp` None: `cfg.train.ep_size` EP ranks as threads of this process (`ThreadRanks`). An int: this process
+    is one rank of a job of `dp * cfg.train.ep_size` processes (torchrun; the default process group
+    initialised), on a `(dp, ep)` mesh (`MeshRanks`): every process calls `train`; `device` "cpu" runs the
+    collective world (gloo), "cuda" the symmetric world on `cuda:LOCAL_RANK % GPUs` (ranks may share a GPU:
+    a gloo group and `TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`). Checkpoints and `keep_states` are for
+    thread-ranks only.
+
+    Returns `losses` (mean over all ranks, per step run), `balance` (per step: replicas and plain-EP max/mean
+    load and slots used, worst over layers; the EP group's plan, identical on its ranks), `seconds` (each
+    step's wall time on rank 0 of this process), with `keep_states` the merged model state_dict after every
+    step (`states`), and `model`: the final state_dict merged over the thread-ranks (processes: this rank's,
+    its home experts under their global ids). `log` receives one line per step (from rank 0 only).
+
+    Raises:
+        ValueError: with `dp`, no initialised process group of `dp * ep_size` ranks, or `save`, `resume` or
+            `keep_states` given.
     """
     import transformers
 
+    tc = cfg.train
+    if dp is not None:
+        if save or resume or keep_states:
+            raise ValueError("save, resume and keep_states need thread-ranks (dp=None): with dp the ranks "
+                             "are processes")
+        size = dist.get_world_size() if dist.is_initialized() else None
+        if size != dp * tc.ep_size:
+            raise ValueError(f"dp={dp} x ep_size={tc.ep_size} needs a process group of {dp * tc.ep_size} "
+                             f"ranks (torchrun), got {size or 'none'}")
     checkpoint = load_checkpoint(resume) if resume else None
     if checkpoint:
         cfg = resumed_config(cfg, checkpoint)
@@ -248,37 +327,43 @@ def train(cfg: TrainConfig, device: str = "cpu", save: str | None = None, resume
         torch.set_rng_state(checkpoint["rng"])
     probs = markov_chain(cfg.model["vocab_size"], tc.branching, tc.seed)
     steps = range(start, tc.steps)
-    bar = tqdm(steps, desc="train", disable=not progress, leave=False)
-    records: list[list[dict[str, Any]]] = [[] for _ in range(tc.ep_size)]
+    records: dict[int, list[dict[str, Any]]] = {}
 
-    def rank_fn(world: EPWorld) -> dict[str, Any]:
-        model = build_model(cfg, world, base)
+    def rank_fn(ranks: ThreadRanks | MeshRanks) -> dict[str, Any]:
+        model = build_model(cfg, ranks.world, base)
+        wrapped = ranks.wrap(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=0.0)
         if checkpoint:
             model.load_state_dict(checkpoint["model"])
             load_optimizer_state(model, optimizer, checkpoint["optimizer"])
+        mine = records.setdefault(ranks.shard, [])
+        bar = tqdm(steps, desc="train", disable=not (progress and ranks.lead), leave=False)
         for step in steps:
-            loss = train_step(model, optimizer, world, sample_batch(probs, tc, step, world.rank))
-            losses_r = world.all_gather(loss.float().reshape(1))
-            record = {"loss": float(losses_r.mean())}
+            begin = time.perf_counter()
+            loss = train_step(wrapped, optimizer, ranks, sample_batch(probs, tc, step, ranks.shard))
+            record = {"loss": ranks.mean(loss), "seconds": time.perf_counter() - begin,
+                      "balance": balance(model)}
             if keep_states:
                 record["state"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-            if world.rank == 0:
-                record["balance"] = balance(model)
-                if log:
-                    log(format_step(step, record))
-                bar.update()
-            records[world.rank].append(record)
+            if ranks.lead and log:
+                log(format_step(step, record))
+            bar.update()
+            mine.append(record)
+        bar.close()
         return {"model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
                 "optimizer": optimizer_state(model, optimizer)}
 
-    shards = run_ranks(rank_fn, tc.ep_size, device=device)
-    bar.close()
+    if dp is None:
+        shards = run_ranks(lambda world: rank_fn(ThreadRanks(world)), tc.ep_size, device=device)
+    else:
+        shards = [rank_fn(MeshRanks(dp, tc.ep_size, torch.device(device)))]
     if save:
         save_checkpoint(save, shards, tc.steps, tc.batch_size * tc.ep_size)
-    result = {"losses": [r["loss"] for r in records[0]], "balance": [r["balance"] for r in records[0]]}
+    first = records[min(records)]
+    result = {key: [r[key] for r in first] for key in ("loss", "balance", "seconds")}
+    result["losses"] = result.pop("loss")
     if keep_states:
-        result["states"] = [{k: v for rank in records for k, v in rank[i]["state"].items()}
+        result["states"] = [{k: v for rank in records.values() for k, v in rank[i]["state"].items()}
                             for i in range(len(steps))]
     result["model"] = {k: v for shard in shards for k, v in shard["model"].items()}
     return result
@@ -296,4 +381,4 @@ def balance(model: nn.Module) -> dict[str, float]:
 def format_step(step: int, record: dict[str, Any]) -> str:
     b = record["balance"]
     return (f"step {step + 1:4d}  loss {record['loss']:.4f}  max/mean load: MoonEP {b['moonep']:.2f}  "
-            f"plain EP {b['plain_ep']:.2f}  slots used {b['slots']}")
+            f"plain EP {b['plain_ep']:.2f}  slots used {b['slots']}  {record['seconds'] * 1e3:.0f} ms")

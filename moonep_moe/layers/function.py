@@ -24,13 +24,11 @@ overwrites them, fp32 accumulation inside the GEMM) and hands them to autograd a
 wgrad straight into each parameter's persistent fp32 `main_grad` (the slot gradients are zero between steps,
 so adding into them is exact too) and hands autograd None.
 
-Under `torch.compile` the whole Function runs eagerly between compiled graphs (`routed_experts`).
+Under `torch.compile` the whole Function runs eagerly between compiled graphs (`moe.eager_routed_step`).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -128,12 +126,3 @@ COMPILE_BREAK_REASON = (
     "torch.compile(fullgraph=True) cannot trace them: compile the layer without fullgraph (one graph break "
     "around the experts) or capture forward + backward in a CUDA graph"
 )
-
-
-@functools.cache
-def routed_experts() -> Callable[..., torch.Tensor]:
-    """`MoonEPExperts.apply` (same arguments) wrapped to run eagerly under `torch.compile`: the graph breaks
-    around it (`COMPILE_BREAK_REASON`, which is also what `fullgraph=True` raises with). Built on first use,
-    outside any compiled region (the layer's constructor): `torch.compiler.disable` imports torch._dynamo,
-    which takes longer than importing torch itself."""
-    return torch.compiler.disable(MoonEPExperts.apply, reason=COMPILE_BREAK_REASON)

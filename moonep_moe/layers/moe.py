@@ -11,13 +11,21 @@ forward(hidden [T, H] or [batch, seq, H]):
 
 Per-step balance statistics stay on the device (`balance_stats()` returns tensors; reading them is the only
 host sync, and it is the caller's choice).
+
+Activation checkpointing (`torch.utils.checkpoint` around a block holding the layer): the recompute in
+backward routes and plans again, identically on every rank (the plan is a pure function of the gathered
+histogram), while the Function's backward takes the first forward's plan (a backward `dispatch(plan=...)`
+may take an earlier plan of the Buffer); gradients equal the uncheckpointed run's. The recompute leaves
+`expert_load` and the recorded router logits alone (`recomputing`), so they count each forward once.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +34,9 @@ from torch import nn
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.world import EPWorld, single_world
 from moonep_moe.config import MoEConfig
-from moonep_moe.layers.function import ExpertsState, routed_experts
+from moonep_moe.layers.function import COMPILE_BREAK_REASON, ExpertsState, MoonEPExperts
 from moonep_moe.layers.grouped_gemm import GemmProblem, select_grouped_gemm
-from moonep_moe.layers.router import TopKRouter
+from moonep_moe.layers.router import RouterOutput, TopKRouter
 from moonep_moe.weights.experts import HomeExperts, seeded_uniform_
 
 
@@ -123,6 +131,40 @@ def agree_on_init_seed(world: EPWorld, config: MoEConfig) -> int:
     return gathered_r2[0][1]
 
 
+def recomputing() -> bool:
+    """True while autograd runs a backward pass on this thread: a forward that runs then is activation
+    checkpointing's recompute (`torch.utils.checkpoint`, reentrant or not), whose side effects (expert loads,
+    recorded router logits) the first forward already had. `torch.utils.checkpoint` asks the same
+    (private) `torch._C._current_graph_task_id`."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def routed_step(layer: MoonEPMoELayer, hidden_sh: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
+    """The routed half of `MoonEPMoELayer.forward`: `[s, H]` tokens through `MoonEPExperts` as the router
+    chose, then the forward's bookkeeping (the plan's loads into `expert_load`; the router logits kept with
+    `record_router_logits`), which a recompute under activation checkpointing skips (`recomputing`)."""
+    state = layer._state
+    route_weights_sk = routing.route_weights_tk.to(state.buffer.weight_dtype)
+    experts = layer.experts
+    out_sh = MoonEPExperts.apply(hidden_sh, route_weights_sk, routing.topk_experts_tk,
+                                 routing.tokens_per_expert_e, experts.gate_up, experts.down, state)
+    if not recomputing():
+        with torch.no_grad():
+            layer.expert_load += state.last_plan.expert_load
+        if layer.record_router_logits:
+            layer.last_router_logits_te = routing.logits_te
+    return out_sh
+
+
+@functools.cache
+def eager_routed_step() -> Callable[..., torch.Tensor]:
+    """`routed_step` wrapped to run eagerly under `torch.compile`: the graph breaks around it
+    (`COMPILE_BREAK_REASON`, which is also what `fullgraph=True` raises with; the recompute check cannot be
+    traced either). Built on first use, outside any compiled region (the layer's constructor):
+    `torch.compiler.disable` imports torch._dynamo, which takes longer than importing torch itself."""
+    return torch.compiler.disable(routed_step, reason=COMPILE_BREAK_REASON)
+
+
 def world_on(world: EPWorld, device: torch.device) -> EPWorld:
     """A one-rank world's counterpart on `device`: `world` itself on its own device, else a one-rank threads
     world, one per device and shared by every layer that shared `world` (kept in `world.globals`)."""
@@ -197,7 +239,7 @@ class MoonEPMoELayer(nn.Module):
         """When True, `forward` keeps the router's logits `[T, E]` (with their autograd graph) in
         `last_router_logits_te` until the next call, so a wrapper can return them without routing twice."""
         self.last_router_logits_te: torch.Tensor | None = None
-        self._routed_experts = routed_experts()  # built here, outside any compiled region
+        self._routed_step = eager_routed_step()  # built here, outside any compiled region
         self.buffer: Buffer | None = None
         self._state: ExpertsState | None = None
         if device.type != "meta":
@@ -306,14 +348,24 @@ class MoonEPMoELayer(nn.Module):
         `token_mask` (`[T]` or `[batch, seq]` bool, True = real token) keeps padding tokens out of routing:
         their routes are -1 (not counted, not sent, zero routed output), so padding never changes the plan of
         the real tokens.
+
+        Under `torch.autocast` (enabled for the input's device type) the input is cast to the layer's dtype
+        (`config.dtype`, whatever autocast's own dtype) and the layer runs with autocast off, as it would
+        without: the router in `router.dtype`, experts and shared experts in `config.dtype`; the output is in
+        `config.dtype`, the input's gradient in the input's dtype. Without autocast a dtype other than
+        `config.dtype` raises.
         """
+        device_type = hidden_states.device.type
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+            with torch.autocast(device_type, enabled=False):
+                return self.forward(hidden_states.to(self.config.torch_dtype), token_mask)
         cfg = self.config
         if hidden_states.dim() not in (2, 3) or hidden_states.shape[-1] != cfg.hidden_size:
             raise ValueError(f"hidden_states must be [T, {cfg.hidden_size}] or "
                              f"[batch, seq, {cfg.hidden_size}], got {list(hidden_states.shape)}")
         if hidden_states.dtype != cfg.torch_dtype:
             raise ValueError(f"hidden_states must have dtype {cfg.torch_dtype} (config.dtype), "
-                             f"got {hidden_states.dtype}")
+                             f"got {hidden_states.dtype} (under torch.autocast the layer casts it)")
         if self.buffer is None:
             raise RuntimeError(f"MoonEPMoELayer is on the meta device (rank {self.world.rank}): call "
                                "to_empty(device=...) and reset_parameters() (or load_state_dict) first")
@@ -329,14 +381,7 @@ class MoonEPMoELayer(nn.Module):
             raise ValueError(f"token_mask must be a bool tensor of shape {list(hidden_states.shape[:-1])}, "
                              f"got {token_mask.dtype} {list(token_mask.shape)}")
         routing = self.router(hidden_sh, None if token_mask is None else token_mask.reshape(-1))
-        if self.record_router_logits:
-            self.last_router_logits_te = routing.logits_te
-        route_weights_sk = routing.route_weights_tk.to(self.buffer.weight_dtype)
-        out_sh = self._routed_experts(hidden_sh.contiguous(), route_weights_sk, routing.topk_experts_tk,
-                                      routing.tokens_per_expert_e, self.experts.gate_up, self.experts.down,
-                                      self._state)
-        with torch.no_grad():
-            self.expert_load += self._state.last_plan.expert_load
+        out_sh = self._routed_step(self, hidden_sh.contiguous(), routing)
         if self.shared_experts is not None:
             out_sh = out_sh + self.shared_experts(hidden_sh)
         out = out_sh.view(hidden_states.shape)

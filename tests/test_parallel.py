@@ -1,0 +1,300 @@
+"""EP beside data parallelism (`moonep_moe.parallel`) with real processes: gloo on the CPU.
+
+4 processes as a `("dp", "ep")` mesh of DP 2 x EP 2, and of DP 1 x EP 4 (EP alone), train a small float64
+model (a Linear, a MoonEP layer with a gated shared expert and skewed routing, so that replicas carry
+gradients, and a Linear head) under DDP and under FSDP2 (`fully_shard` of the MoE block, then of the model;
+torch 2.13 runs it on the CPU with gloo), in both gradient modes, with 1 or 2 micro-batches per step. After
+every step's reduction (DDP / FSDP2 for the non-expert parameters, `reduce_expert_grads` for the home
+experts), every gradient must equal a single-process run's on the same global batch (one rank, all E experts,
+every rank's tokens in one batch); so must the parameters after SGD steps and the expert bias moved by
+`update_expert_bias`. One case runs the MoE layer under activation checkpointing (its recompute in backward
+plans and exchanges again beside DDP's reductions).
+
+A home-expert gradient reduced over the wrong group ("ep", or every rank) or scaled by 1/dp instead of 1/W
+fails these checks (checked by breaking `reduce_expert_grads` on purpose). One spawned run per mesh carries
+every case (spawning dominates the time).
+
+End to end, `moonep-moe train --dp 2` under torchrun (4 processes: DP 2 x EP 2, DDP) must print the loss
+curve of one process training on the same global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from processes import spawn_ranks
+from test_collective import RUN_TIMEOUT_S, rank_main
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from moonep_moe.cli import main
+from moonep_moe.comm.collective import collective_world
+from moonep_moe.comm.world import single_world
+from moonep_moe.config import MoEConfig
+from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.parallel import (
+    data_parallel,
+    ep_world,
+    expert_parameters,
+    moe_mesh,
+    reduce_expert_grads,
+    update_expert_bias,
+)
+
+F64 = torch.float64
+TOL = dict(rtol=1e-9, atol=1e-12)
+H, TOKENS, STEPS = 16, 12, 2
+"""Hidden size, tokens per rank per step, optimizer steps per case."""
+
+# name: (strategy, expert_grad_dtype, micro-batches per step, the MoE layer under activation checkpointing)
+CASES = {
+    "ddp": ("ddp", "param", 1, False),
+    "fsdp2-accumulate": ("fsdp", "param", 2, False),
+    "ddp-main_grad-accumulate-checkpointed": ("ddp", "main_grad", 2, True),
+}
+
+
+def make_config(ep: int, tokens: int, grad_mode: str = "param") -> MoEConfig:
+    return MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=8, top_k=2, ep_size=ep,
+                     max_tokens_per_rank=tokens, token_padding=4, dtype="float64", grouped_gemm="reference",
+                     expert_grad_dtype=grad_mode,
+                     router={"dtype": "float64", "expert_bias": True, "expert_bias_update_rate": 0.01},
+                     shared_experts={"num_shared_experts": 1, "gate": True})
+
+
+class Net(nn.Module):
+    """`out(h + moe(tanh(h)))`, `h = inp(x)`: replicated Linears around one MoonEP layer."""
+
+    def __init__(self, cfg: MoEConfig, world, checkpointed: bool = False):
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.inp = nn.Linear(H, H, dtype=F64)
+        self.moe = MoonEPMoELayer(cfg, world)
+        self.out = nn.Linear(H, 1, dtype=F64)
+        with torch.no_grad():
+            self.moe.router.expert_bias[:2] = 0.03  # experts 0 and 1 hot (replicas), every expert used
+
+    def forward(self, x_th: torch.Tensor) -> torch.Tensor:
+        h_th = self.inp(x_th)
+        moe_th = checkpoint(self.moe, torch.tanh(h_th), use_reentrant=False) if self.checkpointed else \
+            self.moe(torch.tanh(h_th))
+        return self.out(h_th + moe_th)
+
+
+def build(cfg: MoEConfig, world, checkpointed: bool = False) -> Net:
+    torch.manual_seed(0)
+    return Net(cfg, world, checkpointed)
+
+
+def global_batch(step: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s inputs `[ranks * TOKENS, H]` and targets `[ranks * TOKENS, 1]`; rank g takes block g."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    return (torch.randn(ranks * TOKENS, H, generator=gen, dtype=F64),
+            torch.randn(ranks * TOKENS, 1, generator=gen, dtype=F64))
+
+
+def expert_grad(p: nn.Parameter) -> torch.Tensor:
+    return getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A plain CPU float64 copy (an FSDP2 DTensor gathered whole: collective)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def snapshot(net: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient (home experts: `.grad` or `main_grad`), or every parameter and buffer."""
+    experts = set(expert_parameters(net))
+    if grads:
+        return {n: full(expert_grad(p) if p in experts else p.grad) for n, p in net.named_parameters()}
+    return {n: full(t) for n, t in [*net.named_parameters(), *net.named_buffers()]}
+
+
+def optimizer_step(net: Net, optimizer: torch.optim.Optimizer) -> None:
+    if net.moe.config.expert_grad_dtype == "main_grad":
+        for p in expert_parameters(net):
+            p.grad = p.main_grad.to(p.dtype)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    net.moe.zero_main_grad()
+
+
+def reference(ranks: int) -> tuple[list[dict], dict]:
+    """One process, one rank: every step on the whole global batch; the gradients of every step and the
+    final parameters and buffers."""
+    net = build(make_config(1, ranks * TOKENS), single_world())
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    grads = []
+    for step in range(STEPS):
+        x, y = global_batch(step, ranks)
+        nn.functional.mse_loss(net(x), y).backward()
+        grads.append(snapshot(net, grads=True))
+        optimizer_step(net, optimizer)
+        net.moe.update_expert_bias()
+    return grads, snapshot(net, grads=False)
+
+
+# -- what runs in the spawned processes ---------------------------------------------------------------------
+
+
+def run_case(dp: int, ep: int, strategy: str, grad_mode: str, micro: int, checkpointed: bool) -> dict:
+    """This rank's gradients after each step's reduction and its final parameters, training `Net` on the
+    `(dp, ep)` mesh wrapped by `strategy`, with `micro` micro-batches per step."""
+    mesh = moe_mesh(dp, ep)
+    net = build(make_config(ep, TOKENS, grad_mode), ep_world(mesh), checkpointed)
+    model = data_parallel(net, mesh, strategy, blocks=[net.moe] if strategy == "fsdp" else ())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    rank = mesh.get_rank()
+    grads = []
+    for step in range(STEPS):
+        x, y = (t[rank * TOKENS:(rank + 1) * TOKENS] for t in global_batch(step, dp * ep))
+        for i, (x_m, y_m) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
+            last = i == micro - 1
+            sync = contextlib.nullcontext()
+            if strategy == "ddp" and not last:
+                sync = model.no_sync()
+            if strategy == "fsdp":
+                model.set_requires_gradient_sync(last)
+            with sync:
+                (nn.functional.mse_loss(model(x_m), y_m) / micro).backward()
+        reduce_expert_grads(model, mesh)
+        grads.append(snapshot(net, grads=True))
+        optimizer_step(net, optimizer)
+        update_expert_bias(model, mesh)
+    return {"grads": grads, "state": snapshot(net, grads=False), "ep_rank": mesh.get_local_rank("ep"),
+            "slots_used": int(net.moe.balance_stats()["slots_used"].sum())}
+
+
+def errors(dp: int, ep: int) -> dict[str, str]:
+    """What the helpers raise: a strategy they do not know, a step without gradients, a layer built on
+    another EP group than the mesh's "ep" dimension (the WORLD group's: the "ep" group itself at dp 1)."""
+    mesh, raised = moe_mesh(dp, ep), {}
+    net = build(make_config(ep, TOKENS), ep_world(mesh))
+    other = build(make_config(dp * ep, TOKENS), collective_world(None))
+    for name, call in (("strategy", lambda: data_parallel(net, mesh, "zero")),
+                       ("no grad", lambda: reduce_expert_grads(net, mesh)),
+                       ("other group", lambda: data_parallel(other, mesh))):
+        try:
+            call()
+        except ValueError as error:
+            raised[name] = str(error)
+    return raised
+
+
+def cases_job(world, dp: int, ep: int) -> dict:
+    return {"errors": errors(dp, ep), **{name: run_case(dp, ep, *case) for name, case in CASES.items()}}
+
+
+@pytest.fixture(scope="module", params=[(2, 2), (1, 4)], ids=["dp2xep2", "ep4"])
+def mesh_run(request, tmp_path_factory) -> tuple[tuple[int, int], list[dict]]:
+    dp, ep = request.param
+    job = functools.partial(cases_job, dp=dp, ep=ep)
+    return request.param, spawn_ranks(rank_main, job, dp * ep, tmp_path_factory.mktemp(f"dp{dp}ep{ep}"),
+                                      RUN_TIMEOUT_S)
+
+
+def assert_matches(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], ep_rank: int, epn: int,
+                   what: str) -> None:
+    """Home experts against their rows of the reference's E experts, everything else whole."""
+    assert got.keys() == want.keys()
+    home = slice(ep_rank * epn, (ep_rank + 1) * epn)
+    for name, value in got.items():
+        ref = want[name][home] if name.startswith("moe.experts.") else want[name]
+        torch.testing.assert_close(value, ref, **TOL, msg=lambda m, n=name: f"{what}: {n}: {m}")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_gradient_and_step_equals_one_process_on_the_global_batch(mesh_run, case):
+    (dp, ep), results = mesh_run
+    ref_grads, ref_state = reference(dp * ep)
+    epn = 8 // ep
+    for rank, result in enumerate(results):
+        got = result[case]
+        for step in range(STEPS):
+            assert_matches(got["grads"][step], ref_grads[step], got["ep_rank"], epn,
+                           f"{case}, rank {rank}, step {step} gradients")
+        assert_matches(got["state"], ref_state, got["ep_rank"], epn, f"{case}, rank {rank}, final state")
+    if ep > 1:
+        assert results[0][case]["slots_used"] > 0, "the skewed routing made no replicas"
+
+
+# -- the training command: torchrun, DP x EP ----------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_train_yaml(folder: Path) -> Path:
+    """The packaged tiny-transformer with 2 sequences of 8 tokens per rank and 3 steps."""
+    data = yaml.safe_load((ROOT / "configs" / "tiny-transformer.yaml").read_text())
+    data["train"].update({"batch_size": 2, "seq_len": 8, "steps": 3})
+    path = folder / "tiny.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_torchrun_train_dp2_ep2_has_the_loss_curve_of_one_process_on_the_global_batch(tmp_path, device):
+    """`torchrun --nproc-per-node 4 -m moonep_moe.cli train --dp 2` (DDP over 4 processes, EP 2) prints the
+    losses of one rank training on the 4 ranks' sequences at once, with balance and step time. On the CPU:
+    gloo, the collective EP world, the same losses to the printed digits; on a GPU: 4 processes sharing it
+    (gloo, the symmetric EP world), within bf16 noise (the GEMM backends differ with the row counts)."""
+    pytest.importorskip("transformers")
+    from moonep_moe.train import load_train_config, train
+
+    config = tiny_train_yaml(tmp_path)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
+               "moonep_moe.cli", "train", "--config", str(config), "--dp", "2"]
+    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})}
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    backend = "gloo" if device == "cpu" or torch.cuda.device_count() < 4 else "nccl"
+    assert f"DP 2 x EP 2 = 4 ranks as processes ({backend}) on the {device}" in run.stdout, run.stdout
+    steps = re.findall(r"step +\d+  loss (\d+\.\d{4})  max/mean load: MoonEP (\d\.\d\d)  plain EP \d\.\d\d  "
+                       r"slots used \d+  \d+ ms", run.stdout + run.stderr)
+    one = train(load_train_config(config, ep_size=1, batch_size=8), device=device, progress=False)
+    assert len(steps) == 3 and all(moonep == "1.00" for _, moonep in steps), run.stdout + run.stderr
+    if device == "cpu":
+        assert [loss for loss, _ in steps] == [f"{loss:.4f}" for loss in one["losses"]]
+    else:
+        torch.testing.assert_close([float(loss) for loss, _ in steps], one["losses"], rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--dp", "2"], {}, "--dp 2: the ranks are processes; run it under torchrun"),
+    (["--dp", "3"], {"WORLD_SIZE": "4"}, "--dp 3 does not divide the 4 processes"),
+    (["--dp", "2", "--ranks", "2"], {"WORLD_SIZE": "4"}, "--ranks 2: with --dp the ranks are torchrun's"),
+    (["--dp", "2", "--save", "x.pt"], {"WORLD_SIZE": "4"}, "--save x.pt: checkpoints need thread-ranks"),
+])
+def test_train_dp_refuses_what_cannot_run_before_any_work(argv, env, message, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["train", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"moonep-moe: error: {message}"), err
+
+
+def test_helpers_refuse_misuse_naming_the_rank(mesh_run):
+    (dp, _), results = mesh_run
+    for rank, result in enumerate(results):
+        raised = result["errors"]
+        assert raised["strategy"] == f"strategy must be 'ddp' or 'fsdp', got 'zero' (rank {rank})"
+        assert raised["no grad"] == (f"MoonEP layer 0 experts.gate_up has no grad on rank {rank}: call "
+                                     "reduce_expert_grads after backward")
+        if dp == 1:  # the WORLD group is the mesh's "ep" group
+            assert "other group" not in raised
+            continue
+        other = raised["other group"]
+        assert other.startswith("a MoonEPMoELayer of model was built on an EP world of 4 ranks that is not "
+                                "the mesh's 'ep' dimension"), other
+        assert f"on rank {rank}: build every layer with MoonEPMoELayer(config, ep_world(mesh))" in other
