@@ -9,9 +9,10 @@ One rank on one GPU (the threads world cannot run several ranks' backward on one
 `h + moe(norm(h))` (a LayerNorm, the MoonEP layer with the config's settings); `--layers` blocks are stacked
 and the loss is `sum(out * g)` for a fixed random `g`. Checkpointed, every block keeps only its input for
 backward and recomputes its forward there (routing, plan, dispatch, experts, combine). Reported per mode:
-fwd+bwd seconds (median of CUDA-event timings), peak memory during the step above the memory held before it
-(parameters; gradients are dropped between steps), and the largest difference of any gradient from the plain
-run's (0 where the backend is deterministic).
+fwd+bwd seconds (median of CUDA-event timings), the memory held for backward at the end of forward and the
+peak memory during the step, both above the memory held before it (parameters; gradients are dropped between
+steps; the peak comes late in backward, where the gradients of every block exist), and the largest
+difference of any gradient from the plain run's (0 where the backend is deterministic).
 """
 
 from __future__ import annotations
@@ -41,12 +42,16 @@ class Block(nn.Module):
         return h_th + self.moe(self.norm(h_th))
 
 
-def step(blocks: nn.ModuleList, x_th: torch.Tensor, g_th: torch.Tensor, checkpointed: bool) -> None:
-    """One forward + backward; leaves the gradients on the parameters."""
+def forward(blocks: nn.ModuleList, x_th: torch.Tensor, checkpointed: bool) -> torch.Tensor:
     h_th = x_th
     for block in blocks:
         h_th = checkpoint(block, h_th, use_reentrant=False) if checkpointed else block(h_th)
-    h_th.backward(g_th)
+    return h_th
+
+
+def step(blocks: nn.ModuleList, x_th: torch.Tensor, g_th: torch.Tensor, checkpointed: bool) -> None:
+    """One forward + backward; leaves the gradients on the parameters."""
+    forward(blocks, x_th, checkpointed).backward(g_th)
 
 
 def grads(blocks: nn.ModuleList) -> list[torch.Tensor]:
@@ -85,7 +90,12 @@ def main() -> None:
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            step(blocks, x_th, g_th, checkpointed)
+            out_th = forward(blocks, x_th, checkpointed)
+            torch.cuda.synchronize()
+            # what backward needs, held from the end of forward: the memory checkpointing trades for time
+            row["saved_for_backward_gib"] = (torch.cuda.memory_allocated() - before) / 2**30
+            out_th.backward(g_th)
+            del out_th
             torch.cuda.synchronize()
             row["peak_above_params_gib"] = (torch.cuda.max_memory_allocated() - before) / 2**30
 
@@ -99,9 +109,11 @@ def main() -> None:
         print(row)
     if cuda:
         plain, ckpt = rows
-        print(f"{args.config}, {args.layers} blocks, T={args.tokens}: peak above the parameters "
-              f"{plain['peak_above_params_gib']:.2f} GiB plain, {ckpt['peak_above_params_gib']:.2f} GiB "
-              f"checkpointed; time x{ckpt['seconds'] / plain['seconds']:.2f}")
+        print(f"{args.config}, {args.layers} blocks, T={args.tokens}: held for backward after forward "
+              f"{plain['saved_for_backward_gib']:.2f} GiB plain, {ckpt['saved_for_backward_gib']:.2f} GiB "
+              f"checkpointed; peak above the parameters {plain['peak_above_params_gib']:.2f} GiB plain, "
+              f"{ckpt['peak_above_params_gib']:.2f} GiB checkpointed; "
+              f"time x{ckpt['seconds'] / plain['seconds']:.2f}")
         setup = {"config": args.config, "layers": args.layers, "tokens": args.tokens}
         print("results:", write_record("checkpointing", {}, rows, Path(args.out) if args.out else None,
                                        setup=setup))

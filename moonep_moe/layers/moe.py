@@ -356,7 +356,9 @@ class MoonEPMoELayer(nn.Module):
         `config.dtype` raises.
         """
         device_type = hidden_states.device.type
-        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        # not torch.amp.is_autocast_available: torch 2.11's dynamo cannot trace it (a graph break, and
+        # fullgraph=True failed on it); meta is the one device type without autocast
+        if device_type != "meta" and torch.is_autocast_enabled(device_type):
             with torch.autocast(device_type, enabled=False):
                 return self.forward(hidden_states.to(self.config.torch_dtype), token_mask)
         cfg = self.config
