@@ -37,6 +37,7 @@ them to prefetch replicas), so they stay whole on every rank; they are already s
 from __future__ import annotations
 
 from collections.abc import Iterable
+import os
 from typing import Literal
 
 import torch
@@ -56,7 +57,14 @@ DP, EP = "dp", "ep"
 
 def moe_mesh(dp: int, ep: int, device_type: str = "cpu") -> DeviceMesh:
     """The `(dp, ep)` mesh over the default process group's `dp * ep` ranks, dimensions named "dp", "ep"
-    (EP groups are blocks of consecutive ranks). Collective."""
+    (EP groups are blocks of consecutive ranks). Collective.
+
+    A "cuda" mesh sets each rank's device to `cuda:LOCAL_RANK` (DeviceMesh does), so where a host runs more
+    ranks than it has GPUs (ranks sharing a GPU, over gloo: the tests, and `train --dp` on one GPU) the mesh
+    is built as a "cpu" one: its process groups are the default backend's either way, and the EP world takes
+    its device from its own argument (`ep_world(..., device=)`)."""
+    if device_type == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count():
+        device_type = "cpu"
     return init_device_mesh(device_type, (dp, ep), mesh_dim_names=(DP, EP))
 
 
