@@ -36,8 +36,8 @@ them to prefetch replicas), so they stay whole on every rank; they are already s
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 import os
+from collections.abc import Iterable
 from typing import Literal
 
 import torch
