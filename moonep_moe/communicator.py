@@ -187,7 +187,7 @@ class MoECommunicator:
         smallest = config.min_capacity if config.variable_tokens else capacity
         self._pool = BufferPool(capacity, config.hidden_size, config.top_k, E, world=world,
                                 num_slots=self.num_slots, token_padding=config.token_padding,
-                                dtype=self.dtype, min_capacity=smallest)
+                                dtype=self.dtype, min_capacity=smallest, replica_cost=config.replica_cost)
 
     @classmethod
     def capabilities(cls) -> dict[str, bool]:

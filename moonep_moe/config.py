@@ -24,7 +24,13 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from moonep_moe.comm.plan import check_layout, default_slots, rows_capacity
+from moonep_moe.comm.plan import (
+    NO_REPLICATION,
+    check_layout,
+    default_slots,
+    replica_cost_routes,
+    rows_capacity,
+)
 
 __all__ = [
     "CommConfig",
@@ -240,6 +246,38 @@ class CommConfig(BaseModel):
             "'float32' for the CPU demo, 'float64' for reference tests."
         ),
     )
+    balance: Literal["exact", "cost_aware", "off"] = Field(
+        "exact",
+        description=(
+            "Replication policy of the planner (`comm.plan`). Default 'exact' (training): with B >= epn "
+            "every rank computes T // R or T // R + 1 routes for any routing, replicating hot experts "
+            "however few routes they take. 'cost_aware' (serving): an expert is replicated only where it "
+            "takes more routes off its donor than the GEMM time of one weight transfer is worth "
+            "(`replica_cost`, from `link_bandwidth_gbs` and `gemm_tflops`), and the plan falls back to "
+            "plain EP unless the modelled hottest rank gets faster; decode-sized steps then move no "
+            "weights. 'off': plain EP, no replica (every route on its home rank). 'cost_aware' and 'off' "
+            "are best effort, so `rows_per_rank` covers the B < epn worst case (R*S*K routes)."
+        ),
+    )
+    link_bandwidth_gbs: float = Field(
+        450.0,
+        gt=0,
+        description=(
+            "Cost model of balance='cost_aware': GB/s one rank's link moves in one direction (a replica's "
+            "weights in, or a donor's replicas out). Default 450: H200 NVLink's 900 GB/s bidirectional spec "
+            "(a spec number, not measured here). Unused by 'exact' and 'off'."
+        ),
+    )
+    gemm_tflops: float = Field(
+        775.8,
+        gt=0,
+        description=(
+            "Cost model of balance='cost_aware': the expert GEMMs' rate in TFLOP/s. Default 775.8: the dense "
+            "bf16 GEMM rate measured on the H200 (bench/results/gemm-NVIDIA_H200-20261129.json, `limits`); "
+            "the grouped GEMMs reached 537 there. A higher rate makes routes cheaper, so fewer replicas pay. "
+            "Unused by 'exact' and 'off'."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_comm_layout(self) -> CommConfig:
@@ -268,6 +306,18 @@ class CommConfig(BaseModel):
         return default_slots(self.num_experts, self._ranks())
 
     @property
+    def replica_cost(self) -> int:
+        """The planner's `replica_cost` for ``balance`` (`comm.plan`): 0 for 'exact', `NO_REPLICATION` for
+        'off', and for 'cost_aware' the GEMM routes whose (forward) time equals one expert's weight
+        transfer, `replica_cost_routes` (1724 for bf16 at the defaults)."""
+        if self.balance == "exact":
+            return 0
+        if self.balance == "off":
+            return NO_REPLICATION
+        return replica_cost_routes(self.torch_dtype.itemsize, self.link_bandwidth_gbs * 1e9,
+                                   self.gemm_tflops * 1e12)
+
+    @property
     def routes_per_rank(self) -> int:
         """N = S * K: routes that leave one rank per step (at most; invalid routes are not sent)."""
         return self.max_tokens_per_rank * self.top_k
@@ -280,14 +330,16 @@ class CommConfig(BaseModel):
         fewer than tp rows, so the capacity is ``align_up(routes + (tp - 1) * (epn + B), tp)``, where
         ``routes`` is the most routes the planner can put on one rank:
 
-        - B >= epn: the balance invariant holds for any routing, so a rank computes at most S*K routes.
-        - B < epn: balance is best effort. In the worst case every rank sends all its S*K routes to this
-          rank's home experts and no replica can absorb them, so the bound is R*S*K. Static shapes must
-          cover that worst case, because sizing for the typical case would make a skewed step overflow.
+        - B >= epn and ``balance='exact'``: the balance invariant holds for any routing, so a rank computes
+          at most S*K routes.
+        - B < epn, or another ``balance``: balance is best effort. In the worst case every rank sends all
+          its S*K routes to this rank's home experts and no replica absorbs them, so the bound is R*S*K.
+          Static shapes must cover that worst case, because sizing for the typical case would make a
+          skewed step overflow.
           (With R = 1, B = 0 < epn and the bound is S*K, as expected.)
         """
         return rows_capacity(self.max_tokens_per_rank, self.top_k, self._ranks(), self.num_experts,
-                             self.prefetch_slots, self.token_padding)
+                             self.prefetch_slots, self.token_padding, self.replica_cost)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -48,7 +48,7 @@ import torch
 
 from moonep_moe.comm.event import CommEvent
 from moonep_moe.comm.exchange import KernelExchange, RowMemory, select_exchange
-from moonep_moe.comm.plan import check_layout, default_slots, plan_routes, rows_capacity
+from moonep_moe.comm.plan import NO_REPLICATION, check_layout, default_slots, plan_routes, rows_capacity
 from moonep_moe.comm.plan_types import MoonEPCommPlan, decode_dst
 from moonep_moe.comm.world import EPWorld, SymmetricTensor
 from moonep_moe.weights.pool import ExpertRows
@@ -146,13 +146,21 @@ class Buffer:
             on one GPU, symmetric-memory world), rows in bf16/fp16/fp32/fp64. True forces them (a ValueError
             where they cannot run; on CPU tensors they need Triton's interpreter, `TRITON_INTERPRET=1`, which
             is how the tests check them against the reference); False forces the reference.
+        replica_cost: the planner's replication policy (`comm.plan`, `CommConfig.replica_cost`): 0 (default)
+            exact balance, c > 0 cost-aware (a replica must take more than c routes off its donor),
+            `NO_REPLICATION` plain EP. Anything but 0 sizes the rows for best-effort balance
+            (`rows_capacity`).
     """
 
     def __init__(self, S: int, H: int, K: int, E: int, num_ep_ranks: int, B: int | None = None,
                  num_sms: int | None = None, token_padding: int = 128, comm_stream_priority: int = 0,
                  explicitly_destroy: bool = False, *, world: EPWorld,
-                 dtype: torch.dtype = torch.bfloat16, validate: bool = True, kernels: bool | None = None):
+                 dtype: torch.dtype = torch.bfloat16, validate: bool = True, kernels: bool | None = None,
+                 replica_cost: int = 0):
         where = f"rank {world.rank}"
+        if not isinstance(replica_cost, int) or not 0 <= replica_cost <= NO_REPLICATION:
+            raise ValueError(f"{where}: replica_cost must be an int in [0, {NO_REPLICATION}], got "
+                             f"{replica_cost!r}")
         for name, value in dict(S=S, H=H, K=K, E=E, num_ep_ranks=num_ep_ranks,
                                 token_padding=token_padding).items():
             if not isinstance(value, int) or value < 1:
@@ -166,7 +174,8 @@ class Buffer:
         self.epn, self.token_padding, self.world, self.dtype = epn, token_padding, world, dtype
         self.validate = validate
         self.num_sms, self.comm_stream_priority = num_sms, comm_stream_priority
-        self.NvS = rows_capacity(S, K, num_ep_ranks, E, B, token_padding)
+        self.replica_cost = replica_cost
+        self.NvS = rows_capacity(S, K, num_ep_ranks, E, B, token_padding, replica_cost)
         self.weight_dtype = torch.promote_types(dtype, torch.float32)
         self.id = next(_buffer_ids)
         serial = world.globals.setdefault("buffer_serial", itertools.count())
@@ -403,7 +412,8 @@ class Buffer:
                 counts_re = self.world.all_gather(expert_histogram(topk_experts_sk, self.E))
                 step_plan = replace(plan_routes(counts_re, topk_experts_sk, rank=self.world.rank,
                                                 num_slots=self.B, token_padding=self.token_padding,
-                                                rows_per_rank=self.NvS, owner=self.id), step=step)
+                                                rows_per_rank=self.NvS, owner=self.id,
+                                                replica_cost=self.replica_cost), step=step)
                 cu_seqlens = step_plan.cu_seqlens
             self._send_rows(step_plan, hidden_sh, route_weights_sk, record_duplicates=plan is None)
             rows_nvsh = self._rows.local if zero_copy else self._rows.local.clone()

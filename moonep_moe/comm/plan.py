@@ -23,6 +23,16 @@ plan, bit for bit (no rank-0 broadcast):
    `-(dest_rank * NvS + row) - 1` (it carries only its weight: the receiver copies the primary row);
    an invalid route (expert -1) is `NO_ROUTE`.
 
+Replication policy (`replica_cost` c, in routes: the GEMM routes whose time equals one expert's weight
+transfer, `replica_cost_routes`): c = 0 is `balance='exact'`, the algorithm above. With c > 0
+(`balance='cost_aware'`) a move pays only if it takes more than c routes off its donor: rank balancing stops
+at the first receiver whose deficit is <= c (every later deficit is smaller) and a donor's split stops at its
+first take of <= c routes (every later take is smaller); then, if the plan's hottest rank in the model
+(`modelled_load`: routes computed + c per weight transfer over the rank's link) is not strictly below plain
+EP's hottest rank, the whole plan falls back to plain EP (no replica, every route on its home rank). c =
+`NO_REPLICATION` (`balance='off'`) moves nothing: plain EP. Balance is then best effort, so the row capacity
+is that of `B < epn` (`rows_capacity`).
+
 Two implementations of steps 1-5 compute the same global plan, bit for bit:
 
 - `plan_global` (and its helpers) is the reference oracle: plain Python over host lists, the algorithm as
@@ -41,6 +51,7 @@ On CUDA (with Triton) `plan_routes` runs steps 1-6 as two Triton launches instea
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +107,23 @@ def default_slots(num_experts: int, num_ranks: int) -> int:
     return num_experts // num_ranks if num_ranks > 1 else 0
 
 
+NO_REPLICATION = 2**31 - 1
+"""`replica_cost` of `balance='off'`: no move pays (a move takes fewer routes than the group's total, which
+the int32 plan fields keep below 2^31), so the plan is plain EP."""
+
+
+def replica_cost_routes(dtype_bytes: int, link_bytes_per_s: float, gemm_flops_per_s: float) -> int:
+    """c for `balance='cost_aware'`: GEMM routes whose time equals one expert's weight transfer (ceil, >= 1).
+
+    Moving expert e takes `W_e / BW` with `W_e = 3 * H * H' * dtype_bytes` (gate, up, down); computing one
+    of its routes takes `2 * 3 * H * H' / rate` (forward). H * H' cancels: `c = dtype_bytes * rate / (2 *
+    BW)`, a function of the dtype, the link bandwidth and the GEMM rate only. Forward only (serving): in
+    training backward prefetches again and reduce_grad moves fp32 gradients, while the routes cost 3x the
+    FLOPs, so the break-even is `(2 * dtype_bytes + 4) / (3 * dtype_bytes)` times higher (4/3 for bf16).
+    """
+    return max(1, math.ceil(dtype_bytes * gemm_flops_per_s / (2 * link_bytes_per_s)))
+
+
 LAYOUT_NAMES = dict(E="num_experts (E={})", R="ep_size (R={})", K="top_k (K={})",
                     B="num_prefetch_slots (B={})")
 """How configs name E, R, K and B in `check_layout`'s errors (`MoEConfig`, `CommConfig`)."""
@@ -121,13 +149,13 @@ def check_layout(E: int, R: int, K: int, B: int | None, names: dict[str, str] = 
         raise ValueError(f"{where}: {problem}" if where else problem)
 
 
-def rows_capacity(S: int, K: int, R: int, E: int, B: int, token_padding: int) -> int:
+def rows_capacity(S: int, K: int, R: int, E: int, B: int, token_padding: int, replica_cost: int = 0) -> int:
     """NvS: rows a rank can receive. A rank has at most `epn + B` non-empty segments, each padded by fewer
-    than tp rows. With `B >= epn` balance is exact, so a rank computes at most `S*K` routes; with `B < epn`
-    it is best effort and a rank may keep all `R*S*K` routes of its home experts: static shapes must cover
-    that worst case."""
+    than tp rows. With `B >= epn` and exact balance (`replica_cost` 0) a rank computes at most `S*K` routes;
+    with `B < epn` or a cost-aware / no replication policy it is best effort and a rank may keep all `R*S*K`
+    routes of its home experts: static shapes must cover that worst case."""
     epn = E // R
-    routes = S * K if B >= epn else R * S * K
+    routes = S * K if B >= epn and replica_cost == 0 else R * S * K
     return align_up(routes + (token_padding - 1) * (epn + B), token_padding)
 
 
@@ -142,15 +170,16 @@ def rank_targets(home_load_r: list[int]) -> list[int]:
     return targets
 
 
-def balance_ranks(home_load_r: list[int]) -> list[tuple[int, int, int]]:
-    """Greedy rank balancing: `(donor, receiver, routes)` moves that bring every rank to its target."""
+def balance_ranks(home_load_r: list[int], replica_cost: int = 0) -> list[tuple[int, int, int]]:
+    """Greedy rank balancing: `(donor, receiver, routes)` moves that bring every rank to its target, while
+    the receiver's deficit is more than `replica_cost` routes."""
     num_ranks = len(home_load_r)
     balance = [load - target for load, target in zip(home_load_r, rank_targets(home_load_r), strict=True)]
     moves = []
     for _ in range(num_ranks):
         donor = max(range(num_ranks), key=lambda r: (balance[r], -r))
         receiver = min(range(num_ranks), key=lambda r: (balance[r], r))
-        if balance[donor] <= 0 or balance[receiver] >= 0:
+        if balance[donor] <= 0 or -balance[receiver] <= replica_cost:
             break
         routes = -balance[receiver]
         balance[donor] -= routes
@@ -160,12 +189,13 @@ def balance_ranks(home_load_r: list[int]) -> list[tuple[int, int, int]]:
 
 
 def split_quotas(expert_load_e: list[int], moves: list[tuple[int, int, int]], num_ranks: int,
-                 num_slots: int) -> list[list[int]]:
+                 num_slots: int, replica_cost: int = 0) -> list[list[int]]:
     """Per-donor split of the receivers' quotas over the donor's experts -> `alloc [R][E]`.
 
     The receiver with the largest remaining quota (ties: lowest rank) takes the donor's expert with the
-    most remaining routes (ties: lowest id), `min(both)` routes at a time; each take costs the receiver one
-    slot. Whatever a donor does not give away it computes itself.
+    most remaining routes (ties: lowest id), `min(both)` routes at a time, while that is more than
+    `replica_cost`; each take costs the receiver one slot. Whatever a donor does not give away it computes
+    itself.
     """
     num_experts = len(expert_load_e)
     epn = num_experts // num_ranks
@@ -182,6 +212,8 @@ def split_quotas(expert_load_e: list[int], moves: list[tuple[int, int, int]], nu
                 break
             receiver = max(open_receivers, key=lambda r: (quota[r], -r))
             routes = min(quota[receiver], remaining[expert])
+            if routes <= replica_cost:
+                break
             alloc[receiver][expert] += routes
             quota[receiver] -= routes
             remaining[expert] -= routes
@@ -228,13 +260,32 @@ def segment_layout(alloc_re: list[list[int]], experts_to_copy: list[list[int]],
     return cu_seqlens, row_base, zero_fill
 
 
-def plan_global(counts_re: list[list[int]], num_slots: int, token_padding: int) -> GlobalPlan:
-    """The histogram-only part of the plan (steps 1-5 of the module docstring)."""
+def modelled_load(alloc_re: list[list[int]], replica_cost: int) -> list[int]:
+    """Each rank's modelled time in routes: the routes it computes plus `replica_cost` per weight transfer
+    over its link (replicas it receives, replicas of its home experts it sends). Transfers are assumed to
+    overlap with nothing (the worst case), and a donor's transfers to share its link."""
+    num_ranks, num_experts = len(alloc_re), len(alloc_re[0])
+    epn = num_experts // num_ranks
+    transfers = [0] * num_ranks
+    for d in range(num_ranks):
+        for e in range(num_experts):
+            if alloc_re[d][e] > 0 and e // epn != d:
+                transfers[d] += 1
+                transfers[e // epn] += 1
+    return [sum(alloc_re[d]) + replica_cost * transfers[d] for d in range(num_ranks)]
+
+
+def plan_global(counts_re: list[list[int]], num_slots: int, token_padding: int,
+                replica_cost: int = 0) -> GlobalPlan:
+    """The histogram-only part of the plan (steps 1-5 of the module docstring; the policy `replica_cost`)."""
     num_ranks, num_experts = len(counts_re), len(counts_re[0])
     epn = num_experts // num_ranks
     expert_load = [sum(col) for col in zip(*counts_re, strict=True)]
     home_load = [sum(expert_load[g * epn:(g + 1) * epn]) for g in range(num_ranks)]
-    alloc = split_quotas(expert_load, balance_ranks(home_load), num_ranks, num_slots)
+    alloc = split_quotas(expert_load, balance_ranks(home_load, replica_cost), num_ranks, num_slots,
+                         replica_cost)
+    if replica_cost and max(modelled_load(alloc, replica_cost)) >= max(home_load):  # plain EP
+        alloc = [[n if e // epn == d else 0 for e, n in enumerate(expert_load)] for d in range(num_ranks)]
     experts_to_copy = assign_slots(alloc, num_slots)
     cu_seqlens, row_base, zero_fill = segment_layout(alloc, experts_to_copy, token_padding)
     return GlobalPlan(alloc, experts_to_copy, row_base, cu_seqlens, zero_fill, home_load)
@@ -265,7 +316,7 @@ def _rank_targets_device(home_load_r: torch.Tensor) -> torch.Tensor:
     return total // num_ranks + (ahead_r < total % num_ranks)
 
 
-def _balance_ranks_device(home_load_r: torch.Tensor) -> torch.Tensor:
+def _balance_ranks_device(home_load_r: torch.Tensor, replica_cost: int) -> torch.Tensor:
     """`balance_ranks` on the device: `[R]` home loads -> `quota_dr [R, R]`, routes donor d gives receiver r.
 
     Same R iterations as the reference. An iteration that fails the reference's stop test changes nothing,
@@ -281,7 +332,7 @@ def _balance_ranks_device(home_load_r: torch.Tensor) -> torch.Tensor:
         donor_r = rank_r == _first_argmax(balance_r)
         receiver_r = rank_r == _first_argmax(-balance_r)
         surplus, deficit = (balance_r * donor_r).sum(), -(balance_r * receiver_r).sum()
-        routes = torch.where((surplus > 0) & (deficit > 0), deficit, 0)
+        routes = torch.where((surplus > 0) & (deficit > replica_cost), deficit, 0)
         balance_r = balance_r + routes * (receiver_r.long() - donor_r.long())
         quota_dr = quota_dr + routes * (donor_r[:, None] & receiver_r[None, :])
     return quota_dr
@@ -299,12 +350,14 @@ def split_iterations(num_ranks: int, num_experts: int, num_slots: int) -> int:
     return min(num_ranks - 1 + num_experts // num_ranks, (num_ranks - 1) * num_slots)
 
 
-def _split_quotas_device(expert_load_e: torch.Tensor, quota_dr: torch.Tensor, num_slots: int) -> torch.Tensor:
+def _split_quotas_device(expert_load_e: torch.Tensor, quota_dr: torch.Tensor, num_slots: int,
+                         replica_cost: int) -> torch.Tensor:
     """`split_quotas` on the device for all donors at once -> `alloc_re [R, E]`.
 
     Each iteration every donor d makes at most one move of the reference loop: its expert with the most
     remaining routes (ties: lowest id) goes to its open receiver (positive quota and a free slot) with the
-    largest quota (ties: lowest rank). A donor whose reference loop has stopped moves 0 routes. The argmax
+    largest quota (ties: lowest rank), if that moves more than `replica_cost` routes. A donor whose
+    reference loop has stopped moves 0 routes (its state no longer changes, so it stays stopped). The argmax
     keys of `_first_argmax` are kept up to date in place (`remaining_key_dx [R, epn]`: remaining * epn +
     epn - 1 - j) instead of being rebuilt each iteration. Receivers of different donors are distinct, so the
     moves of one iteration never collide; they are added to `alloc` once, after the loop.
@@ -321,8 +374,9 @@ def _split_quotas_device(expert_load_e: torch.Tensor, quota_dr: torch.Tensor, nu
         open_key_dr = torch.where((quota_dr > 0) & (slots_left_dr > 0), quota_dr * num_ranks + reverse_r, -1)
         receiver_d1 = open_key_dr.argmax(1, keepdim=True)
         # A closed receiver decodes to quota -1, an exhausted expert to 0 remaining: both move 0 routes.
-        routes_d1 = torch.minimum(open_key_dr.gather(1, receiver_d1).div(num_ranks, rounding_mode="floor"),
-                                  remaining_key_dx.gather(1, expert_d1) // epn).clamp(min=0)
+        take_d1 = torch.minimum(open_key_dr.gather(1, receiver_d1).div(num_ranks, rounding_mode="floor"),
+                                remaining_key_dx.gather(1, expert_d1) // epn)
+        routes_d1 = torch.where(take_d1 > replica_cost, take_d1, 0)
         quota_dr = quota_dr.scatter_add(1, receiver_d1, -routes_d1)
         remaining_key_dx = remaining_key_dx.scatter_add(1, expert_d1, -routes_d1 * epn)
         slots_left_dr = slots_left_dr.scatter_add(1, receiver_d1, -(routes_d1 > 0).long())
@@ -345,22 +399,36 @@ def _home_mask_re(num_ranks: int, num_experts: int, device: torch.device) -> tor
     return home_rank_e[None, :] == torch.arange(num_ranks, device=device)[:, None]
 
 
-def plan_global_device(counts_re: torch.Tensor, num_slots: int, token_padding: int) -> DeviceGlobalPlan:
+def modelled_load_device(alloc_re: torch.Tensor, replica_cost: int) -> torch.Tensor:
+    """`modelled_load` on the device: `alloc_re [R, E]` -> `[R]` routes computed + `replica_cost` per weight
+    transfer received or sent."""
+    num_ranks, num_experts = alloc_re.shape
+    replica_re = (alloc_re > 0) & ~_home_mask_re(num_ranks, num_experts, alloc_re.device)
+    transfers_r = replica_re.sum(1) + replica_re.sum(0).view(num_ranks, -1).sum(1)
+    return alloc_re.sum(1) + replica_cost * transfers_r
+
+
+def plan_global_device(counts_re: torch.Tensor, num_slots: int, token_padding: int,
+                       replica_cost: int = 0) -> DeviceGlobalPlan:
     """`plan_global` on the histogram's device, equal to it bit for bit, with no host read.
 
     Args:
         counts_re: `[R, E]` int, valid routes from each source rank to each expert.
-        num_slots: B. token_padding: tp.
+        num_slots: B. token_padding: tp. replica_cost: the policy (module docstring; 0 = exact).
     """
     num_ranks, num_experts = counts_re.shape
     device = counts_re.device
     expert_load_e = counts_re.long().sum(0)
     home_load_r = expert_load_e.view(num_ranks, -1).sum(1)
-    alloc_re = _split_quotas_device(expert_load_e, _balance_ranks_device(home_load_r), num_slots)
+    quota_dr = _balance_ranks_device(home_load_r, replica_cost)
+    alloc_re = _split_quotas_device(expert_load_e, quota_dr, num_slots, replica_cost)
+    home_re = _home_mask_re(num_ranks, num_experts, device)
+    if replica_cost:  # fall back to plain EP unless the modelled hottest rank gets faster (a device select)
+        pays = modelled_load_device(alloc_re, replica_cost).max() < home_load_r.max()
+        alloc_re = torch.where(pays, alloc_re, torch.where(home_re, expert_load_e, 0))
     # Slots: a rank's replicas in ascending expert id. Non-replicas go to distinct sentinel columns B + e
     # (every scatter index unique). A rank never has more than B replicas (each take costs one slot and a
     # receiver takes an expert once); the clamp only keeps indices in range.
-    home_re = _home_mask_re(num_ranks, num_experts, device)
     expert_e = torch.arange(num_experts, device=device)
     replica_re = (alloc_re > 0) & ~home_re
     slot_re = torch.where(replica_re, (replica_re.cumsum(1) - 1).clamp(max=num_slots), num_slots + expert_e)
@@ -436,7 +504,8 @@ def _use_triton(topk_experts_sk: torch.Tensor) -> bool:
 
 
 def plan_routes(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int, num_slots: int,
-                token_padding: int, rows_per_rank: int, owner: int | None = None) -> MoonEPCommPlan:
+                token_padding: int, rows_per_rank: int, owner: int | None = None,
+                replica_cost: int = 0) -> MoonEPCommPlan:
     """The full plan of `rank` from the gathered histogram and the rank's own routes, built on the device of
     `topk_experts_sk` without a host read: on CUDA with Triton by `plan_routes_triton` (two launches),
     elsewhere by `plan_global_device` and `route_destinations`.
@@ -448,16 +517,19 @@ def plan_routes(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank:
         counts_re: `[R, E]` int, valid routes from each source rank to each expert (identical on all ranks).
         topk_experts_sk: `[S, K]` int, this rank's routed experts, -1 = no route.
         num_slots: B. token_padding: tp. rows_per_rank: NvS (capacity of the dispatched rows).
+        replica_cost: the replication policy (module docstring): 0 exact balance (default), c > 0 cost-aware
+            (a replica must take more than c routes off its donor), `NO_REPLICATION` plain EP.
     """
     if _use_triton(topk_experts_sk):
         from moonep_moe.comm.kernels.plan import plan_routes_triton
 
         return plan_routes_triton(counts_re, topk_experts_sk, rank=rank, num_slots=num_slots,
-                                  token_padding=token_padding, rows_per_rank=rows_per_rank, owner=owner)
+                                  token_padding=token_padding, rows_per_rank=rows_per_rank, owner=owner,
+                                  replica_cost=replica_cost)
     num_ranks, num_experts = counts_re.shape
     device = topk_experts_sk.device
     counts_re = counts_re.to(device=device, dtype=torch.int64)
-    glob = plan_global_device(counts_re, num_slots, token_padding)
+    glob = plan_global_device(counts_re, num_slots, token_padding, replica_cost)
     cu_seqlens_g = glob.cu_seqlens_rg[rank]
     if device.type == "cpu" and int(cu_seqlens_g[-1]) > rows_per_rank:
         raise AssertionError(f"rank {rank} needs {int(cu_seqlens_g[-1])} rows, capacity is {rows_per_rank}")

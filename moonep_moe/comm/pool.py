@@ -35,11 +35,12 @@ class BufferPool:
         hidden_size, top_k, num_experts: H, K, E. world: the EP world (R = world.size).
         num_slots: B prefetch slots per rank (default E / R). token_padding: tp. dtype: the rows' dtype.
         min_capacity: the smallest capacity served (default 1), to bound the number of Buffers.
+        replica_cost: the planner's replication policy (`Buffer`'s argument; 0 = exact balance).
     """
 
     def __init__(self, max_tokens_per_rank: int, hidden_size: int, top_k: int, num_experts: int, *,
                  world: EPWorld, num_slots: int | None = None, token_padding: int = 128,
-                 dtype: torch.dtype = torch.bfloat16, min_capacity: int = 1):
+                 dtype: torch.dtype = torch.bfloat16, min_capacity: int = 1, replica_cost: int = 0):
         if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
             raise ValueError(f"rank {world.rank}: max_tokens_per_rank must be a positive int, got "
                              f"{max_tokens_per_rank!r}")
@@ -48,7 +49,7 @@ class BufferPool:
                              f"{max_tokens_per_rank}], got {min_capacity!r}")
         self.max_tokens_per_rank, self.min_capacity, self.world = max_tokens_per_rank, min_capacity, world
         self._shape = dict(H=hidden_size, K=top_k, E=num_experts, num_ep_ranks=world.size, B=num_slots,
-                           token_padding=token_padding)
+                           token_padding=token_padding, replica_cost=replica_cost)
         self.dtype = dtype
         self._buffers: dict[int, Buffer] = {}
         self._destroyed = False

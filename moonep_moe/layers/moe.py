@@ -261,7 +261,8 @@ class MoonEPMoELayer(nn.Module):
         self.experts.bind(world)
         # validate=False: the router's expert ids are in [-1, E) by construction, and the check is a host read
         self.buffer = Buffer(config.max_tokens_per_rank, h, k, e, config.ep_size, config.prefetch_slots,
-                             token_padding=config.token_padding, world=world, dtype=dtype, validate=False)
+                             token_padding=config.token_padding, world=world, dtype=dtype, validate=False,
+                             replica_cost=config.replica_cost)
         main_grad = config.expert_grad_dtype == "main_grad"
         grad_dtype = torch.promote_types(dtype, torch.float32) if main_grad else dtype
         groups = config.experts_per_rank + config.prefetch_slots  # this rank's compute groups

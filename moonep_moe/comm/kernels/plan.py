@@ -15,8 +15,10 @@ Launch 1, `_plan_kernel` (grid `nb + 1`), two kinds of program that run side by 
   among the block's earlier routes to the same expert in (token, k) order (`position_n`), and the block's
   expert histogram (`block_counts_be`); they also zero the dup tables (the planner leaves them empty);
 - the last program plans the group (steps 1-5): rank balancing and the per-donor split as loops that stop
-  when nothing moves (the reference's `break`; each moving iteration exhausts a receiver or an expert), then
-  every rank's segments at once, and writes the plan's global fields plus two `[E, R]` tables for launch 2:
+  when nothing moves (the reference's `break`; each moving iteration exhausts a receiver or an expert; a
+  move of at most `replica_cost` routes is no move), the policy's fallback to plain EP (`replica_cost` > 0:
+  unless the modelled hottest rank gets faster, the moves are dropped), then every rank's segments at
+  once, and writes the plan's global fields plus two `[E, R]` tables for launch 2:
   `ends_er[e, d]` (routes of expert e computed on ranks `<= d`) and `offset_er[e, d]`
   (`d * NvS + row_base[d, e] - start`: a route with index i in e's group order on d lands at
   `offset + i`), and `before_e` (routes of expert e on ranks before this one).
@@ -83,8 +85,8 @@ def _block_positions(topk_ptr, num_tokens, position_ptr, block_counts_ptr, dup_p
 
 
 @triton.jit
-def _global_plan(counts_ptr, counts_stride_r, counts_stride_e, rank, received_ptr, before_ptr, ends_ptr,
-                 offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr, remote_stats_ptr,
+def _global_plan(counts_ptr, counts_stride_r, counts_stride_e, rank, replica_cost, received_ptr, before_ptr,
+                 ends_ptr, offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr, remote_stats_ptr,
                  rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr, R: tl.constexpr,
                  E: tl.constexpr, B: tl.constexpr, TP: tl.constexpr, NVS: tl.constexpr, R_P: tl.constexpr,
                  W: tl.constexpr, B_P: tl.constexpr, DC: tl.constexpr):
@@ -119,30 +121,36 @@ def _global_plan(counts_ptr, counts_stride_r, counts_stride_e, rank, received_pt
     total = tl.sum(home_g, 0)
     balance_g = tl.where(g_g < R, home_g - (total // R + (ahead_g < total % R).to(tl.int32)), 0)
 
-    # 2. Rank balancing: quota_wg[receiver, donor]. An iteration after the reference's `break` moves 0.
+    # 2. Rank balancing: quota_wg[receiver, donor]. An iteration after the reference's `break` moves 0
+    # (as does a receiver's deficit of at most replica_cost routes: every later one is smaller).
     quota_wg = tl.zeros([W, R_P], tl.int32)
     for _ in range(R):
         surplus, donor = tl.max(tl.where(g_g < R, balance_g, -BIG), 0, return_indices=True,
                                 return_indices_tie_break_left=True)
         lowest, receiver = tl.min(tl.where(g_g < R, balance_g, BIG), 0, return_indices=True,
                                   return_indices_tie_break_left=True)
-        routes = tl.where((surplus > 0) & (lowest < 0), -lowest, 0)
+        routes = tl.where((surplus > 0) & (-lowest > replica_cost), -lowest, 0)
         balance_g += tl.where(g_g == receiver, routes, 0) - tl.where(g_g == donor, routes, 0)
         quota_wg += tl.where((w_w1 == receiver) & (g_1g == donor), routes, 0)
 
     # 3. Per-donor split, all donors at once (column g = donor): the open receiver with the largest quota
     # takes the expert with the most remaining routes (ties: lowest index). A receiver takes an expert at
     # most once (afterwards the receiver is closed or the expert exhausted), so each move is stored to its
-    # own cell of received_wr[expert in the donor's group, receiver]. Stops when no donor moves.
+    # own cell of received_wr[expert in the donor's group, receiver]. A take of at most replica_cost routes
+    # moves nothing (every later take of that donor is smaller). Stops when no donor moves.
     remaining_wg = tl.where(cell_wg, load_wg, -1)
     slots_wg = tl.where(quota_wg > 0, B, 0)
     from_wg = quota_wg > 0
+    quota0_wg = quota_wg
+    sent_g = tl.zeros([R_P], tl.int32)
     moving = total >= 0
     while moving:
         most_g, expert_g = tl.max(remaining_wg, 0, return_indices=True, return_indices_tie_break_left=True)
         largest_g, receiver_g = tl.max(tl.where((quota_wg > 0) & (slots_wg > 0), quota_wg, -1), 0,
                                        return_indices=True, return_indices_tie_break_left=True)
-        routes_1g = tl.maximum(tl.minimum(largest_g, most_g), 0)[None, :]
+        take_g = tl.minimum(largest_g, most_g)
+        sent_g += (take_g > replica_cost).to(tl.int32)
+        routes_1g = tl.where(take_g > replica_cost, take_g, 0)[None, :]
         to_wg = w_w1 == receiver_g[None, :]
         quota_wg -= tl.where(to_wg, routes_1g, 0)
         slots_wg -= (to_wg & (routes_1g > 0)).to(tl.int32)
@@ -153,8 +161,19 @@ def _global_plan(counts_ptr, counts_stride_r, counts_stride_e, rank, received_pt
         moving = tl.max(tl.max(routes_1g, 1), 0) > 0
     tl.debug_barrier()
 
+    # The policy's fallback (replica_cost > 0): plain EP unless the modelled hottest rank (routes computed
+    # + replica_cost per transfer received or sent) is faster than plain EP's. Receiver w's routes and
+    # transfers come in rows w; `tl.where(w == g)` moves them to column g.
+    cost = replica_cost.to(tl.int64)
+    received_w = tl.sum(quota0_wg - quota_wg, 1) + cost * tl.sum(tl.where(from_wg, B - slots_wg, 0), 1)
+    received_g = tl.sum(tl.where(w_w1 == g_1g, received_w[:, None], 0), 0)
+    time_g = tl.sum(tl.where(cell_wg, remaining_wg, 0), 0) + received_g + cost * sent_g
+    hottest = tl.max(tl.where(g_g < R, time_g, 0), 0)
+    plain_ep = (replica_cost > 0) & (hottest >= tl.max(home_g, 0))
+    from_wg = from_wg & ~plain_ep
+
     # 4-5. Every rank's segments, DC ranks at a time (ends_er accumulates over the ranks in order).
-    home_alloc_wg = tl.where(cell_wg, remaining_wg, 0)
+    home_alloc_wg = tl.where(cell_wg, tl.where(plain_ep, load_wg, remaining_wg), 0)
     routes_before_wg = tl.zeros([W, R_P], tl.int32)
     for d0 in tl.static_range(0, R_P, DC):
         routes_before_wg = _rank_segments(d0, routes_before_wg, home_alloc_wg, from_wg, rank, received_ptr,
@@ -229,8 +248,9 @@ def _rank_segments(d0, routes_before_wg, home_alloc_wg, from_wg, rank, received_
     return routes_before_wg + tl.sum(alloc_dwg, 0)
 
 
-@triton.jit(do_not_specialize=["counts_stride_e"])
-def _plan_kernel(counts_ptr, counts_stride_r, counts_stride_e, topk_ptr, num_tokens, rank, position_ptr,
+@triton.jit(do_not_specialize=["counts_stride_e", "replica_cost"])
+def _plan_kernel(counts_ptr, counts_stride_r, counts_stride_e, topk_ptr, num_tokens, rank, replica_cost,
+                 position_ptr,
                  block_counts_ptr, dup_ptr, dup_numel, dup_share, received_ptr, before_ptr, ends_ptr,
                  offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr, remote_stats_ptr,
                  rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr, R: tl.constexpr,
@@ -242,10 +262,10 @@ def _plan_kernel(counts_ptr, counts_stride_r, counts_stride_e, topk_ptr, num_tok
     pid = tl.program_id(0)
     num_blocks = tl.num_programs(0) - 1
     if pid == num_blocks:
-        _global_plan(counts_ptr, counts_stride_r, counts_stride_e, rank, received_ptr, before_ptr, ends_ptr,
-                     offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr, remote_stats_ptr,
-                     rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr, R, E, B, TP, NVS, R_P, W,
-                     B_P, DC)
+        _global_plan(counts_ptr, counts_stride_r, counts_stride_e, rank, replica_cost, received_ptr,
+                     before_ptr, ends_ptr, offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr,
+                     remote_stats_ptr, rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr, R, E, B,
+                     TP, NVS, R_P, W, B_P, DC)
     else:
         _block_positions(topk_ptr, num_tokens, position_ptr, block_counts_ptr, dup_ptr, dup_numel, dup_share,
                          pid, E, K, K_P, E_P, TOK, SUB)
@@ -321,6 +341,7 @@ class PlanLaunch:
     counts_re: torch.Tensor
     topk_sk: torch.Tensor
     rank: int
+    replica_cost: int
     constants: dict
     num_blocks: int
     dup_share: int
@@ -338,10 +359,10 @@ class PlanLaunch:
         dup_tables = plan.dup_tables
         _plan_kernel[(self.num_blocks + 1,)](
             self.counts_re, *self.counts_re.stride(), self.topk_sk, self.topk_sk.shape[0], self.rank,
-            self.position_n, self.block_counts_be, dup_tables, dup_tables.numel(), self.dup_share,
-            self.received_wr, self.before_e, self.ends_er, self.offset_er, plan.experts_to_copy,
-            plan.cu_seqlens, plan.zero_fill_ranges, plan.remote_stats, plan.rank_load, plan.home_load,
-            plan.expert_load, plan.slots_used, **{name: c[name] for name in _PLAN_CONSTANTS},
+            self.replica_cost, self.position_n, self.block_counts_be, dup_tables, dup_tables.numel(),
+            self.dup_share, self.received_wr, self.before_e, self.ends_er, self.offset_er,
+            plan.experts_to_copy, plan.cu_seqlens, plan.zero_fill_ranges, plan.remote_stats, plan.rank_load,
+            plan.home_load, plan.expert_load, plan.slots_used, **{name: c[name] for name in _PLAN_CONSTANTS},
             num_warps=c["plan_warps"])
 
     def route_destinations(self) -> None:
@@ -359,7 +380,7 @@ def _pow2(n: int) -> int:
 
 
 def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int, num_slots: int,
-            token_padding: int, rows_per_rank: int, owner: int | None = None,
+            token_padding: int, rows_per_rank: int, owner: int | None = None, replica_cost: int = 0,
             routes_per_block: int = ROUTES_PER_BLOCK,
             plan_warps: int = PLAN_WARPS, destination_warps: int = DESTINATION_WARPS,
             segment_ranks: int | None = None) -> PlanLaunch:
@@ -404,22 +425,24 @@ def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int
              for (name, shape), part in zip(shapes.items(), scratch.split(sizes), strict=True)}
     dup_share = triton.cdiv(triton.cdiv(plan.dup_tables.numel(), num_blocks), ZERO_CHUNK) * ZERO_CHUNK
     return PlanLaunch(counts_re=counts_re.to(device), topk_sk=topk_experts_sk.contiguous(), rank=rank,
-                      constants=constants, num_blocks=num_blocks, dup_share=dup_share, plan=plan, **views)
+                      replica_cost=replica_cost, constants=constants, num_blocks=num_blocks,
+                      dup_share=dup_share, plan=plan, **views)
 
 
 def plan_routes_triton(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int, num_slots: int,
                        token_padding: int, rows_per_rank: int, owner: int | None = None,
-                       **tuning: int | None) -> MoonEPCommPlan:
+                       replica_cost: int = 0, **tuning: int | None) -> MoonEPCommPlan:
     """`moonep_moe.comm.plan.plan_routes` in two Triton launches (equal to it bit for bit, no host read).
 
     Args:
         counts_re: `[R, E]` int32/int64, valid routes from each source rank to each expert.
         topk_experts_sk: `[s, K]` int32/int64, this rank's routed experts, -1 = no route.
-        num_slots: B. token_padding: tp. rows_per_rank: NvS.
+        num_slots: B. token_padding: tp. rows_per_rank: NvS. replica_cost: the replication policy
+            (`comm.plan`; 0 = exact balance).
         tuning: `prepare`'s launch-shape arguments (default: its defaults).
     """
     launch = prepare(counts_re, topk_experts_sk, rank=rank, num_slots=num_slots, token_padding=token_padding,
-                     rows_per_rank=rows_per_rank, owner=owner, **tuning)
+                     rows_per_rank=rows_per_rank, owner=owner, replica_cost=replica_cost, **tuning)
     launch.plan_group()
     launch.route_destinations()
     return launch.plan
