@@ -216,11 +216,11 @@ def test_fallback_to_plain_ep_when_the_hottest_rank_gets_no_faster():
 # -- Triton == torch -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.interpreter
 @settings(max_examples=6, deadline=None)
 @given(policy_scenarios(), st.data())
 def test_kernel_policy_plan_equals_torch_plan(sc, data):
-    """The Triton planner (interpreter on CPU tensors) gives the torch planner's plan under the policy."""
+    """The Triton planner (compiled on CUDA, in the interpreter on CPU tensors elsewhere) gives the torch
+    planner's plan under the policy."""
     rank = data.draw(st.integers(0, sc.R - 1))
     kwargs = dict(rank=rank, num_slots=sc.B, token_padding=sc.tp, rows_per_rank=sc.NvS,
                   replica_cost=sc.replica_cost)
@@ -239,7 +239,6 @@ def _fixed_cases() -> dict[str, PolicyScenario]:
                 off=with_cost(skewed_scenario(4, 4, 4, 64, 3, seed=2), NO_REPLICATION))
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("name", list(_fixed_cases()))
 def test_kernel_policy_plan_on_fixed_cases(name):
     sc = _fixed_cases()[name]
