@@ -14,11 +14,30 @@ layout, `combine` brings the results home. One step, on every rank of the EP gro
    `ExpertLayout`), so slot groups can be computed with slot weights.
 3. The engine runs the experts per group and multiplies each row by `out.weights_nvs` (padding rows are
    zero, so it may compute whole padded groups).
-4. `hidden_th = comm.combine(expert_output_nvsh, handle)`: each token's K rows summed in fp32.
+4. `hidden_th = comm.combine(expert_output_nvsh, handle)`: each token's K rows summed in fp32 (or
+   `comm.combine(expert_output_nvsh, handle, out=output_th)`: written into the caller's tensor).
 
 Steps with fewer tokens than S are served by a `BufferPool` (the smallest power-of-two capacity that fits
 the group's largest step), so a decode step never pays for S. Invalid routes (expert -1) are padding: not
 counted, not sent, zero in combine; pad with -1, never with expert 0.
+
+Streams. `dispatch` / `combine` / `prefetch_weights` run on the caller's current stream. `dispatch_async` /
+`combine_async` queue the step on the Buffer's comm stream after the caller's queued work and return a
+`CommRequest` at once: `is_completed()` is False until the device has finished it, `wait()` orders the
+caller's stream after it (an event; the host does not block) and returns the result.
+
+CUDA graphs (engines capture one graph per batch-size bucket). A step reads nothing on the host when (a) the
+bucket is named: `dispatch(..., capacity=bucket)`, one of `comm.capacities`, the same on every rank, (b)
+`check_expert_ids=False` (or while capturing, where the expert-id checks are skipped) and (c) the world's
+barriers are device-side (one rank, or the symmetric-memory world; the threads world's barriers with R > 1
+block the host). Capture dispatch -> experts -> combine with static `[bucket, H]` / `[bucket, K]` inputs,
+then replay with new routing and any t <= bucket real tokens, the rest padded with expert -1 (their outputs
+are zero).
+
+Two steps in flight (two-batch overlap): with `max_inflight_steps=2` each dispatched, not yet combined step
+of one capacity gets its own Buffer, so `dispatch(A); dispatch(B); ...; combine(A); combine(B)` equals
+running A and B one by one. The layout's slots hold one step's replicas: prefetch and run a step's experts
+before the next step's `prefetch_weights`.
 
 What is supported is stated by the `supports_*` properties; every unsupported option raises at construction
 or at the first call with a message naming what is supported.
@@ -66,6 +85,13 @@ class CommunicatorConfig(CommConfig):
         "step). False: one Buffer of capacity S for every step."))
     min_capacity: int = Field(1, ge=1, description=(
         "Smallest pooled capacity (bounds how many Buffers the pool creates). Default 1."))
+    max_inflight_steps: int = Field(1, ge=1, description=(
+        "Steps of one capacity that may be dispatched and not yet combined at once; each gets its own Buffer "
+        "(memory: that many Buffers per capacity used). Default 1; 2 for two-batch overlap."))
+    check_expert_ids: bool = Field(True, description=(
+        "Check in dispatch that every expert id is in [-1, E), naming the bad id. A host read: on a GPU it "
+        "synchronises the caller's stream (skipped while a CUDA graph is captured). Engines that overlap "
+        "steps or need a sync-free dispatch set False."))
     expert_bias: bool = Field(False, description=(
         "Bias terms in the expert projections (e.g. GPT-OSS). Not supported: True raises at construction."))
     quantization: Literal["none", "fp8_e4m3", "mxfp8"] = Field("none", description=(
@@ -115,20 +141,27 @@ class DispatchHandle:
 
 class CommRequest(Generic[T]):
     """An operation started by `dispatch_async` / `combine_async`, queued on the Buffer's comm stream (on
-    CUDA). `wait()` makes the current stream wait for it and returns its result (built on the current
-    stream after the wait); nothing of the step may be used before. Off CUDA it completed before returning.
+    CUDA) behind an event. Nothing of the step may be used before `wait()`.
+
+    Off CUDA (CPU worlds) the operation has completed before the call returns: `is_completed()` is True at
+    once and `wait()` only builds the result.
     """
 
     def __init__(self, finish: Callable[[], T], event: CommEvent):
         self._finish, self._event = finish, event
+        self._result: tuple[T] | None = None
 
     def is_completed(self) -> bool:
-        """Whether the queued operation has finished on the device (True off CUDA)."""
+        """Whether the queued operation has finished on the device (True off CUDA). Does not block."""
         return self._event.query()
 
     def wait(self) -> T:
-        self._event.wait()
-        return self._finish()
+        """Make the caller's current stream wait for the operation (the host does not block) and return its
+        result, built on that stream after the wait. Later calls return the same result."""
+        if self._result is None:
+            self._event.wait()
+            self._result = (self._finish(),)
+        return self._result[0]
 
 
 class MoECommunicator:
@@ -149,18 +182,25 @@ class MoECommunicator:
 
     supports_variable_tokens = True
     """Steps may carry any t <= S tokens; padding routes (-1) are neither counted nor sent."""
-    supports_async = False
-    """`dispatch_async` / `combine_async` queue the step on the comm stream, but no overlap is promised: the
-    EP worlds' barriers may block the host (the threads world synchronises at every barrier)."""
-    supports_cuda_graph = False
-    """The reference planner and Buffer read small device values on the host (the histogram, the slot table,
-    the duplicate counts): a step cannot be captured in a CUDA graph yet."""
+    supports_async = True
+    """`dispatch_async` / `combine_async` return a `CommRequest` at once; the step runs on the comm stream and
+    `is_completed()` is False until the device has finished it. The host does not block when `capacity=` is
+    given, `check_expert_ids=False` and the world's barriers are device-side (one rank, symmetric memory);
+    the threads world with R > 1 synchronises at its barriers. Implemented, not yet run on a GPU
+    (`test_async_request_returns_before_the_device_is_done`); off CUDA a request completes before
+    returning."""
+    supports_cuda_graph = True
+    """dispatch -> experts -> combine captured in a CUDA graph per capacity bucket (`capacity=`), replayed
+    with new routing and any t <= bucket real tokens (padding: expert -1), under the conditions of the module
+    docstring. Implemented, not yet run on a GPU (`test_cuda_graph_per_bucket_replays_new_routing` and
+    `tests/test_engine_contract.py`)."""
     supports_quantized_dispatch = False
     """Rows travel in the config's dtype; fp8 / mxfp8 activations are refused."""
     supports_expert_bias = False
     """Expert projections without bias terms only; `prefetch_weights` copies weights, never biases."""
-    supports_multiple_inflight_steps = False
-    """One step in flight per Buffer: dispatch -> combine, then the next dispatch."""
+    supports_multiple_inflight_steps = True
+    """With `max_inflight_steps=n`, up to n steps of one capacity in flight at once (dispatched, not
+    combined), each on its own Buffer (two-batch overlap: n = 2); one step per Buffer."""
     supports_backward = False
     """Forward (serving) only; training uses `MoonEPMoELayer`, whose backward reuses the forward plan."""
 
@@ -187,7 +227,9 @@ class MoECommunicator:
         smallest = config.min_capacity if config.variable_tokens else capacity
         self._pool = BufferPool(capacity, config.hidden_size, config.top_k, E, world=world,
                                 num_slots=self.num_slots, token_padding=config.token_padding,
-                                dtype=self.dtype, min_capacity=smallest, replica_cost=config.replica_cost)
+                                dtype=self.dtype, min_capacity=smallest,
+                                max_inflight_steps=config.max_inflight_steps,
+                                validate=config.check_expert_ids, replica_cost=config.replica_cost)
 
     @classmethod
     def capabilities(cls) -> dict[str, bool]:
@@ -198,37 +240,46 @@ class MoECommunicator:
         """Collective: the token capacity of the Buffer that serves a step with `num_tokens` tokens here."""
         return self._pool.capacity_for(num_tokens)
 
+    @property
+    def capacities(self) -> list[int]:
+        """The capacity buckets a step may name (`dispatch(..., capacity=)`), ascending; the largest is S."""
+        return self._pool.capacities
+
     # -- dispatch -------------------------------------------------------------------------------------------
 
     def dispatch(self, input_th: torch.Tensor, topk_ids_tk: torch.Tensor,
-                 weights_tk: torch.Tensor | None = None) -> tuple[DispatchOutput, DispatchHandle]:
-        """Collective: send every route's row (and weight) to the rank and row where it is computed.
+                 weights_tk: torch.Tensor | None = None, *, capacity: int | None = None
+                 ) -> tuple[DispatchOutput, DispatchHandle]:
+        """Collective: send every route's row (and weight) to the rank and row where it is computed, on the
+        caller's current stream.
 
         Args:
             input_th: `[t, H]` rows in the config's dtype, t <= S (t may differ per rank).
             topk_ids_tk: `[t, K]` int32/int64 experts in [-1, E); -1 = no route (padding).
             weights_tk: `[t, K]` fp32 (float64 for float64 rows) route weights, or None (unweighted sum).
+            capacity: the capacity bucket serving the step, one of `capacities`, >= t and the same on every
+                rank; None = the smallest that fits the group's largest t (one all-gather read on the host
+                when R > 1). Required while a CUDA graph is captured.
 
         Returns:
             `(DispatchOutput, DispatchHandle)`. Raises before any exchange on malformed input.
         """
-        return self._dispatch(input_th, topk_ids_tk, weights_tk, async_finish=False)
+        return self._dispatch(input_th, topk_ids_tk, weights_tk, capacity, async_finish=False)
 
     def dispatch_async(self, input_th: torch.Tensor, topk_ids_tk: torch.Tensor,
-                       weights_tk: torch.Tensor | None = None
+                       weights_tk: torch.Tensor | None = None, *, capacity: int | None = None
                        ) -> CommRequest[tuple[DispatchOutput, DispatchHandle]]:
-        """`dispatch` as a request; `wait()` returns `(DispatchOutput, DispatchHandle)` (see
+        """`dispatch` queued on the comm stream; `wait()` returns `(DispatchOutput, DispatchHandle)` (see
         `supports_async`)."""
-        return self._dispatch(input_th, topk_ids_tk, weights_tk, async_finish=True)
+        return self._dispatch(input_th, topk_ids_tk, weights_tk, capacity, async_finish=True)
 
-    def _dispatch(self, input_th, topk_ids_tk, weights_tk, async_finish: bool):
-        """Check the arguments under their names here, then queue the step on the serving Buffer's comm
-        stream; `dispatch` waits for it (the caller's stream is ordered after it, then the layout is built),
-        `dispatch_async` returns the request whose `wait()` does the same."""
+    def _dispatch(self, input_th, topk_ids_tk, weights_tk, capacity: int | None, async_finish: bool):
+        """Check the arguments under their names here, then run the step on the serving Buffer: on the
+        caller's stream (`dispatch`), or queued on its comm stream behind a request (`dispatch_async`)."""
         self._check_alive()
-        rank, capacity = self.world.rank, self.config.max_tokens_per_rank
-        if not isinstance(input_th, torch.Tensor) or input_th.dim() != 2 or input_th.shape[0] > capacity:
-            raise ValueError(f"rank {rank}: input_th must be a [t <= max_tokens_per_rank={capacity}, "
+        rank, max_tokens = self.world.rank, self.config.max_tokens_per_rank
+        if not isinstance(input_th, torch.Tensor) or input_th.dim() != 2 or input_th.shape[0] > max_tokens:
+            raise ValueError(f"rank {rank}: input_th must be a [t <= max_tokens_per_rank={max_tokens}, "
                              f"H={self.config.hidden_size}] tensor, got "
                              f"{list(getattr(input_th, 'shape', [])) or type(input_th).__name__}")
         if input_th.is_floating_point() and input_th.dtype.itemsize == 1:
@@ -236,12 +287,12 @@ class MoECommunicator:
                                       f"pass the activations in {self.dtype} (supports_quantized_dispatch is "
                                       "False)")
         num_tokens = input_th.shape[0]
-        buffer = self._pool.get(num_tokens)
+        buffer = self._pool.get(num_tokens, capacity)
         weighted = weights_tk is not None
         if not weighted and isinstance(topk_ids_tk, torch.Tensor):
             weights_tk = torch.ones(topk_ids_tk.shape, dtype=buffer.weight_dtype, device=input_th.device)
         buffer._check_dispatch(input_th, weights_tk, topk_ids_tk, None, None, FACADE_DISPATCH_NAMES)
-        *result, event = buffer._dispatch(input_th, weights_tk, topk_ids_tk, None, async_finish=True,
+        *result, event = buffer._dispatch(input_th, weights_tk, topk_ids_tk, None, async_finish=async_finish,
                                           zero_copy=True, router_weights_zero_copy=weighted)
         tokens_nvsh, weights_nvs, cu_seqlens_g, plan = result
         handle = DispatchHandle(self.id, buffer, plan, num_tokens)
@@ -250,8 +301,7 @@ class MoECommunicator:
             output = self._layout(tokens_nvsh, weights_nvs if weighted else None, cu_seqlens_g, plan)
             return output, handle
 
-        request = CommRequest(finish, event)
-        return request if async_finish else request.wait()
+        return CommRequest(finish, event) if async_finish else finish()
 
     def _layout(self, tokens_nvsh, weights_nvs, cu_seqlens_g, plan: MoonEPCommPlan) -> DispatchOutput:
         rank, epn, E = self.world.rank, self.num_local_experts, self.config.num_experts
@@ -281,38 +331,55 @@ class MoECommunicator:
 
     # -- combine --------------------------------------------------------------------------------------------
 
-    def combine(self, expert_output_nvsh: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """Collective: sum every token's K expert rows in fp32 (in k order) -> `[t, H]` in the config's dtype.
+    def combine(self, expert_output_nvsh: torch.Tensor, handle: DispatchHandle, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """Collective: sum every token's K expert rows in fp32 (in k order) -> `[t, H]` in the config's dtype,
+        on the caller's current stream.
 
         Args:
             expert_output_nvsh: `[NvS, H]` the runner's output per dispatched row, already multiplied by
                 `weights_nvs`; may be `tokens_nvsh` itself, written in place. Rows past the groups are
                 ignored.
             handle: this step's handle (one combine per handle).
+            out: optional `[t, H]` tensor in the config's dtype on the world's device (a modular kernel's
+                `output`): the result is written into it (one `[t, H]` copy) and it is returned.
         """
-        return self._combine(expert_output_nvsh, handle, async_finish=False)
+        return self._combine(expert_output_nvsh, handle, out, async_finish=False)
 
-    def combine_async(self, expert_output_nvsh: torch.Tensor, handle: DispatchHandle
-                      ) -> CommRequest[torch.Tensor]:
-        """`combine` as a request; `wait()` returns `[t, H]` (see `supports_async`)."""
-        return self._combine(expert_output_nvsh, handle, async_finish=True)
+    def combine_async(self, expert_output_nvsh: torch.Tensor, handle: DispatchHandle, *,
+                      out: torch.Tensor | None = None) -> CommRequest[torch.Tensor]:
+        """`combine` queued on the comm stream; `wait()` returns `[t, H]` (`out` when given, written on the
+        caller's stream after the wait; see `supports_async`)."""
+        return self._combine(expert_output_nvsh, handle, out, async_finish=True)
 
-    def _combine(self, expert_output_nvsh, handle: DispatchHandle, async_finish: bool):
-        """Check the arguments under their names here, then combine on the comm stream; `combine` waits for
-        it (the caller's stream is ordered after it), `combine_async` returns the request."""
+    def _combine(self, expert_output_nvsh, handle: DispatchHandle, out: torch.Tensor | None,
+                 async_finish: bool):
+        """Check the arguments under their names here, then combine on the caller's stream (`combine`) or
+        queued on the comm stream behind a request (`combine_async`)."""
         self._check_handle(handle)
         if handle._combined:
             raise RuntimeError(f"rank {self.world.rank}: this DispatchHandle was already combined: one "
                                "combine per dispatch")
         buffer = handle._buffer
+        if out is not None:
+            expected = (handle._num_tokens, self.config.hidden_size)
+            if (not isinstance(out, torch.Tensor) or tuple(out.shape) != expected or out.dtype != self.dtype
+                    or out.device != self.world.device):
+                got = (f"{list(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor)
+                       else type(out).__name__)
+                raise ValueError(f"rank {self.world.rank}: out must be a {list(expected)} {self.dtype} "
+                                 f"tensor on {self.world.device}, got {got}")
         in_place = (isinstance(expert_output_nvsh, torch.Tensor)
                     and expert_output_nvsh.data_ptr() == buffer.hidden_nvsh_buffer_view.data_ptr())
         buffer._check_combine(handle._plan, expert_output_nvsh, None, in_place, "expert_output_nvsh")
         out_th, _, event = buffer._combine(handle._plan, expert_output_nvsh, None, in_place,
-                                           async_finish=True)
+                                           async_finish=async_finish)
         handle._combined = True
-        request = CommRequest(lambda: out_th, event)
-        return request if async_finish else request.wait()
+
+        def finish() -> torch.Tensor:
+            return out_th if out is None else out.copy_(out_th)
+
+        return CommRequest(finish, event) if async_finish else finish()
 
     def discard(self, handle: DispatchHandle) -> None:
         """Give up a step that failed between dispatch and combine, so that the next dispatch may run.

@@ -3,6 +3,8 @@ facade and its stated capabilities. Threads world, float64, integer-valued data:
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from stress import comm_streams
@@ -267,6 +269,22 @@ def swiglu_experts(out, layout: ExpertLayout, epn: int) -> torch.Tensor:
     return y_nvsh
 
 
+def grouped_swiglu(out, layout: ExpertLayout) -> torch.Tensor:
+    """`swiglu_experts` without a host read, so it can be captured in a CUDA graph: each row's group found by
+    a search of `offsets_g`, its expert's weights gathered per row; rows past the groups give zero."""
+    offsets_g = out.offsets_g
+    row_v = torch.arange(out.tokens_nvsh.shape[0], dtype=offsets_g.dtype, device=offsets_g.device)
+    group_v = torch.searchsorted(offsets_g, row_v, right=True)
+    used_v = group_v < offsets_g.shape[0]
+    group_v = group_v.clamp(max=offsets_g.shape[0] - 1)
+    w13_g = torch.cat([layout.gate_up.home.local, layout.gate_up.slots.local])
+    w2_g = torch.cat([layout.down.home.local, layout.down.slots.local])
+    gate_up_v = torch.bmm(w13_g[group_v], out.tokens_nvsh[:, :, None])[:, :, 0]
+    hidden_v = torch.nn.functional.silu(gate_up_v[:, :F]) * gate_up_v[:, F:]
+    y_nvsh = torch.bmm(w2_g[group_v], hidden_v[:, :, None])[:, :, 0] * out.weights_nvs[:, None]
+    return torch.where(used_v[:, None], y_nvsh, 0)
+
+
 def dense_moe(x: dict[str, torch.Tensor], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(x["hidden"])
     for t in range(x["hidden"].shape[0]):
@@ -364,9 +382,11 @@ def test_communicator_takes_a_layers_comm_config():
 
 
 def test_capabilities_are_stated():
+    """Yes only where a test exercises it: async and CUDA graphs by the gpu tests below and
+    tests/test_engine_contract.py, two steps in flight by `test_two_steps_in_flight_equal_one_by_one`."""
     assert MoECommunicator.capabilities() == dict(
-        supports_async=False, supports_backward=False, supports_cuda_graph=False, supports_expert_bias=False,
-        supports_multiple_inflight_steps=False, supports_quantized_dispatch=False,
+        supports_async=True, supports_backward=False, supports_cuda_graph=True, supports_expert_bias=False,
+        supports_multiple_inflight_steps=True, supports_quantized_dispatch=False,
         supports_variable_tokens=True)
 
 
@@ -397,7 +417,8 @@ def test_two_inflight_steps_on_one_communicator_raise():
     comm = MoECommunicator(comm_config(), world=single_world())
     x = step_inputs(0, 4)
     out, handle = comm.dispatch(x["hidden"], x["topk"], x["weights"])
-    with pytest.raises(RuntimeError, match="two in-flight steps"):
+    with pytest.raises(RuntimeError, match="rank 0: 1 steps of capacity 4 are in flight .*"
+                                           "max_inflight_steps=1"):
         comm.dispatch(x["hidden"], x["topk"], x["weights"])
     assert torch.equal(comm.combine(out.tokens_nvsh * out.weights_nvs[:, None], handle), expected_out(x))
     _, failed = comm.dispatch(x["hidden"], x["topk"], x["weights"])
@@ -435,16 +456,16 @@ def test_communicator_errors_name_its_arguments_and_the_rank():
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_async", [False, True])
 def test_communicator_results_are_final_on_the_callers_stream_while_the_comm_stream_is_busy(use_async):
-    """The facade runs each step on the Buffer's comm stream. `dispatch` / `combine` (and `wait()` of the
-    async forms) must order the caller's stream after it: with the comm stream kept busy (a long sleep
-    queued on it before each call), what the caller's stream reads at once must be the final result (it
-    differed in 3 of 3 trials on the H200 when the synchronous calls returned without that wait)."""
+    """`dispatch_async` / `combine_async` run each step on the Buffer's comm stream, `dispatch` / `combine`
+    on the caller's stream. With the comm stream kept busy (a long sleep queued on it before each call),
+    what the caller's stream reads at once (after `wait()`) must be the final result (it differed in 3 of 3
+    trials on the H200 when the calls, then all on the comm stream, returned without that wait)."""
     comm = MoECommunicator(comm_config(), world=single_world("cuda"))
     x = {k: v.cuda() for k, v in step_inputs(0, S).items()}
-    calm, handle = comm.dispatch(x["hidden"], x["topk"], x["weights"])  # creates the comm stream
+    calm, handle = comm.dispatch_async(x["hidden"], x["topk"], x["weights"]).wait()  # creates the comm stream
     calm = {f: getattr(calm, f).clone() for f in ("tokens_nvsh", "weights_nvs", "num_tokens_per_expert_g",
                                                    "offsets_g", "expert_ids_g")}
-    comm.combine(calm["tokens_nvsh"] * calm["weights_nvs"][:, None], handle)
+    comm.combine_async(calm["tokens_nvsh"] * calm["weights_nvs"][:, None], handle).wait()
     (comm_stream,) = comm_streams(comm.world)
 
     def busy(call):
@@ -461,4 +482,157 @@ def test_communicator_results_are_final_on_the_callers_stream_while_the_comm_str
     gather = comm.combine_async if use_async else comm.combine
     y_read = busy(lambda: gather(y_nvsh, handle)).clone()
     assert torch.equal(y_read, expected_out(x))
+    comm.destroy()
+
+
+# -- two steps in flight, requests, buckets ------------------------------------------------------------------
+
+
+def engine_step(comm: MoECommunicator, layout: ExpertLayout, out, handle) -> torch.Tensor:
+    """prefetch -> experts -> combine of one dispatched step."""
+    comm.prefetch_weights(handle, layout)
+    return comm.combine(grouped_swiglu(out, layout), handle)
+
+
+def test_two_steps_in_flight_equal_one_by_one():
+    """Two-batch overlap: with max_inflight_steps=2, step B is dispatched before step A is combined (each on
+    its own Buffer of the same capacity; B is combined first): the outputs equal running A then B one by
+    one, bit for bit, and equal the dense reference. A third step in flight raises."""
+    w13, w2 = model_weights()
+
+    def fn(world):
+        comm = MoECommunicator(comm_config(max_inflight_steps=2, min_capacity=8), world=world)
+        layout = ExpertLayout.from_fused(world, w13, w2, num_slots=comm.num_slots, name="layer0")
+        a, b = (step_inputs(world.rank, 5 + world.rank, seed=seed) for seed in (3, 4))
+        for x in (a, b):
+            x["topk"][::4, 0] = -1
+        one_by_one = [engine_step(comm, layout, *comm.dispatch(x["hidden"], x["topk"], x["weights"]))
+                      for x in (a, b)]
+        out_a, handle_a = comm.dispatch(a["hidden"], a["topk"], a["weights"])
+        out_b, handle_b = comm.dispatch(b["hidden"], b["topk"], b["weights"])
+        with pytest.raises(RuntimeError, match="max_inflight_steps=2"):
+            comm.dispatch(a["hidden"], a["topk"], a["weights"])
+        comm.prefetch_weights(handle_a, layout)
+        y_a_nvsh = grouped_swiglu(out_a, layout)
+        comm.prefetch_weights(handle_b, layout)
+        y_b_nvsh = grouped_swiglu(out_b, layout)
+        overlapped_b = comm.combine(y_b_nvsh, handle_b)
+        overlapped_a = comm.combine(y_a_nvsh, handle_a)
+        stats = comm.stats()
+        comm.destroy()
+        two_buffers = handle_a._buffer is not handle_b._buffer
+        return (a, b), one_by_one, [overlapped_a, overlapped_b], two_buffers, stats
+
+    for steps, one_by_one, overlapped, two_buffers, stats in run_ranks(fn, R):
+        assert two_buffers and stats["capacities"] == [8, 8]
+        for x, alone, overlap in zip(steps, one_by_one, overlapped, strict=True):
+            assert torch.equal(overlap, alone)
+            torch.testing.assert_close(overlap, dense_moe(x, w13, w2), rtol=1e-12, atol=1e-9)
+
+
+def test_requests_on_the_cpu_complete_at_once():
+    """Off CUDA a request has completed when it is returned (documented on `CommRequest`); `wait()` returns
+    the result, the same object when called again; `combine_async(..., out=)` writes the caller's tensor."""
+    comm = MoECommunicator(comm_config(), world=single_world())
+    x = step_inputs(0, 6)
+    request = comm.dispatch_async(x["hidden"], x["topk"], x["weights"])
+    assert request.is_completed()
+    out, handle = request.wait()
+    assert request.wait()[0] is out
+    out_th = torch.full_like(x["hidden"], 7.0)
+    combined = comm.combine_async(out.tokens_nvsh * out.weights_nvs[:, None], handle, out=out_th)
+    assert combined.is_completed()
+    assert combined.wait() is out_th and torch.equal(out_th, expected_out(x))
+    comm.destroy()
+
+
+def test_capacity_names_the_bucket_and_out_is_checked():
+    """`capacity=` picks the bucket without the group's count (what a CUDA graph needs); a capacity that is
+    no bucket, or smaller than the step, raises naming it; so does a wrong `out`."""
+    comm = MoECommunicator(comm_config(min_capacity=2), world=single_world())
+    assert comm.capacities == [2, 4, 8, 16, S]
+    x = step_inputs(0, 3)
+    out, handle = comm.dispatch(x["hidden"], x["topk"], x["weights"], capacity=16)
+    assert handle._buffer.S == 16
+    y_nvsh = out.tokens_nvsh * out.weights_nvs[:, None]
+    for bad_out in (torch.zeros(4, H, dtype=F64), torch.zeros(3, H), "out"):
+        with pytest.raises(ValueError, match=r"rank 0: out must be a \[3, 8\] torch.float64 tensor on cpu"):
+            comm.combine(y_nvsh, handle, out=bad_out)
+    out_th = torch.empty(3, H, dtype=F64)
+    assert comm.combine(y_nvsh, handle, out=out_th) is out_th and torch.equal(out_th, expected_out(x))
+    for capacity in (3, 1, 2, S + 1):
+        with pytest.raises(ValueError, match=rf"rank 0: capacity must be one of \[2, 4, 8, 16, 32\] and >= "
+                                             rf"the step's 3 tokens, got {capacity}"):
+            comm.dispatch(x["hidden"], x["topk"], x["weights"], capacity=capacity)
+    comm.destroy()
+
+
+@pytest.mark.gpu
+def test_cuda_graph_per_bucket_replays_new_routing():
+    """dispatch -> experts -> combine captured once per bucket (4 and S), replayed with new routing and t =
+    bucket, 1, bucket // 2 + 1 real tokens (the rest padded with -1): the real tokens' outputs equal the dense
+    reference, the padding's are zero. One rank on one GPU (its barriers are no-ops)."""
+    w13, w2 = model_weights()
+    world = single_world("cuda")
+    comm = MoECommunicator(comm_config(dtype="float32", check_expert_ids=False), world=world)
+    layout = ExpertLayout.from_fused(world, w13, w2, num_slots=comm.num_slots, name="graph",
+                                     dtype=torch.float32)
+    for bucket in (4, S):
+        x = {k: v.cuda() for k, v in step_inputs(0, bucket).items()}
+        static = dict(hidden=x["hidden"].float(), weights=x["weights"].float(), topk=x["topk"])
+        out_th = torch.empty(bucket, H, device="cuda")
+
+        def step(static=static, bucket=bucket, out_th=out_th):
+            out, handle = comm.dispatch(static["hidden"], static["topk"], static["weights"], capacity=bucket)
+            comm.prefetch_weights(handle, layout)
+            comm.combine(grouped_swiglu(out, layout), handle, out=out_th)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for seed, tokens in enumerate((bucket, 1, bucket // 2 + 1)):
+            x = pad(step_inputs(0, tokens, seed=seed + 10), bucket, -1)
+            for name, value in x.items():
+                static[name].copy_(value)
+            graph.replay()
+            torch.cuda.synchronize()
+            want = dense_moe(x, w13, w2)
+            torch.testing.assert_close(out_th.cpu().double(), want, rtol=1e-4, atol=1e-3)
+            assert not out_th[tokens:].any(), "padding tokens combine to zero"
+    comm.destroy()
+
+
+@pytest.mark.gpu
+def test_async_request_returns_before_the_device_is_done():
+    """With the caller's stream busy (a sleep, like the previous micro-batch's experts), `dispatch_async` and
+    `combine_async` return at once without a host sync (sync debug mode "error"), `is_completed()` is False
+    until the device is done, and `wait()` orders the caller's stream after them: the results are exact."""
+    comm = MoECommunicator(comm_config(check_expert_ids=False), world=single_world("cuda"))
+    x = {k: v.cuda() for k, v in step_inputs(0, S).items()}
+    out, handle = comm.dispatch_async(x["hidden"], x["topk"], x["weights"], capacity=S).wait()  # first use
+    comm.combine_async(out.tokens_nvsh, handle).wait()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s on an H200, queued on the caller's stream
+    start = time.perf_counter()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sent = comm.dispatch_async(x["hidden"], x["topk"], x["weights"], capacity=S)
+        pending = [sent.is_completed()]
+        out, handle = sent.wait()
+        combined = comm.combine_async(out.tokens_nvsh * out.weights_nvs[:, None], handle)
+        pending.append(combined.is_completed())
+        y_th = combined.wait()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    returned_s = time.perf_counter() - start
+    assert pending == [False, False] and returned_s < 0.25, (pending, returned_s)
+    torch.cuda.synchronize()
+    assert sent.is_completed() and combined.is_completed()
+    assert torch.equal(y_th, expected_out(x))
     comm.destroy()

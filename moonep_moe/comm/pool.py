@@ -5,13 +5,17 @@ tokens per rank. The pool serves each step from the smallest Buffer that fits it
 
 1. `capacity_for(num_tokens)`: one small all-gather of every rank's token count; the capacity is the smallest
    power of two >= the group's maximum (at least `min_capacity`, at most `max_tokens_per_rank`), so every
-   rank picks the same Buffer without a broadcast.
-2. `get(num_tokens)`: that capacity's Buffer, created on first use (collective: every rank creates it in the
-   same step, because every rank computed the same capacity).
+   rank picks the same Buffer without a broadcast. That gather is read on the host (a sync on a GPU); an
+   engine that pads its batches to buckets (CUDA graphs) names the bucket instead: `get(num_tokens,
+   capacity=bucket)` reads nothing on the host (every rank must name the same bucket).
+2. `get(num_tokens)`: a Buffer of that capacity with no step in flight, created on first use (collective:
+   every rank creates it in the same step, because every rank computed the same capacity and has the same
+   steps in flight). Up to `max_inflight_steps` Buffers per capacity, so that many steps (two-batch overlap:
+   two) may be dispatched and not yet combined at once; the i-th step in flight uses the i-th Buffer.
 3. `destroy()`: destroys every Buffer it created.
 
-Memory: one Buffer per capacity used, at most `log2(S) + 1` of them; `stats()` reports each one's bytes.
-The pool owns its Buffers (state); it holds no tensors itself.
+Memory: up to `max_inflight_steps` Buffers per capacity used, at most `log2(S) + 1` capacities; `stats()`
+reports each one's bytes. The pool owns its Buffers (state); it holds no tensors itself.
 """
 
 from __future__ import annotations
@@ -36,53 +40,107 @@ class BufferPool:
         num_slots: B prefetch slots per rank (default E / R). token_padding: tp. dtype: the rows' dtype.
         min_capacity: the smallest capacity served (default 1), to bound the number of Buffers.
         replica_cost: the planner's replication policy (`Buffer`'s argument; 0 = exact balance).
+        max_inflight_steps: Buffers per capacity: steps that may be in flight (dispatched, not combined) at
+            once on one capacity (default 1; 2 for two-batch overlap).
+        validate: the Buffers' `validate` (expert-id checks read on the host: a sync on a GPU).
     """
 
     def __init__(self, max_tokens_per_rank: int, hidden_size: int, top_k: int, num_experts: int, *,
                  world: EPWorld, num_slots: int | None = None, token_padding: int = 128,
-                 dtype: torch.dtype = torch.bfloat16, min_capacity: int = 1, replica_cost: int = 0):
+                 dtype: torch.dtype = torch.bfloat16, min_capacity: int = 1, max_inflight_steps: int = 1,
+                 validate: bool = True, replica_cost: int = 0):
         if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
             raise ValueError(f"rank {world.rank}: max_tokens_per_rank must be a positive int, got "
                              f"{max_tokens_per_rank!r}")
         if not isinstance(min_capacity, int) or not 1 <= min_capacity <= max_tokens_per_rank:
             raise ValueError(f"rank {world.rank}: min_capacity must be an int in [1, max_tokens_per_rank="
                              f"{max_tokens_per_rank}], got {min_capacity!r}")
+        if not isinstance(max_inflight_steps, int) or max_inflight_steps < 1:
+            raise ValueError(f"rank {world.rank}: max_inflight_steps must be a positive int, got "
+                             f"{max_inflight_steps!r}")
         self.max_tokens_per_rank, self.min_capacity, self.world = max_tokens_per_rank, min_capacity, world
+        self.max_inflight_steps = max_inflight_steps
         self._shape = dict(H=hidden_size, K=top_k, E=num_experts, num_ep_ranks=world.size, B=num_slots,
-                           token_padding=token_padding, replica_cost=replica_cost)
+                           token_padding=token_padding, validate=validate, replica_cost=replica_cost)
         self.dtype = dtype
-        self._buffers: dict[int, Buffer] = {}
+        self._buffers: dict[int, list[Buffer]] = {}
         self._destroyed = False
+
+    @property
+    def capacities(self) -> list[int]:
+        """Every capacity the pool may serve, ascending: the powers of two from `min_capacity`'s up to
+        `max_tokens_per_rank` (exclusive), then `max_tokens_per_rank` (an engine's batch-size buckets)."""
+        smallest = next_power_of_two(self.min_capacity)
+        powers = [1 << i for i in range(smallest.bit_length() - 1, self.max_tokens_per_rank.bit_length())]
+        return [c for c in powers if c < self.max_tokens_per_rank] + [self.max_tokens_per_rank]
 
     def capacity_for(self, num_tokens: int) -> int:
         """Collective: the capacity every rank uses for a step where this rank has `num_tokens` tokens.
 
-        One all-gather of one int per rank (a host read of `[R]` ints)."""
+        One all-gather of one int per rank (a host read of `[R]` ints; none with one rank)."""
+        self._check_tokens(num_tokens)
+        group_max = num_tokens
+        if self.world.size > 1:
+            count = torch.tensor(num_tokens, dtype=torch.int64, device=self.world.device)
+            group_max = int(self.world.all_gather(count).max())
+        return min(next_power_of_two(max(group_max, self.min_capacity)), self.max_tokens_per_rank)
+
+    def get(self, num_tokens: int, capacity: int | None = None) -> Buffer:
+        """Collective: a Buffer of `capacity` (None: `capacity_for(num_tokens)`) with no step in flight,
+        created on first use.
+
+        Args:
+            num_tokens: this rank's tokens in the step, at most the capacity.
+            capacity: the bucket, one of `capacities`, the same on every rank (not checked: that would be a
+                host read). Required while a CUDA graph is being captured.
+
+        Raises:
+            RuntimeError: `max_inflight_steps` steps of this capacity are in flight already.
+        """
+        if self._destroyed:
+            raise RuntimeError(f"rank {self.world.rank}: this BufferPool was destroyed; create a new one")
+        capacity = self._bucket(num_tokens, capacity)
+        buffers = self._buffers.setdefault(capacity, [])
+        free = [buffer for buffer in buffers if buffer._pending_views is None]
+        if free:
+            return free[0]
+        if len(buffers) == self.max_inflight_steps:
+            raise RuntimeError(
+                f"rank {self.world.rank}: {len(buffers)} steps of capacity {capacity} are in flight "
+                f"(dispatched, not combined) and max_inflight_steps={self.max_inflight_steps}: combine (or "
+                "discard) one first, or allow more in-flight steps")
+        buffers.append(Buffer(capacity, **self._shape, explicitly_destroy=True, world=self.world,
+                              dtype=self.dtype))
+        return buffers[-1]
+
+    def _check_tokens(self, num_tokens: int) -> None:
         if not isinstance(num_tokens, int) or not 0 <= num_tokens <= self.max_tokens_per_rank:
             raise ValueError(f"rank {self.world.rank}: num_tokens must be an int in [0, max_tokens_per_rank="
                              f"{self.max_tokens_per_rank}], got {num_tokens!r}")
-        count = torch.tensor(num_tokens, dtype=torch.int64, device=self.world.device)
-        counts_r = self.world.all_gather(count)
-        group_max = int(counts_r.max())
-        return min(next_power_of_two(max(group_max, self.min_capacity)), self.max_tokens_per_rank)
 
-    def get(self, num_tokens: int) -> Buffer:
-        """Collective: the Buffer of `capacity_for(num_tokens)`, created on first use."""
-        if self._destroyed:
-            raise RuntimeError(f"rank {self.world.rank}: this BufferPool was destroyed; create a new one")
-        capacity = self.capacity_for(num_tokens)
-        if capacity not in self._buffers:
-            self._buffers[capacity] = Buffer(capacity, **self._shape, explicitly_destroy=True,
-                                             world=self.world, dtype=self.dtype)
-        return self._buffers[capacity]
+    def _bucket(self, num_tokens: int, capacity: int | None) -> int:
+        """The capacity serving the step: `capacity` checked against the buckets and `num_tokens` (host ints
+        only), or `capacity_for(num_tokens)` outside a CUDA graph's capture."""
+        rank = self.world.rank
+        if capacity is None:
+            if self.world.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise ValueError(f"rank {rank}: capacity must be given while a CUDA graph is being captured "
+                                 "(choosing it from the group's token counts reads them on the host): pass "
+                                 f"the bucket, one of {self.capacities}")
+            return self.capacity_for(num_tokens)
+        self._check_tokens(num_tokens)
+        if capacity not in self.capacities or num_tokens > capacity:
+            raise ValueError(f"rank {rank}: capacity must be one of {self.capacities} and >= the step's "
+                             f"{num_tokens} tokens, got {capacity!r}")
+        return capacity
 
     def stats(self) -> dict[str, object]:
-        """`capacities` created (ascending), `rows_per_rank` (NvS) and `bytes` of each on this rank, and
-        `total_bytes`."""
-        capacities = sorted(self._buffers)
-        nbytes = [self._buffers[c].nbytes for c in capacities]
-        return dict(capacities=capacities, rows_per_rank=[self._buffers[c].NvS for c in capacities],
-                    bytes=nbytes, total_bytes=sum(nbytes))
+        """`capacities` created (ascending, once per Buffer: `max_inflight_steps` Buffers of one capacity
+        appear that many times), `rows_per_rank` (NvS) and `bytes` of each on this rank, and `total_bytes`."""
+        buffers = [buffer for capacity in sorted(self._buffers) for buffer in self._buffers[capacity]]
+        nbytes = [buffer.nbytes for buffer in buffers]
+        return dict(capacities=[buffer.S for buffer in buffers],
+                    rows_per_rank=[buffer.NvS for buffer in buffers], bytes=nbytes, total_bytes=sum(nbytes))
 
     @property
     def destroyed(self) -> bool:
@@ -90,7 +148,8 @@ class BufferPool:
 
     def destroy(self) -> None:
         """Destroy every Buffer of the pool. Idempotent; a later `get` raises."""
-        for buffer in self._buffers.values():
-            buffer.destroy()
+        for buffers in self._buffers.values():
+            for buffer in buffers:
+                buffer.destroy()
         self._buffers.clear()
         self._destroyed = True
