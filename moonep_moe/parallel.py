@@ -164,8 +164,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, strategy: Literal["ddp", "
         fully_shard(model, mesh=everyone, ignored_params=experts, **kwargs)
         return model
     names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
-    ignored = [names[id(t)] for layer in layers for t in (layer.experts.gate_up, layer.experts.down,
-                                                            layer.expert_load)]
+    ignored = [names[id(t)] for t in [*experts, *(layer.expert_load for layer in layers)]]
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     device = layers[0].world.device
     device_ids = [device.index] if device.type == "cuda" else None
