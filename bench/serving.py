@@ -1,157 +1,397 @@
-"""Serving benchmark: time per MoE step as the token count per rank falls from S to 1, against full capacity.
+"""Serving benchmark: what one EP rank pays per MoE step, phase by phase, as its tokens fall from S to 1.
 
-R EP ranks run as threads on one device (the threads world), each with `s` tokens per step, for s = 1, 2,
-4, ... up to S. For every s it times, on rank 0 between two barriers (so the time covers the whole group):
+Every rank of an EP group runs `s` tokens per step through `MoECommunicator` the way an engine does (the
+bucket named: `dispatch(..., capacity=bucket)`, `check_expert_ids=False`), for s = 1, 2, 4, ... up to S:
 
-- `comm_s`: `MoECommunicator.dispatch` + `combine` (the expert output is the dispatched rows themselves);
-- `layer_s`: the whole layer forward as an engine runs it: router GEMM + top-k, dispatch, slot prefetch
-  (`ExpertLayout`), grouped-GEMM SwiGLU experts, combine;
-- `*_padded_s`: the same step padded to S tokens (routes -1) through one full-capacity Buffer, the way
-  integrations that pad every step to S run it.
+1. plan + dispatch (`comm.dispatch`: the histogram all-gather, the plan, the row exchange);
+2. prefetch (`comm.prefetch_weights`: the replicated experts' weights into this rank's slots);
+3. experts (grouped-GEMM SwiGLU over the dispatched rows, route weights applied);
+4. combine (`comm.combine(..., out=)`: each token's K rows summed into the caller's `[s, H]` tensor).
 
-The baseline is the full step (s = S), measured in the same run. Forward only: multi-rank autograd backward
-cannot run in the threads world on one GPU. On one device the R ranks time-slice it, so absolute times are
-those of the whole group on one chip; the ratios to the baseline are what this measures.
+Eager: each phase timed on rank 0 by stamps on its own stream (CUDA events; the host clock on the CPU), each
+repetition started from an idle device after a barrier, so host launch time is counted. CUDA graph (where the
+world can capture a step: one rank, or the symmetric world): the whole step captured once per bucket and its
+replay timed with CUDA events (device time, no launch cost). Every time is the median of `--reps` >= 5
+repetitions with its min-max; `vs_full` divides each by the same time of the s = S step (the reference).
 
-    python -m bench.serving                        # small CPU default
-    python -m bench.serving --device cuda --ranks 8 --hidden 7168 --ffn 2048 --experts 256 --top-k 8 \
-        --tokens 1024 --dtype bfloat16            # DeepSeek-V3's MoE layer at EP=8 on one GPU
+Worlds (`--world`):
+- `threads`: R thread-ranks in one process (one device), sharing one Python interpreter: eager only;
+- `symmetric`: one process per rank over symmetric memory (spawned here on `cuda:rank % GPUs`, or the
+  processes of a torchrun job). Ranks that share a GPU use a gloo group and
+  `TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`, as the tests do: they time-slice the chip, so absolute times
+  are the group's on one chip, not one rank's on its own GPU;
+- `single`: R = 1 in this process: what one rank pays with nothing to wait for.
 
-Writes `bench/results/serving-<device>-<date>-<commit>.json` (device, commit, command, shape, baseline, rows).
+Rank 0 writes `bench/results/serving-<world>-r<R>-<device>-<date>-<commit>.json` (`MOONEP_COMMIT` names the
+commit where there is no git) and prints the table. On the CPU (`--device cpu`, threads or single, eager
+only) the run is a smoke test of the script: its numbers mean nothing.
+
+    python -m bench.serving                                   # CPU smoke test (threads, tiny shapes)
+    python -m bench.serving --world single --ranks 1          # CPU smoke test, one rank
+
+On the H200 (DeepSeek-V3's MoE layer; E=256 on one rank holds 256 experts: 22 GiB in bf16, plus slots):
+
+    V3="--device cuda --hidden 7168 --ffn 2048 --experts 256 --top-k 8 --tokens 512 --dtype bfloat16"
+    python -m bench.serving $V3 --world single --ranks 1
+    python -m bench.serving $V3 --world symmetric --ranks 8   # 8 processes sharing the one GPU
+    python -m bench.serving $V3 --world threads --ranks 8     # the threads-world numbers beside them
+    torchrun --nproc-per-node 8 -m bench.serving $V3 --world symmetric   # or under torchrun
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
+import os
+import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
-from bench.common import write_record
-from moonep_moe.comm.world import run_ranks
+from bench.common import spread, timings, write_record
+from moonep_moe.comm.world import EPWorld, run_ranks, single_world
 from moonep_moe.communicator import MoECommunicator
 from moonep_moe.layers.grouped_gemm import select_grouped_gemm
 from moonep_moe.layers.swiglu import swiglu_weighted
 from moonep_moe.weights.layout import ExpertLayout
 
+WORLDS = ("threads", "symmetric", "single")
+PHASES = ("dispatch", "prefetch", "experts", "combine")
+"""The eager phases in step order ("dispatch" includes the plan); "step" is their sum."""
+MIN_REPS = 5
+SPAWN_TIMEOUT_S = 3600.0
+"""A spawned symmetric run still going after this is killed."""
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world", default="threads", choices=WORLDS,
+                        help="how the ranks run (default threads)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    parser.add_argument("--ranks", type=int, default=4, help="R thread-ranks (default 4)")
-    parser.add_argument("--hidden", type=int, default=256, help="H (default 256)")
-    parser.add_argument("--ffn", type=int, default=128, help="I, expert FFN size (default 128)")
-    parser.add_argument("--experts", type=int, default=32, help="E (default 32)")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="R (default 4; 1 for --world single; torchrun's processes under torchrun)")
+    parser.add_argument("--hidden", type=int, default=64, help="H (default 64)")
+    parser.add_argument("--ffn", type=int, default=32, help="I, expert FFN size (default 32)")
+    parser.add_argument("--experts", type=int, default=16, help="E (default 16)")
     parser.add_argument("--top-k", type=int, default=4, help="K (default 4)")
-    parser.add_argument("--tokens", type=int, default=256, help="S, token capacity per rank (default 256)")
+    parser.add_argument("--tokens", type=int, default=16, help="S, token capacity per rank (default 16)")
     parser.add_argument("--slots", type=int, default=None, help="B slots per rank (default E/R)")
     parser.add_argument("--token-padding", type=int, default=128, help="tp (default 128)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=10, help=f"timed repetitions (>= {MIN_REPS}; default 10)")
     parser.add_argument("--out", type=Path, default=None, help="result folder (default bench/results)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        args.ranks = resolve_ranks(args.world, args.ranks, args.device, launched_size())
+        if args.reps < MIN_REPS:
+            raise ValueError(f"--reps {args.reps}: at least {MIN_REPS} repetitions (a median and its spread)")
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
+def launched_size() -> int | None:
+    """The process count of the torchrun job this process belongs to, None outside torchrun."""
+    size = os.environ.get("WORLD_SIZE")
+    return int(size) if size else None
+
+
+def resolve_ranks(world: str, ranks: int | None, device: str, launched: int | None) -> int:
+    """R for `--world world --ranks ranks --device device`, `launched` being torchrun's process count (None
+    outside torchrun). Raises ValueError naming the flag that cannot hold."""
+    if world == "symmetric" and torch.device(device).type != "cuda":
+        raise ValueError(f"--world symmetric needs --device cuda (symmetric memory), got --device {device}")
+    if launched is not None and world != "symmetric":
+        raise ValueError(f"--world {world} runs in one process; under torchrun use --world symmetric")
+    if world == "single":
+        if ranks not in (None, 1):
+            raise ValueError(f"--ranks {ranks}: --world single is one rank (R = 1)")
+        return 1
+    if launched is not None:
+        if ranks not in (None, launched):
+            raise ValueError(f"--ranks {ranks}: under torchrun the ranks are its {launched} processes")
+        return launched
+    ranks = 4 if ranks is None else ranks
+    if ranks < 1:
+        raise ValueError(f"--ranks {ranks}: at least one rank")
+    return ranks
+
+
+def symmetric_backend(size: int, gpus: int) -> tuple[str, bool]:
+    """The process group's backend for `size` ranks on `gpus` GPUs, and whether ranks share a GPU (then gloo
+    and `TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`, as the tests run them; else NCCL)."""
+    if gpus < 1:
+        raise ValueError("--world symmetric needs a CUDA device, found none")
+    shared = size > gpus
+    return ("gloo" if shared else "nccl"), shared
 
 
 def token_counts(capacity: int) -> list[int]:
-    """1, 2, 4, ... below `capacity`, then `capacity` itself (the baseline)."""
+    """1, 2, 4, ... below `capacity`, then `capacity` itself (the reference)."""
     return [1 << i for i in range(capacity.bit_length()) if 1 << i < capacity] + [capacity]
 
 
-def rank_bench(world, args: argparse.Namespace) -> dict:
-    """One rank's part: build the communicators and this rank's experts, then time every token count."""
+# -- timing -------------------------------------------------------------------------------------------------
+
+Stamp = torch.cuda.Event | float
+
+
+def stamp(device: torch.device) -> Stamp:
+    """A point in time on this thread's current stream (CUDA event) or on the host clock (CPU)."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def seconds_between(start: Stamp, end: Stamp) -> float:
+    """Seconds from `start` to `end` (CUDA events: both recorded and complete)."""
+    return end - start if isinstance(start, float) else start.elapsed_time(end) / 1e3
+
+
+def phase_seconds(stamps: Sequence[Stamp]) -> dict[str, float]:
+    """One repetition's `len(PHASES) + 1` stamps (before the first phase, after each) -> seconds per phase
+    and of the whole "step"."""
+    if len(stamps) != len(PHASES) + 1:
+        raise ValueError(f"stamps: {len(PHASES) + 1} points (before and after {PHASES}), got {len(stamps)}")
+    times = {name: seconds_between(a, b) for name, a, b in zip(PHASES, stamps[:-1], stamps[1:], strict=True)}
+    return {**times, "step": seconds_between(stamps[0], stamps[-1])}
+
+
+def phase_spreads(reps: Sequence[dict[str, float]]) -> dict[str, dict]:
+    """Every repetition's `phase_seconds` -> per phase (and "step") its `spread` in ms."""
+    if not reps:
+        raise ValueError("phase_spreads needs at least one repetition, got none")
+    return {name: spread([rep[name] for rep in reps]) for name in reps[0]}
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Add `vs_full` to every row: each median (eager phases and step, graph step) over the same median of
+    the last row (s = S, the reference). A time the reference lacks (no graph) gets no ratio."""
+    reference = rows[-1]
+    for row in rows:
+        row["vs_full"] = {f"{mode}_{name}": timed["ms"] / reference[mode][name]["ms"]
+                          for mode in ("eager", "graph") if row.get(mode) and reference.get(mode)
+                          for name, timed in row[mode].items()}
+    return rows
+
+
+# -- one rank -----------------------------------------------------------------------------------------------
+
+
+def can_capture(world: EPWorld, args: argparse.Namespace) -> bool:
+    """Whether a step can be captured in a CUDA graph here: on CUDA, with device-side barriers (one rank, or
+    the symmetric world); the threads world's barriers with R > 1 block the host."""
+    return world.device.type == "cuda" and (world.size == 1 or args.world == "symmetric")
+
+
+def rank_bench(world: EPWorld, args: argparse.Namespace) -> dict:
+    """One rank's part: its communicator, home experts and routing, then every token count timed in eager
+    (and in CUDA-graph replay where `can_capture`). Returns `rows` (rank 0's numbers are the record's),
+    `slowest_eager_step_ms` per row (the slowest rank's median) and the pool's `stats`."""
     dtype, device = getattr(torch, args.dtype), world.device
     H, F, E, K, S = args.hidden, args.ffn, args.experts, args.top_k, args.tokens
-    shape = dict(hidden_size=H, num_experts=E, top_k=K, max_tokens_per_rank=S, num_prefetch_slots=args.slots,
-                 token_padding=args.token_padding, dtype=args.dtype)
-    pooled = MoECommunicator(world=world, **shape)
-    padded = MoECommunicator(world=world, variable_tokens=False, **shape)
+    comm = MoECommunicator(world=world, hidden_size=H, num_experts=E, top_k=K, max_tokens_per_rank=S,
+                           num_prefetch_slots=args.slots, token_padding=args.token_padding, dtype=args.dtype,
+                           check_expert_ids=False)
     gen = torch.Generator(device).manual_seed(world.rank)
 
     def expert_weights(expert: int):  # random weights, made on the device one home expert at a time
-        scale = H ** -0.5
-        return tuple(torch.randn(n, k, generator=gen, device=device, dtype=dtype) * scale
+        return tuple(torch.randn(n, k, generator=gen, device=device, dtype=dtype) * H ** -0.5
                      for n, k in ((F, H), (F, H), (H, F)))
 
-    layout = ExpertLayout.from_experts(world, expert_weights, E, num_slots=pooled.num_slots, name="bench",
-                                       dtype=dtype)
+    layout = ExpertLayout.from_experts(world, expert_weights, E, num_slots=comm.num_slots,
+                                       name="bench-serving", dtype=dtype)
     gemm = select_grouped_gemm("auto", device, dtype, k=math.gcd(H, F))
     w_router_he = torch.randn(H, E, generator=gen, device=device, dtype=torch.float32)
 
-    def route(hidden_th: torch.Tensor, num_real: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Softmax top-k of a router GEMM; tokens past `num_real` are padding (routes -1, weight 0)."""
-        scores_tk, topk_tk = torch.topk(hidden_th.float() @ w_router_he, K, dim=-1)
-        weights_tk = torch.softmax(scores_tk, dim=-1)
-        real_t1 = (torch.arange(hidden_th.shape[0], device=device) < num_real)[:, None]
-        return torch.where(real_t1, topk_tk, -1).int(), weights_tk * real_t1
-
-    def comm_step(comm: MoECommunicator, hidden_th: torch.Tensor, topk_tk, weights_tk) -> torch.Tensor:
-        out, handle = comm.dispatch(hidden_th, topk_tk, weights_tk)
-        return comm.combine(out.tokens_nvsh, handle)
-
-    def layer_step(comm: MoECommunicator, hidden_th: torch.Tensor, num_real: int) -> torch.Tensor:
-        topk_tk, weights_tk = route(hidden_th, num_real)
-        out, handle = comm.dispatch(hidden_th, topk_tk, weights_tk)
+    def step(hidden_sh, topk_sk, weights_sk, out_sh, bucket: int, mark: Callable[[], object]) -> None:
+        mark()
+        out, handle = comm.dispatch(hidden_sh, topk_sk, weights_sk, capacity=bucket)
+        mark()
         comm.prefetch_weights(handle, layout)
+        mark()
         ab_nv2f = gemm.fwd(out.tokens_nvsh, (layout.gate_up.home.local, layout.gate_up.slots.local),
                            out.offsets_g)
-        hw_nvf = swiglu_weighted(ab_nv2f, out.weights_nvs)
-        y_nvsh = gemm.fwd(hw_nvf, (layout.down.home.local, layout.down.slots.local), out.offsets_g)
-        return comm.combine(y_nvsh, handle)
-
-    def timed(fn, *fn_args) -> float:
-        for _ in range(args.warmup):
-            fn(*fn_args)
-        world.barrier()
-        start = time.perf_counter()
-        for _ in range(args.iters):
-            fn(*fn_args)
-        world.barrier()
-        return (time.perf_counter() - start) / args.iters
+        y_nvsh = gemm.fwd(swiglu_weighted(ab_nv2f, out.weights_nvs),
+                          (layout.down.home.local, layout.down.slots.local), out.offsets_g)
+        mark()
+        comm.combine(y_nvsh, handle, out=out_sh)
+        mark()
 
     rows = []
     with torch.no_grad():
         for s in token_counts(S):
-            hidden_sh = torch.randn(S, H, generator=gen, device=device, dtype=dtype)
-            topk_sk, weights_sk = route(hidden_sh, s)
-            row = dict(tokens=s, capacity=pooled.capacity_for(s))
-            row["comm_s"] = timed(comm_step, pooled, hidden_sh[:s], topk_sk[:s], weights_sk[:s])
-            row["layer_s"] = timed(layer_step, pooled, hidden_sh[:s], s)
-            row["comm_padded_s"] = timed(comm_step, padded, hidden_sh, topk_sk, weights_sk)
-            row["layer_padded_s"] = timed(layer_step, padded, hidden_sh, s)
+            hidden_sh = torch.randn(s, H, generator=gen, device=device, dtype=dtype)
+            scores_sk, topk_sk = torch.topk(hidden_sh.float() @ w_router_he, K, dim=-1)  # a router's top-k
+            inputs = (hidden_sh, topk_sk.int(), torch.softmax(scores_sk, dim=-1), torch.empty_like(hidden_sh),
+                      comm.capacity_for(s))
+            reps = eager_reps(world, lambda marks, inputs=inputs: step(*inputs, lambda: marks.append(
+                stamp(device))), args.warmup, args.reps)
+            row = dict(tokens=s, capacity=inputs[-1], eager=phase_spreads(reps), graph=None)
+            if can_capture(world, args):
+                replays = graph_replays(lambda inputs=inputs: step(*inputs, lambda: None), args.warmup,
+                                        args.reps)
+                row["graph"] = {"step": spread(replays)}
             rows.append(row)
-    pool = pooled.stats()
-    pooled.destroy()
-    padded.destroy()
-    return dict(rows=rows, pool=pool)
+    medians = [row["eager"]["step"]["ms"] for row in rows]
+    medians_r = world.all_gather(torch.tensor(medians, dtype=torch.float64, device=device))
+    slowest = medians_r.reshape(world.size, -1).amax(0).tolist()
+    stats = comm.stats()
+    comm.destroy()
+    return dict(rows=rows, slowest_eager_step_ms=slowest, pool=stats)
 
 
-def main(argv: list[str] | None = None) -> Path:
-    args = parse_args(argv)
+def eager_reps(world: EPWorld, run: Callable[[list], object], warmup: int, reps: int
+               ) -> list[dict[str, float]]:
+    """`run(marks)` `warmup + reps` times, each after a barrier with this rank's device idle (so host launch
+    time counts); the timed repetitions' `phase_seconds` from the stamps `run` appends to `marks`."""
+    stamps = []
+    for i in range(warmup + reps):
+        world.barrier()
+        if world.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        marks: list[Stamp] = []
+        run(marks)
+        if i >= warmup:
+            stamps.append(marks)
+    world.barrier()
+    if world.device.type == "cuda":
+        torch.cuda.current_stream().synchronize()
+    return [phase_seconds(marks) for marks in stamps]
+
+
+def graph_replays(step: Callable[[], object], warmup: int, reps: int) -> list[float]:
+    """Seconds of each of `reps` replays of `step` captured once in a CUDA graph (after two runs on a side
+    stream and `warmup` replays), timed with CUDA events: device time, no launch cost."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return timings(graph.replay, warmup, reps)
+
+
+# -- the worlds ---------------------------------------------------------------------------------------------
+
+
+def run_world(args: argparse.Namespace) -> Path | None:
+    """Run the bench in `args.world`; the record's path where this process wrote it (rank 0)."""
     device = torch.device(args.device)
-    result = run_ranks(lambda world: rank_bench(world, args), args.ranks, device)[0]
-    rows = result["rows"]
-    baseline = rows[-1]
-    for row in rows:
-        for key in ("comm_s", "layer_s"):
-            row[key.replace("_s", "_vs_full")] = row[key] / baseline[key]
+    if args.world == "symmetric":
+        if launched_size() is not None:
+            return symmetric_rank(args, None, None, None)
+        with tempfile.TemporaryDirectory() as folder:
+            spawn_symmetric(args, folder)
+            written = Path(folder) / "record"
+            return Path(written.read_text()) if written.exists() else None
+    if args.world == "single":
+        return report(args, rank_bench(single_world(device), args))
+    return report(args, run_ranks(lambda world: rank_bench(world, args), args.ranks, device)[0])
+
+
+def spawn_symmetric(args: argparse.Namespace, folder: str) -> None:
+    """`args.ranks` processes, each one rank of a symmetric world over a file-store process group; waits
+    for them and raises if any failed."""
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=symmetric_rank, args=(args, rank, args.ranks, folder))
+                 for rank in range(args.ranks)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    for process in processes:
+        process.join(max(deadline - time.monotonic(), 0.1))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    failed = [rank for rank, process in enumerate(processes) if process.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"symmetric ranks {failed} failed or hung (exit codes "
+                           f"{[p.exitcode for p in processes]}); their errors are above")
+
+
+def symmetric_rank(args: argparse.Namespace, rank: int | None, size: int | None, folder: str | None
+                   ) -> Path | None:
+    """One process's rank of the symmetric world: spawned here (`rank`, `size`, a file store in `folder`)
+    or a torchrun process (all None: its environment). Rank 0 writes the record (and its path to `folder`)."""
+    from moonep_moe.comm.symmetric import init_symmetric
+
+    size = size or launched_size()
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    backend, shared = symmetric_backend(size, torch.cuda.device_count())
+    if shared:
+        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+    device = torch.device("cuda", local % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    init_method = f"file://{folder}/store" if folder else None
+    world = init_symmetric(backend, init_method=init_method, rank=rank, world_size=size, timeout_s=600.0,
+                           device=device)
+    result = rank_bench(world, args)
+    torch.cuda.synchronize()
+    if rank != 0:
+        return None
+    path = report(args, result)
+    if folder:
+        (Path(folder) / "record").write_text(str(path))
+    return path
+
+
+def world_description(args: argparse.Namespace) -> str:
+    kind = torch.device(args.device).type
+    if args.world == "threads":
+        return f"threads: {args.ranks} thread-ranks in one process on one {kind} device"
+    if args.world == "single":
+        return f"single: one rank (R = 1) on one {kind} device"
+    gpus = torch.cuda.device_count()
+    shared = symmetric_backend(args.ranks, gpus)[1]
+    return (f"symmetric: {args.ranks} processes on {min(args.ranks, gpus)} GPU(s)"
+            + (" (sharing: gloo, overlapping devices; they time-slice the chip)" if shared else " (NCCL)"))
+
+
+def report(args: argparse.Namespace, result: dict) -> Path:
+    """Write rank 0's `result` as the record and print its table; the record's path."""
+    rows = add_ratios(result["rows"])
+    for row, slowest in zip(rows, result["slowest_eager_step_ms"], strict=True):
+        row["slowest_rank_eager_step_ms"] = slowest
+    note = ("CPU smoke test: these numbers mean nothing" if args.device == "cpu" else
+            "eager: rank 0's stream per phase, after an idle barrier; graph: whole-step replay, device time")
     out = write_record(
-        "serving", {}, rows, args.out, world=f"threads, {args.ranks} ranks on one {device.type} device",
+        f"serving-{args.world}-r{args.ranks}", {}, rows, args.out, world=world_description(args),
+        world_kind=args.world, ranks=args.ranks,
         shape=dict(H=args.hidden, I=args.ffn, E=args.experts, K=args.top_k, S=args.tokens, B=args.slots,
                    token_padding=args.token_padding, dtype=args.dtype),
-        warmup=args.warmup, iters=args.iters,
-        baseline=dict(tokens=baseline["tokens"], comm_s=baseline["comm_s"], layer_s=baseline["layer_s"]),
+        warmup=args.warmup, reps=args.reps, reference_tokens=rows[-1]["tokens"], note=note,
         pool=result["pool"])
-    print(f"{'tokens':>6} {'cap':>5} {'comm ms':>9} {'padded':>9} {'layer ms':>9} {'padded':>9} "
-          f"{'layer/full':>10}")
+    print(world_description(args) + f"; medians of {args.reps} reps in ms (min-max of the step)")
+    print(f"{'tokens':>6} {'cap':>5} " + " ".join(f"{name:>9}" for name in PHASES)
+          + f" {'step':>21} {'step/full':>9} {'graph':>9} {'graph/full':>10}")
     for row in rows:
-        print(f"{row['tokens']:>6} {row['capacity']:>5} {row['comm_s'] * 1e3:>9.2f} "
-              f"{row['comm_padded_s'] * 1e3:>9.2f} {row['layer_s'] * 1e3:>9.2f} "
-              f"{row['layer_padded_s'] * 1e3:>9.2f} {row['layer_vs_full']:>10.2f}")
+        eager, graph = row["eager"], row["graph"]
+        step = eager["step"]
+        line = (f"{row['tokens']:>6} {row['capacity']:>5} "
+                + " ".join(f"{eager[name]['ms']:>9.3f}" for name in PHASES)
+                + f" {step['ms']:>9.3f} ({step['ms_min']:.3f}-{step['ms_max']:.3f})".ljust(22)
+                + f" {row['vs_full']['eager_step']:>9.2f}")
+        if graph:
+            line += f" {graph['step']['ms']:>9.3f} {row['vs_full']['graph_step']:>10.2f}"
+        print(line)
+    print(note)
     print(f"wrote {out}")
     return out
+
+
+def main(argv: list[str] | None = None) -> Path | None:
+    return run_world(parse_args(argv))
 
 
 if __name__ == "__main__":
