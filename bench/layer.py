@@ -76,9 +76,13 @@ from torch import nn
 from torch.autograd import DeviceType
 
 from bench.common import measure_limits, spread, timings, write_record
+from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.world import single_world
 from moonep_moe.config import MoEConfig
+from moonep_moe.layers.function import ExpertsState
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.weights.experts import HomeExperts
+from moonep_moe.weights.pool import ExpertRows
 
 KERNEL_GROUPS = ("GEMMs", "comm core", "router", "elementwise", "other")
 """The groups of a step profile, in the order printed."""
@@ -203,6 +207,77 @@ def native_layer(hidden: int, ffn: int, experts: int, top_k: int) -> TorchNative
         layer.router.weight.copy_(weights["router.weight"])
         layer.gate_up.copy_(weights["experts.gate_up_proj"])
         layer.down.copy_(weights["experts.down_proj"])
+    return layer
+
+
+def ep_rank_groups(num_experts: int, ep_size: int) -> tuple[int, int]:
+    """`(epn, B)` of one rank of an EP group of `ep_size` ranks over `num_experts` experts, with the
+    training default `B = epn`: the home and slot groups of the `--ep-rank-of` rows' one rank."""
+    if ep_size < 2 or num_experts % ep_size:
+        raise ValueError(f"--ep-rank-of {ep_size}: needs >= 2 ranks dividing --experts {num_experts}")
+    epn = num_experts // ep_size
+    return epn, epn
+
+
+class RankOfEPBuffer:
+    """Bench-only: the Buffer one rank of an EP group sees, in a one-rank world (the `--ep-rank-of` rows).
+
+    `inner` is a real one-rank `Buffer` over `2 * epn` experts: its dispatch and combine (the planner and the
+    row kernels, all local) put the rank's S*K routes into `2 * epn` padded segments, which `MoonEPExperts`
+    reads as `epn` home groups, then `epn` slot groups (`compute_offsets` with `E = epn`). The slots' weight
+    traffic is stood in for by local copies of the same bytes: `prefetch_weight` copies the home experts into
+    the slots (over NVLink in a real group, and from peers), `reduce_grad` adds the slot gradients into the
+    home gradients and clears the slots (in a real group the replicas' owners pull them). No peer traffic:
+    the group's histogram all-gather, remote rows and every wait on a peer are left out. Owns nothing.
+    """
+
+    def __init__(self, inner: Buffer, epn: int):
+        self.inner, self.epn, self.E = inner, epn, epn
+        self.world, self.dtype, self.weight_dtype = inner.world, inner.dtype, inner.weight_dtype
+
+    def dispatch(self, *args, **kwargs):
+        return self.inner.dispatch(*args, **kwargs)
+
+    def combine(self, *args, **kwargs):
+        return self.inner.combine(*args, **kwargs)
+
+    @torch.no_grad()
+    def prefetch_weight(self, plan, gate_up: ExpertRows, up: None, down: ExpertRows) -> None:
+        for rows in (gate_up, down):
+            rows.slots.local.copy_(rows.home.local)
+
+    @torch.no_grad()
+    def reduce_grad(self, plan, gate_up: ExpertRows, up: None, down: ExpertRows) -> None:
+        for grads in (gate_up, down):
+            grads.home.local.add_(grads.slots.local)
+            grads.slots.local.zero_()
+
+
+def as_ep_rank(layer: MoonEPMoELayer, epn: int) -> MoonEPMoELayer:
+    """Bench-only: turn a one-rank layer over `2 * epn` experts into one that computes what ONE rank of an
+    EP group computes with `epn` home experts and `B = epn` slots, in place. The layer keeps its router
+    (over `2 * epn` experts), planner, row kernels and the grouped GEMM picked for `2 * epn` groups of S*K
+    routes; its home experts become a `HomeExperts` of `epn` experts with `epn` slots (joined by the arena
+    where it applies, as in a real group) holding its first `epn` experts' weights, and its Buffer is
+    wrapped in `RankOfEPBuffer`. Slot j then holds expert j, so the layer equals one over `2 * epn` experts
+    whose experts `epn + j` are copies of experts j. Sets the layer's private `_state`: no hook in the
+    package."""
+    cfg, world = layer.config, layer.world
+    if cfg.num_experts != 2 * epn or world.size != 1:
+        raise ValueError(f"as_ep_rank needs a one-rank layer over 2 * epn = {2 * epn} experts, got "
+                         f"num_experts={cfg.num_experts} on {world.size} ranks")
+    whole = layer.experts
+    rank = HomeExperts(world, epn, cfg.hidden_size, cfg.ffn_hidden_size, epn, cfg.torch_dtype,
+                       name=f"{whole.name}/rank-of-ep", seed=layer.init_seed)
+    rank.bind(world)
+    with torch.no_grad():
+        rank.gate_up.copy_(whole.gate_up[:epn])
+        rank.down.copy_(whole.down[:epn])
+    whole.release()
+    layer.experts = rank
+    state = layer._state
+    layer._state = ExpertsState(RankOfEPBuffer(layer.buffer, epn), rank, state.gemm, state.grad_dtype,
+                                state.main_grad)
     return layer
 
 
