@@ -6,6 +6,12 @@ same weights, same tokens, same run, and every speed also as a share of that run
     python -m bench.layer --tokens 4096 --experts 64
     python -m bench.layer --main-grad-backends auto triton torch deep_gemm --token-paddings 16 128  # the grid
     python -m bench.layer --backends --main-grad-backends --no-compile   # torch-native and the DEFAULT row
+    python -m bench.layer --ep-rank-of 8    # ONE rank of an EP=8 group: S*K routes, 32 home + 32 slot groups
+    python -m bench.layer --device cpu --ep-rank-of 8 --tokens 64 --hidden 64 --ffn 32 --experts 32 --top-k 4
+
+--ep-rank-of R (issue 13, item 2): every layer computes what one rank of an EP group of R ranks computes
+(`as_ep_rank`, `EP_RANK`: what it measures and leaves out, no peer traffic); torch-native runs the same
+routed work over epn + B experts. --device cpu: one step of ours on tiny shapes, no timing (a smoke run).
 
 Layers, in the order run:
 - `torch-native`: what users run today, in the torchtitan style: an fp32 softmax top-k router, a sort-based
@@ -76,9 +82,13 @@ from torch import nn
 from torch.autograd import DeviceType
 
 from bench.common import measure_limits, spread, timings, write_record
+from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.world import single_world
 from moonep_moe.config import MoEConfig
+from moonep_moe.layers.function import ExpertsState
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.weights.experts import HomeExperts
+from moonep_moe.weights.pool import ExpertRows
 
 KERNEL_GROUPS = ("GEMMs", "comm core", "router", "elementwise", "other")
 """The groups of a step profile, in the order printed."""
@@ -206,6 +216,77 @@ def native_layer(hidden: int, ffn: int, experts: int, top_k: int) -> TorchNative
     return layer
 
 
+def ep_rank_groups(num_experts: int, ep_size: int) -> tuple[int, int]:
+    """`(epn, B)` of one rank of an EP group of `ep_size` ranks over `num_experts` experts, with the
+    training default `B = epn`: the home and slot groups of the `--ep-rank-of` rows' one rank."""
+    if ep_size < 2 or num_experts % ep_size:
+        raise ValueError(f"--ep-rank-of {ep_size}: needs >= 2 ranks dividing --experts {num_experts}")
+    epn = num_experts // ep_size
+    return epn, epn
+
+
+class RankOfEPBuffer:
+    """Bench-only: the Buffer one rank of an EP group sees, in a one-rank world (the `--ep-rank-of` rows).
+
+    `inner` is a real one-rank `Buffer` over `2 * epn` experts: its dispatch and combine (the planner and the
+    row kernels, all local) put the rank's S*K routes into `2 * epn` padded segments, which `MoonEPExperts`
+    reads as `epn` home groups, then `epn` slot groups (`compute_offsets` with `E = epn`). The slots' weight
+    traffic is stood in for by local copies of the same bytes: `prefetch_weight` copies the home experts into
+    the slots (over NVLink in a real group, and from peers), `reduce_grad` adds the slot gradients into the
+    home gradients and clears the slots (in a real group the replicas' owners pull them). No peer traffic:
+    the group's histogram all-gather, remote rows and every wait on a peer are left out. Owns nothing.
+    """
+
+    def __init__(self, inner: Buffer, epn: int):
+        self.inner, self.epn, self.E = inner, epn, epn
+        self.world, self.dtype, self.weight_dtype = inner.world, inner.dtype, inner.weight_dtype
+
+    def dispatch(self, *args, **kwargs):
+        return self.inner.dispatch(*args, **kwargs)
+
+    def combine(self, *args, **kwargs):
+        return self.inner.combine(*args, **kwargs)
+
+    @torch.no_grad()
+    def prefetch_weight(self, plan, gate_up: ExpertRows, up: None, down: ExpertRows) -> None:
+        for rows in (gate_up, down):
+            rows.slots.local.copy_(rows.home.local)
+
+    @torch.no_grad()
+    def reduce_grad(self, plan, gate_up: ExpertRows, up: None, down: ExpertRows) -> None:
+        for grads in (gate_up, down):
+            grads.home.local.add_(grads.slots.local)
+            grads.slots.local.zero_()
+
+
+def as_ep_rank(layer: MoonEPMoELayer, epn: int) -> MoonEPMoELayer:
+    """Bench-only: turn a one-rank layer over `2 * epn` experts into one that computes what ONE rank of an
+    EP group computes with `epn` home experts and `B = epn` slots, in place. The layer keeps its router
+    (over `2 * epn` experts), planner, row kernels and the grouped GEMM picked for `2 * epn` groups of S*K
+    routes; its home experts become a `HomeExperts` of `epn` experts with `epn` slots (joined by the arena
+    where it applies, as in a real group) holding its first `epn` experts' weights, and its Buffer is
+    wrapped in `RankOfEPBuffer`. Slot j then holds expert j, so the layer equals one over `2 * epn` experts
+    whose experts `epn + j` are copies of experts j. Sets the layer's private `_state`: no hook in the
+    package."""
+    cfg, world = layer.config, layer.world
+    if cfg.num_experts != 2 * epn or world.size != 1:
+        raise ValueError(f"as_ep_rank needs a one-rank layer over 2 * epn = {2 * epn} experts, got "
+                         f"num_experts={cfg.num_experts} on {world.size} ranks")
+    whole = layer.experts
+    rank = HomeExperts(world, epn, cfg.hidden_size, cfg.ffn_hidden_size, epn, cfg.torch_dtype,
+                       name=f"{whole.name}/rank-of-ep", seed=layer.init_seed)
+    rank.bind(world)
+    with torch.no_grad():
+        rank.gate_up.copy_(whole.gate_up[:epn])
+        rank.down.copy_(whole.down[:epn])
+    whole.release()
+    layer.experts = rank
+    state = layer._state
+    layer._state = ExpertsState(RankOfEPBuffer(layer.buffer, epn), rank, state.gemm, state.grad_dtype,
+                                state.main_grad)
+    return layer
+
+
 def step(layer: nn.Module, x_th: torch.Tensor, grad_th: torch.Tensor) -> None:
     """One training step of the layer: fresh gradients, forward, backward."""
     layer.zero_grad(set_to_none=True)
@@ -319,10 +400,12 @@ class Bench:
         return profile_summary(step_kernels(layer, self.x_th, self.grad_th))
 
 
-def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: dict | None) -> dict | None:
-    """Our layer built from `cfg` with `layer_weights`, measured (`Bench.measure`), released: its row, None
-    (printed) where `cfg` cannot run here, a row with `error` where it ran out of memory. With `profiles`,
-    its step profile is stored there under `name`."""
+def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: dict | None,
+             ep_rank_epn: int | None = None) -> dict | None:
+    """Our layer built from `cfg` with `layer_weights` (with `ep_rank_epn`: then made one EP rank's,
+    `as_ep_rank`), measured (`Bench.measure`), released: its row, None (printed) where `cfg` cannot run
+    here, a row with `error` where it ran out of memory. With `profiles`, its step profile is stored there
+    under `name`."""
     before = free_memory()
     try:
         layer = MoonEPMoELayer(cfg, single_world("cuda"))
@@ -333,6 +416,8 @@ def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: d
            "expert_grad_dtype": cfg.expert_grad_dtype, "token_padding": cfg.token_padding, "dtype": cfg.dtype}
     try:
         layer.load_state_dict(layer_weights(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts))
+        if ep_rank_epn is not None:
+            as_ep_rank(layer, ep_rank_epn)
         gemm = layer._state.gemm  # the backend of each primitive ("auto" picks per weight shape)
         row["gemm"] = gemm.describe() if hasattr(gemm, "describe") else gemm.name
         row.update(bench.measure(layer, before))
@@ -346,9 +431,11 @@ def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: d
     return row
 
 
-def run_all_ours(bench: Bench, shapes: dict, variants: list[dict], profiles: dict | None) -> Iterator[dict]:
+def run_all_ours(bench: Bench, shapes: dict, variants: list[dict], profiles: dict | None,
+                 ep_rank_epn: int | None = None) -> Iterator[dict]:
     """The DEFAULT row (`MoEConfig(**shapes)`, profiled into `profiles` when given), then one row per
-    variant (`variant_settings`) whose config can be built and differs from every earlier row's."""
+    variant (`variant_settings`) whose config can be built and differs from every earlier row's; with
+    `ep_rank_epn`, each layer made one EP rank's (`as_ep_rank`, names prefixed "EP rank")."""
     seen = set()
     for settings in [{}] + variants:
         try:
@@ -358,11 +445,13 @@ def run_all_ours(bench: Bench, shapes: dict, variants: list[dict], profiles: dic
             continue
         what = f"{cfg.grouped_gemm}, {cfg.expert_grad_dtype} grads, tp {cfg.token_padding}"
         name = f"moonep DEFAULT ({what})" if not settings else f"moonep ({what})"
+        if ep_rank_epn is not None:
+            name = f"EP rank {name}"
         if cfg.model_dump_json() in seen:
             print(f"{name:46} the same config as an earlier row, not run again", flush=True)
             continue
         seen.add(cfg.model_dump_json())
-        row = run_ours(cfg, name, not settings, bench, None if settings else profiles)
+        row = run_ours(cfg, name, not settings, bench, None if settings else profiles, ep_rank_epn)
         if row is not None:
             yield row
 
@@ -398,6 +487,34 @@ def run_native(bench: Bench, compile_too: bool, record: dict) -> list[dict]:
     return rows
 
 
+EP_RANK = ("one rank of an EP group of ep_rank_of ranks (--ep-rank-of), in a one-rank world (bench.layer."
+           "as_ep_rank): the rank's S*K routes (its router over home_experts + slots experts)"
+           " through the real router, planner, row kernels, grouped GEMMs over home_experts home + slots "
+           "slot groups (slot j "
+           "holds home expert j; weights joined by the arena where it applies) and combine; prefetch and "
+           "reduce_grad stood in for by local copies of the same bytes. Left out: all peer traffic (the "
+           "histogram all-gather, rows to and from other ranks, weights and gradients over NVLink) and every "
+           "wait on a peer; the torch-native rows run the same routed work on home_experts + slots experts")
+"""What the `--ep-rank-of` rows measure and leave out (the record's `setup.ep_rank`)."""
+
+
+def smoke(shapes: dict, epn: int | None) -> None:
+    """`--device cpu`: one training step of ours (the DEFAULT config; with `epn`, made one EP rank's by
+    `as_ep_rank`) on the CPU, printing the routes per compute group; no timing (CPU numbers mean nothing)."""
+    layer = MoonEPMoELayer(MoEConfig(**shapes), single_world("cpu"))
+    if epn is not None:
+        as_ep_rank(layer, epn)
+    cfg = layer.config
+    x_th = torch.randn(cfg.max_tokens_per_rank, cfg.hidden_size, dtype=cfg.torch_dtype, requires_grad=True)
+    step(layer, x_th, torch.randn_like(x_th))
+    ends = layer._state.last_plan.cu_seqlens
+    rows = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+    home = epn if epn is not None else len(rows)
+    print(f"cpu smoke: one fwd+bwd step ran, {cfg.max_tokens_per_rank * cfg.top_k} routes; padded rows per "
+          f"group: home {rows[:home]}, slots {rows[home:]}; gemm {layer._state.gemm.name}; no timing on CPU")
+    layer.destroy()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -417,12 +534,28 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--profile", action="store_true",
                         help="also one step's GPU kernels of ours (DEFAULT) and of torch-native, grouped")
+    parser.add_argument("--ep-rank-of", type=int, default=None, metavar="R",
+                        help="measure ONE rank of an EP group of R ranks over --experts experts instead "
+                             "(S=--tokens, epn home + epn slot groups; no peer traffic: see EP_RANK)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: a smoke run of ours on tiny shapes (one step, no timing)")
     parser.add_argument("--out", default=None, help="folder of the JSON record (default bench/results)")
     args = parser.parse_args()
     if args.repeat < 5:
         parser.error(f"--repeat must be >= 5 (a median with a spread), got {args.repeat}")
+    epn = None
+    if args.ep_rank_of is not None:
+        try:
+            epn, _ = ep_rank_groups(args.experts, args.ep_rank_of)
+        except ValueError as error:
+            parser.error(str(error))
+    h, f, k, t = args.hidden, args.ffn, args.top_k, args.tokens
+    e = args.experts if epn is None else 2 * epn  # the one-rank layer's experts: home, then slots
+    shapes = dict(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=k, max_tokens_per_rank=t)
+    if args.device == "cpu":
+        smoke(shapes, epn)
+        return
     limits = measure_limits()
-    h, f, e, k, t = args.hidden, args.ffn, args.experts, args.top_k, args.tokens
     gen = torch.Generator(device="cuda").manual_seed(1)
     bench = Bench(x_th=torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(),
                   grad_th=torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen),
@@ -433,6 +566,9 @@ def main() -> None:
                         "repeat": args.repeat, "flops_fwd_bwd": bench.flops["fwd_bwd"],
                         "flops_fwd": bench.flops["fwd"], "spread": SPREAD, "peak_gib": PEAK},
               "baseline": None, "baselines": {}, "compile_s": None}
+    if epn is not None:
+        record["setup"].update(ep_rank_of=args.ep_rank_of, group_experts=args.experts, home_experts=epn,
+                               slots=epn, ep_rank=EP_RANK)
     if args.profile:
         record["profile"] = {}
     rows = []
@@ -455,9 +591,8 @@ def main() -> None:
         add_ratios(row, baseline, "baseline")
     save()
 
-    shapes = dict(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=k, max_tokens_per_rank=t)
     variants = variant_settings(args.backends, args.main_grad_backends, args.token_paddings)
-    for row in run_all_ours(bench, shapes, variants, record.get("profile")):
+    for row in run_all_ours(bench, shapes, variants, record.get("profile"), epn):
         if "error" not in row:
             for tag, ref in refs.items():
                 if ref is not None:

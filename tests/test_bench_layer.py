@@ -149,3 +149,53 @@ def test_profile_summary_sums_calls_and_groups():
     ], "one entry per name, longest total first, ties by name"
     assert profile_summary([]) == {"total_ms": 0, "groups_ms": dict.fromkeys(KERNEL_GROUPS, 0),
                                    "kernels": []}
+
+
+def test_ep_rank_groups_are_a_ranks_home_experts_and_as_many_slots():
+    from bench.layer import ep_rank_groups
+
+    assert ep_rank_groups(256, 8) == (32, 32), "DeepSeek-V3 at EP=8: 32 home + 32 slot groups"
+    assert ep_rank_groups(384, 8) == (48, 48), "Kimi-K2 at EP=8"
+    for experts, ranks in ((256, 1), (256, 3)):
+        with pytest.raises(ValueError, match=f"--ep-rank-of {ranks}"):
+            ep_rank_groups(experts, ranks)
+
+
+def test_ep_rank_layer_equals_a_layer_whose_slot_experts_copy_the_home_ones():
+    """`as_ep_rank`: epn home + epn slot groups of one rank, the slots holding experts 0..epn-1 (the
+    prefetch stand-in), equal a plain layer over 2*epn experts whose experts epn+j copy experts j; the home
+    gradients are the sums of both copies' (the reduce_grad stand-in), the rest identical."""
+    import torch
+
+    from bench.layer import RankOfEPBuffer, as_ep_rank
+    from moonep_moe.comm.world import single_world
+    from moonep_moe.config import MoEConfig
+    from moonep_moe.layers.moe import MoonEPMoELayer
+
+    epn, tokens, hidden = 4, 48, 16
+    cfg = MoEConfig(hidden_size=hidden, ffn_hidden_size=8, num_experts=2 * epn, top_k=3,
+                    max_tokens_per_rank=tokens, dtype="float64", token_padding=4,
+                    router={"dtype": "float64"})
+    torch.manual_seed(0)
+    rank = as_ep_rank(MoonEPMoELayer(cfg, single_world("cpu")), epn)
+    plain = MoonEPMoELayer(cfg, single_world("cpu"))
+    with torch.no_grad():
+        plain.router.weight.copy_(rank.router.weight)
+        plain.experts.gate_up.copy_(rank.experts.gate_up.repeat(2, 1, 1))
+        plain.experts.down.copy_(rank.experts.down.repeat(2, 1, 1))
+    assert isinstance(rank._state.buffer, RankOfEPBuffer)
+    assert rank.experts.gate_up.shape[0] == epn and rank.experts.num_slots == epn
+    x = torch.randn(tokens, hidden, dtype=torch.float64)
+    grad = torch.randn(tokens, hidden, dtype=torch.float64)
+    outs = []
+    for layer in (rank, plain):
+        x_th = x.clone().requires_grad_()
+        out = layer(x_th)
+        out.backward(grad)
+        outs.append((out, x_th.grad, layer.router.weight.grad))
+    for mine, ref in zip(*outs, strict=True):
+        torch.testing.assert_close(mine, ref)
+    for name in ("gate_up", "down"):
+        ref = getattr(plain.experts, name).grad
+        torch.testing.assert_close(getattr(rank.experts, name).grad, ref[:epn] + ref[epn:])
+    assert int(rank._state.last_plan.cu_seqlens[-1]) >= tokens * 3, "every route in the rank's groups"
