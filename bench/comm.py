@@ -52,13 +52,12 @@ import gc
 import json
 import math
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
-from bench.common import measure_limits, timed, write_record
+from bench.common import Stamp, measure_limits, seconds_between, stamp, timed, write_record
 from bench.plan import wall_time
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.plan import plan_routes
@@ -203,22 +202,6 @@ def op_bytes(plans_r: Sequence[MoonEPCommPlan], hidden: int, expert_elements: di
 
 # -- timing across thread-ranks -----------------------------------------------------------------------------
 
-Stamp = torch.cuda.Event | float
-
-
-def _stamp(device: torch.device) -> Stamp:
-    """A point in time on this thread's stream (CUDA event) or on the host clock."""
-    if device.type != "cuda":
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def _seconds(start: Stamp, end: Stamp) -> float:
-    return end - start if isinstance(start, float) else start.elapsed_time(end) / 1e3
-
-
 def stamps(world: ThreadsWorld, op: Callable[[], object], warmup: int,
            iters: int) -> list[tuple[Stamp, Stamp]]:
     """Run the collective `op` on this rank `warmup + iters` times, each after a barrier (every rank idle);
@@ -226,9 +209,9 @@ def stamps(world: ThreadsWorld, op: Callable[[], object], warmup: int,
     runs = []
     for i in range(warmup + iters):
         world.barrier()
-        start = _stamp(world.device)
+        start = stamp(world.device)
         op()
-        end = _stamp(world.device)
+        end = stamp(world.device)
         if i >= warmup:
             runs.append((start, end))
     world.barrier()
@@ -239,7 +222,7 @@ def collective_seconds(stamps_ri: Sequence[Sequence[tuple[Stamp, Stamp]]]) -> fl
     """Median over runs of (last rank's end - first rank's start), from every rank's `stamps`."""
     runs = []
     for run_r in zip(*stamps_ri, strict=True):
-        runs.append(max(_seconds(start, end) for start, _ in run_r for _, end in run_r))
+        runs.append(max(seconds_between(start, end) for start, _ in run_r for _, end in run_r))
     return statistics.median(runs)
 
 

@@ -52,6 +52,40 @@ def spread(seconds: list[float]) -> dict[str, float | list[float]]:
     return {"ms": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms), "ms_samples": ms}
 
 
+Stamp = torch.cuda.Event | float
+"""A point in time: a recorded CUDA event, or the host clock's seconds (CPU)."""
+
+
+def stamp(device: torch.device) -> Stamp:
+    """A point in time on this thread's current stream (CUDA event) or on the host clock (CPU)."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def seconds_between(start: Stamp, end: Stamp) -> float:
+    """Seconds from `start` to `end` (CUDA events: both recorded and complete)."""
+    return end - start if isinstance(start, float) else start.elapsed_time(end) / 1e3
+
+
+def captured_graph(step: Callable[[], object], runs: int = 2) -> torch.cuda.CUDAGraph:
+    """`step` captured once in a CUDA graph, after `runs` eager runs on a side stream (compilation, lazy
+    allocations and comm streams made off the capturing stream, as capture asks). Replay it for new inputs
+    copied into the tensors `step` reads."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(runs):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def graph_timed(fn: Callable[[], object], warmup: int = 3, repeat: int = 10, calls: int = 20) -> float:
     """Median seconds of one `fn()` on the device alone: `calls` calls captured in one CUDA graph, the graph
     replayed `repeat` times (after `warmup`) and timed with CUDA events; no host launch time is counted.

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import spread, timings, write_record
+from bench.common import Stamp, captured_graph, seconds_between, spread, stamp, timings, write_record
 from moonep_moe.comm.world import EPWorld, run_ranks, single_world
 from moonep_moe.communicator import MoECommunicator
 from moonep_moe.layers.grouped_gemm import select_grouped_gemm
@@ -136,23 +136,6 @@ def token_counts(capacity: int) -> list[int]:
 
 
 # -- timing -------------------------------------------------------------------------------------------------
-
-Stamp = torch.cuda.Event | float
-
-
-def stamp(device: torch.device) -> Stamp:
-    """A point in time on this thread's current stream (CUDA event) or on the host clock (CPU)."""
-    if device.type != "cuda":
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def seconds_between(start: Stamp, end: Stamp) -> float:
-    """Seconds from `start` to `end` (CUDA events: both recorded and complete)."""
-    return end - start if isinstance(start, float) else start.elapsed_time(end) / 1e3
-
 
 def phase_seconds(stamps: Sequence[Stamp]) -> dict[str, float]:
     """One repetition's `len(PHASES) + 1` stamps (before the first phase, after each) -> seconds per phase
@@ -269,16 +252,7 @@ def eager_reps(world: EPWorld, run: Callable[[list], object], warmup: int, reps:
 def graph_replays(step: Callable[[], object], warmup: int, reps: int) -> list[float]:
     """Seconds of each of `reps` replays of `step` captured once in a CUDA graph (after two runs on a side
     stream and `warmup` replays), timed with CUDA events: device time, no launch cost."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return timings(graph.replay, warmup, reps)
+    return timings(captured_graph(step).replay, warmup, reps)
 
 
 # -- the worlds ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import pytest
 import torch
 from test_serving import F64, H, K, R, S, comm_config, dense_moe, grouped_swiglu, model_weights, step_inputs
 
+from bench.common import captured_graph
 from moonep_moe.comm.world import run_ranks, single_world
 from moonep_moe.communicator import DispatchHandle, MoECommunicator
 from moonep_moe.weights.layout import ExpertLayout
@@ -145,15 +146,7 @@ def test_modular_kernel_contract_in_a_cuda_graph():
     def forward():
         modular_forward(pf, static["hidden"], static["weights"], static["topk"], output_th)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            forward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
+    graph = captured_graph(forward)
     for seed, tokens in enumerate((1, bucket, 5, 0, 11), start=1):
         x = decode_batch(0, tokens, bucket, seed)
         for name, value in x.items():

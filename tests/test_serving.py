@@ -9,6 +9,7 @@ import pytest
 import torch
 from stress import comm_streams
 
+from bench.common import captured_graph
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.plan_types import decode_dst
 from moonep_moe.comm.pool import BufferPool, next_power_of_two
@@ -587,15 +588,7 @@ def test_cuda_graph_per_bucket_replays_new_routing():
             comm.prefetch_weights(handle, layout)
             comm.combine(grouped_swiglu(out, layout), handle, out=out_th)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = captured_graph(step)
         for seed, tokens in enumerate((bucket, 1, bucket // 2 + 1)):
             x = pad(step_inputs(0, tokens, seed=seed + 10), bucket, -1)
             for name, value in x.items():
