@@ -1,13 +1,17 @@
 """What every benchmark shares: the machine's measured limits, a CUDA-event timer and the spread of its
-repetitions, and the JSON record.
+repetitions, ratios of spreads and targets checked on them, the models' shapes, and the JSON record.
 
 Every result file holds the device, the commit, the command line and the baselines measured in the same run
 (`limits`: device-to-device copy bandwidth and dense bf16 GEMM rate), so every speed can be stated as a ratio.
+
+A `Span` is `(median, min, max)` of repeated timings (or of a ratio of them); a target is checked on the
+median and recorded with the spread beside it (`check`).
 """
 
 from __future__ import annotations
 
 import json
+import operator
 import os
 import statistics
 import subprocess
@@ -17,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from moonep_moe.config import load_config
 
 RESULTS = Path(os.environ.get("MOONEP_BENCH_OUT") or Path(__file__).resolve().parent / "results")
 """Where records go: bench/results, or $MOONEP_BENCH_OUT (e.g. a remote machine's output folder)."""
@@ -50,6 +56,65 @@ def spread(seconds: list[float]) -> dict[str, float | list[float]]:
         raise ValueError("spread needs at least one timing, got none")
     ms = [s * 1e3 for s in seconds]
     return {"ms": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms), "ms_samples": ms}
+
+
+Span = tuple[float, float, float]
+"""`(median, min, max)`: repeated timings (`span`) or a ratio of them (`ratio`)."""
+
+
+def span(row: dict, prefix: str = "") -> Span:
+    """The `(median, min, max)` of a `spread` stored in `row` under `prefix` (`fwd_ms`, `fwd_ms_min`, ...)."""
+    return row[f"{prefix}ms"], row[f"{prefix}ms_min"], row[f"{prefix}ms_max"]
+
+
+def as_span(value: Span | float) -> Span:
+    """A number measured once (a peak, a rate, a floor) as a Span without spread."""
+    return value if isinstance(value, tuple) else (value, value, value)
+
+
+def ratio(num: Span | float, den: Span | float) -> Span:
+    """`num / den`: the medians' ratio, and the range over every pairing of their runs (num's min over den's
+    max, num's max over den's min). A number is a value measured once (no spread)."""
+    (n, n_min, n_max), (d, d_min, d_max) = as_span(num), as_span(den)
+    return n / d, n_min / d_max, n_max / d_min
+
+
+def total(*spans: Span) -> Span:
+    """The sum of several timed things: medians, minima and maxima each summed."""
+    return tuple(sum(values) for values in zip(*spans, strict=True))
+
+
+OPS = {">=": operator.ge, "<=": operator.le}
+"""A target's comparison, of the median against the bound."""
+
+
+def check(target: str, value: Span | float, op: str, bound: float, **fields: object) -> dict:
+    """One target measured: `{"target", "median", "min", "max", "op", "bound", "pass", **fields}`; `pass`
+    compares the median with `bound` (`op` is ">=" or "<="), the min-max is the spread beside it."""
+    if op not in OPS:
+        raise ValueError(f"check: op must be one of {sorted(OPS)}, got {op!r}")
+    median, low, high = (float(v) for v in as_span(value))
+    return {"target": target, "median": median, "min": low, "max": high, "op": op, "bound": bound,
+            "pass": bool(OPS[op](median, bound)), **fields}
+
+
+def format_check(result: dict) -> str:
+    """One printed line: `PASS` or `MISS`, the target, its median (min-max) and the bound."""
+    verdict = "PASS" if result["pass"] else "MISS"
+    return (f"{verdict}  {result['target']}: {result['median']:.3f} ({result['min']:.3f}-{result['max']:.3f})"
+            f", target {result['op']} {result['bound']}")
+
+
+MODELS = ("deepseek-v3", "kimi-k2", "qwen3-moe-30b-a3b", "mixtral-8x7b")
+"""The models of issue 13's tables, each a packaged layer config (`moonep_moe/configs/<name>.yaml`)."""
+
+
+def model_shape(name: str) -> dict[str, int]:
+    """A packaged config's shapes, the one source of truth for the benchmarks: `hidden` (H), `ffn` (H'),
+    `experts` (E), `top_k` (K), `tokens` (S, `max_tokens_per_rank`) and `ep_size` (R)."""
+    cfg = load_config(name)
+    return {"hidden": cfg.hidden_size, "ffn": cfg.ffn_hidden_size, "experts": cfg.num_experts,
+            "top_k": cfg.top_k, "tokens": cfg.max_tokens_per_rank, "ep_size": cfg.ep_size}
 
 
 Stamp = torch.cuda.Event | float

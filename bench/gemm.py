@@ -1,16 +1,33 @@
 """Grouped-GEMM backends on the expert shapes of real models, against the dense bf16 rate of the same run.
 
+    python -m bench.gemm --preset ep8       # issue 13 item 2's rows, with pass/miss (an H200: ~2 min)
     python -m bench.gemm                    # all shapes, uniform and skewed segments (an H200: ~6 min)
     python -m bench.gemm --shapes deepseek-v3 --rows 65536 --layouts plain arena
 
-For each model's expert shape at EP=8 (epn home + B = epn slot groups, rows = the routes of one rank,
-each segment padded to 128) and each backend: TFLOP/s (on the used rows) of fwd, dgrad and wgrad of both
-projections, as a ratio to the dense bf16 rate, with the weights given as a (home, slots) pair (the GEMM
-backend copies them together), as one ordinary tensor ("plain": what an EP=1 layer has), and as one arena
-tensor (`moonep_moe.weights.arena`: two VMM allocations mapped back to back, no copy); the weight
-gradient against its floor (its FLOPs at the dense rate, or its bytes at the copy bandwidth: the fp32
-gradients written (overwrite, as the layer runs it), the bf16 inputs read; the larger); and the whole expert
-block forward + backward (the layer's own code path) against the sum of its GEMMs.
+For each model's expert shape at EP=8 (its packaged config, `moonep_moe/configs/<name>.yaml`: H, H' and
+epn = E / ep_size home + B = epn slot groups, rows = the routes of one rank, each segment padded to 128)
+and each backend: TFLOP/s (on the used rows) of fwd, dgrad and wgrad of both projections, as a ratio to the
+dense bf16 rate, with the weights given as a (home, slots) pair (the GEMM backend copies them together), as
+one ordinary tensor ("plain": what an EP=1 layer has), and as one arena tensor (`moonep_moe.weights.arena`:
+two VMM allocations mapped back to back, no copy); the weight gradient against its floor (its FLOPs at the
+dense rate, or its bytes at the copy bandwidth: the fp32 gradients written (overwrite, as the layer runs
+it), the bf16 inputs read; the larger); and the whole expert block forward + backward (the layer's own code
+path) against the sum of its GEMMs.
+
+Every time is the median of --repeat runs (>= 5) after --warmup, with the min-max beside it; every ratio
+is the medians' ratio with the range over the pairings of the runs (`bench.common.ratio`). Each row is
+checked against issue 13 item 2's targets (`TARGETS`: fwd and dgrad >= 0.92 of dense, wgrad <= 1.15x its
+floor, the block <= 1.08x its GEMMs), printed as PASS / MISS lines and recorded in the JSON's `targets`
+(one entry per row and target, naming the row; computed from the row, never set by hand).
+
+--preset ep8 runs exactly the issue's production rows: one rank of an EP=8 group, S*K = 8192*8 = 65536
+routes (each config's max_tokens_per_rank * top_k), uniform segments over DeepSeek-V3's 32 + 32 and
+Kimi-K2's 48 + 48 groups, the weights on the arena as the layer has them, every backend: 8 rows, recorded
+as `gemm-ep8-<device>-<date>-<commit>.json` (the other runs: `gemm-...`). It is bounded by that: 2 shapes
+x 4 backends x 1 layout x 1 skew, each of fwd, dgrad, wgrad and the block timed 3 + 10 times (~10-40 ms a
+call at these shapes), ~1-2 s of timing per row; the rest is one-off start-up (the dense limits,
+DeepGEMM's JIT, the Triton wgrad's autotuning and `auto`'s measurement: a minute or so on a fresh machine,
+cached after).
 
 Backends: torch, deep_gemm (fwd/dgrad; wgrad on torch), triton (wgrad on the Triton kernel; fwd/dgrad on
 torch) and auto (each op and shape on the backend measured fastest, as the layer's "auto" picks it; the
@@ -26,18 +43,64 @@ from pathlib import Path
 
 import torch
 
-from bench.common import measure_limits, timed, write_record
+from bench.common import (
+    MODELS,
+    check,
+    format_check,
+    measure_limits,
+    model_shape,
+    ratio,
+    span,
+    spread,
+    timings,
+    total,
+    write_record,
+)
 from moonep_moe.layers.grouped_gemm import GemmProblem, MeasuredGroupedGemm, select_grouped_gemm
 from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
 from moonep_moe.weights.arena import PhysicalRows, expert_arena_reason, joined_rows
 
-SHAPES = {  # name: (H, H', experts per rank at EP=8)
-    "deepseek-v3": (7168, 2048, 32),
-    "kimi-k2": (7168, 2048, 48),
-    "qwen3-moe-30b-a3b": (2048, 768, 16),
-    "mixtral-8x7b": (4096, 14336, 1),
-}
 PAD = 128
+
+PRESETS = {"ep8": {"shapes": ["deepseek-v3", "kimi-k2"], "rows": None, "skews": [0.0], "layouts": ["arena"]}}
+"""`--preset NAME`: the shapes, rows (None: each model's S*K), skews and layouts it runs."""
+
+TARGETS = (  # (what, op, bound): issue 13 item 2, one rank of an EP=8 group
+    ("fwd of dense", ">=", 0.92),
+    ("dgrad of dense", ">=", 0.92),
+    ("wgrad vs its floor", "<=", 1.15),
+    ("block vs its GEMMs", "<=", 1.08),
+)
+
+
+def expert_shape(name: str) -> tuple[int, int, int]:
+    """`(H, H', epn)` of a model's packaged config: epn = E / ep_size home experts per rank."""
+    shape = model_shape(name)
+    return shape["hidden"], shape["ffn"], shape["experts"] // shape["ep_size"]
+
+
+def cases(shapes: list[str], rows: list[int] | None, skews: list[float]) -> list[tuple[str, int, float]]:
+    """`(shape, rows, skew)` in the order run; `rows` None: each model's S*K (one rank's routes)."""
+    out = []
+    for name in shapes:
+        shape = model_shape(name)
+        for m in rows or [shape["tokens"] * shape["top_k"]]:
+            out.extend((name, m, skew) for skew in skews)
+    return out
+
+
+def gemm_targets(row: dict, flops: int, dense: float, wgrad_floor_s: float) -> list[dict]:
+    """`TARGETS` checked on one row's timings (`<op>_ms`, `_ms_min`, `_ms_max` for fwd, dgrad, wgrad and
+    block): fwd and dgrad as `flops` (both projections, used rows) at the dense rate over their time, wgrad
+    over `wgrad_floor_s`, the block over the sum of its GEMMs. Each entry names its row (`row`)."""
+    at_dense_ms = flops / dense * 1e3
+    values = {"fwd of dense": ratio(at_dense_ms, span(row, "fwd_")),
+              "dgrad of dense": ratio(at_dense_ms, span(row, "dgrad_")),
+              "wgrad vs its floor": ratio(span(row, "wgrad_"), wgrad_floor_s * 1e3),
+              "block vs its GEMMs": ratio(span(row, "block_"),
+                                          total(*(span(row, f"{op}_") for op in ("fwd", "dgrad", "wgrad"))))}
+    name = f"{row['shape']} rows={row['rows']} skew={row['skew']} {row['backend']} {row['weights']}"
+    return [check(what, values[what], op, bound, row=name) for what, op, bound in TARGETS]
 
 
 def segment_ends(groups: int, routes: int, skew: float, gen: torch.Generator) -> torch.Tensor:
@@ -88,8 +151,9 @@ def gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down) -> dict:
 
 
 def bench_shape(name: str, rows: int, skew: float, backends: list[str], limits: dict,
-                wanted_layouts: list[str]) -> list[dict]:
-    h, f, epn = SHAPES[name]
+                wanted_layouts: list[str], warmup: int, repeat: int) -> list[dict]:
+    """One row per backend and layout of one shape, rows count and skew, each with its `targets`."""
+    h, f, epn = expert_shape(name)
     groups = 2 * epn
     gen = torch.Generator().manual_seed(0)
     offs = segment_ends(groups, rows, skew, gen).cuda()
@@ -103,8 +167,11 @@ def bench_shape(name: str, rows: int, skew: float, backends: list[str], limits: 
     layouts = {"pair": ((rand(epn, 2 * f, h), rand(groups - epn, 2 * f, h)),
                         (rand(epn, h, f), rand(groups - epn, h, f)))}
     layouts["plain"] = tuple((torch.cat(pair),) for pair in layouts["pair"])
-    if expert_arena_reason(torch.device("cuda", 0), [epn * 2 * f * h * 2, epn * h * f * 2]) is None:
+    arena_reason = expert_arena_reason(torch.device("cuda", 0), [epn * 2 * f * h * 2, epn * h * f * 2])
+    if arena_reason is None:
         layouts["arena"] = tuple((arena_weights(*pair),) for pair in layouts["pair"])
+    elif "arena" in wanted_layouts:
+        print(f"{name:18} no arena rows: {arena_reason}", flush=True)
     layouts = {name: weights for name, weights in layouts.items() if name in wanted_layouts}
     dab, hw = rand(m_total, 2 * f), rand(m_total, f)
     flops = 2 * rows * 3 * f * h  # per op pair, on the real rows (not the padding)
@@ -121,37 +188,60 @@ def bench_shape(name: str, rows: int, skew: float, backends: list[str], limits: 
         if isinstance(gemm, MeasuredGroupedGemm):
             row["picks"] = {f"{op} {n}x{k}": pick.name for (op, n, k), pick in gemm.chosen.items()}
             print(f"{name:18} auto picks: {row['picks']}", flush=True)
-        gemm_total = 0.0
-        for op, fn in gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down).items():
-            seconds = timed(fn)
-            gemm_total += seconds
-            row[f"{op}_ms"] = seconds * 1e3
-            row[f"{op}_tflops"] = flops / seconds / 1e12
-            row[f"{op}_vs_dense"] = flops / seconds / dense
-        row["wgrad_vs_floor"] = row["wgrad_ms"] / 1e3 / wgrad_floor
-        block_s = timed(lambda gm=gemm, gu=gate_up, dn=down: block(gm, x, w, offs, gu, dn, g))
-        row["block_ms"] = block_s * 1e3
-        row["block_vs_gemms"] = block_s / gemm_total
+        calls = gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down)
+        calls["block"] = lambda gm=gemm, gu=gate_up, dn=down: block(gm, x, w, offs, gu, dn, g)
+        for op, fn in calls.items():
+            row.update({f"{op}_{key}": value for key, value in spread(timings(fn, warmup, repeat)).items()})
+        for op in ("fwd", "dgrad", "wgrad"):
+            row[f"{op}_tflops"] = flops / row[f"{op}_ms"] * 1e3 / 1e12
+            row[f"{op}_vs_dense"] = row[f"{op}_tflops"] * 1e12 / dense
+        row["targets"] = gemm_targets(row, flops, dense, wgrad_floor)
+        medians = {target["target"]: target["median"] for target in row["targets"]}
+        row["wgrad_floor_ms"] = wgrad_floor * 1e3
+        row["wgrad_vs_floor"] = medians["wgrad vs its floor"]
+        row["block_vs_gemms"] = medians["block vs its GEMMs"]
         out.append(row)
-        print(f"{name:18} rows={rows:6} skew={skew:3.1f} {gemm.name:9} {layout:5} "
-              f"fwd {row['fwd_tflops']:5.0f} TF/s ({row['fwd_vs_dense']:.2f} dense)  "
-              f"dgrad {row['dgrad_tflops']:5.0f} ({row['dgrad_vs_dense']:.2f})  "
-              f"wgrad {row['wgrad_tflops']:5.0f} ({row['wgrad_vs_floor']:.2f}x floor)  "
-              f"block {row['block_ms']:6.2f} ms ({row['block_vs_gemms']:.2f}x gemms)", flush=True)
+        print(format_row(row), flush=True)
+        for target in row["targets"]:
+            print(f"    {format_check(target)}", flush=True)
     return out
+
+
+def format_row(row: dict) -> str:
+    """One printed line: each op's rate (median, its ratio) and time spread, the block's time and ratio."""
+    def timing(op: str) -> str:
+        return f"{row[op + '_ms']:.2f} ({row[op + '_ms_min']:.2f}-{row[op + '_ms_max']:.2f}) ms"
+
+    return (f"{row['shape']:18} rows={row['rows']:6} skew={row['skew']:3.1f} {row['backend']:9} "
+            f"{row['weights']:5} fwd {row['fwd_tflops']:4.0f} TF/s ({row['fwd_vs_dense']:.2f} dense) "
+            f"{timing('fwd')}  dgrad {row['dgrad_tflops']:4.0f} ({row['dgrad_vs_dense']:.2f}) "
+            f"{timing('dgrad')}"
+            f"  wgrad {row['wgrad_tflops']:4.0f} ({row['wgrad_vs_floor']:.2f}x floor) {timing('wgrad')}"
+            f"  block {timing('block')} ({row['block_vs_gemms']:.2f}x gemms)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="ep8: issue 13 item 2's production rows (instead of --shapes, --rows, --skews "
+                             "and --layouts)")
+    parser.add_argument("--shapes", nargs="*", choices=MODELS, default=list(MODELS))
     parser.add_argument("--rows", nargs="*", type=int, default=[16384, 65536])
     parser.add_argument("--skews", nargs="*", type=float, default=[0.0, 1.5])
     parser.add_argument("--backends", nargs="*", default=["torch", "deep_gemm", "triton", "auto"])
     parser.add_argument("--layouts", nargs="*", default=["pair", "plain", "arena"],
                         help="(home, slots) copied per call, one ordinary tensor, or the VMM arena")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=10, help="timed runs per op (the median of them, >= 5)")
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = parser.parse_args()
+    if args.repeat < 5:
+        parser.error(f"--repeat must be >= 5 (a median with a spread), got {args.repeat}")
+    preset = PRESETS.get(args.preset, {})
+    runs = cases(preset.get("shapes", args.shapes), preset["rows"] if preset else args.rows,
+                 preset.get("skews", args.skews))
+    layouts = preset.get("layouts", args.layouts)
     limits = measure_limits()
     print(f"copy {limits['copy_bytes_per_s'] / 1e12:.2f} TB/s, dense bf16 "
           f"{limits['dense_bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
@@ -162,9 +252,17 @@ def main() -> None:
             backends.append(name)
         except (ValueError, ImportError) as error:
             print(f"skipping backend {name}: {error}")
-    rows = [r for shape in args.shapes for m in args.rows for skew in args.skews
-            for r in bench_shape(shape, m, skew, backends, limits, args.layouts)]
-    print("results:", write_record("gemm", limits, rows, Path(args.out) if args.out else None))
+    rows = [r for shape, m, skew in runs
+            for r in bench_shape(shape, m, skew, backends, limits, layouts, args.warmup, args.repeat)]
+    targets = [target for row in rows for target in row.pop("targets")]
+    print(f"\nissue 13 item 2 targets, median (min-max) of {args.repeat} runs:")
+    for target in targets:
+        print(f"  {format_check(target)}  [{target['row']}]")
+    name = "gemm" if args.preset is None else f"gemm-{args.preset}"  # never overwrites the other's record
+    path = write_record(name, limits, rows, Path(args.out) if args.out else None, preset=args.preset,
+                        setup={"warmup": args.warmup, "repeat": args.repeat, "pad": PAD,
+                               "cases": [list(case) for case in runs], "layouts": layouts}, targets=targets)
+    print("results:", path)
 
 
 if __name__ == "__main__":

@@ -3,15 +3,36 @@ same weights, same tokens, same run, and every speed also as a share of that run
 
     python -m bench.layer                   # DeepSeek-V3 layer at EP=1: T=8192, H=7168, H'=2048, E=256, K=8
     python -m bench.layer --profile         # and one step's GPU kernels, grouped (ours DEFAULT, torch-native)
+    python -m bench.layer --models all      # issue 13's whole table, DEFAULT rows (an H200: ~2-4 min)
+    python -m bench.layer --model qwen3-moe-30b-a3b   # any packaged model's shapes, all variants
     python -m bench.layer --tokens 4096 --experts 64
     python -m bench.layer --main-grad-backends auto triton torch deep_gemm --token-paddings 16 128  # the grid
     python -m bench.layer --backends --main-grad-backends --no-compile   # torch-native and the DEFAULT row
     python -m bench.layer --ep-rank-of 8    # ONE rank of an EP=8 group: S*K routes, 32 home + 32 slot groups
-    python -m bench.layer --device cpu --ep-rank-of 8 --tokens 64 --hidden 64 --ffn 32 --experts 32 --top-k 4
+    python -m bench.layer --device cpu --models all   # a one-step smoke run of every table, tiny H, H', T
+
+--model NAME (alias --models): the shapes H, H', E, K and T (`max_tokens_per_rank`, 8192 for every packaged
+model, which fits an H200 for each table below) come from `moonep_moe/configs/NAME.yaml` (one source of
+truth, `bench.common.model_shape`); --tokens, --hidden, --ffn, --experts and --top-k override them (the
+record then says so, and its name ends in `-custom`). Only the shapes are taken: both layers are the
+routed experts alone with a softmax router (no shared experts, no group-limited routing), as before.
+--model all runs `ISSUE_TABLES`, issue 13's whole table: DeepSeek-V3 at EP=1 (item 1), one rank of EP=8
+for DeepSeek-V3 (32 + 32 groups) and Kimi-K2 (48 + 48) (item 2), Qwen3-MoE-30B-A3B and Mixtral-8x7B at
+EP=1 (item 3), each with both baselines and our DEFAULT row (variants only where --backends or
+--main-grad-backends are given); one record per table. It is bounded by that: 5 tables x 3 layers, each
+step <= ~75 ms timed 2 x (3 + 10) times; the time goes to the five `torch.compile` baselines (~10 s each)
+and to first calls (Triton autotuning, DeepGEMM's JIT, `auto`'s GEMM measurement per shape).
 
 --ep-rank-of R (issue 13, item 2): every layer computes what one rank of an EP group of R ranks computes
 (`as_ep_rank`, `EP_RANK`: what it measures and leaves out, no peer traffic); torch-native runs the same
-routed work over epn + B experts. --device cpu: one step of ours on tiny shapes, no timing (a smoke run).
+routed work over epn + B experts. --device cpu: one step of ours per table on tiny shapes (`CPU_SMOKE`,
+the model's E and K kept), no timing (a smoke run).
+
+Targets (issue 13 item 1, `LAYER_TARGETS`), checked on the DEFAULT row of every table, from its numbers
+(`layer_targets`, never set by hand): fwd+bwd useful rate >= 0.75 of dense, forward alone >= 0.85, peak
+memory <= 0.9x the baseline's; each printed as a PASS / MISS line with the median and the min-max of the
+runs, and recorded in `targets` with its `scope` (which item of the issue it is: item 1 for DeepSeek-V3 at
+EP=1, item 2 for the one-rank rows, for Qwen3 and Mixtral only where they stand against the same bounds).
 
 Layers, in the order run:
 - `torch-native`: what users run today, in the torchtitan style: an fp32 softmax top-k router, a sort-based
@@ -42,17 +63,22 @@ runs after --warmup; the spread is min-max over those runs):
   the baseline, the faster of the two in fwd+bwd time.
 
 --profile: one step's GPU kernels (and copies, fills) of ours (DEFAULT) and of `torch-native`, by total time,
-grouped by kernel name (`kernel_group`) into GEMMs, comm core, router, elementwise and other.
+grouped by kernel name (`kernel_group`) into GEMMs, comm core, router, elementwise and other, with the time
+beyond the GEMMs (every other group's) and each group's share of it.
 
-The JSON record (`bench.common.write_record`: `bench/results/layer-<device>-<YYYYMMDD>-<commit>.json`,
+The JSON record, one per table (`bench.common.write_record`: `bench/results/<name>-<device>-<YYYYMMDD>-
+<commit>.json`, `<name>` = `Table.record_name`, e.g. `layer-deepseek-v3`, `layer-kimi-k2-ep8-rank`;
 rewritten after every row so an interrupted run keeps what it measured): `benchmark`, `device`, `commit`
 (`$MOONEP_COMMIT` where set), `command`, `torch`, `date`, `limits` (`copy_bytes_per_s`,
-`dense_bf16_flops_per_s`); `setup` (the shapes, `warmup`, `repeat`, `flops_fwd_bwd`, `flops_fwd`, and in
-words what `spread` and `peak_gib` mean); `baseline` (the layer name every `vs_baseline` divides by);
-`baselines` (per torch-native layer: `ms`, `ms_min`, `ms_max`, `fwd_ms`, `peak_gib`, as in its row);
-`compile_s` (the compiled layer's first step, seconds; null when not compiled) or `compile_error`; `profile`
-(with --profile: per layer `total_ms`, `groups_ms` {group: ms}, `kernels` [{name, group, calls, ms}], by time)
-and `results`, one row per layer in the order run:
+`dense_bf16_flops_per_s`); `setup` (`model`, `model_config`, `overrides`, the shapes, `warmup`, `repeat`,
+`flops_fwd_bwd`, `flops_fwd`, and in words what `spread` and `peak_gib` mean; for one EP rank also
+`ep_rank_of`, `group_experts`, `home_experts`, `slots`, `ep_rank`); `baseline` (the layer name every
+`vs_baseline` divides by); `baselines` (per torch-native layer: `ms`, `ms_min`, `ms_max`, `fwd_ms`,
+`peak_gib`, as in its row); `compile_s` (the compiled layer's first step, seconds; null when not compiled)
+or `compile_error`; `targets` ([{target, median, min, max, op, bound, pass, row, baseline, scope}], empty
+when the DEFAULT row was not measured); `profile` (with --profile: per layer `total_ms`, `groups_ms`
+{group: ms}, `beyond_gemms_ms`, `kernels` [{name, group, calls, ms}], by time) and `results`, one row per
+layer in the order run:
 - `layer`; `config`: "baseline", "default" or "variant"; ours also `backend`, `expert_grad_dtype`,
   `token_padding`, `dtype` (the resolved config) and `gemm` (the backend per primitive and weight shape);
 - `ms`, `ms_min`, `ms_max`, `ms_samples`: fwd+bwd median, spread and every run, in ms; `tflops`: the useful
@@ -81,7 +107,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import DeviceType
 
-from bench.common import measure_limits, spread, timings, write_record
+from bench.common import (
+    MODELS,
+    check,
+    format_check,
+    measure_limits,
+    model_shape,
+    ratio,
+    span,
+    spread,
+    timings,
+    write_record,
+)
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.world import single_world
 from moonep_moe.config import MoEConfig
@@ -127,8 +164,8 @@ def kernel_group(name: str) -> str:
 
 def profile_summary(kernels: list[tuple[str, float]]) -> dict:
     """`[(name, ms)]` of one step, one entry per launch -> `{"total_ms", "groups_ms": {group: ms} (every
-    group of KERNEL_GROUPS, in order), "kernels": [{"name", "group", "calls", "ms"}] (one per name, longest
-    total first)}`."""
+    group of KERNEL_GROUPS, in order), "beyond_gemms_ms" (the time beyond the GEMMs: every other group's),
+    "kernels": [{"name", "group", "calls", "ms"}] (one per name, longest total first)}`."""
     calls, totals = {}, {}
     for name, ms in kernels:
         calls[name] = calls.get(name, 0) + 1
@@ -136,7 +173,9 @@ def profile_summary(kernels: list[tuple[str, float]]) -> dict:
     rows = [{"name": name, "group": kernel_group(name), "calls": calls[name], "ms": totals[name]}
             for name in sorted(totals, key=lambda name: (-totals[name], name))]
     groups_ms = {group: sum(row["ms"] for row in rows if row["group"] == group) for group in KERNEL_GROUPS}
-    return {"total_ms": sum(totals.values()), "groups_ms": groups_ms, "kernels": rows}
+    beyond_ms = sum(ms for group, ms in groups_ms.items() if group != "GEMMs")
+    return {"total_ms": sum(totals.values()), "groups_ms": groups_ms, "beyond_gemms_ms": beyond_ms,
+            "kernels": rows}
 
 
 def routed_flops(tokens: int, top_k: int, hidden: int, ffn: int, backward: bool) -> int:
@@ -303,12 +342,22 @@ def step_kernels(layer: nn.Module, x_th: torch.Tensor, grad_th: torch.Tensor) ->
             if event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)]
 
 
-def print_profile(label: str, summary: dict, top: int = 15) -> None:
-    """A `profile_summary` as two tables: the groups, then the `top` kernels by time."""
-    total = summary["total_ms"]
-    print(f"\n{label}: one step, {total:.2f} ms of GPU kernels")
+def profile_lines(label: str, summary: dict) -> list[str]:
+    """A `profile_summary`'s groups as printed lines: each group's ms and share of the step, and for every
+    group but the GEMMs its share of the time beyond the GEMMs, which the last line totals."""
+    total, beyond = summary["total_ms"], summary["beyond_gemms_ms"]
+    lines = [f"{label}: one step, {total:.2f} ms of GPU kernels",
+             f"  {'group':12} {'ms':>8} {'of step':>7} {'of time beyond the GEMMs':>25}"]
     for group, ms in summary["groups_ms"].items():
-        print(f"  {group:12} {ms:8.2f} ms {ms / max(total, 1e-9):6.1%}")
+        share = "" if group == "GEMMs" else f"{ms / max(beyond, 1e-9):.1%}"
+        lines.append(f"  {group:12} {ms:8.2f} {ms / max(total, 1e-9):7.1%} {share:>25}")
+    lines.append(f"  time beyond the GEMMs: {beyond:.2f} ms, {beyond / max(total, 1e-9):.1%} of the step")
+    return lines
+
+
+def print_profile(label: str, summary: dict, top: int = 15) -> None:
+    """A `profile_summary` as two tables: the groups (`profile_lines`), then the `top` kernels by time."""
+    print("\n" + "\n".join(profile_lines(label, summary)))
     print(f"  {'group':12} {'ms':>8} {'calls':>5}  kernel")
     for kernel in summary["kernels"][:top]:
         print(f"  {kernel['group']:12} {kernel['ms']:8.2f} {kernel['calls']:5d}  {kernel['name'][:100]}")
@@ -498,88 +547,156 @@ EP_RANK = ("one rank of an EP group of ep_rank_of ranks (--ep-rank-of), in a one
 """What the `--ep-rank-of` rows measure and leave out (the record's `setup.ep_rank`)."""
 
 
-def smoke(shapes: dict, epn: int | None) -> None:
-    """`--device cpu`: one training step of ours (the DEFAULT config; with `epn`, made one EP rank's by
+@dataclass(frozen=True)
+class Table:
+    """One table of the benchmark: a model's layer at EP=1, or (`ep_rank_of` R) ONE rank of an EP group of R
+    ranks over `experts` experts (`as_ep_rank`: epn = E / R home + epn slot groups). Pure description."""
+
+    model: str
+    tokens: int
+    hidden: int
+    ffn: int
+    experts: int
+    """E of the model (of the whole EP group for `ep_rank_of`)."""
+    top_k: int
+    ep_rank_of: int | None = None
+    overrides: tuple[tuple[str, int], ...] = ()
+    """The shapes given on the command line instead of the model's, `(name, value)`."""
+
+    @property
+    def epn(self) -> int | None:
+        """Home experts (and slots) of the one rank, None at EP=1."""
+        return None if self.ep_rank_of is None else ep_rank_groups(self.experts, self.ep_rank_of)[0]
+
+    @property
+    def shapes(self) -> dict[str, int]:
+        """The one-rank layer's `MoEConfig` shapes (its experts: E, or epn home then epn slots)."""
+        experts = self.experts if self.epn is None else 2 * self.epn
+        return dict(hidden_size=self.hidden, ffn_hidden_size=self.ffn, num_experts=experts, top_k=self.top_k,
+                    max_tokens_per_rank=self.tokens)
+
+    @property
+    def label(self) -> str:
+        where = "EP=1" if self.ep_rank_of is None else f"one rank of EP={self.ep_rank_of}"
+        given = "".join(f", {name}={value}" for name, value in self.overrides)
+        return f"{self.model} {where}{given}"
+
+    @property
+    def record_name(self) -> str:
+        """`layer-<model>`, then `-ep<R>-rank` for one EP rank and `-custom` with overrides."""
+        rank = "" if self.ep_rank_of is None else f"-ep{self.ep_rank_of}-rank"
+        return f"layer-{self.model}{rank}{'-custom' if self.overrides else ''}"
+
+    @property
+    def scope(self) -> str:
+        """Which of issue 13's targets the DEFAULT row's checks are (`LAYER_TARGETS` on every table)."""
+        if self.overrides:
+            return "custom shapes: the issue's bounds, for comparison only"
+        if self.ep_rank_of is not None:
+            return f"issue 13 item 2 (one rank of EP={self.ep_rank_of}, whole layer): item 1's bounds"
+        if self.model == "deepseek-v3":
+            return "issue 13 item 1"
+        return "issue 13 item 3: no target of its own; item 1's bounds, to say where it stands"
+
+
+SHAPE_ARGS = ("tokens", "hidden", "ffn", "experts", "top_k")
+"""The command line's shape options, each overriding the model's value where given."""
+
+ISSUE_TABLES = (("deepseek-v3", None), ("deepseek-v3", 8), ("kimi-k2", 8), ("qwen3-moe-30b-a3b", None),
+                ("mixtral-8x7b", None))
+"""`--model all`: issue 13's whole table, `(model, ep_rank_of)`: DeepSeek-V3 at EP=1 (item 1), one rank of
+EP=8 for DeepSeek-V3 and Kimi-K2 (item 2), Qwen3-MoE-30B-A3B and Mixtral-8x7B at EP=1 (item 3)."""
+
+CPU_SMOKE = {"tokens": 64, "hidden": 64, "ffn": 32}
+"""`--device cpu`: the model's E and K (and R), on these tiny T, H and H' unless given."""
+
+
+def make_table(model: str, ep_rank_of: int | None, overrides: dict[str, int]) -> Table:
+    """The `Table` of a packaged model config (`bench.common.model_shape`), with `overrides` (SHAPE_ARGS
+    keys) in place of its shapes. Raises ValueError naming --ep-rank-of where R does not divide E."""
+    unknown = set(overrides) - set(SHAPE_ARGS)
+    if unknown:
+        raise ValueError(f"make_table: overrides must be among {SHAPE_ARGS}, got {sorted(unknown)}")
+    shape = {key: model_shape(model)[key] for key in SHAPE_ARGS}
+    table = Table(model, **{**shape, **overrides}, ep_rank_of=ep_rank_of,
+                  overrides=tuple((key, overrides[key]) for key in SHAPE_ARGS if key in overrides))
+    if ep_rank_of is not None:
+        ep_rank_groups(table.experts, ep_rank_of)  # raises, naming --ep-rank-of, before any kernel runs
+    return table
+
+
+LAYER_TARGETS = (  # (what, op, bound): issue 13 item 1, on the DEFAULT row
+    ("fwd+bwd of dense", ">=", 0.75),
+    ("fwd of dense", ">=", 0.85),
+    ("peak vs baseline", "<=", 0.9),
+)
+
+
+def layer_targets(row: dict, baseline: dict, flops: dict[str, int], dense: float, scope: str) -> list[dict]:
+    """`LAYER_TARGETS` checked on one row: its useful rate over `dense` (fwd+bwd `flops["fwd_bwd"]` and fwd
+    `flops["fwd"]` over the median time, the spread from the min-max), its peak over the `baseline` row's
+    (the faster torch-native; peaks are measured once). Each entry names the row, baseline and `scope`."""
+    values = {"fwd+bwd of dense": ratio(flops["fwd_bwd"] / dense * 1e3, span(row)),
+              "fwd of dense": ratio(flops["fwd"] / dense * 1e3, span(row, "fwd_")),
+              "peak vs baseline": ratio(row["peak_gib"], baseline["peak_gib"])}
+    return [check(what, values[what], op, bound, row=row["layer"], baseline=baseline["layer"], scope=scope)
+            for what, op, bound in LAYER_TARGETS]
+
+
+def smoke(table: Table) -> None:
+    """`--device cpu`: one training step of ours (the DEFAULT config; for an EP rank, made one by
     `as_ep_rank`) on the CPU, printing the routes per compute group; no timing (CPU numbers mean nothing)."""
-    layer = MoonEPMoELayer(MoEConfig(**shapes), single_world("cpu"))
+    epn = table.epn
+    layer = MoonEPMoELayer(MoEConfig(**table.shapes), single_world("cpu"))
     if epn is not None:
         as_ep_rank(layer, epn)
     cfg = layer.config
     x_th = torch.randn(cfg.max_tokens_per_rank, cfg.hidden_size, dtype=cfg.torch_dtype, requires_grad=True)
     step(layer, x_th, torch.randn_like(x_th))
     ends = layer._state.last_plan.cu_seqlens
-    rows = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
-    home = epn if epn is not None else len(rows)
-    print(f"cpu smoke: one fwd+bwd step ran, {cfg.max_tokens_per_rank * cfg.top_k} routes; padded rows per "
-          f"group: home {rows[:home]}, slots {rows[home:]}; gemm {layer._state.gemm.name}; no timing on CPU")
+    rows = torch.diff(ends, prepend=ends.new_zeros(1))
+    parts = {"experts": rows} if epn is None else {"home": rows[:epn], "slots": rows[epn:]}
+    used = ", ".join(f"{what} {int((part > 0).sum())} of {len(part)} groups, {int(part.sum())} padded rows"
+                     for what, part in parts.items())
+    print(f"cpu smoke, {table.label}: one fwd+bwd step ran, {cfg.max_tokens_per_rank * cfg.top_k} routes; "
+          f"{used}; gemm {layer._state.gemm.name}; no timing on CPU", flush=True)
     layer.destroy()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--ffn", type=int, default=2048)
-    parser.add_argument("--experts", type=int, default=256)
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--backends", nargs="*", default=["auto", "triton", "torch", "deep_gemm"],
-                        help="grouped_gemm values run with expert_grad_dtype='param'")
-    parser.add_argument("--main-grad-backends", nargs="*", default=["auto"],
-                        help="grouped_gemm values run with expert_grad_dtype='main_grad'")
-    parser.add_argument("--token-paddings", nargs="*", type=int, default=[],
-                        help="MoEConfig.token_padding values for every variant (default: the config's)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeat", type=int, default=10, help="timed runs per layer (the median of them)")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    parser.add_argument("--profile", action="store_true",
-                        help="also one step's GPU kernels of ours (DEFAULT) and of torch-native, grouped")
-    parser.add_argument("--ep-rank-of", type=int, default=None, metavar="R",
-                        help="measure ONE rank of an EP group of R ranks over --experts experts instead "
-                             "(S=--tokens, epn home + epn slot groups; no peer traffic: see EP_RANK)")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                        help="cpu: a smoke run of ours on tiny shapes (one step, no timing)")
-    parser.add_argument("--out", default=None, help="folder of the JSON record (default bench/results)")
-    args = parser.parse_args()
-    if args.repeat < 5:
-        parser.error(f"--repeat must be >= 5 (a median with a spread), got {args.repeat}")
-    epn = None
-    if args.ep_rank_of is not None:
-        try:
-            epn, _ = ep_rank_groups(args.experts, args.ep_rank_of)
-        except ValueError as error:
-            parser.error(str(error))
-    h, f, k, t = args.hidden, args.ffn, args.top_k, args.tokens
-    e = args.experts if epn is None else 2 * epn  # the one-rank layer's experts: home, then slots
-    shapes = dict(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=k, max_tokens_per_rank=t)
-    if args.device == "cpu":
-        smoke(shapes, epn)
-        return
-    limits = measure_limits()
+def run_table(table: Table, variants: list[dict], args: argparse.Namespace,
+              limits: dict[str, float]) -> tuple[list[dict], Path]:
+    """Every layer of one table measured on the GPU (baselines, DEFAULT, `variants`), its record written
+    after every row; the DEFAULT row's `layer_targets` printed and recorded. Returns the targets and the
+    record's path."""
+    t, h, f, k = table.tokens, table.hidden, table.ffn, table.top_k
+    shapes, epn = table.shapes, table.epn
+    e = shapes["num_experts"]
     gen = torch.Generator(device="cuda").manual_seed(1)
     bench = Bench(x_th=torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(),
                   grad_th=torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen),
                   shape=(h, f, e, k), dense=limits["dense_bf16_flops_per_s"], warmup=args.warmup,
                   repeat=args.repeat, flops={"fwd_bwd": routed_flops(t, k, h, f, backward=True),
                                              "fwd": routed_flops(t, k, h, f, backward=False)})
-    record = {"setup": {"tokens": t, "hidden": h, "ffn": f, "experts": e, "top_k": k, "warmup": args.warmup,
-                        "repeat": args.repeat, "flops_fwd_bwd": bench.flops["fwd_bwd"],
-                        "flops_fwd": bench.flops["fwd"], "spread": SPREAD, "peak_gib": PEAK},
-              "baseline": None, "baselines": {}, "compile_s": None}
+    record = {"setup": {"model": table.model, "model_config": f"moonep_moe/configs/{table.model}.yaml",
+                        "overrides": dict(table.overrides), "tokens": t, "hidden": h, "ffn": f, "experts": e,
+                        "top_k": k, "warmup": args.warmup, "repeat": args.repeat,
+                        "flops_fwd_bwd": bench.flops["fwd_bwd"], "flops_fwd": bench.flops["fwd"],
+                        "spread": SPREAD, "peak_gib": PEAK},
+              "baseline": None, "baselines": {}, "compile_s": None, "targets": []}
     if epn is not None:
-        record["setup"].update(ep_rank_of=args.ep_rank_of, group_experts=args.experts, home_experts=epn,
+        record["setup"].update(ep_rank_of=table.ep_rank_of, group_experts=table.experts, home_experts=epn,
                                slots=epn, ep_rank=EP_RANK)
     if args.profile:
         record["profile"] = {}
     rows = []
 
     def save() -> Path:
-        return write_record("layer", limits, rows, Path(args.out) if args.out else None, **record)
+        return write_record(table.record_name, limits, rows, Path(args.out) if args.out else None, **record)
 
-    print(f"{t} tokens, H={h}, H'={f}, E={e}, K={k}: {bench.flops['fwd_bwd'] / 1e12:.2f} TFLOP of routed "
-          f"work fwd+bwd; dense bf16 {bench.dense / 1e12:.0f} TFLOP/s. Times: median (min-max) of "
-          f"{args.repeat} runs; dense: useful rate / dense rate; x: ours / torch-native eager, compiled",
-          flush=True)
+    print(f"\n{table.label}: {t} tokens, H={h}, H'={f}, E={e}, K={k}: {bench.flops['fwd_bwd'] / 1e12:.2f} "
+          f"TFLOP of routed work fwd+bwd; dense bf16 {bench.dense / 1e12:.0f} TFLOP/s. Times: median "
+          f"(min-max) of {args.repeat} runs; dense: useful rate / dense rate; x: ours / torch-native eager, "
+          "compiled", flush=True)
     print(header(), flush=True)
     rows += run_native(bench, not args.no_compile, record)
     baseline = min(rows, key=lambda row: row["ms"])
@@ -591,18 +708,104 @@ def main() -> None:
         add_ratios(row, baseline, "baseline")
     save()
 
-    variants = variant_settings(args.backends, args.main_grad_backends, args.token_paddings)
     for row in run_all_ours(bench, shapes, variants, record.get("profile"), epn):
         if "error" not in row:
             for tag, ref in refs.items():
                 if ref is not None:
                     add_ratios(row, ref, tag)
+            if row["config"] == "default":
+                record["targets"] = layer_targets(row, baseline, bench.flops, bench.dense, table.scope)
         rows.append(row)
         print(format_row(row), flush=True)
         save()
     for label, summary in record.get("profile", {}).items():
         print_profile(label, summary)
-    print("results:", save())
+    print_targets(table.label, record["targets"], args.repeat)
+    return record["targets"], save()
+
+
+def print_targets(label: str, targets: list[dict], repeat: int) -> None:
+    """The pass/miss lines of one table's targets (none: the DEFAULT row was not measured)."""
+    if not targets:
+        print(f"{label}: no DEFAULT row measured, so no targets checked", flush=True)
+        return
+    print(f"{label}, DEFAULT row, {targets[0]['scope']} (median (min-max) of {repeat} runs):", flush=True)
+    for target in targets:
+        print(f"  {format_check(target)}", flush=True)
+
+
+DEFAULT_VARIANTS = {"backends": ["auto", "triton", "torch", "deep_gemm"], "main_grad_backends": ["auto"]}
+"""--backends' and --main-grad-backends' defaults for one table."""
+
+
+def table_variants(backends: list[str] | None, main_grad: list[str] | None, token_paddings: list[int],
+                   tables: int) -> list[dict]:
+    """`variant_settings` of --backends and --main-grad-backends (`main_grad`); a list not given (None) is
+    `DEFAULT_VARIANTS`' for one table and empty for several (--model all: the baselines and the DEFAULT row
+    of every table)."""
+    defaults = DEFAULT_VARIANTS if tables == 1 else dict.fromkeys(DEFAULT_VARIANTS, [])
+    return variant_settings(defaults["backends"] if backends is None else backends,
+                            defaults["main_grad_backends"] if main_grad is None else main_grad,
+                            token_paddings)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", "--models", default="deepseek-v3", choices=[*MODELS, "all"],
+                        help="the layer's shapes from moonep_moe/configs/<model>.yaml; all: issue 13's "
+                             "whole table (ISSUE_TABLES)")
+    parser.add_argument("--tokens", type=int, default=None, help="S (default: the model's)")
+    parser.add_argument("--hidden", type=int, default=None, help="H (default: the model's)")
+    parser.add_argument("--ffn", type=int, default=None, help="H' (default: the model's)")
+    parser.add_argument("--experts", type=int, default=None, help="E (default: the model's)")
+    parser.add_argument("--top-k", type=int, default=None, help="K (default: the model's)")
+    parser.add_argument("--backends", nargs="*", default=None,
+                        help="grouped_gemm values run with expert_grad_dtype='param' (default "
+                             f"{DEFAULT_VARIANTS['backends']}; none with --model all)")
+    parser.add_argument("--main-grad-backends", nargs="*", default=None,
+                        help="grouped_gemm values run with expert_grad_dtype='main_grad' (default ['auto']; "
+                             "none with --model all)")
+    parser.add_argument("--token-paddings", nargs="*", type=int, default=[],
+                        help="MoEConfig.token_padding values for every variant (default: the config's)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=10, help="timed runs per layer (the median of them)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    parser.add_argument("--profile", action="store_true",
+                        help="also one step's GPU kernels of ours (DEFAULT) and of torch-native, grouped")
+    parser.add_argument("--ep-rank-of", type=int, default=None, metavar="R",
+                        help="measure ONE rank of an EP group of R ranks over the model's experts instead "
+                             "(S=--tokens, epn home + epn slot groups; no peer traffic: see EP_RANK)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help=f"cpu: a smoke run of ours (one step, no timing) on {CPU_SMOKE} unless given")
+    parser.add_argument("--out", default=None, help="folder of the JSON records (default bench/results)")
+    args = parser.parse_args()
+    if args.repeat < 5:
+        parser.error(f"--repeat must be >= 5 (a median with a spread), got {args.repeat}")
+    if args.model == "all" and args.ep_rank_of is not None:
+        parser.error("--ep-rank-of: --model all runs its own EP ranks (ISSUE_TABLES); give one --model")
+    given = {key: getattr(args, key) for key in SHAPE_ARGS if getattr(args, key) is not None}
+    if args.device == "cpu":
+        given = {**CPU_SMOKE, **given}
+    pairs = ISSUE_TABLES if args.model == "all" else ((args.model, args.ep_rank_of),)
+    try:
+        tables = [make_table(model, ep_rank_of, given) for model, ep_rank_of in pairs]
+    except ValueError as error:
+        parser.error(str(error))
+    if args.device == "cpu":
+        for table in tables:
+            smoke(table)
+        return
+    variants = table_variants(args.backends, args.main_grad_backends, args.token_paddings, len(tables))
+    limits = measure_limits()
+    done = [(table, *run_table(table, variants, args, limits)) for table in tables]
+    if len(done) > 1:
+        print("\nissue 13's table, every DEFAULT row (records: bench/results or --out):")
+        for table, targets, path in done:
+            print_targets(table.label, targets, args.repeat)
+            print(f"  record: {path}")
+    else:
+        print("results:", done[0][2])
 
 
 if __name__ == "__main__":

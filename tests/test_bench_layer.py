@@ -1,13 +1,26 @@
-"""The pure logic of bench/layer.py and bench/common.py: useful FLOPs, the spread of repeated timings, the
-variant list, and the grouping of a step's GPU kernels by name."""
+"""The pure logic of bench/layer.py and bench/common.py: useful FLOPs, the spread of repeated timings and the
+ratios and targets computed on it, the model presets and tables, the variant list, the grouping of a step's
+GPU kernels by name, and the CPU smoke run."""
 
 import re
 from pathlib import Path
 
 import pytest
 
-from bench.common import spread
-from bench.layer import KERNEL_GROUPS, kernel_group, profile_summary, routed_flops, variant_settings
+from bench.common import MODELS, check, format_check, model_shape, ratio, spread, total
+from bench.layer import (
+    ISSUE_TABLES,
+    KERNEL_GROUPS,
+    kernel_group,
+    layer_targets,
+    main,
+    make_table,
+    profile_lines,
+    profile_summary,
+    routed_flops,
+    table_variants,
+    variant_settings,
+)
 
 PACKAGE = Path(__file__).resolve().parent.parent / "moonep_moe"
 
@@ -140,6 +153,7 @@ def test_profile_summary_sums_calls_and_groups():
     assert list(summary["groups_ms"]) == list(KERNEL_GROUPS), "every group, in the printed order"
     assert summary["groups_ms"] == pytest.approx({"GEMMs": 9.5, "comm core": 1.0, "router": 0.0,
                                                   "elementwise": 1.0, "other": 0.25})
+    assert summary["beyond_gemms_ms"] == pytest.approx(2.25), "every group but the GEMMs"
     assert summary["kernels"] == [
         {"name": "_grouped_wgrad_kernel", "group": "GEMMs", "calls": 2, "ms": 7.0},
         {"name": "nvjet_hsh_256x128", "group": "GEMMs", "calls": 1, "ms": 2.5},
@@ -148,7 +162,23 @@ def test_profile_summary_sums_calls_and_groups():
         {"name": "Memcpy DtoD (Device -> Device)", "group": "other", "calls": 1, "ms": 0.25},
     ], "one entry per name, longest total first, ties by name"
     assert profile_summary([]) == {"total_ms": 0, "groups_ms": dict.fromkeys(KERNEL_GROUPS, 0),
-                                   "kernels": []}
+                                   "beyond_gemms_ms": 0, "kernels": []}
+
+
+def test_profile_lines_say_where_the_time_beyond_the_gemms_goes():
+    summary = profile_summary([("_grouped_wgrad_kernel", 6.0), ("_send_routes_kernel", 1.0),
+                               ("_swiglu_fwd_kernel", 0.5), ("Memcpy DtoD (Device -> Device)", 0.5),
+                               ("void at::native::sbtopk::gatherTopK<float>", 2.0)])
+    lines = profile_lines("ours", summary)
+    assert lines[0] == "ours: one step, 10.00 ms of GPU kernels"
+    by_group = {line.split()[0]: line.split()[1:] for line in lines[2:-1]}
+    assert list(by_group) == ["GEMMs", "comm", "router", "elementwise", "other"], "every group, in order"
+    assert by_group["GEMMs"] == ["6.00", "60.0%"], "no share of the time beyond the GEMMs for the GEMMs"
+    assert by_group["comm"] == ["core", "1.00", "10.0%", "25.0%"]
+    assert by_group["router"] == ["2.00", "20.0%", "50.0%"]
+    assert by_group["elementwise"] == ["0.50", "5.0%", "12.5%"]
+    assert by_group["other"] == ["0.50", "5.0%", "12.5%"]
+    assert lines[-1] == "  time beyond the GEMMs: 4.00 ms, 40.0% of the step"
 
 
 def test_ep_rank_groups_are_a_ranks_home_experts_and_as_many_slots():
@@ -199,3 +229,126 @@ def test_ep_rank_layer_equals_a_layer_whose_slot_experts_copy_the_home_ones():
         ref = getattr(plain.experts, name).grad
         torch.testing.assert_close(getattr(rank.experts, name).grad, ref[:epn] + ref[epn:])
     assert int(rank._state.last_plan.cu_seqlens[-1]) >= tokens * 3, "every route in the rank's groups"
+
+
+def test_ratio_of_spans_is_the_medians_ratio_with_every_pairing_of_runs():
+    assert ratio((6.0, 4.0, 8.0), (2.0, 1.0, 4.0)) == pytest.approx((3.0, 1.0, 8.0)), "min/max .. max/min"
+    assert ratio(10.0, (5.0, 4.0, 8.0)) == pytest.approx((2.0, 1.25, 2.5)), "a number is measured once"
+    assert ratio((5.0, 4.0, 8.0), 2.0) == pytest.approx((2.5, 2.0, 4.0))
+    assert ratio(3.0, 2.0) == pytest.approx((1.5, 1.5, 1.5))
+    assert total((1.0, 0.5, 2.0), (2.0, 1.5, 3.0), (3.0, 3.0, 3.0)) == pytest.approx((6.0, 5.0, 8.0))
+
+
+def test_check_passes_on_the_median_and_keeps_the_spread():
+    low = check("fwd of dense", (0.80, 0.70, 0.90), ">=", 0.85, row="ours")
+    assert low == {"target": "fwd of dense", "median": 0.80, "min": 0.70, "max": 0.90, "op": ">=",
+                   "bound": 0.85, "pass": False, "row": "ours"}, "a max above the bound does not pass"
+    assert check("fwd of dense", (0.85, 0.80, 0.90), ">=", 0.85)["pass"], "the bound itself passes"
+    assert check("peak", 0.95, "<=", 0.9) == check("peak", (0.95, 0.95, 0.95), "<=", 0.9), "measured once"
+    assert not check("peak", 0.95, "<=", 0.9)["pass"]
+    assert check("peak", 0.89, "<=", 0.9)["pass"]
+    assert format_check(low) == "MISS  fwd of dense: 0.800 (0.700-0.900), target >= 0.85"
+    assert format_check(check("peak", 0.5, "<=", 0.9)) == "PASS  peak: 0.500 (0.500-0.500), target <= 0.9"
+    with pytest.raises(ValueError, match="op must be one of"):
+        check("peak", 0.5, "<", 0.9)
+
+
+def test_model_shapes_come_from_the_packaged_configs():
+    # the issue's shapes: DeepSeek-V3 (7168, 2048, 256, 8), Qwen3-MoE-30B-A3B (2048, 768, 128, 8),
+    # Mixtral-8x7B (4096, 14336, 8, 2), Kimi-K2 (DeepSeek-V3's experts, 384 of them); 8192 tokens, EP=8
+    expected = {"deepseek-v3": (7168, 2048, 256, 8), "kimi-k2": (7168, 2048, 384, 8),
+                "qwen3-moe-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}
+    assert set(MODELS) == set(expected)
+    for model, (hidden, ffn, experts, top_k) in expected.items():
+        assert model_shape(model) == {"hidden": hidden, "ffn": ffn, "experts": experts, "top_k": top_k,
+                                      "tokens": 8192, "ep_size": 8}, model
+
+
+def test_issue_tables_are_the_issues_whole_table():
+    tables = [make_table(model, ep_rank_of, {}) for model, ep_rank_of in ISSUE_TABLES]
+    shapes = [(t.label, t.shapes["num_experts"], t.shapes["top_k"], t.hidden, t.ffn, t.tokens)
+              for t in tables]
+    assert shapes == [("deepseek-v3 EP=1", 256, 8, 7168, 2048, 8192),
+                      ("deepseek-v3 one rank of EP=8", 64, 8, 7168, 2048, 8192),  # 32 home + 32 slots
+                      ("kimi-k2 one rank of EP=8", 96, 8, 7168, 2048, 8192),  # 48 home + 48 slots
+                      ("qwen3-moe-30b-a3b EP=1", 128, 8, 2048, 768, 8192),
+                      ("mixtral-8x7b EP=1", 8, 2, 4096, 14336, 8192)]
+    assert [t.epn for t in tables] == [None, 32, 48, None, None]
+    assert [t.record_name for t in tables] == ["layer-deepseek-v3", "layer-deepseek-v3-ep8-rank",
+                                               "layer-kimi-k2-ep8-rank", "layer-qwen3-moe-30b-a3b",
+                                               "layer-mixtral-8x7b"], "one record per table, never the same"
+    assert [t.scope.split(" (")[0].split(":")[0] for t in tables] == [
+        "issue 13 item 1", "issue 13 item 2", "issue 13 item 2", "issue 13 item 3", "issue 13 item 3"]
+
+
+def test_make_table_overrides_and_errors():
+    table = make_table("deepseek-v3", None, {"tokens": 4096, "experts": 64})
+    assert (table.tokens, table.experts, table.hidden) == (4096, 64, 7168), "the rest stays the model's"
+    assert table.overrides == (("tokens", 4096), ("experts", 64))
+    assert table.label == "deepseek-v3 EP=1, tokens=4096, experts=64"
+    assert table.record_name == "layer-deepseek-v3-custom"
+    assert table.scope.startswith("custom shapes")
+    with pytest.raises(ValueError, match="--ep-rank-of 3"):
+        make_table("deepseek-v3", 3, {})
+    with pytest.raises(ValueError, match="overrides must be among"):
+        make_table("deepseek-v3", None, {"layers": 3})
+
+
+def test_layer_targets_from_the_default_row():
+    """DeepSeek-V3 at EP=1: 17.3 TFLOP fwd+bwd; a step of 30 (28-33) ms at 768 TFLOP/s dense is 0.75
+    (0.68-0.80) of dense; the forward alone, 5.77 TFLOP in 10 (9-12) ms, 0.75 (0.63-0.83)."""
+    flops = {"fwd_bwd": routed_flops(8192, 8, 7168, 2048, backward=True),
+             "fwd": routed_flops(8192, 8, 7168, 2048, backward=False)}
+    dense = flops["fwd_bwd"] / 0.75 / 30e-3  # so that 30 ms is exactly 0.75 of dense
+    row = {"layer": "moonep DEFAULT", "ms": 30.0, "ms_min": 28.0, "ms_max": 33.0, "fwd_ms": 10.0,
+           "fwd_ms_min": 9.0, "fwd_ms_max": 12.0, "peak_gib": 40.0}
+    baseline = {"layer": "torch-native compiled", "peak_gib": 44.0}
+    targets = {t["target"]: t for t in layer_targets(row, baseline, flops, dense, "issue 13 item 1")}
+    assert list(targets) == ["fwd+bwd of dense", "fwd of dense", "peak vs baseline"]
+    step = targets["fwd+bwd of dense"]
+    assert (step["median"], step["min"], step["max"]) == pytest.approx((0.75, 0.75 * 30 / 33, 0.75 * 30 / 28))
+    assert step["pass"] and step["op"] == ">=" and step["bound"] == 0.75
+    fwd = targets["fwd of dense"]
+    assert fwd["median"] == pytest.approx(0.75) and fwd["min"] == pytest.approx(0.625)
+    assert not fwd["pass"], "0.75 < 0.85"
+    peak = targets["peak vs baseline"]
+    assert (peak["median"], peak["min"], peak["max"]) == pytest.approx((40 / 44,) * 3)
+    assert not peak["pass"], "0.909 > 0.9"
+    assert {(t["row"], t["baseline"], t["scope"]) for t in targets.values()} == {
+        ("moonep DEFAULT", "torch-native compiled", "issue 13 item 1")}
+
+
+def test_table_variants_default_to_none_for_several_tables():
+    one = variant_settings(["auto", "triton", "torch", "deep_gemm"], ["auto"], [])
+    assert table_variants(None, None, [], tables=1) == one
+    assert table_variants(None, None, [16], tables=5) == [], "--model all: baselines and DEFAULT rows"
+    assert table_variants(["torch"], None, [], 5) == [{"grouped_gemm": "torch", "expert_grad_dtype": "param"}]
+    assert table_variants([], ["auto"], [], 1) == [{"grouped_gemm": "auto", "expert_grad_dtype": "main_grad"}]
+
+
+def test_cpu_smoke_runs_every_table_of_the_issue(monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["bench.layer", "--device", "cpu", "--models", "all", "--tokens", "32"])
+    main()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("cpu smoke")]
+    assert [line.split(":")[0] for line in lines] == [
+        "cpu smoke, deepseek-v3 EP=1, tokens=32, hidden=64, ffn=32",
+        "cpu smoke, deepseek-v3 one rank of EP=8, tokens=32, hidden=64, ffn=32",
+        "cpu smoke, kimi-k2 one rank of EP=8, tokens=32, hidden=64, ffn=32",
+        "cpu smoke, qwen3-moe-30b-a3b EP=1, tokens=32, hidden=64, ffn=32",
+        "cpu smoke, mixtral-8x7b EP=1, tokens=32, hidden=64, ffn=32"]
+    assert re.search(r"256 routes; home \d+ of 32 groups, \d+ padded rows, slots \d+ of 32 groups", lines[1])
+    assert re.search(r"256 routes; home \d+ of 48 groups, \d+ padded rows, slots \d+ of 48 groups", lines[2])
+    assert re.search(r"256 routes; experts \d+ of 128 groups", lines[3])
+    assert re.search(r"64 routes; experts \d+ of 8 groups", lines[4]), "Mixtral's K=2 and E=8"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--model", "all", "--ep-rank-of", "8"], "--model all runs its own EP ranks"),
+    (["--model", "kimi-k2", "--ep-rank-of", "5"], "--ep-rank-of 5"),
+    (["--repeat", "4"], "--repeat must be >= 5"),
+])
+def test_bad_command_lines_fail_before_any_work(monkeypatch, capsys, argv, message):
+    monkeypatch.setattr("sys.argv", ["bench.layer", "--device", "cpu", *argv])
+    with pytest.raises(SystemExit):
+        main()
+    assert message in capsys.readouterr().err

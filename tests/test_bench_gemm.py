@@ -1,0 +1,99 @@
+"""The pure logic of bench/gemm.py: the model shapes at EP=8, the `--preset ep8` rows, the segments, and
+issue 13 item 2's targets computed from a row's timings."""
+
+import pytest
+import torch
+
+from bench.gemm import (
+    PAD,
+    PRESETS,
+    TARGETS,
+    cases,
+    expert_shape,
+    format_row,
+    gemm_targets,
+    main,
+    segment_ends,
+)
+
+
+def test_expert_shapes_at_ep8_come_from_the_configs():
+    assert expert_shape("deepseek-v3") == (7168, 2048, 32)
+    assert expert_shape("kimi-k2") == (7168, 2048, 48)
+    assert expert_shape("qwen3-moe-30b-a3b") == (2048, 768, 16)
+    assert expert_shape("mixtral-8x7b") == (4096, 14336, 1)
+
+
+def test_preset_ep8_is_exactly_the_issues_production_rows():
+    preset = PRESETS["ep8"]
+    runs = cases(preset["shapes"], preset["rows"], preset["skews"])
+    assert runs == [("deepseek-v3", 65536, 0.0), ("kimi-k2", 65536, 0.0)], "S*K = 8192*8 routes, uniform"
+    assert [2 * expert_shape(shape)[2] for shape, _, _ in runs] == [64, 96], "32+32 and 48+48 groups"
+    assert preset["layouts"] == ["arena"], "the weights as the layer has them"
+
+
+def test_cases_without_rows_take_each_models_routes():
+    assert cases(["mixtral-8x7b", "qwen3-moe-30b-a3b"], None, [0.0, 1.5]) == [
+        ("mixtral-8x7b", 16384, 0.0), ("mixtral-8x7b", 16384, 1.5),  # K=2
+        ("qwen3-moe-30b-a3b", 65536, 0.0), ("qwen3-moe-30b-a3b", 65536, 1.5)]
+    assert cases(["deepseek-v3"], [100, 200], [0.0]) == [("deepseek-v3", 100, 0.0), ("deepseek-v3", 200, 0.0)]
+
+
+@pytest.mark.parametrize("skew", [0.0, 1.5])
+def test_segment_ends_cover_every_route_in_padded_segments(skew):
+    ends = segment_ends(64, 65536, skew, torch.Generator().manual_seed(0))
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    assert ends.dtype == torch.int32 and ends.shape == (64,)
+    assert bool((sizes % PAD == 0).all()) and bool((sizes >= 0).all())
+    assert 65536 <= int(ends[-1]) <= 65536 + 64 * (PAD - 1)
+
+
+def row_of(fwd, dgrad, wgrad, block):
+    """A gemm row with each op's (median, min, max) ms."""
+    row = {"shape": "deepseek-v3", "rows": 65536, "skew": 0.0, "backend": "auto", "weights": "arena"}
+    for op, (ms, low, high) in {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, "block": block}.items():
+        row.update({f"{op}_ms": ms, f"{op}_ms_min": low, f"{op}_ms_max": high})
+    return row
+
+
+def test_gemm_targets_from_a_rows_timings():
+    flops, dense = 1e12, 100e12  # 10 ms at the dense rate
+    row = row_of(fwd=(10.5, 10.0, 11.0), dgrad=(12.5, 12.0, 13.0), wgrad=(11.0, 10.0, 12.0),
+                 block=(36.0, 35.0, 40.0))
+    targets = {t["target"]: t for t in gemm_targets(row, flops, dense, wgrad_floor_s=10e-3)}
+    assert list(targets) == [what for what, _, _ in TARGETS]
+    assert [(t["op"], t["bound"]) for t in targets.values()] == [(">=", 0.92), (">=", 0.92), ("<=", 1.15),
+                                                                 ("<=", 1.08)]
+    fwd = targets["fwd of dense"]
+    assert (fwd["median"], fwd["min"], fwd["max"]) == pytest.approx((10 / 10.5, 10 / 11, 10 / 10))
+    assert fwd["pass"], "0.952 >= 0.92"
+    assert not targets["dgrad of dense"]["pass"] and targets["dgrad of dense"]["median"] == pytest.approx(0.8)
+    wgrad = targets["wgrad vs its floor"]
+    assert (wgrad["median"], wgrad["min"], wgrad["max"]) == pytest.approx((1.1, 1.0, 1.2)) and wgrad["pass"]
+    block = targets["block vs its GEMMs"]  # the GEMMs: 34 (32-36) ms
+    assert (block["median"], block["min"], block["max"]) == pytest.approx((36 / 34, 35 / 36, 40 / 32))
+    assert block["pass"], "1.059 <= 1.08"
+    assert {t["row"] for t in targets.values()} == {"deepseek-v3 rows=65536 skew=0.0 auto arena"}
+
+
+def test_format_row_shows_each_ops_spread():
+    row = row_of(fwd=(10.5, 10.0, 11.0), dgrad=(12.5, 12.0, 13.0), wgrad=(11.0, 10.0, 12.0),
+                 block=(36.0, 35.0, 40.0))
+    row.update(fwd_tflops=95.2, fwd_vs_dense=0.95, dgrad_tflops=80.0, dgrad_vs_dense=0.8, wgrad_tflops=90.9,
+               wgrad_vs_floor=1.1, block_vs_gemms=1.06)
+    line = format_row(row)
+    for text in ("fwd   95 TF/s (0.95 dense) 10.50 (10.00-11.00) ms",
+                 "dgrad   80 (0.80) 12.50 (12.00-13.00) ms",
+                 "wgrad   91 (1.10x floor) 11.00 (10.00-12.00) ms",
+                 "block 36.00 (35.00-40.00) ms (1.06x gemms)"):
+        assert text in line, line
+
+
+@pytest.mark.parametrize(("argv", "message"), [(["--repeat", "4"], "--repeat must be >= 5"),
+                                               (["--preset", "ep4"], "invalid choice: 'ep4'"),
+                                               (["--shapes", "gpt-oss"], "invalid choice: 'gpt-oss'")])
+def test_bad_command_lines_fail_before_any_work(monkeypatch, capsys, argv, message):
+    monkeypatch.setattr("sys.argv", ["bench.gemm", *argv])
+    with pytest.raises(SystemExit):
+        main()
+    assert message in capsys.readouterr().err
