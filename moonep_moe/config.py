@@ -408,6 +408,18 @@ class MoEConfig(CommConfig):
         default_factory=SharedExpertConfig,
         description="Shared (always-on) experts. Default: none.",
     )
+    overlap_shared_experts: bool = Field(
+        True,
+        description=(
+            "Run the shared experts on a side CUDA stream while the routed experts (planning, dispatch, "
+            "prefetch, grouped GEMMs, combine) run on the current one, joined before the sum; autograd runs "
+            "their backward on the same streams, so backward overlaps too. Default True (recommended). "
+            "Outputs and gradients are bit-identical either way. No effect without shared experts or off "
+            "CUDA (one stream). Under torch.compile the overlapped shared experts run eagerly with the "
+            "routed experts (one graph break, as without overlap); set False to keep them in the compiled "
+            "graph, after the routed experts."
+        ),
+    )
     grouped_gemm: Literal["auto", "torch", "reference", "deep_gemm", "triton"] = Field(
         "auto",
         description=(

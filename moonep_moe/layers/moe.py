@@ -7,7 +7,8 @@ forward(hidden [T, H] or [batch, seq, H]):
 1. router -> `topk_experts_tk`, `route_weights_tk` (ordinary autograd; its gradient arrives through the
    route weights), the local histogram and the optional aux loss;
 2. `MoonEPExperts` (one autograd Function): dispatch, prefetch, grouped-GEMM SwiGLU experts, combine;
-3. shared experts (dense SwiGLU, optionally gated) added to the routed output.
+3. shared experts (dense SwiGLU, optionally gated) added to the routed output. On CUDA they run on a side
+   stream while step 2 runs (`overlapped_step`, `MoEConfig.overlap_shared_experts`), in backward too.
 
 Per-step balance statistics stay on the device (`balance_stats()` returns tensors; reading them is the only
 host sync, and it is the caller's choice).
@@ -146,7 +147,7 @@ def routed_step(layer: MoonEPMoELayer, hidden_sh: torch.Tensor, routing: RouterO
     state = layer._state
     route_weights_sk = routing.route_weights_tk.to(state.buffer.weight_dtype)
     experts = layer.experts
-    out_sh = MoonEPExperts.apply(hidden_sh, route_weights_sk, routing.topk_experts_tk,
+    out_sh = MoonEPExperts.apply(hidden_sh.contiguous(), route_weights_sk, routing.topk_experts_tk,
                                  routing.tokens_per_expert_e, experts.gate_up, experts.down, state)
     if not recomputing():
         with torch.no_grad():
@@ -156,13 +157,61 @@ def routed_step(layer: MoonEPMoELayer, hidden_sh: torch.Tensor, routing: RouterO
     return out_sh
 
 
+def shared_experts_stream(world: EPWorld) -> torch.cuda.Stream:
+    """This rank's side stream for the shared experts (`overlapped_step`), shared by its layers and made on
+    first use (kept in `world.globals`, as the Buffer keeps its comm stream)."""
+    key = ("shared_experts_stream", world.device)
+    if key not in world.globals:
+        world.globals[key] = torch.cuda.Stream(world.device)
+    return world.globals[key]
+
+
+def overlapped_step(layer: MoonEPMoELayer, hidden_sh: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
+    """`routed_step` plus the shared experts, which run on a side stream meanwhile (CUDA only): `[s, H]`
+    tokens -> `[s, H]` routed + shared output, bit-identical to the serial path's.
+
+    1. The side stream (`shared_experts_stream`) waits for the current stream's queued work: the input's
+       producer and the router.
+    2. The shared experts are queued on the side stream, so they compute while the current stream plans,
+       dispatches and prefetches.
+    3. `routed_step` (planning, dispatch, prefetch, grouped GEMMs, combine) is queued on the current stream.
+    4. The current stream waits for the side stream and adds `routed + shared`, the serial path's sum.
+
+    Backward overlaps the same way: autograd runs each op's backward on the stream its forward ran on, and
+    synchronises (and records on the consumer's stream) every gradient that crosses streams: the output
+    gradient going to the side stream, the shared experts' input gradient added into `hidden_sh`'s.
+    The shared experts read `hidden_sh` through a view of their own, so their input-gradient terms (two
+    with a gate) are summed there first and reach `hidden_sh`'s gradient as one term, beside the routed
+    experts' and the router's: autograd adds those in the serial path's order up to the swap of two terms,
+    which float addition does not notice (queued after the shared experts, the routed experts' backward now
+    runs before theirs).
+    Memory used across streams is recorded there, so the caching allocator does not hand it out early:
+    `hidden_sh` (the current stream's) on the side stream, which reads it in forward and again in the shared
+    experts' backward (a saved input); the shared output (the side stream's) on the current stream.
+    In a CUDA graph the side stream forks from the capturing stream (1) and joins it (4; in backward,
+    autograd joins its streams into the caller's). Under `torch.compile` this whole step runs eagerly
+    (`eager_routed_step`): the shared experts are not compiled then.
+    """
+    current = torch.cuda.current_stream(hidden_sh.device)
+    side = shared_experts_stream(layer.world)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        shared_sh = layer.shared_experts(hidden_sh.view_as(hidden_sh))
+    hidden_sh.record_stream(side)
+    out_sh = routed_step(layer, hidden_sh, routing)
+    current.wait_stream(side)
+    shared_sh.record_stream(current)
+    return out_sh + shared_sh
+
+
 @functools.cache
-def eager_routed_step() -> Callable[..., torch.Tensor]:
-    """`routed_step` wrapped to run eagerly under `torch.compile`: the graph breaks around it
-    (`COMPILE_BREAK_REASON`, which is also what `fullgraph=True` raises with; the recompute check cannot be
-    traced either). Built on first use, outside any compiled region (the layer's constructor):
-    `torch.compiler.disable` imports torch._dynamo, which takes longer than importing torch itself."""
-    return torch.compiler.disable(routed_step, reason=COMPILE_BREAK_REASON)
+def eager_routed_step(overlap: bool = False) -> Callable[..., torch.Tensor]:
+    """`routed_step` (`overlapped_step` with `overlap`) wrapped to run eagerly under `torch.compile`: the
+    graph breaks around it (`COMPILE_BREAK_REASON`, which is also what `fullgraph=True` raises with; the
+    recompute check cannot be traced either). Built on first use, outside any compiled region (the layer's
+    constructor): `torch.compiler.disable` imports torch._dynamo, which takes longer than importing torch
+    itself."""
+    return torch.compiler.disable(overlapped_step if overlap else routed_step, reason=COMPILE_BREAK_REASON)
 
 
 def world_on(world: EPWorld, device: torch.device) -> EPWorld:
@@ -240,6 +289,7 @@ class MoonEPMoELayer(nn.Module):
         `last_router_logits_te` until the next call, so a wrapper can return them without routing twice."""
         self.last_router_logits_te: torch.Tensor | None = None
         self._routed_step = eager_routed_step()  # built here, outside any compiled region
+        self._overlapped_step = eager_routed_step(overlap=True)
         self.buffer: Buffer | None = None
         self._state: ExpertsState | None = None
         if device.type != "meta":
@@ -384,9 +434,12 @@ class MoonEPMoELayer(nn.Module):
             raise ValueError(f"token_mask must be a bool tensor of shape {list(hidden_states.shape[:-1])}, "
                              f"got {token_mask.dtype} {list(token_mask.shape)}")
         routing = self.router(hidden_sh, None if token_mask is None else token_mask.reshape(-1))
-        out_sh = self._routed_step(self, hidden_sh.contiguous(), routing)
-        if self.shared_experts is not None:
-            out_sh = out_sh + self.shared_experts(hidden_sh)
+        if self.shared_experts is not None and cfg.overlap_shared_experts and hidden_sh.is_cuda:
+            out_sh = self._overlapped_step(self, hidden_sh, routing)
+        else:
+            out_sh = self._routed_step(self, hidden_sh, routing)
+            if self.shared_experts is not None:
+                out_sh = out_sh + self.shared_experts(hidden_sh)
         out = out_sh.view(hidden_states.shape)
         return (out, routing.aux_loss) if routing.aux_loss is not None else out
 
