@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_layer import make_config, make_problem, run_dense, run_moonep
 from test_plan_kernel import KERNEL_DEVICE
 
+from moonep_moe.config import MoEConfig
 from moonep_moe.layers import fp8
 from moonep_moe.layers.fp8 import (
     E4M3_MAX,
@@ -31,6 +33,7 @@ from moonep_moe.layers.fp8 import (
     transpose_blocks,
 )
 from moonep_moe.layers.grouped_gemm import ReferenceGroupedGemm, TorchGroupedGemm
+from moonep_moe.layers.moe import MoonEPMoELayer
 
 F64 = torch.float64
 HALF_STEP = 2.0**-4
@@ -251,6 +254,35 @@ def test_weight_cache_rebuilds_for_another_sequence(monkeypatch):
     assert q.shape[0] == 3 and len(casts.calls) == 3, "home cast again into the new copy, then the slots"
 
 
+# -- config and construction --------------------------------------------------------------------------------
+
+BASE = dict(hidden_size=256, ffn_hidden_size=128, num_experts=8, top_k=2, max_tokens_per_rank=64,
+            dtype="bfloat16")
+
+
+def test_precision_defaults_to_bf16_and_fp8_pads_to_128():
+    assert MoEConfig(**BASE).precision == "bf16"
+    assert MoEConfig(**BASE, precision="fp8").token_padding == 128
+    assert MoEConfig(**BASE, precision="fp8", token_padding=256).token_padding == 256
+
+
+@pytest.mark.parametrize("changes,named", [(dict(dtype="float32"), "dtype='float32'"),
+                                           (dict(token_padding=16), "token_padding=16")])
+def test_precision_fp8_refuses_other_dtypes_and_paddings(changes, named):
+    message = f"precision='fp8' needs dtype='bfloat16' and token_padding .*{named}"
+    with pytest.raises(ValueError, match=message):
+        MoEConfig(**{**BASE, "precision": "fp8", **changes})
+    with pytest.raises(ValueError, match="precision"):
+        MoEConfig(**BASE, precision="fp16")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
+def test_fp8_layer_refused_at_construction_without_cuda():
+    with pytest.raises(ValueError, match=r"precision='fp8' cannot run here \(rank 0\): FP8 experts take bf16 "
+                                         r"weights and activations on CUDA, got torch.bfloat16 on cpu"):
+        MoonEPMoELayer(MoEConfig(**BASE, precision="fp8", grouped_gemm="torch"))
+
+
 # -- on the H200: the FP8 backend and an FP8 layer ----------------------------------------------------------
 
 
@@ -336,3 +368,28 @@ def test_fp8_backend_recasts_after_an_optimizer_step():
     torch.optim.SGD([home], lr=1.0).step()  # home - 2 home = -home, exactly
     # negation commutes with the power-of-two quantisation and the GEMM: a stale FP8 copy would give +before
     torch.testing.assert_close(gemm.fwd(x, (home,), offs_g), -before, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@needs_fp8
+def test_fp8_layer_tracks_the_float64_reference_like_the_bf16_layer():
+    """One EP=1 layer step in fp8 and in bf16 against the float64 dense reference (bf16-rounded inputs):
+    the fp8 layer's output, input gradient and expert weight gradients within 2^-3 relative (norm-wise)
+    error. Each FP8 GEMM's product terms carry at most 2 * 2^-4 = 2^-3 relative error (two operands rounded
+    to e4m3) in the worst case, and rounding errors of random signs add in norm far below that, so one
+    GEMM's worth of worst case is a ceiling for the chain (expected: a few 2^-5); the bf16 layer's errors
+    are printed beside for the record."""
+    errors = {}
+    for precision in ("fp8", "bf16"):
+        cfg = make_config(1, hidden_size=256, ffn_hidden_size=128, num_experts=8, max_tokens_per_rank=256,
+                          token_padding=128, dtype="bfloat16", grouped_gemm="torch", precision=precision,
+                          router={"dtype": "float32", "expert_bias": True})
+        p = make_problem(cfg, seed=41, skew=2.0)
+        rounded = [t.bfloat16().double() for t in p.hidden + [p.gate_up_e2fh, p.down_ehf]]
+        p.hidden, p.gate_up_e2fh, p.down_ehf = rounded[:-2], rounded[-2], rounded[-1]
+        (got,), (want, grad_gate_up, grad_down, _) = run_moonep(p, "cuda"), run_dense(p)
+        want = {**want[0], "grad_gate_up": grad_gate_up, "grad_down": grad_down}
+        errors[precision] = {name: float((got[name] - want[name]).norm() / want[name].norm())
+                             for name in ("out", "grad_x", "grad_gate_up", "grad_down")}
+    print(errors)
+    assert all(error < 2.0**-3 for error in errors["fp8"].values()), errors
