@@ -432,6 +432,18 @@ class MoEConfig(CommConfig):
             "gradients) with torch fwd/dgrad."
         ),
     )
+    precision: Literal["bf16", "fp8"] = Field(
+        "bf16",
+        description=(
+            "Routed experts' GEMM precision. Default 'bf16'. 'fp8' (DeepSeek-V3 recipe, training): bf16 "
+            "master weights and gradients as with 'bf16'; fwd and dgrad run on DeepGEMM's FP8 GEMMs with "
+            "e4m3 activations (1x128 tiles) and weights (128x128 blocks), cast by fused kernels (weights "
+            "once per optimizer step); wgrad stays bf16 on the `grouped_gemm` backend. Needs "
+            "dtype='bfloat16', token_padding a multiple of 128 (the default with 'fp8'), CUDA sm90 and the "
+            "[gpu] extra "
+            "(`moonep_moe.layers.fp8`)."
+        ),
+    )
     world: Literal["threads", "symmetric", "collective"] = Field(
         "threads",
         description=(
@@ -456,7 +468,8 @@ class MoEConfig(CommConfig):
         """`token_padding` left out: 128 for DeepGEMM, else 16 (see the field); a pure function of the config,
         so every rank resolves the same value."""
         if isinstance(data, dict) and data.get("token_padding") is None:
-            data = {**data, "token_padding": 128 if data.get("grouped_gemm") == "deep_gemm" else 16}
+            aligned = data.get("grouped_gemm") == "deep_gemm" or data.get("precision") == "fp8"
+            data = {**data, "token_padding": 128 if aligned else 16}
         return data
 
     @model_validator(mode="after")
@@ -472,6 +485,9 @@ class MoEConfig(CommConfig):
             )
         if self.grouped_gemm == "deep_gemm" and self.dtype != "bfloat16":
             raise ValueError(f"grouped_gemm='deep_gemm' needs dtype='bfloat16', got dtype={self.dtype!r}")
+        if self.precision == "fp8" and (self.dtype != "bfloat16" or self.token_padding % 128):
+            raise ValueError(f"precision='fp8' needs dtype='bfloat16' and token_padding a multiple of 128, "
+                             f"got dtype={self.dtype!r}, token_padding={self.token_padding}")
         return self
 
     @property

@@ -35,6 +35,7 @@ from torch import nn
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.world import EPWorld, single_world
 from moonep_moe.config import MoEConfig
+from moonep_moe.layers.fp8 import fp8_grouped_gemm
 from moonep_moe.layers.function import COMPILE_BREAK_REASON, ExpertsState, MoonEPExperts
 from moonep_moe.layers.grouped_gemm import GemmProblem, select_grouped_gemm
 from moonep_moe.layers.router import RouterOutput, TopKRouter
@@ -320,6 +321,8 @@ class MoonEPMoELayer(nn.Module):
                               grad_dtype=grad_dtype)
         gemm = select_grouped_gemm(config.grouped_gemm, device, dtype, k=math.gcd(h, f),
                                    token_padding=config.token_padding, problem=problem)
+        if config.precision == "fp8":  # fwd and dgrad in FP8; the backend selected above keeps wgrad
+            gemm = fp8_grouped_gemm(gemm, device, dtype, config.token_padding, world.rank)
         self._state = ExpertsState(self.buffer, self.experts, gemm, grad_dtype, main_grad)
 
     def _release_comm(self) -> None:

@@ -1,0 +1,289 @@
+"""FP8 experts, the DeepSeek-V3 recipe: e4m3 values with fp32 scales, one scale per row per 128 columns for
+activations (1x128 tiles) and one per 128x128 block for weights; the reference quantisers (plain torch, any
+device) and `Fp8GroupedGemm`, an FP8 backend behind the grouped-GEMM seam (`moonep_moe.layers.grouped_gemm`).
+
+Shapes: ``rows x K`` activations (``_mk``), ``[G, N, K]`` weights (``_gnk``: G groups of ``[N, K]``, nn.Linear
+layout); ``ceil(K/128)`` is written ``Kb``.
+
+Scales are powers of two: the smallest ``s = 2^j`` with ``amax / s <= 448`` (amax of the tile or block,
+floored at ``MIN_AMAX``), so ``amax / s`` lies in (224, 448]. Dividing by a power of two is exact, so every
+implementation (torch on any device, the Triton casts compiled or interpreted) gives the same bytes, and the
+quantisation error is e4m3's rounding alone: at most 2^-4 of ``|x|`` (3 mantissa bits, round to nearest) for
+``|x| >= 2^-6 s``, at most ``2^-10 s`` below (e4m3's subnormal step is ``2^-9 s``). Against ``s = amax / 448``
+it gives up at most one binade of range at the bottom; it is also what DeepGEMM needs on sm100 (UE8M0).
+
+What DeepGEMM 2.8.2 takes on sm90 (read from its ``csrc/apis/layout.hpp``, ``csrc/utils/layout.hpp``,
+``csrc/apis/gemm.hpp``), with ``disable_ue8m0_cast=True`` and the default recipe ``(1, 128, 128)``:
+- scales are fp32 and any positive value (powers of two are required only by sm100's UE8M0 packing);
+- activations' scales (SFA) ``[rows, Kb]``: MN-major with ``stride = (1, align(rows, 4))`` (16-byte TMA
+  alignment) go through as they are; any other layout is transposed by a DeepGEMM kernel on every call, so
+  the cast writes this layout (`tma_aligned_rows`, `to_deep_gemm_row_scales`);
+- weights' scales (SFB) ``[G, ceil(N/128), Kb]``: contiguous, or contiguous after transposing the last two
+  dimensions (so the transposed weight's scales are a view, ``scales.transpose(1, 2)``);
+- both FP8 operands K-major: fwd (``x W^T``) takes W ``[G, N, K]`` as stored; dgrad (``dy W``) needs the
+  transposed copy ``W^T [G, K, N]`` contiguous (`transpose_blocks`). A 128x128 block's scale is the same
+  for W and W^T, so the copy is the transposed bytes and needs no second quantisation.
+"""
+
+from __future__ import annotations
+
+import struct
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from moonep_moe.layers.grouped_gemm import GroupedGemm, _check_groups, import_deep_gemm
+
+__all__ = [
+    "E4M3_MAX",
+    "FP8_DTYPE",
+    "TILE",
+    "Fp8GroupedGemm",
+    "Fp8WeightCache",
+    "dequantise_blocks",
+    "dequantise_rows",
+    "fp8_grouped_gemm",
+    "fp8_unsupported_reason",
+    "pow2_scales",
+    "quantise_blocks",
+    "quantise_rows",
+    "to_deep_gemm_row_scales",
+    "tma_aligned_rows",
+    "transpose_blocks",
+]
+
+FP8_DTYPE = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+"""The largest finite e4m3 value, ``1.75 * 2^8``."""
+TILE = 128
+"""Activations: one scale per row per ``TILE`` columns; weights: one per ``TILE x TILE`` block."""
+MIN_AMAX = 2.0**-100
+"""Tiles whose amax is below this are scaled as if it were this (an all-zero tile gets a finite scale)."""
+MAX_BITS = struct.unpack("<i", struct.pack("<f", E4M3_MAX))[0]
+"""``E4M3_MAX``'s fp32 bits: exponent field ``MAX_BITS >> 23``, significand bits ``MAX_BITS & 0x7FFFFF``."""
+
+
+def pow2_scales(amax: Tensor) -> Tensor:
+    """fp32 powers of two ``s``, the smallest with ``amax / s <= E4M3_MAX`` (amax floored at ``MIN_AMAX``).
+
+    Read from amax's fp32 bits: with ``E4M3_MAX = 1.75 * 2^8``, ``s = 2^(e - 8)`` when amax's significand is
+    at most 1.75, else ``2^(e - 7)`` (``e`` the exponent of amax)."""
+    bits = amax.to(torch.float32).clamp(min=MIN_AMAX).view(torch.int32)
+    over = ((bits & 0x7FFFFF) > (MAX_BITS & 0x7FFFFF)).to(torch.int32)
+    return (((bits >> 23) - (MAX_BITS >> 23) + 127 + over) << 23).view(torch.float32)
+
+
+def _pad_to_tiles(x: Tensor, dims: Sequence[int]) -> Tensor:
+    """``x`` in fp32 with each of ``dims`` zero-padded to a multiple of ``TILE``."""
+    pad = [0] * (2 * x.dim())
+    for dim in dims:
+        pad[2 * (x.dim() - 1 - dim) + 1] = -x.shape[dim] % TILE
+    return F.pad(x.to(torch.float32), pad)
+
+
+def quantise_rows(x_mk: Tensor) -> tuple[Tensor, Tensor]:
+    """Reference activation cast: ``x [rows, K]`` (any floating dtype, rounded to fp32 first) -> ``(q [rows,
+    K] e4m3, scales [rows, Kb] fp32)`` with ``x ~= q * scales`` per 1x128 tile; a tail tile of ``K % 128``
+    columns gets its own scale. The scales are contiguous (see `to_deep_gemm_row_scales`)."""
+    rows, k = x_mk.shape
+    tiles_mkt = _pad_to_tiles(x_mk, [1]).view(rows, -1, TILE)
+    scales_mk = pow2_scales(tiles_mkt.abs().amax(-1))
+    q_mkt = (tiles_mkt / scales_mk[..., None]).to(FP8_DTYPE)
+    return q_mkt.view(rows, -1)[:, :k].contiguous(), scales_mk
+
+
+def dequantise_rows(q_mk: Tensor, scales_mk: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """``q * scale`` per 1x128 tile, in ``dtype``: ``[rows, K]``."""
+    return q_mk.to(dtype) * scales_mk.to(dtype).repeat_interleave(TILE, dim=1)[:, :q_mk.shape[1]]
+
+
+def quantise_blocks(w_gnk: Tensor) -> tuple[Tensor, Tensor]:
+    """Reference weight cast: ``w [G, N, K]`` -> ``(q [G, N, K] e4m3, scales [G, ceil(N/128), Kb] fp32)``, one
+    scale per 128x128 block (tail blocks of ``N % 128`` rows or ``K % 128`` columns get their own)."""
+    g, n, k = w_gnk.shape
+    padded = _pad_to_tiles(w_gnk, [1, 2])
+    blocks = padded.view(g, padded.shape[1] // TILE, TILE, padded.shape[2] // TILE, TILE)
+    scales_gnk = pow2_scales(blocks.abs().amax((2, 4)))
+    q = (blocks / scales_gnk[:, :, None, :, None]).to(FP8_DTYPE)
+    return q.view(padded.shape)[:, :n, :k].contiguous(), scales_gnk
+
+
+def dequantise_blocks(q_gnk: Tensor, scales_gnk: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """``q * scale`` per 128x128 block, in ``dtype``: ``[G, N, K]``."""
+    n, k = q_gnk.shape[1:]
+    full = scales_gnk.to(dtype).repeat_interleave(TILE, dim=1).repeat_interleave(TILE, dim=2)
+    return q_gnk.to(dtype) * full[:, :n, :k]
+
+
+def transpose_blocks(q_gnk: Tensor, scales_gnk: Tensor) -> tuple[Tensor, Tensor]:
+    """The K-major copy of ``W^T`` for dgrad on sm90: ``(q [G, K, N] contiguous, scales [G, Kb, ceil(N/128)]``
+    as a transposed view, the layout DeepGEMM's SFB check accepts)."""
+    return q_gnk.transpose(1, 2).contiguous(), scales_gnk.transpose(1, 2)
+
+
+def tma_aligned_rows(rows: int) -> int:
+    """The row stride of MN-major fp32 scales: ``rows`` rounded up to 4 (16 bytes, TMA's alignment)."""
+    return -(-rows // 4) * 4
+
+
+def to_deep_gemm_row_scales(scales_mk: Tensor) -> Tensor:
+    """``[rows, Kb]`` scales copied into DeepGEMM's sm90 SFA layout: MN-major, ``stride = (1,
+    tma_aligned_rows(rows))`` (what `kernels.fp8_cast.cast_rows` writes directly)."""
+    rows, tiles = scales_mk.shape
+    out = scales_mk.new_empty(tiles * tma_aligned_rows(rows)).as_strided(scales_mk.shape,
+                                                                          (1, tma_aligned_rows(rows)))
+    return out.copy_(scales_mk)
+
+
+# -- the FP8 backend --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Fp8Copy:
+    """One weights sequence's FP8 copy, all its parts' groups joined: ``q [G, N, K]``, ``qt [G, K, N]`` and
+    ``scales [G, ceil(N/128), Kb]``; ``stamps[i]``: ``(version, data_ptr)`` of part i when both of its
+    orientations were last cast (None: not cached)."""
+
+    parts: list[weakref.ref]
+    q: Tensor
+    qt: Tensor
+    scales: Tensor
+    stamps: list[tuple[int, int] | None]
+
+    @classmethod
+    def for_weights(cls, weights: Sequence[Tensor]) -> _Fp8Copy:
+        g, (n, k), ref = sum(w.shape[0] for w in weights), weights[0].shape[1:], weights[0]
+        return cls([weakref.ref(w) for w in weights], ref.new_empty(g, n, k, dtype=FP8_DTYPE),
+                   ref.new_empty(g, k, n, dtype=FP8_DTYPE),
+                   ref.new_empty(g, -(-n // TILE), -(-k // TILE), dtype=torch.float32), [None] * len(weights))
+
+    def holds(self, weights: Sequence[Tensor]) -> bool:
+        return len(weights) == len(self.parts) and all(
+            ref() is w and w.shape[1:] == self.q.shape[1:] for ref, w in zip(self.parts, weights, strict=True)
+        ) and sum(w.shape[0] for w in weights) == self.q.shape[0]
+
+
+class Fp8WeightCache:
+    """FP8 copies of grouped bf16 weights, cast by `kernels.fp8_cast.cast_blocks` straight into one joined
+    buffer per weights sequence (no ``torch.cat``).
+
+    A part that is an ``nn.Parameter`` is cast once per version: both orientations (``q`` and the transposed
+    ``qt``) at once, again only when its ``._version`` or storage changes (an optimizer step, a
+    ``load_state_dict``, any in-place torch op), so one step casts each home expert once. Any other part is
+    cast on every call, in the orientation asked for: the prefetch slots (rewritten by every
+    ``prefetch_weight``, by kernels that do not bump ``._version``) and the arena's joined view
+    (``ExpertRows.compute``, whose version does not follow the parameters'). Writes that bypass the version
+    counter (``param.data.copy_``) are not seen. While a CUDA graph is being captured every part is cast in
+    the call (the replay then casts again: the cache is a host-side decision a replay cannot make).
+    """
+
+    def __init__(self) -> None:
+        from moonep_moe.layers.kernels import fp8_cast
+
+        self._kernels = fp8_cast
+        self._copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def get(self, weights: Sequence[Tensor], transposed: bool) -> tuple[Tensor, Tensor]:
+        """``(q [G, N, K], scales [G, ceil(N/128), Kb])`` of ``weights`` (parts ``[g_i, N, K]`` whose groups
+        concatenate to G), or with ``transposed`` ``(qt [G, K, N], scales^T [G, Kb, ceil(N/128)])``."""
+        copy = self._copies.get(weights[0])
+        if copy is None or not copy.holds(weights):
+            copy = self._copies[weights[0]] = _Fp8Copy.for_weights(weights)
+        capturing = weights[0].is_cuda and torch.cuda.is_current_stream_capturing()
+        start = 0
+        for i, part in enumerate(weights):
+            stop = start + part.shape[0]
+            cached = isinstance(part, nn.Parameter) and not capturing
+            stamp = (part._version, part.data_ptr()) if cached else None
+            if stamp is None or stamp != copy.stamps[i]:
+                self._kernels.cast_blocks(part, copy.scales[start:stop],
+                                          copy.q[start:stop] if cached or not transposed else None,
+                                          copy.qt[start:stop] if cached or transposed else None)
+                copy.stamps[i] = stamp
+            start = stop
+        return (copy.qt, copy.scales.transpose(1, 2)) if transposed else (copy.q, copy.scales)
+
+
+class Fp8GroupedGemm:
+    """FP8 fwd and dgrad on DeepGEMM (``m_grouped_fp8_gemm_nt_contiguous``, psum layout: the padded segment
+    ends ``offs_g`` are read on the device, no host sync), taking bf16 activations and bf16 master weights as
+    the other backends do and casting inside: the activations on every call (`kernels.fp8_cast.cast_rows`,
+    one pass, rows past ``offs_g[-1]`` skipped), the weights through `Fp8WeightCache` (the parameters once
+    per version). Outputs are bf16. dgrad multiplies by the K-major transposed FP8 copy of each weight (sm90
+    takes FP8 operand B only K-major).
+
+    The weight gradient stays in bf16 on ``wgrad`` (the backend ``grouped_gemm`` selects): DeepGEMM's sm90
+    k-grouped FP8 wgrad takes the segment sizes as a host list (a device-to-host read per call, which the
+    no-host-sync rule forbids), and it would also need column-wise (128 rows x 1) casts of ``dy`` and ``x``.
+    Cost: wgrad is a third of the expert block's GEMM FLOPs and runs at the bf16 rate, so at 1.6x on fwd and
+    dgrad the GEMM time is at best ``(2 / 1.6 + 1) / 3 = 0.75`` of bf16's (1.33x).
+
+    Needs CUDA sm90, DeepGEMM, bf16 and segments starting at multiples of 128 (`fp8_unsupported_reason`).
+    """
+
+    name = "fp8"
+    ops = ("fwd", "dgrad")
+
+    def __init__(self, wgrad: GroupedGemm) -> None:
+        from moonep_moe.layers.kernels.fp8_cast import cast_rows
+
+        self._deep_gemm = import_deep_gemm()
+        self._cast_rows = cast_rows
+        self._wgrad = wgrad
+        self.weights = Fp8WeightCache()
+
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        _check_groups(weights, offs_g, "weights")
+        return self._gemm(x, *self.weights.get(weights, transposed=False), offs_g)
+
+    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        _check_groups(weights, offs_g, "weights")
+        return self._gemm(dy, *self.weights.get(weights, transposed=True), offs_g)
+
+    def _gemm(self, a: Tensor, q_w: Tensor, scales_w: Tensor, offs_g: Tensor) -> Tensor:
+        """``a [rows, k] bf16 @ w^T`` per segment, ``w`` the FP8 ``q_w [G, n, k]`` with its block scales."""
+        out = a.new_empty(a.shape[0], q_w.shape[1])
+        gemm = self._deep_gemm.m_grouped_fp8_gemm_nt_contiguous
+        gemm(self._cast_rows(a, offs_g), (q_w, scales_w), out, offs_g, disable_ue8m0_cast=True,
+             use_psum_layout=True)
+        return out
+
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
+              accumulate: bool = True) -> None:
+        self._wgrad.wgrad(dy, x, offs_g, out, accumulate)
+
+
+def fp8_unsupported_reason(device: torch.device, dtype: torch.dtype, token_padding: int | None) -> str | None:
+    """Why `Fp8GroupedGemm` cannot run here, or None when it can."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return f"FP8 experts take bf16 weights and activations on CUDA, got {dtype} on {device.type}"
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return "DeepGEMM's FP8 GEMMs with fp32 scales need sm90 (Hopper)"
+    if token_padding is None or token_padding % 128:
+        return f"segments must be aligned to 128 rows (token_padding % 128 == 0), got {token_padding}"
+    try:
+        import triton  # noqa: F401
+
+        import_deep_gemm()
+    except ImportError as error:
+        return f"{error.name or error} cannot be imported; install the 'gpu' extra (README, GPU section)"
+    return None
+
+
+def fp8_grouped_gemm(wgrad: GroupedGemm, device: torch.device, dtype: torch.dtype, token_padding: int | None,
+                     rank: int = 0) -> Fp8GroupedGemm:
+    """The FP8 backend of a ``precision="fp8"`` layer, its weight gradients on ``wgrad``.
+
+    Raises:
+        ValueError naming ``precision`` (and the rank) when FP8 cannot run here.
+    """
+    reason = fp8_unsupported_reason(device, dtype, token_padding)
+    if reason is not None:
+        raise ValueError(f"precision='fp8' cannot run here (rank {rank}): {reason}; use precision='bf16'")
+    return Fp8GroupedGemm(wgrad)
+
