@@ -118,6 +118,59 @@ def test_wgrad_overwrite_replaces_whatever_was_there(gemm, dtype):
         torch.testing.assert_close(got_gnk[g].double(), expected_nk, **TOL[dtype])
 
 
+@pytest.mark.parametrize("later", [True, False], ids=["home+slots", "home-only"])
+@pytest.mark.parametrize(("gemm", "dtype"), CASES, ids=IDS)
+def test_wgrad_makes_a_none_first_part(gemm, dtype, later):
+    """"param" mode: the home groups' gradients (out[0] None) come back fresh in the inputs' dtype, the
+    slot groups are overwritten in their fp32 (or wider) part; both equal the float64 products."""
+    x_mk, dy_mn = random_inputs(dtype, (M, K), (M, N))
+    grad_dtype = torch.promote_types(dtype, torch.float32)
+    slots = torch.full((len(SIZES_G) - HOME, N, K), float("nan"), dtype=grad_dtype)
+    offs_g = offsets_g() if later else offsets_g()[:HOME]
+    home, *rest = gemm.wgrad(dy_mn, x_mk, offs_g, (None, slots) if later else (None,), accumulate=False)
+    assert home.shape == (HOME, N, K) and home.dtype == dtype and home.is_contiguous()
+    assert rest == ([slots] if later else [])
+    got_gnk = torch.cat([home.to(grad_dtype), slots]) if later else home
+    for g, (start, end) in enumerate(segments()[:len(got_gnk)]):
+        expected_nk = dy_mn[start:end].double().T @ x_mk[start:end].double()
+        torch.testing.assert_close(got_gnk[g].double(), expected_nk, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_wgrad_home_part_is_the_grouped_mm_output_and_ignores_later_rows(monkeypatch, dtype):
+    """`torch._grouped_mm(dy^T, x, offs=offs_g[:HOME])` computes exactly the home groups whatever the rows
+    after them hold (garbage here), and its output IS the returned home gradient (no copy)."""
+    x_mk, dy_mn = random_inputs(dtype, (M, K), (M, N))
+    home_end = int(offsets_g()[HOME - 1])
+    x_mk[home_end:], dy_mn[home_end:] = float("nan"), float("inf")
+    made = []
+
+    def spy(*args, **kwargs):
+        made.append(grouped_mm(*args, **kwargs))
+        return made[-1]
+
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    home, = TorchGroupedGemm().wgrad(dy_mn, x_mk, offsets_g()[:HOME], (None,), accumulate=False)
+    assert len(made) == 1 and home is made[0]
+    assert torch.isfinite(home).all()
+    for g, (start, end) in enumerate(segments()[:HOME]):
+        expected_nk = dy_mn[start:end].double().T @ x_mk[start:end].double()
+        torch.testing.assert_close(home[g].double(), expected_nk, **TOL[dtype])
+
+
+@pytest.mark.parametrize("gemm", [ReferenceGroupedGemm(), TorchGroupedGemm()], ids=lambda g: g.name)
+def test_wgrad_none_part_only_first_and_only_overwriting(gemm):
+    x_mk, dy_mn = torch.randn(M, K), torch.randn(M, N)
+    slots = torch.zeros(len(SIZES_G) - HOME, N, K)
+    with pytest.raises(ValueError, match="out: only its first part may be None.*accumulate=False"):
+        gemm.wgrad(dy_mn, x_mk, offsets_g(), (None, slots), accumulate=True)
+    with pytest.raises(ValueError, match="out: only its first part may be None"):
+        gemm.wgrad(dy_mn, x_mk, offsets_g(), (slots, None), accumulate=False)
+    with pytest.raises(ValueError, match="offs_g must be int32 \\[G\\] with G >= the groups"):
+        gemm.wgrad(dy_mn, x_mk, offsets_g()[:2], (None, slots), accumulate=False)
+
+
 @pytest.mark.parametrize("gemm", [ReferenceGroupedGemm(), TorchGroupedGemm()], ids=lambda g: g.name)
 def test_group_count_mismatch_is_rejected(gemm):
     x_mk, w_gnk = torch.randn(M, K), torch.randn(len(SIZES_G) - 1, N, K)
@@ -392,3 +445,24 @@ def test_gpu_auto_measures_once_and_matches_reference(monkeypatch, tmp_path):
     gemm.wgrad(dy_mn, x_mk, offs_g, [got[:2], got[2:]], accumulate=False)
     ref.wgrad(dy_mn, x_mk, offs_g, [want], accumulate=False)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes_g", [[256] * 6, [0, 1, 2048, 0, 129, 7], [384, 0, 0, 0, 0, 0]],
+                         ids=["uniform", "skewed", "home-only-rows"])
+def test_gpu_torch_wgrad_fresh_home_and_triton_slots(sizes_g):
+    """On CUDA the home groups come from `torch._grouped_mm(offs=offs_g[:home])` and the slot groups from
+    the Triton wgrad (`first_group`), written into fp32 slot gradients; both against the reference."""
+    cuda, home_groups, n, k = torch.device("cuda"), 2, 512, 256
+    offs_g = torch.tensor(sizes_g, dtype=torch.int32, device=cuda).cumsum(0).int()
+    rows = int(offs_g[-1]) + 64
+    x_mk = torch.randn(rows, k, device=cuda, dtype=torch.bfloat16)
+    dy_mn = torch.randn(rows, n, device=cuda, dtype=torch.bfloat16)
+    x_mk[rows - 64:], dy_mn[rows - 64:] = float("nan"), float("nan")
+    slots = torch.full((len(sizes_g) - home_groups, n, k), float("nan"), device=cuda)
+    home, _ = TorchGroupedGemm().wgrad(dy_mn, x_mk, offs_g, (None, slots), accumulate=False)
+    want = torch.zeros(len(sizes_g), n, k, device=cuda)
+    ReferenceGroupedGemm().wgrad(dy_mn, x_mk, offs_g, [want], accumulate=False)
+    assert home.dtype == torch.bfloat16 and home.shape == (home_groups, n, k)
+    torch.testing.assert_close(home.float(), want[:home_groups], rtol=2e-2, atol=1e-1)
+    torch.testing.assert_close(slots, want[home_groups:], rtol=1e-5, atol=1e-3)

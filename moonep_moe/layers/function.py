@@ -19,10 +19,10 @@ Backward reuses the forward plan (never plans again):
 3. `combine(plan, dx, grad_w)`: input and route-weight gradients back to the tokens.
 4. `reduce_grad`: every replica's fp32 gradient added into its home expert's, slots cleared.
 
-Home gradients (`MoEConfig.expert_grad_dtype`): "param" writes fresh ones in the parameters' dtype (wgrad
-overwrites them, fp32 accumulation inside the GEMM) and hands them to autograd as `.grad`; "main_grad" adds
-wgrad straight into each parameter's persistent fp32 `main_grad` (the slot gradients are zero between steps,
-so adding into them is exact too) and hands autograd None.
+Home gradients (`MoEConfig.expert_grad_dtype`): "param" has the wgrad GEMM make them in the parameters' dtype
+(fp32 accumulation inside the GEMM; with `torch._grouped_mm` its own output, no copy) and hands them to
+autograd as `.grad`; "main_grad" adds wgrad straight into each parameter's persistent fp32 `main_grad` (the
+slot gradients are zero between steps, so adding into them is exact too) and hands autograd None.
 
 Under `torch.compile` the whole Function runs eagerly between compiled graphs (`moe.eager_routed_step`).
 """
@@ -99,16 +99,19 @@ class MoonEPExperts(torch.autograd.Function):
         plan, state = ctx.plan, ctx.state
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
         gate_up_rows, down_rows = experts.rows
-        gate_up_grads, down_grads = experts.new_grads(state.grad_dtype, state.main_grad)
         dy_nvsh, *_ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None, plan=plan)
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
         u_nvf = gemm.dgrad(dy_nvsh, down_rows.compute_weights(), offs_g)
         dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:])
-        # "param": overwrite, this step's home and slot gradients start here (no zeroing pass); "main_grad":
-        # add into the persistent main_grad and the slot gradients (zero between steps)
+        # "param": the GEMMs make this step's home gradients (None parts) and overwrite the slot gradients
+        # (no zeroing pass, no copy); "main_grad": they add into the persistent main_grad and the slot
+        # gradients (zero between steps)
         add = state.main_grad
-        gemm.wgrad(dy_nvsh, hw_nvf, offs_g, (down_grads.home.local, down_grads.slots.local), add)
-        gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (gate_up_grads.home.local, gate_up_grads.slots.local), add)
+        home = tuple(rows.home.local for rows in experts.new_grads()) if add else (None, None)
+        gate_up_slots, down_slots = (pool.local for pool in experts.slot_grads)
+        down_home, _ = gemm.wgrad(dy_nvsh, hw_nvf, offs_g, (home[1], down_slots), add)
+        gate_up_home, _ = gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (home[0], gate_up_slots), add)
+        gate_up_grads, down_grads = experts.new_grads((gate_up_home, down_home))
         dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_rows.compute_weights(), offs_g)
         grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs)
         buffer.reduce_grad(plan, gate_up_grads, None, down_grads)

@@ -17,7 +17,9 @@ Primitives (every backend implements all three, as pure functions of their argum
 - ``fwd``:   ``y[start:end] = x[start:end] @ w[g]^T``    x [rows, inner], weights -> y [rows, cols]
 - ``dgrad``: ``dx[start:end] = dy[start:end] @ w[g]``    dy [rows, cols], weights -> dx [rows, inner]
 - ``wgrad``: ``out[g] += dy[start:end]^T @ x[start:end]`` into ``[g_i, cols, inner]`` parts split like the
-  weights, accumulated into fp32 (or wider) gradient tensors.
+  weights, accumulated into fp32 (or wider) gradient tensors; or, overwriting, with the first part made
+  fresh by the backend (the home experts' gradients in the layer's "param" mode: ``torch._grouped_mm``'s own
+  output becomes them, no copy, no second full-size tensor).
 
 Backends: ``reference`` (the oracle), ``torch`` (``torch._grouped_mm``), ``deep_gemm`` (fwd and dgrad) and
 ``triton`` (wgrad, `moonep_moe.layers.kernels.wgrad`). ``select_grouped_gemm`` is the one place that picks;
@@ -77,11 +79,15 @@ class GroupedGemm(Protocol):
         """``dx [rows, inner]`` with ``dx[start:end] = dy[start:end] @ w[g]`` for every group g."""
         ...
 
-    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
-              accumulate: bool = True) -> None:
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
         """Add ``dy[start:end]^T @ x[start:end]`` into group g of ``out`` (split like the weights); with
         ``accumulate=False`` overwrite instead (every group written, empty ones with zeros), which saves
-        zeroing the fp32 gradients and reading them back."""
+        zeroing the fp32 gradients and reading them back.
+
+        With ``accumulate=False`` the first part may be None: the backend makes it, a new
+        ``[G - groups of the other parts, cols, inner]`` tensor in dy's dtype (fp32 accumulation inside),
+        without a copy where it can. Returns the parts, the new one in place of None."""
         ...
 
 
@@ -93,6 +99,32 @@ def _check_groups(parts: Sequence[Tensor], offs_g: Tensor, arg: str) -> None:
             f"offs_g must be int32 [G] with G = total groups in {arg} ({num_groups}); "
             f"got {offs_g.dtype} {list(offs_g.shape)}"
         )
+
+
+def _fresh_groups(out: Sequence[Tensor | None], offs_g: Tensor, accumulate: bool) -> int:
+    """Shape-only check of a wgrad ``out`` (no host sync): the groups of its None first part (0 without)."""
+    if any(part is None for part in out[1:]) or (out[0] is None and accumulate):
+        raise ValueError("out: only its first part may be None (made by the backend), and only with "
+                         "accumulate=False")
+    given = [part for part in out if part is not None]
+    if out[0] is not None:
+        _check_groups(given, offs_g, "out")
+        return 0
+    fresh = offs_g.numel() - sum(part.shape[0] for part in given)
+    if offs_g.dim() != 1 or offs_g.dtype != torch.int32 or fresh < 0:
+        raise ValueError(f"offs_g must be int32 [G] with G >= the groups in out's given parts; got "
+                         f"{offs_g.dtype} {list(offs_g.shape)}")
+    return fresh
+
+
+def _wgrad_parts(dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+                 accumulate: bool) -> list[Tensor]:
+    """``out`` checked, a None first part replaced by a new uninitialised ``[fresh, cols, inner]`` tensor in
+    dy's dtype: for backends that write every part themselves."""
+    fresh = _fresh_groups(out, offs_g, accumulate)
+    if out[0] is not None:
+        return list(out)
+    return [dy.new_empty(fresh, dy.shape[1], x.shape[1]), *out[1:]]
 
 
 def _host_segments(offs_g: Tensor) -> list[tuple[int, int]]:
@@ -129,13 +161,14 @@ class ReferenceGroupedGemm:
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         return _segment_matmul(dy, weights, offs_g, transpose_w=False)
 
-    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
-              accumulate: bool = True) -> None:
-        _check_groups(out, offs_g, "out")
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
+        parts = _wgrad_parts(dy, x, offs_g, out, accumulate)
         compute = torch.promote_types(x.dtype, torch.float32)
-        group_outs = [group_out for part in out for group_out in part.unbind(0)]
+        group_outs = [group_out for part in parts for group_out in part.unbind(0)]
         for (start, end), group_out in zip(_host_segments(offs_g), group_outs, strict=True):
             _store(group_out, dy[start:end].to(compute).T @ x[start:end].to(compute), accumulate)
+        return parts
 
 
 class TorchGroupedGemm:
@@ -144,6 +177,14 @@ class TorchGroupedGemm:
     fwd and dgrad are 2D x 3D calls with ``offs``; wgrad is a 2D x 2D call giving ``[G, cols, inner]``, which
     is added into the fp32 gradients. ``torch._grouped_mm`` insists that its output dtype equals its input
     dtype, so for bf16 each wgrad product is rounded to bf16 before that fp32 add.
+
+    A wgrad whose first part is to be made (None: the home experts' gradients, "param" mode) gets
+    ``torch._grouped_mm(dy^T, x, offs=offs_g[:n])`` itself: rows past the n-th group's end are ignored, so
+    that call computes exactly the first n groups, and its output is the gradient (no copy). The later
+    groups (prefetch slots, B > 0) start at a row known only on the device, which ``torch._grouped_mm``
+    cannot skip to: on CUDA they go to the Triton wgrad (`moonep_moe.layers.kernels.wgrad`, which starts at
+    any group, written straight into the fp32 slot gradients); elsewhere a call over all G groups gives
+    them, which computes the first n groups a second time and holds a ``[G, cols, inner]`` temporary.
 
     Known cost: a weights sequence of more than one tensor (home experts + slots) is joined with
     ``torch.cat`` on every call, a copy of the weights; a later issue removes it.
@@ -164,12 +205,28 @@ class TorchGroupedGemm:
         _check_groups(weights, offs_g, "weights")
         return torch._grouped_mm(dy, _cat_groups(weights), offs=offs_g)
 
-    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
-              accumulate: bool = True) -> None:
-        _check_groups(out, offs_g, "out")
-        grads = torch._grouped_mm(dy.T, x, offs=offs_g)  # [G, cols, inner]
-        for part, grad in zip(out, grads.split([part.shape[0] for part in out]), strict=True):
-            _store(part, grad, accumulate)
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
+        fresh = _fresh_groups(out, offs_g, accumulate)
+        if out[0] is not None:
+            _store_groups(torch._grouped_mm(dy.T, x, offs=offs_g), out, accumulate)
+            return list(out)
+        made = torch._grouped_mm(dy.T, x, offs=offs_g[:fresh])  # [fresh, cols, inner], the rest ignored
+        later = out[1:]
+        if any(part.shape[0] for part in later):
+            if dy.is_cuda:
+                from moonep_moe.layers.kernels.wgrad import grouped_wgrad_triton
+
+                grouped_wgrad_triton(dy, x, offs_g, later, accumulate=False, first_group=fresh)
+            else:
+                _store_groups(torch._grouped_mm(dy.T, x, offs=offs_g)[fresh:], later, accumulate=False)
+        return [made, *later]
+
+
+def _store_groups(grads: Tensor, out: Sequence[Tensor], accumulate: bool) -> None:
+    """``grads [G, cols, inner]`` into the parts of ``out``, in order (cast to each part's dtype)."""
+    for part, grad in zip(out, grads.split([part.shape[0] for part in out]), strict=True):
+        _store(part, grad, accumulate)
 
 
 def _store(out: Tensor, value: Tensor, accumulate: bool) -> None:
@@ -255,9 +312,9 @@ class DeepGemmGroupedGemm:
         kernel(a, joined, out, offs_g, use_psum_layout=True)
         return out
 
-    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
-              accumulate: bool = True) -> None:
-        self._torch.wgrad(dy, x, offs_g, out, accumulate)
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
+        return self._torch.wgrad(dy, x, offs_g, out, accumulate)
 
 
 def _deep_gemm_unsupported_reason(device: torch.device, dtype: torch.dtype,
@@ -299,10 +356,11 @@ class TritonGroupedGemm:
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         return self._torch.dgrad(dy, weights, offs_g)
 
-    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
-              accumulate: bool = True) -> None:
-        _check_groups(out, offs_g, "out")
-        self._wgrad(dy, x, offs_g, out, accumulate)
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
+        parts = _wgrad_parts(dy, x, offs_g, out, accumulate)
+        self._wgrad(dy, x, offs_g, parts, accumulate)
+        return parts
 
 
 def _triton_unsupported_reason(device: torch.device, dtype: torch.dtype, k: int | None) -> str | None:
@@ -331,18 +389,18 @@ class MeasuredGroupedGemm:
         """``(op, cols, inner) -> backend``."""
         self.fallback = fallback
 
-    def _for(self, op: str, part: Tensor) -> GroupedGemm:
-        return self.chosen.get((op, part.shape[-2], part.shape[-1]), self.fallback)
+    def _for(self, op: str, cols: int, inner: int) -> GroupedGemm:
+        return self.chosen.get((op, cols, inner), self.fallback)
 
     def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        return self._for("fwd", weights[0]).fwd(x, weights, offs_g)
+        return self._for("fwd", *weights[0].shape[-2:]).fwd(x, weights, offs_g)
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        return self._for("dgrad", weights[0]).dgrad(dy, weights, offs_g)
+        return self._for("dgrad", *weights[0].shape[-2:]).dgrad(dy, weights, offs_g)
 
-    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
-              accumulate: bool = True) -> None:
-        self._for("wgrad", out[0]).wgrad(dy, x, offs_g, out, accumulate)
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
+        return self._for("wgrad", dy.shape[-1], x.shape[-1]).wgrad(dy, x, offs_g, out, accumulate)
 
     def describe(self) -> str:
         """``"fwd 4096x7168: deep_gemm, ..."``: each primitive and weight shape with its backend."""
