@@ -285,16 +285,19 @@ def test_gpu_param_mode_backward_makes_no_second_gradient(monkeypatch, tmp_path,
 
 
 def test_grouped_gemm_is_chosen_for_the_layers_gradient_dtype(monkeypatch):
-    """The layer asks for its grouped GEMM with the dtype its wgrad will write (`expert_grad_dtype`), so
-    "auto" times wgrad into the gradients it will really produce."""
+    """The layer asks for its grouped GEMM with the dtype its wgrad will write (`expert_grad_dtype`), the way
+    it calls wgrad (home gradients made by the GEMM in "param" mode, added into in "main_grad" mode) and its
+    (home, slot) groups, so "auto" times wgrad as the layer will really run it."""
     seen = []
     select = moe.select_grouped_gemm
 
     def spy(*args, problem, **kwargs):
-        seen.append(problem.grad_dtype)
+        seen.append((problem.grad_dtype, problem.fresh_home_grads, problem.groups))
         return select(*args, problem=problem, **kwargs)
 
     monkeypatch.setattr(moe, "select_grouped_gemm", spy)
     for mode in ("param", "main_grad"):
         MoonEPMoELayer(make_config(1, dtype="bfloat16", expert_grad_dtype=mode))
-    assert seen == [torch.bfloat16, torch.float32]
+    run_ranks(lambda world: MoonEPMoELayer(make_config(4, dtype="bfloat16"), world).destroy(), 4)
+    assert seen == [(torch.bfloat16, True, (32, 0)), (torch.float32, False, (32, 0))] + \
+        [(torch.bfloat16, True, (8, 8))] * 4

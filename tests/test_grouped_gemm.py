@@ -253,8 +253,8 @@ class FakeTimer:
     def __init__(self, winners: dict[str, str]):
         self.winners, self.calls = winners, []
 
-    def __call__(self, op, n, k, rows, backends):
-        self.calls.append((op, n, k, rows, tuple(gemm.name for gemm in backends)))
+    def __call__(self, op, n, k, rows, groups, backends):
+        self.calls.append((op, n, k, rows, groups, tuple(gemm.name for gemm in backends)))
         return [1.0 if gemm.name == self.winners[op] else 2.0 for gemm in backends]
 
 
@@ -277,7 +277,7 @@ def test_measured_choice_per_op_and_dispatch():
     assert {key: g.name for key, g in gemm.chosen.items()} == {
         ("fwd", N, K): "reference", ("fwd", K, N): "reference", ("dgrad", N, K): "torch",
         ("dgrad", K, N): "torch", ("wgrad", N, K): "reference", ("wgrad", K, N): "reference"}
-    assert [call[:4] for call in timer.calls] == [(op, n, k, 128) for op in ("fwd", "dgrad", "wgrad")
+    assert [call[:5] for call in timer.calls] == [(op, n, k, 128, (8, 0)) for op in ("fwd", "dgrad", "wgrad")
                                                   for n, k in ((N, K), (K, N))]
     # dispatch: the chosen backends compute the right thing
     x_mk, dy_mn, w_gnk = random_inputs(torch.float32, (M, K), (M, N), (len(SIZES_G), N, K))
@@ -288,13 +288,15 @@ def test_measured_choice_per_op_and_dispatch():
     gemm.wgrad(dy_mn, x_mk, offsets_g(), [got], accumulate=False)
     ref.wgrad(dy_mn, x_mk, offsets_g(), [want], accumulate=False)
     torch.testing.assert_close(got, want)
+    home, _ = gemm.wgrad(dy_mn, x_mk, offsets_g(), (None, got[HOME:]), accumulate=False)  # "param" mode
+    torch.testing.assert_close(home, want[:HOME])
 
 
 def test_only_backends_computing_an_op_themselves_are_timed():
     timer = FakeTimer({"wgrad": "wgrad_only"})
     gemm = measure_grouped_gemm([TorchGroupedGemm(), WgradOnly()], SHAPES, CONTEXT, timer, ChoiceCache(None))
     assert {call[0] for call in timer.calls} == {"wgrad"}
-    assert all(call[4] == ("torch", "wgrad_only") for call in timer.calls)
+    assert all(call[5] == ("torch", "wgrad_only") for call in timer.calls)
     assert gemm.chosen[("fwd", N, K)].name == "torch" and gemm.chosen[("wgrad", K, N)].name == "wgrad_only"
 
 
@@ -332,8 +334,66 @@ def test_wgrad_choice_is_kept_per_gradient_dtype(tmp_path):
         problem = GemmProblem(SHAPES.shapes_nk, SHAPES.rows_per_group, grad_dtype=grad_dtype)
         measure_grouped_gemm(backends, problem, CONTEXT, timer, ChoiceCache(path))
     assert [call[0] for call in timer.calls] == ["fwd"] * 2 + ["dgrad"] * 2 + ["wgrad"] * 4
-    wgrad_keys = sorted(key.rsplit("|", 1)[1] for key in json.loads(path.read_text()) if "|wgrad|" in key)
+    wgrad_keys = sorted(key.split("|")[-2] for key in json.loads(path.read_text()) if "|wgrad|" in key)
     assert wgrad_keys == ["grad=bfloat16"] * 2 + ["grad=float32"] * 2
+
+
+@pytest.mark.parametrize(("groups", "shape", "rows", "timed"), [
+    ((256, 0), (4096, 7168), 256, (32, 0)),      # DeepSeek-V3 at EP = 1: 32 of 256 groups
+    ((32, 32), (4096, 7168), 1024, (16, 16)),    # one EP = 8 rank: home and slots in the layer's ratio
+    ((32, 32), (28672, 4096), 1024, (4, 4)),     # large experts: the memory cap leaves 8 groups
+    ((1, 1), (28672, 4096), 8192, (1, 1)),       # Mixtral at EP = 8
+    ((3, 0), (32, 16), 128, (3, 0)), ((0, 4), (32, 16), 128, (0, 4)), ((1, 63), (32, 16), 8, (1, 31)),
+])
+def test_timed_groups_are_the_layers_up_to_a_count_and_a_memory_cap(groups, shape, rows, timed):
+    problem = GemmProblem((shape,), rows, groups=groups)
+    assert grouped_gemm.timed_groups(problem, *shape, rows) == timed
+    assert 2 * rows * sum(shape) + 6 * shape[0] * shape[1] <= grouped_gemm.TIMING_BYTES // sum(timed)
+
+
+def test_wgrad_is_timed_in_the_layers_mode_and_kept_per_mode(tmp_path):
+    """The layer's problem (groups, "param" or "main_grad" mode) reaches the timer and the cache key: the
+    two modes are timed and kept apart, and keys of the format before it (8 groups, overwrite) are not
+    reused."""
+    path = tmp_path / "gemm.json"
+    backends = [TorchGroupedGemm(), ReferenceGroupedGemm()]
+    old_key = f"{CONTEXT}|wgrad|n={N}|k={K}|rows=128|torch/reference|grad=bfloat16"
+    path.write_text(json.dumps({old_key: "reference"}))
+    timer = FakeTimer({"fwd": "torch", "dgrad": "torch", "wgrad": "torch"})
+    for fresh in (True, False, True):
+        problem = GemmProblem(((N, K),), 100, torch.bfloat16, groups=(48, 16), fresh_home_grads=fresh)
+        gemm = measure_grouped_gemm(backends, problem, CONTEXT, timer, ChoiceCache(path))
+        assert gemm.chosen[("wgrad", N, K)].name == "torch"
+    assert [call[:5] for call in timer.calls if call[0] == "wgrad"] == [("wgrad", N, K, 128, (24, 8))] * 2
+    keys = [key for key in json.loads(path.read_text()) if key != old_key and "|wgrad|" in key]
+    assert sorted(key.removeprefix(f"{CONTEXT}|wgrad|") for key in keys) == [
+        f"n={N}|k={K}|rows=128|groups=24+8|torch/reference|grad=bfloat16|{mode}" for mode in ("add", "fresh")]
+
+
+class Recording(ReferenceGroupedGemm):
+    """Records how wgrad is called."""
+
+    name = "recording"
+
+    def __init__(self):
+        self.wgrad_calls = []
+
+    def wgrad(self, dy, x, offs_g, out, accumulate=True):
+        self.wgrad_calls.append(([None if part is None else (part.dtype, part.shape[0]) for part in out],
+                                 accumulate, offs_g.tolist()))
+        return super().wgrad(dy, x, offs_g, out, accumulate)
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["param", "main_grad"])
+def test_timed_wgrad_calls_are_the_layers(fresh):
+    """"param": the home part made by the backend, fp32 slots overwritten; "main_grad": added into home
+    gradients of the gradient dtype and fp32 slots; on (home + slot) groups of the timed rows."""
+    gemm = Recording()
+    calls = grouped_gemm.timed_calls("wgrad", N, K, 8, (3, 2), [gemm], CPU, torch.bfloat16, torch.float32,
+                                     fresh)
+    calls[0]()
+    home = None if fresh else (torch.float32, 3)
+    assert gemm.wgrad_calls == [([home, (torch.float32, 2)], not fresh, [8, 16, 24, 32, 40])]
 
 
 def test_cache_file_unreadable_or_stale_is_timed_again(tmp_path):
@@ -371,7 +431,7 @@ def test_measured_selection_logs_what_it_times_what_it_chose_and_the_cache(caplo
     timer = FakeTimer({"fwd": "torch", "dgrad": "reference", "wgrad": "reference"})
     measure_grouped_gemm(backends, SHAPES, CONTEXT, timer, ChoiceCache(path))
     lines = [record.getMessage() for record in caplog.records if record.name.startswith("moonep_moe")]
-    assert f"grouped_gemm=auto: timing torch/reference fwd on [{N}, {K}] weights, 128 rows per group " \
+    assert f"grouped_gemm=auto: timing torch/reference fwd on [{N}, {K}] weights, 8 + 0 groups of 128 rows " \
            f"({CONTEXT}), once: the winner is kept in {path}" in lines
     assert any(line.startswith(f"grouped_gemm=auto: dgrad {N}x{K} -> reference (torch 2000.000 ms, "
                                "reference 1000.000 ms") for line in lines)
@@ -387,7 +447,7 @@ SECOND_PROCESS = """
 from moonep_moe.layers.grouped_gemm import *
 from moonep_moe.layers.grouped_gemm import default_choice_cache
 calls = []
-def timer(op, n, k, rows, backends):
+def timer(op, n, k, rows, groups, backends):
     calls.append(op)
     return [float(i) for i, _ in enumerate(backends)]
 problem = GemmProblem(((32, 16), (16, 32)), rows_per_group=100)
