@@ -11,8 +11,8 @@ Forward, on every rank:
 4. `Buffer.combine`: each token's K rows summed in fp32.
 
 Backward reuses the forward plan (never plans again):
-1. `dispatch(grad_out, plan=plan)` brings the gradient to the rows; `prefetch_weight` again (later layers
-   overwrote the shared slot pool).
+1. `dispatch(grad_out, plan=plan, zero_copy=True)` brings the gradient to the rows (used in place, no
+   copy); `prefetch_weight` again (later layers overwrote the shared slot pool).
 2. down: `u = dy @ down` (dgrad); the fused SwiGLU backward gives `dab`, the route-weight gradient per row
    and, recomputed in the same pass, `hw`; `dW_down = dy^T hw` (wgrad into this step's home grads and the
    fp32 slot grads); gate_up: `dW_gate_up = dab^T x`, `dx = dab @ gate_up`.
@@ -99,7 +99,16 @@ class MoonEPExperts(torch.autograd.Function):
         plan, state = ctx.plan, ctx.state
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
         gate_up_rows, down_rows = experts.rows
-        dy_nvsh, *_ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None, plan=plan)
+        # zero_copy: dy is the Buffer's own rows, not a [NvS, H] copy of them. They stay dy until this
+        # backward's combine, which runs after dy's last reader (the down wgrad) on this stream and is the
+        # first to overwrite them (pre_reduce, with dx): only dispatch and combine of this Buffer write its
+        # rows (prefetch and reduce_grad touch the slot pools), and peers write them only inside a dispatch
+        # (`scatter_rows` / `KernelExchange.send_routes` start with every rank's barrier, which this rank
+        # reaches only in its next dispatch; the collective world writes them on this rank's stream). Every
+        # layer owns its Buffer (a `BufferPool` serves the communicator, not this Function). The forward's
+        # x_nvsh stays a copy: it is saved for backward and combine(y) overwrites the rows.
+        dy_nvsh, *_ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None, plan=plan,
+                                      zero_copy=True)
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
         u_nvf = gemm.dgrad(dy_nvsh, down_rows.compute_weights(), offs_g)
         dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:])
