@@ -17,7 +17,8 @@ from test_layer import TOL, build_layer, make_config, make_problem, run_dense
 
 from moonep_moe.comm.world import run_ranks, single_world
 from moonep_moe.config import MoEConfig
-from moonep_moe.layers import moe
+from moonep_moe.layers import grouped_gemm, moe
+from moonep_moe.layers.function import MoonEPExperts
 from moonep_moe.layers.moe import MoonEPMoELayer
 
 
@@ -181,17 +182,158 @@ def test_bf16_expert_gradients_in_every_mode(mode, device):
             assert error < 1e-2, f"{name} on rank {rank}: relative error {error:.1e}"
 
 
+def rounded_problem(cfg: MoEConfig, seed: int):
+    """A skewed problem whose tokens and expert weights are exactly representable in `cfg`'s dtype (what the
+    layer sees), so the float64 reference differs from the layer only by its arithmetic."""
+    p = make_problem(cfg, seed=seed, skew=100.0)
+    rounded = [t.to(cfg.torch_dtype).double() for t in p.hidden + [p.gate_up_e2fh, p.down_ehf]]
+    p.hidden, p.gate_up_e2fh, p.down_ehf = rounded[:-2], rounded[-2], rounded[-1]
+    return p
+
+
+@pytest.mark.parametrize("R", [1, 4])
+def test_param_mode_home_grads_are_the_torch_gemm_output(monkeypatch, R):
+    """"param" mode on `torch._grouped_mm` (float32 on the CPU): the home gradients the Function hands
+    autograd are the very tensors the wgrad GEMM returned (no copy into separately allocated gradients;
+    autograd then keeps them as `.grad`, see the GPU test), and every expert's `.grad` still equals the
+    float64 reference, with replicas reduced home (R = 4, skewed routing)."""
+    made, handed = [], []
+    grouped_mm, backward = torch._grouped_mm, MoonEPExperts.backward
+
+    def gemm_spy(*args, **kwargs):
+        made.append(grouped_mm(*args, **kwargs))
+        return made[-1]
+
+    def backward_spy(ctx, grad_out_sh):
+        grads = backward(ctx, grad_out_sh)
+        handed.extend(grads[4:6])
+        return grads
+
+    monkeypatch.setattr(torch, "_grouped_mm", gemm_spy)
+    monkeypatch.setattr(MoonEPExperts, "backward", staticmethod(backward_spy))
+    cfg = make_config(R, dtype="float32", router={"dtype": "float32", "expert_bias": True},
+                      grouped_gemm="torch")
+    p = rounded_problem(cfg, seed=61)
+
+    def rank_fn(world):
+        layer = build_layer(p, world)
+        layer(p.hidden[world.rank].float()).backward(p.grad_out[world.rank].float())
+        grads = [layer.experts.gate_up.grad, layer.experts.down.grad]
+        slots_used = int(layer.balance_stats()["slots_used"].max())
+        layer.destroy()
+        return grads, slots_used
+
+    got = run_ranks(rank_fn, R)
+    assert len(handed) == 2 * R and all(any(grad is out for out in made) for grad in handed)
+    _, grad_gate_up, grad_down, _ = run_dense(p)
+    assert R == 1 or got[0][1] > 0
+    epn = cfg.num_experts // R
+    for rank, (grads, _) in enumerate(got):
+        home = slice(rank * epn, (rank + 1) * epn)
+        for grad, full in zip(grads, (grad_gate_up, grad_down), strict=True):
+            assert grad.dtype == torch.float32
+            torch.testing.assert_close(grad.double(), full[home], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("R", [1, 4])
+def test_backward_uses_the_dispatched_gradient_rows_in_place(R):
+    """Backward's dispatch hands the grouped GEMMs the Buffer's own rows (`zero_copy=True`: no `[NvS, H]`
+    copy), and the layer's gradients (input, router, experts) still equal the float64 reference with
+    replicas (R = 4, skewed routing)."""
+    p = make_problem(make_config(R), seed=90 + R, skew=100.0)
+
+    def rank_fn(world):
+        layer = build_layer(p, world)
+        gemm, dy_ptrs = layer._state.gemm, []
+        dgrad = gemm.dgrad
+
+        def dgrad_spy(dy, weights, offs_g):
+            dy_ptrs.append(dy.data_ptr())
+            return dgrad(dy, weights, offs_g)
+
+        gemm.dgrad = dgrad_spy
+        x = p.hidden[world.rank].clone().requires_grad_()
+        layer(x).backward(p.grad_out[world.rank])
+        rows_ptr = layer.buffer.hidden_nvsh_buffer_view.data_ptr()
+        result = dict(expert_grads(layer), x=x.grad, router=layer.router.weight.grad.double(),
+                      slots_used=int(layer.balance_stats()["slots_used"].max()),
+                      dy_in_place=dy_ptrs[0] == rows_ptr)  # backward's first dgrad: u = dy @ down
+        layer.destroy()
+        return result
+
+    got = run_ranks(rank_fn, R)
+    dense, grad_gate_up, grad_down, _ = run_dense(p)
+    assert R == 1 or got[0]["slots_used"] > 0
+    assert all(g["dy_in_place"] for g in got)
+    assert_home_grads(got, "grad", grad_gate_up, grad_down, 32 // R)
+    for rank, g in enumerate(got):
+        torch.testing.assert_close(g["x"], dense[rank]["grad_x"], **TOL)
+        torch.testing.assert_close(g["router"], dense[rank]["grad_router"], **TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_gpu_param_mode_backward_makes_no_second_gradient(monkeypatch, tmp_path, backend):
+    """bf16 on CUDA, EP = 1, expert weights much larger than the activations: during backward the memory in
+    use grows by less than 1.5x the home gradients (copying the GEMM's output into separately allocated
+    gradients needed 2x), with `torch._grouped_mm` `.grad` is the GEMM's own output, and the gradients equal
+    the `reference` backend's (same weights, same tokens) within bf16 tolerance."""
+    monkeypatch.setattr(grouped_gemm, "_DEFAULT_CACHE", None)
+    monkeypatch.setenv("MOONEP_MOE_CACHE", str(tmp_path))
+    cuda = torch.device("cuda")
+    made_ptrs, grouped_mm = set(), torch._grouped_mm
+
+    def spy(*args, **kwargs):  # pointers only: holding the outputs would change the peak and make autograd
+        out = grouped_mm(*args, **kwargs)  # copy them into .grad
+        made_ptrs.add(out.data_ptr())
+        return out
+
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+
+    def step(backend: str) -> tuple[list[torch.Tensor], int]:
+        cfg = MoEConfig(hidden_size=1024, ffn_hidden_size=512, num_experts=64, top_k=2,
+                        max_tokens_per_rank=64, dtype="bfloat16", grouped_gemm=backend)
+        torch.manual_seed(5)  # the same experts for both backends
+        layer = MoonEPMoELayer(cfg, device=cuda)
+        gen = torch.Generator(cuda).manual_seed(6)
+        x = torch.randn(64, 1024, device=cuda, dtype=torch.bfloat16, generator=gen)
+        grad_out = torch.randn(64, 1024, device=cuda, dtype=torch.bfloat16, generator=gen)
+        layer(x).backward(grad_out)  # compiles and tunes the kernels outside the measured step
+        layer.zero_grad(set_to_none=True)
+        out = layer(x)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out.backward(grad_out)
+        grown = torch.cuda.max_memory_allocated() - before
+        return [layer.experts.gate_up.grad, layer.experts.down.grad], grown
+
+    want, _ = step("reference")
+    got, grown = step(backend)
+    grad_bytes = sum(grad.nbytes for grad in got)
+    assert grown < 1.5 * grad_bytes, f"backward grew memory by {grown / grad_bytes:.2f}x the home gradients"
+    for grad, reference in zip(got, want, strict=True):
+        assert grad.dtype == torch.bfloat16
+        if backend == "torch":
+            assert grad.data_ptr() in made_ptrs
+        error = float((grad.double() - reference.double()).norm() / reference.double().norm())
+        assert error < 1e-2, f"relative error {error:.1e} against the reference backend"
+
+
 def test_grouped_gemm_is_chosen_for_the_layers_gradient_dtype(monkeypatch):
-    """The layer asks for its grouped GEMM with the dtype its wgrad will write (`expert_grad_dtype`), so
-    "auto" times wgrad into the gradients it will really produce."""
+    """The layer asks for its grouped GEMM with the dtype its wgrad will write (`expert_grad_dtype`), the way
+    it calls wgrad (home gradients made by the GEMM in "param" mode, added into in "main_grad" mode) and its
+    (home, slot) groups, so "auto" times wgrad as the layer will really run it."""
     seen = []
     select = moe.select_grouped_gemm
 
     def spy(*args, problem, **kwargs):
-        seen.append(problem.grad_dtype)
+        seen.append((problem.grad_dtype, problem.fresh_home_grads, problem.groups))
         return select(*args, problem=problem, **kwargs)
 
     monkeypatch.setattr(moe, "select_grouped_gemm", spy)
     for mode in ("param", "main_grad"):
         MoonEPMoELayer(make_config(1, dtype="bfloat16", expert_grad_dtype=mode))
-    assert seen == [torch.bfloat16, torch.float32]
+    run_ranks(lambda world: MoonEPMoELayer(make_config(4, dtype="bfloat16"), world).destroy(), 4)
+    assert seen == [(torch.bfloat16, True, (32, 0)), (torch.float32, False, (32, 0))] + \
+        [(torch.bfloat16, True, (8, 8))] * 4

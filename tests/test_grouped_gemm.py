@@ -118,6 +118,59 @@ def test_wgrad_overwrite_replaces_whatever_was_there(gemm, dtype):
         torch.testing.assert_close(got_gnk[g].double(), expected_nk, **TOL[dtype])
 
 
+@pytest.mark.parametrize("later", [True, False], ids=["home+slots", "home-only"])
+@pytest.mark.parametrize(("gemm", "dtype"), CASES, ids=IDS)
+def test_wgrad_makes_a_none_first_part(gemm, dtype, later):
+    """"param" mode: the home groups' gradients (out[0] None) come back fresh in the inputs' dtype, the
+    slot groups are overwritten in their fp32 (or wider) part; both equal the float64 products."""
+    x_mk, dy_mn = random_inputs(dtype, (M, K), (M, N))
+    grad_dtype = torch.promote_types(dtype, torch.float32)
+    slots = torch.full((len(SIZES_G) - HOME, N, K), float("nan"), dtype=grad_dtype)
+    offs_g = offsets_g() if later else offsets_g()[:HOME]
+    home, *rest = gemm.wgrad(dy_mn, x_mk, offs_g, (None, slots) if later else (None,), accumulate=False)
+    assert home.shape == (HOME, N, K) and home.dtype == dtype and home.is_contiguous()
+    assert rest == ([slots] if later else [])
+    got_gnk = torch.cat([home.to(grad_dtype), slots]) if later else home
+    for g, (start, end) in enumerate(segments()[:len(got_gnk)]):
+        expected_nk = dy_mn[start:end].double().T @ x_mk[start:end].double()
+        torch.testing.assert_close(got_gnk[g].double(), expected_nk, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_wgrad_home_part_is_the_grouped_mm_output_and_ignores_later_rows(monkeypatch, dtype):
+    """`torch._grouped_mm(dy^T, x, offs=offs_g[:HOME])` computes exactly the home groups whatever the rows
+    after them hold (garbage here), and its output IS the returned home gradient (no copy)."""
+    x_mk, dy_mn = random_inputs(dtype, (M, K), (M, N))
+    home_end = int(offsets_g()[HOME - 1])
+    x_mk[home_end:], dy_mn[home_end:] = float("nan"), float("inf")
+    made = []
+
+    def spy(*args, **kwargs):
+        made.append(grouped_mm(*args, **kwargs))
+        return made[-1]
+
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    home, = TorchGroupedGemm().wgrad(dy_mn, x_mk, offsets_g()[:HOME], (None,), accumulate=False)
+    assert len(made) == 1 and home is made[0]
+    assert torch.isfinite(home).all()
+    for g, (start, end) in enumerate(segments()[:HOME]):
+        expected_nk = dy_mn[start:end].double().T @ x_mk[start:end].double()
+        torch.testing.assert_close(home[g].double(), expected_nk, **TOL[dtype])
+
+
+@pytest.mark.parametrize("gemm", [ReferenceGroupedGemm(), TorchGroupedGemm()], ids=lambda g: g.name)
+def test_wgrad_none_part_only_first_and_only_overwriting(gemm):
+    x_mk, dy_mn = torch.randn(M, K), torch.randn(M, N)
+    slots = torch.zeros(len(SIZES_G) - HOME, N, K)
+    with pytest.raises(ValueError, match="out: only its first part may be None.*accumulate=False"):
+        gemm.wgrad(dy_mn, x_mk, offsets_g(), (None, slots), accumulate=True)
+    with pytest.raises(ValueError, match="out: only its first part may be None"):
+        gemm.wgrad(dy_mn, x_mk, offsets_g(), (slots, None), accumulate=False)
+    with pytest.raises(ValueError, match="offs_g must be int32 \\[G\\] with G >= the groups"):
+        gemm.wgrad(dy_mn, x_mk, offsets_g()[:2], (None, slots), accumulate=False)
+
+
 @pytest.mark.parametrize("gemm", [ReferenceGroupedGemm(), TorchGroupedGemm()], ids=lambda g: g.name)
 def test_group_count_mismatch_is_rejected(gemm):
     x_mk, w_gnk = torch.randn(M, K), torch.randn(len(SIZES_G) - 1, N, K)
@@ -200,8 +253,8 @@ class FakeTimer:
     def __init__(self, winners: dict[str, str]):
         self.winners, self.calls = winners, []
 
-    def __call__(self, op, n, k, rows, backends):
-        self.calls.append((op, n, k, rows, tuple(gemm.name for gemm in backends)))
+    def __call__(self, op, n, k, rows, groups, backends):
+        self.calls.append((op, n, k, rows, groups, tuple(gemm.name for gemm in backends)))
         return [1.0 if gemm.name == self.winners[op] else 2.0 for gemm in backends]
 
 
@@ -224,7 +277,7 @@ def test_measured_choice_per_op_and_dispatch():
     assert {key: g.name for key, g in gemm.chosen.items()} == {
         ("fwd", N, K): "reference", ("fwd", K, N): "reference", ("dgrad", N, K): "torch",
         ("dgrad", K, N): "torch", ("wgrad", N, K): "reference", ("wgrad", K, N): "reference"}
-    assert [call[:4] for call in timer.calls] == [(op, n, k, 128) for op in ("fwd", "dgrad", "wgrad")
+    assert [call[:5] for call in timer.calls] == [(op, n, k, 128, (8, 0)) for op in ("fwd", "dgrad", "wgrad")
                                                   for n, k in ((N, K), (K, N))]
     # dispatch: the chosen backends compute the right thing
     x_mk, dy_mn, w_gnk = random_inputs(torch.float32, (M, K), (M, N), (len(SIZES_G), N, K))
@@ -235,13 +288,15 @@ def test_measured_choice_per_op_and_dispatch():
     gemm.wgrad(dy_mn, x_mk, offsets_g(), [got], accumulate=False)
     ref.wgrad(dy_mn, x_mk, offsets_g(), [want], accumulate=False)
     torch.testing.assert_close(got, want)
+    home, _ = gemm.wgrad(dy_mn, x_mk, offsets_g(), (None, got[HOME:]), accumulate=False)  # "param" mode
+    torch.testing.assert_close(home, want[:HOME])
 
 
 def test_only_backends_computing_an_op_themselves_are_timed():
     timer = FakeTimer({"wgrad": "wgrad_only"})
     gemm = measure_grouped_gemm([TorchGroupedGemm(), WgradOnly()], SHAPES, CONTEXT, timer, ChoiceCache(None))
     assert {call[0] for call in timer.calls} == {"wgrad"}
-    assert all(call[4] == ("torch", "wgrad_only") for call in timer.calls)
+    assert all(call[5] == ("torch", "wgrad_only") for call in timer.calls)
     assert gemm.chosen[("fwd", N, K)].name == "torch" and gemm.chosen[("wgrad", K, N)].name == "wgrad_only"
 
 
@@ -279,8 +334,66 @@ def test_wgrad_choice_is_kept_per_gradient_dtype(tmp_path):
         problem = GemmProblem(SHAPES.shapes_nk, SHAPES.rows_per_group, grad_dtype=grad_dtype)
         measure_grouped_gemm(backends, problem, CONTEXT, timer, ChoiceCache(path))
     assert [call[0] for call in timer.calls] == ["fwd"] * 2 + ["dgrad"] * 2 + ["wgrad"] * 4
-    wgrad_keys = sorted(key.rsplit("|", 1)[1] for key in json.loads(path.read_text()) if "|wgrad|" in key)
+    wgrad_keys = sorted(key.split("|")[-2] for key in json.loads(path.read_text()) if "|wgrad|" in key)
     assert wgrad_keys == ["grad=bfloat16"] * 2 + ["grad=float32"] * 2
+
+
+@pytest.mark.parametrize(("groups", "shape", "rows", "timed"), [
+    ((256, 0), (4096, 7168), 256, (32, 0)),      # DeepSeek-V3 at EP = 1: 32 of 256 groups
+    ((32, 32), (4096, 7168), 1024, (16, 16)),    # one EP = 8 rank: home and slots in the layer's ratio
+    ((32, 32), (28672, 4096), 1024, (4, 4)),     # large experts: the memory cap leaves 8 groups
+    ((1, 1), (28672, 4096), 8192, (1, 1)),       # Mixtral at EP = 8
+    ((3, 0), (32, 16), 128, (3, 0)), ((0, 4), (32, 16), 128, (0, 4)), ((1, 63), (32, 16), 8, (1, 31)),
+])
+def test_timed_groups_are_the_layers_up_to_a_count_and_a_memory_cap(groups, shape, rows, timed):
+    problem = GemmProblem((shape,), rows, groups=groups)
+    assert grouped_gemm.timed_groups(problem, *shape, rows) == timed
+    assert 2 * rows * sum(shape) + 6 * shape[0] * shape[1] <= grouped_gemm.TIMING_BYTES // sum(timed)
+
+
+def test_wgrad_is_timed_in_the_layers_mode_and_kept_per_mode(tmp_path):
+    """The layer's problem (groups, "param" or "main_grad" mode) reaches the timer and the cache key: the
+    two modes are timed and kept apart, and keys of the format before it (8 groups, overwrite) are not
+    reused."""
+    path = tmp_path / "gemm.json"
+    backends = [TorchGroupedGemm(), ReferenceGroupedGemm()]
+    old_key = f"{CONTEXT}|wgrad|n={N}|k={K}|rows=128|torch/reference|grad=bfloat16"
+    path.write_text(json.dumps({old_key: "reference"}))
+    timer = FakeTimer({"fwd": "torch", "dgrad": "torch", "wgrad": "torch"})
+    for fresh in (True, False, True):
+        problem = GemmProblem(((N, K),), 100, torch.bfloat16, groups=(48, 16), fresh_home_grads=fresh)
+        gemm = measure_grouped_gemm(backends, problem, CONTEXT, timer, ChoiceCache(path))
+        assert gemm.chosen[("wgrad", N, K)].name == "torch"
+    assert [call[:5] for call in timer.calls if call[0] == "wgrad"] == [("wgrad", N, K, 128, (24, 8))] * 2
+    keys = [key for key in json.loads(path.read_text()) if key != old_key and "|wgrad|" in key]
+    assert sorted(key.removeprefix(f"{CONTEXT}|wgrad|") for key in keys) == [
+        f"n={N}|k={K}|rows=128|groups=24+8|torch/reference|grad=bfloat16|{mode}" for mode in ("add", "fresh")]
+
+
+class Recording(ReferenceGroupedGemm):
+    """Records how wgrad is called."""
+
+    name = "recording"
+
+    def __init__(self):
+        self.wgrad_calls = []
+
+    def wgrad(self, dy, x, offs_g, out, accumulate=True):
+        self.wgrad_calls.append(([None if part is None else (part.dtype, part.shape[0]) for part in out],
+                                 accumulate, offs_g.tolist()))
+        return super().wgrad(dy, x, offs_g, out, accumulate)
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["param", "main_grad"])
+def test_timed_wgrad_calls_are_the_layers(fresh):
+    """"param": the home part made by the backend, fp32 slots overwritten; "main_grad": added into home
+    gradients of the gradient dtype and fp32 slots; on (home + slot) groups of the timed rows."""
+    gemm = Recording()
+    calls = grouped_gemm.timed_calls("wgrad", N, K, 8, (3, 2), [gemm], CPU, torch.bfloat16, torch.float32,
+                                     fresh)
+    calls[0]()
+    home = None if fresh else (torch.float32, 3)
+    assert gemm.wgrad_calls == [([home, (torch.float32, 2)], not fresh, [8, 16, 24, 32, 40])]
 
 
 def test_cache_file_unreadable_or_stale_is_timed_again(tmp_path):
@@ -318,7 +431,7 @@ def test_measured_selection_logs_what_it_times_what_it_chose_and_the_cache(caplo
     timer = FakeTimer({"fwd": "torch", "dgrad": "reference", "wgrad": "reference"})
     measure_grouped_gemm(backends, SHAPES, CONTEXT, timer, ChoiceCache(path))
     lines = [record.getMessage() for record in caplog.records if record.name.startswith("moonep_moe")]
-    assert f"grouped_gemm=auto: timing torch/reference fwd on [{N}, {K}] weights, 128 rows per group " \
+    assert f"grouped_gemm=auto: timing torch/reference fwd on [{N}, {K}] weights, 8 + 0 groups of 128 rows " \
            f"({CONTEXT}), once: the winner is kept in {path}" in lines
     assert any(line.startswith(f"grouped_gemm=auto: dgrad {N}x{K} -> reference (torch 2000.000 ms, "
                                "reference 1000.000 ms") for line in lines)
@@ -334,7 +447,7 @@ SECOND_PROCESS = """
 from moonep_moe.layers.grouped_gemm import *
 from moonep_moe.layers.grouped_gemm import default_choice_cache
 calls = []
-def timer(op, n, k, rows, backends):
+def timer(op, n, k, rows, groups, backends):
     calls.append(op)
     return [float(i) for i, _ in enumerate(backends)]
 problem = GemmProblem(((32, 16), (16, 32)), rows_per_group=100)
@@ -392,3 +505,24 @@ def test_gpu_auto_measures_once_and_matches_reference(monkeypatch, tmp_path):
     gemm.wgrad(dy_mn, x_mk, offs_g, [got[:2], got[2:]], accumulate=False)
     ref.wgrad(dy_mn, x_mk, offs_g, [want], accumulate=False)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes_g", [[256] * 6, [0, 1, 2048, 0, 129, 7], [384, 0, 0, 0, 0, 0]],
+                         ids=["uniform", "skewed", "home-only-rows"])
+def test_gpu_torch_wgrad_fresh_home_and_triton_slots(sizes_g):
+    """On CUDA the home groups come from `torch._grouped_mm(offs=offs_g[:home])` and the slot groups from
+    the Triton wgrad (`first_group`), written into fp32 slot gradients; both against the reference."""
+    cuda, home_groups, n, k = torch.device("cuda"), 2, 512, 256
+    offs_g = torch.tensor(sizes_g, dtype=torch.int32, device=cuda).cumsum(0).int()
+    rows = int(offs_g[-1]) + 64
+    x_mk = torch.randn(rows, k, device=cuda, dtype=torch.bfloat16)
+    dy_mn = torch.randn(rows, n, device=cuda, dtype=torch.bfloat16)
+    x_mk[rows - 64:], dy_mn[rows - 64:] = float("nan"), float("nan")
+    slots = torch.full((len(sizes_g) - home_groups, n, k), float("nan"), device=cuda)
+    home, _ = TorchGroupedGemm().wgrad(dy_mn, x_mk, offs_g, (None, slots), accumulate=False)
+    want = torch.zeros(len(sizes_g), n, k, device=cuda)
+    ReferenceGroupedGemm().wgrad(dy_mn, x_mk, offs_g, [want], accumulate=False)
+    assert home.dtype == torch.bfloat16 and home.shape == (home_groups, n, k)
+    torch.testing.assert_close(home.float(), want[:home_groups], rtol=2e-2, atol=1e-1)
+    torch.testing.assert_close(slots, want[home_groups:], rtol=1e-5, atol=1e-3)

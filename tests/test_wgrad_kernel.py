@@ -96,6 +96,22 @@ def test_matches_reference_backend_on_skewed_routing():
     torch.testing.assert_close(got, want, **FP32_TOL)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("accumulate", [False, True], ids=["overwrite", "accumulate"])
+def test_first_group_computes_only_the_later_groups(accumulate):
+    """The slot groups alone (`first_group` = the home groups' count), as `TorchGroupedGemm` runs them when
+    `torch._grouped_mm` made the home gradients: the earlier groups' rows are never read (NaN here)."""
+    home = 5
+    dy_mn, x_mk = random_rows(SIZES_G, N, K, torch.bfloat16)
+    home_end = sum(SIZES_G[:home])
+    dy_mn[:home_end], x_mk[:home_end] = float("nan"), float("nan")
+    start = torch.randn(len(SIZES_G) - home, N, K)
+    slots = start.clone()
+    grouped_wgrad_triton(dy_mn, x_mk, offsets_g(SIZES_G), [slots], accumulate=accumulate, first_group=home)
+    want = expected_gnk(dy_mn, x_mk, SIZES_G)[home:] + (start.double() if accumulate else 0)
+    torch.testing.assert_close(slots.double(), want, **FP32_TOL)
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [(dict(dtype=torch.float32), "bfloat16 or float16"), (dict(out_dtype=torch.float64), "every out part"),

@@ -11,18 +11,18 @@ Forward, on every rank:
 4. `Buffer.combine`: each token's K rows summed in fp32.
 
 Backward reuses the forward plan (never plans again):
-1. `dispatch(grad_out, plan=plan)` brings the gradient to the rows; `prefetch_weight` again (later layers
-   overwrote the shared slot pool).
+1. `dispatch(grad_out, plan=plan, zero_copy=True)` brings the gradient to the rows (used in place, no
+   copy); `prefetch_weight` again (later layers overwrote the shared slot pool).
 2. down: `u = dy @ down` (dgrad); the fused SwiGLU backward gives `dab`, the route-weight gradient per row
    and, recomputed in the same pass, `hw`; `dW_down = dy^T hw` (wgrad into this step's home grads and the
    fp32 slot grads); gate_up: `dW_gate_up = dab^T x`, `dx = dab @ gate_up`.
 3. `combine(plan, dx, grad_w)`: input and route-weight gradients back to the tokens.
 4. `reduce_grad`: every replica's fp32 gradient added into its home expert's, slots cleared.
 
-Home gradients (`MoEConfig.expert_grad_dtype`): "param" writes fresh ones in the parameters' dtype (wgrad
-overwrites them, fp32 accumulation inside the GEMM) and hands them to autograd as `.grad`; "main_grad" adds
-wgrad straight into each parameter's persistent fp32 `main_grad` (the slot gradients are zero between steps,
-so adding into them is exact too) and hands autograd None.
+Home gradients (`MoEConfig.expert_grad_dtype`): "param" has the wgrad GEMM make them in the parameters' dtype
+(fp32 accumulation inside the GEMM; with `torch._grouped_mm` its own output, no copy) and hands them to
+autograd as `.grad`; "main_grad" adds wgrad straight into each parameter's persistent fp32 `main_grad` (the
+slot gradients are zero between steps, so adding into them is exact too) and hands autograd None.
 
 Under `torch.compile` the whole Function runs eagerly between compiled graphs (`moe.eager_routed_step`).
 """
@@ -99,16 +99,28 @@ class MoonEPExperts(torch.autograd.Function):
         plan, state = ctx.plan, ctx.state
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
         gate_up_rows, down_rows = experts.rows
-        gate_up_grads, down_grads = experts.new_grads(state.grad_dtype, state.main_grad)
-        dy_nvsh, *_ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None, plan=plan)
+        # zero_copy: dy is the Buffer's own rows, not a [NvS, H] copy of them. They stay dy until this
+        # backward's combine, which runs after dy's last reader (the down wgrad) on this stream and is the
+        # first to overwrite them (pre_reduce, with dx): only dispatch and combine of this Buffer write its
+        # rows (prefetch and reduce_grad touch the slot pools), and peers write them only inside a dispatch
+        # (`scatter_rows` / `KernelExchange.send_routes` start with every rank's barrier, which this rank
+        # reaches only in its next dispatch; the collective world writes them on this rank's stream). Every
+        # layer owns its Buffer (a `BufferPool` serves the communicator, not this Function). The forward's
+        # x_nvsh stays a copy: it is saved for backward and combine(y) overwrites the rows.
+        dy_nvsh, *_ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None, plan=plan,
+                                      zero_copy=True)
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
         u_nvf = gemm.dgrad(dy_nvsh, down_rows.compute_weights(), offs_g)
         dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:])
-        # "param": overwrite, this step's home and slot gradients start here (no zeroing pass); "main_grad":
-        # add into the persistent main_grad and the slot gradients (zero between steps)
+        # "param": the GEMMs make this step's home gradients (None parts) and overwrite the slot gradients
+        # (no zeroing pass, no copy); "main_grad": they add into the persistent main_grad and the slot
+        # gradients (zero between steps)
         add = state.main_grad
-        gemm.wgrad(dy_nvsh, hw_nvf, offs_g, (down_grads.home.local, down_grads.slots.local), add)
-        gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (gate_up_grads.home.local, gate_up_grads.slots.local), add)
+        home = tuple(rows.home.local for rows in experts.new_grads()) if add else (None, None)
+        gate_up_slots, down_slots = (pool.local for pool in experts.slot_grads)
+        down_home, _ = gemm.wgrad(dy_nvsh, hw_nvf, offs_g, (home[1], down_slots), add)
+        gate_up_home, _ = gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (home[0], gate_up_slots), add)
+        gate_up_grads, down_grads = experts.new_grads((gate_up_home, down_home))
         dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_rows.compute_weights(), offs_g)
         grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs)
         buffer.reduce_grad(plan, gate_up_grads, None, down_grads)

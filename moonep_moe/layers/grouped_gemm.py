@@ -17,7 +17,9 @@ Primitives (every backend implements all three, as pure functions of their argum
 - ``fwd``:   ``y[start:end] = x[start:end] @ w[g]^T``    x [rows, inner], weights -> y [rows, cols]
 - ``dgrad``: ``dx[start:end] = dy[start:end] @ w[g]``    dy [rows, cols], weights -> dx [rows, inner]
 - ``wgrad``: ``out[g] += dy[start:end]^T @ x[start:end]`` into ``[g_i, cols, inner]`` parts split like the
-  weights, accumulated into fp32 (or wider) gradient tensors.
+  weights, accumulated into fp32 (or wider) gradient tensors; or, overwriting, with the first part made
+  fresh by the backend (the home experts' gradients in the layer's "param" mode: ``torch._grouped_mm``'s own
+  output becomes them, no copy, no second full-size tensor).
 
 Backends: ``reference`` (the oracle), ``torch`` (``torch._grouped_mm``), ``deep_gemm`` (fwd and dgrad) and
 ``triton`` (wgrad, `moonep_moe.layers.kernels.wgrad`). ``select_grouped_gemm`` is the one place that picks;
@@ -77,11 +79,15 @@ class GroupedGemm(Protocol):
         """``dx [rows, inner]`` with ``dx[start:end] = dy[start:end] @ w[g]`` for every group g."""
         ...
 
-    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
-              accumulate: bool = True) -> None:
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
         """Add ``dy[start:end]^T @ x[start:end]`` into group g of ``out`` (split like the weights); with
         ``accumulate=False`` overwrite instead (every group written, empty ones with zeros), which saves
-        zeroing the fp32 gradients and reading them back."""
+        zeroing the fp32 gradients and reading them back.
+
+        With ``accumulate=False`` the first part may be None: the backend makes it, a new
+        ``[G - groups of the other parts, cols, inner]`` tensor in dy's dtype (fp32 accumulation inside),
+        without a copy where it can. Returns the parts, the new one in place of None."""
         ...
 
 
@@ -93,6 +99,32 @@ def _check_groups(parts: Sequence[Tensor], offs_g: Tensor, arg: str) -> None:
             f"offs_g must be int32 [G] with G = total groups in {arg} ({num_groups}); "
             f"got {offs_g.dtype} {list(offs_g.shape)}"
         )
+
+
+def _fresh_groups(out: Sequence[Tensor | None], offs_g: Tensor, accumulate: bool) -> int:
+    """Shape-only check of a wgrad ``out`` (no host sync): the groups of its None first part (0 without)."""
+    if any(part is None for part in out[1:]) or (out[0] is None and accumulate):
+        raise ValueError("out: only its first part may be None (made by the backend), and only with "
+                         "accumulate=False")
+    given = [part for part in out if part is not None]
+    if out[0] is not None:
+        _check_groups(given, offs_g, "out")
+        return 0
+    fresh = offs_g.numel() - sum(part.shape[0] for part in given)
+    if offs_g.dim() != 1 or offs_g.dtype != torch.int32 or fresh < 0:
+        raise ValueError(f"offs_g must be int32 [G] with G >= the groups in out's given parts; got "
+                         f"{offs_g.dtype} {list(offs_g.shape)}")
+    return fresh
+
+
+def _wgrad_parts(dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+                 accumulate: bool) -> list[Tensor]:
+    """``out`` checked, a None first part replaced by a new uninitialised ``[fresh, cols, inner]`` tensor in
+    dy's dtype: for backends that write every part themselves."""
+    fresh = _fresh_groups(out, offs_g, accumulate)
+    if out[0] is not None:
+        return list(out)
+    return [dy.new_empty(fresh, dy.shape[1], x.shape[1]), *out[1:]]
 
 
 def _host_segments(offs_g: Tensor) -> list[tuple[int, int]]:
@@ -129,13 +161,14 @@ class ReferenceGroupedGemm:
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         return _segment_matmul(dy, weights, offs_g, transpose_w=False)
 
-    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
-              accumulate: bool = True) -> None:
-        _check_groups(out, offs_g, "out")
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
+        parts = _wgrad_parts(dy, x, offs_g, out, accumulate)
         compute = torch.promote_types(x.dtype, torch.float32)
-        group_outs = [group_out for part in out for group_out in part.unbind(0)]
+        group_outs = [group_out for part in parts for group_out in part.unbind(0)]
         for (start, end), group_out in zip(_host_segments(offs_g), group_outs, strict=True):
             _store(group_out, dy[start:end].to(compute).T @ x[start:end].to(compute), accumulate)
+        return parts
 
 
 class TorchGroupedGemm:
@@ -144,6 +177,14 @@ class TorchGroupedGemm:
     fwd and dgrad are 2D x 3D calls with ``offs``; wgrad is a 2D x 2D call giving ``[G, cols, inner]``, which
     is added into the fp32 gradients. ``torch._grouped_mm`` insists that its output dtype equals its input
     dtype, so for bf16 each wgrad product is rounded to bf16 before that fp32 add.
+
+    A wgrad whose first part is to be made (None: the home experts' gradients, "param" mode) gets
+    ``torch._grouped_mm(dy^T, x, offs=offs_g[:n])`` itself: rows past the n-th group's end are ignored, so
+    that call computes exactly the first n groups, and its output is the gradient (no copy). The later
+    groups (prefetch slots, B > 0) start at a row known only on the device, which ``torch._grouped_mm``
+    cannot skip to: on CUDA they go to the Triton wgrad (`moonep_moe.layers.kernels.wgrad`, which starts at
+    any group, written straight into the fp32 slot gradients); elsewhere a call over all G groups gives
+    them, which computes the first n groups a second time and holds a ``[G, cols, inner]`` temporary.
 
     Known cost: a weights sequence of more than one tensor (home experts + slots) is joined with
     ``torch.cat`` on every call, a copy of the weights; a later issue removes it.
@@ -164,12 +205,28 @@ class TorchGroupedGemm:
         _check_groups(weights, offs_g, "weights")
         return torch._grouped_mm(dy, _cat_groups(weights), offs=offs_g)
 
-    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
-              accumulate: bool = True) -> None:
-        _check_groups(out, offs_g, "out")
-        grads = torch._grouped_mm(dy.T, x, offs=offs_g)  # [G, cols, inner]
-        for part, grad in zip(out, grads.split([part.shape[0] for part in out]), strict=True):
-            _store(part, grad, accumulate)
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
+        fresh = _fresh_groups(out, offs_g, accumulate)
+        if out[0] is not None:
+            _store_groups(torch._grouped_mm(dy.T, x, offs=offs_g), out, accumulate)
+            return list(out)
+        made = torch._grouped_mm(dy.T, x, offs=offs_g[:fresh])  # [fresh, cols, inner], the rest ignored
+        later = out[1:]
+        if any(part.shape[0] for part in later):
+            if dy.is_cuda:
+                from moonep_moe.layers.kernels.wgrad import grouped_wgrad_triton
+
+                grouped_wgrad_triton(dy, x, offs_g, later, accumulate=False, first_group=fresh)
+            else:
+                _store_groups(torch._grouped_mm(dy.T, x, offs=offs_g)[fresh:], later, accumulate=False)
+        return [made, *later]
+
+
+def _store_groups(grads: Tensor, out: Sequence[Tensor], accumulate: bool) -> None:
+    """``grads [G, cols, inner]`` into the parts of ``out``, in order (cast to each part's dtype)."""
+    for part, grad in zip(out, grads.split([part.shape[0] for part in out]), strict=True):
+        _store(part, grad, accumulate)
 
 
 def _store(out: Tensor, value: Tensor, accumulate: bool) -> None:
@@ -255,9 +312,9 @@ class DeepGemmGroupedGemm:
         kernel(a, joined, out, offs_g, use_psum_layout=True)
         return out
 
-    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
-              accumulate: bool = True) -> None:
-        self._torch.wgrad(dy, x, offs_g, out, accumulate)
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
+        return self._torch.wgrad(dy, x, offs_g, out, accumulate)
 
 
 def _deep_gemm_unsupported_reason(device: torch.device, dtype: torch.dtype,
@@ -299,10 +356,11 @@ class TritonGroupedGemm:
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         return self._torch.dgrad(dy, weights, offs_g)
 
-    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
-              accumulate: bool = True) -> None:
-        _check_groups(out, offs_g, "out")
-        self._wgrad(dy, x, offs_g, out, accumulate)
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
+        parts = _wgrad_parts(dy, x, offs_g, out, accumulate)
+        self._wgrad(dy, x, offs_g, parts, accumulate)
+        return parts
 
 
 def _triton_unsupported_reason(device: torch.device, dtype: torch.dtype, k: int | None) -> str | None:
@@ -331,18 +389,18 @@ class MeasuredGroupedGemm:
         """``(op, cols, inner) -> backend``."""
         self.fallback = fallback
 
-    def _for(self, op: str, part: Tensor) -> GroupedGemm:
-        return self.chosen.get((op, part.shape[-2], part.shape[-1]), self.fallback)
+    def _for(self, op: str, cols: int, inner: int) -> GroupedGemm:
+        return self.chosen.get((op, cols, inner), self.fallback)
 
     def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        return self._for("fwd", weights[0]).fwd(x, weights, offs_g)
+        return self._for("fwd", *weights[0].shape[-2:]).fwd(x, weights, offs_g)
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        return self._for("dgrad", weights[0]).dgrad(dy, weights, offs_g)
+        return self._for("dgrad", *weights[0].shape[-2:]).dgrad(dy, weights, offs_g)
 
-    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
-              accumulate: bool = True) -> None:
-        self._for("wgrad", out[0]).wgrad(dy, x, offs_g, out, accumulate)
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
+        return self._for("wgrad", dy.shape[-1], x.shape[-1]).wgrad(dy, x, offs_g, out, accumulate)
 
     def describe(self) -> str:
         """``"fwd 4096x7168: deep_gemm, ..."``: each primitive and weight shape with its backend."""
@@ -363,15 +421,23 @@ class GemmProblem:
         power of two, rounded up to the segment alignment.
     grad_dtype: the dtype wgrad writes the home experts' gradients in (the layer's `expert_grad_dtype`;
         slot gradients are fp32 either way); None: the activations' dtype promoted to at least fp32.
+    groups: the ``(home, slot)`` groups of one call (the layer's ``(epn, B)``); timed on
+        ``timed_groups`` of them, in that ratio.
+    fresh_home_grads: how the layer calls wgrad: True ("param" mode) with the home part None (the backend
+        makes it) and the fp32 slot gradients overwritten; False ("main_grad" mode) adding into home
+        gradients of ``grad_dtype`` and fp32 slot gradients.
     """
 
     shapes_nk: tuple[tuple[int, int], ...]
     rows_per_group: int
     grad_dtype: torch.dtype | None = None
+    groups: tuple[int, int] = (8, 0)
+    fresh_home_grads: bool = False
 
 
-Timer = Callable[[str, int, int, int, Sequence[GroupedGemm]], Sequence[float]]
-"""``timer(op, cols, inner, rows_per_group, backends)`` -> seconds of one ``op`` call per backend."""
+Timer = Callable[[str, int, int, int, tuple[int, int], Sequence[GroupedGemm]], Sequence[float]]
+"""``timer(op, cols, inner, rows_per_group, (home, slot) groups, backends)`` -> seconds of one ``op`` call
+per backend."""
 
 
 class ChoiceCache:
@@ -429,6 +495,25 @@ def rows_bucket(rows_per_group: int, align: int) -> int:
     return -(-rows // align) * align
 
 
+MAX_TIMED_GROUPS = 32
+"""Enough groups that a grouped GEMM's scheduling and tails show (8 said little about 256 groups)."""
+TIMING_BYTES = 6 << 30
+"""Cap on the tensors one timing allocates (``timed_groups``)."""
+
+
+def timed_groups(problem: GemmProblem, cols: int, inner: int, rows: int) -> tuple[int, int]:
+    """The ``(home, slot)`` groups timed for one weight shape: ``min(G, MAX_TIMED_GROUPS)`` in the ratio of
+    ``problem.groups``, fewer where one group's tensors times that count would pass ``TIMING_BYTES`` (bf16
+    rows of x and dy, and at most a bf16 weight or made gradient plus an fp32 gradient per group:
+    ``2 rows (cols + inner) + 6 cols inner`` bytes; DeepSeek-V3's gate_up at 256 rows: 182 MB, so all 32
+    groups); at least one group."""
+    home, slots = problem.groups
+    per_group = 2 * rows * (cols + inner) + 6 * cols * inner
+    timed = max(1, min(home + slots, MAX_TIMED_GROUPS, TIMING_BYTES // per_group))
+    timed_home = min(home, max(1 if home else 0, timed * home // max(home + slots, 1)))
+    return timed_home, timed - timed_home
+
+
 def measure_grouped_gemm(backends: Sequence[GroupedGemm], problem: GemmProblem, context: str, timer: Timer,
                          cache: ChoiceCache, align: int = 1) -> MeasuredGroupedGemm:
     """For every primitive and weight shape of ``problem``: the cached winner, or the fastest by ``timer`` of
@@ -438,8 +523,11 @@ def measure_grouped_gemm(backends: Sequence[GroupedGemm], problem: GemmProblem, 
         backends: the candidates; the first is also the fallback for shapes not measured.
         context: what else the speed depends on (device name, versions, dtype); part of every cache key,
             with the primitive, ``cols`` (``n=`` in the key), ``inner`` (``k=``), the timed rows per group,
-            the candidates' names and, for wgrad, ``problem.grad_dtype`` where it is given.
-        timer: ``timer(op, cols, inner, rows_per_group, backends)`` -> seconds each (``cuda_timer`` on a GPU).
+            the timed ``(home, slot)`` groups (``groups=h+s``), the candidates' names and, for wgrad,
+            ``problem.grad_dtype`` where it is given and the mode (``fresh`` or ``add``). Keys without
+            ``groups=`` (before wgrad was timed in the layer's mode, on 8 groups) are never read again.
+        timer: ``timer(op, cols, inner, rows_per_group, groups, backends)`` -> seconds each (``cuda_timer``
+            on a GPU).
         cache: where winners are looked up and stored.
         align: the segment alignment (``token_padding``); the timed rows per group are a multiple of it.
     """
@@ -453,15 +541,20 @@ def measure_grouped_gemm(backends: Sequence[GroupedGemm], problem: GemmProblem, 
             if not rivals:
                 continue
             names = "/".join(gemm.name for gemm in rivals)
-            key = f"{context}|{op}|n={cols}|k={inner}|rows={rows}|{names}"  # the key format of existing files
+            groups = timed_groups(problem, cols, inner, rows)
+            key = f"{context}|{op}|n={cols}|k={inner}|rows={rows}|groups={groups[0]}+{groups[1]}|{names}"
             if op == "wgrad" and problem.grad_dtype is not None:
                 key += f"|grad={str(problem.grad_dtype).removeprefix('torch.')}"
+            if op == "wgrad":
+                key += "|fresh" if problem.fresh_home_grads else "|add"
             name = cache.get(key) if len(rivals) > 1 else rivals[0].name
             if name not in by_name:
-                logger.info("grouped_gemm=auto: timing %s %s on [%d, %d] weights, %d rows per group (%s), "
-                            "once: the winner is kept in %s", names, op, cols, inner, rows, context, where)
+                logger.info("grouped_gemm=auto: timing %s %s on [%d, %d] weights, %d + %d groups of %d rows "
+                            "(%s), once: the winner is kept in %s", names, op, cols, inner, *groups, rows,
+                            context, where)
                 start = time.perf_counter()
-                timings = list(zip(timer(op, cols, inner, rows, rivals), names.split("/"), strict=True))
+                timings = list(zip(timer(op, cols, inner, rows, groups, rivals), names.split("/"),
+                                   strict=True))
                 name = min(timings)[1]
                 logger.info("grouped_gemm=auto: %s %dx%d -> %s (%s; timed in %.1f s)", op, cols, inner, name,
                             ", ".join(f"{rival} {t * 1e3:.3f} ms" for t, rival in timings),
@@ -488,30 +581,46 @@ def choice_context(device_name: str, dtype: torch.dtype) -> str:
     return f"{device_name}|torch {torch.__version__}|triton {triton_version}|{dtype}".replace("torch.", "")
 
 
-def cuda_timer(device: torch.device, dtype: torch.dtype, grad_dtype: torch.dtype, groups: int = 8,
+def cuda_timer(device: torch.device, dtype: torch.dtype, grad_dtype: torch.dtype, fresh_home_grads: bool,
                warmup: int = 2, repeat: int = 5) -> Timer:
-    """A ``Timer`` on synthetic uniform segments: ``groups`` groups of the given rows (few groups keep the
-    gradients of the timing small; speed per group depends on the rows per group), random data, the weights
-    as one tensor, wgrad writing ``grad_dtype``; mean seconds over ``repeat`` calls after ``warmup``
-    (compilation, autotuning), CUDA events. A backend that raises is reported and counts as infinitely
-    slow."""
+    """A ``Timer`` on synthetic uniform segments of the given rows and groups, random data, the weights as
+    one tensor, wgrad as the layer calls it (``timed_calls``); mean seconds over ``repeat`` calls after
+    ``warmup`` (compilation, autotuning), CUDA events. A backend that raises is reported and counts as
+    infinitely slow."""
 
-    def timer(op: str, cols: int, inner: int, rows: int, backends: Sequence[GroupedGemm]) -> list[float]:
-        offs_g = torch.arange(1, groups + 1, dtype=torch.int32, device=device) * rows
-        x = torch.randn(groups * rows, inner, device=device, dtype=dtype)
-        dy = torch.randn(groups * rows, cols, device=device, dtype=dtype)
-        if op == "wgrad":
-            out = torch.empty(groups, cols, inner, device=device, dtype=grad_dtype)
-            calls = [lambda g=gemm: g.wgrad(dy, x, offs_g, (out,), accumulate=False)
-                     for gemm in backends]
-        else:
-            w = torch.randn(groups, cols, inner, device=device, dtype=dtype) / inner**0.5
-            a = x if op == "fwd" else dy
-            calls = [lambda g=gemm: getattr(g, op)(a, (w,), offs_g) for gemm in backends]
+    def timer(op: str, cols: int, inner: int, rows: int, groups: tuple[int, int],
+              backends: Sequence[GroupedGemm]) -> list[float]:
+        calls = timed_calls(op, cols, inner, rows, groups, backends, device, dtype, grad_dtype,
+                            fresh_home_grads)
         return [_cuda_seconds(call, warmup, repeat, f"{gemm.name} {op} {cols}x{inner}")
                 for call, gemm in zip(calls, backends, strict=True)]
 
     return timer
+
+
+def timed_calls(op: str, cols: int, inner: int, rows: int, groups: tuple[int, int],
+                backends: Sequence[GroupedGemm], device: torch.device, dtype: torch.dtype,
+                grad_dtype: torch.dtype, fresh_home_grads: bool) -> list[Callable[[], object]]:
+    """One call of ``op`` per backend on ``home + slot`` groups of ``rows`` rows each. wgrad runs the way the
+    layer runs it: with ``fresh_home_grads`` the home part None (made by the backend) and the fp32 (or
+    wider) slot gradients overwritten; else adding into home gradients of ``grad_dtype`` and the slot
+    gradients."""
+    home, slots = groups
+    offs_g = torch.arange(1, home + slots + 1, dtype=torch.int32, device=device) * rows
+    x = torch.randn((home + slots) * rows, inner, device=device, dtype=dtype)
+    dy = torch.randn((home + slots) * rows, cols, device=device, dtype=dtype)
+    if op == "wgrad":
+        slot_dtype = torch.promote_types(dtype, torch.float32)
+        slot_grads = torch.zeros(slots, cols, inner, device=device, dtype=slot_dtype)
+        if fresh_home_grads:
+            return [lambda g=gemm: g.wgrad(dy, x, offs_g, (None, slot_grads), accumulate=False)
+                    for gemm in backends]
+        home_grads = torch.zeros(home, cols, inner, device=device, dtype=grad_dtype)
+        return [lambda g=gemm: g.wgrad(dy, x, offs_g, (home_grads, slot_grads), accumulate=True)
+                for gemm in backends]
+    w = torch.randn(home + slots, cols, inner, device=device, dtype=dtype) / inner**0.5
+    a = x if op == "fwd" else dy
+    return [lambda g=gemm: getattr(g, op)(a, (w,), offs_g) for gemm in backends]
 
 
 def _cuda_seconds(call: Callable[[], object], warmup: int, repeat: int, what: str) -> float:
@@ -540,16 +649,17 @@ def select_grouped_gemm(
         name: "auto", "torch", "reference", "deep_gemm" (fwd and dgrad on DeepGEMM, wgrad on torch; bf16,
             CUDA sm90+, segments aligned to 128) or "triton" (wgrad on the Triton kernel, fwd and dgrad on
             torch; CUDA). "auto": on CUDA with a ``problem``, every backend that can run there (the reference
-            excluded) is timed per primitive and weight shape, once per device, dtype and rows-per-group
-            bucket (``measure_grouped_gemm``, cached in process and in ``default_choice_cache()``'s file);
+            excluded) is timed per primitive and weight shape, once per device, dtype, rows-per-group
+            bucket, timed groups and wgrad mode (``measure_grouped_gemm`` on ``problem.groups`` and
+            ``problem.fresh_home_grads``, cached in process and in ``default_choice_cache()``'s file);
             elsewhere torch where it supports the case, else the reference.
         device, dtype: where and in what dtype the expert activations and weights live.
         k: the row length every operand will have, for the 16-byte stride check (a GEMM size, not the top-k
             of DESIGN.md's notation; the keyword is kept for callers). The expert block uses both H and F as
             row lengths: pass ``math.gcd(H, F)``. None skips the check.
         token_padding: the segments' alignment (DeepGEMM needs a multiple of 128).
-        problem: the shapes and typical rows to measure "auto" on (the expert block:
-            ``GemmProblem(((2F, H), (H, F)), rows_per_group)``).
+        problem: the shapes, typical rows, groups and wgrad mode to measure "auto" on (the expert block:
+            ``GemmProblem(((2F, H), (H, F)), rows_per_group, grad_dtype, (epn, B), fresh_home_grads)``).
 
     Raises:
         ValueError naming ``grouped_gemm`` for an unknown name, or a backend that cannot run here.
@@ -575,7 +685,7 @@ def select_grouped_gemm(
             problem = dataclasses.replace(
                 problem, grad_dtype=problem.grad_dtype or torch.promote_types(dtype, torch.float32))
             context = choice_context(torch.cuda.get_device_name(device), dtype)
-            timer = cuda_timer(device, dtype, problem.grad_dtype)
+            timer = cuda_timer(device, dtype, problem.grad_dtype, problem.fresh_home_grads)
             gemm = measure_grouped_gemm(backends, problem, context, timer, default_choice_cache(),
                                         align=token_padding or 1)
             logger.info("grouped_gemm=auto: the first forward + backward compiles the Triton (and DeepGEMM) "

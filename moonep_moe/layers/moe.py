@@ -318,7 +318,8 @@ class MoonEPMoELayer(nn.Module):
         grad_dtype = torch.promote_types(dtype, torch.float32) if main_grad else dtype
         groups = config.experts_per_rank + config.prefetch_slots  # this rank's compute groups
         problem = GemmProblem(((2 * f, h), (h, f)), rows_per_group=config.max_tokens_per_rank * k // groups,
-                              grad_dtype=grad_dtype)
+                              grad_dtype=grad_dtype, groups=(config.experts_per_rank, config.prefetch_slots),
+                              fresh_home_grads=not main_grad)
         gemm = select_grouped_gemm(config.grouped_gemm, device, dtype, k=math.gcd(h, f),
                                    token_padding=config.token_padding, problem=problem)
         if config.precision == "fp8":  # fwd and dgrad in FP8; the backend selected above keeps wgrad

@@ -7,9 +7,9 @@ registered with the EP world so peers can read them (prefetch); `bind(world)` do
 parameters move (a one-rank layer's `.to()`, `to_empty()`): on the meta device nothing is registered or
 allocated. On CUDA, where `weights.arena` can, the home experts are mapped right before the shared slot pool,
 so the grouped GEMMs read home experts and slots as one tensor without copying them. The home experts'
-gradients are made fresh every step (`new_grads`), or are each parameter's persistent fp32 `main_grad`
-(`MoEConfig.expert_grad_dtype="main_grad"`); the replicas' accumulate in the shared fp32 slot-gradient pools,
-which peers pull.
+gradients are made fresh every step by the weight-gradient GEMMs (`new_grads` wraps them), or are each
+parameter's persistent fp32 `main_grad` (`MoEConfig.expert_grad_dtype="main_grad"`); the replicas' accumulate
+in the shared fp32 slot-gradient pools, which peers pull.
 
 Initialisation (`reset_parameters`) draws each expert from a generator seeded with the layer's seed and
 the expert's GLOBAL id (`seeded_uniform_`), so the initial model is the same at every EP size.
@@ -116,24 +116,23 @@ class HomeExperts(nn.Module):
                 self.world.release(rows.home.key)
         self.rows = self.slot_grads = None
 
-    def new_grads(self, dtype: torch.dtype, main_grad: bool = False) -> tuple[ExpertRows, ExpertRows]:
-        """This step's gradients of `(gate_up, down)`: home gradients `[epn, 2F, H]` and `[epn, H, F]` beside
-        the shared fp32 slot gradient pools. The home gradients are local to this rank (peers only pull slot
-        gradients).
+    def new_grads(self, home: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[ExpertRows, ExpertRows]:
+        """This step's gradients of `(gate_up, down)` for `Buffer.reduce_grad`: home gradients `[epn, 2F, H]`
+        and `[epn, H, F]` beside the shared fp32 slot gradient pools. The home gradients are local to this
+        rank (peers only pull slot gradients).
 
-        By default fresh in `dtype` (uninitialised: the weight-gradient GEMMs overwrite every home expert),
-        so autograd can keep a returned home gradient as `.grad` without a copy and nothing of the size of
-        the parameters stays allocated between steps. With `main_grad`, each parameter's persistent
-        `main_grad` (`persistent_main_grad`), which the weight-gradient GEMMs add into."""
+        `home` ("param" mode): the fresh home gradients the weight-gradient GEMMs made in the parameters'
+        dtype, kept as they are, so autograd keeps them as `.grad` without a copy and nothing of the size
+        of the parameters stays allocated between steps. None ("main_grad" mode): each parameter's
+        persistent `main_grad` (`persistent_main_grad`), which the weight-gradient GEMMs add into."""
         world = self.world
+        weights = (self.gate_up, self.down)
         grads = []
-        for kind, weight, slots in zip(("gate_up", "down"), (self.gate_up, self.down), self.slot_grads,
-                                       strict=True):
-            if main_grad:
-                home = persistent_main_grad(weight, f"experts.{kind}", world.rank)
-            else:
-                home = torch.empty(weight.shape, dtype=dtype, device=weight.device)
-            peers = tuple(home if r == world.rank else None for r in range(world.size))
+        for i, (kind, weight, slots) in enumerate(zip(("gate_up", "down"), weights, self.slot_grads,
+                                                      strict=True)):
+            grad = persistent_main_grad(weight, f"experts.{kind}", world.rank) if home is None else home[i]
+            peers = tuple(grad if r == world.rank else None for r in range(world.size))
             grads.append(ExpertRows(SymmetricTensor(f"{self.name}/{kind}_grad", world.rank, peers), slots))
         return grads[0], grads[1]
 

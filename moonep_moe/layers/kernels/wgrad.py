@@ -126,7 +126,8 @@ def _store_tile(out_ptr, acc, col_ids, inner_ids, inner, live_cols, live_inner, 
     tl.store(tile_ptrs, acc.to(out_ptr.dtype.element_ty), mask=live_tile)
 
 
-def _check(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor, out: Sequence[torch.Tensor]) -> None:
+def _check(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor, out: Sequence[torch.Tensor],
+           first_group: int) -> None:
     """Shapes, dtypes and layouts the kernel assumes (no host read of device data)."""
     if dy.dtype not in (torch.bfloat16, torch.float16) or x.dtype != dy.dtype:
         raise ValueError(f"dy and x must both be bfloat16 or float16, got {dy.dtype}, {x.dtype}")
@@ -141,25 +142,27 @@ def _check(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor, out: Sequenc
             raise ValueError(f"every out part must be [g, {cols}, {inner}] of {OUT_DTYPES} with contiguous "
                              f"[cols, inner] matrices, got {part.dtype} {list(part.shape)} strides "
                              f"{part.stride()}")
-    if offs_g.dtype != torch.int32 or offs_g.numel() != sum(part.shape[0] for part in out):
-        raise ValueError(f"offs_g must be int32 [G], G = groups in out; got {offs_g.dtype} "
-                         f"{list(offs_g.shape)}")
+    if offs_g.dtype != torch.int32 or offs_g.numel() != first_group + sum(part.shape[0] for part in out):
+        raise ValueError(f"offs_g must be int32 [G], G = first_group ({first_group}) + groups in out; got "
+                         f"{offs_g.dtype} {list(offs_g.shape)}")
 
 
 def grouped_wgrad_triton(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor, out: Sequence[torch.Tensor],
-                         accumulate: bool) -> None:
-    """``out[g] (+)= dy[start:end]^T @ x[start:end]`` for every group g, accumulated in fp32.
+                         accumulate: bool, first_group: int = 0) -> None:
+    """``out[g] (+)= dy[start:end]^T @ x[start:end]`` for every group g >= ``first_group``, accumulated in
+    fp32.
 
     Args:
         dy: ``[rows, cols]`` bf16/fp16 output gradients, rows grouped by ``offs_g``.
         x: ``[rows, inner]`` inputs of the same dtype.
         offs_g: int32 ``[G]`` group end offsets (device); rows at and past ``offs_g[-1]`` are never read.
         out: ``[g_i, cols, inner]`` parts (float32, bfloat16 or float16, each ``[cols, inner]`` matrix
-            contiguous) whose groups concatenate to G (home gradients, then slots).
+            contiguous) whose groups concatenate to groups ``[first_group, G)`` (home gradients, then slots).
         accumulate: add into ``out``; False overwrites every group (empty ones with zeros).
+        first_group: the groups before it are not computed (e.g. the slots alone, the home experts'
+            gradients being made by another GEMM); their rows are never read.
     """
-    _check(dy, x, offs_g, out)
-    first_group = 0
+    _check(dy, x, offs_g, out, first_group)
     for pair in (out[i:i + 2] for i in range(0, len(out), 2)):
         out0, out1 = pair[0], pair[-1]
         groups0 = out0.shape[0]
