@@ -253,9 +253,9 @@ class Fp8GroupedGemm:
              use_psum_layout=True)
         return out
 
-    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor],
-              accumulate: bool = True) -> None:
-        self._wgrad.wgrad(dy, x, offs_g, out, accumulate)
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
+        return self._wgrad.wgrad(dy, x, offs_g, out, accumulate)
 
 
 def fp8_unsupported_reason(device: torch.device, dtype: torch.dtype, token_padding: int | None) -> str | None:
