@@ -8,6 +8,12 @@ bucket named: `dispatch(..., capacity=bucket)`, `check_expert_ids=False`), for s
 3. experts (grouped-GEMM SwiGLU over the dispatched rows, route weights applied);
 4. combine (`comm.combine(..., out=)`: each token's K rows summed into the caller's `[s, H]` tensor).
 
+Communication alone ("comm": dispatch + combine, what issue 14's targets bound) is recorded beside the step:
+in eager the sum of the two phases per repetition, in CUDA-graph replay a second graph holding only
+`dispatch` and `combine` (of a static expert-output tensor, as an engine's workspace). The record's `targets`
+say pass or miss (None where not measured: no graph): one rank (R = 1), s <= 128 tokens, dispatch + combine
+within 40 us in graph replay; a decode step's communication (s = 1) at most 5% of the s = S step's (graph).
+
 Eager: each phase timed on rank 0 by stamps on its own stream (CUDA events; the host clock on the CPU), each
 repetition started from an idle device after a barrier, so host launch time is counted. CUDA graph (where the
 world can capture a step: one rank, or the symmetric world): the whole step captured once per bucket and its
@@ -62,6 +68,11 @@ WORLDS = ("threads", "symmetric", "single")
 PHASES = ("dispatch", "prefetch", "experts", "combine")
 """The eager phases in step order ("dispatch" includes the plan); "step" is their sum."""
 MIN_REPS = 5
+TARGET_COMM_MS = 0.040
+"""Issue 14: one rank's (R = 1) dispatch + combine in CUDA-graph replay for steps of <= `TARGET_TOKENS`."""
+TARGET_TOKENS = 128
+TARGET_DECODE_RATIO = 0.05
+"""Issue 14: a decode step's (s = 1) communication over the s = S step's, in CUDA-graph replay."""
 SPAWN_TIMEOUT_S = 3600.0
 """A spawned symmetric run still going after this is killed."""
 
@@ -164,6 +175,32 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def comm_targets(rows: list[dict], ranks: int) -> dict:
+    """Issue 14's targets from the rows' `comm` times (rows ascending in tokens, the last s = S); adds each
+    row's `comm["vs_full"]` (its comm median over the s = S one, per mode). `pass` is None where the
+    target's measurement is missing (no CUDA graph; or R > 1 for the 40 us bound, which is one rank's)."""
+    full = rows[-1]["comm"]
+    for row in rows:
+        row["comm"]["vs_full"] = {mode: row["comm"][mode]["ms"] / full[mode]["ms"]
+                                  for mode in ("eager", "graph") if row["comm"][mode] and full[mode]}
+    small_ms = {row["tokens"]: row["comm"]["graph"]["ms"] for row in rows
+                if row["tokens"] <= TARGET_TOKENS and row["comm"]["graph"]}
+    within = dict(bound_ms=TARGET_COMM_MS, tokens_up_to=TARGET_TOKENS, ranks=ranks, worst_ms=None,
+                  missed_tokens=None, **{"pass": None})
+    if ranks == 1 and small_ms:
+        misses = [s for s, ms in small_ms.items() if ms > TARGET_COMM_MS]
+        within.update(worst_ms=max(small_ms.values()), missed_tokens=misses, **{"pass": not misses})
+    ratios = next(row for row in rows if row["tokens"] == 1)["comm"]["vs_full"]
+    graph_ratio = ratios.get("graph")
+    decode = dict(bound=TARGET_DECODE_RATIO, graph_ratio=graph_ratio, eager_ratio=ratios["eager"],
+                  **{"pass": None if graph_ratio is None else graph_ratio <= TARGET_DECODE_RATIO})
+    return {"comm_within_40us": within, "decode_within_5pct": decode}
+
+
+def verdict(target: dict) -> str:
+    return {True: "pass", False: "MISS", None: "not measured"}[target["pass"]]
+
+
 # -- one rank -----------------------------------------------------------------------------------------------
 
 
@@ -207,6 +244,10 @@ def rank_bench(world: EPWorld, args: argparse.Namespace) -> dict:
         comm.combine(y_nvsh, handle, out=out_sh)
         mark()
 
+    def comm_step(hidden_sh, topk_sk, weights_sk, out_sh, bucket: int, expert_out_nvsh) -> None:
+        _, handle = comm.dispatch(hidden_sh, topk_sk, weights_sk, capacity=bucket)
+        comm.combine(expert_out_nvsh, handle, out=out_sh)
+
     rows = []
     with torch.no_grad():
         for s in token_counts(S):
@@ -216,11 +257,20 @@ def rank_bench(world: EPWorld, args: argparse.Namespace) -> dict:
                       comm.capacity_for(s))
             reps = eager_reps(world, lambda marks, inputs=inputs: step(*inputs, lambda: marks.append(
                 stamp(device))), args.warmup, args.reps)
-            row = dict(tokens=s, capacity=inputs[-1], eager=phase_spreads(reps), graph=None)
+            comm_ms = spread([rep["dispatch"] + rep["combine"] for rep in reps])
+            row = dict(tokens=s, capacity=inputs[-1], eager=phase_spreads(reps), graph=None,
+                       comm=dict(eager=comm_ms, graph=None))
             if can_capture(world, args):
                 replays = graph_replays(lambda inputs=inputs: step(*inputs, lambda: None), args.warmup,
                                         args.reps)
                 row["graph"] = {"step": spread(replays)}
+                out, handle = comm.dispatch(*inputs[:3], capacity=inputs[-1])  # the bucket's row shape
+                expert_out_nvsh = out.tokens_nvsh.clone()
+                comm.combine(expert_out_nvsh, handle, out=inputs[3])
+                replays = graph_replays(lambda inputs=inputs, y=expert_out_nvsh: comm_step(*inputs, y),
+                                        args.warmup, args.reps)
+                row["comm"]["graph"] = spread(replays)
+                del expert_out_nvsh
             rows.append(row)
     medians = [row["eager"]["step"]["ms"] for row in rows]
     medians_r = world.all_gather(torch.tensor(medians, dtype=torch.float64, device=device))
@@ -335,6 +385,7 @@ def world_description(args: argparse.Namespace) -> str:
 def report(args: argparse.Namespace, result: dict) -> Path:
     """Write rank 0's `result` as the record and print its table; the record's path."""
     rows = add_ratios(result["rows"])
+    targets = comm_targets(rows, args.ranks)
     for row, slowest in zip(rows, result["slowest_eager_step_ms"], strict=True):
         row["slowest_rank_eager_step_ms"] = slowest
     note = ("CPU smoke test: these numbers mean nothing" if args.device == "cpu" else
@@ -345,20 +396,30 @@ def report(args: argparse.Namespace, result: dict) -> Path:
         shape=dict(H=args.hidden, I=args.ffn, E=args.experts, K=args.top_k, S=args.tokens, B=args.slots,
                    token_padding=args.token_padding, dtype=args.dtype),
         warmup=args.warmup, reps=args.reps, reference_tokens=rows[-1]["tokens"], note=note,
-        pool=result["pool"])
+        pool=result["pool"], targets=targets)
     print(world_description(args) + f"; medians of {args.reps} reps in ms (min-max of the step)")
     print(f"{'tokens':>6} {'cap':>5} " + " ".join(f"{name:>9}" for name in PHASES)
-          + f" {'step':>21} {'step/full':>9} {'graph':>9} {'graph/full':>10}")
+          + f" {'step':>21} {'step/full':>9} {'comm':>9} {'graph':>9} {'graph/full':>10} {'comm graph':>10}"
+          + f" {'comm/full':>9}")
     for row in rows:
         eager, graph = row["eager"], row["graph"]
         step = eager["step"]
         line = (f"{row['tokens']:>6} {row['capacity']:>5} "
                 + " ".join(f"{eager[name]['ms']:>9.3f}" for name in PHASES)
                 + f" {step['ms']:>9.3f} ({step['ms_min']:.3f}-{step['ms_max']:.3f})".ljust(22)
-                + f" {row['vs_full']['eager_step']:>9.2f}")
+                + f" {row['vs_full']['eager_step']:>9.2f} {row['comm']['eager']['ms']:>9.3f}")
         if graph:
-            line += f" {graph['step']['ms']:>9.3f} {row['vs_full']['graph_step']:>10.2f}"
+            line += (f" {graph['step']['ms']:>9.3f} {row['vs_full']['graph_step']:>10.2f}"
+                     f" {row['comm']['graph']['ms']:>10.4f} {row['comm']['vs_full']['graph']:>9.3f}")
         print(line)
+    within, decode = targets["comm_within_40us"], targets["decode_within_5pct"]
+    bound_us = TARGET_COMM_MS * 1e3
+    print(f"target R=1, s<={TARGET_TOKENS}, dispatch+combine in graph replay <= {bound_us:.0f} us: "
+          f"{verdict(within)}" + (f" (worst {within['worst_ms'] * 1e3:.1f} us; missed at s = "
+                                  f"{within['missed_tokens']})" if within["pass"] is not None else ""))
+    ratio = decode["graph_ratio"]
+    print(f"target comm(s=1) / comm(s=S) in graph replay <= {TARGET_DECODE_RATIO:.0%}: {verdict(decode)}"
+          + (f" ({ratio:.1%})" if ratio is not None else "") + f"; eager {decode['eager_ratio']:.1%}")
     print(note)
     print(f"wrote {out}")
     return out

@@ -178,7 +178,9 @@ def test_pool_capacity_is_the_group_max_and_buffers_are_lazy():
         assert seen == [2, 4, 8, 24, 4, 2]
         assert stats["capacities"] == [2, 4, 8, 24]
         nvs = stats["rows_per_rank"]
-        assert stats["bytes"] == [n * (H * 8 + 8 + 4) for n in nvs]
+        # rows (float64) and route weights per row of NvS, and the duplicate pairs (2 int32 per route slot)
+        assert stats["bytes"] == [n * (H * 8 + 8) + R * c * K * 8 for n, c in zip(nvs, stats["capacities"],
+                                                                                 strict=True)]
         assert stats["total_bytes"] == sum(stats["bytes"]) and nvs == sorted(nvs) and nvs[0] < nvs[-1]
         assert keys and not left, "destroy() releases every Buffer"
 

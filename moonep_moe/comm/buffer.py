@@ -17,7 +17,19 @@ Backward reuses the forward plan: `dispatch(grad_out_sh, plan=plan)` brings the 
 `reduce_grad(plan, ...)` adds every replica's gradient into its home expert's gradient and clears the slots.
 
 Memory: the Buffer owns three symmetric tensors (peers write and read them): the rows `[NvS, H]`, their
-route weights `[NvS]` and the duplicate sources `[NvS]`.
+route weights `[NvS]` and the duplicate pairs `[R*S*K, 2]` (a received duplicate route's row and its primary
+row, at the slot of the route that sent it).
+
+Work per step (DESIGN.md's notation; s = this call's tokens, n = s*K routes, N = S*K the capacity's; the
+`comm.kernels.rows` path, which serving runs): the histogram, the all-gather and the plan O(n + R*E); the
+row exchanges O(n*H) (each token row read once, written once per destination rank, K rows read back); the
+dup tables O(R*N log(R*N)) (a sort of the duplicate pairs, not of the NvS rows) plus zeroing the plan's
+int32 dup tables (16 bytes per row of NvS, inside the planner's launch); padding rows and duplicate rows
+O(rows the plan fills); combine's copy of a `hidden_nvsh` that is not the Buffer's own view O(rows the plan
+fills). What stays O(NvS*H): `dispatch(zero_copy=False)` returns a copy of all NvS rows (a tensor the
+caller owns, defined everywhere): steps of a few tokens should take the views (`zero_copy=True`, as the
+communicator does). The torch reference (`ReferenceExchange`) also pads, expands and pre-reduces over all
+NvS rows (fixed-shape torch, no host read).
 
 The Buffer keeps the API, the checks, the plans, the streams and the memory's lifetime; how rows cross ranks
 is its exchange (`comm.exchange`), chosen once at construction (`kernels`): the torch reference over the
@@ -184,13 +196,13 @@ class Buffer:
         self._rows = world.symmetric(f"{prefix}/rows", torch.zeros(self.NvS, H, dtype=dtype, device=device))
         self._weights = world.symmetric(f"{prefix}/weights",
                                         torch.zeros(self.NvS, dtype=self.weight_dtype, device=device))
-        self._dup_source = world.symmetric(f"{prefix}/dup_source",
-                                           torch.full((self.NvS,), -1, dtype=torch.int32, device=device))
-        memory = RowMemory(world, self._rows, self._weights, self._dup_source, S, K, epn, B, token_padding,
+        self._dup_pairs = world.symmetric(f"{prefix}/dup_pairs", torch.full(
+            (num_ep_ranks * S * K, 2), -1, dtype=torch.int32, device=device))
+        memory = RowMemory(world, self._rows, self._weights, self._dup_pairs, S, K, epn, B, token_padding,
                            num_sms)
         self._exchange = select_exchange(memory, kernels)
         """How rows cross ranks: the Triton row kernels or the torch reference (`comm.exchange`)."""
-        keys = [t.key for t in (self._rows, self._weights, self._dup_source)]
+        keys = [t.key for t in (self._rows, self._weights, self._dup_pairs)]
         unreleased = f"Buffer {self.id} on rank {world.rank}" if explicitly_destroy else None
         self._finalizer = weakref.finalize(self, _release, world, keys, unreleased)
         self._keys = keys
@@ -254,8 +266,8 @@ class Buffer:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of symmetric memory this Buffer holds per rank (rows, route weights, duplicate sources)."""
-        return sum(t.local.nbytes for t in (self._rows, self._weights, self._dup_source))
+        """Bytes of symmetric memory this Buffer holds per rank (rows, route weights, duplicate pairs)."""
+        return sum(t.local.nbytes for t in (self._rows, self._weights, self._dup_pairs))
 
     def end_step(self) -> None:
         """Forget a step whose zero-copy dispatch was never combined (it failed in between), so that the
@@ -319,7 +331,8 @@ class Buffer:
             plan: the plan of an earlier forward dispatch of this Buffer (the combine-backward path, e.g.
                 `dispatch(grad_sh, plan=plan, async_finish=True)`): no planning, the returned `cu_seqlens`
                 is None, and `plan` becomes the plan the next operations take.
-            zero_copy / router_weights_zero_copy: return the Buffer's persistent views instead of copies.
+            zero_copy / router_weights_zero_copy: return the Buffer's persistent views instead of copies
+                (a copy is of all NvS rows, `O(NvS * H)` whatever the step's tokens: serving takes the views).
                 Until this step's `combine`, a dispatch of a new step (without a plan) raises: it would
                 overwrite the views (two in-flight steps cannot share one Buffer; give each its own).
                 Dispatches with a plan (backward) stay legal: forward dispatch -> combine -> backward
@@ -431,8 +444,8 @@ class Buffer:
     def _send_rows(self, plan: MoonEPCommPlan, hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None,
                    record_duplicates: bool) -> None:
         """Every route's payload row (primaries only) and weight to its destination row; the duplicate
-        sources too when `record_duplicates` (the forward dispatch, which fills the plan's dup tables).
-        Then zero the padding rows and copy each primary row into its duplicates (all NvS rows)."""
+        pairs too when `record_duplicates` (the forward dispatch, which fills the plan's dup tables).
+        Then zero the padding rows and copy each primary row into its duplicates (the rows the plan fills)."""
         primary_row_n = self._primary_rows(plan) if record_duplicates else None
         self._exchange.send_routes(plan, hidden_sh, route_weights_sk, primary_row_n)
         if record_duplicates:
@@ -450,27 +463,30 @@ class Buffer:
         return torch.gather(row_n.view(-1, self.K), 1, first_sk).reshape(-1).to(torch.int32)
 
     def _record_duplicates(self, plan: MoonEPCommPlan) -> None:
-        """Turn the received `[NvS]` duplicate sources (-1: not a duplicate) into the plan's dup tables and
-        clear them. Fixed shapes: the rows sorted by (primary, row) with non-duplicates pushed to the end
-        by a sentinel key; group starts where the primary changes; unused table entries are zero."""
+        """Turn the received duplicate pairs (`[R*S*K, 2]` (row, primary row), -1: no duplicate) into the
+        plan's dup tables and clear them. Fixed shapes of the pairs' size R*S*K, never NvS: the pairs sorted
+        by (primary, row) with empty slots pushed to the end by a sentinel key; group starts where the
+        primary changes. Only the first `min(R*S*K, NvS)` table entries are written (no rank receives more
+        duplicates); the planner left the rest zero."""
         nvs = self.NvS
-        source_nvs = self._dup_source.local
-        index_v = torch.arange(nvs, device=source_nvs.device)  # rows, then positions in the sorted order
-        key_v = torch.where(source_nvs >= 0, source_nvs.long() * nvs + index_v, nvs * nvs)
-        order_v = torch.argsort(key_v, stable=True)
-        dup_v = (source_nvs >= 0)[order_v]  # position i of the sorted order holds a duplicate
-        primary_v = source_nvs[order_v].long()
-        starts_v = dup_v & ((index_v == 0) | (primary_v != torch.roll(primary_v, 1)))
-        group_v = torch.cumsum(starts_v, 0) - 1
-        dump_v = torch.full_like(index_v, nvs)  # fixed-shape scatters send unused entries to a dump row
-        groups_v3 = torch.zeros(nvs + 1, 3, dtype=torch.int64, device=index_v.device)
-        groups_v3.index_copy_(0, torch.where(starts_v, group_v, dump_v),
-                              torch.stack([primary_v, index_v, torch.zeros_like(index_v)], 1))
-        groups_v3[:, 2].index_add_(0, torch.where(dup_v, group_v, dump_v), torch.ones_like(index_v))
-        plan.dup_groups.copy_(groups_v3[:nvs])
-        plan.dup_loffs.copy_(torch.where(dup_v, order_v, 0))
-        plan.dup_counts.copy_(torch.stack([starts_v.sum(), dup_v.sum()]))
-        source_nvs.fill_(-1)
+        pairs_p2 = self._dup_pairs.local
+        used = min(pairs_p2.shape[0], nvs)
+        row_p, primary_p = pairs_p2.long().unbind(1)
+        order_p = torch.argsort(torch.where(row_p >= 0, primary_p * nvs + row_p, nvs * nvs), stable=True)
+        row_p, primary_p = row_p[order_p][:used], primary_p[order_p][:used]
+        dup_p = row_p >= 0  # position i of the sorted order holds a duplicate
+        index_p = torch.arange(used, device=pairs_p2.device)  # positions in the sorted order
+        starts_p = dup_p & ((index_p == 0) | (primary_p != torch.roll(primary_p, 1)))
+        group_p = torch.cumsum(starts_p, 0) - 1
+        dump_p = torch.full_like(index_p, used)  # fixed-shape scatters send unused entries to a dump row
+        groups_p3 = torch.zeros(used + 1, 3, dtype=torch.int64, device=index_p.device)
+        groups_p3.index_copy_(0, torch.where(starts_p, group_p, dump_p),
+                              torch.stack([primary_p, index_p, torch.zeros_like(index_p)], 1))
+        groups_p3[:, 2].index_add_(0, torch.where(dup_p, group_p, dump_p), torch.ones_like(index_p))
+        plan.dup_groups[:used].copy_(groups_p3[:used])
+        plan.dup_loffs[:used].copy_(torch.where(dup_p, row_p, 0))
+        plan.dup_counts.copy_(torch.stack([starts_p.sum(), dup_p.sum()]))
+        pairs_p2.fill_(-1)
 
     # -- combine --------------------------------------------------------------------------------------------
 

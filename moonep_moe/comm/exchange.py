@@ -42,7 +42,9 @@ class RowMemory:
 
     Attributes:
         world: the EP world. rows: `[NvS, H]` in the Buffer's dtype. weights: `[NvS]` route weights (fp32,
-        float64 for float64 rows). dup_source: `[NvS]` int32, a received duplicate's primary row, else -1.
+        float64 for float64 rows). dup_pairs: `[R*S*K, 2]` int32, at slot `source rank * S*K + route` a
+        received duplicate route's (row, primary row), else -1 (one writer per slot; R*S*K, not NvS: its
+        scan costs what the capacity's routes cost).
         max_tokens, top_k, experts_per_rank, num_slots, token_padding: S, K, epn, B, tp.
         num_sms: SMs the kernels' grid-stride loops size their grids for (None: the device's).
     """
@@ -50,7 +52,7 @@ class RowMemory:
     world: EPWorld
     rows: SymmetricTensor
     weights: SymmetricTensor
-    dup_source: SymmetricTensor
+    dup_pairs: SymmetricTensor
     max_tokens: int
     top_k: int
     experts_per_rank: int
@@ -73,9 +75,9 @@ class RowExchange(Protocol):
     def send_routes(self, plan: MoonEPCommPlan, hidden_sh: torch.Tensor,
                     route_weights_sk: torch.Tensor | None, primary_row_n: torch.Tensor | None) -> None:
         """Collective: every valid route's weight, and each primary route's payload row, into its
-        destination row; with `primary_row_n` (`[N]`, the forward dispatch) each duplicate route's primary
-        row into the destination's `dup_source`. Starts once every rank is done with the rows' previous
-        contents; returns once every write into this rank's rows has landed."""
+        destination row; with `primary_row_n` (`[N]`, the forward dispatch) each duplicate route's (row,
+        primary row) into the destination's `dup_pairs`, at its own slot. Starts once every rank is done
+        with the rows' previous contents; returns once every write into this rank's rows has landed."""
         ...
 
     def fill_rows(self, plan: MoonEPCommPlan) -> None:
@@ -84,8 +86,9 @@ class RowExchange(Protocol):
         ...
 
     def pre_reduce(self, plan: MoonEPCommPlan, hidden_nvsh: torch.Tensor, zero_copy: bool) -> None:
-        """Local: the rows become `hidden_nvsh [NvS, H]` (already them with `zero_copy`) with each duplicate
-        group summed into its primary row in fp32, in row order."""
+        """Local: the rows up to `cu_seqlens[-1]` become those of `hidden_nvsh [NvS, H]` (already them with
+        `zero_copy`; the rows past it are left as they are) with each duplicate group summed into its primary
+        row in fp32, in row order."""
         ...
 
     def gather_routes(self, plan: MoonEPCommPlan, with_weights: bool
@@ -129,8 +132,10 @@ class ReferenceExchange:
             m.world.scatter_rows(m.weights, torch.where(valid_n, dest_n, -1), row_n,
                                  route_weights_sk.reshape(-1), capacity=m.max_tokens * top_k)
         if primary_row_n is not None:
-            m.world.scatter_rows(m.dup_source, torch.where(valid_n & ~primary_n, dest_n, -1), row_n,
-                                 primary_row_n, capacity=m.max_tokens * top_k)
+            slot_n = m.world.rank * m.max_tokens * top_k + torch.arange(len(row_n), device=row_n.device)
+            m.world.scatter_rows(m.dup_pairs, torch.where(valid_n & ~primary_n, dest_n, -1), slot_n,
+                                 torch.stack([row_n.to(torch.int32), primary_row_n], 1),
+                                 capacity=m.max_tokens * top_k)
 
     def fill_rows(self, plan) -> None:
         rows_nvsh, weights_nvs = self.memory.rows.local, self.memory.weights.local
@@ -142,11 +147,13 @@ class ReferenceExchange:
     def pre_reduce(self, plan, hidden_nvsh, zero_copy) -> None:
         # every row adds into its source row (duplicates into their primary, the rest into themselves), in
         # fp32, in row order; only primary rows are read afterwards
+        # (rows past the plan's end keep their values, as the kernels leave them)
         rows_nvsh = self.memory.rows.local
         accumulate = self.memory.weights.local.dtype
         sums_nvsh = torch.zeros(rows_nvsh.shape, dtype=accumulate, device=rows_nvsh.device)
         sums_nvsh.index_add_(0, source_rows(plan), hidden_nvsh.to(accumulate))
-        rows_nvsh.copy_(sums_nvsh)
+        filled_v = torch.arange(rows_nvsh.shape[0], device=rows_nvsh.device) < plan.cu_seqlens[-1]
+        rows_nvsh.copy_(torch.where(filled_v[:, None], sums_nvsh, rows_nvsh))
 
     def gather_routes(self, plan, with_weights):
         m = self.memory
@@ -203,7 +210,7 @@ class KernelExchange:
         m.world.barrier()  # every rank is done with the rows' previous contents
         self.rows.send_routes(hidden_sh.contiguous(), None if route_weights_sk is None else
                               route_weights_sk.contiguous(), plan.dst, primary_row_n, m.rows, m.weights,
-                              m.dup_source)
+                              m.dup_pairs, m.world.rank * m.max_tokens * m.top_k)
         m.world.barrier()  # every write into this rank's rows has landed
 
     def fill_rows(self, plan) -> None:
@@ -215,7 +222,7 @@ class KernelExchange:
     def pre_reduce(self, plan, hidden_nvsh, zero_copy) -> None:
         m = self.memory
         if not zero_copy:
-            m.rows.local.copy_(hidden_nvsh)
+            self.rows.copy_rows(m.rows.local, hidden_nvsh.contiguous(), plan.cu_seqlens[-1:], m.num_sms)
         self.rows.pre_reduce_duplicates(m.rows.local, plan.dup_groups, plan.dup_loffs, plan.dup_counts,
                                         m.top_k - 1, m.max_dup_groups, m.weights.local.dtype, m.num_sms)
 

@@ -12,6 +12,12 @@ orders its phases, and builds every index both paths share (the plan's `dst`, du
   expert-grouped row there (primary routes); every route's weight; duplicates record their primary row.
 - `zero_padding` / `expand_duplicates`: after the barrier, local: padding rows and weights become zero,
   primary rows are copied into their duplicate rows.
+
+Work follows the step's tokens, not the capacity: every kernel reads its counts (padding rows per group,
+duplicate groups, rows the plan fills) on the device and loops over those only, so a CUDA graph captured for
+a capacity bucket and replayed with fewer tokens moves only their rows.
+- `copy_rows`: local, combine of expert outputs that are not the Buffer's own rows: the rows the plan fills
+  (up to `cu_seqlens[-1]`, read on the device) into the Buffer's rows.
 - `pre_reduce_duplicates`: local, before combine's barrier: each duplicate group summed into its primary
   row in fp32, in row order (the order of the reference's `index_add_`).
 - `gather_routes`: per token its K rows pulled from their ranks and summed in fp32 in k order (the
@@ -179,9 +185,9 @@ def _narrow(acc, OUT: tl.constexpr):
 
 @triton.jit
 def _send_routes_kernel(hidden_ptr, weights_ptr, dst_ptr, primary_row_ptr,
-                        rows_table, weights_table, sources_table, rows_like, weights_like, sources_like,
-                        H, rows_per_rank, K: tl.constexpr, WEIGHTS: tl.constexpr, RECORD: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
+                        rows_table, weights_table, pairs_table, rows_like, weights_like, pairs_like,
+                        H, rows_per_rank, pairs_offset, K: tl.constexpr, WEIGHTS: tl.constexpr,
+                        RECORD: tl.constexpr, BLOCK_H: tl.constexpr):
     token = tl.program_id(0)
     block = tl.program_id(1)
     offs = block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -196,21 +202,24 @@ def _send_routes_kernel(hidden_ptr, weights_ptr, dst_ptr, primary_row_ptr,
             tl.store(_peer(weights_table, dest, weights_like) + row, tl.load(weights_ptr + route),
                      mask=valid & first_block)
         if RECORD:
-            tl.store(_peer(sources_table, dest, sources_like) + row, tl.load(primary_row_ptr + route),
-                     mask=valid & ~primary & first_block)
+            pair_ptr = _peer(pairs_table, dest, pairs_like) + 2 * (pairs_offset + route)
+            duplicate = valid & ~primary & first_block
+            tl.store(pair_ptr, row.to(tl.int32), mask=duplicate)
+            tl.store(pair_ptr + 1, tl.load(primary_row_ptr + route), mask=duplicate)
 
 
 def send_routes(hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None, dst_n: torch.Tensor,
                 primary_row_n: torch.Tensor | None, rows: SymmetricTensor, weights: SymmetricTensor,
-                sources: SymmetricTensor) -> None:
+                pairs: SymmetricTensor, pairs_offset: int = 0) -> None:
     """Every route of this rank to its destination rank's rows (peer writes; the caller barriers).
 
     Args:
         hidden_sh: `[s, H]` rows, contiguous. route_weights_sk: `[s, K]` or None (no weights sent).
         dst_n: `[s*K]` int32 the plan's destinations. primary_row_n: `[s*K]` int32, the row of each route's
-            primary (written as the duplicate source of every duplicate route), or None (not recorded).
-        rows, weights, sources: the Buffer's symmetric `[NvS, H]` rows, `[NvS]` weights, `[NvS]` int32
-            duplicate sources.
+            primary, or None (no duplicate recorded).
+        rows, weights, pairs: the Buffer's symmetric `[NvS, H]` rows, `[NvS]` weights, `[R*S*K, 2]` int32
+            duplicate pairs: duplicate route i writes (its row, its primary's row) at pair `pairs_offset + i`
+            of its destination (`pairs_offset`: this rank's `rank * S * K`, so every slot has one writer).
     """
     num_tokens, width = hidden_sh.shape
     if num_tokens == 0:
@@ -221,15 +230,14 @@ def send_routes(hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None, 
         _send_routes_kernel[(num_tokens, triton.cdiv(width, block))](
             hidden_sh, route_weights_sk if route_weights_sk is not None else hidden_sh, dst_n,
             primary_row_n if primary_row_n is not None else dst_n,
-            pointer_table(rows), pointer_table(weights), pointer_table(sources),
-            rows.local, weights.local, sources.local, width, rows.local.shape[0], K=top_k,
+            pointer_table(rows), pointer_table(weights), pointer_table(pairs),
+            rows.local, weights.local, pairs.local, width, rows.local.shape[0], pairs_offset, K=top_k,
             WEIGHTS=route_weights_sk is not None, RECORD=primary_row_n is not None, BLOCK_H=block,
             num_warps=warps)
 
 
 @triton.jit
-def _zero_padding_kernel(rows_ptr, weights_ptr, zero_fill_ptr, H, PADDING: tl.constexpr,
-                         TILE: tl.constexpr, BLOCK_H: tl.constexpr):
+def _zero_padding_kernel(rows_ptr, weights_ptr, zero_fill_ptr, H, TILE: tl.constexpr, BLOCK_H: tl.constexpr):
     group = tl.program_id(0)
     block = tl.program_id(1)
     first = tl.load(zero_fill_ptr + 2 * group).to(tl.int64)
@@ -237,7 +245,7 @@ def _zero_padding_kernel(rows_ptr, weights_ptr, zero_fill_ptr, H, PADDING: tl.co
     offs = block * BLOCK_H + tl.arange(0, BLOCK_H)
     inside = offs < H
     zeros = tl.zeros([TILE, BLOCK_H], dtype=rows_ptr.dtype.element_ty)
-    for start in tl.range(0, PADDING, TILE):
+    for start in tl.range(0, count, TILE):  # the group's padding rows only: none for an empty group
         pad = start + tl.arange(0, TILE)
         padding = pad < count
         tl.store(rows_ptr + (first + pad)[:, None] * H + offs[None, :], zeros,
@@ -257,7 +265,7 @@ def zero_padding(rows_nvsh: torch.Tensor, weights_nvs: torch.Tensor, zero_fill_g
     tile = min(16, triton.next_power_of_2(token_padding))
     with _launching():
         _zero_padding_kernel[(num_groups, triton.cdiv(width, block))](
-            rows_nvsh, weights_nvs, zero_fill_g2, width, PADDING=token_padding - 1, TILE=tile,
+            rows_nvsh, weights_nvs, zero_fill_g2, width, TILE=tile,
             BLOCK_H=block, num_warps=warps)
 
 
@@ -309,6 +317,37 @@ def expand_duplicates(rows_nvsh: torch.Tensor, dup_groups: torch.Tensor, dup_lof
 
 
 # -- combine -------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _pre_reduce_copy_kernel(target_ptr, source_ptr, end_ptr, H, BLOCK_H: tl.constexpr):
+    block = tl.program_id(1)
+    offs = block * BLOCK_H + tl.arange(0, BLOCK_H)
+    inside = offs < H
+    wide = tl.zeros([], tl.int64)  # row offsets in int64 (NvS * H may pass 2^31)
+    for row in tl.range(tl.program_id(0), tl.load(end_ptr), tl.num_programs(0)):  # rows the plan fills
+        at = (row + wide) * H + offs
+        tl.store(target_ptr + at, tl.load(source_ptr + at, mask=inside), mask=inside)
+
+
+def copy_rows(target_nvsh: torch.Tensor, source_nvsh: torch.Tensor, end_1: torch.Tensor,
+              num_sms: int | None = None) -> None:
+    """`target_nvsh[:end] = source_nvsh[:end]` with `end = end_1[0]` read on the device (the plan's
+    `cu_seqlens[-1:]`): a grid-stride loop over the rows the plan fills, whatever NvS is; the rows past
+    `end` are not touched.
+
+    Args:
+        target_nvsh, source_nvsh: `[NvS, H]` contiguous, same dtype. end_1: `[1]` int32 on their device.
+    """
+    num_rows, width = target_nvsh.shape
+    if num_rows == 0 or width == 0:
+        return
+    block, warps = _row_block(width, target_nvsh.element_size())
+    programs, _ = _group_programs(num_rows, target_nvsh.device, num_sms)
+    with _launching():
+        _pre_reduce_copy_kernel[(programs, triton.cdiv(width, block))](
+            target_nvsh, source_nvsh, end_1, width, BLOCK_H=block, num_warps=warps)
+
 
 
 @triton.jit
