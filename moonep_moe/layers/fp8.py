@@ -91,7 +91,8 @@ def quantise_rows(x_mk: Tensor) -> tuple[Tensor, Tensor]:
     K] e4m3, scales [rows, Kb] fp32)`` with ``x ~= q * scales`` per 1x128 tile; a tail tile of ``K % 128``
     columns gets its own scale. The scales are contiguous (see `to_deep_gemm_row_scales`)."""
     rows, k = x_mk.shape
-    tiles_mkt = _pad_to_tiles(x_mk, [1]).view(rows, -1, TILE)
+    padded = _pad_to_tiles(x_mk, [1])
+    tiles_mkt = padded.view(rows, padded.shape[1] // TILE, TILE)
     scales_mk = pow2_scales(tiles_mkt.abs().amax(-1))
     q_mkt = (tiles_mkt / scales_mk[..., None]).to(FP8_DTYPE)
     return q_mkt.view(rows, -1)[:, :k].contiguous(), scales_mk

@@ -44,7 +44,9 @@ def _round_to_e4m3(v):
     shift = tl.minimum(ulp_exponent - exponent + 23, 25)  # >= 20; 25 rounds every significand to zero
     rounded = (significand + (1 << (shift - 1)) - 1 + ((significand >> shift) & 1)) >> shift
     value = rounded.to(tl.float32) * ((ulp_exponent + 127) << 23).to(tl.float32, bitcast=True)
-    return tl.where(bits < 0, -value, value)
+    # the sign as a bit, not `where(bits < 0, -value, value)`: compiled for sm90 that lost the sign of values
+    # rounding to zero (+0 where the reference keeps -0), though the interpreter kept it
+    return (value.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
