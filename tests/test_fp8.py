@@ -278,8 +278,8 @@ def test_precision_fp8_refuses_other_dtypes_and_paddings(changes, named):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
 def test_fp8_layer_refused_at_construction_without_cuda():
-    with pytest.raises(ValueError, match=r"precision='fp8' cannot run here \(rank 0\): FP8 experts take bf16 "
-                                         r"weights and activations on CUDA, got torch.bfloat16 on cpu"):
+    with pytest.raises(ValueError, match=r"precision='fp8' cannot run here \(rank 0\): FP8 experts run on "
+                                         r"DeepGEMM: DeepGEMM runs bf16 on CUDA, got torch.bfloat16 on cpu"):
         MoonEPMoELayer(MoEConfig(**BASE, precision="fp8", grouped_gemm="torch"))
 
 

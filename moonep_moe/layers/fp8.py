@@ -37,7 +37,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from moonep_moe.layers.grouped_gemm import GroupedGemm, _check_groups, import_deep_gemm
+from moonep_moe.layers.grouped_gemm import (
+    GroupedGemm,
+    _check_groups,
+    deep_gemm_unsupported_reason,
+    import_deep_gemm,
+)
 
 __all__ = [
     "E4M3_MAX",
@@ -260,19 +265,17 @@ class Fp8GroupedGemm:
 
 
 def fp8_unsupported_reason(device: torch.device, dtype: torch.dtype, token_padding: int | None) -> str | None:
-    """Why `Fp8GroupedGemm` cannot run here, or None when it can."""
-    if device.type != "cuda" or dtype != torch.bfloat16:
-        return f"FP8 experts take bf16 weights and activations on CUDA, got {dtype} on {device.type}"
+    """Why `Fp8GroupedGemm` cannot run here, or None when it can: DeepGEMM's conditions
+    (`deep_gemm_unsupported_reason`), sm90 exactly (fp32 scales), and Triton for the casts."""
+    reason = deep_gemm_unsupported_reason(device, dtype, token_padding)
+    if reason is not None:
+        return f"FP8 experts run on DeepGEMM: {reason}"
     if torch.cuda.get_device_capability(device)[0] != 9:
         return "DeepGEMM's FP8 GEMMs with fp32 scales need sm90 (Hopper)"
-    if token_padding is None or token_padding % 128:
-        return f"segments must be aligned to 128 rows (token_padding % 128 == 0), got {token_padding}"
     try:
         import triton  # noqa: F401
-
-        import_deep_gemm()
     except ImportError as error:
-        return f"{error.name or error} cannot be imported; install the 'gpu' extra (README, GPU section)"
+        return f"triton cannot be imported ({error}); the FP8 casts are Triton kernels"
     return None
 
 

@@ -317,8 +317,9 @@ class DeepGemmGroupedGemm:
         return self._torch.wgrad(dy, x, offs_g, out, accumulate)
 
 
-def _deep_gemm_unsupported_reason(device: torch.device, dtype: torch.dtype,
-                                  token_padding: int | None) -> str | None:
+def deep_gemm_unsupported_reason(device: torch.device, dtype: torch.dtype,
+                                 token_padding: int | None) -> str | None:
+    """Why DeepGEMM's bf16 grouped GEMMs cannot run here (device, dtype, alignment, import), or None."""
     if device.type != "cuda" or dtype != torch.bfloat16:
         return f"DeepGEMM runs bf16 on CUDA, got {dtype} on {device.type}"
     if torch.cuda.get_device_capability(device)[0] < 9:
@@ -670,7 +671,7 @@ def select_grouped_gemm(
         raise ValueError(f"grouped_gemm must be one of {GROUPED_GEMM_NAMES}, got {name!r}")
     reasons = {
         "torch": lambda: _torch_unsupported_reason(device, dtype, k),
-        "deep_gemm": lambda: _deep_gemm_unsupported_reason(device, dtype, token_padding),
+        "deep_gemm": lambda: deep_gemm_unsupported_reason(device, dtype, token_padding),
         "triton": lambda: _triton_unsupported_reason(device, dtype, k),
     }
     makers = {"torch": TorchGroupedGemm, "deep_gemm": DeepGemmGroupedGemm, "triton": TritonGroupedGemm}
