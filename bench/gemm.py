@@ -23,9 +23,9 @@ floor, the block <= 1.08x its GEMMs), printed as PASS / MISS lines and recorded 
 
 --preset ep8 runs exactly the issue's production rows: one rank of an EP=8 group, S*K = 8192*8 = 65536
 routes (each config's max_tokens_per_rank * top_k), uniform segments over DeepSeek-V3's 32 + 32 and
-Kimi-K2's 48 + 48 groups, the weights on the arena as the layer has them, every backend: 8 rows, recorded
+Kimi-K2's 48 + 48 groups, the weights on the arena as the layer has them, every backend: 10 rows, recorded
 as `gemm-ep8-<device>-<date>-<commit>.json` (the other runs: `gemm-...`). It is bounded by that: 2 shapes
-x 4 backends x 1 layout x 1 skew, each of fwd, dgrad, wgrad and the block timed 3 + 10 times (~10-40 ms a
+x 5 backends x 1 layout x 1 skew, each of fwd, dgrad, wgrad and the block timed 3 + 10 times (~10-40 ms a
 call at these shapes), ~1-2 s of timing per row; the rest is one-off start-up (the dense limits,
 DeepGEMM's JIT, the Triton wgrad's autotuning and `auto`'s measurement: a minute or so on a fresh machine,
 cached after).
