@@ -16,6 +16,7 @@ once; S*K route weights and duplicate sources; B expert rows):
 - combine (forward)   = (R-1) * S*(8 + H*a)                         row requests, then the replies
 - combine (backward)  = (R-1) * [S*(8 + H*a) + S*K*(8 + 4)]         + the route-weight gradients
 - prefetch            = (R-1) * B*(8 + 3*H*H'*a)                    gate, up and down of an expert
+- prefetch, FP8       = (R-1) * B*(8 + 3*H*H' + 3*4*ceil(H/128)*ceil(H'/128))   e4m3 bytes and fp32 scales
 - reduce_grad         = (R-1) * B*(8 + 3*H*H'*4)                    fp32 slot gradients
 
 Exact-size mode (`CollectiveWorld(exact_size=True)`: real rows only, plus 2R counts read on the host):
@@ -29,7 +30,9 @@ reduce_grad move only the slots in use.
   here as one slot per rank.
 
 A training step of one layer = dispatch and combine in forward and backward, prefetch twice (the slot pool is
-shared by layers, so backward prefetches again), reduce_grad once.
+shared by layers, so backward prefetches again), reduce_grad once. The FP8 prefetch (`prefetch_weight(...,
+scales=)`: FP8 experts with one fp32 scale per 128x128 block, `moonep_moe.weights.quantised`) is its own
+column, beside the bf16 one it would replace: about half its bytes (not in the training step's sum).
 """
 
 from __future__ import annotations
@@ -38,10 +41,13 @@ from dataclasses import dataclass
 
 from moonep_moe.config import MoEConfig, available_configs, load_config
 
+BLOCK = 128
+"""FP8 weights: one fp32 scale per BLOCK x BLOCK block (`moonep_moe.weights.quantised.BLOCK`)."""
 INDEX = 8
 """Bytes per row index (int64) sent alongside every row."""
 FP32 = 4
 OPS = ("dispatch", "combine", "prefetch", "reduce_grad")
+"""The operations of a training step (summed in its column); `traffic` also gives "prefetch fp8"."""
 MODES = ("static", "exact, worst", "exact, uniform")
 
 
@@ -65,11 +71,14 @@ class Shape:
 def traffic(rows: float, weights: float, dups: float, slots: float,
             s: Shape) -> dict[str, tuple[float, float]]:
     """(forward, backward) bytes per operation, given the payload rows, route weights, duplicate sources and
-    slots one exchange sends to other ranks (prefetch: forward and backward; reduce_grad: backward only)."""
+    slots one exchange sends to other ranks (prefetch: forward and backward; reduce_grad: backward only);
+    "prefetch fp8": the prefetch of FP8 experts (1 byte per element, an fp32 scale per 128x128 block)."""
     row, weight, expert = s.H * s.a + INDEX, FP32 + INDEX, 3 * s.H * s.F
+    expert_fp8 = expert + 3 * FP32 * -(-s.H // BLOCK) * -(-s.F // BLOCK)
     return {"dispatch": (rows * row + (weights + dups) * weight, rows * row),
             "combine": (rows * row, rows * row + weights * weight),
             "prefetch": (slots * (expert * s.a + INDEX),) * 2,
+            "prefetch fp8": (slots * (expert_fp8 + INDEX),) * 2,
             "reduce_grad": (0.0, slots * (expert * FP32 + INDEX))}
 
 
@@ -92,7 +101,8 @@ def mib(value: float) -> str:
 def table() -> str:
     """Markdown: per config and B, MiB per rank for each operation (forward + backward) and a training step,
     as static / exact worst / exact uniform."""
-    head = ["config (S, K, H, H', E, R)", "B"] + [f"{op} (fwd+bwd)" for op in OPS] + ["training step"]
+    columns = (*OPS[:3], "prefetch fp8", *OPS[3:])
+    head = ["config (S, K, H, H', E, R)", "B"] + [f"{op} (fwd+bwd)" for op in columns] + ["training step"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in available_configs():
         try:
@@ -102,7 +112,7 @@ def table() -> str:
         for B in (cfg.experts_per_rank, 0):
             s = Shape.of(cfg, B)
             by_mode = bytes_per_rank(s)
-            cells = [" / ".join(mib(sum(by_mode[m][op])) for m in MODES) for op in OPS]
+            cells = [" / ".join(mib(sum(by_mode[m][op])) for m in MODES) for op in columns]
             step = {m: sum(by_mode[m][op][0] + by_mode[m][op][1] for op in OPS) for m in MODES}
             label = f"{name} ({s.S}, {s.K}, {s.H}, {s.F}, {s.E}, {s.R})"
             lines.append(f"| {label} | {B} | " + " | ".join(cells) + " | "

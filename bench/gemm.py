@@ -3,6 +3,7 @@
     python -m bench.gemm --preset ep8       # issue 13 item 2's rows, with pass/miss (an H200: ~2 min)
     python -m bench.gemm                    # all shapes, uniform and skewed segments (an H200: ~6 min)
     python -m bench.gemm --shapes deepseek-v3 --rows 65536 --layouts plain arena
+    python -m bench.gemm --preset ep8 --backends auto fp8   # issue 16 item 6: fp8 beside bf16 (~1 min)
 
 For each model's expert shape at EP=8 (its packaged config, `moonep_moe/configs/<name>.yaml`: H, H' and
 epn = E / ep_size home + B = epn slot groups, rows = the routes of one rank, each segment padded to 128)
@@ -22,16 +23,26 @@ floor, the block <= 1.08x its GEMMs), printed as PASS / MISS lines and recorded 
 
 --preset ep8 runs exactly the issue's production rows: one rank of an EP=8 group, S*K = 8192*8 = 65536
 routes (each config's max_tokens_per_rank * top_k), uniform segments over DeepSeek-V3's 32 + 32 and
-Kimi-K2's 48 + 48 groups, the weights on the arena as the layer has them, every backend: 8 rows, recorded
+Kimi-K2's 48 + 48 groups, the weights on the arena as the layer has them, every backend: 10 rows, recorded
 as `gemm-ep8-<device>-<date>-<commit>.json` (the other runs: `gemm-...`). It is bounded by that: 2 shapes
-x 4 backends x 1 layout x 1 skew, each of fwd, dgrad, wgrad and the block timed 3 + 10 times (~10-40 ms a
+x 5 backends x 1 layout x 1 skew, each of fwd, dgrad, wgrad and the block timed 3 + 10 times (~10-40 ms a
 call at these shapes), ~1-2 s of timing per row; the rest is one-off start-up (the dense limits,
 DeepGEMM's JIT, the Triton wgrad's autotuning and `auto`'s measurement: a minute or so on a fresh machine,
 cached after).
 
 Backends: torch, deep_gemm (fwd/dgrad; wgrad on torch), triton (wgrad on the Triton kernel; fwd/dgrad on
-torch) and auto (each op and shape on the backend measured fastest, as the layer's "auto" picks it; the
-picks are printed and recorded).
+torch), auto (each op and shape on the backend measured fastest, as the layer's "auto" picks it; the
+picks are printed and recorded) and fp8 (`moonep_moe.layers.fp8.Fp8GroupedGemm`, what a `precision="fp8"`
+layer runs: fwd and dgrad on DeepGEMM's FP8 GEMMs, wgrad in bf16 on auto's pick).
+
+The fp8 row (issue 16 item 6; targets `FP8_TARGETS`: fwd and dgrad >= 1.7x the dense bf16 rate, wgrad and
+the block as for bf16) takes bf16 activations and bf16 weights as the layer does: its fwd and dgrad times
+include the FP8 cast of their activations (x and hw in fwd, dy and dab in dgrad, `cast_rows`), which is
+also timed alone and recorded (`fwd_cast_ms`, `dgrad_cast_ms`). The weights are given as parameters, so
+their FP8 copies (both orientations) are cast once, before the timing, as a layer's home experts are once
+per optimizer step; that cast of every group of both projections is timed alone and recorded
+(`weight_cast_ms`), not in the row. The rates count the used rows' FLOPs as for bf16, against the same
+run's dense bf16 rate.
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ from bench.common import (
     total,
     write_record,
 )
+from moonep_moe.layers.fp8 import fp8_grouped_gemm, fp8_unsupported_reason
 from moonep_moe.layers.grouped_gemm import GemmProblem, MeasuredGroupedGemm, select_grouped_gemm
 from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
 from moonep_moe.weights.arena import PhysicalRows, expert_arena_reason, joined_rows
@@ -71,6 +83,9 @@ TARGETS = (  # (what, op, bound): issue 13 item 2, one rank of an EP=8 group
     ("wgrad vs its floor", "<=", 1.15),
     ("block vs its GEMMs", "<=", 1.08),
 )
+FP8_TARGETS = (("fwd of dense", ">=", 1.7), ("dgrad of dense", ">=", 1.7), *TARGETS[2:])
+"""The fp8 row's (issue 16 item 6): fwd and dgrad at 1.7x the dense bf16 rate; wgrad (bf16) and the block
+as for bf16."""
 
 
 def expert_shape(name: str) -> tuple[int, int, int]:
@@ -92,7 +107,8 @@ def cases(shapes: list[str], rows: list[int] | None, skews: list[float]) -> list
 def gemm_targets(row: dict, flops: int, dense: float, wgrad_floor_s: float) -> list[dict]:
     """`TARGETS` checked on one row's timings (`<op>_ms`, `_ms_min`, `_ms_max` for fwd, dgrad, wgrad and
     block): fwd and dgrad as `flops` (both projections, used rows) at the dense rate over their time, wgrad
-    over `wgrad_floor_s`, the block over the sum of its GEMMs. Each entry names its row (`row`)."""
+    over `wgrad_floor_s`, the block over the sum of its GEMMs. Each entry names its row (`row`); the fp8
+    row is checked against `FP8_TARGETS`, every other against `TARGETS`."""
     at_dense_ms = flops / dense * 1e3
     values = {"fwd of dense": ratio(at_dense_ms, span(row, "fwd_")),
               "dgrad of dense": ratio(at_dense_ms, span(row, "dgrad_")),
@@ -100,7 +116,8 @@ def gemm_targets(row: dict, flops: int, dense: float, wgrad_floor_s: float) -> l
               "block vs its GEMMs": ratio(span(row, "block_"),
                                           total(*(span(row, f"{op}_") for op in ("fwd", "dgrad", "wgrad"))))}
     name = f"{row['shape']} rows={row['rows']} skew={row['skew']} {row['backend']} {row['weights']}"
-    return [check(what, values[what], op, bound, row=name) for what, op, bound in TARGETS]
+    targets = FP8_TARGETS if row["backend"] == "fp8" else TARGETS
+    return [check(what, values[what], op, bound, row=name) for what, op, bound in targets]
 
 
 def segment_ends(groups: int, routes: int, skew: float, gen: torch.Generator) -> torch.Tensor:
@@ -137,6 +154,51 @@ def arena_weights(home: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 def fp32_grads(parts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     """Uninitialised fp32 gradients like `parts` (the wgrads below overwrite them, as the layer does)."""
     return [torch.empty(p.shape, dtype=torch.float32, device="cuda") for p in parts]
+
+
+def make_gemm(backend: str, k: int, problem: GemmProblem | None):
+    """The grouped GEMM a layer with `grouped_gemm=backend` runs (bf16); "fp8": a `precision="fp8"` layer's
+    (FP8 fwd and dgrad, wgrad on auto's pick). Raises ValueError where it cannot run here."""
+    cuda = torch.device("cuda")
+    if backend != "fp8":
+        return select_grouped_gemm(backend, cuda, torch.bfloat16, k=k, token_padding=PAD, problem=problem)
+    wgrad = select_grouped_gemm("auto", cuda, torch.bfloat16, k=k, token_padding=PAD, problem=problem)
+    return fp8_grouped_gemm(wgrad, cuda, torch.bfloat16, PAD)
+
+
+def unavailable(backend: str) -> str | None:
+    """Why `make_gemm(backend, ...)` cannot run here, or None."""
+    if backend == "fp8":
+        return fp8_unsupported_reason(torch.device("cuda"), torch.bfloat16, PAD)
+    try:
+        make_gemm(backend, 128, None)
+    except (ValueError, ImportError) as error:
+        return str(error)
+    return None
+
+
+def as_parameters(parts: tuple[torch.Tensor, ...]) -> tuple[torch.nn.Parameter, ...]:
+    """The same storage as frozen parameters: the FP8 weight cache then casts them once per version (as it
+    does a layer's home experts once per optimizer step), not on every call."""
+    return tuple(torch.nn.Parameter(part, requires_grad=False) for part in parts)
+
+
+def cast_ops(x, dab, g, hw, offs, gate_up, down) -> dict:
+    """The FP8 casts inside the fp8 row, each timed alone: the activations of fwd (x, hw) and of dgrad (dy
+    of both projections: g, dab), and the weights (every group of both projections, both orientations: what
+    one optimizer step costs)."""
+    from moonep_moe.layers.kernels.fp8_cast import cast_blocks, cast_rows
+
+    def cast_weights():
+        for part in (*gate_up, *down):
+            groups, n, k = part.shape
+            cast_blocks(part, torch.empty(groups, -(-n // 128), -(-k // 128), device="cuda"),
+                        torch.empty(part.shape, dtype=torch.float8_e4m3fn, device="cuda"),
+                        torch.empty(groups, k, n, dtype=torch.float8_e4m3fn, device="cuda"))
+
+    return {"fwd_cast": lambda: (cast_rows(x, offs), cast_rows(hw, offs)),
+            "dgrad_cast": lambda: (cast_rows(g, offs), cast_rows(dab, offs)),
+            "weight_cast": cast_weights}
 
 
 def gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down) -> dict:
@@ -181,8 +243,9 @@ def bench_shape(name: str, rows: int, skew: float, backends: list[str], limits: 
     problem = GemmProblem(((2 * f, h), (h, f)), rows_per_group=rows // groups)  # what "auto" measures
     out = []
     for backend, (layout, (gate_up, down)) in itertools.product(backends, layouts.items()):
-        gemm = select_grouped_gemm(backend, torch.device("cuda"), torch.bfloat16, k=math.gcd(h, f),
-                                   token_padding=PAD, problem=problem)
+        gemm = make_gemm(backend, math.gcd(h, f), problem)
+        if backend == "fp8":
+            gate_up, down = as_parameters(gate_up), as_parameters(down)
         row = {"shape": name, "rows": rows, "padded_rows": m_total, "groups": groups, "skew": skew,
                "backend": gemm.name, "weights": layout}
         if isinstance(gemm, MeasuredGroupedGemm):
@@ -190,6 +253,8 @@ def bench_shape(name: str, rows: int, skew: float, backends: list[str], limits: 
             print(f"{name:18} auto picks: {row['picks']}", flush=True)
         calls = gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down)
         calls["block"] = lambda gm=gemm, gu=gate_up, dn=down: block(gm, x, w, offs, gu, dn, g)
+        if backend == "fp8":
+            calls.update(cast_ops(x, dab, g, hw, offs, gate_up, down))
         for op, fn in calls.items():
             row.update({f"{op}_{key}": value for key, value in spread(timings(fn, warmup, repeat)).items()})
         for op in ("fwd", "dgrad", "wgrad"):
@@ -212,12 +277,16 @@ def format_row(row: dict) -> str:
     def timing(op: str) -> str:
         return f"{row[op + '_ms']:.2f} ({row[op + '_ms_min']:.2f}-{row[op + '_ms_max']:.2f}) ms"
 
+    casts = ""
+    if "fwd_cast_ms" in row:  # the fp8 row
+        casts = (f"  casts: activations fwd {timing('fwd_cast')}, dgrad {timing('dgrad_cast')} (in the "
+                 f"row); weights {timing('weight_cast')} (once per step, not in it)")
     return (f"{row['shape']:18} rows={row['rows']:6} skew={row['skew']:3.1f} {row['backend']:9} "
             f"{row['weights']:5} fwd {row['fwd_tflops']:4.0f} TF/s ({row['fwd_vs_dense']:.2f} dense) "
             f"{timing('fwd')}  dgrad {row['dgrad_tflops']:4.0f} ({row['dgrad_vs_dense']:.2f}) "
             f"{timing('dgrad')}"
             f"  wgrad {row['wgrad_tflops']:4.0f} ({row['wgrad_vs_floor']:.2f}x floor) {timing('wgrad')}"
-            f"  block {timing('block')} ({row['block_vs_gemms']:.2f}x gemms)")
+            f"  block {timing('block')} ({row['block_vs_gemms']:.2f}x gemms){casts}")
 
 
 def main() -> None:
@@ -229,7 +298,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", choices=MODELS, default=list(MODELS))
     parser.add_argument("--rows", nargs="*", type=int, default=[16384, 65536])
     parser.add_argument("--skews", nargs="*", type=float, default=[0.0, 1.5])
-    parser.add_argument("--backends", nargs="*", default=["torch", "deep_gemm", "triton", "auto"])
+    parser.add_argument("--backends", nargs="*", default=["torch", "deep_gemm", "triton", "auto", "fp8"])
     parser.add_argument("--layouts", nargs="*", default=["pair", "plain", "arena"],
                         help="(home, slots) copied per call, one ordinary tensor, or the VMM arena")
     parser.add_argument("--warmup", type=int, default=3)
@@ -247,15 +316,16 @@ def main() -> None:
           f"{limits['dense_bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     backends = []
     for name in args.backends:
-        try:
-            select_grouped_gemm(name, torch.device("cuda"), torch.bfloat16, k=128, token_padding=PAD)
+        reason = unavailable(name)
+        if reason is None:
             backends.append(name)
-        except (ValueError, ImportError) as error:
-            print(f"skipping backend {name}: {error}")
+        else:
+            print(f"skipping backend {name}: {reason}")
     rows = [r for shape, m, skew in runs
             for r in bench_shape(shape, m, skew, backends, limits, layouts, args.warmup, args.repeat)]
     targets = [target for row in rows for target in row.pop("targets")]
-    print(f"\nissue 13 item 2 targets, median (min-max) of {args.repeat} runs:")
+    print(f"\nissue 13 item 2 targets (the fp8 row: issue 16 item 6's), median (min-max) of {args.repeat} "
+          "runs:")
     for target in targets:
         print(f"  {format_check(target)}  [{target['row']}]")
     name = "gemm" if args.preset is None else f"gemm-{args.preset}"  # never overwrites the other's record

@@ -10,6 +10,8 @@ same weights, same tokens, same run, and every speed also as a share of that run
     python -m bench.layer --backends --main-grad-backends --no-compile   # torch-native and the DEFAULT row
     python -m bench.layer --ep-rank-of 8    # ONE rank of an EP=8 group: S*K routes, 32 home + 32 slot groups
     python -m bench.layer --device cpu --models all   # a one-step smoke run of every table, tiny H, H', T
+    python -m bench.layer --backends --main-grad-backends --fp8   # issue 16: the fp8 row beside DEFAULT
+    python -m bench.layer --backends --main-grad-backends --fp8 --ep-rank-of 8   # and for one EP=8 rank
 
 --model NAME (alias --models): the shapes H, H', E, K and T (`max_tokens_per_rank`, 8192 for every packaged
 model, which fits an H200 for each table below) come from `moonep_moe/configs/NAME.yaml` (one source of
@@ -33,6 +35,13 @@ Targets (issue 13 item 1, `LAYER_TARGETS`), checked on the DEFAULT row of every 
 memory <= 0.9x the baseline's; each printed as a PASS / MISS line with the median and the min-max of the
 runs, and recorded in `targets` with its `scope` (which item of the issue it is: item 1 for DeepSeek-V3 at
 EP=1, item 2 for the one-rank rows, for Qwen3 and Mixtral only where they stand against the same bounds).
+
+--fp8 (issue 16 item 6): an fp8 row right after the DEFAULT row, the DEFAULT config with `precision="fp8"`
+and `token_padding=128` (`FP8_SETTINGS`: FP8 fwd and dgrad, bf16 wgrad, bf16 master weights), measured
+like every row and checked against `FP8_LAYER_TARGETS` (`fp8_layer_targets`): its fwd+bwd speed >= 1.6x
+the DEFAULT (bf16) row's, its fwd+bwd time <= 0.45x the baseline's (the faster torch-native bf16 layer),
+its peak memory <= the DEFAULT row's; printed as PASS / MISS lines and recorded in `fp8_targets`. Where
+FP8 cannot run (no sm90, no DeepGEMM) the row is skipped with the reason.
 
 Layers, in the order run:
 - `torch-native`: what users run today, in the torchtitan style: an fp32 softmax top-k router, a sort-based
@@ -76,11 +85,13 @@ rewritten after every row so an interrupted run keeps what it measured): `benchm
 `vs_baseline` divides by); `baselines` (per torch-native layer: `ms`, `ms_min`, `ms_max`, `fwd_ms`,
 `peak_gib`, as in its row); `compile_s` (the compiled layer's first step, seconds; null when not compiled)
 or `compile_error`; `targets` ([{target, median, min, max, op, bound, pass, row, baseline, scope}], empty
-when the DEFAULT row was not measured); `profile` (with --profile: per layer `total_ms`, `groups_ms`
+when the DEFAULT row was not measured); `fp8_targets` (the same fields, with --fp8 where the fp8 and
+DEFAULT rows were both measured, else empty); `profile` (with --profile: per layer `total_ms`, `groups_ms`
 {group: ms}, `beyond_gemms_ms`, `kernels` [{name, group, calls, ms}], by time) and `results`, one row per
 layer in the order run:
-- `layer`; `config`: "baseline", "default" or "variant"; ours also `backend`, `expert_grad_dtype`,
-  `token_padding`, `dtype` (the resolved config) and `gemm` (the backend per primitive and weight shape);
+- `layer`; `config`: "baseline", "default", "fp8" or "variant"; ours also `backend`, `precision`,
+  `expert_grad_dtype`, `token_padding`, `dtype` (the resolved config) and `gemm` (the backend per
+  primitive and weight shape);
 - `ms`, `ms_min`, `ms_max`, `ms_samples`: fwd+bwd median, spread and every run, in ms; `tflops`: the useful
   rate at the median; `of_dense`: `tflops` over the dense bf16 rate;
 - `fwd_ms`, `fwd_ms_min`, `fwd_ms_max`, `fwd_ms_samples`, `fwd_tflops`, `fwd_of_dense`: the same, forward;
@@ -461,7 +472,8 @@ def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: d
     except ValueError as error:
         print(f"skipping {name}: {error}", flush=True)
         return None
-    row = {"layer": name, "config": "default" if default else "variant", "backend": cfg.grouped_gemm,
+    kind = "default" if default else "fp8" if cfg.precision == "fp8" else "variant"
+    row = {"layer": name, "config": kind, "backend": cfg.grouped_gemm, "precision": cfg.precision,
            "expert_grad_dtype": cfg.expert_grad_dtype, "token_padding": cfg.token_padding, "dtype": cfg.dtype}
     try:
         layer.load_state_dict(layer_weights(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts))
@@ -493,6 +505,8 @@ def run_all_ours(bench: Bench, shapes: dict, variants: list[dict], profiles: dic
             print(f"skipping {settings}: {error}", flush=True)
             continue
         what = f"{cfg.grouped_gemm}, {cfg.expert_grad_dtype} grads, tp {cfg.token_padding}"
+        if cfg.precision != "bf16":
+            what = f"{cfg.precision}, {what}"
         name = f"moonep DEFAULT ({what})" if not settings else f"moonep ({what})"
         if ep_rank_epn is not None:
             name = f"EP rank {name}"
@@ -643,6 +657,27 @@ def layer_targets(row: dict, baseline: dict, flops: dict[str, int], dense: float
             for what, op, bound in LAYER_TARGETS]
 
 
+FP8_SETTINGS = {"precision": "fp8", "token_padding": 128}
+"""--fp8: the fp8 row's config, the DEFAULT config with these settings."""
+
+FP8_LAYER_TARGETS = (  # (what, op, bound): issue 16 item 6, on the fp8 row
+    ("fp8 speed vs our bf16", ">=", 1.6),
+    ("fp8 time vs torch-native bf16", "<=", 0.45),
+    ("fp8 peak vs our bf16", "<=", 1.0),
+)
+
+
+def fp8_layer_targets(fp8: dict, default: dict, baseline: dict, scope: str) -> list[dict]:
+    """`FP8_LAYER_TARGETS` checked on the fp8 row: the DEFAULT (bf16) row's fwd+bwd time over its own (its
+    speed relative to ours in bf16), its fwd+bwd time over the `baseline` row's (the faster torch-native),
+    its peak over the DEFAULT row's. Each entry names the rows compared and `scope`."""
+    values = {"fp8 speed vs our bf16": ratio(span(default), span(fp8)),
+              "fp8 time vs torch-native bf16": ratio(span(fp8), span(baseline)),
+              "fp8 peak vs our bf16": ratio(fp8["peak_gib"], default["peak_gib"])}
+    return [check(what, values[what], op, bound, row=fp8["layer"], baseline=baseline["layer"],
+                  bf16_row=default["layer"], scope=scope) for what, op, bound in FP8_LAYER_TARGETS]
+
+
 def smoke(table: Table) -> None:
     """`--device cpu`: one training step of ours (the DEFAULT config; for an EP rank, made one by
     `as_ep_rank`) on the CPU, printing the routes per compute group; no timing (CPU numbers mean nothing)."""
@@ -682,7 +717,7 @@ def run_table(table: Table, variants: list[dict], args: argparse.Namespace,
                         "top_k": k, "warmup": args.warmup, "repeat": args.repeat,
                         "flops_fwd_bwd": bench.flops["fwd_bwd"], "flops_fwd": bench.flops["fwd"],
                         "spread": SPREAD, "peak_gib": PEAK},
-              "baseline": None, "baselines": {}, "compile_s": None, "targets": []}
+              "baseline": None, "baselines": {}, "compile_s": None, "targets": [], "fp8_targets": []}
     if epn is not None:
         record["setup"].update(ep_rank_of=table.ep_rank_of, group_experts=table.experts, home_experts=epn,
                                slots=epn, ep_rank=EP_RANK)
@@ -708,6 +743,7 @@ def run_table(table: Table, variants: list[dict], args: argparse.Namespace,
         add_ratios(row, baseline, "baseline")
     save()
 
+    default = None
     for row in run_all_ours(bench, shapes, variants, record.get("profile"), epn):
         if "error" not in row:
             for tag, ref in refs.items():
@@ -715,23 +751,31 @@ def run_table(table: Table, variants: list[dict], args: argparse.Namespace,
                     add_ratios(row, ref, tag)
             if row["config"] == "default":
                 record["targets"] = layer_targets(row, baseline, bench.flops, bench.dense, table.scope)
+                default = row
+            if row["config"] == "fp8" and default is not None:
+                record["fp8_targets"] = fp8_layer_targets(row, default, baseline, "issue 16 item 6")
         rows.append(row)
         print(format_row(row), flush=True)
         save()
     for label, summary in record.get("profile", {}).items():
         print_profile(label, summary)
     print_targets(table.label, record["targets"], args.repeat)
-    return record["targets"], save()
+    if record["fp8_targets"]:
+        print_targets(table.label, record["fp8_targets"], args.repeat, "fp8 row against DEFAULT")
+    return record["targets"] + record["fp8_targets"], save()
 
 
-def print_targets(label: str, targets: list[dict], repeat: int) -> None:
-    """The pass/miss lines of one table's targets (none: the DEFAULT row was not measured)."""
+def print_targets(label: str, targets: list[dict], repeat: int, rows: str = "DEFAULT row") -> None:
+    """The pass/miss lines of one table's targets on `rows` (none: those rows were not measured), grouped
+    by scope."""
     if not targets:
-        print(f"{label}: no DEFAULT row measured, so no targets checked", flush=True)
+        print(f"{label}: no {rows} measured, so no targets checked", flush=True)
         return
-    print(f"{label}, DEFAULT row, {targets[0]['scope']} (median (min-max) of {repeat} runs):", flush=True)
-    for target in targets:
-        print(f"  {format_check(target)}", flush=True)
+    for scope in dict.fromkeys(target["scope"] for target in targets):
+        print(f"{label}, {rows}, {scope} (median (min-max) of {repeat} runs):", flush=True)
+        for target in targets:
+            if target["scope"] == scope:
+                print(f"  {format_check(target)}", flush=True)
 
 
 DEFAULT_VARIANTS = {"backends": ["auto", "triton", "torch", "deep_gemm"], "main_grad_backends": ["auto"]}
@@ -739,14 +783,14 @@ DEFAULT_VARIANTS = {"backends": ["auto", "triton", "torch", "deep_gemm"], "main_
 
 
 def table_variants(backends: list[str] | None, main_grad: list[str] | None, token_paddings: list[int],
-                   tables: int) -> list[dict]:
-    """`variant_settings` of --backends and --main-grad-backends (`main_grad`); a list not given (None) is
-    `DEFAULT_VARIANTS`' for one table and empty for several (--model all: the baselines and the DEFAULT row
-    of every table)."""
+                   tables: int, fp8: bool = False) -> list[dict]:
+    """`variant_settings` of --backends and --main-grad-backends (`main_grad`), after `FP8_SETTINGS` with
+    `fp8` (--fp8: the fp8 row right after DEFAULT); a list not given (None) is `DEFAULT_VARIANTS`' for one
+    table and empty for several (--model all: the baselines and the DEFAULT row of every table)."""
     defaults = DEFAULT_VARIANTS if tables == 1 else dict.fromkeys(DEFAULT_VARIANTS, [])
-    return variant_settings(defaults["backends"] if backends is None else backends,
-                            defaults["main_grad_backends"] if main_grad is None else main_grad,
-                            token_paddings)
+    return [FP8_SETTINGS] * fp8 + variant_settings(defaults["backends"] if backends is None else backends,
+                                                   defaults["main_grad_backends"] if main_grad is None
+                                                   else main_grad, token_paddings)
 
 
 def main() -> None:
@@ -768,6 +812,9 @@ def main() -> None:
                              "none with --model all)")
     parser.add_argument("--token-paddings", nargs="*", type=int, default=[],
                         help="MoEConfig.token_padding values for every variant (default: the config's)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also the fp8 row (precision='fp8', token_padding=128) after DEFAULT, with "
+                             "issue 16's targets against it (FP8_LAYER_TARGETS)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=10, help="timed runs per layer (the median of them)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
@@ -796,7 +843,8 @@ def main() -> None:
         for table in tables:
             smoke(table)
         return
-    variants = table_variants(args.backends, args.main_grad_backends, args.token_paddings, len(tables))
+    variants = table_variants(args.backends, args.main_grad_backends, args.token_paddings, len(tables),
+                              args.fp8)
     limits = measure_limits()
     done = [(table, *run_table(table, variants, args, limits)) for table in tables]
     if len(done) > 1:

@@ -317,7 +317,8 @@ class MoECommunicator:
 
     def prefetch_weights(self, handle: DispatchHandle, layout: ExpertLayout) -> None:
         """Collective: copy the experts this step replicates into this rank's slots of `layout`, so the
-        runner can compute the slot groups (`expert_ids_g[epn:]`) with `layout.*.slots`."""
+        runner can compute the slot groups (`expert_ids_g[epn:]`) with `layout.*.slots`; FP8 experts with
+        their block scales (`layout.*_scales.slots`), half the bytes of bf16."""
         self._check_handle(handle)
         if not isinstance(layout, ExpertLayout):
             raise TypeError(f"rank {self.world.rank}: layout must be an ExpertLayout, got "
@@ -327,7 +328,7 @@ class MoECommunicator:
         if given != expected:
             raise ValueError(f"rank {self.world.rank}: layout has (E, local_expert_start, num_local_experts, "
                              f"B) = {given}, this communicator {expected}")
-        handle._buffer.prefetch_weight(handle._plan, layout.gate_up, None, layout.down)
+        handle._buffer.prefetch_weight(handle._plan, layout.gate_up, None, layout.down, layout.scales)
 
     # -- combine --------------------------------------------------------------------------------------------
 

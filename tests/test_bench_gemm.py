@@ -5,9 +5,11 @@ import pytest
 import torch
 
 from bench.gemm import (
+    FP8_TARGETS,
     PAD,
     PRESETS,
     TARGETS,
+    as_parameters,
     cases,
     expert_shape,
     format_row,
@@ -15,6 +17,7 @@ from bench.gemm import (
     main,
     segment_ends,
 )
+from moonep_moe.layers.fp8 import Fp8WeightCache
 
 
 def test_expert_shapes_at_ep8_come_from_the_configs():
@@ -76,6 +79,42 @@ def test_gemm_targets_from_a_rows_timings():
     assert {t["row"] for t in targets.values()} == {"deepseek-v3 rows=65536 skew=0.0 auto arena"}
 
 
+def test_fp8_row_is_checked_against_issue_16s_targets():
+    flops, dense = 1e12, 100e12  # 10 ms at the dense rate; 1.7x is 5.88 ms
+    row = {**row_of(fwd=(5.5, 5.4, 5.6), dgrad=(6.0, 5.9, 6.1), wgrad=(11.0, 10.0, 12.0),
+                    block=(24.0, 23.5, 24.5)), "backend": "fp8"}
+    targets = {t["target"]: t for t in gemm_targets(row, flops, dense, wgrad_floor_s=10e-3)}
+    assert [(t["target"], t["op"], t["bound"]) for t in targets.values()] == list(FP8_TARGETS)
+    assert [(op, bound) for _, op, bound in FP8_TARGETS] == [(">=", 1.7), (">=", 1.7), ("<=", 1.15),
+                                                             ("<=", 1.08)]
+    assert targets["fwd of dense"]["median"] == pytest.approx(10 / 5.5) and targets["fwd of dense"]["pass"]
+    dgrad = targets["dgrad of dense"]
+    assert dgrad["median"] == pytest.approx(10 / 6) and not dgrad["pass"], "1.67 < 1.7"
+    assert targets["block vs its GEMMs"]["pass"], "24 <= 1.08 * 22.5"
+    assert {t["row"] for t in targets.values()} == {"deepseek-v3 rows=65536 skew=0.0 fp8 arena"}
+    bf16 = {t["target"]: t for t in gemm_targets({**row, "backend": "auto"}, flops, dense, 10e-3)}
+    assert bf16["fwd of dense"]["bound"] == 0.92, "every other backend keeps issue 13's bounds"
+
+
+def test_fp8_rows_weights_are_cast_once_not_per_call(monkeypatch):
+    """The fp8 row gives its weights as parameters (the same storage): the FP8 cache casts them once, as a
+    layer's home experts once per optimizer step; plain tensors would be cast on every call."""
+    calls = []
+    cache = Fp8WeightCache()
+    monkeypatch.setattr(cache._kernels, "cast_blocks", lambda w, *args: calls.append(w.shape))
+    plain = (torch.randn(2, 128, 128), torch.randn(1, 128, 128))
+    weights = as_parameters(plain)
+    assert [w.data_ptr() for w in weights] == [w.data_ptr() for w in plain]
+    assert not any(w.requires_grad for w in weights)
+    for _ in range(3):
+        cache.get(weights, transposed=False)
+        cache.get(weights, transposed=True)
+    assert len(calls) == 2, "each part once, both orientations at once"
+    for _ in range(3):
+        cache.get(plain, transposed=False)
+    assert len(calls) == 2 + 3 * 2
+
+
 def test_format_row_shows_each_ops_spread():
     row = row_of(fwd=(10.5, 10.0, 11.0), dgrad=(12.5, 12.0, 13.0), wgrad=(11.0, 10.0, 12.0),
                  block=(36.0, 35.0, 40.0))
@@ -87,6 +126,12 @@ def test_format_row_shows_each_ops_spread():
                  "wgrad   91 (1.10x floor) 11.00 (10.00-12.00) ms",
                  "block 36.00 (35.00-40.00) ms (1.06x gemms)"):
         assert text in line, line
+    assert "casts" not in line
+    for op, (ms, low, high) in {"fwd_cast": (0.4, 0.3, 0.5), "dgrad_cast": (0.6, 0.5, 0.7),
+                                "weight_cast": (2.0, 1.9, 2.1)}.items():
+        row.update({f"{op}_ms": ms, f"{op}_ms_min": low, f"{op}_ms_max": high})
+    assert ("casts: activations fwd 0.40 (0.30-0.50) ms, dgrad 0.60 (0.50-0.70) ms (in the row); weights "
+            "2.00 (1.90-2.10) ms (once per step, not in it)") in format_row(row)
 
 
 @pytest.mark.parametrize(("argv", "message"), [(["--repeat", "4"], "--repeat must be >= 5"),

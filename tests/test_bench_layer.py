@@ -9,8 +9,11 @@ import pytest
 
 from bench.common import MODELS, check, format_check, model_shape, ratio, spread, total
 from bench.layer import (
+    FP8_LAYER_TARGETS,
+    FP8_SETTINGS,
     ISSUE_TABLES,
     KERNEL_GROUPS,
+    fp8_layer_targets,
     kernel_group,
     layer_targets,
     main,
@@ -21,6 +24,7 @@ from bench.layer import (
     table_variants,
     variant_settings,
 )
+from moonep_moe.config import MoEConfig
 
 PACKAGE = Path(__file__).resolve().parent.parent / "moonep_moe"
 
@@ -324,6 +328,41 @@ def test_table_variants_default_to_none_for_several_tables():
     assert table_variants(None, None, [16], tables=5) == [], "--model all: baselines and DEFAULT rows"
     assert table_variants(["torch"], None, [], 5) == [{"grouped_gemm": "torch", "expert_grad_dtype": "param"}]
     assert table_variants([], ["auto"], [], 1) == [{"grouped_gemm": "auto", "expert_grad_dtype": "main_grad"}]
+
+
+def test_fp8_row_comes_right_after_default_with_precision_fp8_and_padding_128():
+    one = variant_settings(["auto", "triton", "torch", "deep_gemm"], ["auto"], [])
+    assert table_variants(None, None, [], tables=1, fp8=True) == [FP8_SETTINGS, *one]
+    assert table_variants([], [], [], tables=1, fp8=True) == [FP8_SETTINGS], "--backends --main-grad-backends"
+    assert table_variants(None, None, [], tables=5, fp8=True) == [FP8_SETTINGS]
+    cfg = MoEConfig(**make_table("deepseek-v3", None, {}).shapes, **FP8_SETTINGS)
+    default = MoEConfig(**make_table("deepseek-v3", None, {}).shapes)
+    assert (cfg.precision, cfg.token_padding, cfg.grouped_gemm) == ("fp8", 128, default.grouped_gemm)
+    assert cfg.model_copy(update={"precision": "bf16", "token_padding": default.token_padding}) == default, \
+        "the DEFAULT config but for precision and padding"
+
+
+def test_fp8_layer_targets_against_our_bf16_row_and_torch_native():
+    """The fp8 row at 18 (17-20) ms against DEFAULT's 30 (28-33) ms is 1.67x (1.4-1.94x) its speed; against
+    the torch-native baseline's 50 (48-52) ms, 0.36x; its peak 42 GiB over DEFAULT's 40 is 1.05x (a miss)."""
+    fp8 = {"layer": "moonep fp8", "ms": 18.0, "ms_min": 17.0, "ms_max": 20.0, "peak_gib": 42.0}
+    default = {"layer": "moonep DEFAULT", "ms": 30.0, "ms_min": 28.0, "ms_max": 33.0, "peak_gib": 40.0}
+    baseline = {"layer": "torch-native compiled", "ms": 50.0, "ms_min": 48.0, "ms_max": 52.0, "peak_gib": 6.0}
+    targets = {t["target"]: t for t in fp8_layer_targets(fp8, default, baseline, "issue 16 item 6")}
+    assert [(t["target"], t["op"], t["bound"]) for t in targets.values()] == list(FP8_LAYER_TARGETS)
+    assert [(op, bound) for _, op, bound in FP8_LAYER_TARGETS] == [(">=", 1.6), ("<=", 0.45), ("<=", 1.0)]
+    speed = targets["fp8 speed vs our bf16"]
+    assert (speed["median"], speed["min"], speed["max"]) == pytest.approx((30 / 18, 28 / 20, 33 / 17))
+    assert speed["pass"]
+    native = targets["fp8 time vs torch-native bf16"]
+    assert (native["median"], native["min"], native["max"]) == pytest.approx((18 / 50, 17 / 52, 20 / 48))
+    assert native["pass"]
+    peak = targets["fp8 peak vs our bf16"]
+    assert peak["median"] == pytest.approx(1.05) and not peak["pass"]
+    assert {(t["row"], t["bf16_row"], t["baseline"], t["scope"]) for t in targets.values()} == {
+        ("moonep fp8", "moonep DEFAULT", "torch-native compiled", "issue 16 item 6")}
+    slow = fp8_layer_targets({**fp8, "ms": 19.0}, default, baseline, "issue 16 item 6")[0]
+    assert not slow["pass"], "30 / 19 = 1.58 < 1.6"
 
 
 def test_cpu_smoke_runs_every_table_of_the_issue(monkeypatch, capsys):

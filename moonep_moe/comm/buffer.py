@@ -7,7 +7,8 @@ Notation and suffixes: DESIGN.md, "Notation". One step of a layer on every rank:
    into its expert-grouped row there, sends a weight for every route, fills padding rows with zeros and
    copies primary rows into their same-rank duplicates (local expansion).
    -> `hidden_nvsh [NvS, H]`, `route_weights_nvs [NvS]`, `cu_seqlens [E+B]`, `plan`.
-2. `prefetch_weight(plan, gate, up, down)`: copies every replicated expert into this rank's slots.
+2. `prefetch_weight(plan, gate, up, down)`: copies every replicated expert into this rank's slots (FP8
+   weights with their block scales: `scales=`).
 3. The caller runs the experts over the `cu_seqlens` segments.
 4. `combine(plan, y_nvsh)`: pre-reduces duplicate rows into their primary in fp32, then sums every token's
    K rows in fp32 in k order -> `out_sh [S, H]`.
@@ -64,6 +65,7 @@ from moonep_moe.comm.plan import NO_REPLICATION, check_layout, default_slots, pl
 from moonep_moe.comm.plan_types import MoonEPCommPlan, decode_dst
 from moonep_moe.comm.world import EPWorld, SymmetricTensor
 from moonep_moe.weights.pool import ExpertRows
+from moonep_moe.weights.quantised import FP8_DTYPE, as_bytes, block_scales_shape, rows_as_bytes
 
 _buffer_ids = itertools.count()
 
@@ -546,15 +548,21 @@ class Buffer:
 
     @torch.no_grad()
     def prefetch_weight(self, plan: MoonEPCommPlan, full_gate_weight, full_up_weight, full_down_weight,
-                        async_finish: bool = False) -> CommEvent | None:
+                        scales=None, async_finish: bool = False) -> CommEvent | None:
         """Copy each replicated expert's weights into this rank's slots: slot j gets `experts_to_copy[r, j]`.
 
         Each projection is either the replicated form `[E+B, N, K]` (every expert present on every rank, as
         vLLM's integration passes it: rows E+j are the slots) or an `ExpertRows` (home experts read from
         their rank + this rank's slot pool). A projection given as None is skipped (a fused gate_up passed
         as the gate). Every slot is written (fixed shapes): slots marked -1 are zeroed, their segments are
-        empty. Quantised weights (and their scales) are not supported yet. Collective: every rank
-        calls it with the same forms.
+        empty. Collective: every rank calls it with the same forms.
+
+        FP8 weights (`float8_e4m3fn`, one fp32 scale per 128x128 block: `weights.quantised`) move with their
+        scales: `scales` is then `(gate_scales, up_scales, down_scales)`, one per weight in that weight's
+        form: an `ExpertRows` of home `[epn, ceil(N/128), ceil(K/128)]` and slot `[B, ...]` fp32 scales, or
+        the replicated `[E+B, ceil(N/128), ceil(K/128)]`; None for a weight that is None or not FP8. Each
+        slot gets its expert's e4m3 bytes and scales unchanged (half the bytes of bf16, plus 4 per block),
+        so it equals quantising the moved bf16 expert. `scales` None: no weight may be FP8.
 
         The replicated form is read locally, so its rows of other ranks' experts must be those experts'
         real weights: with `validate` every copied expert is compared with its home rank's rows (exact
@@ -566,14 +574,8 @@ class Buffer:
         self._check_alive()
         self._check_plan(plan)
         rank = self.world.rank
-        named = [(w, name) for w, name in ((full_gate_weight, "full_gate_weight"),
-                                           (full_up_weight, "full_up_weight"),
-                                           (full_down_weight, "full_down_weight")) if w is not None]
-        for weight, name in named:
-            if isinstance(weight, ExpertRows):
-                self._check_rows(weight, name)
-            else:
-                self._check_full(weight, name)
+        named = self._prefetched(((full_gate_weight, "full_gate_weight"), (full_up_weight, "full_up_weight"),
+                                  (full_down_weight, "full_down_weight")), scales)
         projections = [w for w, _ in named]
         validate = self._validating()
 
@@ -582,15 +584,62 @@ class Buffer:
             used_b = expert_b >= 0
             for weight, name in named:  # the replicated form is local: every expert is on every rank
                 if not isinstance(weight, ExpertRows):
+                    weight = as_bytes(weight)
                     copies = weight.index_select(0, expert_b.long().clamp(min=0))
                     if validate:
                         self._check_replicated(weight, name, copies, expert_b)
                     weight[self.E:].copy_(copies.masked_fill_(~used_b.view(-1, *[1] * (copies.dim() - 1)), 0))
-            expert_rows = [w for w in projections if isinstance(w, ExpertRows)]
+            expert_rows = [rows_as_bytes(w) for w in projections if isinstance(w, ExpertRows)]
             if expert_rows:
                 self._exchange.copy_experts(expert_rows, expert_b)
 
         return self._launch(async_finish, op, (plan, *projections))[1]
+
+    def _prefetched(self, weights: tuple[tuple[Any, str], ...], scales) -> list[tuple[Any, str]]:
+        """`[(tensor, name)]` that `prefetch_weight` copies: the given weights (`(weight or None, name)` of
+        gate, up, down), each FP8 one followed by its scales (named `scales[i]`), all checked."""
+        rank = self.world.rank
+        if scales is None:
+            scales = (None,) * len(weights)
+        elif not isinstance(scales, tuple | list) or len(scales) != len(weights):
+            raise ValueError(f"rank {rank}: scales must be None or a tuple (gate_scales, up_scales, "
+                             f"down_scales), got {scales!r:.80}")
+        named = []
+        for i, ((weight, name), scale) in enumerate(zip(weights, scales, strict=True)):
+            if weight is None:
+                if scale is not None:
+                    raise ValueError(f"rank {rank}: scales[{i}] is given but {name} is None")
+                continue
+            if isinstance(weight, ExpertRows):
+                self._check_rows(weight, name)
+            else:
+                self._check_full(weight, name)
+            named.append((weight, name))
+            dtype = (weight.home.local if isinstance(weight, ExpertRows) else weight).dtype
+            if (dtype == FP8_DTYPE) != (scale is not None):
+                raise ValueError(f"rank {rank}: {name} is {dtype}: " + (
+                    f"FP8 weights move with their 128x128 block scales, pass them as scales[{i}]"
+                    if scale is None else f"scales[{i}] is only for FP8 ({FP8_DTYPE}) weights, pass None"))
+            if scale is not None:
+                self._check_scales(scale, weight, f"scales[{i}]", name)
+                named.append((scale, f"scales[{i}]"))
+        return named
+
+    def _check_scales(self, scales, weight, name: str, weight_name: str) -> None:
+        """`scales` in `weight`'s form, fp32, contiguous, one per 128x128 block of each of its experts."""
+        rank = self.world.rank
+        if isinstance(weight, ExpertRows) != isinstance(scales, ExpertRows):
+            raise ValueError(f"rank {rank}: {name} must be in {weight_name}'s form "
+                             f"({type(weight).__name__}), got {type(scales).__name__}")
+        if isinstance(weight, ExpertRows):
+            pairs = ((weight.home.local, scales.home.local, f"{name} home"),
+                     (weight.slots.local, scales.slots.local, f"{name} slots"))
+        else:
+            pairs = ((weight, scales, name),)
+        for w, s, label in pairs:
+            _check(s, label, block_scales_shape(w.shape), torch.float32, self.world.device, rank)
+            if not s.is_contiguous():
+                raise ValueError(f"rank {rank}: {label} must be contiguous")
 
     def _check_replicated(self, weight: torch.Tensor, name: str, copies_b: torch.Tensor,
                           expert_b: torch.Tensor) -> None:

@@ -43,6 +43,7 @@ from moonep_moe.layers.grouped_gemm import (
     deep_gemm_unsupported_reason,
     import_deep_gemm,
 )
+from moonep_moe.weights.quantised import BLOCK, FP8_DTYPE
 
 __all__ = [
     "E4M3_MAX",
@@ -62,10 +63,9 @@ __all__ = [
     "transpose_blocks",
 ]
 
-FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 """The largest finite e4m3 value, ``1.75 * 2^8``."""
-TILE = 128
+TILE = BLOCK
 """Activations: one scale per row per ``TILE`` columns; weights: one per ``TILE x TILE`` block."""
 MIN_AMAX = 2.0**-100
 """Tiles whose amax is below this are scaled as if it were this (an all-zero tile gets a finite scale)."""

@@ -86,6 +86,12 @@ def slot_pool(world: EPWorld, shape: tuple[int, ...], dtype: torch.dtype) -> Sym
     return _pool(world, "slots", tuple(shape), dtype)
 
 
+def slot_scale_pool(world: EPWorld, shape: tuple[int, ...]) -> SymmetricTensor:
+    """This rank's fp32 `[B, ceil(out/128), ceil(in/128)]` block scales of FP8 slot weights
+    (`weights.quantised`), shared like `slot_pool`; a pool of its own, never an fp32 weight pool."""
+    return _pool(world, "slot_scales", tuple(shape), torch.float32)
+
+
 def slot_grad_pool(world: EPWorld, shape: tuple[int, ...], dtype: torch.dtype) -> SymmetricTensor:
     """This rank's fp32 (float64 for float64 weights) `[B, out, in]` slot gradients, zero between steps."""
     return _pool(world, "slot_grads", tuple(shape), torch.promote_types(dtype, torch.float32))
