@@ -209,3 +209,38 @@ def test_compute_weights_without_slots_is_the_home_tensor_itself():
         return [t is part for t, part in zip(rows.compute_weights(), parts, strict=True)]
 
     assert all(all(same) for same in run_ranks(rank_fn, 2))
+
+
+def test_a_gemm_that_wants_the_parts_gets_the_parameters_even_where_the_arena_joins_them():
+    """`GroupedGemm.joined_weights = False` (the FP8 backend, which caches its casts per parameter version):
+    the layer passes the home parameters themselves and the slots, never the arena's joined view; a joining
+    backend gets the joined view. The arena is CUDA-only, so a stand-in joined tensor is set here."""
+    from dataclasses import replace
+
+    from moonep_moe.layers.grouped_gemm import ReferenceGroupedGemm
+
+    class Recording(ReferenceGroupedGemm):
+        def __init__(self, joined: bool):
+            self.joined_weights, self.seen = joined, []
+
+        def fwd(self, x, weights, offs_g):
+            self.seen.append(tuple(weights))
+            return super().fwd(x, weights, offs_g)
+
+    def rank_fn(world):
+        layer = MoonEPMoELayer(config(2), world)
+        experts = layer.experts
+        experts.rows = tuple(replace(rows, compute=torch.cat([rows.home.local, rows.slots.local]).detach())
+                             for rows in experts.rows)
+        seen = {}
+        for joined in (True, False):
+            layer._state.gemm = Recording(joined)
+            layer(torch.randn(8, H, dtype=torch.float64))
+            seen[joined] = layer._state.gemm.seen
+        params = (experts.gate_up, experts.down)
+        return ([weights == (rows.compute,) for weights, rows in zip(seen[True], experts.rows, strict=True)],
+                [weights[0] is param and len(weights) == 2 for weights, param in zip(seen[False], params,
+                                                                                      strict=True)])
+
+    for joined_ok, parts_ok in run_ranks(rank_fn, 2):
+        assert all(joined_ok) and all(parts_ok)

@@ -234,6 +234,7 @@ class Fp8GroupedGemm:
 
     name = "fp8"
     ops = ("fwd", "dgrad")
+    joined_weights = False  # the home parameters themselves, so their FP8 copies are cast once per version
 
     def __init__(self, wgrad: GroupedGemm) -> None:
         from moonep_moe.layers.kernels.fp8_cast import cast_rows

@@ -70,6 +70,10 @@ class GroupedGemm(Protocol):
     ops: tuple[str, ...]
     """The primitives this backend computes itself; it hands the others to another backend (measured
     selection times a backend only on its own)."""
+    joined_weights: bool
+    """True: the layer passes home experts and slots as one tensor where the arena joins them (no copy);
+    False: always as the parts, so the home experts arrive as the parameters themselves (a backend that
+    caches a transform of them per parameter version, e.g. the FP8 casts, can then recognise them)."""
 
     def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         """``y [rows, cols]`` with ``y[start:end] = x[start:end] @ w[g]^T`` for every group g."""
@@ -154,6 +158,7 @@ class ReferenceGroupedGemm:
 
     name = "reference"
     ops = OPS
+    joined_weights = True
 
     def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         return _segment_matmul(x, weights, offs_g, transpose_w=True)
@@ -196,6 +201,7 @@ class TorchGroupedGemm:
 
     name = "torch"
     ops = OPS
+    joined_weights = True
 
     def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         _check_groups(weights, offs_g, "weights")
@@ -290,6 +296,7 @@ class DeepGemmGroupedGemm:
 
     name = "deep_gemm"
     ops = ("fwd", "dgrad")
+    joined_weights = True
 
     def __init__(self) -> None:
         self._deep_gemm = import_deep_gemm()
@@ -344,6 +351,7 @@ class TritonGroupedGemm:
 
     name = "triton"
     ops = ("wgrad",)
+    joined_weights = True
 
     def __init__(self) -> None:
         from moonep_moe.layers.kernels.wgrad import grouped_wgrad_triton
@@ -384,6 +392,7 @@ class MeasuredGroupedGemm:
 
     name = "auto"
     ops = OPS
+    joined_weights = True
 
     def __init__(self, chosen: dict[tuple[str, int, int], GroupedGemm], fallback: GroupedGemm) -> None:
         self.chosen = chosen

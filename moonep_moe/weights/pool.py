@@ -30,11 +30,12 @@ class ExpertRows:
     slots: SymmetricTensor
     compute: torch.Tensor | None = None
 
-    def compute_weights(self) -> tuple[torch.Tensor, ...]:
+    def compute_weights(self, joined: bool = True) -> tuple[torch.Tensor, ...]:
         """The weights of this rank's compute groups (home experts, then slots) for a grouped GEMM: one
-        tensor when the arena joins them or there are no slots (B = 0, e.g. EP = 1), else the two parts
-        (the GEMM backend then copies them)."""
-        if self.compute is not None:
+        tensor when the arena joins them (`joined`) or there are no slots (B = 0, e.g. EP = 1), else the two
+        parts (the GEMM backend then copies them, unless it wants them apart:
+        `GroupedGemm.joined_weights`)."""
+        if joined and self.compute is not None:
             return (self.compute,)
         return tuple(t for t in (self.home.local, self.slots.local) if t.shape[0])
 
