@@ -61,7 +61,7 @@ import torch
 from moonep_moe.comm.event import CommEvent
 from moonep_moe.comm.exchange import KernelExchange, RowMemory, select_exchange
 from moonep_moe.comm.plan import NO_REPLICATION, check_layout, default_slots, plan_routes, rows_capacity
-from moonep_moe.comm.plan_types import MoonEPCommPlan, decode_dst
+from moonep_moe.comm.plan_types import MoonEPCommPlan
 from moonep_moe.comm.world import EPWorld, SymmetricTensor
 from moonep_moe.weights.pool import ExpertRows
 
@@ -198,7 +198,8 @@ class Buffer:
                                         torch.zeros(self.NvS, dtype=self.weight_dtype, device=device))
         self._dup_pairs = world.symmetric(f"{prefix}/dup_pairs", torch.full(
             (num_ep_ranks * S * K, 2), -1, dtype=torch.int32, device=device))
-        memory = RowMemory(world, self._rows, self._weights, self._dup_pairs, S, K, epn, B, token_padding,
+        memory = RowMemory(world, self._rows, self._weights, self._dup_pairs,
+                           torch.zeros(self.NvS, dtype=torch.int32, device=device), S, K, epn, B, token_padding,
                            num_sms)
         self._exchange = select_exchange(memory, kernels)
         """How rows cross ranks: the Triton row kernels or the torch reference (`comm.exchange`)."""
@@ -446,47 +447,10 @@ class Buffer:
         """Every route's payload row (primaries only) and weight to its destination row; the duplicate
         pairs too when `record_duplicates` (the forward dispatch, which fills the plan's dup tables).
         Then zero the padding rows and copy each primary row into its duplicates (the rows the plan fills)."""
-        primary_row_n = self._primary_rows(plan) if record_duplicates else None
-        self._exchange.send_routes(plan, hidden_sh, route_weights_sk, primary_row_n)
+        self._exchange.send_routes(plan, hidden_sh, route_weights_sk, record_duplicates)
         if record_duplicates:
-            self._record_duplicates(plan)
+            self._exchange.record_duplicates(plan)
         self._exchange.fill_rows(plan)
-
-    def _primary_rows(self, plan: MoonEPCommPlan) -> torch.Tensor:
-        """`[N]` int32: for each route the row of its token's primary route on the same rank (itself if
-        primary): what a duplicate route records as its duplicate source."""
-        dest_n, row_n, _, valid_n = decode_dst(plan.dst, self.NvS)
-        dest_sk = torch.where(valid_n, dest_n, -1).view(-1, self.K)
-        # the primary is the first k of the token with the same destination
-        same_skk = dest_sk[:, :, None] == dest_sk[:, None, :]
-        first_sk = same_skk.int().argmax(-1)
-        return torch.gather(row_n.view(-1, self.K), 1, first_sk).reshape(-1).to(torch.int32)
-
-    def _record_duplicates(self, plan: MoonEPCommPlan) -> None:
-        """Turn the received duplicate pairs (`[R*S*K, 2]` (row, primary row), -1: no duplicate) into the
-        plan's dup tables and clear them. Fixed shapes of the pairs' size R*S*K, never NvS: the pairs sorted
-        by (primary, row) with empty slots pushed to the end by a sentinel key; group starts where the
-        primary changes. Only the first `min(R*S*K, NvS)` table entries are written (no rank receives more
-        duplicates); the planner left the rest zero."""
-        nvs = self.NvS
-        pairs_p2 = self._dup_pairs.local
-        used = min(pairs_p2.shape[0], nvs)
-        row_p, primary_p = pairs_p2.long().unbind(1)
-        order_p = torch.argsort(torch.where(row_p >= 0, primary_p * nvs + row_p, nvs * nvs), stable=True)
-        row_p, primary_p = row_p[order_p][:used], primary_p[order_p][:used]
-        dup_p = row_p >= 0  # position i of the sorted order holds a duplicate
-        index_p = torch.arange(used, device=pairs_p2.device)  # positions in the sorted order
-        starts_p = dup_p & ((index_p == 0) | (primary_p != torch.roll(primary_p, 1)))
-        group_p = torch.cumsum(starts_p, 0) - 1
-        dump_p = torch.full_like(index_p, used)  # fixed-shape scatters send unused entries to a dump row
-        groups_p3 = torch.zeros(used + 1, 3, dtype=torch.int64, device=index_p.device)
-        groups_p3.index_copy_(0, torch.where(starts_p, group_p, dump_p),
-                              torch.stack([primary_p, index_p, torch.zeros_like(index_p)], 1))
-        groups_p3[:, 2].index_add_(0, torch.where(dup_p, group_p, dump_p), torch.ones_like(index_p))
-        plan.dup_groups[:used].copy_(groups_p3[:used])
-        plan.dup_loffs[:used].copy_(torch.where(dup_p, row_p, 0))
-        plan.dup_counts.copy_(torch.stack([starts_p.sum(), dup_p.sum()]))
-        pairs_p2.fill_(-1)
 
     # -- combine --------------------------------------------------------------------------------------------
 
