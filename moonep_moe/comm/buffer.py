@@ -60,7 +60,8 @@ import torch
 
 from moonep_moe.comm.event import CommEvent
 from moonep_moe.comm.exchange import KernelExchange, RowMemory, select_exchange
-from moonep_moe.comm.plan import NO_REPLICATION, check_layout, default_slots, plan_routes, rows_capacity
+from moonep_moe.comm.plan import (NO_REPLICATION, check_layout, default_slots, expert_histogram, plan_routes,
+                                  rows_capacity)
 from moonep_moe.comm.plan_types import MoonEPCommPlan
 from moonep_moe.comm.world import EPWorld, SymmetricTensor
 from moonep_moe.weights.pool import ExpertRows
@@ -106,16 +107,6 @@ def _check(tensor: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype
         raise ValueError(f"rank {rank}: {name} must have shape {expected}, got {list(tensor.shape)}")
     if tensor.device != device:
         raise ValueError(f"rank {rank}: {name} must be on {device}, got {tensor.device}")
-
-
-def expert_histogram(topk_experts_sk: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """`[E]` int64 valid routes per expert of `topk_experts_sk [s, K]` (ids outside [0, E) count nowhere).
-    A fixed-shape scatter-add on the ids' device: no host read (unlike `bincount`, whose length is read)."""
-    ids_n = topk_experts_sk.reshape(-1).long()
-    valid_n = (ids_n >= 0) & (ids_n < num_experts)
-    counts_e = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids_n.device)
-    counts_e.index_add_(0, torch.where(valid_n, ids_n, num_experts), valid_n.long())
-    return counts_e[:num_experts]
 
 
 def row_fingerprints(rows_c: torch.Tensor) -> torch.Tensor:

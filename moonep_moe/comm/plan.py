@@ -503,6 +503,21 @@ def _use_triton(topk_experts_sk: torch.Tensor) -> bool:
     return True
 
 
+def expert_histogram(topk_experts_sk: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`[E]` int64 valid routes per expert of `topk_experts_sk [s, K]` (ids outside [0, E) count nowhere), on
+    the ids' device with no host read (unlike `bincount`, whose length is read): on CUDA with Triton one
+    launch (`expert_histogram_triton`), elsewhere a fixed-shape scatter-add."""
+    if _use_triton(topk_experts_sk):
+        from moonep_moe.comm.kernels.plan import expert_histogram_triton
+
+        return expert_histogram_triton(topk_experts_sk, num_experts)
+    ids_n = topk_experts_sk.reshape(-1).long()
+    valid_n = (ids_n >= 0) & (ids_n < num_experts)
+    counts_e = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids_n.device)
+    counts_e.index_add_(0, torch.where(valid_n, ids_n, num_experts), valid_n.long())
+    return counts_e[:num_experts]
+
+
 def plan_routes(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int, num_slots: int,
                 token_padding: int, rows_per_rank: int, owner: int | None = None,
                 replica_cost: int = 0) -> MoonEPCommPlan:

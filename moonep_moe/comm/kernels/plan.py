@@ -324,6 +324,34 @@ def _destinations_kernel(topk_ptr, num_tokens, rank, position_ptr, block_counts_
     tl.atomic_add(remote_stats_ptr + 1, remote_primary)
 
 
+HISTOGRAM_ROUTES = 4096
+"""Routes `expert_histogram_triton`'s one program counts per loop step."""
+
+
+@triton.jit
+def _histogram_kernel(topk_ptr, num_routes, counts_ptr, E: tl.constexpr, E_P: tl.constexpr,
+                      ROUTES: tl.constexpr):
+    counts_e = tl.zeros([E_P], tl.int32)
+    for r0 in range(0, num_routes, ROUTES):
+        route_c = r0 + tl.arange(0, ROUTES)
+        expert_c = tl.load(topk_ptr + route_c, mask=route_c < num_routes, other=-1).to(tl.int32)
+        valid_c = (expert_c >= 0) & (expert_c < E)
+        counts_e += tl.histogram(tl.where(valid_c, expert_c, 0), E_P, mask=valid_c)
+    e_e = tl.arange(0, E_P)
+    tl.store(counts_ptr + e_e, counts_e.to(tl.int64), mask=e_e < E)
+
+
+def expert_histogram_triton(topk_experts_sk: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`moonep_moe.comm.plan.expert_histogram` in one launch of one program (a serving step's routes fit one
+    or two loop steps): `[E]` int64 valid routes per expert of `topk_experts_sk [s, K]` (ids outside [0, E)
+    count nowhere)."""
+    topk_n = topk_experts_sk.contiguous().view(-1)
+    counts_e = torch.empty(num_experts, dtype=torch.int64, device=topk_n.device)
+    _histogram_kernel[(1,)](topk_n, topk_n.numel(), counts_e, E=num_experts, E_P=_pow2(num_experts),
+                            ROUTES=HISTOGRAM_ROUTES, num_warps=4)
+    return counts_e
+
+
 @dataclass(frozen=True)
 class PlanLaunch:
     """One planning of one rank: its inputs, launch constants, the plan the two launches write
