@@ -414,7 +414,9 @@ class Buffer:
         def op():
             step_plan, cu_seqlens = plan, None
             if step_plan is None:
-                counts_re = self.world.all_gather(expert_histogram(topk_experts_sk, self.E))
+                counts_e = expert_histogram(topk_experts_sk, self.E)
+                # one rank has no peers to gather from (no copy, no launch)
+                counts_re = counts_e[None] if self.R == 1 else self.world.all_gather(counts_e)
                 step_plan = replace(plan_routes(counts_re, topk_experts_sk, rank=self.world.rank,
                                                 num_slots=self.B, token_padding=self.token_padding,
                                                 rows_per_rank=self.NvS, owner=self.id,
