@@ -17,7 +17,12 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_plan import Scenario, histograms, scenarios, topk_from_counts
 
-from moonep_moe.comm.kernels.plan import HISTOGRAM_ROUTES, expert_histogram_triton, plan_routes_triton, prepare
+from moonep_moe.comm.kernels.plan import (
+    HISTOGRAM_ROUTES,
+    expert_histogram_triton,
+    plan_routes_triton,
+    prepare,
+)
 from moonep_moe.comm.plan import default_slots, expert_histogram, plan_global, plan_routes, rows_capacity
 from moonep_moe.comm.plan_types import MoonEPCommPlan
 

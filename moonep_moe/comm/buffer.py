@@ -60,8 +60,14 @@ import torch
 
 from moonep_moe.comm.event import CommEvent
 from moonep_moe.comm.exchange import KernelExchange, RowMemory, select_exchange
-from moonep_moe.comm.plan import (NO_REPLICATION, check_layout, default_slots, expert_histogram, plan_routes,
-                                  rows_capacity)
+from moonep_moe.comm.plan import (
+    NO_REPLICATION,
+    check_layout,
+    default_slots,
+    expert_histogram,
+    plan_routes,
+    rows_capacity,
+)
 from moonep_moe.comm.plan_types import MoonEPCommPlan
 from moonep_moe.comm.world import EPWorld, SymmetricTensor
 from moonep_moe.weights.pool import ExpertRows
@@ -189,9 +195,9 @@ class Buffer:
                                         torch.zeros(self.NvS, dtype=self.weight_dtype, device=device))
         self._dup_pairs = world.symmetric(f"{prefix}/dup_pairs", torch.full(
             (num_ep_ranks * S * K, 2), -1, dtype=torch.int32, device=device))
-        memory = RowMemory(world, self._rows, self._weights, self._dup_pairs,
-                           torch.zeros(self.NvS, dtype=torch.int32, device=device), S, K, epn, B, token_padding,
-                           num_sms)
+        dup_marks = torch.zeros(self.NvS, dtype=torch.int32, device=device)
+        memory = RowMemory(world, self._rows, self._weights, self._dup_pairs, dup_marks, S, K, epn, B,
+                           token_padding, num_sms)
         self._exchange = select_exchange(memory, kernels)
         """How rows cross ranks: the Triton row kernels or the torch reference (`comm.exchange`)."""
         keys = [t.key for t in (self._rows, self._weights, self._dup_pairs)]
