@@ -143,6 +143,24 @@ def _peer(table_ptr, rank, like_ptr):
 
 
 @triton.jit
+def _base(table_ptr, rank, like_ptr, ONE_RANK: tl.constexpr):
+    """`_peer`, or `like_ptr` itself where the world has one rank (every access is to this rank's own
+    tensor, which needs no pointer table)."""
+    if ONE_RANK:
+        return like_ptr
+    return _peer(table_ptr, rank, like_ptr)
+
+
+def _tables(*tensors: SymmetricTensor) -> tuple[list[torch.Tensor], bool]:
+    """(a pointer table per tensor, ONE_RANK): with one rank the local tensors stand in for the tables
+    (`_base` reads none), so no table is filled: not even a CUDA graph's own, whose fills each replay
+    runs (`pointer_table`)."""
+    if len(tensors[0].peers) == 1:
+        return [tensor.local for tensor in tensors], True
+    return [pointer_table(tensor) for tensor in tensors], False
+
+
+@triton.jit
 def _both(a, b):
     """`a & b` for int1 masks of broadcastable shapes (a block and a scalar, a column and a row). Not `&`:
     Triton 3.9's interpreter broadcasts int1 into int32 blocks, which its loads and stores reject."""
@@ -187,7 +205,7 @@ def _narrow(acc, OUT: tl.constexpr):
 def _send_routes_kernel(hidden_ptr, weights_ptr, dst_ptr,
                         rows_table, weights_table, pairs_table, rows_like, weights_like, pairs_like,
                         H, rows_per_rank, pairs_offset, K: tl.constexpr, WEIGHTS: tl.constexpr,
-                        RECORD: tl.constexpr, BLOCK_H: tl.constexpr):
+                        RECORD: tl.constexpr, ONE_RANK: tl.constexpr, BLOCK_H: tl.constexpr):
     token = tl.program_id(0)
     block = tl.program_id(1)
     offs = block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -197,9 +215,10 @@ def _send_routes_kernel(hidden_ptr, weights_ptr, dst_ptr,
     for k in tl.static_range(K):
         route = token * K + k
         dest, row, primary, valid = _decode(dst_ptr + route, rows_per_rank)
-        tl.store(_peer(rows_table, dest, rows_like) + row * H + offs, x, mask=_both(inside, primary))
+        rows_ptr = _base(rows_table, dest, rows_like, ONE_RANK)
+        tl.store(rows_ptr + row * H + offs, x, mask=_both(inside, primary))
         if WEIGHTS:
-            tl.store(_peer(weights_table, dest, weights_like) + row, tl.load(weights_ptr + route),
+            tl.store(_base(weights_table, dest, weights_like, ONE_RANK) + row, tl.load(weights_ptr + route),
                      mask=valid & first_block)
         if RECORD:
             # a duplicate's source: the token's primary route to the same rank, an earlier k
@@ -207,7 +226,7 @@ def _send_routes_kernel(hidden_ptr, weights_ptr, dst_ptr,
             for j in tl.static_range(k):
                 dest_j, row_j, primary_j, _ = _decode(dst_ptr + token * K + j, rows_per_rank)
                 source = tl.where(primary_j & (dest_j == dest), row_j, source)
-            pair_ptr = _peer(pairs_table, dest, pairs_like) + 2 * (pairs_offset + route)
+            pair_ptr = _base(pairs_table, dest, pairs_like, ONE_RANK) + 2 * (pairs_offset + route)
             duplicate = valid & ~primary & first_block
             tl.store(pair_ptr, row.to(tl.int32), mask=duplicate)
             tl.store(pair_ptr + 1, source.to(tl.int32), mask=duplicate)
@@ -232,12 +251,13 @@ def send_routes(hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None, 
         return
     top_k = dst_n.numel() // num_tokens
     block, warps = _row_block(width, hidden_sh.element_size())
+    tables, one_rank = _tables(rows, weights, pairs)
     with _launching():
         _send_routes_kernel[(num_tokens, triton.cdiv(width, block))](
-            hidden_sh, route_weights_sk if route_weights_sk is not None else hidden_sh, dst_n,
-            pointer_table(rows), pointer_table(weights), pointer_table(pairs),
+            hidden_sh, route_weights_sk if route_weights_sk is not None else hidden_sh, dst_n, *tables,
             rows.local, weights.local, pairs.local, width, rows.local.shape[0], pairs_offset, K=top_k,
-            WEIGHTS=route_weights_sk is not None, RECORD=bool(record), BLOCK_H=block, num_warps=warps)
+            WEIGHTS=route_weights_sk is not None, RECORD=bool(record), ONE_RANK=one_rank, BLOCK_H=block,
+            num_warps=warps)
 
 
 RECORD_SLOTS = 4096
@@ -461,7 +481,7 @@ def pre_reduce_duplicates(rows_nvsh: torch.Tensor, dup_groups: torch.Tensor, dup
 @triton.jit
 def _gather_routes_kernel(out_ptr, weights_out_ptr, dst_ptr, rows_table, weights_table, rows_like,
                           weights_like, H, rows_per_rank, ACC: tl.constexpr, K: tl.constexpr,
-                          WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr):
+                          WEIGHTS: tl.constexpr, ONE_RANK: tl.constexpr, BLOCK_H: tl.constexpr):
     token = tl.program_id(0)
     block = tl.program_id(1)
     offs = block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -471,11 +491,12 @@ def _gather_routes_kernel(out_ptr, weights_out_ptr, dst_ptr, rows_table, weights
     for k in tl.static_range(K):  # in k order, +0.0 for duplicates and invalid routes: the reference's sum
         route = token * K + k
         dest, row, primary, valid = _decode(dst_ptr + route, rows_per_rank)
-        x = tl.load(_peer(rows_table, dest, rows_like) + row * H + offs, mask=_both(inside, primary),
-                    other=0.0)
+        rows_ptr = _base(rows_table, dest, rows_like, ONE_RANK)
+        x = tl.load(rows_ptr + row * H + offs, mask=_both(inside, primary), other=0.0)
         total += _widen(x, ACC)
         if WEIGHTS:
-            weight = tl.load(_peer(weights_table, dest, weights_like) + row, mask=valid & first_block,
+            weight = tl.load(_base(weights_table, dest, weights_like, ONE_RANK) + row,
+                             mask=valid & first_block,
                              other=0.0)
             tl.store(weights_out_ptr + route, weight, mask=first_block)
     tl.store(out_ptr + token.to(tl.int64) * H + offs, _narrow(total, out_ptr.dtype.element_ty), mask=inside)
@@ -496,13 +517,13 @@ def gather_routes(dst_n: torch.Tensor, rows: SymmetricTensor, weights: Symmetric
         return
     block, warps = _row_block(width, 4)
     with_weights = weights is not None
+    tables, one_rank = _tables(rows, *([weights] if with_weights else []))
     with _launching():
         _gather_routes_kernel[(num_tokens, triton.cdiv(width, block))](
-            out_sh, weights_out_sk if with_weights else out_sh, dst_n, pointer_table(rows),
-            pointer_table(weights) if with_weights else pointer_table(rows), rows.local,
+            out_sh, weights_out_sk if with_weights else out_sh, dst_n, tables[0], tables[-1], rows.local,
             weights.local if with_weights else rows.local, width, rows.local.shape[0],
-            ACC=_TL_DTYPES[accumulate], K=dst_n.numel() // num_tokens, WEIGHTS=with_weights, BLOCK_H=block,
-            num_warps=warps)
+            ACC=_TL_DTYPES[accumulate], K=dst_n.numel() // num_tokens, WEIGHTS=with_weights,
+            ONE_RANK=one_rank, BLOCK_H=block, num_warps=warps)
 
 
 # -- weights -------------------------------------------------------------------------------------------------
