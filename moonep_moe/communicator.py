@@ -367,12 +367,14 @@ class MoECommunicator:
         in_place = (isinstance(expert_output_nvsh, torch.Tensor)
                     and expert_output_nvsh.data_ptr() == buffer.hidden_nvsh_buffer_view.data_ptr())
         buffer._check_combine(handle._plan, expert_output_nvsh, None, in_place, "expert_output_nvsh")
+        # eagerly the sums go straight into `out` (no [t, H] copy); a request writes it after its wait
+        into = out if out is not None and out.is_contiguous() and not async_finish else None
         out_th, _, event = buffer._combine(handle._plan, expert_output_nvsh, None, in_place,
-                                           async_finish=async_finish)
+                                           async_finish=async_finish, out_sh=into)
         handle._combined = True
 
         def finish() -> torch.Tensor:
-            return out_th if out is None else out.copy_(out_th)
+            return out_th if out is None or into is not None else out.copy_(out_th)
 
         return CommRequest(finish, event) if async_finish else finish()
 

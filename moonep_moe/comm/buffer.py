@@ -491,8 +491,9 @@ class Buffer:
                                      f"({view}_buffer_view), got another tensor")
 
     def _combine(self, plan: MoonEPCommPlan, hidden_nvsh, route_weights_nvs, zero_copy: bool,
-                 async_finish: bool):
-        """`combine` after its checks."""
+                 async_finish: bool, out_sh: torch.Tensor | None = None):
+        """`combine` after its checks; the tokens' sums are written into `out_sh` when given (a contiguous
+        `[s, H]` tensor in the Buffer's dtype on its device, checked by the caller) and returned."""
         if plan is self._pending_views:
             self._pending_views = None
 
@@ -500,7 +501,7 @@ class Buffer:
             if route_weights_nvs is not None and not zero_copy:
                 self._weights.local.copy_(route_weights_nvs)
             self._exchange.pre_reduce(plan, hidden_nvsh, zero_copy)
-            return self._exchange.gather_routes(plan, route_weights_nvs is not None)
+            return self._exchange.gather_routes(plan, route_weights_nvs is not None, out_sh)
 
         (out_sh, weights_sk), event = self._launch(async_finish, op, (plan, hidden_nvsh, route_weights_nvs))
         return out_sh, weights_sk, event

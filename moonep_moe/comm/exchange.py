@@ -102,10 +102,11 @@ class RowExchange(Protocol):
         row in fp32, in row order."""
         ...
 
-    def gather_routes(self, plan: MoonEPCommPlan, with_weights: bool
+    def gather_routes(self, plan: MoonEPCommPlan, with_weights: bool, out_sh: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Collective, after `pre_reduce` on every rank: `[s, H]` each token's primary rows summed in fp32 in
-        k order (in the rows' dtype), and with `with_weights` `[s, K]` every route's weight (0 if invalid)."""
+        k order (in the rows' dtype; written into `out_sh` when given, a contiguous `[s, H]` tensor of that
+        dtype), and with `with_weights` `[s, K]` every route's weight (0 if invalid)."""
         ...
 
     def copy_experts(self, weights: list[ExpertRows], expert_b: torch.Tensor) -> None:
@@ -190,7 +191,7 @@ class ReferenceExchange:
         filled_v = torch.arange(rows_nvsh.shape[0], device=rows_nvsh.device) < plan.cu_seqlens[-1]
         rows_nvsh.copy_(torch.where(filled_v[:, None], sums_nvsh, rows_nvsh))
 
-    def gather_routes(self, plan, with_weights):
+    def gather_routes(self, plan, with_weights, out_sh=None):
         m = self.memory
         rows_nvsh, top_k = m.rows.local, m.top_k
         accumulate = m.weights.local.dtype
@@ -198,15 +199,17 @@ class ReferenceExchange:
         num_tokens, width = plan.dst.numel() // top_k, rows_nvsh.shape[1]
         gathered_nh = m.world.gather_rows(m.rows, torch.where(valid_n & primary_n, dest_n, -1), row_n,
                                           capacity=m.max_tokens).to(accumulate)
-        out_sh = torch.zeros(num_tokens, width, dtype=accumulate, device=rows_nvsh.device)
+        sum_sh = torch.zeros(num_tokens, width, dtype=accumulate, device=rows_nvsh.device)
         for k in range(top_k):  # fp32 sum in k order
-            out_sh += gathered_nh.view(num_tokens, top_k, width)[:, k]
+            sum_sh += gathered_nh.view(num_tokens, top_k, width)[:, k]
         weights_sk = None
         if with_weights:
             weights_n = m.world.gather_rows(m.weights, torch.where(valid_n, dest_n, -1), row_n,
                                             capacity=m.max_tokens * top_k)
             weights_sk = weights_n.view(num_tokens, top_k)
-        return out_sh.to(rows_nvsh.dtype), weights_sk
+        if out_sh is None:
+            return sum_sh.to(rows_nvsh.dtype), weights_sk
+        return out_sh.copy_(sum_sh), weights_sk
 
     def copy_experts(self, weights, expert_b) -> None:
         m = self.memory
@@ -266,11 +269,12 @@ class KernelExchange:
         self.rows.pre_reduce_duplicates(m.rows.local, plan.dup_groups, plan.dup_loffs, plan.dup_counts,
                                         m.top_k - 1, m.max_dup_groups, m.weights.local.dtype, m.num_sms)
 
-    def gather_routes(self, plan, with_weights):
+    def gather_routes(self, plan, with_weights, out_sh=None):
         m = self.memory
         rows_nvsh, weights_nvs = m.rows.local, m.weights.local
         num_tokens = plan.dst.numel() // m.top_k
-        out_sh = torch.empty(num_tokens, rows_nvsh.shape[1], dtype=rows_nvsh.dtype, device=rows_nvsh.device)
+        if out_sh is None:
+            out_sh = rows_nvsh.new_empty(num_tokens, rows_nvsh.shape[1])
         weights_sk = None
         if with_weights:
             weights_sk = torch.empty(num_tokens, m.top_k, dtype=weights_nvs.dtype, device=rows_nvsh.device)
