@@ -18,13 +18,15 @@ Backward reuses the forward plan: `dispatch(grad_out_sh, plan=plan)` brings the 
 
 Memory: the Buffer owns three symmetric tensors (peers write and read them): the rows `[NvS, H]`, their
 route weights `[NvS]` and the duplicate pairs `[R*S*K, 2]` (a received duplicate route's row and its primary
-row, at the slot of the route that sent it).
+row, at the slot of the route that sent it); and one local `[NvS]` int32 scratch, zero between steps, the row
+kernels' marks while they build the dup tables (not counted in `nbytes`, which is the symmetric memory).
 
 Work per step (DESIGN.md's notation; s = this call's tokens, n = s*K routes, N = S*K the capacity's; the
-`comm.kernels.rows` path, which serving runs): the histogram, the all-gather and the plan O(n + R*E); the
-row exchanges O(n*H) (each token row read once, written once per destination rank, K rows read back); the
-dup tables O(R*N log(R*N)) (a sort of the duplicate pairs, not of the NvS rows) plus zeroing the plan's
-int32 dup tables (16 bytes per row of NvS, inside the planner's launch); padding rows and duplicate rows
+`comm.kernels.rows` path, which serving runs): the histogram, the all-gather (none with one rank) and the plan
+O(n + R*E); the row exchanges O(n*H) (each token row read once, written once per destination rank, K rows
+read back); the dup tables O(R*N + rows the plan fills) (one program: the duplicate pairs, then the filled
+rows in order; the reference sorts the pairs) plus zeroing the plan's int32 dup tables (16 bytes per row of
+NvS, inside the planner's launch); padding rows and duplicate rows
 O(rows the plan fills); combine's copy of a `hidden_nvsh` that is not the Buffer's own view O(rows the plan
 fills). What stays O(NvS*H): `dispatch(zero_copy=False)` returns a copy of all NvS rows (a tensor the
 caller owns, defined everywhere): steps of a few tokens should take the views (`zero_copy=True`, as the

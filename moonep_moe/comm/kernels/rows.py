@@ -10,6 +10,8 @@ orders its phases, and builds every index both paths share (the plan's `dst`, du
 
 - `send_routes`: each token row is read once and written once per destination rank, straight into its
   expert-grouped row there (primary routes); every route's weight; duplicates record their primary row.
+- `record_duplicates`: after the barrier, local, one program: the received duplicate pairs become the
+  plan's dup tables (the pairs mark their primary rows, the rows the plan fills are scanned in order).
 - `zero_padding` / `expand_duplicates`: after the barrier, local: padding rows and weights become zero,
   primary rows are copied into their duplicate rows.
 
@@ -25,6 +27,8 @@ a capacity bucket and replayed with fewer tokens moves only their rows.
 - `copy_experts`: each prefetch slot gets its expert's rows from the home rank's weights.
 - `add_replicas`: each home expert's fp32 gradient gets its replicas' slot gradients added, in the order
   of `replica_sources` (the reference's order).
+
+With one rank (R = 1) `send_routes` and `gather_routes` take the local tensors instead of pointer tables.
 
 Speed: rows are moved in blocks of up to `ROW_BLOCK_BYTES` per program (16-byte vector accesses: the peer
 base addresses are 16-byte aligned, asserted when a table is built, and told to the compiler), with grids of
