@@ -274,7 +274,8 @@ class KernelExchange:
         rows_nvsh, weights_nvs = m.rows.local, m.weights.local
         num_tokens = plan.dst.numel() // m.top_k
         if out_sh is None:
-            out_sh = rows_nvsh.new_empty(num_tokens, rows_nvsh.shape[1])
+            out_sh = torch.empty(num_tokens, rows_nvsh.shape[1], dtype=rows_nvsh.dtype,
+                                 device=rows_nvsh.device)
         weights_sk = None
         if with_weights:
             weights_sk = torch.empty(num_tokens, m.top_k, dtype=weights_nvs.dtype, device=rows_nvsh.device)

@@ -347,7 +347,7 @@ HISTOGRAM_ROUTES = 4096
 
 
 @triton.jit
-def _histogram_kernel(topk_ptr, num_routes, counts_ptr, E: tl.constexpr, E_P: tl.constexpr,
+def _plan_histogram_kernel(topk_ptr, num_routes, counts_ptr, E: tl.constexpr, E_P: tl.constexpr,
                       ROUTES: tl.constexpr):
     counts_e = tl.zeros([E_P], tl.int32)
     for r0 in range(0, num_routes, ROUTES):
@@ -365,7 +365,7 @@ def expert_histogram_triton(topk_experts_sk: torch.Tensor, num_experts: int) -> 
     count nowhere)."""
     topk_n = topk_experts_sk.contiguous().view(-1)
     counts_e = torch.empty(num_experts, dtype=torch.int64, device=topk_n.device)
-    _histogram_kernel[(1,)](topk_n, topk_n.numel(), counts_e, E=num_experts, E_P=_pow2(num_experts),
+    _plan_histogram_kernel[(1,)](topk_n, topk_n.numel(), counts_e, E=num_experts, E_P=_pow2(num_experts),
                             ROUTES=HISTOGRAM_ROUTES, num_warps=4)
     return counts_e
 
