@@ -38,7 +38,8 @@ only) the run is a smoke test of the script: its numbers mean nothing.
 On the H200 (DeepSeek-V3's MoE layer; E=256 on one rank holds 256 experts: 22 GiB in bf16, plus slots):
 
     V3="--device cuda --hidden 7168 --ffn 2048 --experts 256 --top-k 8 --tokens 512 --dtype bfloat16"
-    python -m bench.serving $V3 --world single --ranks 1
+    python -m bench.serving $V3 --world single --ranks 1                     # tp = CommConfig's default (16)
+    python -m bench.serving $V3 --world single --ranks 1 --token-padding 128 # a DeepGEMM engine's tp
     python -m bench.serving $V3 --world symmetric --ranks 8   # 8 processes sharing the one GPU
     python -m bench.serving $V3 --world threads --ranks 8     # the threads-world numbers beside them
     torchrun --nproc-per-node 8 -m bench.serving $V3 --world symmetric   # or under torchrun
@@ -59,7 +60,7 @@ import torch
 
 from bench.common import Stamp, captured_graph, seconds_between, spread, stamp, timings, write_record
 from moonep_moe.comm.world import EPWorld, run_ranks, single_world
-from moonep_moe.communicator import MoECommunicator
+from moonep_moe.communicator import CommunicatorConfig, MoECommunicator
 from moonep_moe.layers.grouped_gemm import select_grouped_gemm
 from moonep_moe.layers.swiglu import swiglu_weighted
 from moonep_moe.weights.layout import ExpertLayout
@@ -73,6 +74,8 @@ TARGET_COMM_MS = 0.040
 TARGET_TOKENS = 128
 TARGET_DECODE_RATIO = 0.05
 """Issue 14: a decode step's (s = 1) communication over the s = S step's, in CUDA-graph replay."""
+DEFAULT_TOKEN_PADDING = CommunicatorConfig.model_fields["token_padding"].default
+"""What a serving user gets without choosing: the config's default (recorded in the record's `shape`)."""
 SPAWN_TIMEOUT_S = 3600.0
 """A spawned symmetric run still going after this is killed."""
 
@@ -90,7 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=4, help="K (default 4)")
     parser.add_argument("--tokens", type=int, default=16, help="S, token capacity per rank (default 16)")
     parser.add_argument("--slots", type=int, default=None, help="B slots per rank (default E/R)")
-    parser.add_argument("--token-padding", type=int, default=128, help="tp (default 128)")
+    parser.add_argument("--token-padding", type=int, default=DEFAULT_TOKEN_PADDING,
+                        help=f"tp (default {DEFAULT_TOKEN_PADDING}, CommConfig's; DeepGEMM engines use 128)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=10, help=f"timed repetitions (>= {MIN_REPS}; default 10)")

@@ -60,7 +60,6 @@ from moonep_moe.comm.plan_types import MoonEPCommPlan
 from moonep_moe.comm.pool import BufferPool
 from moonep_moe.comm.world import EPWorld
 from moonep_moe.config import CommConfig, MoEConfig
-from moonep_moe.layers.function import compute_offsets
 from moonep_moe.weights.layout import ExpertLayout
 
 T = TypeVar("T")
@@ -294,24 +293,20 @@ class MoECommunicator:
         buffer._check_dispatch(input_th, weights_tk, topk_ids_tk, None, None, FACADE_DISPATCH_NAMES)
         *result, event = buffer._dispatch(input_th, weights_tk, topk_ids_tk, None, async_finish=async_finish,
                                           zero_copy=True, router_weights_zero_copy=weighted)
-        tokens_nvsh, weights_nvs, cu_seqlens_g, plan = result
+        tokens_nvsh, weights_nvs, _, plan = result
         handle = DispatchHandle(self.id, buffer, plan, num_tokens)
 
         def finish() -> tuple[DispatchOutput, DispatchHandle]:
-            output = self._layout(tokens_nvsh, weights_nvs if weighted else None, cu_seqlens_g, plan)
+            output = self._layout(tokens_nvsh, weights_nvs if weighted else None, plan)
             return output, handle
 
         return CommRequest(finish, event) if async_finish else finish()
 
-    def _layout(self, tokens_nvsh, weights_nvs, cu_seqlens_g, plan: MoonEPCommPlan) -> DispatchOutput:
-        rank, epn, E = self.world.rank, self.num_local_experts, self.config.num_experts
-        offsets_g = compute_offsets(cu_seqlens_g, rank, epn, E)
-        padding_g = compute_offsets(plan.zero_fill_ranges[:, 1], rank, epn, E)
-        sizes_g = torch.diff(offsets_g, prepend=offsets_g.new_zeros(1))
-        home_g = torch.arange(self.local_expert_start, self.local_expert_start + epn, dtype=torch.int32,
-                              device=offsets_g.device)
-        expert_ids_g = torch.cat([home_g, plan.experts_to_copy[rank]])
-        return DispatchOutput(tokens_nvsh, weights_nvs, sizes_g - padding_g, offsets_g, expert_ids_g)
+    @staticmethod
+    def _layout(tokens_nvsh, weights_nvs, plan: MoonEPCommPlan) -> DispatchOutput:
+        """The step's `DispatchOutput`: the rows and views of the planner's `compute_groups` (no op)."""
+        offsets_g, routes_g, expert_ids_g = plan.compute_groups.unbind()
+        return DispatchOutput(tokens_nvsh, weights_nvs, routes_g, offsets_g, expert_ids_g)
 
     # -- weights --------------------------------------------------------------------------------------------
 
@@ -373,12 +368,14 @@ class MoECommunicator:
         in_place = (isinstance(expert_output_nvsh, torch.Tensor)
                     and expert_output_nvsh.data_ptr() == buffer.hidden_nvsh_buffer_view.data_ptr())
         buffer._check_combine(handle._plan, expert_output_nvsh, None, in_place, "expert_output_nvsh")
+        # eagerly the sums go straight into `out` (no [t, H] copy); a request writes it after its wait
+        into = out if out is not None and out.is_contiguous() and not async_finish else None
         out_th, _, event = buffer._combine(handle._plan, expert_output_nvsh, None, in_place,
-                                           async_finish=async_finish)
+                                           async_finish=async_finish, out_sh=into)
         handle._combined = True
 
         def finish() -> torch.Tensor:
-            return out_th if out is None else out.copy_(out_th)
+            return out_th if out is None or into is not None else out.copy_(out_th)
 
         return CommRequest(finish, event) if async_finish else finish()
 

@@ -224,11 +224,16 @@ class CommConfig(BaseModel):
         ),
     )
     token_padding: int = Field(
-        128,
+        16,
         ge=1,
         description=(
-            "tp: every non-empty expert segment is padded with zero rows to a multiple of this. Default 128 "
-            "(Hopper grouped GEMMs' M-block); `MoEConfig` picks its own default (see there)."
+            "tp: every non-empty expert segment is padded with zero rows to a multiple of this. Default 16, "
+            "the layer's (`MoEConfig` picks 16, or 128 with DeepGEMM): the alignment torch._grouped_mm and "
+            "the Triton kernels take. Engines whose grouped GEMM needs Hopper's 128-row M-block "
+            "(DeepGEMM's contiguous layout) pass 128; a GEMM that masks partial blocks can take 1. Serving "
+            "pays for it per step: a decode step of s tokens fills up to s*K groups, each padded to tp rows "
+            "that are zeroed and run through the GEMMs (with E=256, K=8 and tp=128 a 128-token step carries "
+            "~250 groups of 128 rows, mostly padding)."
         ),
     )
     max_tokens_per_rank: int = Field(

@@ -17,6 +17,7 @@ from bench.serving import (
     symmetric_backend,
     token_counts,
 )
+from moonep_moe.config import CommConfig
 
 
 def test_token_counts_double_up_to_the_capacity():
@@ -147,3 +148,13 @@ def test_cpu_run_end_to_end(tmp_path, world, ranks, capsys):
     assert {target["pass"] for target in record["targets"].values()} == {None}
     printed = capsys.readouterr().out
     assert "wrote" in printed and "not measured" in printed
+
+
+def test_token_padding_defaults_to_the_configs_and_is_recorded(tmp_path):
+    """Without --token-padding the bench serves what a communicator built without one gets (CommConfig's
+    default: 16, not DeepGEMM's 128), and the record's shape says which tp ran."""
+    assert parse_args([]).token_padding == CommConfig.model_fields["token_padding"].default == 16
+    assert parse_args(["--token-padding", "128"]).token_padding == 128
+    path = main(["--world", "single", "--tokens", "2", "--hidden", "16", "--ffn", "8", "--experts", "8",
+                 "--top-k", "2", "--warmup", "0", "--reps", "5", "--out", str(tmp_path)])
+    assert json.loads(path.read_text())["shape"]["token_padding"] == 16

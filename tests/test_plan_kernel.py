@@ -17,8 +17,13 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_plan import Scenario, histograms, scenarios, topk_from_counts
 
-from moonep_moe.comm.kernels.plan import plan_routes_triton, prepare
-from moonep_moe.comm.plan import default_slots, plan_global, plan_routes, rows_capacity
+from moonep_moe.comm.kernels.plan import (
+    HISTOGRAM_ROUTES,
+    expert_histogram_triton,
+    plan_routes_triton,
+    prepare,
+)
+from moonep_moe.comm.plan import default_slots, expert_histogram, plan_global, plan_routes, rows_capacity
 from moonep_moe.comm.plan_types import MoonEPCommPlan
 
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -183,3 +188,16 @@ def test_cuda_kernel_plan_dsv3_size_no_sync(sigma):
         expected = plan_routes(sc.counts_re, sc.topk_rsk[rank], **kwargs)
         assert_plans_equal(kernel, expected)
         assert_plans_equal(replayed, expected)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 3, HISTOGRAM_ROUTES // 8 + 5])
+def test_kernel_histogram_equals_torch(num_tokens):
+    """`expert_histogram_triton` (one program, a loop over route chunks: the largest case takes two) equals
+    the torch `expert_histogram` on the CPU: ids outside [0, E) count nowhere; a non-contiguous input."""
+    E, K = 12, 8
+    gen = torch.Generator().manual_seed(num_tokens)
+    topk_sk2 = torch.randint(-2, E + 2, (num_tokens, 2 * K), generator=gen, dtype=torch.int32)
+    topk_sk = topk_sk2[:, ::2]  # every other column: not contiguous
+    counts_e = expert_histogram_triton(topk_sk.to(KERNEL_DEVICE), E)
+    assert counts_e.dtype == torch.int64 and counts_e.shape == (E,)
+    assert torch.equal(counts_e.cpu(), expert_histogram(topk_sk, E))

@@ -370,7 +370,7 @@ def test_communicator_from_moe_config_and_keywords():
     assert (comm.num_local_experts, comm.local_expert_start) == (cfg.num_experts, 0)
     keywords = MoECommunicator(world=single_world(), hidden_size=H, num_experts=E, top_k=K,
                                max_tokens_per_rank=S)
-    assert keywords.config == comm_config(token_padding=128, dtype="bfloat16")
+    assert keywords.config == comm_config(token_padding=16, dtype="bfloat16")  # CommConfig's default
 
 
 def test_communicator_takes_a_layers_comm_config():

@@ -19,13 +19,15 @@ Backward reuses the forward plan: `dispatch(grad_out_sh, plan=plan)` brings the 
 
 Memory: the Buffer owns three symmetric tensors (peers write and read them): the rows `[NvS, H]`, their
 route weights `[NvS]` and the duplicate pairs `[R*S*K, 2]` (a received duplicate route's row and its primary
-row, at the slot of the route that sent it).
+row, at the slot of the route that sent it); and one local `[NvS]` int32 scratch, zero between steps, the row
+kernels' marks while they build the dup tables (not counted in `nbytes`, which is the symmetric memory).
 
 Work per step (DESIGN.md's notation; s = this call's tokens, n = s*K routes, N = S*K the capacity's; the
-`comm.kernels.rows` path, which serving runs): the histogram, the all-gather and the plan O(n + R*E); the
-row exchanges O(n*H) (each token row read once, written once per destination rank, K rows read back); the
-dup tables O(R*N log(R*N)) (a sort of the duplicate pairs, not of the NvS rows) plus zeroing the plan's
-int32 dup tables (16 bytes per row of NvS, inside the planner's launch); padding rows and duplicate rows
+`comm.kernels.rows` path, which serving runs): the histogram, the all-gather (none with one rank) and the plan
+O(n + R*E); the row exchanges O(n*H) (each token row read once, written once per destination rank, K rows
+read back); the dup tables O(R*N + rows the plan fills) (one program: the duplicate pairs, then the filled
+rows in order; the reference sorts the pairs) plus zeroing the plan's int32 dup tables (16 bytes per row of
+NvS, inside the planner's launch); padding rows and duplicate rows
 O(rows the plan fills); combine's copy of a `hidden_nvsh` that is not the Buffer's own view O(rows the plan
 fills). What stays O(NvS*H): `dispatch(zero_copy=False)` returns a copy of all NvS rows (a tensor the
 caller owns, defined everywhere): steps of a few tokens should take the views (`zero_copy=True`, as the
@@ -61,8 +63,15 @@ import torch
 
 from moonep_moe.comm.event import CommEvent
 from moonep_moe.comm.exchange import KernelExchange, RowMemory, select_exchange
-from moonep_moe.comm.plan import NO_REPLICATION, check_layout, default_slots, plan_routes, rows_capacity
-from moonep_moe.comm.plan_types import MoonEPCommPlan, decode_dst
+from moonep_moe.comm.plan import (
+    NO_REPLICATION,
+    check_layout,
+    default_slots,
+    expert_histogram,
+    plan_routes,
+    rows_capacity,
+)
+from moonep_moe.comm.plan_types import MoonEPCommPlan
 from moonep_moe.comm.world import EPWorld, SymmetricTensor
 from moonep_moe.weights.pool import ExpertRows
 from moonep_moe.weights.quantised import FP8_DTYPE, as_bytes, block_scales_shape, rows_as_bytes
@@ -108,16 +117,6 @@ def _check(tensor: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype
         raise ValueError(f"rank {rank}: {name} must have shape {expected}, got {list(tensor.shape)}")
     if tensor.device != device:
         raise ValueError(f"rank {rank}: {name} must be on {device}, got {tensor.device}")
-
-
-def expert_histogram(topk_experts_sk: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """`[E]` int64 valid routes per expert of `topk_experts_sk [s, K]` (ids outside [0, E) count nowhere).
-    A fixed-shape scatter-add on the ids' device: no host read (unlike `bincount`, whose length is read)."""
-    ids_n = topk_experts_sk.reshape(-1).long()
-    valid_n = (ids_n >= 0) & (ids_n < num_experts)
-    counts_e = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids_n.device)
-    counts_e.index_add_(0, torch.where(valid_n, ids_n, num_experts), valid_n.long())
-    return counts_e[:num_experts]
 
 
 def row_fingerprints(rows_c: torch.Tensor) -> torch.Tensor:
@@ -200,8 +199,9 @@ class Buffer:
                                         torch.zeros(self.NvS, dtype=self.weight_dtype, device=device))
         self._dup_pairs = world.symmetric(f"{prefix}/dup_pairs", torch.full(
             (num_ep_ranks * S * K, 2), -1, dtype=torch.int32, device=device))
-        memory = RowMemory(world, self._rows, self._weights, self._dup_pairs, S, K, epn, B, token_padding,
-                           num_sms)
+        dup_marks = torch.zeros(self.NvS, dtype=torch.int32, device=device)
+        memory = RowMemory(world, self._rows, self._weights, self._dup_pairs, dup_marks, S, K, epn, B,
+                           token_padding, num_sms)
         self._exchange = select_exchange(memory, kernels)
         """How rows cross ranks: the Triton row kernels or the torch reference (`comm.exchange`)."""
         keys = [t.key for t in (self._rows, self._weights, self._dup_pairs)]
@@ -424,7 +424,9 @@ class Buffer:
         def op():
             step_plan, cu_seqlens = plan, None
             if step_plan is None:
-                counts_re = self.world.all_gather(expert_histogram(topk_experts_sk, self.E))
+                counts_e = expert_histogram(topk_experts_sk, self.E)
+                # one rank has no peers to gather from (no copy, no launch)
+                counts_re = counts_e[None] if self.R == 1 else self.world.all_gather(counts_e)
                 step_plan = replace(plan_routes(counts_re, topk_experts_sk, rank=self.world.rank,
                                                 num_slots=self.B, token_padding=self.token_padding,
                                                 rows_per_rank=self.NvS, owner=self.id,
@@ -448,47 +450,10 @@ class Buffer:
         """Every route's payload row (primaries only) and weight to its destination row; the duplicate
         pairs too when `record_duplicates` (the forward dispatch, which fills the plan's dup tables).
         Then zero the padding rows and copy each primary row into its duplicates (the rows the plan fills)."""
-        primary_row_n = self._primary_rows(plan) if record_duplicates else None
-        self._exchange.send_routes(plan, hidden_sh, route_weights_sk, primary_row_n)
+        self._exchange.send_routes(plan, hidden_sh, route_weights_sk, record_duplicates)
         if record_duplicates:
-            self._record_duplicates(plan)
+            self._exchange.record_duplicates(plan)
         self._exchange.fill_rows(plan)
-
-    def _primary_rows(self, plan: MoonEPCommPlan) -> torch.Tensor:
-        """`[N]` int32: for each route the row of its token's primary route on the same rank (itself if
-        primary): what a duplicate route records as its duplicate source."""
-        dest_n, row_n, _, valid_n = decode_dst(plan.dst, self.NvS)
-        dest_sk = torch.where(valid_n, dest_n, -1).view(-1, self.K)
-        # the primary is the first k of the token with the same destination
-        same_skk = dest_sk[:, :, None] == dest_sk[:, None, :]
-        first_sk = same_skk.int().argmax(-1)
-        return torch.gather(row_n.view(-1, self.K), 1, first_sk).reshape(-1).to(torch.int32)
-
-    def _record_duplicates(self, plan: MoonEPCommPlan) -> None:
-        """Turn the received duplicate pairs (`[R*S*K, 2]` (row, primary row), -1: no duplicate) into the
-        plan's dup tables and clear them. Fixed shapes of the pairs' size R*S*K, never NvS: the pairs sorted
-        by (primary, row) with empty slots pushed to the end by a sentinel key; group starts where the
-        primary changes. Only the first `min(R*S*K, NvS)` table entries are written (no rank receives more
-        duplicates); the planner left the rest zero."""
-        nvs = self.NvS
-        pairs_p2 = self._dup_pairs.local
-        used = min(pairs_p2.shape[0], nvs)
-        row_p, primary_p = pairs_p2.long().unbind(1)
-        order_p = torch.argsort(torch.where(row_p >= 0, primary_p * nvs + row_p, nvs * nvs), stable=True)
-        row_p, primary_p = row_p[order_p][:used], primary_p[order_p][:used]
-        dup_p = row_p >= 0  # position i of the sorted order holds a duplicate
-        index_p = torch.arange(used, device=pairs_p2.device)  # positions in the sorted order
-        starts_p = dup_p & ((index_p == 0) | (primary_p != torch.roll(primary_p, 1)))
-        group_p = torch.cumsum(starts_p, 0) - 1
-        dump_p = torch.full_like(index_p, used)  # fixed-shape scatters send unused entries to a dump row
-        groups_p3 = torch.zeros(used + 1, 3, dtype=torch.int64, device=index_p.device)
-        groups_p3.index_copy_(0, torch.where(starts_p, group_p, dump_p),
-                              torch.stack([primary_p, index_p, torch.zeros_like(index_p)], 1))
-        groups_p3[:, 2].index_add_(0, torch.where(dup_p, group_p, dump_p), torch.ones_like(index_p))
-        plan.dup_groups[:used].copy_(groups_p3[:used])
-        plan.dup_loffs[:used].copy_(torch.where(dup_p, row_p, 0))
-        plan.dup_counts.copy_(torch.stack([starts_p.sum(), dup_p.sum()]))
-        pairs_p2.fill_(-1)
 
     # -- combine --------------------------------------------------------------------------------------------
 
@@ -530,8 +495,9 @@ class Buffer:
                                      f"({view}_buffer_view), got another tensor")
 
     def _combine(self, plan: MoonEPCommPlan, hidden_nvsh, route_weights_nvs, zero_copy: bool,
-                 async_finish: bool):
-        """`combine` after its checks."""
+                 async_finish: bool, out_sh: torch.Tensor | None = None):
+        """`combine` after its checks; the tokens' sums are written into `out_sh` when given (a contiguous
+        `[s, H]` tensor in the Buffer's dtype on its device, checked by the caller) and returned."""
         if plan is self._pending_views:
             self._pending_views = None
 
@@ -539,7 +505,7 @@ class Buffer:
             if route_weights_nvs is not None and not zero_copy:
                 self._weights.local.copy_(route_weights_nvs)
             self._exchange.pre_reduce(plan, hidden_nvsh, zero_copy)
-            return self._exchange.gather_routes(plan, route_weights_nvs is not None)
+            return self._exchange.gather_routes(plan, route_weights_nvs is not None, out_sh)
 
         (out_sh, weights_sk), event = self._launch(async_finish, op, (plan, hidden_nvsh, route_weights_nvs))
         return out_sh, weights_sk, event

@@ -12,9 +12,11 @@ One contract (`RowExchange`), two implementations, chosen once per Buffer by `se
   first access to peers' tensors, and after it).
 
 Both give the same bits (combine sums in fp32 in k order, duplicates in row order, replicas in (slot, rank)
-order); tests/test_comm_kernels.py checks it. Neither owns memory or state: the Buffer owns its symmetric
-tensors (`RowMemory`), checks every argument and builds the indices both read (the plan, the dup tables,
-the replica tables) before calling them. Every index has a shape fixed by the config; unneeded entries are
+order) and the same dup tables; tests/test_comm_kernels.py checks it. Neither owns memory or state: the
+Buffer owns its symmetric tensors and scratch (`RowMemory`), checks every argument and builds the indices
+both read (the plan, the replica tables) before calling them; each exchange turns the duplicate routes it
+received into the plan's dup tables (`record_duplicates`: a sort of the pairs in torch, one launch in the
+kernels). Every index has a shape fixed by the config; unneeded entries are
 marked (rank -1, a zero contribution, a self-copy), never masked out: no host read.
 
 Notation and suffixes: DESIGN.md, "Notation".
@@ -44,7 +46,8 @@ class RowMemory:
         world: the EP world. rows: `[NvS, H]` in the Buffer's dtype. weights: `[NvS]` route weights (fp32,
         float64 for float64 rows). dup_pairs: `[R*S*K, 2]` int32, at slot `source rank * S*K + route` a
         received duplicate route's (row, primary row), else -1 (one writer per slot; R*S*K, not NvS: its
-        scan costs what the capacity's routes cost).
+        scan costs what the capacity's routes cost). dup_marks: `[NvS]` int32, local (not symmetric), zero
+        between steps: the row kernels' scratch while they build the dup tables (`record_duplicates`).
         max_tokens, top_k, experts_per_rank, num_slots, token_padding: S, K, epn, B, tp.
         num_sms: SMs the kernels' grid-stride loops size their grids for (None: the device's).
     """
@@ -53,6 +56,7 @@ class RowMemory:
     rows: SymmetricTensor
     weights: SymmetricTensor
     dup_pairs: SymmetricTensor
+    dup_marks: torch.Tensor
     max_tokens: int
     top_k: int
     experts_per_rank: int
@@ -73,11 +77,18 @@ class RowExchange(Protocol):
     memory: RowMemory
 
     def send_routes(self, plan: MoonEPCommPlan, hidden_sh: torch.Tensor,
-                    route_weights_sk: torch.Tensor | None, primary_row_n: torch.Tensor | None) -> None:
+                    route_weights_sk: torch.Tensor | None, record: bool) -> None:
         """Collective: every valid route's weight, and each primary route's payload row, into its
-        destination row; with `primary_row_n` (`[N]`, the forward dispatch) each duplicate route's (row,
-        primary row) into the destination's `dup_pairs`, at its own slot. Starts once every rank is done
-        with the rows' previous contents; returns once every write into this rank's rows has landed."""
+        destination row; with `record` (the forward dispatch) each duplicate route's (row, row of its
+        token's primary route to the same rank) into the destination's `dup_pairs`, at its own slot. Starts
+        once every rank is done with the rows' previous contents; returns once every write into this rank's
+        rows has landed."""
+        ...
+
+    def record_duplicates(self, plan: MoonEPCommPlan) -> None:
+        """Local, after `send_routes(record=True)`: the received duplicate pairs become the plan's dup tables
+        (groups sorted by primary row, each group's duplicate rows ascending; the planner left the tables
+        zero and the entries past the used ones stay zero), and `dup_pairs` is all -1 again."""
         ...
 
     def fill_rows(self, plan: MoonEPCommPlan) -> None:
@@ -91,10 +102,11 @@ class RowExchange(Protocol):
         row in fp32, in row order."""
         ...
 
-    def gather_routes(self, plan: MoonEPCommPlan, with_weights: bool
+    def gather_routes(self, plan: MoonEPCommPlan, with_weights: bool, out_sh: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Collective, after `pre_reduce` on every rank: `[s, H]` each token's primary rows summed in fp32 in
-        k order (in the rows' dtype), and with `with_weights` `[s, K]` every route's weight (0 if invalid)."""
+        k order (in the rows' dtype; written into `out_sh` when given, a contiguous `[s, H]` tensor of that
+        dtype), and with `with_weights` `[s, K]` every route's weight (0 if invalid)."""
         ...
 
     def copy_experts(self, weights: list[ExpertRows], expert_b: torch.Tensor) -> None:
@@ -120,7 +132,7 @@ class ReferenceExchange:
 
     memory: RowMemory
 
-    def send_routes(self, plan, hidden_sh, route_weights_sk, primary_row_n) -> None:
+    def send_routes(self, plan, hidden_sh, route_weights_sk, record) -> None:
         m = self.memory
         nvs, top_k = m.rows.local.shape[0], m.top_k
         dest_n, row_n, primary_n, valid_n = decode_dst(plan.dst, nvs)
@@ -131,11 +143,35 @@ class ReferenceExchange:
         if route_weights_sk is not None:
             m.world.scatter_rows(m.weights, torch.where(valid_n, dest_n, -1), row_n,
                                  route_weights_sk.reshape(-1), capacity=m.max_tokens * top_k)
-        if primary_row_n is not None:
+        if record:
             slot_n = m.world.rank * m.max_tokens * top_k + torch.arange(len(row_n), device=row_n.device)
             m.world.scatter_rows(m.dup_pairs, torch.where(valid_n & ~primary_n, dest_n, -1), slot_n,
-                                 torch.stack([row_n.to(torch.int32), primary_row_n], 1),
+                                 torch.stack([row_n.to(torch.int32), primary_rows(plan.dst, nvs, top_k)], 1),
                                  capacity=m.max_tokens * top_k)
+
+    def record_duplicates(self, plan) -> None:
+        # fixed shapes of the pairs' size R*S*K, never NvS: the pairs sorted by (primary, row) with empty
+        # slots pushed to the end by a sentinel key; a group starts where the primary changes. Only the
+        # first min(R*S*K, NvS) table entries are written (no rank receives more duplicates).
+        nvs = plan.rows_per_rank
+        pairs_p2 = self.memory.dup_pairs.local
+        used = min(pairs_p2.shape[0], nvs)
+        row_p, primary_p = pairs_p2.long().unbind(1)
+        order_p = torch.argsort(torch.where(row_p >= 0, primary_p * nvs + row_p, nvs * nvs), stable=True)
+        row_p, primary_p = row_p[order_p][:used], primary_p[order_p][:used]
+        dup_p = row_p >= 0  # position i of the sorted order holds a duplicate
+        index_p = torch.arange(used, device=pairs_p2.device)  # positions in the sorted order
+        starts_p = dup_p & ((index_p == 0) | (primary_p != torch.roll(primary_p, 1)))
+        group_p = torch.cumsum(starts_p, 0) - 1
+        dump_p = torch.full_like(index_p, used)  # fixed-shape scatters send unused entries to a dump row
+        groups_p3 = torch.zeros(used + 1, 3, dtype=torch.int64, device=index_p.device)
+        groups_p3.index_copy_(0, torch.where(starts_p, group_p, dump_p),
+                              torch.stack([primary_p, index_p, torch.zeros_like(index_p)], 1))
+        groups_p3[:, 2].index_add_(0, torch.where(dup_p, group_p, dump_p), torch.ones_like(index_p))
+        plan.dup_groups[:used].copy_(groups_p3[:used])
+        plan.dup_loffs[:used].copy_(torch.where(dup_p, row_p, 0))
+        plan.dup_counts.copy_(torch.stack([starts_p.sum(), dup_p.sum()]))
+        pairs_p2.fill_(-1)
 
     def fill_rows(self, plan) -> None:
         rows_nvsh, weights_nvs = self.memory.rows.local, self.memory.weights.local
@@ -155,7 +191,7 @@ class ReferenceExchange:
         filled_v = torch.arange(rows_nvsh.shape[0], device=rows_nvsh.device) < plan.cu_seqlens[-1]
         rows_nvsh.copy_(torch.where(filled_v[:, None], sums_nvsh, rows_nvsh))
 
-    def gather_routes(self, plan, with_weights):
+    def gather_routes(self, plan, with_weights, out_sh=None):
         m = self.memory
         rows_nvsh, top_k = m.rows.local, m.top_k
         accumulate = m.weights.local.dtype
@@ -163,15 +199,17 @@ class ReferenceExchange:
         num_tokens, width = plan.dst.numel() // top_k, rows_nvsh.shape[1]
         gathered_nh = m.world.gather_rows(m.rows, torch.where(valid_n & primary_n, dest_n, -1), row_n,
                                           capacity=m.max_tokens).to(accumulate)
-        out_sh = torch.zeros(num_tokens, width, dtype=accumulate, device=rows_nvsh.device)
+        sum_sh = torch.zeros(num_tokens, width, dtype=accumulate, device=rows_nvsh.device)
         for k in range(top_k):  # fp32 sum in k order
-            out_sh += gathered_nh.view(num_tokens, top_k, width)[:, k]
+            sum_sh += gathered_nh.view(num_tokens, top_k, width)[:, k]
         weights_sk = None
         if with_weights:
             weights_n = m.world.gather_rows(m.weights, torch.where(valid_n, dest_n, -1), row_n,
                                             capacity=m.max_tokens * top_k)
             weights_sk = weights_n.view(num_tokens, top_k)
-        return out_sh.to(rows_nvsh.dtype), weights_sk
+        if out_sh is None:
+            return sum_sh.to(rows_nvsh.dtype), weights_sk
+        return out_sh.copy_(sum_sh), weights_sk
 
     def copy_experts(self, weights, expert_b) -> None:
         m = self.memory
@@ -205,13 +243,18 @@ class KernelExchange:
     memory: RowMemory
     rows: ModuleType
 
-    def send_routes(self, plan, hidden_sh, route_weights_sk, primary_row_n) -> None:
+    def send_routes(self, plan, hidden_sh, route_weights_sk, record) -> None:
         m = self.memory
         m.world.barrier()  # every rank is done with the rows' previous contents
         self.rows.send_routes(hidden_sh.contiguous(), None if route_weights_sk is None else
-                              route_weights_sk.contiguous(), plan.dst, primary_row_n, m.rows, m.weights,
+                              route_weights_sk.contiguous(), plan.dst, record, m.rows, m.weights,
                               m.dup_pairs, m.world.rank * m.max_tokens * m.top_k)
         m.world.barrier()  # every write into this rank's rows has landed
+
+    def record_duplicates(self, plan) -> None:
+        m = self.memory
+        self.rows.record_duplicates(m.dup_pairs.local, m.dup_marks, plan.cu_seqlens[-1:], plan.dup_groups,
+                                    plan.dup_loffs, plan.dup_counts, m.top_k)
 
     def fill_rows(self, plan) -> None:
         m = self.memory
@@ -226,11 +269,13 @@ class KernelExchange:
         self.rows.pre_reduce_duplicates(m.rows.local, plan.dup_groups, plan.dup_loffs, plan.dup_counts,
                                         m.top_k - 1, m.max_dup_groups, m.weights.local.dtype, m.num_sms)
 
-    def gather_routes(self, plan, with_weights):
+    def gather_routes(self, plan, with_weights, out_sh=None):
         m = self.memory
         rows_nvsh, weights_nvs = m.rows.local, m.weights.local
         num_tokens = plan.dst.numel() // m.top_k
-        out_sh = torch.empty(num_tokens, rows_nvsh.shape[1], dtype=rows_nvsh.dtype, device=rows_nvsh.device)
+        if out_sh is None:
+            out_sh = torch.empty(num_tokens, rows_nvsh.shape[1], dtype=rows_nvsh.dtype,
+                                 device=rows_nvsh.device)
         weights_sk = None
         if with_weights:
             weights_sk = torch.empty(num_tokens, m.top_k, dtype=weights_nvs.dtype, device=rows_nvsh.device)
@@ -290,6 +335,17 @@ def select_exchange(memory: RowMemory, kernels: bool | None) -> RowExchange:
 
 
 # -- indices the reference builds ----------------------------------------------------------------------------
+
+
+def primary_rows(dst_n: torch.Tensor, rows_per_rank: int, top_k: int) -> torch.Tensor:
+    """`[N]` int32: for each route of `dst_n [N]` the row of its token's primary route to the same rank (its
+    own row if primary): what a duplicate route records as its duplicate source."""
+    dest_n, row_n, _, valid_n = decode_dst(dst_n, rows_per_rank)
+    dest_sk = torch.where(valid_n, dest_n, -1).view(-1, top_k)
+    # the primary is the first k of the token with the same destination
+    same_skk = dest_sk[:, :, None] == dest_sk[:, None, :]
+    first_sk = same_skk.int().argmax(-1)
+    return torch.gather(row_n.view(-1, top_k), 1, first_sk).reshape(-1).to(torch.int32)
 
 
 def source_rows(plan: MoonEPCommPlan) -> torch.Tensor:

@@ -16,7 +16,8 @@ plan, bit for bit (no rank-0 broadcast):
    by `rank_load`).
 4. Slots (`assign_slots`): a receiver's replicated experts fill its slots in ascending expert id.
 5. Segments (`segment_layout`): on each rank the E+B groups in row order (the E global experts, of which
-   only the home ones can be non-empty, then the B slots), each non-empty one padded to a multiple of tp.
+   only the home ones can be non-empty, then the B slots), each non-empty one padded to a multiple of tp;
+   this rank's compute groups (`compute_groups`: home experts then slots) are what an engine runs.
 6. Routes (`route_destinations`): an expert's routes are ordered by (source rank, token, k) and the ranks
    computing it take contiguous ranges of that order, in rank order. A route's `dst` is
    `dest_rank * NvS + row`; a later route of a token to a rank the token already visits is encoded
@@ -503,6 +504,35 @@ def _use_triton(topk_experts_sk: torch.Tensor) -> bool:
     return True
 
 
+def compute_groups(cu_seqlens_g: torch.Tensor, padding_g: torch.Tensor, experts_to_copy_b: torch.Tensor,
+                   rank: int, experts_per_rank: int) -> torch.Tensor:
+    """`[3, epn+B]` the plan's `compute_groups` of `rank`: from its `[E+B]` group ends and padding rows and
+    its `[B]` slot experts, the (padded end, routes, expert) of its home groups, then of its slots. The
+    groups before, between and after them are empty on this rank, so each one starts at the previous end."""
+    num_experts = cu_seqlens_g.shape[0] - experts_to_copy_b.shape[0]
+    mine_g = torch.cat([torch.arange(rank * experts_per_rank, (rank + 1) * experts_per_rank),
+                        torch.arange(num_experts, cu_seqlens_g.shape[0])]).to(cu_seqlens_g.device)
+    ends_g = cu_seqlens_g.long()[mine_g]
+    routes_g = torch.diff(ends_g, prepend=ends_g.new_zeros(1)) - padding_g.long()[mine_g]
+    experts_g = torch.cat([mine_g[:experts_per_rank], experts_to_copy_b.long()])
+    return torch.stack([ends_g, routes_g, experts_g])
+
+
+def expert_histogram(topk_experts_sk: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`[E]` int64 valid routes per expert of `topk_experts_sk [s, K]` (ids outside [0, E) count nowhere), on
+    the ids' device with no host read (unlike `bincount`, whose length is read): on CUDA with Triton one
+    launch (`expert_histogram_triton`), elsewhere a fixed-shape scatter-add."""
+    if _use_triton(topk_experts_sk):
+        from moonep_moe.comm.kernels.plan import expert_histogram_triton
+
+        return expert_histogram_triton(topk_experts_sk, num_experts)
+    ids_n = topk_experts_sk.reshape(-1).long()
+    valid_n = (ids_n >= 0) & (ids_n < num_experts)
+    counts_e = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids_n.device)
+    counts_e.index_add_(0, torch.where(valid_n, ids_n, num_experts), valid_n.long())
+    return counts_e[:num_experts]
+
+
 def plan_routes(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int, num_slots: int,
                 token_padding: int, rows_per_rank: int, owner: int | None = None,
                 replica_cost: int = 0) -> MoonEPCommPlan:
@@ -545,7 +575,10 @@ def plan_routes(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank:
                   zero_fill_ranges=glob.zero_fill_rg2[rank],
                   remote_stats=torch.stack([remote_n.sum(), (remote_n & primary_n).sum()]),
                   rank_load=glob.alloc_re.sum(1), home_load=glob.home_load_r,
-                  expert_load=glob.alloc_re.sum(0), slots_used=(glob.experts_to_copy_rb >= 0).sum(1))
+                  expert_load=glob.alloc_re.sum(0), slots_used=(glob.experts_to_copy_rb >= 0).sum(1),
+                  compute_groups=compute_groups(cu_seqlens_g, glob.zero_fill_rg2[rank, :, 1],
+                                                glob.experts_to_copy_rb[rank], rank,
+                                                num_experts // num_ranks))
     for name, value in values.items():
         getattr(plan, name).copy_(value)
     plan.dup_tables.zero_()

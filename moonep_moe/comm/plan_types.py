@@ -21,7 +21,7 @@ def _field_shapes(N: int, R: int, E: int, B: int, NvS: int) -> dict[str, tuple[i
     """Every tensor field of a plan and its shape, in allocation order (the dup tables last and adjacent)."""
     return dict(dst=(N,), experts_to_copy=(R, B), cu_seqlens=(E + B,), zero_fill_ranges=(E + B, 2),
                 remote_stats=(2,), rank_load=(R,), home_load=(R,), expert_load=(E,), slots_used=(R,),
-                dup_groups=(NvS, 3), dup_loffs=(NvS,), dup_counts=(2,))
+                compute_groups=(3, E // R + B), dup_groups=(NvS, 3), dup_loffs=(NvS,), dup_counts=(2,))
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,10 @@ class MoonEPCommPlan:
         home_load: `[R]` routes to each rank's home experts: the load of plain expert parallelism.
         expert_load: `[E]` valid routes to each expert in the whole group (the gathered histogram's sum).
         slots_used: `[R]` slots holding a replica on each rank.
+        compute_groups: `[3, epn+B]` this rank's compute groups (its epn home experts, then its B slots):
+            row 0 each group's padded end row (`cu_seqlens` of those groups), row 1 its routes (padding
+            excluded), row 2 its global expert (-1 for an unused slot). What an engine's expert runner
+            reads (`MoECommunicator`'s `DispatchOutput`), written by the planner.
         dup_groups: `[NvS, 3]` rows `(primary row, first index into dup_loffs, duplicates)`; the first
             `dup_counts[0]` are used, sorted by primary row.
         dup_loffs: `[NvS]` duplicate rows; the first `dup_counts[1]` are used.
@@ -63,6 +67,7 @@ class MoonEPCommPlan:
     home_load: torch.Tensor
     expert_load: torch.Tensor
     slots_used: torch.Tensor
+    compute_groups: torch.Tensor
     dup_groups: torch.Tensor
     dup_loffs: torch.Tensor
     dup_counts: torch.Tensor

@@ -18,7 +18,8 @@ Launch 1, `_plan_kernel` (grid `nb + 1`), two kinds of program that run side by 
   when nothing moves (the reference's `break`; each moving iteration exhausts a receiver or an expert; a
   move of at most `replica_cost` routes is no move), the policy's fallback to plain EP (`replica_cost` > 0:
   unless the modelled hottest rank gets faster, the moves are dropped), then every rank's segments at
-  once, and writes the plan's global fields plus two `[E, R]` tables for launch 2:
+  once, and writes the plan's global fields, this rank's `compute_groups`, and two `[E, R]` tables for
+  launch 2:
   `ends_er[e, d]` (routes of expert e computed on ranks `<= d`) and `offset_er[e, d]`
   (`d * NvS + row_base[d, e] - start`: a route with index i in e's group order on d lands at
   `offset + i`), and `before_e` (routes of expert e on ranks before this one).
@@ -53,7 +54,8 @@ DESTINATION_WARPS = 8
 ZERO_CHUNK = tl.constexpr(1024)
 """Elements a block program zeroes per store of the dup tables."""
 BIG = tl.constexpr(2**31 - 1)
-_PLAN_CONSTANTS = ("R", "E", "B", "TP", "NVS", "K", "R_P", "W", "B_P", "DC", "K_P", "E_P", "TOK", "SUB")
+_PLAN_CONSTANTS = ("R", "E", "B", "TP", "NVS", "K", "R_P", "W", "B_P", "DC", "K_P", "E_P", "TOK", "SUB",
+                   "G_P")
 
 
 @triton.jit
@@ -87,9 +89,9 @@ def _block_positions(topk_ptr, num_tokens, position_ptr, block_counts_ptr, dup_p
 @triton.jit
 def _global_plan(counts_ptr, counts_stride_r, counts_stride_e, rank, replica_cost, received_ptr, before_ptr,
                  ends_ptr, offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr, remote_stats_ptr,
-                 rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr, R: tl.constexpr,
+                 rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr, groups_ptr, R: tl.constexpr,
                  E: tl.constexpr, B: tl.constexpr, TP: tl.constexpr, NVS: tl.constexpr, R_P: tl.constexpr,
-                 W: tl.constexpr, B_P: tl.constexpr, DC: tl.constexpr):
+                 W: tl.constexpr, B_P: tl.constexpr, DC: tl.constexpr, G_P: tl.constexpr):
     """Steps 1-5 of the planner for the whole group (one program)."""
     EPN: tl.constexpr = E // R
     g_g = tl.arange(0, R_P)
@@ -180,6 +182,22 @@ def _global_plan(counts_ptr, counts_stride_r, counts_stride_e, rank, replica_cos
                                           ends_ptr, offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr,
                                           zero_fill_ptr, rank_load_ptr, slots_used_ptr, R, E, B, TP, NVS, R_P,
                                           W, B_P, DC)
+    tl.debug_barrier()  # this rank's segments land before they are read back
+
+    # 6. This rank's compute groups (`compute_groups`): its home groups then its slots, each starting at
+    # the previous one's end (the groups between are empty on this rank).
+    c_c = tl.arange(0, G_P)
+    inside_c = c_c < EPN + B
+    group_c = tl.where(c_c < EPN, rank * EPN + c_c, E + c_c - EPN)
+    previous_c = tl.where(c_c <= EPN, rank * EPN + c_c - 1, E + c_c - EPN - 1)
+    ends_c = tl.load(cu_seqlens_ptr + group_c, mask=inside_c, other=0)
+    starts_c = tl.load(cu_seqlens_ptr + previous_c, mask=inside_c & (c_c > 0), other=0)
+    padding_c = tl.load(zero_fill_ptr + 2 * group_c + 1, mask=inside_c, other=0)
+    experts_c = tl.where(c_c < EPN, group_c, tl.load(experts_to_copy_ptr + rank * B + c_c - EPN,
+                                                     mask=inside_c & (c_c >= EPN), other=-1))
+    tl.store(groups_ptr + c_c, ends_c, mask=inside_c)
+    tl.store(groups_ptr + EPN + B + c_c, ends_c - starts_c - padding_c, mask=inside_c)
+    tl.store(groups_ptr + 2 * (EPN + B) + c_c, experts_c, mask=inside_c)
 
 
 @triton.jit
@@ -253,19 +271,19 @@ def _plan_kernel(counts_ptr, counts_stride_r, counts_stride_e, topk_ptr, num_tok
                  position_ptr,
                  block_counts_ptr, dup_ptr, dup_numel, dup_share, received_ptr, before_ptr, ends_ptr,
                  offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr, remote_stats_ptr,
-                 rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr, R: tl.constexpr,
+                 rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr, groups_ptr, R: tl.constexpr,
                  E: tl.constexpr, B: tl.constexpr, TP: tl.constexpr, NVS: tl.constexpr, K: tl.constexpr,
                  R_P: tl.constexpr,
                  W: tl.constexpr, B_P: tl.constexpr, DC: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr,
-                 TOK: tl.constexpr, SUB: tl.constexpr):
+                 TOK: tl.constexpr, SUB: tl.constexpr, G_P: tl.constexpr):
     """Launch 1: programs `< nb` are token blocks (`_block_positions`), the last one plans the group."""
     pid = tl.program_id(0)
     num_blocks = tl.num_programs(0) - 1
     if pid == num_blocks:
         _global_plan(counts_ptr, counts_stride_r, counts_stride_e, rank, replica_cost, received_ptr,
                      before_ptr, ends_ptr, offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr,
-                     remote_stats_ptr, rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr, R, E, B,
-                     TP, NVS, R_P, W, B_P, DC)
+                     remote_stats_ptr, rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr,
+                     groups_ptr, R, E, B, TP, NVS, R_P, W, B_P, DC, G_P)
     else:
         _block_positions(topk_ptr, num_tokens, position_ptr, block_counts_ptr, dup_ptr, dup_numel, dup_share,
                          pid, E, K, K_P, E_P, TOK, SUB)
@@ -324,6 +342,34 @@ def _destinations_kernel(topk_ptr, num_tokens, rank, position_ptr, block_counts_
     tl.atomic_add(remote_stats_ptr + 1, remote_primary)
 
 
+HISTOGRAM_ROUTES = 4096
+"""Routes `expert_histogram_triton`'s one program counts per loop step."""
+
+
+@triton.jit
+def _plan_histogram_kernel(topk_ptr, num_routes, counts_ptr, E: tl.constexpr, E_P: tl.constexpr,
+                      ROUTES: tl.constexpr):
+    counts_e = tl.zeros([E_P], tl.int32)
+    for r0 in range(0, num_routes, ROUTES):
+        route_c = r0 + tl.arange(0, ROUTES)
+        expert_c = tl.load(topk_ptr + route_c, mask=route_c < num_routes, other=-1).to(tl.int32)
+        valid_c = (expert_c >= 0) & (expert_c < E)
+        counts_e += tl.histogram(tl.where(valid_c, expert_c, 0), E_P, mask=valid_c)
+    e_e = tl.arange(0, E_P)
+    tl.store(counts_ptr + e_e, counts_e.to(tl.int64), mask=e_e < E)
+
+
+def expert_histogram_triton(topk_experts_sk: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`moonep_moe.comm.plan.expert_histogram` in one launch of one program (a serving step's routes fit one
+    or two loop steps): `[E]` int64 valid routes per expert of `topk_experts_sk [s, K]` (ids outside [0, E)
+    count nowhere)."""
+    topk_n = topk_experts_sk.contiguous().view(-1)
+    counts_e = torch.empty(num_experts, dtype=torch.int64, device=topk_n.device)
+    _plan_histogram_kernel[(1,)](topk_n, topk_n.numel(), counts_e, E=num_experts, E_P=_pow2(num_experts),
+                            ROUTES=HISTOGRAM_ROUTES, num_warps=4)
+    return counts_e
+
+
 @dataclass(frozen=True)
 class PlanLaunch:
     """One planning of one rank: its inputs, launch constants, the plan the two launches write
@@ -362,7 +408,8 @@ class PlanLaunch:
             self.replica_cost, self.position_n, self.block_counts_be, dup_tables, dup_tables.numel(),
             self.dup_share, self.received_wr, self.before_e, self.ends_er, self.offset_er,
             plan.experts_to_copy, plan.cu_seqlens, plan.zero_fill_ranges, plan.remote_stats, plan.rank_load,
-            plan.home_load, plan.expert_load, plan.slots_used, **{name: c[name] for name in _PLAN_CONSTANTS},
+            plan.home_load, plan.expert_load, plan.slots_used, plan.compute_groups,
+            **{name: c[name] for name in _PLAN_CONSTANTS},
             num_warps=c["plan_warps"])
 
     def route_destinations(self) -> None:
@@ -406,7 +453,7 @@ def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int
     TOK = max(SUB, routes_per_block // K_P)
     threads, threads2 = 32 * plan_warps, 32 * destination_warps
     constants = dict(R=num_ranks, E=num_experts, B=num_slots, TP=token_padding, NVS=rows_per_rank, K=top_k,
-                     R_P=R_P, W=W, B_P=_pow2(num_slots),
+                     R_P=R_P, W=W, B_P=_pow2(num_slots), G_P=_pow2(epn + num_slots),
                      DC=min(R_P, segment_ranks or max(1, 16 * threads // (R_P * W))), K_P=K_P, E_P=E_P,
                      TOK=TOK, SUB=SUB,
                      SUB2=min(TOK, max(1, 16 * threads2 // (R_P * K_P))),

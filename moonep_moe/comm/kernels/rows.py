@@ -10,6 +10,8 @@ orders its phases, and builds every index both paths share (the plan's `dst`, du
 
 - `send_routes`: each token row is read once and written once per destination rank, straight into its
   expert-grouped row there (primary routes); every route's weight; duplicates record their primary row.
+- `record_duplicates`: after the barrier, local, one program: the received duplicate pairs become the
+  plan's dup tables (the pairs mark their primary rows, the rows the plan fills are scanned in order).
 - `zero_padding` / `expand_duplicates`: after the barrier, local: padding rows and weights become zero,
   primary rows are copied into their duplicate rows.
 
@@ -25,6 +27,8 @@ a capacity bucket and replayed with fewer tokens moves only their rows.
 - `copy_experts`: each prefetch slot gets its expert's rows from the home rank's weights.
 - `add_replicas`: each home expert's fp32 gradient gets its replicas' slot gradients added, in the order
   of `replica_sources` (the reference's order).
+
+With one rank (R = 1) `send_routes` and `gather_routes` take the local tensors instead of pointer tables.
 
 Speed: rows are moved in blocks of up to `ROW_BLOCK_BYTES` per program (16-byte vector accesses: the peer
 base addresses are 16-byte aligned, asserted when a table is built, and told to the compiler), with grids of
@@ -143,6 +147,24 @@ def _peer(table_ptr, rank, like_ptr):
 
 
 @triton.jit
+def _base(table_ptr, rank, like_ptr, ONE_RANK: tl.constexpr):
+    """`_peer`, or `like_ptr` itself where the world has one rank (every access is to this rank's own
+    tensor, which needs no pointer table)."""
+    if ONE_RANK:
+        return like_ptr
+    return _peer(table_ptr, rank, like_ptr)
+
+
+def _tables(*tensors: SymmetricTensor) -> tuple[list[torch.Tensor], bool]:
+    """(a pointer table per tensor, ONE_RANK): with one rank the local tensors stand in for the tables
+    (`_base` reads none), so no table is filled: not even a CUDA graph's own, whose fills each replay
+    runs (`pointer_table`)."""
+    if len(tensors[0].peers) == 1:
+        return [tensor.local for tensor in tensors], True
+    return [pointer_table(tensor) for tensor in tensors], False
+
+
+@triton.jit
 def _both(a, b):
     """`a & b` for int1 masks of broadcastable shapes (a block and a scalar, a column and a row). Not `&`:
     Triton 3.9's interpreter broadcasts int1 into int32 blocks, which its loads and stores reject."""
@@ -184,10 +206,10 @@ def _narrow(acc, OUT: tl.constexpr):
 
 
 @triton.jit
-def _send_routes_kernel(hidden_ptr, weights_ptr, dst_ptr, primary_row_ptr,
+def _send_routes_kernel(hidden_ptr, weights_ptr, dst_ptr,
                         rows_table, weights_table, pairs_table, rows_like, weights_like, pairs_like,
                         H, rows_per_rank, pairs_offset, K: tl.constexpr, WEIGHTS: tl.constexpr,
-                        RECORD: tl.constexpr, BLOCK_H: tl.constexpr):
+                        RECORD: tl.constexpr, ONE_RANK: tl.constexpr, BLOCK_H: tl.constexpr):
     token = tl.program_id(0)
     block = tl.program_id(1)
     offs = block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -197,43 +219,114 @@ def _send_routes_kernel(hidden_ptr, weights_ptr, dst_ptr, primary_row_ptr,
     for k in tl.static_range(K):
         route = token * K + k
         dest, row, primary, valid = _decode(dst_ptr + route, rows_per_rank)
-        tl.store(_peer(rows_table, dest, rows_like) + row * H + offs, x, mask=_both(inside, primary))
+        rows_ptr = _base(rows_table, dest, rows_like, ONE_RANK)
+        tl.store(rows_ptr + row * H + offs, x, mask=_both(inside, primary))
         if WEIGHTS:
-            tl.store(_peer(weights_table, dest, weights_like) + row, tl.load(weights_ptr + route),
+            tl.store(_base(weights_table, dest, weights_like, ONE_RANK) + row, tl.load(weights_ptr + route),
                      mask=valid & first_block)
         if RECORD:
-            pair_ptr = _peer(pairs_table, dest, pairs_like) + 2 * (pairs_offset + route)
+            # a duplicate's source: the token's primary route to the same rank, an earlier k
+            source = row
+            for j in tl.static_range(k):
+                dest_j, row_j, primary_j, _ = _decode(dst_ptr + token * K + j, rows_per_rank)
+                source = tl.where(primary_j & (dest_j == dest), row_j, source)
+            pair_ptr = _base(pairs_table, dest, pairs_like, ONE_RANK) + 2 * (pairs_offset + route)
             duplicate = valid & ~primary & first_block
             tl.store(pair_ptr, row.to(tl.int32), mask=duplicate)
-            tl.store(pair_ptr + 1, tl.load(primary_row_ptr + route), mask=duplicate)
+            tl.store(pair_ptr + 1, source.to(tl.int32), mask=duplicate)
 
 
 def send_routes(hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None, dst_n: torch.Tensor,
-                primary_row_n: torch.Tensor | None, rows: SymmetricTensor, weights: SymmetricTensor,
-                pairs: SymmetricTensor, pairs_offset: int = 0) -> None:
+                record: bool, rows: SymmetricTensor, weights: SymmetricTensor, pairs: SymmetricTensor,
+                pairs_offset: int = 0) -> None:
     """Every route of this rank to its destination rank's rows (peer writes; the caller barriers).
 
     Args:
         hidden_sh: `[s, H]` rows, contiguous. route_weights_sk: `[s, K]` or None (no weights sent).
-        dst_n: `[s*K]` int32 the plan's destinations. primary_row_n: `[s*K]` int32, the row of each route's
-            primary, or None (no duplicate recorded).
+        dst_n: `[s*K]` int32 the plan's destinations. record: record the duplicates (below) or not.
         rows, weights, pairs: the Buffer's symmetric `[NvS, H]` rows, `[NvS]` weights, `[R*S*K, 2]` int32
-            duplicate pairs: duplicate route i writes (its row, its primary's row) at pair `pairs_offset + i`
-            of its destination (`pairs_offset`: this rank's `rank * S * K`, so every slot has one writer).
+            duplicate pairs: with `record`, duplicate route i writes (its row, the row of its token's
+            primary route to the same rank, found among the token's earlier routes) at pair
+            `pairs_offset + i` of its destination (`pairs_offset`: this rank's `rank * S * K`, so every slot
+            has one writer).
     """
     num_tokens, width = hidden_sh.shape
     if num_tokens == 0:
         return
     top_k = dst_n.numel() // num_tokens
     block, warps = _row_block(width, hidden_sh.element_size())
+    tables, one_rank = _tables(rows, weights, pairs)
     with _launching():
         _send_routes_kernel[(num_tokens, triton.cdiv(width, block))](
-            hidden_sh, route_weights_sk if route_weights_sk is not None else hidden_sh, dst_n,
-            primary_row_n if primary_row_n is not None else dst_n,
-            pointer_table(rows), pointer_table(weights), pointer_table(pairs),
+            hidden_sh, route_weights_sk if route_weights_sk is not None else hidden_sh, dst_n, *tables,
             rows.local, weights.local, pairs.local, width, rows.local.shape[0], pairs_offset, K=top_k,
-            WEIGHTS=route_weights_sk is not None, RECORD=primary_row_n is not None, BLOCK_H=block,
+            WEIGHTS=route_weights_sk is not None, RECORD=bool(record), ONE_RANK=one_rank, BLOCK_H=block,
             num_warps=warps)
+
+
+RECORD_SLOTS = 4096
+"""Duplicate pairs `record_duplicates` reads per step of its first loop."""
+RECORD_ROWS = 1024
+"""Rows `record_duplicates` scans per step of its second loop (x K_P pair slots in registers)."""
+
+
+@triton.jit
+def _record_duplicates_kernel(pairs_ptr, num_pairs, marks_ptr, end_ptr, groups_ptr, loffs_ptr, counts_ptr,
+                              K: tl.constexpr, K_P: tl.constexpr, SLOTS: tl.constexpr, ROWS: tl.constexpr):
+    # 1. Each received duplicate marks its primary row with its window + 1: the K pair slots of its
+    # (source rank, token), where every duplicate of that token on this rank sits (one primary each).
+    for p0 in range(0, num_pairs, SLOTS):
+        pair = p0 + tl.arange(0, SLOTS)
+        primary = tl.load(pairs_ptr + 2 * pair + 1, mask=pair < num_pairs, other=-1)
+        tl.store(marks_ptr + primary, pair // K + 1, mask=primary >= 0)
+    tl.debug_barrier()  # every mark lands before the rows are scanned
+    # 2. The rows the plan fills, in row order: a marked row is the next group's primary; its window's
+    # duplicate rows, sorted, are the next entries of dup_loffs. Marks and pairs are reset behind.
+    j_1j = tl.arange(0, K_P)[None, :]
+    groups = tl.zeros([], tl.int32)
+    duplicates = tl.zeros([], tl.int32)
+    for r0 in range(0, tl.load(end_ptr), ROWS):
+        row_c = r0 + tl.arange(0, ROWS)
+        window_c = tl.load(marks_ptr + row_c, mask=row_c < tl.load(end_ptr), other=0) - 1
+        marked_c = window_c >= 0
+        slot_cj = window_c[:, None] * K + j_1j
+        in_window_cj = _both(marked_c[:, None], j_1j < K)
+        dup_cj = tl.load(pairs_ptr + 2 * slot_cj, mask=in_window_cj, other=-1)
+        count_c = tl.sum((dup_cj >= 0).to(tl.int32), 1)
+        sorted_cj = tl.sort(tl.where(dup_cj >= 0, dup_cj, 2147483647), dim=1)
+        group_c = groups + tl.cumsum(marked_c.to(tl.int32), 0) - 1
+        first_c = duplicates + tl.cumsum(count_c, 0) - count_c
+        tl.store(groups_ptr + 3 * group_c, row_c, mask=marked_c)
+        tl.store(groups_ptr + 3 * group_c + 1, first_c, mask=marked_c)
+        tl.store(groups_ptr + 3 * group_c + 2, count_c, mask=marked_c)
+        tl.store(loffs_ptr + first_c[:, None] + j_1j, sorted_cj, mask=_both(marked_c[:, None],
+                                                                           j_1j < count_c[:, None]))
+        tl.store(pairs_ptr + 2 * slot_cj, tl.full([ROWS, K_P], -1, tl.int32), mask=in_window_cj)
+        tl.store(pairs_ptr + 2 * slot_cj + 1, tl.full([ROWS, K_P], -1, tl.int32), mask=in_window_cj)
+        tl.store(marks_ptr + row_c, tl.zeros([ROWS], tl.int32), mask=marked_c)
+        groups += tl.sum(marked_c.to(tl.int32), 0)
+        duplicates += tl.sum(count_c, 0)
+    tl.store(counts_ptr, groups)
+    tl.store(counts_ptr + 1, duplicates)
+
+
+def record_duplicates(pairs_p2: torch.Tensor, marks_nvs: torch.Tensor, end_1: torch.Tensor,
+                      dup_groups: torch.Tensor, dup_loffs: torch.Tensor, dup_counts: torch.Tensor,
+                      top_k: int) -> None:
+    """The plan's dup tables from this rank's received duplicate pairs, in one launch of one program, equal
+    to the torch reference's (`ReferenceExchange.record_duplicates`): groups in primary-row order, each
+    group's duplicate rows ascending. Work: the `R*S*K` pairs once, then the rows the plan fills (up to
+    `end_1[0]`, read on the device), never NvS. Resets the pairs it read to -1 and the marks to 0.
+
+    Args:
+        pairs_p2: `[R*S*K, 2]` int32 (row, primary row) of each received duplicate at its sender's slot, -1
+            where none. marks_nvs: `[NvS]` int32 all zero (scratch). end_1: `[1]` int32, `cu_seqlens[-1:]`.
+        dup_groups, dup_loffs, dup_counts: the plan's `[NvS, 3]`, `[NvS]`, `[2]` int32 tables, zero.
+    """
+    with _launching():
+        _record_duplicates_kernel[(1,)](pairs_p2, pairs_p2.shape[0], marks_nvs, end_1, dup_groups, dup_loffs,
+                                        dup_counts, K=top_k, K_P=triton.next_power_of_2(top_k),
+                                        SLOTS=RECORD_SLOTS, ROWS=RECORD_ROWS, num_warps=8)
 
 
 @triton.jit
@@ -392,7 +485,7 @@ def pre_reduce_duplicates(rows_nvsh: torch.Tensor, dup_groups: torch.Tensor, dup
 @triton.jit
 def _gather_routes_kernel(out_ptr, weights_out_ptr, dst_ptr, rows_table, weights_table, rows_like,
                           weights_like, H, rows_per_rank, ACC: tl.constexpr, K: tl.constexpr,
-                          WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr):
+                          WEIGHTS: tl.constexpr, ONE_RANK: tl.constexpr, BLOCK_H: tl.constexpr):
     token = tl.program_id(0)
     block = tl.program_id(1)
     offs = block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -402,11 +495,12 @@ def _gather_routes_kernel(out_ptr, weights_out_ptr, dst_ptr, rows_table, weights
     for k in tl.static_range(K):  # in k order, +0.0 for duplicates and invalid routes: the reference's sum
         route = token * K + k
         dest, row, primary, valid = _decode(dst_ptr + route, rows_per_rank)
-        x = tl.load(_peer(rows_table, dest, rows_like) + row * H + offs, mask=_both(inside, primary),
-                    other=0.0)
+        rows_ptr = _base(rows_table, dest, rows_like, ONE_RANK)
+        x = tl.load(rows_ptr + row * H + offs, mask=_both(inside, primary), other=0.0)
         total += _widen(x, ACC)
         if WEIGHTS:
-            weight = tl.load(_peer(weights_table, dest, weights_like) + row, mask=valid & first_block,
+            weight = tl.load(_base(weights_table, dest, weights_like, ONE_RANK) + row,
+                             mask=valid & first_block,
                              other=0.0)
             tl.store(weights_out_ptr + route, weight, mask=first_block)
     tl.store(out_ptr + token.to(tl.int64) * H + offs, _narrow(total, out_ptr.dtype.element_ty), mask=inside)
@@ -427,13 +521,13 @@ def gather_routes(dst_n: torch.Tensor, rows: SymmetricTensor, weights: Symmetric
         return
     block, warps = _row_block(width, 4)
     with_weights = weights is not None
+    tables, one_rank = _tables(rows, *([weights] if with_weights else []))
     with _launching():
         _gather_routes_kernel[(num_tokens, triton.cdiv(width, block))](
-            out_sh, weights_out_sk if with_weights else out_sh, dst_n, pointer_table(rows),
-            pointer_table(weights) if with_weights else pointer_table(rows), rows.local,
+            out_sh, weights_out_sk if with_weights else out_sh, dst_n, tables[0], tables[-1], rows.local,
             weights.local if with_weights else rows.local, width, rows.local.shape[0],
-            ACC=_TL_DTYPES[accumulate], K=dst_n.numel() // num_tokens, WEIGHTS=with_weights, BLOCK_H=block,
-            num_warps=warps)
+            ACC=_TL_DTYPES[accumulate], K=dst_n.numel() // num_tokens, WEIGHTS=with_weights,
+            ONE_RANK=one_rank, BLOCK_H=block, num_warps=warps)
 
 
 # -- weights -------------------------------------------------------------------------------------------------
