@@ -150,9 +150,13 @@ def _peer(table_ptr, rank, like_ptr):
 def _base(table_ptr, rank, like_ptr, ONE_RANK: tl.constexpr):
     """`_peer`, or `like_ptr` itself where the world has one rank (every access is to this rank's own
     tensor, which needs no pointer table)."""
+    # if/else, not an early return: compiled (not interpreted), Triton 3.6 also built the code after a return
+    # under a constexpr-true `if`, and `_peer` then cast the local tensor's values to a pointer
     if ONE_RANK:
-        return like_ptr
-    return _peer(table_ptr, rank, like_ptr)
+        base = like_ptr
+    else:
+        base = _peer(table_ptr, rank, like_ptr)
+    return base
 
 
 def _tables(*tensors: SymmetricTensor) -> tuple[list[torch.Tensor], bool]:
