@@ -393,3 +393,11 @@ def test_fp8_layer_tracks_the_float64_reference_like_the_bf16_layer():
                              for name in ("out", "grad_x", "grad_gate_up", "grad_down")}
     print(errors)
     assert all(error < 2.0**-3 for error in errors["fp8"].values()), errors
+
+
+@pytest.mark.parametrize("k", [128, 300])
+def test_reference_row_cast_takes_zero_rows(k):
+    """A step with no routed rows (every segment empty) casts `[0, K]`: `[0, K]` e4m3 and `[0, ceil(K/128)]`
+    scales, no error (the H200 run's all-empty case raised in a reshape)."""
+    q, scales = quantise_rows(torch.zeros(0, k))
+    assert q.shape == (0, k) and q.dtype == FP8_DTYPE and scales.shape == (0, -(-k // 128))

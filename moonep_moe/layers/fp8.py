@@ -100,7 +100,7 @@ def quantise_rows(x_mk: Tensor) -> tuple[Tensor, Tensor]:
     tiles_mkt = padded.view(rows, padded.shape[1] // TILE, TILE)
     scales_mk = pow2_scales(tiles_mkt.abs().amax(-1))
     q_mkt = (tiles_mkt / scales_mk[..., None]).to(FP8_DTYPE)
-    return q_mkt.view(rows, -1)[:, :k].contiguous(), scales_mk
+    return q_mkt.view(rows, padded.shape[1])[:, :k].contiguous(), scales_mk
 
 
 def dequantise_rows(q_mk: Tensor, scales_mk: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
