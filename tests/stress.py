@@ -50,9 +50,9 @@ ENTRY_POINTS = {
                                           "_dispatch", "_combine")},
     "moonep_moe.communicator": {"MoECommunicator": ("dispatch", "dispatch_async", "combine",
                                                     "combine_async", "prefetch_weights")},
-    "moonep_moe.comm.kernels.rows": {None: ("send_routes", "zero_padding", "expand_duplicates",
-                                            "pre_reduce_duplicates", "gather_routes", "copy_experts",
-                                            "add_replicas", "clear_slots")},
+    "moonep_moe.comm.kernels.rows": {None: ("send_routes", "record_duplicates", "zero_padding",
+                                            "expand_duplicates", "copy_rows", "pre_reduce_duplicates",
+                                            "gather_routes", "copy_experts", "add_replicas", "clear_slots")},
 }
 """module -> class (None: the module's functions) -> names wrapped. Modules that cannot be imported here
 (torch.distributed's symmetric memory, Triton) are skipped."""

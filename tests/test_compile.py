@@ -1,8 +1,9 @@
 """`torch.compile` of a whole MoonEPMoELayer: compiled outputs and gradients equal eager ones.
 
 The routed experts (comm core and grouped GEMMs) run eagerly between the compiled graphs
-(`moonep_moe.layers.function.routed_experts`); the router and the shared experts compile. `fullgraph=True`
-cannot trace the experts and fails with one error that says why.
+(`moonep_moe.layers.moe.eager_routed_step`); the router compiles, and so do the shared experts where they
+do not overlap the routed experts (CPU, or `overlap_shared_experts=False`; on CUDA they run eagerly beside
+them by default). `fullgraph=True` cannot trace the experts and fails with one error that says why.
 """
 
 from __future__ import annotations
