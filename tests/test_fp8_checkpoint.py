@@ -13,6 +13,7 @@ The expected values are computed here block by block (`blockwise_product`), not 
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -20,6 +21,7 @@ import torch
 
 from moonep_moe.comm.world import run_ranks
 from moonep_moe.config import MoEConfig
+from moonep_moe.integrations.hf import MoonEPBlock, swap_moe_blocks
 from moonep_moe.layers.fp8 import E4M3_MAX, FP8_DTYPE, quantise_blocks
 from moonep_moe.layers.moe import MoonEPMoELayer
 
@@ -184,3 +186,107 @@ def test_fp8_scales_without_their_fp8_weight_are_an_error_naming_the_key():
     state["experts.0.gate_proj.weight"] = state["experts.0.gate_proj.weight"].float()
     assert ("experts.0.gate_proj.weight_scale_inv: block scales beside a float32 weight; scales belong to "
             "float8_e4m3fn weights") in load_errors(state)
+
+
+# -- the transformers swap (skipped without transformers) -------------------------------------------------
+
+VOCAB, BATCH, SEQ = 64, 2, 12
+HF_TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # as tests/test_hf.py: a few ulps of the largest value
+
+
+def deepseek_v3(dtype: torch.dtype) -> torch.nn.Module:
+    """A tiny random DeepSeek-V3 (2 MoE layers, H=32, E=8, K=2, F=16) with a random expert bias."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=48, n_routed_experts=8,
+        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=0,
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8))
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.normal_(0, 0.05)
+    return model.to(dtype)
+
+
+def quantise_stacked(w: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(q, scales, dequantised)` of `w [..., N, K]` as transformers stores it: each of its `parts` stacked
+    projections of N/parts rows (gate's and up's in a fused gate_up) quantised with the project's reference
+    cast, their scales stacked the same way; `dequantised` the blockwise fp32 products, in `w`'s shape."""
+    w_gnk = w.reshape(-1, *w.shape[-2:])
+    qs, scales, products = [], [], []
+    for part_gnk in w_gnk.chunk(parts, 1):
+        q_gnk, scales_gnk = quantise_blocks(part_gnk)
+        qs.append(q_gnk)
+        scales.append(scales_gnk)
+        pairs = zip(q_gnk, scales_gnk, strict=True)
+        products.append(torch.stack([blockwise_product(q, s) for q, s in pairs]))
+    scales_gnk = torch.cat(scales, 1)
+    return (torch.cat(qs, 1).reshape(w.shape), scales_gnk.reshape(*w.shape[:-2], *scales_gnk.shape[1:]),
+            torch.cat(products, 1).reshape(w.shape))
+
+
+def quantised_deepseek_v3(dtype: torch.dtype, block_size=(128, 128)) -> tuple[torch.nn.Module, ...]:
+    """`(reference, fp8)`: `fp8` is the tiny model with its MoE blocks' experts and shared experts turned
+    into transformers' own FP8 modules (`replace_with_fp8_linear`: `FP8Experts` with `gate_up_proj_scale_inv
+    [E, 2, 1]` (gate's and up's stacked) and `down_proj_scale_inv`, `FP8Linear`s with `weight_scale_inv`),
+    holding the reference's weights quantised; `reference` holds their dequantised values (exact in `dtype`:
+    power-of-two scales)."""
+    reference = deepseek_v3(dtype)
+    transformers = pytest.importorskip("transformers")
+    fp8_integration = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    fp8 = copy.deepcopy(reference)
+    config = transformers.FineGrainedFP8Config(weight_block_size=block_size,
+                                               modules_to_not_convert=[r".*self_attn", "lm_head"])
+    fp8_integration.replace_with_fp8_linear(fp8, config.modules_to_not_convert, config)
+    converted = [n for n, m in fp8.named_modules() if type(m).__name__.startswith("FP8")]
+    assert len(converted) == 8 and all(".mlp." in n for n in converted)  # the MoE blocks only
+    for ref_layer, layer in zip(reference.model.layers, fp8.model.layers, strict=True):
+        ref_mlp, mlp = ref_layer.mlp, layer.mlp
+        pairs = [(ref_mlp.experts, mlp.experts, "gate_up_proj", 2),
+                 (ref_mlp.experts, mlp.experts, "down_proj", 1)]
+        pairs += [(getattr(ref_mlp.shared_experts, n), getattr(mlp.shared_experts, n), "weight", 1)
+                  for n in ("gate_proj", "up_proj", "down_proj")]
+        for ref_module, module, name, parts in pairs:
+            q, scales, dequantised = quantise_stacked(getattr(ref_module, name).detach(), parts)
+            assert scales.shape == getattr(module, f"{name}_scale_inv").shape  # transformers' own layout
+            setattr(module, name, torch.nn.Parameter(q, requires_grad=False))
+            setattr(module, f"{name}_scale_inv", torch.nn.Parameter(scales, requires_grad=False))
+            with torch.no_grad():
+                getattr(ref_module, name).copy_(dequantised)
+            assert torch.equal(getattr(ref_module, name).float(), dequantised)
+    return reference, fp8
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_swapped_fp8_deepseek_v3_matches_the_original_on_its_dequantised_weights(dtype):
+    """FP8 experts and shared experts swap in as dequantised masters (bf16 by default; `dtype=` overrides):
+    every tensor equals the dequantised original's, and logits and loss match the original computed from
+    the dequantised weights."""
+    reference, fp8 = quantised_deepseek_v3(dtype)
+    overrides = {} if dtype == torch.bfloat16 else {"dtype": "float32"}
+    swapped = swap_moe_blocks(fp8, BATCH * SEQ, token_padding=8, **overrides)
+    blocks = [m for m in swapped.modules() if isinstance(m, MoonEPBlock)]
+    assert len(blocks) == 2 and all(b.moe.experts.gate_up.dtype == dtype for b in blocks)
+    for ref_layer, block in zip(reference.model.layers, blocks, strict=True):
+        want = ref_layer.mlp.state_dict()
+        for name, value in block.hf_tensors().items():
+            assert torch.equal(value, want[name].to(value.dtype)), name
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = reference(input_ids=ids, labels=ids), swapped(input_ids=ids, labels=ids)
+    assert rel_err(got.logits, want.logits) <= HF_TOL[dtype]
+    assert rel_err(got.loss, want.loss) <= HF_TOL[dtype]
+
+
+def test_fp8_experts_of_another_block_size_fail_at_the_swap():
+    """64x128 blocks: at these shapes the scales have the 128x128 shapes too, so only the block size tells."""
+    _, fp8 = quantised_deepseek_v3(torch.bfloat16, block_size=(64, 128))
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts: FP8 block_size=\(64, 128\) is not "
+                                         r"supported; expected \(128, 128\)"):
+        swap_moe_blocks(fp8, BATCH * SEQ, token_padding=8)
