@@ -197,16 +197,18 @@ HF_TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # as tests/test_hf.py: a f
 def deepseek_v3(dtype: torch.dtype) -> torch.nn.Module:
     """A tiny random DeepSeek-V3 (2 MoE layers, H=32, E=8, K=2, F=16) with a random expert bias."""
     transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=48, n_routed_experts=8,
-        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=0,
-        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8))
-    with torch.no_grad():
-        for module in model.modules():
-            if hasattr(module, "e_score_correction_bias"):
-                module.e_score_correction_bias.normal_(0, 0.05)
+    with torch.random.fork_rng():  # seeded here, and later tests draw what they drew without this one
+        torch.manual_seed(0)
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=48,
+            n_routed_experts=8, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+            first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=8))
+        with torch.no_grad():
+            for module in model.modules():
+                if hasattr(module, "e_score_correction_bias"):
+                    module.e_score_correction_bias.normal_(0, 0.05)
     return model.to(dtype)
 
 
