@@ -25,8 +25,15 @@ Supported blocks (transformers 5.x, fused experts `gate_up_proj [E, 2F, H]` (gat
   transformers), group-limited top-k (`n_group`, `topk_group`), `norm_topk_prob`, `routed_scaling_factor`;
   shared experts.
 
+FP8 blocks (transformers' finegrained-FP8 integration, e.g. DeepSeek-V3's released checkpoint loaded
+as it is): `FP8Experts` (e4m3 `gate_up_proj` / `down_proj` with fp32 `gate_up_proj_scale_inv` (gate's and
+up's scales stacked) / `down_proj_scale_inv`, one scale per 128x128 block) and `FP8Linear` shared experts
+(`weight` + `weight_scale_inv`) are swapped in dequantised (each weight times its block scales in fp32, then
+rounded), into bfloat16 masters unless the overrides say `dtype=`.
+
 Anything else that looks like an MoE block, expert bias terms, transposed or interleaved expert layouts,
-activations other than SiLU and Mixtral's router jitter fail in `swap_moe_blocks` with a message.
+activations other than SiLU, FP8 blocks other than 128x128 and Mixtral's router jitter fail in
+`swap_moe_blocks` with a message.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from torch import nn
 from moonep_moe.comm.world import EPWorld, single_world
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.weights.quantised import BLOCK, FP8_DTYPE, SCALE_SUFFIX, checkpoint_weight
 
 __all__ = ["EXPERT_KEYS", "MoonEPBlock", "hf_state_dict", "merge_expert_shards", "swap_moe_blocks"]
 
@@ -165,9 +173,19 @@ def _check_block(name: str, block: nn.Module, spec: BlockSpec) -> None:
             raise ValueError(f"{name}.experts: {attr}={getattr(experts, attr)} is not supported; "
                              f"expected {expected}")
     params = {n for n, _ in experts.named_parameters()}
-    if params != {"gate_up_proj", "down_proj"}:
+    expected = {"gate_up_proj", "down_proj"}
+    if experts.gate_up_proj.dtype == FP8_DTYPE:
+        expected |= {n + SCALE_SUFFIX for n in expected}
+    if params != expected:
         raise ValueError(f"{name}.experts: parameters {sorted(params)} are not supported (expert bias "
-                         "terms?); expected exactly gate_up_proj [E, 2F, H] and down_proj [E, H, F]")
+                         f"terms?); expected exactly {sorted(expected)} (gate_up_proj [E, 2F, H], down_proj "
+                         "[E, H, F])")
+    for sub_name, sub in block.named_modules(prefix=name):
+        scaled = any(n.endswith(SCALE_SUFFIX) for n, _ in sub.named_parameters(recurse=False))
+        block_size = getattr(sub, "block_size", None)
+        if scaled and (block_size is None or tuple(block_size) != (BLOCK, BLOCK)):
+            raise ValueError(f"{sub_name}: FP8 block_size={block_size} is not supported; expected "
+                             f"({BLOCK}, {BLOCK}) (DeepSeek-V3's 128x128 blocks)")
     act = getattr(experts.config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{name}: hidden_act={act!r} is not supported; expected 'silu' (SwiGLU experts)")
@@ -189,6 +207,8 @@ def block_config(block: nn.Module, spec: BlockSpec, hf_config: Any, max_tokens_p
     """The `MoEConfig` of one block: HF config fields, the experts' dtype, then `overrides` (nested dicts
     merged into `router` / `shared_experts`)."""
     dtype = block.experts.gate_up_proj.dtype
+    if dtype == FP8_DTYPE:  # masters of the dequantised weights, as DeepSeek-V3 computes them
+        dtype = torch.bfloat16
     router_dtype = _dtype_name(block.gate.weight.dtype)
     if spec.router_fp32 or dtype == torch.float16:  # no fp16 router: route in fp32 (HF routes in fp16)
         router_dtype = "float32"
@@ -214,7 +234,7 @@ def _install_logits_hook(block: MoonEPBlock) -> None:
 
 @torch.no_grad()
 def _copy_weights(block: nn.Module, target: MoonEPBlock) -> None:
-    """Copy the HF block's tensors into `target` (home experts only)."""
+    """Copy the HF block's tensors into `target` (home experts only; FP8 ones dequantised)."""
     source = dict(block.state_dict())
     home = slice(target.moe.experts.first_expert, target.moe.experts.first_expert + target.moe.experts.epn)
     for name, view in target.hf_tensors().items():
@@ -222,7 +242,11 @@ def _copy_weights(block: nn.Module, target: MoonEPBlock) -> None:
             continue  # an expert bias the overrides added (router.expert_bias) starts at zero
         if name not in source:
             raise ValueError(f"{target.hf_class}: expected a tensor named {name!r}, found {sorted(source)}")
-        value = source[name][home] if name in EXPERT_KEYS else source[name]
+        parts = 2 if name == EXPERT_KEYS[0] else 1  # gate's and up's scales stacked
+        try:
+            value = checkpoint_weight(source, name, parts, home if name in EXPERT_KEYS else ...)
+        except ValueError as error:
+            raise ValueError(f"{target.hf_class}.{error}") from None
         if value.shape != view.shape:
             raise ValueError(f"{target.hf_class}.{name}: expected shape {list(view.shape)}, "
                              f"got {list(value.shape)}")
@@ -244,7 +268,8 @@ def swap_moe_blocks(model: nn.Module, max_tokens_per_rank: int, world: EPWorld |
 
     Raises:
         ValueError: no supported block found, an MoE-like block of an unsupported class, or an unsupported
-            feature (expert bias terms, non-SiLU experts, router jitter, an aux-loss override).
+            feature (expert bias terms, non-SiLU experts, FP8 blocks other than 128x128, router jitter, an
+            aux-loss override).
     """
     device = next(model.parameters()).device
     world = world if world is not None else single_world(device)

@@ -43,7 +43,7 @@ from moonep_moe.layers.grouped_gemm import (
     deep_gemm_unsupported_reason,
     import_deep_gemm,
 )
-from moonep_moe.weights.quantised import BLOCK, FP8_DTYPE
+from moonep_moe.weights.quantised import BLOCK, FP8_DTYPE, dequantise_blocks
 
 __all__ = [
     "E4M3_MAX",
@@ -117,13 +117,6 @@ def quantise_blocks(w_gnk: Tensor) -> tuple[Tensor, Tensor]:
     scales_gnk = pow2_scales(blocks.abs().amax((2, 4)))
     q = (blocks / scales_gnk[:, :, None, :, None]).to(FP8_DTYPE)
     return q.view(padded.shape)[:, :n, :k].contiguous(), scales_gnk
-
-
-def dequantise_blocks(q_gnk: Tensor, scales_gnk: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
-    """``q * scale`` per 128x128 block, in ``dtype``: ``[G, N, K]``."""
-    n, k = q_gnk.shape[1:]
-    full = scales_gnk.to(dtype).repeat_interleave(TILE, dim=1).repeat_interleave(TILE, dim=2)
-    return q_gnk.to(dtype) * full[:, :n, :k]
 
 
 def transpose_blocks(q_gnk: Tensor, scales_gnk: Tensor) -> tuple[Tensor, Tensor]:

@@ -20,6 +20,12 @@ accepts Mixtral's per-expert `w1` / `w3` / `w2` names and the fused layouts `gat
 `down_proj [E, H, F]` (transformers v5) and `w13 [E, 2F, H]` + `w2 [E, H, F]` (vLLM). A rank takes its home
 experts from whatever the dict holds, so a checkpoint saved at one EP size loads at any other once its
 per-rank dicts are merged (`{**rank0, **rank1, ...}`).
+
+FP8 checkpoints load too: DeepSeek-V3's released per-expert e4m3 `{e}.down_proj.weight` with fp32
+`{e}.down_proj.weight_scale_inv` (one scale per 128x128 block), and transformers' fused FP8 experts
+`gate_up_proj` + `gate_up_proj_scale_inv` (gate's and up's scales stacked) and `down_proj` +
+`down_proj_scale_inv`: each weight times its block scales in fp32, as the format defines it, rounded to the
+parameters' dtype (`weights.quantised.checkpoint_weight`). `state_dict()` holds the parameters, never FP8.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from torch import nn
 
 from moonep_moe.comm.world import EPWorld, SymmetricTensor
 from moonep_moe.weights.pool import ExpertRows, allocate_home, slot_grad_pool, slot_pool
+from moonep_moe.weights.quantised import FP8_DTYPE, SCALE_SUFFIX, checkpoint_scales, checkpoint_weight
 
 PER_EXPERT_NAMES = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
 FUSED_NAMES = (("gate_up_proj", "down_proj"), ("w13", "w2"))
@@ -156,44 +163,69 @@ class HomeExperts(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        f, h = self.ffn_hidden_size, self.hidden_size
         ours = {k[len(prefix):]: k for k in state_dict if k.startswith(prefix)}
         fused = next((pair for pair in FUSED_NAMES if all(n in ours for n in pair)), None)
+        for key in ours.values():
+            weight_key = key.removesuffix(SCALE_SUFFIX)
+            if weight_key != key and weight_key not in state_dict:
+                error_msgs.append(f"{key}: block scales without their weight {weight_key}")
         with torch.no_grad():
             if fused is not None:
-                gate_up, down = (state_dict[ours[n]] for n in fused)
-                if gate_up.shape[1:] == (h, 2 * f) and (h, 2 * f) != (2 * f, h):
-                    gate_up = gate_up.transpose(1, 2)  # stored [E, H, 2F]
-                if down.shape[1:] == (f, h) and (f, h) != (h, f):
-                    down = down.transpose(1, 2)
-                for given, expected, key in ((gate_up, (self.num_experts, 2 * f, h), fused[0]),
-                                             (down, (self.num_experts, h, f), fused[1])):
-                    if tuple(given.shape) != expected:
-                        error_msgs.append(f"{prefix}{key}: expected {list(expected)}, "
-                                          f"got {list(given.shape)}")
-                        return
-                home = slice(self.first_expert, self.first_expert + self.epn)
-                self.gate_up.copy_(gate_up[home])
-                self.down.copy_(down[home])
-                return
-            for i, expert in enumerate(self.home_experts):
-                targets = {"gate": self.gate_up[i, :f], "up": self.gate_up[i, f:], "down": self.down[i]}
-                for part, names in PER_EXPERT_NAMES.items():
-                    candidates = [f"{expert}.{n}.weight" for n in names]
-                    key = next((c for c in candidates if c in ours), None)
-                    if key is None:
-                        missing_keys.append(f"{prefix}{expert}.{names[0]}.weight")
-                        continue
-                    value = state_dict[ours[key]]
-                    if value.shape != targets[part].shape:
-                        error_msgs.append(f"{prefix}{key}: expected {list(targets[part].shape)}, "
-                                          f"got {list(value.shape)}")
-                        continue
-                    targets[part].copy_(value)
+                self._load_fused(state_dict, [ours[n] for n in fused], error_msgs)
+            else:
+                self._load_per_expert(state_dict, prefix, ours, missing_keys, error_msgs)
         if strict and fused is None:
-            known = {f"{e}.{n}.weight" for e in range(self.num_experts)
-                     for names in PER_EXPERT_NAMES.values() for n in names}
+            known = {f"{e}.{n}.weight{suffix}" for e in range(self.num_experts)
+                     for names in PER_EXPERT_NAMES.values() for n in names for suffix in ("", SCALE_SUFFIX)}
             unexpected_keys.extend(k for name, k in ours.items() if name not in known)
+
+    def _load_fused(self, state_dict, keys: list[str], error_msgs: list[str]) -> None:
+        """Home experts from fused `gate_up [E, 2F, H]` and `down [E, H, F]` under `keys` (unquantised ones
+        also stored transposed, `[E, H, 2F]` and `[E, F, H]`); FP8 ones dequantised expert by expert with
+        their scales (`checkpoint_weight`; gate's and up's stacked). Nothing is copied after an error."""
+        f, h, e = self.ffn_hidden_size, self.hidden_size, self.num_experts
+        sources = []
+        for key, param, expected, parts in ((keys[0], self.gate_up, (e, 2 * f, h), 2),
+                                            (keys[1], self.down, (e, h, f), 1)):
+            shape = tuple(state_dict[key].shape)
+            transposed = state_dict[key].dtype != FP8_DTYPE and expected[1] != expected[2] and \
+                shape == (e, expected[2], expected[1])
+            if shape != expected and not transposed:
+                error_msgs.append(f"{key}: expected {list(expected)}, got {list(shape)}")
+                return
+            try:
+                checkpoint_scales(state_dict, key, parts)
+            except ValueError as error:
+                error_msgs.append(str(error))
+                return
+            sources.append((key, param, parts, transposed))
+        for key, param, parts, transposed in sources:
+            for i, expert in enumerate(self.home_experts):
+                value = checkpoint_weight(state_dict, key, parts, expert)
+                param[i].copy_(value.T if transposed else value)
+
+    def _load_per_expert(self, state_dict, prefix: str, ours: dict[str, str], missing_keys: list[str],
+                         error_msgs: list[str]) -> None:
+        """Home experts from per-expert `{e}.{gate_proj|w1, up_proj|w3, down_proj|w2}.weight` entries (FP8
+        ones dequantised with their `weight_scale_inv`)."""
+        f = self.ffn_hidden_size
+        for i, expert in enumerate(self.home_experts):
+            targets = {"gate": self.gate_up[i, :f], "up": self.gate_up[i, f:], "down": self.down[i]}
+            for part, names in PER_EXPERT_NAMES.items():
+                candidates = [f"{expert}.{n}.weight" for n in names]
+                key = next((ours[c] for c in candidates if c in ours), None)
+                if key is None:
+                    missing_keys.append(f"{prefix}{candidates[0]}")
+                    continue
+                try:
+                    value = checkpoint_weight(state_dict, key)
+                except ValueError as error:
+                    error_msgs.append(str(error))
+                    continue
+                if value.shape != targets[part].shape:
+                    error_msgs.append(f"{key}: expected {list(targets[part].shape)}, got {list(value.shape)}")
+                    continue
+                targets[part].copy_(value)
 
 
 def persistent_main_grad(weight: nn.Parameter, name: str, rank: int) -> torch.Tensor:
