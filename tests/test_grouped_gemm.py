@@ -46,8 +46,9 @@ CASES = [
 IDS = [f"{gemm.name}-{dtype}" for gemm, dtype in (getattr(case, "values", case) for case in CASES)]
 TOL = {
     torch.float64: dict(rtol=1e-12, atol=1e-12),
-    # fp32 sums of up to 120 products of N(0, 1) values, twice when accumulating: a typical rounding error is
-    # sqrt(n) * 2^-24 * sum|ab| ~ 5e-5 (the worst case n * 2^-24 * sum|ab| ~ 5e-4); 1e-5 failed on one input draw
+    # fp32 sums of up to 120 products of N(0, 1) values, twice when accumulating: a typical rounding error
+    # is sqrt(n) * 2^-24 * sum|ab| ~ 5e-5 (the worst case n * 2^-24 * sum|ab| ~ 5e-4); 1e-5 failed on one
+    # input draw
     torch.float32: dict(rtol=1e-5, atol=2e-4),
     torch.bfloat16: dict(rtol=2e-2, atol=5e-2),
     torch.float16: dict(rtol=2e-3, atol=5e-3),
