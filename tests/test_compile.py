@@ -34,6 +34,12 @@ def step(layer, module, x_th: torch.Tensor, grad_th: torch.Tensor) -> dict[str, 
     x_th = x_th.clone().requires_grad_()
     out_th = module(x_th)
     out_th.backward(grad_th)
+    return taken_grads(layer, out_th, x_th)
+
+
+def taken_grads(layer, out_th: torch.Tensor, x_th: torch.Tensor) -> dict[str, torch.Tensor]:
+    """After a backward: the output, the input gradient and every parameter's gradient (`main_grad` for the
+    experts in that mode), copied; the layer's gradients then cleared."""
     result = {"out": out_th.detach(), "grad_x": x_th.grad}
     for name, param in layer.named_parameters():
         result[name] = getattr(param, "main_grad", param.grad).clone()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_compile import taken_grads
 
 from bench.common import captured_graph
 from moonep_moe.comm.world import single_world
@@ -66,12 +67,7 @@ def step(layer: MoonEPMoELayer, x_th: torch.Tensor, grad_th: torch.Tensor, late:
     if late:
         torch.cuda._sleep(DELAY)
     out_th.backward(grad_th.clone())
-    result = {"out": out_th.detach(), "grad_x": x_th.grad}
-    for name, param in layer.named_parameters():
-        result[name] = getattr(param, "main_grad", param.grad).clone()
-    layer.zero_grad(set_to_none=True)
-    layer.zero_main_grad()
-    return result
+    return taken_grads(layer, out_th, x_th)
 
 
 def delay_shared_experts(layer: MoonEPMoELayer) -> None:
