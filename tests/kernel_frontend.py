@@ -1,0 +1,162 @@
+"""Compile the Triton kernels' front end for sm90 on a machine without a GPU: run as a script, with Triton's
+interpreter off (`tests/test_kernel_frontend.py` starts it in a subprocess).
+
+The interpreter runs a kernel as Python, so code that the compiler rejects can pass every CPU test: a
+`return` under a constexpr-true `if` followed by more code once built `_peer` on a local tensor and failed
+every one-rank dispatch on the H200 ("cannot cast fp32[] to pointer<bf16>") while the interpreter ran it.
+Here every launcher of the package is called on small CPU tensors, in each variant it has (one rank or
+several, with and without route weights, bf16 and fp32 rows, the FP8 casts' orientations), with the kernels'
+`[grid]` launch replaced by a recorder; each recorded launch (its real argument types and constexpr values)
+is then lowered to Triton IR for an sm90 target, which is where such errors are raised. Nothing runs.
+
+Prints one line per launch and exits non-zero if any fails to compile.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run with Triton's interpreter off"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.compiler.compiler import make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from moonep_moe.comm.world import SymmetricTensor  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+         torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1",
+         torch.float8_e4m3fn: "fp8e4nv"}
+launches: list[tuple[str, JITFunction, tuple, dict]] = []
+
+
+def record(self: JITFunction, grid):
+    """`kernel[grid]`: a launcher that records the call instead of running it."""
+    def launch(*args, **kwargs):
+        launches.append((current, self, args, kwargs))
+    return launch
+
+
+def signature(kernel: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict]:
+    """The kernel's `(signature, constexprs)` for these launch arguments, as Triton's launcher would type
+    them (tensors by dtype, Python ints as i32 or i64, floats as fp32, bools as i1)."""
+    names = kernel.arg_names
+    values = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+    sig, constexprs = {}, {}
+    for index, name in enumerate(names):
+        value = values[name]
+        if index in kernel.constexprs:
+            sig[name], constexprs[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            sig[name] = "*" + TYPES[value.dtype]
+        elif isinstance(value, bool):
+            sig[name] = "i1"
+        elif isinstance(value, int):
+            sig[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.__name__}: cannot type argument {name}={value!r}")
+    return sig, constexprs
+
+
+def lower(kernel: JITFunction, sig: dict, constexprs: dict) -> None:
+    """Lower to Triton IR for sm90 (the front end: the AST, constexpr branches, types and casts)."""
+    backend = make_backend(TARGET)
+    options = backend.parse_options({})
+    from triton._C.libtriton import ir
+
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    ASTSource(fn=kernel, signature=sig, constexprs=constexprs).make_ir(
+        TARGET, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
+
+
+def symmetric(name: str, tensors: list[torch.Tensor], rank: int = 0) -> SymmetricTensor:
+    return SymmetricTensor(name, rank, tuple(tensors))
+
+
+def comm_launches() -> None:
+    """Every row-kernel launcher, one rank and two ranks, with and without weights."""
+    global current
+    from moonep_moe.comm.kernels import plan, rows
+
+    H, K, S, nvs = 64, 4, 8, 256
+    dst_n = torch.zeros(S * K, dtype=torch.int32)
+    for dtype in (torch.bfloat16, torch.float32):
+        for ranks in (1, 2):
+            def sym(name, shape, dtype=dtype, ranks=ranks):
+                return symmetric(name, [torch.zeros(shape, dtype=dtype) for _ in range(ranks)])
+
+            rows_t, weights_t = sym("rows", (nvs, H)), sym("weights", (nvs,), torch.float32)
+            pairs_t = sym("pairs", (ranks * S * K, 2), torch.int32)
+            hidden = torch.zeros(S, H, dtype=dtype)
+            for weighted in (True, False):
+                current = f"send_routes {dtype} R={ranks} weights={weighted}"
+                rows.send_routes(hidden, torch.zeros(S, K) if weighted else None, dst_n, weighted, rows_t,
+                                 weights_t, pairs_t)
+                current = f"gather_routes {dtype} R={ranks} weights={weighted}"
+                rows.gather_routes(dst_n, rows_t, weights_t if weighted else None,
+                                   torch.zeros(S, H, dtype=dtype), torch.zeros(S, K) if weighted else None,
+                                   torch.float32)
+    current = "record_duplicates"
+    int32 = dict(dtype=torch.int32)
+    rows.record_duplicates(torch.full((2 * S * K, 2), -1, **int32), torch.zeros(nvs, **int32),
+                           torch.zeros(1, **int32), torch.zeros(nvs, 3, **int32), torch.zeros(nvs, **int32),
+                           torch.zeros(2, **int32), K)
+    current = "zero_padding"
+    rows.zero_padding(torch.zeros(nvs, H, dtype=torch.bfloat16), torch.zeros(nvs),
+                      torch.zeros(12, 2, dtype=torch.int32), 16)
+    current = "copy_rows"
+    rows.copy_rows(torch.zeros(nvs, H, dtype=torch.bfloat16), torch.zeros(nvs, H, dtype=torch.bfloat16),
+                   torch.zeros(1, dtype=torch.int32), num_sms=4)
+    current = "expert_histogram"
+    plan.expert_histogram_triton(torch.zeros(S, K, dtype=torch.int32), 12)
+
+
+def fp8_launches() -> None:
+    """The FP8 casts: rows, and blocks in each orientation."""
+    global current
+    from moonep_moe.layers.kernels import fp8_cast
+
+    current = "cast_rows"
+    fp8_cast.cast_rows(torch.zeros(256, 300, dtype=torch.bfloat16),
+                       torch.tensor([128, 256], dtype=torch.int32))
+    for orientation in ("q", "qt", "both"):
+        current = f"cast_blocks {orientation}"
+        w = torch.zeros(2, 256, 384, dtype=torch.bfloat16)
+        q = torch.empty(2, 256, 384, dtype=torch.float8_e4m3fn) if orientation != "qt" else None
+        qt = torch.empty(2, 384, 256, dtype=torch.float8_e4m3fn) if orientation != "q" else None
+        s = torch.empty(2, 2, 3, dtype=torch.float32)
+        fp8_cast.cast_blocks(w, s, q, qt)
+
+
+current = ""
+
+
+def main() -> int:
+    JITFunction.__getitem__ = record
+    comm_launches()
+    fp8_launches()
+    failed = 0
+    for what, kernel, args, kwargs in launches:
+        try:
+            lower(kernel, *signature(kernel, args, kwargs))
+            print(f"ok     {what}: {kernel.__name__}")
+        except Exception as error:  # noqa: BLE001 - every failure is reported, then the exit code says it
+            failed += 1
+            lines = [line for line in str(error).splitlines() if line.strip(" ^")] or [repr(error)]
+            print(f"FAILED {what}: {kernel.__name__}: {lines[-1].strip()}")
+    print(f"{len(launches)} launches, {failed} failed to compile for sm{TARGET.arch} "
+          f"(Triton {triton.__version__})")
+    return 1 if failed or not launches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
