@@ -4,8 +4,9 @@ interpreter off (`tests/test_kernel_frontend.py` starts it in a subprocess).
 The interpreter runs a kernel as Python, so code that the compiler rejects can pass every CPU test: a
 `return` under a constexpr-true `if` followed by more code once built `_peer` on a local tensor and failed
 every one-rank dispatch on the H200 ("cannot cast fp32[] to pointer<bf16>") while the interpreter ran it.
-Here every launcher of the package is called on small CPU tensors, in each variant it has (one rank or
-several, with and without route weights, bf16 and fp32 rows, the FP8 casts' orientations), with the kernels'
+Here every launcher of the comm row kernels, the histogram, the SwiGLU and the FP8 casts is called on
+small CPU tensors, in each variant it has (one rank or several, with and without route weights, bf16 and
+fp32 rows, the FP8 casts' orientations), with the kernels'
 `[grid]` launch replaced by a recorder; each recorded launch (its real argument types and constexpr values)
 is then lowered to Triton IR for an sm90 target, which is where such errors are raised. Nothing runs.
 
@@ -118,6 +119,36 @@ def comm_launches() -> None:
                    torch.zeros(1, dtype=torch.int32), num_sms=4)
     current = "expert_histogram"
     plan.expert_histogram_triton(torch.zeros(S, K, dtype=torch.int32), 12)
+    dup_groups, dup_loffs = torch.zeros(nvs, 3, **int32), torch.zeros(nvs, **int32)
+    for dtype in (torch.bfloat16, torch.float32):
+        current = f"expand_duplicates {dtype}"
+        rows.expand_duplicates(torch.zeros(nvs, H, dtype=dtype), dup_groups, dup_loffs,
+                               torch.zeros(2, **int32), K - 1, 16, num_sms=4)
+        current = f"pre_reduce_duplicates {dtype}"
+        rows.pre_reduce_duplicates(torch.zeros(nvs, H, dtype=dtype), dup_groups, dup_loffs,
+                                   torch.zeros(2, **int32), K - 1, 16, torch.float32, num_sms=4)
+        for ranks in (1, 2):
+            home = symmetric("home", [torch.zeros(3, 8, 16, dtype=dtype) for _ in range(ranks)])
+            current = f"copy_experts {dtype} R={ranks}"
+            rows.copy_experts(home, torch.zeros(2, 8, 16, dtype=dtype), torch.tensor([0, -1], **int32))
+            slots = symmetric("slots", [torch.zeros(2, 8, 16) for _ in range(ranks)])
+            current = f"add_replicas {dtype} R={ranks}"
+            rows.add_replicas(torch.zeros(3, 8, 16, dtype=dtype), slots, torch.full((3, ranks), -1, **int32))
+        current = f"clear_slots {dtype}"
+        rows.clear_slots(torch.zeros(2, 8, 16, dtype=dtype), torch.tensor([0, -1], **int32))
+
+
+def swiglu_launches() -> None:
+    """The fused SwiGLU, forward and backward."""
+    global current
+    from moonep_moe.layers.kernels import swiglu
+
+    for dtype in (torch.bfloat16, torch.float32):
+        ab, w, end = torch.zeros(64, 96, dtype=dtype), torch.zeros(64), torch.tensor([48], dtype=torch.int32)
+        current = f"swiglu forward {dtype}"
+        swiglu.swiglu_weighted_triton(ab, w, end)
+        current = f"swiglu backward {dtype}"
+        swiglu.swiglu_weighted_backward_triton(torch.zeros(64, 48, dtype=dtype), ab, w, end)
 
 
 def fp8_launches() -> None:
@@ -143,6 +174,7 @@ current = ""
 def main() -> int:
     JITFunction.__getitem__ = record
     comm_launches()
+    swiglu_launches()
     fp8_launches()
     failed = 0
     for what, kernel, args, kwargs in launches:
