@@ -332,8 +332,7 @@ def as_ep_rank(layer: MoonEPMoELayer, epn: int) -> MoonEPMoELayer:
     whole.release()
     layer.experts = rank
     state = layer._state
-    layer._state = ExpertsState(RankOfEPBuffer(layer.buffer, epn), rank, state.gemm, state.grad_dtype,
-                                state.main_grad)
+    layer._state = ExpertsState(RankOfEPBuffer(layer.buffer, epn), rank, state.gemm, state.main_grad)
     return layer
 
 

@@ -87,7 +87,7 @@ def test_default_mode_is_param_with_grads_in_the_parameters_dtype():
     grads = expert_grads(layer)
     assert layer.experts.gate_up.grad.dtype == layer.experts.down.grad.dtype == torch.bfloat16
     assert grads["gate_up.main_grad"] is None and grads["down.main_grad"] is None
-    assert layer._state.grad_dtype == torch.bfloat16
+    assert not layer._state.main_grad
 
 
 def test_removed_float32_mode_names_the_replacements():

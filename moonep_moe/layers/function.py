@@ -48,8 +48,6 @@ class ExpertsState:
     buffer: Buffer
     experts: HomeExperts
     gemm: GroupedGemm
-    grad_dtype: torch.dtype
-    """dtype of the home experts' gradients (the parameters' dtype, or fp32 / float64 with `main_grad`)."""
     main_grad: bool = False
     """`MoEConfig.expert_grad_dtype == "main_grad"`: wgrad adds into the parameters' `main_grad`."""
     last_plan: MoonEPCommPlan | None = None

@@ -324,7 +324,7 @@ class MoonEPMoELayer(nn.Module):
                                    token_padding=config.token_padding, problem=problem)
         if config.precision == "fp8":  # fwd and dgrad in FP8; the backend selected above keeps wgrad
             gemm = fp8_grouped_gemm(gemm, device, dtype, config.token_padding, world.rank)
-        self._state = ExpertsState(self.buffer, self.experts, gemm, grad_dtype, main_grad)
+        self._state = ExpertsState(self.buffer, self.experts, gemm, main_grad)
 
     def _release_comm(self) -> None:
         """Give the comm memory back to the world (the Buffer's and the home experts' registrations)."""
