@@ -40,9 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moonep_moe.config import MoEConfig, available_configs, load_config
+from moonep_moe.weights.quantised import BLOCK
 
-BLOCK = 128
-"""FP8 weights: one fp32 scale per BLOCK x BLOCK block (`moonep_moe.weights.quantised.BLOCK`)."""
 INDEX = 8
 """Bytes per row index (int64) sent alongside every row."""
 FP32 = 4

@@ -43,7 +43,7 @@ from moonep_moe.layers.grouped_gemm import (
     deep_gemm_unsupported_reason,
     import_deep_gemm,
 )
-from moonep_moe.weights.quantised import BLOCK, FP8_DTYPE, dequantise_blocks
+from moonep_moe.weights.quantised import BLOCK, FP8_DTYPE, block_scales_shape, dequantise_blocks
 
 __all__ = [
     "E4M3_MAX",
@@ -159,7 +159,7 @@ class _Fp8Copy:
         g, (n, k), ref = sum(w.shape[0] for w in weights), weights[0].shape[1:], weights[0]
         return cls([weakref.ref(w) for w in weights], ref.new_empty(g, n, k, dtype=FP8_DTYPE),
                    ref.new_empty(g, k, n, dtype=FP8_DTYPE),
-                   ref.new_empty(g, -(-n // TILE), -(-k // TILE), dtype=torch.float32), [None] * len(weights))
+                   ref.new_empty(block_scales_shape((g, n, k)), dtype=torch.float32), [None] * len(weights))
 
     def holds(self, weights: Sequence[Tensor]) -> bool:
         return len(weights) == len(self.parts) and all(
