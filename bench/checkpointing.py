@@ -116,7 +116,7 @@ def main() -> None:
               f"time x{ckpt['seconds'] / plain['seconds']:.2f}")
         setup = {"config": args.config, "layers": args.layers, "tokens": args.tokens}
         print("results:", write_record("checkpointing", {}, rows, Path(args.out) if args.out else None,
-                                       setup=setup))
+                                       ran_on=args.device, setup=setup))
 
 
 if __name__ == "__main__":

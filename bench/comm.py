@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> Path:
         torch.set_num_threads(1)  # R thread-ranks already fill the cores; nested OpenMP teams only spin
     limits, setup, rows = run_suite(args)
     print_table(setup, rows)
-    path = write_record("comm", limits, rows, args.out)
+    path = write_record("comm", limits, rows, args.out, ran_on=args.device)
     record = json.loads(path.read_text())
     path.write_text(json.dumps({**record, "setup": setup}, indent=1))
     plot(setup, rows, path.with_suffix(".png"))

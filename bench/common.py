@@ -191,11 +191,13 @@ def commit() -> str:
 
 
 def write_record(name: str, limits: dict[str, float], rows: list[dict], out_dir: Path | None = None,
-                 **fields: object) -> Path:
+                 ran_on: str | torch.device | None = None, **fields: object) -> Path:
     """`bench/results/<name>-<device>-<date>-<commit>.json` (or under `out_dir`) with device, commit,
     command, the limits measured in the run, the rows and any further `fields` (setup, baselines); one file
-    per commit and day, so a later run at another commit never overwrites an earlier record."""
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    per commit and day, so a later run at another commit never overwrites an earlier record. `ran_on`: the
+    device the run measured (default: the GPU when there is one); a CPU run is named "cpu" on any machine."""
+    on_cuda = torch.cuda.is_available() if ran_on is None else torch.device(ran_on).type == "cuda"
+    device = torch.cuda.get_device_name() if on_cuda else "cpu"
     record = {"benchmark": name, "device": device, "commit": commit(), "command": " ".join(sys.argv),
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "limits": limits,
               **fields, "results": rows}

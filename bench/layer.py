@@ -725,7 +725,8 @@ def run_table(table: Table, variants: list[dict], args: argparse.Namespace,
     rows = []
 
     def save() -> Path:
-        return write_record(table.record_name, limits, rows, Path(args.out) if args.out else None, **record)
+        return write_record(table.record_name, limits, rows, Path(args.out) if args.out else None,
+                            ran_on=args.device, **record)
 
     print(f"\n{table.label}: {t} tokens, H={h}, H'={f}, E={e}, K={k}: {bench.flops['fwd_bwd'] / 1e12:.2f} "
           f"TFLOP of routed work fwd+bwd; dense bf16 {bench.dense / 1e12:.0f} TFLOP/s. Times: median "

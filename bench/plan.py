@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> Path:
         for shape in rows[-1].get("triton_sweep", []):
             print(f"  sweep {shape}")
     limits = measure_limits() if args.device.startswith("cuda") else {}
-    path = write_record("plan", limits, rows, args.out)
+    path = write_record("plan", limits, rows, args.out, ran_on=args.device)
     print(path)
     return path
 

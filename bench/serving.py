@@ -395,8 +395,8 @@ def report(args: argparse.Namespace, result: dict) -> Path:
     note = ("CPU smoke test: these numbers mean nothing" if args.device == "cpu" else
             "eager: rank 0's stream per phase, after an idle barrier; graph: whole-step replay, device time")
     out = write_record(
-        f"serving-{args.world}-r{args.ranks}", {}, rows, args.out, world=world_description(args),
-        world_kind=args.world, ranks=args.ranks,
+        f"serving-{args.world}-r{args.ranks}", {}, rows, args.out, ran_on=args.device,
+        world=world_description(args), world_kind=args.world, ranks=args.ranks,
         shape=dict(H=args.hidden, I=args.ffn, E=args.experts, K=args.top_k, S=args.tokens, B=args.slots,
                    token_padding=args.token_padding, dtype=args.dtype),
         warmup=args.warmup, reps=args.reps, reference_tokens=rows[-1]["tokens"], note=note,

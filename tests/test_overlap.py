@@ -271,6 +271,10 @@ def overlap_us(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> fl
     return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in busy_us(a) for s2, e2 in busy_us(b))
 
 
+HOST_AHEAD_CYCLES = 100_000_000
+"""About 50 ms of a spinning kernel on an H200: longer than the host takes to queue one layer step."""
+
+
 @pytest.mark.gpu
 def test_profiler_trace_shows_the_shared_experts_overlapping_the_routed_step(tmp_path):
     """One step of a layer whose shared experts and routed experts both take milliseconds, profiled in two
@@ -289,6 +293,9 @@ def test_profiler_trace_shows_the_shared_experts_overlapping_the_routed_step(tmp
     for phase, routed_op in (("forward", "MoonEPExperts"), ("backward", "MoonEPExpertsBackward")):
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof:
+            # the GPU busy while the host queues the step, as in a real model where the host runs ahead: else
+            # the side stream's GEMMs may finish before the host has launched the routed step's first kernel
+            torch.cuda._sleep(HOST_AHEAD_CYCLES)
             if phase == "forward":
                 out_th = layer(x_th)
             else:
