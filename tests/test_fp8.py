@@ -207,26 +207,54 @@ class CountingCasts:
         monkeypatch.setattr(fp8_cast, "cast_blocks", counted)
 
 
+@torch.no_grad()
 def test_weight_cache_casts_a_parameter_once_per_version(monkeypatch):
+    """Inference: the forward copy of a parameter is kept and cast again only when its version moves; the
+    transposed copy (dgrad, a backward-only need) is never kept."""
     casts = CountingCasts(monkeypatch)
     home = torch.nn.Parameter(spread(2, 130, 260, seed=6).to(torch.bfloat16).to(KERNEL_DEVICE))
     cache = Fp8WeightCache()
-    for transposed in (False, True, False):
-        q, scales = cache.get((home,), transposed=transposed)
-    assert [(q, qt) for _, q, qt in casts.calls] == [(True, True)], "both orientations, once"
+    for _ in range(3):
+        q, scales = cache.get((home,), transposed=False)
+    assert [(q, qt) for _, q, qt in casts.calls] == [(True, False)], "the forward orientation, once"
     want_q, want_scales = quantise_blocks(home.detach().cpu())
     assert torch.equal(bits(q.cpu()), bits(want_q)) and torch.equal(scales.cpu(), want_scales)
-    with torch.no_grad():
-        home.mul_(-2)  # an optimizer step: the version moves
-    qt, scales_t = cache.get((home,), transposed=True)
+    home.mul_(-2)  # a load_state_dict or any in-place op: the version moves
+    q, scales = cache.get((home,), transposed=False)
     assert len(casts.calls) == 2
-    want_qt, want_scales_t = transpose_blocks(*quantise_blocks(home.detach().cpu()))
+    assert torch.equal(bits(q.cpu()), bits(quantise_blocks(home.cpu())[0]))
+    for _ in range(2):
+        qt, scales_t = cache.get((home,), transposed=True)
+    assert [(q, qt) for _, q, qt in casts.calls[2:]] == [(False, True)] * 2, "transposed: cast every call"
+    want_qt, want_scales_t = transpose_blocks(*quantise_blocks(home.cpu()))
     assert torch.equal(bits(qt.cpu()), bits(want_qt)) and torch.equal(scales_t.cpu(), want_scales_t)
 
 
+def test_weight_cache_keeps_nothing_while_training(monkeypatch):
+    """Autograd on and the parameter requiring grad: every call casts the orientation asked for into fresh
+    buffers (no copy outlives its GEMM, so none adds to the step's peak beside the gradients)."""
+    casts = CountingCasts(monkeypatch)
+    home = torch.nn.Parameter(spread(2, 128, 256, seed=12).to(torch.bfloat16).to(KERNEL_DEVICE))
+    cache = Fp8WeightCache()
+    first, _ = cache.get((home,), transposed=False)
+    second, scales = cache.get((home,), transposed=False)
+    assert second.data_ptr() != first.data_ptr(), "a fresh buffer (a kept copy would come back)"
+    qt, _ = cache.get((home,), transposed=True)
+    assert [(q, qt) for _, q, qt in casts.calls] == [(True, False), (True, False), (False, True)]
+    assert len(cache._copies) == 0, "nothing kept"
+    want_q, want_scales = quantise_blocks(home.detach().cpu())
+    assert torch.equal(bits(second.cpu()), bits(want_q)) and torch.equal(scales.cpu(), want_scales)
+    assert torch.equal(bits(qt.cpu()), bits(transpose_blocks(want_q, want_scales)[0]))
+    home.requires_grad_(False)  # a frozen expert under autograd is kept like inference
+    cache.get((home,), transposed=False)
+    cache.get((home,), transposed=False)
+    assert len(casts.calls) == 4 and len(cache._copies) == 1
+
+
+@torch.no_grad()
 def test_weight_cache_recasts_other_parts_every_call_into_one_joined_copy(monkeypatch):
     """(home parameter, slots): the slots (rewritten by every prefetch, without a version bump) are cast on
-    every call, only in the orientation asked for, into the same joined buffer as the cached home groups."""
+    every call into the same joined buffer as the kept home groups."""
     casts = CountingCasts(monkeypatch)
     home = torch.nn.Parameter(spread(2, 128, 256, seed=7).to(torch.bfloat16).to(KERNEL_DEVICE))
     slots = spread(1, 128, 256, seed=8).to(torch.bfloat16).to(KERNEL_DEVICE)
@@ -235,14 +263,15 @@ def test_weight_cache_recasts_other_parts_every_call_into_one_joined_copy(monkey
     slots.copy_(spread(1, 128, 256, seed=9))
     q, scales = cache.get((home, slots), transposed=False)
     assert [(w is home, q, qt) for w, q, qt in casts.calls] == [
-        (True, True, True), (False, True, False), (False, True, False)]
+        (True, True, False), (False, True, False), (False, True, False)]
     want_q, want_scales = quantise_blocks(torch.cat([home.detach(), slots]).cpu())
     assert torch.equal(bits(q.cpu()), bits(want_q)) and torch.equal(scales.cpu(), want_scales)
     qt, _ = cache.get((home, slots), transposed=True)
-    assert casts.calls[-1][0] is slots and casts.calls[-1][1:] == (False, True)
+    assert [(w is home, q, qt) for w, q, qt in casts.calls[3:]] == [(True, False, True), (False, False, True)]
     assert torch.equal(bits(qt.cpu()), bits(transpose_blocks(want_q, want_scales)[0]))
 
 
+@torch.no_grad()
 def test_weight_cache_rebuilds_for_another_sequence(monkeypatch):
     """The same first part with other parts (e.g. slots of another shape) is another joined copy."""
     casts = CountingCasts(monkeypatch)

@@ -144,22 +144,14 @@ def to_deep_gemm_row_scales(scales_mk: Tensor) -> Tensor:
 
 @dataclass
 class _Fp8Copy:
-    """One weights sequence's FP8 copy, all its parts' groups joined: ``q [G, N, K]``, ``qt [G, K, N]`` and
-    ``scales [G, ceil(N/128), Kb]``; ``stamps[i]``: ``(version, data_ptr)`` of part i when both of its
-    orientations were last cast (None: not cached)."""
+    """One weights sequence's cached FP8 copy, all its parts' groups joined: ``q [G, N, K]`` and ``scales [G,
+    ceil(N/128), Kb]``; ``stamps[i]``: ``(version, data_ptr)`` of part i when it was last cast (None: not
+    cached)."""
 
     parts: list[weakref.ref]
     q: Tensor
-    qt: Tensor
     scales: Tensor
     stamps: list[tuple[int, int] | None]
-
-    @classmethod
-    def for_weights(cls, weights: Sequence[Tensor]) -> _Fp8Copy:
-        g, (n, k), ref = sum(w.shape[0] for w in weights), weights[0].shape[1:], weights[0]
-        return cls([weakref.ref(w) for w in weights], ref.new_empty(g, n, k, dtype=FP8_DTYPE),
-                   ref.new_empty(g, k, n, dtype=FP8_DTYPE),
-                   ref.new_empty(block_scales_shape((g, n, k)), dtype=torch.float32), [None] * len(weights))
 
     def holds(self, weights: Sequence[Tensor]) -> bool:
         return len(weights) == len(self.parts) and all(
@@ -167,18 +159,29 @@ class _Fp8Copy:
         ) and sum(w.shape[0] for w in weights) == self.q.shape[0]
 
 
+def _joined_shape(weights: Sequence[Tensor], transposed: bool) -> tuple[int, int, int]:
+    g, (n, k) = sum(w.shape[0] for w in weights), weights[0].shape[1:]
+    return (g, k, n) if transposed else (g, n, k)
+
+
 class Fp8WeightCache:
     """FP8 copies of grouped bf16 weights, cast by `kernels.fp8_cast.cast_blocks` straight into one joined
-    buffer per weights sequence (no ``torch.cat``).
+    buffer per call (no ``torch.cat``), in the orientation asked for.
 
-    A part that is an ``nn.Parameter`` is cast once per version: both orientations (``q`` and the transposed
-    ``qt``) at once, again only when its ``._version`` or storage changes (an optimizer step, a
-    ``load_state_dict``, any in-place torch op), so one step casts each home expert once. Any other part is
-    cast on every call, in the orientation asked for: the prefetch slots (rewritten by every
-    ``prefetch_weight``, by kernels that do not bump ``._version``) and the arena's joined view
-    (``ExpertRows.compute``, whose version does not follow the parameters'). Writes that bypass the version
-    counter (``param.data.copy_``) are not seen. While a CUDA graph is being captured every part is cast in
-    the call (the replay then casts again: the cache is a host-side decision a replay cannot make).
+    Training (autograd on, the part requires grad) casts every call into fresh buffers that die with the
+    GEMM: the optimizer changes the weights every step, so a kept copy would be reused by nothing but
+    micro-batches of one step, and keeping it across forward and backward would cost the layer more memory
+    than its bf16 weights' gradients (``q`` and ``qt`` are each half the weights' bytes; the transposed
+    ``qt`` for dgrad is made in backward only). So the fp8 layer's peak stays below the bf16 layer's; the
+    price is reading each bf16 weight twice a step (forward, backward), about 1.5x the bytes one cast of both
+    orientations would move.
+
+    Inference (no grad for the part) keeps the forward copy ``q`` of every ``nn.Parameter`` part and casts it
+    again only when its ``._version`` or storage changes (a ``load_state_dict``, any in-place torch op);
+    other parts, the prefetch slots (rewritten by kernels that do not bump ``._version``) and the arena's
+    joined view, are cast on every call into the same joined copy. Writes that bypass the version counter
+    (``param.data.copy_``) are not seen. While a CUDA graph is being captured every part is cast in the call
+    (the replay then casts again: the cache is a host-side decision a replay cannot make).
     """
 
     def __init__(self) -> None:
@@ -190,31 +193,48 @@ class Fp8WeightCache:
     def get(self, weights: Sequence[Tensor], transposed: bool) -> tuple[Tensor, Tensor]:
         """``(q [G, N, K], scales [G, ceil(N/128), Kb])`` of ``weights`` (parts ``[g_i, N, K]`` whose groups
         concatenate to G), or with ``transposed`` ``(qt [G, K, N], scales^T [G, Kb, ceil(N/128)])``."""
+        capturing = weights[0].is_cuda and torch.cuda.is_current_stream_capturing()
+        kept = [isinstance(w, nn.Parameter) and not capturing and not transposed
+                and not (w.requires_grad and torch.is_grad_enabled()) for w in weights]
+        if not any(kept):
+            return self._cast(weights, transposed)
         copy = self._copies.get(weights[0])
         if copy is None or not copy.holds(weights):
-            copy = self._copies[weights[0]] = _Fp8Copy.for_weights(weights)
-        capturing = weights[0].is_cuda and torch.cuda.is_current_stream_capturing()
+            ref, shape = weights[0], _joined_shape(weights, False)
+            copy = self._copies[weights[0]] = _Fp8Copy(
+                [weakref.ref(w) for w in weights], ref.new_empty(shape, dtype=FP8_DTYPE),
+                ref.new_empty(block_scales_shape(shape), dtype=torch.float32), [None] * len(weights))
         start = 0
-        for i, part in enumerate(weights):
+        for i, (part, keep) in enumerate(zip(weights, kept, strict=True)):
             stop = start + part.shape[0]
-            cached = isinstance(part, nn.Parameter) and not capturing
-            stamp = (part._version, part.data_ptr()) if cached else None
+            stamp = (part._version, part.data_ptr()) if keep else None
             if stamp is None or stamp != copy.stamps[i]:
-                self._kernels.cast_blocks(part, copy.scales[start:stop],
-                                          copy.q[start:stop] if cached or not transposed else None,
-                                          copy.qt[start:stop] if cached or transposed else None)
+                self._kernels.cast_blocks(part, copy.scales[start:stop], copy.q[start:stop], None)
                 copy.stamps[i] = stamp
             start = stop
-        return (copy.qt, copy.scales.transpose(1, 2)) if transposed else (copy.q, copy.scales)
+        return copy.q, copy.scales
+
+    def _cast(self, weights: Sequence[Tensor], transposed: bool) -> tuple[Tensor, Tensor]:
+        """Every part cast into fresh joined buffers, one orientation."""
+        ref, shape = weights[0], _joined_shape(weights, False)
+        out = ref.new_empty(_joined_shape(weights, transposed), dtype=FP8_DTYPE)
+        scales = ref.new_empty(block_scales_shape(shape), dtype=torch.float32)
+        start = 0
+        for part in weights:
+            stop = start + part.shape[0]
+            self._kernels.cast_blocks(part, scales[start:stop], None if transposed else out[start:stop],
+                                      out[start:stop] if transposed else None)
+            start = stop
+        return (out, scales.transpose(1, 2)) if transposed else (out, scales)
 
 
 class Fp8GroupedGemm:
     """FP8 fwd and dgrad on DeepGEMM (``m_grouped_fp8_gemm_nt_contiguous``, psum layout: the padded segment
     ends ``offs_g`` are read on the device, no host sync), taking bf16 activations and bf16 master weights as
     the other backends do and casting inside: the activations on every call (`kernels.fp8_cast.cast_rows`,
-    one pass, rows past ``offs_g[-1]`` skipped), the weights through `Fp8WeightCache` (the parameters once
-    per version). Outputs are bf16. dgrad multiplies by the K-major transposed FP8 copy of each weight (sm90
-    takes FP8 operand B only K-major).
+    one pass, rows past ``offs_g[-1]`` skipped), the weights through `Fp8WeightCache` (on every call while
+    training, kept per parameter version in inference). Outputs are bf16. dgrad multiplies by the K-major
+    transposed FP8 copy of each weight (sm90 takes FP8 operand B only K-major).
 
     The weight gradient stays in bf16 on ``wgrad`` (the backend ``grouped_gemm`` selects): DeepGEMM's sm90
     k-grouped FP8 wgrad takes the segment sizes as a host list (a device-to-host read per call, which the
@@ -227,7 +247,7 @@ class Fp8GroupedGemm:
 
     name = "fp8"
     ops = ("fwd", "dgrad")
-    joined_weights = False  # the home parameters themselves, so their FP8 copies are cast once per version
+    joined_weights = False  # the home parameters themselves, so inference keeps their FP8 copies per version
 
     def __init__(self, wgrad: GroupedGemm) -> None:
         from moonep_moe.layers.kernels.fp8_cast import cast_rows

@@ -14,8 +14,9 @@ Backward reuses the forward plan (never plans again):
 1. `dispatch(grad_out, plan=plan, zero_copy=True)` brings the gradient to the rows (used in place, no
    copy); `prefetch_weight` again (later layers overwrote the shared slot pool).
 2. down: `u = dy @ down` (dgrad); the fused SwiGLU backward gives `dab`, the route-weight gradient per row
-   and, recomputed in the same pass, `hw`; `dW_down = dy^T hw` (wgrad into this step's home grads and the
-   fp32 slot grads); gate_up: `dW_gate_up = dab^T x`, `dx = dab @ gate_up`.
+   and, recomputed in the same pass, `hw`; `dx = dab @ gate_up` (dgrad); then the weight gradients
+   `dW_down = dy^T hw` and `dW_gate_up = dab^T x` (wgrad into this step's home grads and the fp32 slot
+   grads).
 3. `combine(plan, dx, grad_w)`: input and route-weight gradients back to the tokens.
 4. `reduce_grad`: every replica's fp32 gradient added into its home expert's, slots cleared.
 
@@ -110,6 +111,9 @@ class MoonEPExperts(torch.autograd.Function):
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
         u_nvf = gemm.dgrad(dy_nvsh, down_rows.compute_weights(gemm.joined_weights), offs_g)
         dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:])
+        # both dgrads before the weight gradients exist: an fp8 backend's transposed FP8 weights live only
+        # inside its dgrad call, so they never coexist with this step's home gradients
+        dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_rows.compute_weights(gemm.joined_weights), offs_g)
         # "param": the GEMMs make this step's home gradients (None parts) and overwrite the slot gradients
         # (no zeroing pass, no copy); "main_grad": they add into the persistent main_grad and the slot
         # gradients (zero between steps)
@@ -119,7 +123,6 @@ class MoonEPExperts(torch.autograd.Function):
         down_home, _ = gemm.wgrad(dy_nvsh, hw_nvf, offs_g, (home[1], down_slots), add)
         gate_up_home, _ = gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (home[0], gate_up_slots), add)
         gate_up_grads, down_grads = experts.new_grads((gate_up_home, down_home))
-        dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_rows.compute_weights(gemm.joined_weights), offs_g)
         grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs)
         buffer.reduce_grad(plan, gate_up_grads, None, down_grads)
         if state.main_grad:
