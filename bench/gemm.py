@@ -36,13 +36,13 @@ picks are printed and recorded) and fp8 (`moonep_moe.layers.fp8.Fp8GroupedGemm`,
 layer runs: fwd and dgrad on DeepGEMM's FP8 GEMMs, wgrad in bf16 on auto's pick).
 
 The fp8 row (issue 16 item 6; targets `FP8_TARGETS`: fwd and dgrad >= 1.7x the dense bf16 rate, wgrad and
-the block as for bf16) takes bf16 activations and bf16 weights as the layer does: its fwd and dgrad times
-include the FP8 cast of their activations (x and hw in fwd, dy and dab in dgrad, `cast_rows`), which is
-also timed alone and recorded (`fwd_cast_ms`, `dgrad_cast_ms`). The weights are given as parameters, so
-their FP8 copies (both orientations) are cast once, before the timing, as a layer's home experts are once
-per optimizer step; that cast of every group of both projections is timed alone and recorded
-(`weight_cast_ms`), not in the row. The rates count the used rows' FLOPs as for bf16, against the same
-run's dense bf16 rate.
+the block as for bf16) takes bf16 activations and bf16 weights as a training layer does, so its fwd and
+dgrad times include every cast a training step makes for them: the activations' (x and hw in fwd, dy and
+dab in dgrad, `cast_rows`) and the weights' (fwd: `q`; dgrad: the transposed `qt`; both on every call, as
+`Fp8WeightCache` does while the weights train). Each cast is also timed alone and recorded
+(`fwd_cast_ms`, `dgrad_cast_ms`: activations; `weight_cast_fwd_ms`, `weight_cast_dgrad_ms`: every group of
+both projections in one orientation), which says how much of each op is casting. The rates count the used
+rows' FLOPs as for bf16, against the same run's dense bf16 rate.
 """
 
 from __future__ import annotations
@@ -177,28 +177,23 @@ def unavailable(backend: str) -> str | None:
     return None
 
 
-def as_parameters(parts: tuple[torch.Tensor, ...]) -> tuple[torch.nn.Parameter, ...]:
-    """The same storage as frozen parameters: the FP8 weight cache then casts them once per version (as it
-    does a layer's home experts once per optimizer step), not on every call."""
-    return tuple(torch.nn.Parameter(part, requires_grad=False) for part in parts)
-
-
 def cast_ops(x, dab, g, hw, offs, gate_up, down) -> dict:
     """The FP8 casts inside the fp8 row, each timed alone: the activations of fwd (x, hw) and of dgrad (dy
-    of both projections: g, dab), and the weights (every group of both projections, both orientations: what
-    one optimizer step costs)."""
+    of both projections: g, dab), and the weights (every group of both projections) in fwd's orientation
+    and in dgrad's transposed one."""
     from moonep_moe.layers.kernels.fp8_cast import cast_blocks, cast_rows
 
-    def cast_weights():
+    def cast_weights(transposed: bool) -> None:
         for part in (*gate_up, *down):
             groups, n, k = part.shape
-            cast_blocks(part, torch.empty(groups, -(-n // 128), -(-k // 128), device="cuda"),
-                        torch.empty(part.shape, dtype=torch.float8_e4m3fn, device="cuda"),
-                        torch.empty(groups, k, n, dtype=torch.float8_e4m3fn, device="cuda"))
+            out = torch.empty((groups, k, n) if transposed else part.shape, dtype=torch.float8_e4m3fn,
+                              device="cuda")
+            scales = torch.empty(groups, -(-n // 128), -(-k // 128), device="cuda")
+            cast_blocks(part, scales, None if transposed else out, out if transposed else None)
 
     return {"fwd_cast": lambda: (cast_rows(x, offs), cast_rows(hw, offs)),
             "dgrad_cast": lambda: (cast_rows(g, offs), cast_rows(dab, offs)),
-            "weight_cast": cast_weights}
+            "weight_cast_fwd": lambda: cast_weights(False), "weight_cast_dgrad": lambda: cast_weights(True)}
 
 
 def gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down) -> dict:
@@ -244,8 +239,6 @@ def bench_shape(name: str, rows: int, skew: float, backends: list[str], limits: 
     out = []
     for backend, (layout, (gate_up, down)) in itertools.product(backends, layouts.items()):
         gemm = make_gemm(backend, math.gcd(h, f), problem)
-        if backend == "fp8":
-            gate_up, down = as_parameters(gate_up), as_parameters(down)
         row = {"shape": name, "rows": rows, "padded_rows": m_total, "groups": groups, "skew": skew,
                "backend": gemm.name, "weights": layout}
         if isinstance(gemm, MeasuredGroupedGemm):
@@ -279,8 +272,8 @@ def format_row(row: dict) -> str:
 
     casts = ""
     if "fwd_cast_ms" in row:  # the fp8 row
-        casts = (f"  casts: activations fwd {timing('fwd_cast')}, dgrad {timing('dgrad_cast')} (in the "
-                 f"row); weights {timing('weight_cast')} (once per step, not in it)")
+        casts = (f"  casts in the row: activations fwd {timing('fwd_cast')}, dgrad {timing('dgrad_cast')}; "
+                 f"weights fwd {timing('weight_cast_fwd')}, dgrad {timing('weight_cast_dgrad')}")
     return (f"{row['shape']:18} rows={row['rows']:6} skew={row['skew']:3.1f} {row['backend']:9} "
             f"{row['weights']:5} fwd {row['fwd_tflops']:4.0f} TF/s ({row['fwd_vs_dense']:.2f} dense) "
             f"{timing('fwd')}  dgrad {row['dgrad_tflops']:4.0f} ({row['dgrad_vs_dense']:.2f}) "

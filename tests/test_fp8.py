@@ -207,7 +207,6 @@ class CountingCasts:
         monkeypatch.setattr(fp8_cast, "cast_blocks", counted)
 
 
-@torch.no_grad()
 def test_weight_cache_casts_a_parameter_once_per_version(monkeypatch):
     """Inference: the forward copy of a parameter is kept and cast again only when its version moves; the
     transposed copy (dgrad, a backward-only need) is never kept."""
@@ -215,43 +214,39 @@ def test_weight_cache_casts_a_parameter_once_per_version(monkeypatch):
     home = torch.nn.Parameter(spread(2, 130, 260, seed=6).to(torch.bfloat16).to(KERNEL_DEVICE))
     cache = Fp8WeightCache()
     for _ in range(3):
-        q, scales = cache.get((home,), transposed=False)
+        q, scales = cache.get((home,), transposed=False, keep=True)
     assert [(q, qt) for _, q, qt in casts.calls] == [(True, False)], "the forward orientation, once"
     want_q, want_scales = quantise_blocks(home.detach().cpu())
     assert torch.equal(bits(q.cpu()), bits(want_q)) and torch.equal(scales.cpu(), want_scales)
-    home.mul_(-2)  # a load_state_dict or any in-place op: the version moves
-    q, scales = cache.get((home,), transposed=False)
+    with torch.no_grad():
+        home.mul_(-2)  # a load_state_dict or any in-place op: the version moves
+    q, scales = cache.get((home,), transposed=False, keep=True)
     assert len(casts.calls) == 2
     assert torch.equal(bits(q.cpu()), bits(quantise_blocks(home.cpu())[0]))
     for _ in range(2):
-        qt, scales_t = cache.get((home,), transposed=True)
+        qt, scales_t = cache.get((home,), transposed=True, keep=True)
     assert [(q, qt) for _, q, qt in casts.calls[2:]] == [(False, True)] * 2, "transposed: cast every call"
     want_qt, want_scales_t = transpose_blocks(*quantise_blocks(home.cpu()))
     assert torch.equal(bits(qt.cpu()), bits(want_qt)) and torch.equal(scales_t.cpu(), want_scales_t)
 
 
 def test_weight_cache_keeps_nothing_while_training(monkeypatch):
-    """Autograd on and the parameter requiring grad: every call casts the orientation asked for into fresh
-    buffers (no copy outlives its GEMM, so none adds to the step's peak beside the gradients)."""
+    """Training (not `keep`): every call casts the orientation asked for into fresh buffers (no copy
+    outlives its GEMM, so none adds to the step's peak beside the gradients)."""
     casts = CountingCasts(monkeypatch)
     home = torch.nn.Parameter(spread(2, 128, 256, seed=12).to(torch.bfloat16).to(KERNEL_DEVICE))
     cache = Fp8WeightCache()
-    first, _ = cache.get((home,), transposed=False)
-    second, scales = cache.get((home,), transposed=False)
+    first, _ = cache.get((home,), transposed=False, keep=False)
+    second, scales = cache.get((home,), transposed=False, keep=False)
     assert second.data_ptr() != first.data_ptr(), "a fresh buffer (a kept copy would come back)"
-    qt, _ = cache.get((home,), transposed=True)
+    qt, _ = cache.get((home,), transposed=True, keep=False)
     assert [(q, qt) for _, q, qt in casts.calls] == [(True, False), (True, False), (False, True)]
     assert len(cache._copies) == 0, "nothing kept"
     want_q, want_scales = quantise_blocks(home.detach().cpu())
     assert torch.equal(bits(second.cpu()), bits(want_q)) and torch.equal(scales.cpu(), want_scales)
     assert torch.equal(bits(qt.cpu()), bits(transpose_blocks(want_q, want_scales)[0]))
-    home.requires_grad_(False)  # a frozen expert under autograd is kept like inference
-    cache.get((home,), transposed=False)
-    cache.get((home,), transposed=False)
-    assert len(casts.calls) == 4 and len(cache._copies) == 1
 
 
-@torch.no_grad()
 def test_weight_cache_recasts_other_parts_every_call_into_one_joined_copy(monkeypatch):
     """(home parameter, slots): the slots (rewritten by every prefetch, without a version bump) are cast on
     every call into the same joined buffer as the kept home groups."""
@@ -259,28 +254,54 @@ def test_weight_cache_recasts_other_parts_every_call_into_one_joined_copy(monkey
     home = torch.nn.Parameter(spread(2, 128, 256, seed=7).to(torch.bfloat16).to(KERNEL_DEVICE))
     slots = spread(1, 128, 256, seed=8).to(torch.bfloat16).to(KERNEL_DEVICE)
     cache = Fp8WeightCache()
-    cache.get((home, slots), transposed=False)
+    cache.get((home, slots), transposed=False, keep=True)
     slots.copy_(spread(1, 128, 256, seed=9))
-    q, scales = cache.get((home, slots), transposed=False)
+    q, scales = cache.get((home, slots), transposed=False, keep=True)
     assert [(w is home, q, qt) for w, q, qt in casts.calls] == [
         (True, True, False), (False, True, False), (False, True, False)]
     want_q, want_scales = quantise_blocks(torch.cat([home.detach(), slots]).cpu())
     assert torch.equal(bits(q.cpu()), bits(want_q)) and torch.equal(scales.cpu(), want_scales)
-    qt, _ = cache.get((home, slots), transposed=True)
+    qt, _ = cache.get((home, slots), transposed=True, keep=True)
     assert [(w is home, q, qt) for w, q, qt in casts.calls[3:]] == [(True, False, True), (False, False, True)]
     assert torch.equal(bits(qt.cpu()), bits(transpose_blocks(want_q, want_scales)[0]))
 
 
-@torch.no_grad()
 def test_weight_cache_rebuilds_for_another_sequence(monkeypatch):
     """The same first part with other parts (e.g. slots of another shape) is another joined copy."""
     casts = CountingCasts(monkeypatch)
     home = torch.nn.Parameter(spread(1, 128, 128, seed=10).to(torch.bfloat16).to(KERNEL_DEVICE))
     slots = spread(2, 128, 128, seed=11).to(torch.bfloat16).to(KERNEL_DEVICE)
     cache = Fp8WeightCache()
-    assert cache.get((home,), transposed=False)[0].shape[0] == 1
-    q, _ = cache.get((home, slots), transposed=False)
+    assert cache.get((home,), transposed=False, keep=True)[0].shape[0] == 1
+    q, _ = cache.get((home, slots), transposed=False, keep=True)
     assert q.shape[0] == 3 and len(casts.calls) == 3, "home cast again into the new copy, then the slots"
+
+
+class FrozenSpy(TorchGroupedGemm):
+    """The torch backend, recording the `frozen` flag of every forward call."""
+
+    def __init__(self) -> None:
+        self.frozen: list[bool] = []
+
+    def fwd(self, x, weights, offs_g, frozen=False):
+        self.frozen.append(frozen)
+        return super().fwd(x, weights, offs_g, frozen)
+
+
+def test_layer_tells_the_backend_when_the_experts_get_no_gradient():
+    """`frozen` (what lets the FP8 backend keep its weight copies) is True exactly when the call gives the
+    experts no gradient: under no_grad, or with the experts' parameters frozen; False while they train."""
+    from moonep_moe.comm.world import single_world
+
+    layer = MoonEPMoELayer(MoEConfig(**{**BASE, "dtype": "float32"}), single_world("cpu"))
+    spy = layer._state.gemm = FrozenSpy()
+    x = torch.randn(16, BASE["hidden_size"], requires_grad=True)
+    layer(x).sum().backward()
+    with torch.no_grad():
+        layer(x)
+    layer.experts.requires_grad_(False)
+    layer(x).sum().backward()
+    assert spy.frozen == [False, False, True, True, True, True]
 
 
 # -- config and construction --------------------------------------------------------------------------------

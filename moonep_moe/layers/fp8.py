@@ -168,7 +168,7 @@ class Fp8WeightCache:
     """FP8 copies of grouped bf16 weights, cast by `kernels.fp8_cast.cast_blocks` straight into one joined
     buffer per call (no ``torch.cat``), in the orientation asked for.
 
-    Training (autograd on, the part requires grad) casts every call into fresh buffers that die with the
+    Training (``keep`` False: a backward follows) casts every call into fresh buffers that die with the
     GEMM: the optimizer changes the weights every step, so a kept copy would be reused by nothing but
     micro-batches of one step, and keeping it across forward and backward would cost the layer more memory
     than its bf16 weights' gradients (``q`` and ``qt`` are each half the weights' bytes; the transposed
@@ -176,7 +176,7 @@ class Fp8WeightCache:
     price is reading each bf16 weight twice a step (forward, backward), about 1.5x the bytes one cast of both
     orientations would move.
 
-    Inference (no grad for the part) keeps the forward copy ``q`` of every ``nn.Parameter`` part and casts it
+    Inference (``keep``) keeps the forward copy ``q`` of every ``nn.Parameter`` part and casts it
     again only when its ``._version`` or storage changes (a ``load_state_dict``, any in-place torch op);
     other parts, the prefetch slots (rewritten by kernels that do not bump ``._version``) and the arena's
     joined view, are cast on every call into the same joined copy. Writes that bypass the version counter
@@ -190,12 +190,12 @@ class Fp8WeightCache:
         self._kernels = fp8_cast
         self._copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-    def get(self, weights: Sequence[Tensor], transposed: bool) -> tuple[Tensor, Tensor]:
+    def get(self, weights: Sequence[Tensor], transposed: bool, keep: bool) -> tuple[Tensor, Tensor]:
         """``(q [G, N, K], scales [G, ceil(N/128), Kb])`` of ``weights`` (parts ``[g_i, N, K]`` whose groups
-        concatenate to G), or with ``transposed`` ``(qt [G, K, N], scales^T [G, Kb, ceil(N/128)])``."""
+        concatenate to G), or with ``transposed`` ``(qt [G, K, N], scales^T [G, Kb, ceil(N/128)])``.
+        ``keep``: inference (the caller's ``frozen``), where the forward copy of the parameters is kept."""
         capturing = weights[0].is_cuda and torch.cuda.is_current_stream_capturing()
-        kept = [isinstance(w, nn.Parameter) and not capturing and not transposed
-                and not (w.requires_grad and torch.is_grad_enabled()) for w in weights]
+        kept = [keep and not transposed and not capturing and isinstance(w, nn.Parameter) for w in weights]
         if not any(kept):
             return self._cast(weights, transposed)
         copy = self._copies.get(weights[0])
@@ -257,13 +257,13 @@ class Fp8GroupedGemm:
         self._wgrad = wgrad
         self.weights = Fp8WeightCache()
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor, frozen: bool = False) -> Tensor:
         _check_groups(weights, offs_g, "weights")
-        return self._gemm(x, *self.weights.get(weights, transposed=False), offs_g)
+        return self._gemm(x, *self.weights.get(weights, transposed=False, keep=frozen), offs_g)
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         _check_groups(weights, offs_g, "weights")
-        return self._gemm(dy, *self.weights.get(weights, transposed=True), offs_g)
+        return self._gemm(dy, *self.weights.get(weights, transposed=True, keep=False), offs_g)
 
     def _gemm(self, a: Tensor, q_w: Tensor, scales_w: Tensor, offs_g: Tensor) -> Tensor:
         """``a [rows, k] bf16 @ w^T`` per segment, ``w`` the FP8 ``q_w [G, n, k]`` with its block scales."""

@@ -72,20 +72,23 @@ class MoonEPExperts(torch.autograd.Function):
         topk_experts_sk: `[s, K]` int experts, -1 = no route. tokens_per_expert: `[E]` int histogram.
         gate_up, down: the home expert parameters (`state.experts`), passed so autograd gives them grads.
         state: `ExpertsState`.
+        frozen: the experts get no gradient from this call (grad mode off, or their parameters frozen;
+            inside `forward` autograd has turned grad mode off, so the caller says): the GEMM backend may
+            keep what it derives from the weights (`GroupedGemm.fwd`).
     """
 
     @staticmethod
     def forward(ctx, hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, gate_up, down,
-                state: ExpertsState):
+                state: ExpertsState, frozen: bool):
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
         x_nvsh, w_nvs, cu_seqlens, plan, _ = buffer.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
                                                              tokens_per_expert)
         gate_up_rows, down_rows = experts.rows
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
         offs_g = compute_offsets(cu_seqlens, buffer.world.rank, buffer.epn, buffer.E)
-        ab_nv2f = gemm.fwd(x_nvsh, gate_up_rows.compute_weights(gemm.joined_weights), offs_g)
+        ab_nv2f = gemm.fwd(x_nvsh, gate_up_rows.compute_weights(gemm.joined_weights), offs_g, frozen)
         hw_nvf = swiglu_weighted(ab_nv2f, w_nvs, offs_g[-1:])
-        y_nvsh = gemm.fwd(hw_nvf, down_rows.compute_weights(gemm.joined_weights), offs_g)
+        y_nvsh = gemm.fwd(hw_nvf, down_rows.compute_weights(gemm.joined_weights), offs_g, frozen)
         out_sh, _, _ = buffer.combine(plan, y_nvsh)
         ctx.save_for_backward(x_nvsh, ab_nv2f, w_nvs, offs_g)
         ctx.plan, ctx.state = plan, state
@@ -126,10 +129,10 @@ class MoonEPExperts(torch.autograd.Function):
         grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs)
         buffer.reduce_grad(plan, gate_up_grads, None, down_grads)
         if state.main_grad:
-            return grad_hidden_sh, grad_route_weights_sk, None, None, None, None, None
+            return grad_hidden_sh, grad_route_weights_sk, None, None, None, None, None, None
         # fresh tensors in the parameters' dtype: autograd keeps them as .grad without a copy
         return (grad_hidden_sh, grad_route_weights_sk, None, None, gate_up_grads.home.local,
-                down_grads.home.local, None)
+                down_grads.home.local, None, None)
 
 
 COMPILE_BREAK_REASON = (

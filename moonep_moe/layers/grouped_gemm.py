@@ -75,8 +75,11 @@ class GroupedGemm(Protocol):
     False: always as the parts, so the home experts arrive as the parameters themselves (a backend that
     caches a transform of them per parameter version, e.g. the FP8 casts, can then recognise them)."""
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        """``y [rows, cols]`` with ``y[start:end] = x[start:end] @ w[g]^T`` for every group g."""
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor, frozen: bool = False) -> Tensor:
+        """``y [rows, cols]`` with ``y[start:end] = x[start:end] @ w[g]^T`` for every group g. ``frozen``: the
+        weights get no gradient from this call (inference, or experts that do not train), so they stay as
+        they are until changed in place; a backend may keep what it derives from them (the FP8 copies)
+        across calls."""
         ...
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
@@ -160,7 +163,7 @@ class ReferenceGroupedGemm:
     ops = OPS
     joined_weights = True
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor, frozen: bool = False) -> Tensor:
         return _segment_matmul(x, weights, offs_g, transpose_w=True)
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
@@ -203,7 +206,7 @@ class TorchGroupedGemm:
     ops = OPS
     joined_weights = True
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor, frozen: bool = False) -> Tensor:
         _check_groups(weights, offs_g, "weights")
         return torch._grouped_mm(x, _cat_groups(weights).transpose(-2, -1), offs=offs_g)
 
@@ -302,7 +305,7 @@ class DeepGemmGroupedGemm:
         self._deep_gemm = import_deep_gemm()
         self._torch = TorchGroupedGemm()
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor, frozen: bool = False) -> Tensor:
         return self._psum(self._deep_gemm.m_grouped_bf16_gemm_nt_contiguous, x, weights, offs_g, dim=1)
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
@@ -359,8 +362,8 @@ class TritonGroupedGemm:
         self._wgrad = grouped_wgrad_triton
         self._torch = TorchGroupedGemm()
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        return self._torch.fwd(x, weights, offs_g)
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor, frozen: bool = False) -> Tensor:
+        return self._torch.fwd(x, weights, offs_g, frozen)
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         return self._torch.dgrad(dy, weights, offs_g)
@@ -402,8 +405,8 @@ class MeasuredGroupedGemm:
     def _for(self, op: str, cols: int, inner: int) -> GroupedGemm:
         return self.chosen.get((op, cols, inner), self.fallback)
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        return self._for("fwd", *weights[0].shape[-2:]).fwd(x, weights, offs_g)
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor, frozen: bool = False) -> Tensor:
+        return self._for("fwd", *weights[0].shape[-2:]).fwd(x, weights, offs_g, frozen)
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         return self._for("dgrad", *weights[0].shape[-2:]).dgrad(dy, weights, offs_g)

@@ -148,8 +148,9 @@ def routed_step(layer: MoonEPMoELayer, hidden_sh: torch.Tensor, routing: RouterO
     state = layer._state
     route_weights_sk = routing.route_weights_tk.to(state.buffer.weight_dtype)
     experts = layer.experts
+    frozen = not (torch.is_grad_enabled() and (experts.gate_up.requires_grad or experts.down.requires_grad))
     out_sh = MoonEPExperts.apply(hidden_sh.contiguous(), route_weights_sk, routing.topk_experts_tk,
-                                 routing.tokens_per_expert_e, experts.gate_up, experts.down, state)
+                                 routing.tokens_per_expert_e, experts.gate_up, experts.down, state, frozen)
     if not recomputing():
         with torch.no_grad():
             layer.expert_load += state.last_plan.expert_load
