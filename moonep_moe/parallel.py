@@ -108,14 +108,17 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def check_layers(model: nn.Module, mesh: DeviceMesh) -> list[MoonEPMoELayer]:
     """`model`'s MoonEP layers; raises (naming the rank) when one was built on another EP group than the
-    mesh's "ep" dimension, or when there is none."""
+    mesh's "ep" dimension (other ranks, or the same ranks in another order: a distinct group object over the
+    same ranks in the same order is the same EP group, and torch 2.11 builds the mesh's groups anew), or
+    when there is none."""
     layers, ep, rank = moe_layers(model), mesh_dims(mesh)[EP], dist.get_rank()
     if not layers:
         raise ValueError(f"model holds no MoonEPMoELayer (rank {rank})")
-    group = ep.get_group()
+    ranks = dist.get_process_group_ranks(ep.get_group())
     for layer in layers:
         world_group = getattr(layer.world, "group", None)
-        if layer.world.size != ep.size() or (world_group is not None and world_group != group):
+        if layer.world.size != ep.size() or (world_group is not None
+                                              and dist.get_process_group_ranks(world_group) != ranks):
             raise ValueError(f"a MoonEPMoELayer of model was built on an EP world of {layer.world.size} "
                              f"ranks that is not the mesh's 'ep' dimension ({ep.size()} ranks), on rank "
                              f"{rank}: build every layer with MoonEPMoELayer(config, ep_world(mesh))")
