@@ -29,7 +29,8 @@ from test_comm_kernels import KERNEL_DEVICE
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.fp8_rows import packed_width, scale_columns
 from moonep_moe.comm.world import run_ranks, single_world
-from moonep_moe.layers.fp8 import FP8_DTYPE, to_deep_gemm_row_scales
+from moonep_moe.communicator import MoECommunicator
+from moonep_moe.layers.fp8 import FP8_DTYPE, dequantise_rows, quantise_rows, to_deep_gemm_row_scales
 
 BF16 = torch.bfloat16
 U8 = torch.uint8
@@ -220,3 +221,74 @@ def test_fp8_rows_that_do_not_fit_the_buffers_rows_raise():
     buf, x, q_sh, scales_sh = one_rank(H=7, dtype=torch.float32)
     (q_nvsh, _), *_ = buf.dispatch(q_sh, x["weights"].float(), x["topk"], x["tpe"], scales=scales_sh)
     assert q_nvsh.dtype == FP8_DTYPE
+
+
+# -- the engine facade: MoECommunicator(quantization="fp8_e4m3") --------------------------------------------
+
+
+def communicator_job(world, case: Case) -> dict:
+    """One rank, vLLM's order: quantise the bf16 rows, dispatch e4m3 rows with their scales (eagerly, then
+    as a request), run "experts" on the dequantised rows, combine in bf16; beside it the bf16 communicator
+    on the same routing, whose experts see the same dequantised rows."""
+    x = case.inputs(world.rank)
+    gen = torch.Generator().manual_seed(5 + world.rank)
+    hidden_th = (torch.randn(case.num_tokens(world.rank), case.H, generator=gen) * 100).to(BF16)
+    q_th, scales_th = quantise_rows(hidden_th)
+    fields = dict(world=world, hidden_size=case.H, num_experts=case.E, top_k=case.K,
+                  max_tokens_per_rank=case.S, token_padding=case.tp, dtype="bfloat16")
+    fp8, bf16 = MoECommunicator(quantization="fp8_e4m3", **fields), MoECommunicator(**fields)
+    out = {}
+    for step in ("eager", "request"):
+        weights_tk = x["weights"].float()
+        if step == "eager":
+            got, handle = fp8.dispatch(q_th, x["topk"], weights_tk, scales=scales_th)
+        else:
+            got, handle = fp8.dispatch_async(q_th, x["topk"], weights_tk, scales=to_deep_gemm_row_scales(
+                scales_th)).wait()
+        want, want_handle = bf16.dispatch(hidden_th, x["topk"], weights_tk)
+        end = int(got.offsets_g[-1])
+        rows_nvsh = dequantise_rows(got.tokens_nvsh.view(U8)[:end].view(FP8_DTYPE), got.scales_nvsh[:end])
+        y_nvsh = torch.zeros(got.tokens_nvsh.shape[0], case.H, dtype=BF16)
+        y_nvsh[:end] = (rows_nvsh * got.weights_nvs[:end, None]).to(BF16)
+        want_q, want_scales = quantise_rows(want.tokens_nvsh[:end])
+        padding_v = ~want.tokens_nvsh[:end].any(1)  # the bf16 rows are nonzero: randn * 100
+        out[step] = dict(
+            q=torch.equal(got.tokens_nvsh[:end][~padding_v].view(U8), want_q[~padding_v].view(U8)),
+            scales=torch.equal(got.scales_nvsh[:end][~padding_v], want_scales[~padding_v]),
+            padding=int(padding_v.sum()),
+            padding_zero=not got.tokens_nvsh[:end][padding_v].view(U8).any()
+            and not got.scales_nvsh[:end][padding_v].any(),
+            groups=all(torch.equal(getattr(got, f), getattr(want, f)) for f in
+                       ("weights_nvs", "num_tokens_per_expert_g", "offsets_g", "expert_ids_g")),
+            bf16_scales=want.scales_nvsh is None,
+            combined=torch.equal(fp8.combine(y_nvsh, handle), bf16.combine(y_nvsh, want_handle)))
+    return out
+
+
+def test_communicator_dispatches_fp8_rows_with_their_scales():
+    case = Case(R=2, S=16, H=200, K=3, E=8, tp=4, kind="skewed", invalid=0.1, tokens=(5, 16))
+    for res in run_ranks(functools.partial(communicator_job, case=case), 2):
+        for step, checks in res.items():
+            assert checks.pop("padding") > 0, step
+            assert all(checks.values()), (step, checks)
+
+
+def test_communicator_quantisation_errors():
+    case = Case(R=1, S=16, H=200, K=2, E=8, tp=4)
+    x = case.inputs(0)
+    q_sh, scales_sh = fp8_rows(case, 0)
+    comm = MoECommunicator(world=single_world(), hidden_size=case.H, num_experts=case.E, top_k=case.K,
+                           max_tokens_per_rank=case.S, dtype="bfloat16", quantization="fp8_e4m3")
+    with pytest.raises(ValueError, match=r"rank 0: quantization='fp8_e4m3': input_th must be "
+                                         r"torch.float8_e4m3fn rows with their scales=, got torch.bfloat16"):
+        comm.dispatch(x["hidden"].to(BF16), x["topk"], scales=scales_sh)
+    with pytest.raises(ValueError, match=r"rank 0: input_th is torch.float8_e4m3fn: FP8 rows travel with "
+                                         r"their 1x128 scales, pass them as scales"):
+        comm.dispatch(q_sh, x["topk"])
+    with pytest.raises(ValueError, match=r"rank 0: scales must have shape \[16, 2\], got \[16, 1\]"):
+        comm.dispatch(q_sh, x["topk"], scales=scales_sh[:, :1])
+    none = MoECommunicator(world=single_world(), hidden_size=case.H, num_experts=case.E, top_k=case.K,
+                           max_tokens_per_rank=case.S, dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"rank 0: quantised dispatch \(torch.bfloat16 with scales\) needs "
+                                         r"quantization='fp8_e4m3', this communicator's is 'none'"):
+        none.dispatch(x["hidden"].to(BF16), x["topk"], scales=scales_sh)
