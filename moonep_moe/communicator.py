@@ -101,7 +101,7 @@ class CommunicatorConfig(CommConfig):
         "Quantised dispatch of activations. 'none' (default): rows in the config's dtype. 'fp8_e4m3': the "
         "engine quantises, then dispatches (as vLLM does): `dispatch` takes e4m3 rows with their 1x128 fp32 "
         "scales (`scales=`) and returns both, about half the bytes of bf16 on the wire; combine stays in the "
-        "config's dtype. Needs H >= 8 in bf16 (the packed rows live in the rows' memory). 'mxfp8' is not "
+        "config's dtype. Needs H >= 16 in bf16 (the packed rows live in the rows' memory). 'mxfp8' is not "
         "supported and raises at construction."))
 
     @classmethod

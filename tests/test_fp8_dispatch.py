@@ -146,6 +146,8 @@ def test_fp8_deepseek_v3_wide_rows():
         case = Case(R=2, S=8, H=H, K=4, E=8, tp=4, kind="skewed", invalid=0.1)
         assert_fp8_rows_land_where_bf16_rows_land(case, run_ranks(functools.partial(fp8_job, case=case), 2))
     assert packed_width(7168) == 7392 and packed_width(8) == 16 and packed_width(100) == 112
+    fits = [H for H in range(1, 20_000) if packed_width(H) <= 2 * H]
+    assert fits[:6] == [8, 9, 10, 11, 12, 16] and fits[5:] == list(range(16, 20_000)), "bf16: H >= 16 fits"
 
 
 @pytest.mark.parametrize("R", [1, 2])

@@ -351,7 +351,7 @@ class Buffer:
                 columns (a tail tile has its own; `layers.fp8.quantise_rows`, `cast_rows`), None otherwise:
                 quantise, then dispatch (as vLLM does). Each row travels with its scales as one packed byte
                 row (`comm.fp8_rows`: H + 4*ceil(H/128) bytes, rounded up to 16; about half of bf16's) in
-                the memory of the Buffer's rows, so it needs `packed_width(H) <= H * itemsize` (any H >= 8
+                the memory of the Buffer's rows, so it needs `packed_width(H) <= H * itemsize` (any H >= 16
                 in bf16). Every destination row gets exactly the sender's bytes and scales, duplicates
                 included; padding rows get zero values and zero scales. Combine stays in the Buffer's dtype.
 
