@@ -6,7 +6,9 @@ Notation and suffixes: DESIGN.md, "Notation". One step of a layer on every rank:
    histogram, plans (identically on every rank), writes each token row once per destination rank straight
    into its expert-grouped row there, sends a weight for every route, fills padding rows with zeros and
    copies primary rows into their same-rank duplicates (local expansion).
-   -> `hidden_nvsh [NvS, H]`, `route_weights_nvs [NvS]`, `cu_seqlens [E+B]`, `plan`.
+   -> `hidden_nvsh [NvS, H]`, `route_weights_nvs [NvS]`, `cu_seqlens [E+B]`, `plan`. FP8 rows move with
+   their 1x128 scales (`scales=`): one packed byte row each in the rows' memory (`comm.fp8_rows`), through
+   the same exchange; `hidden_nvsh` is then the pair (e4m3 rows, scales).
 2. `prefetch_weight(plan, gate, up, down)`: copies every replicated expert into this rank's slots (FP8
    weights with their block scales: `scales=`).
 3. The caller runs the experts over the `cu_seqlens` segments.
