@@ -59,8 +59,8 @@ def tag_rows(case: Case, rank: int) -> torch.Tensor:
 
 def fp8_job(world, case: Case, kernels: bool | None = None, zero_copy: bool = False,
             mn_major_scales: bool = False) -> dict:
-    """One rank: an FP8 forward dispatch, a combine after it, the bf16 tags through its plan, then a fresh
-    bf16 forward dispatch of the tags; returns what landed (FP8 rows as bytes)."""
+    """One rank: an FP8 forward dispatch, a combine after it, the bf16 tags and the FP8 rows again through its
+    plan, then a fresh bf16 forward dispatch of the tags; returns what landed (FP8 rows as bytes)."""
     device, rank = world.device, world.rank
     x = {k: v.to(device) for k, v in case.inputs(rank).items()}
     weights_sk = x["weights"].float()
@@ -79,6 +79,8 @@ def fp8_job(world, case: Case, kernels: bool | None = None, zero_copy: bool = Fa
     ones_nvsh = torch.ones(buf.NvS, case.H, dtype=BF16, device=device)
     out["routes_sh"] = buf.combine(plan, ones_nvsh)[0].cpu()  # combine stays bf16, over the FP8 rows' memory
     out["tags_nvsh"] = buf.dispatch(tags_sh, None, None, None, plan=plan)[0].cpu()
+    again_nvsh, again_scales_nvsh = buf.dispatch(q_sh, None, None, None, plan=plan, scales=scales_sh)[0]
+    out.update(again_nvsh=again_nvsh.view(U8).cpu(), again_scales_nvsh=again_scales_nvsh.cpu())
     tags_nvsh, weights2_nvs, cu2, plan2, _ = buf.dispatch(tags_sh, weights_sk, x["topk"], x["tpe"])
     out.update(fresh_tags_nvsh=tags_nvsh.cpu(), fresh_weights_nvs=weights2_nvs.cpu(), fresh_cu=cu2.cpu(),
                fresh_dst=plan2.dst.cpu())
@@ -99,6 +101,8 @@ def assert_fp8_rows_land_where_bf16_rows_land(case: Case, results: list[dict], z
             assert torch.equal(res[key], res[f"fresh_{key}"]), key
         end = int(res["cu"][-1])
         assert torch.equal(res["tags_nvsh"][:end], res["fresh_tags_nvsh"][:end]), "backward dispatch, as bf16"
+        assert torch.equal(res["again_nvsh"][:end], res["q_nvsh"][:end]), "FP8 through a plan, as forward"
+        assert torch.equal(res["again_scales_nvsh"][:end], res["scales_nvsh"][:end])
         assert torch.equal(res["routes_sh"], res["valid_sk"].sum(1, keepdim=True).to(BF16).expand(-1, case.H))
         seen["duplicates"] += int(res["dups"][1])
         for v, tag in enumerate(res["tags_nvsh"][:end].tolist()):
