@@ -13,6 +13,8 @@ indices, whatever the routing (c: at most S payload rows per peer, since a token
 once; S*K route weights and duplicate sources; B expert rows):
 - dispatch (forward)  = (R-1) * [S*(H*a + 8) + 2 * S*K*(4 + 8)]    rows, route weights, duplicate sources
 - dispatch (backward) = (R-1) * S*(H*a + 8)                         the output gradient's rows
+- dispatch, FP8       = the same with H*a replaced by P = packed_width(H), the e4m3 bytes and their 1x128
+                        fp32 scales in one row: align16(align4(H) + 4*ceil(H/128)) (`comm.fp8_rows`)
 - combine (forward)   = (R-1) * S*(8 + H*a)                         row requests, then the replies
 - combine (backward)  = (R-1) * [S*(8 + H*a) + S*K*(8 + 4)]         + the route-weight gradients
 - prefetch            = (R-1) * B*(8 + 3*H*H'*a)                    gate, up and down of an expert
@@ -30,15 +32,21 @@ reduce_grad move only the slots in use.
   here as one slot per rank.
 
 A training step of one layer = dispatch and combine in forward and backward, prefetch twice (the slot pool is
-shared by layers, so backward prefetches again), reduce_grad once. The FP8 prefetch (`prefetch_weight(...,
-scales=)`: FP8 experts with one fp32 scale per 128x128 block, `moonep_moe.weights.quantised`) is its own
-column, beside the bf16 one it would replace: about half its bytes (not in the training step's sum).
+shared by layers, so backward prefetches again), reduce_grad once. The FP8 dispatch (`dispatch(...,
+scales=)`: e4m3 rows with one fp32 scale per 128 columns, `moonep_moe.comm.fp8_rows`) and the FP8 prefetch
+(`prefetch_weight(..., scales=)`: FP8 experts with one fp32 scale per 128x128 block,
+`moonep_moe.weights.quantised`) are columns of their own, beside the bf16 ones they would replace: about half
+their bytes (not in the training step's sum; both columns count FP8 both ways, where a layer's backward
+dispatch would carry bf16 gradients). The scales' overhead over the e4m3 bytes: 4/128 = 3.1% of a row
+(DeepSeek-V3's H = 7168: 7392 bytes against bf16's 14336, 51.6%; plus 8 per row index and the unchanged
+route-weight terms), and 4/128^2 = 0.02% of an expert.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moonep_moe.comm.fp8_rows import packed_width
 from moonep_moe.config import MoEConfig, available_configs, load_config
 from moonep_moe.weights.quantised import BLOCK
 
@@ -46,7 +54,8 @@ INDEX = 8
 """Bytes per row index (int64) sent alongside every row."""
 FP32 = 4
 OPS = ("dispatch", "combine", "prefetch", "reduce_grad")
-"""The operations of a training step (summed in its column); `traffic` also gives "prefetch fp8"."""
+"""The operations of a training step (summed in its column); `traffic` also gives "dispatch fp8" and
+"prefetch fp8"."""
 MODES = ("static", "exact, worst", "exact, uniform")
 
 
@@ -71,10 +80,13 @@ def traffic(rows: float, weights: float, dups: float, slots: float,
             s: Shape) -> dict[str, tuple[float, float]]:
     """(forward, backward) bytes per operation, given the payload rows, route weights, duplicate sources and
     slots one exchange sends to other ranks (prefetch: forward and backward; reduce_grad: backward only);
+    "dispatch fp8": the dispatch of packed FP8 rows (e4m3 bytes and 1x128 fp32 scales, `packed_width`);
     "prefetch fp8": the prefetch of FP8 experts (1 byte per element, an fp32 scale per 128x128 block)."""
     row, weight, expert = s.H * s.a + INDEX, FP32 + INDEX, 3 * s.H * s.F
+    row_fp8 = packed_width(s.H) + INDEX
     expert_fp8 = expert + 3 * FP32 * -(-s.H // BLOCK) * -(-s.F // BLOCK)
     return {"dispatch": (rows * row + (weights + dups) * weight, rows * row),
+            "dispatch fp8": (rows * row_fp8 + (weights + dups) * weight, rows * row_fp8),
             "combine": (rows * row, rows * row + weights * weight),
             "prefetch": (slots * (expert * s.a + INDEX),) * 2,
             "prefetch fp8": (slots * (expert_fp8 + INDEX),) * 2,
@@ -100,7 +112,7 @@ def mib(value: float) -> str:
 def table() -> str:
     """Markdown: per config and B, MiB per rank for each operation (forward + backward) and a training step,
     as static / exact worst / exact uniform."""
-    columns = (*OPS[:3], "prefetch fp8", *OPS[3:])
+    columns = (OPS[0], "dispatch fp8", *OPS[1:3], "prefetch fp8", *OPS[3:])
     head = ["config (S, K, H, H', E, R)", "B"] + [f"{op} (fwd+bwd)" for op in columns] + ["training step"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in available_configs():

@@ -10,6 +10,8 @@ layout, `combine` brings the results home. One step, on every rank of the EP gro
 1. `out, handle = comm.dispatch(hidden_th, topk_ids_tk, weights_tk)`: plan (identically on every rank) and
    move each route's row to the rank and row where it is computed. `out.tokens_nvsh` is grouped by
    compute group: group g covers rows `[offsets_g[g-1], offsets_g[g])` and holds `expert_ids_g[g]`.
+   With `quantization='fp8_e4m3'` the engine quantises first and passes e4m3 rows with `scales=`; they
+   arrive as `out.tokens_nvsh` and `out.scales_nvsh`, half the bytes of bf16 on the wire.
 2. `comm.prefetch_weights(handle, layout)`: copy the replicated experts into this rank's slots (the engine's
    `ExpertLayout`), so slot groups can be computed with slot weights.
 3. The engine runs the experts per group and multiplies each row by `out.weights_nvs` (padding rows are
@@ -55,12 +57,14 @@ from pydantic import Field
 
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.event import CommEvent
+from moonep_moe.comm.fp8_rows import packed_width
 from moonep_moe.comm.plan import LAYOUT_NAMES, check_layout, default_slots
 from moonep_moe.comm.plan_types import MoonEPCommPlan
 from moonep_moe.comm.pool import BufferPool
 from moonep_moe.comm.world import EPWorld
 from moonep_moe.config import CommConfig, MoEConfig
 from moonep_moe.weights.layout import ExpertLayout
+from moonep_moe.weights.quantised import FP8_DTYPE
 
 T = TypeVar("T")
 _communicator_ids = itertools.count()
@@ -94,7 +98,11 @@ class CommunicatorConfig(CommConfig):
     expert_bias: bool = Field(False, description=(
         "Bias terms in the expert projections (e.g. GPT-OSS). Not supported: True raises at construction."))
     quantization: Literal["none", "fp8_e4m3", "mxfp8"] = Field("none", description=(
-        "Quantised dispatch of activations. Only 'none' is supported; other values raise at construction."))
+        "Quantised dispatch of activations. 'none' (default): rows in the config's dtype. 'fp8_e4m3': the "
+        "engine quantises, then dispatches (as vLLM does): `dispatch` takes e4m3 rows with their 1x128 fp32 "
+        "scales (`scales=`) and returns both, about half the bytes of bf16 on the wire; combine stays in the "
+        "config's dtype. Needs H >= 16 in bf16 (the packed rows live in the rows' memory). 'mxfp8' is not "
+        "supported and raises at construction."))
 
     @classmethod
     def from_moe_config(cls, config: MoEConfig, **overrides: Any) -> CommunicatorConfig:
@@ -108,7 +116,9 @@ class DispatchOutput:
 
     Attributes:
         tokens_nvsh: `[NvS, H]` rows grouped by compute group; padding rows zero. A view of the Buffer's
-            persistent rows: valid until this step's combine (the next dispatch overwrites it).
+            persistent rows: valid until this step's combine (the next dispatch overwrites it). With
+            `quantization='fp8_e4m3'` e4m3 rows (row stride `comm.fp8_rows.packed_width(H)` bytes), exactly
+            the bytes each token's sender passed.
         weights_nvs: `[NvS]` fp32 route weight of each row (zero on padding), or None when dispatch got no
             weights (the rows are then summed unweighted).
         num_tokens_per_expert_g: `[epn+B]` int32 valid rows of each compute group (padding excluded).
@@ -116,6 +126,10 @@ class DispatchOutput:
             home experts, then its slots); group g starts at `offsets_g[g-1]` (0 for g = 0).
         expert_ids_g: `[epn+B]` int32 global expert of each group: the home experts in order, then the
             expert held by each slot, -1 for an unused slot (its group is empty).
+        scales_nvsh: with `quantization='fp8_e4m3'`, `[NvS, ceil(H/128)]` fp32 the 1x128 scales of
+            `tokens_nvsh`'s rows (the sender's, exactly; zero on padding), a view like `tokens_nvsh` (row
+            stride `packed_width(H) / 4`; DeepGEMM's sm90 GEMM wants them MN-major: copy them with
+            `layers.fp8.to_deep_gemm_row_scales`); None otherwise.
     """
 
     tokens_nvsh: torch.Tensor
@@ -123,6 +137,7 @@ class DispatchOutput:
     num_tokens_per_expert_g: torch.Tensor
     offsets_g: torch.Tensor
     expert_ids_g: torch.Tensor
+    scales_nvsh: torch.Tensor | None = None
 
 
 @dataclass(eq=False)
@@ -173,8 +188,7 @@ class MoECommunicator:
         **kwargs: `CommunicatorConfig` fields, overriding the config's (or the whole config when it is None).
 
     Raises:
-        NotImplementedError: an unsupported option (expert bias, quantised dispatch), naming what is
-            supported.
+        NotImplementedError: an unsupported option (expert bias, mxfp8 dispatch), naming what is supported.
         ValueError: an invalid shape or placement (E not divisible by R, placement other than contiguous
             blocks, B out of range).
     """
@@ -193,8 +207,11 @@ class MoECommunicator:
     with new routing and any t <= bucket real tokens (padding: expert -1), under the conditions of the module
     docstring. Implemented, not yet run on a GPU (`test_cuda_graph_per_bucket_replays_new_routing` and
     `tests/test_engine_contract.py`)."""
-    supports_quantized_dispatch = False
-    """Rows travel in the config's dtype; fp8 / mxfp8 activations are refused."""
+    supports_quantized_dispatch = True
+    """With `quantization='fp8_e4m3'`, `dispatch(q_th, ..., scales=scales_th)` moves e4m3 rows with their
+    1x128 fp32 scales (one packed byte row each, `comm.fp8_rows`: about half of bf16's bytes) and returns
+    both (`DispatchOutput.tokens_nvsh`, `.scales_nvsh`), exactly the sender's bytes; combine stays in the
+    config's dtype. mxfp8 is refused at construction."""
     supports_expert_bias = False
     """Expert projections without bias terms only; `prefetch_weights` copies weights, never biases."""
     supports_multiple_inflight_steps = True
@@ -247,32 +264,37 @@ class MoECommunicator:
     # -- dispatch -------------------------------------------------------------------------------------------
 
     def dispatch(self, input_th: torch.Tensor, topk_ids_tk: torch.Tensor,
-                 weights_tk: torch.Tensor | None = None, *, capacity: int | None = None
-                 ) -> tuple[DispatchOutput, DispatchHandle]:
+                 weights_tk: torch.Tensor | None = None, *, capacity: int | None = None,
+                 scales: torch.Tensor | None = None) -> tuple[DispatchOutput, DispatchHandle]:
         """Collective: send every route's row (and weight) to the rank and row where it is computed, on the
         caller's current stream.
 
         Args:
-            input_th: `[t, H]` rows in the config's dtype, t <= S (t may differ per rank).
+            input_th: `[t, H]` rows in the config's dtype, t <= S (t may differ per rank); with
+                `quantization='fp8_e4m3'` e4m3 rows (`float8_e4m3fn`).
             topk_ids_tk: `[t, K]` int32/int64 experts in [-1, E); -1 = no route (padding).
             weights_tk: `[t, K]` fp32 (float64 for float64 rows) route weights, or None (unweighted sum).
             capacity: the capacity bucket serving the step, one of `capacities`, >= t and the same on every
                 rank; None = the smallest that fits the group's largest t (one all-gather read on the host
                 when R > 1). Required while a CUDA graph is captured.
+            scales: with `quantization='fp8_e4m3'`, `[t, ceil(H/128)]` fp32 the 1x128 scales of `input_th`
+                (any strides, e.g. MN-major); None otherwise.
 
         Returns:
             `(DispatchOutput, DispatchHandle)`. Raises before any exchange on malformed input.
         """
-        return self._dispatch(input_th, topk_ids_tk, weights_tk, capacity, async_finish=False)
+        return self._dispatch(input_th, topk_ids_tk, weights_tk, capacity, scales, async_finish=False)
 
     def dispatch_async(self, input_th: torch.Tensor, topk_ids_tk: torch.Tensor,
-                       weights_tk: torch.Tensor | None = None, *, capacity: int | None = None
+                       weights_tk: torch.Tensor | None = None, *, capacity: int | None = None,
+                       scales: torch.Tensor | None = None
                        ) -> CommRequest[tuple[DispatchOutput, DispatchHandle]]:
         """`dispatch` queued on the comm stream; `wait()` returns `(DispatchOutput, DispatchHandle)` (see
         `supports_async`)."""
-        return self._dispatch(input_th, topk_ids_tk, weights_tk, capacity, async_finish=True)
+        return self._dispatch(input_th, topk_ids_tk, weights_tk, capacity, scales, async_finish=True)
 
-    def _dispatch(self, input_th, topk_ids_tk, weights_tk, capacity: int | None, async_finish: bool):
+    def _dispatch(self, input_th, topk_ids_tk, weights_tk, capacity: int | None, scales,
+                  async_finish: bool):
         """Check the arguments under their names here, then run the step on the serving Buffer: on the
         caller's stream (`dispatch`), or queued on its comm stream behind a request (`dispatch_async`)."""
         self._check_alive()
@@ -281,32 +303,39 @@ class MoECommunicator:
             raise ValueError(f"rank {rank}: input_th must be a [t <= max_tokens_per_rank={max_tokens}, "
                              f"H={self.config.hidden_size}] tensor, got "
                              f"{list(getattr(input_th, 'shape', [])) or type(input_th).__name__}")
-        if input_th.is_floating_point() and input_th.dtype.itemsize == 1:
-            raise NotImplementedError(f"rank {rank}: quantised dispatch ({input_th.dtype}) is not supported: "
-                                      f"pass the activations in {self.dtype} (supports_quantized_dispatch is "
-                                      "False)")
+        fp8 = self.config.quantization == "fp8_e4m3"
+        if not fp8 and (input_th.dtype == FP8_DTYPE or scales is not None):
+            given = f"{input_th.dtype}{'' if scales is None else ' with scales'}"
+            raise ValueError(f"rank {rank}: quantised dispatch ({given}) needs quantization='fp8_e4m3', this "
+                             f"communicator's is {self.config.quantization!r}: pass the activations in "
+                             f"{self.dtype}, or build it with quantization='fp8_e4m3'")
+        if fp8 and input_th.dtype != FP8_DTYPE:
+            raise ValueError(f"rank {rank}: quantization='fp8_e4m3': input_th must be {FP8_DTYPE} rows with "
+                             f"their scales=, got {input_th.dtype}")
         num_tokens = input_th.shape[0]
         buffer = self._pool.get(num_tokens, capacity)
         weighted = weights_tk is not None
         if not weighted and isinstance(topk_ids_tk, torch.Tensor):
             weights_tk = torch.ones(topk_ids_tk.shape, dtype=buffer.weight_dtype, device=input_th.device)
-        buffer._check_dispatch(input_th, weights_tk, topk_ids_tk, None, None, FACADE_DISPATCH_NAMES)
+        buffer._check_dispatch(input_th, weights_tk, topk_ids_tk, None, None, FACADE_DISPATCH_NAMES, scales)
         *result, event = buffer._dispatch(input_th, weights_tk, topk_ids_tk, None, async_finish=async_finish,
-                                          zero_copy=True, router_weights_zero_copy=weighted)
-        tokens_nvsh, weights_nvs, _, plan = result
+                                          zero_copy=True, router_weights_zero_copy=weighted, scales=scales)
+        rows_nvsh, weights_nvs, _, plan = result
+        tokens_nvsh, scales_nvsh = rows_nvsh if fp8 else (rows_nvsh, None)
         handle = DispatchHandle(self.id, buffer, plan, num_tokens)
 
         def finish() -> tuple[DispatchOutput, DispatchHandle]:
-            output = self._layout(tokens_nvsh, weights_nvs if weighted else None, plan)
+            output = self._layout(tokens_nvsh, weights_nvs if weighted else None, plan, scales_nvsh)
             return output, handle
 
         return CommRequest(finish, event) if async_finish else finish()
 
     @staticmethod
-    def _layout(tokens_nvsh, weights_nvs, plan: MoonEPCommPlan) -> DispatchOutput:
-        """The step's `DispatchOutput`: the rows and views of the planner's `compute_groups` (no op)."""
+    def _layout(tokens_nvsh, weights_nvs, plan: MoonEPCommPlan, scales_nvsh=None) -> DispatchOutput:
+        """The step's `DispatchOutput`: the rows (and FP8 scales) and views of the planner's
+        `compute_groups` (no op)."""
         offsets_g, routes_g, expert_ids_g = plan.compute_groups.unbind()
-        return DispatchOutput(tokens_nvsh, weights_nvs, routes_g, offsets_g, expert_ids_g)
+        return DispatchOutput(tokens_nvsh, weights_nvs, routes_g, offsets_g, expert_ids_g, scales_nvsh)
 
     # -- weights --------------------------------------------------------------------------------------------
 
@@ -335,7 +364,8 @@ class MoECommunicator:
         Args:
             expert_output_nvsh: `[NvS, H]` the runner's output per dispatched row, already multiplied by
                 `weights_nvs`; may be `tokens_nvsh` itself, written in place. Rows past the groups are
-                ignored.
+                ignored. With `quantization='fp8_e4m3'` it is in the config's dtype, and the FP8 tokens
+                share the memory of the Buffer's rows: write it there only once they are consumed.
             handle: this step's handle (one combine per handle).
             out: optional `[t, H]` tensor in the config's dtype on the world's device (a modular kernel's
                 `output`): the result is written into it (one `[t, H]` copy) and it is returned.
@@ -414,9 +444,13 @@ def _check_supported(config: CommunicatorConfig, world: EPWorld) -> None:
     if config.expert_bias:
         raise NotImplementedError(f"{where}: expert_bias=True: expert projections with bias terms are not "
                                   "supported (prefetch copies weights only); supported: expert_bias=False")
-    if config.quantization != "none":
-        raise NotImplementedError(f"{where}: quantization={config.quantization!r}: quantised dispatch is not "
-                                  "supported; supported: quantization='none' (rows in the config's dtype)")
+    if config.quantization == "mxfp8":
+        raise NotImplementedError(f"{where}: quantization='mxfp8' is not supported; supported: 'none' (rows "
+                                  "in the config's dtype) and 'fp8_e4m3' (e4m3 rows with 1x128 fp32 scales)")
+    H, row_bytes = config.hidden_size, config.hidden_size * getattr(torch, config.dtype).itemsize
+    if config.quantization == "fp8_e4m3" and packed_width(H) > row_bytes:
+        raise ValueError(f"{where}: quantization='fp8_e4m3' with hidden_size={H}: e4m3 rows with their "
+                         f"scales take {packed_width(H)} bytes, more than a {config.dtype} row's {row_bytes}")
     E, R = config.num_experts, world.size
     if config.ep_size is not None and config.ep_size != R:
         raise ValueError(f"{where}: ep_size={config.ep_size} does not match the world's size {R}")

@@ -6,7 +6,7 @@ The interpreter runs a kernel as Python, so code that the compiler rejects can p
 every one-rank dispatch on the H200 ("cannot cast fp32[] to pointer<bf16>") while the interpreter ran it.
 Here every launcher of the comm row kernels, the histogram, the SwiGLU and the FP8 casts is called on
 small CPU tensors, in each variant it has (one rank or several, with and without route weights, bf16 and
-fp32 rows, the FP8 casts' orientations), with the kernels'
+fp32 rows, FP8 dispatch's packed uint8 rows, the FP8 casts' orientations), with the kernels'
 `[grid]` launch replaced by a recorder; each recorded launch (its real argument types and constexpr values)
 is then lowered to Triton IR for an sm90 target, which is where such errors are raised. Nothing runs.
 
@@ -86,6 +86,7 @@ def symmetric(name: str, tensors: list[torch.Tensor], rank: int = 0) -> Symmetri
 def comm_launches() -> None:
     """Every row-kernel launcher, one rank and two ranks, with and without weights."""
     global current
+    from moonep_moe.comm import fp8_rows
     from moonep_moe.comm.kernels import plan, rows
 
     H, K, S, nvs = 64, 4, 8, 256
@@ -106,6 +107,20 @@ def comm_launches() -> None:
                 rows.gather_routes(dst_n, rows_t, weights_t if weighted else None,
                                    torch.zeros(S, H, dtype=dtype), torch.zeros(S, K) if weighted else None,
                                    torch.float32)
+    for ranks in (1, 2):  # FP8 dispatch: packed e4m3 rows + scales as uint8 rows (`comm.fp8_rows`)
+        width = fp8_rows.packed_width(H)
+        packed_t = symmetric("rows", [torch.zeros(nvs, width, dtype=torch.uint8) for _ in range(ranks)])
+        weights_t = symmetric("weights", [torch.zeros(nvs) for _ in range(ranks)])
+        pairs_t = symmetric("pairs", [torch.zeros(ranks * S * K, 2, dtype=torch.int32) for _ in range(ranks)])
+        current = f"send_routes fp8 packed R={ranks}"
+        rows.send_routes(torch.zeros(S, width, dtype=torch.uint8), torch.zeros(S, K), dst_n, True, packed_t,
+                         weights_t, pairs_t)
+    current = "zero_padding fp8 packed"
+    rows.zero_padding(packed_t.local, torch.zeros(nvs), torch.zeros(12, 2, dtype=torch.int32), 16)
+    current = "expand_duplicates fp8 packed"
+    rows.expand_duplicates(packed_t.local, torch.zeros(nvs, 3, dtype=torch.int32),
+                           torch.zeros(nvs, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), K - 1, 16,
+                           num_sms=4)
     current = "record_duplicates"
     int32 = dict(dtype=torch.int32)
     rows.record_duplicates(torch.full((2 * S * K, 2), -1, **int32), torch.zeros(nvs, **int32),

@@ -386,16 +386,19 @@ def test_communicator_takes_a_layers_comm_config():
 
 def test_capabilities_are_stated():
     """Yes only where a test exercises it: async and CUDA graphs by the gpu tests below and
-    tests/test_engine_contract.py, two steps in flight by `test_two_steps_in_flight_equal_one_by_one`."""
+    tests/test_engine_contract.py, two steps in flight by `test_two_steps_in_flight_equal_one_by_one`, FP8
+    dispatch by tests/test_fp8_dispatch.py."""
     assert MoECommunicator.capabilities() == dict(
         supports_async=True, supports_backward=False, supports_cuda_graph=True, supports_expert_bias=False,
-        supports_multiple_inflight_steps=True, supports_quantized_dispatch=False,
+        supports_multiple_inflight_steps=True, supports_quantized_dispatch=True,
         supports_variable_tokens=True)
 
 
 @pytest.mark.parametrize(("overrides", "error", "match"), [
     (dict(expert_bias=True), NotImplementedError, "supported: expert_bias=False"),
-    (dict(quantization="fp8_e4m3"), NotImplementedError, "supported: quantization='none'"),
+    (dict(quantization="mxfp8"), NotImplementedError, "supported: 'none' .* and 'fp8_e4m3'"),
+    (dict(quantization="fp8_e4m3", hidden_size=4, dtype="bfloat16"), ValueError,
+     "hidden_size=4: e4m3 rows with their scales take 16 bytes, more than a bfloat16 row's 8"),
     (dict(num_local_experts=3), ValueError, "only contiguous blocks"),
     (dict(local_expert_start=5), ValueError, "only contiguous blocks"),
     (dict(ep_size=2), ValueError, "ep_size=2"),
@@ -410,9 +413,10 @@ def test_unsupported_options_raise_at_construction(overrides, error, match):
 
 
 def test_quantised_activations_raise_at_the_first_call():
+    """Without `quantization='fp8_e4m3'` (tests/test_fp8_dispatch.py has it)."""
     comm = MoECommunicator(comm_config(), world=single_world())
     x = step_inputs(0, 4)
-    with pytest.raises(NotImplementedError, match="quantised dispatch.*float64"):
+    with pytest.raises(ValueError, match="quantised dispatch.*needs quantization='fp8_e4m3'.*float64"):
         comm.dispatch(x["hidden"].to(torch.float8_e4m3fn), x["topk"], x["weights"])
 
 

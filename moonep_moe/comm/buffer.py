@@ -6,7 +6,9 @@ Notation and suffixes: DESIGN.md, "Notation". One step of a layer on every rank:
    histogram, plans (identically on every rank), writes each token row once per destination rank straight
    into its expert-grouped row there, sends a weight for every route, fills padding rows with zeros and
    copies primary rows into their same-rank duplicates (local expansion).
-   -> `hidden_nvsh [NvS, H]`, `route_weights_nvs [NvS]`, `cu_seqlens [E+B]`, `plan`.
+   -> `hidden_nvsh [NvS, H]`, `route_weights_nvs [NvS]`, `cu_seqlens [E+B]`, `plan`. FP8 rows move with
+   their 1x128 scales (`scales=`): one packed byte row each in the rows' memory (`comm.fp8_rows`), through
+   the same exchange; `hidden_nvsh` is then the pair (e4m3 rows, scales).
 2. `prefetch_weight(plan, gate, up, down)`: copies every replicated expert into this rank's slots (FP8
    weights with their block scales: `scales=`).
 3. The caller runs the experts over the `cu_seqlens` segments.
@@ -62,7 +64,8 @@ from typing import Any
 import torch
 
 from moonep_moe.comm.event import CommEvent
-from moonep_moe.comm.exchange import KernelExchange, RowMemory, select_exchange
+from moonep_moe.comm.exchange import KernelExchange, RowExchange, RowMemory, select_exchange
+from moonep_moe.comm.fp8_rows import pack_rows, packed_width, scale_columns, unpack_rows
 from moonep_moe.comm.plan import (
     NO_REPLICATION,
     check_layout,
@@ -204,6 +207,12 @@ class Buffer:
                            token_padding, num_sms)
         self._exchange = select_exchange(memory, kernels)
         """How rows cross ranks: the Triton row kernels or the torch reference (`comm.exchange`)."""
+        self._fp8_exchange: RowExchange | None = None
+        """The same exchange over the rows' memory seen as packed FP8 rows (`comm.fp8_rows`), where they fit
+        in the rows' bytes: what `dispatch(..., scales=)` moves."""
+        if packed_width(H) <= self._rows.local[0].nbytes:
+            packed = replace(memory, rows=self._rows.as_rows(packed_width(H), torch.uint8))
+            self._fp8_exchange = replace(self._exchange, memory=packed)
         keys = [t.key for t in (self._rows, self._weights, self._dup_pairs)]
         unreleased = f"Buffer {self.id} on rank {world.rank}" if explicitly_destroy else None
         self._finalizer = weakref.finalize(self, _release, world, keys, unreleased)
@@ -319,11 +328,12 @@ class Buffer:
     def dispatch(self, hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None = None,
                  topk_experts_sk: torch.Tensor | None = None, tokens_per_expert: torch.Tensor | None = None,
                  plan: MoonEPCommPlan | None = None, async_finish: bool = False, zero_copy: bool = False,
-                 router_weights_zero_copy: bool = False):
+                 router_weights_zero_copy: bool = False, scales: torch.Tensor | None = None):
         """Send every route's row and weight to the rank and row where it is computed.
 
         Args:
-            hidden_sh: `[s, H]` rows in the Buffer's dtype, s <= S.
+            hidden_sh: `[s, H]` rows in the Buffer's dtype, s <= S; or FP8 rows (`float8_e4m3fn`) with
+                their `scales`.
             route_weights_sk: `[s, K]` fp32 (float64 for float64 rows) route weights; may be None with a plan.
             topk_experts_sk: `[s, K]` int32/int64 experts in [-1, E), -1 = no route. Ignored with a plan.
             tokens_per_expert: optional `[E]` int histogram of this rank's valid routes (MoonEP's signature).
@@ -339,6 +349,13 @@ class Buffer:
                 overwrite the views (two in-flight steps cannot share one Buffer; give each its own).
                 Dispatches with a plan (backward) stay legal: forward dispatch -> combine -> backward
                 dispatch(plan) -> combine.
+            scales: the fp32 scales `[s, ceil(H/128)]` (any strides) of FP8 `hidden_sh`, one per row per 128
+                columns (a tail tile has its own; `layers.fp8.quantise_rows`, `cast_rows`), None otherwise:
+                quantise, then dispatch (as vLLM does). Each row travels with its scales as one packed byte
+                row (`comm.fp8_rows`: H + 4*ceil(H/128) bytes, rounded up to 16; about half of bf16's) in
+                the memory of the Buffer's rows, so it needs `packed_width(H) <= H * itemsize` (any H >= 16
+                in bf16). Every destination row gets exactly the sender's bytes and scales, duplicates
+                included; padding rows get zero values and zero scales. Combine stays in the Buffer's dtype.
 
         A plan is valid for the operations after its dispatch (prefetch_weight, combine, reduce_grad) until
         the next dispatch of this Buffer; a backward `dispatch(plan=...)` makes an earlier plan of this
@@ -348,16 +365,21 @@ class Buffer:
             `(hidden_nvsh [NvS, H], route_weights_nvs [NvS] or None, cu_seqlens [E+B] int32 or None, plan,
             event)`, the event a `CommEvent` with `async_finish`, else None. Rows of padding are zero; rows
             past `cu_seqlens[-1]` are unspecified. Raises before any exchange if an argument is malformed.
+            With `scales`, `hidden_nvsh` is the pair `(rows [NvS, H] e4m3, scales [NvS, ceil(H/128)] fp32)`
+            (DeepEP's convention): with `zero_copy`, views of the packed rows (row strides
+            `packed_width(H)` and `packed_width(H) / 4` elements; they alias `hidden_nvsh_buffer_view`,
+            so expert outputs written there overwrite them); else contiguous copies.
         """
         self._check_dispatch(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, plan,
-                             DISPATCH_NAMES)
+                             DISPATCH_NAMES, scales)
         return self._dispatch(hidden_sh, route_weights_sk, topk_experts_sk, plan, async_finish, zero_copy,
-                              router_weights_zero_copy)
+                              router_weights_zero_copy, scales)
 
     def _check_dispatch(self, hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert,
-                        plan: MoonEPCommPlan | None, names: tuple[str, str, str]) -> None:
+                        plan: MoonEPCommPlan | None, names: tuple[str, str, str], scales=None) -> None:
         """`dispatch`'s argument checks; every error names the rank and the argument as `names` (hidden,
-        route weights, expert ids) calls it: the communicator checks its own arguments through this."""
+        route weights, expert ids) calls it, and `scales` as `scales`: the communicator checks its own
+        arguments through this."""
         self._check_alive()
         device, rank = self.world.device, self.world.rank
         hidden_name, weights_name, topk_name = names
@@ -365,7 +387,20 @@ class Buffer:
             raise ValueError(f"rank {rank}: {hidden_name} must have shape [s <= S={self.S}, H={self.H}], got "
                              f"{list(hidden_sh.shape)}")
         num_tokens = hidden_sh.shape[0] if isinstance(hidden_sh, torch.Tensor) else 0
-        _check(hidden_sh, hidden_name, (num_tokens, self.H), self.dtype, device, rank)
+        fp8 = isinstance(hidden_sh, torch.Tensor) and hidden_sh.dtype == FP8_DTYPE
+        if fp8 and scales is None:
+            raise ValueError(f"rank {rank}: {hidden_name} is {FP8_DTYPE}: FP8 rows travel with their 1x128 "
+                             f"scales, pass them as scales (float32 [s, {scale_columns(self.H)}])")
+        if scales is not None:
+            if isinstance(hidden_sh, torch.Tensor) and not fp8:
+                raise ValueError(f"rank {rank}: scales is only for FP8 ({FP8_DTYPE}) {hidden_name}, got "
+                                 f"{hidden_name} in {hidden_sh.dtype}")
+            _check(scales, "scales", (num_tokens, scale_columns(self.H)), torch.float32, device, rank)
+            if self._fp8_exchange is None:
+                raise ValueError(f"rank {rank}: scales: FP8 rows of H={self.H} with their scales take "
+                                 f"{packed_width(self.H)} bytes, more than this Buffer's {self.dtype} rows "
+                                 f"({self._rows.local[0].nbytes} bytes) hold")
+        _check(hidden_sh, hidden_name, (num_tokens, self.H), FP8_DTYPE if fp8 else self.dtype, device, rank)
         if route_weights_sk is not None:
             _check(route_weights_sk, weights_name, (num_tokens, self.K), self.weight_dtype, device, rank)
         if plan is not None:
@@ -417,9 +452,10 @@ class Buffer:
                              "them)")
 
     def _dispatch(self, hidden_sh, route_weights_sk, topk_experts_sk, plan: MoonEPCommPlan | None,
-                  async_finish: bool, zero_copy: bool, router_weights_zero_copy: bool):
+                  async_finish: bool, zero_copy: bool, router_weights_zero_copy: bool, scales=None):
         """`dispatch` after its checks."""
         step = self._steps + 1 if plan is None else plan.step
+        exchange = self._exchange if scales is None else self._fp8_exchange
 
         def op():
             step_plan, cu_seqlens = plan, None
@@ -432,28 +468,42 @@ class Buffer:
                                                 rows_per_rank=self.NvS, owner=self.id,
                                                 replica_cost=self.replica_cost), step=step)
                 cu_seqlens = step_plan.cu_seqlens
-            self._send_rows(step_plan, hidden_sh, route_weights_sk, record_duplicates=plan is None)
-            rows_nvsh = self._rows.local if zero_copy else self._rows.local.clone()
+            rows_sh = hidden_sh if scales is None else pack_rows(hidden_sh, scales)
+            self._send_rows(exchange, step_plan, rows_sh, route_weights_sk, record_duplicates=plan is None)
+            rows_nvsh = self._received_rows(exchange, zero_copy)
             weights_nvs = None
             if route_weights_sk is not None:
                 weights_nvs = self._weights.local if router_weights_zero_copy else self._weights.local.clone()
             return rows_nvsh, weights_nvs, cu_seqlens, step_plan
 
-        result, event = self._launch(async_finish, op, (hidden_sh, route_weights_sk, topk_experts_sk, plan))
+        result, event = self._launch(async_finish, op, (hidden_sh, route_weights_sk, topk_experts_sk, plan,
+                                                        scales))
         self._steps, self._current_step = max(self._steps, step), step
         if plan is None and (zero_copy or router_weights_zero_copy):
             self._pending_views = result[3]
         return (*result, event)
 
-    def _send_rows(self, plan: MoonEPCommPlan, hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None,
-                   record_duplicates: bool) -> None:
-        """Every route's payload row (primaries only) and weight to its destination row; the duplicate
-        pairs too when `record_duplicates` (the forward dispatch, which fills the plan's dup tables).
-        Then zero the padding rows and copy each primary row into its duplicates (the rows the plan fills)."""
-        self._exchange.send_routes(plan, hidden_sh, route_weights_sk, record_duplicates)
+    @staticmethod
+    def _send_rows(exchange: RowExchange, plan: MoonEPCommPlan, rows_sh: torch.Tensor,
+                   route_weights_sk: torch.Tensor | None, record_duplicates: bool) -> None:
+        """Through `exchange` (the Buffer's, or its packed FP8 one with packed `rows_sh`): every route's
+        payload row (primaries only) and weight to its destination row; the duplicate pairs too when
+        `record_duplicates` (the forward dispatch, which fills the plan's dup tables). Then zero the padding
+        rows and copy each primary row into its duplicates (the rows the plan fills)."""
+        exchange.send_routes(plan, rows_sh, route_weights_sk, record_duplicates)
         if record_duplicates:
-            self._exchange.record_duplicates(plan)
-        self._exchange.fill_rows(plan)
+            exchange.record_duplicates(plan)
+        exchange.fill_rows(plan)
+
+    def _received_rows(self, exchange: RowExchange, zero_copy: bool):
+        """The rows a dispatch through `exchange` left: the Buffer's `[NvS, H]` rows, or with the packed FP8
+        exchange the pair (e4m3 rows, scales) unpacked from them; views with `zero_copy`, else copies."""
+        if exchange is self._exchange:
+            return self._rows.local if zero_copy else self._rows.local.clone()
+        q_nvsh, scales_nvsh = unpack_rows(exchange.memory.rows.local, self.H)
+        if zero_copy:
+            return q_nvsh, scales_nvsh
+        return q_nvsh.view(torch.uint8).contiguous().view(FP8_DTYPE), scales_nvsh.contiguous()
 
     # -- combine --------------------------------------------------------------------------------------------
 

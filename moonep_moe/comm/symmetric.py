@@ -46,7 +46,13 @@ from moonep_moe.comm.collective import (
     init_collective,
     joined_group,
 )
-from moonep_moe.comm.world import BARRIER_TIMEOUT_S, PeerWorld, SymmetricTensor, write_peer_rows
+from moonep_moe.comm.world import (
+    BARRIER_TIMEOUT_S,
+    PeerWorld,
+    SymmetricTensor,
+    reinterpret_rows,
+    write_peer_rows,
+)
 from moonep_moe.weights.arena import PhysicalRows
 
 NO_MULTICAST_ENV = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0",
@@ -202,6 +208,12 @@ class SymmetricWorld(PeerWorld):
                              f"larger than DUMP_ROW_MAX_BYTES={DUMP_ROW_MAX_BYTES}, or it is empty or "
                              "0-dimensional): "
                              "it cannot be a scatter_rows target")
+        local = target.local
+        if targets[0].dtype != local.dtype or targets[0].shape[1:] != local.shape[1:]:
+            # rows of another width over the registered memory (`SymmetricTensor.as_rows`): the dump row
+            # is the row after them, inside the registered tensor and its dump row
+            targets = tuple(reinterpret_rows(t, local.shape[0] + 1, local.shape[1], local.dtype)
+                            for t in targets)
         self.barrier()  # every rank is done with the targets' previous contents
         write_peer_rows(targets, rank_n, row_n, values_n, capacity)
         self.barrier()  # every write into this rank's target has landed

@@ -141,6 +141,21 @@ class SymmetricTensor:
                                f"{self.rank} (this world has no shared memory; use scatter_rows/gather_rows)")
         return tensor
 
+    def as_rows(self, width: int, dtype: torch.dtype) -> SymmetricTensor:
+        """The same memory on every rank seen as `[rows, width]` rows of `dtype` (rows: `local`'s), under the
+        same key: a view, not a registration (worlds map it onto the registered tensor, `reinterpret_rows`).
+        Every rank's tensor must be contiguous and hold that many bytes."""
+        rows = self.local.shape[0]
+        return SymmetricTensor(self.key, self.rank, tuple(
+            None if peer is None else reinterpret_rows(peer, rows, width, dtype) for peer in self.peers))
+
+
+def reinterpret_rows(tensor: torch.Tensor, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """`[rows, width]` of `dtype` over the first `rows * width * dtype.itemsize` bytes of the contiguous
+    `tensor`'s memory (a view: writes land in `tensor`)."""
+    flat = tensor.view(-1).view(torch.uint8)
+    return flat[:rows * width * dtype.itemsize].view(dtype).view(rows, width)
+
 
 # -- the peer exchange --------------------------------------------------------------------------------------
 
