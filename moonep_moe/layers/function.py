@@ -71,6 +71,10 @@ class MoonEPExperts(torch.autograd.Function):
         topk_experts_sk: `[s, K]` int experts, -1 = no route. tokens_per_expert: `[E]` int histogram.
         gate_up, down: the home expert parameters (`state.experts`), passed so autograd gives them grads.
         state: `ExpertsState`.
+
+    FP8 experts with no master (`MoEConfig.expert_weights="fp8"`) run forward only: their scales are
+    prefetched with them and the GEMMs take `Fp8Weights`; the layer refuses, before routing, a forward whose
+    output would need a gradient (`MoonEPMoELayer.forward`), so this backward never meets them.
     """
 
     @staticmethod
@@ -80,11 +84,12 @@ class MoonEPExperts(torch.autograd.Function):
         x_nvsh, w_nvs, cu_seqlens, plan, _ = buffer.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
                                                              tokens_per_expert)
         gate_up_rows, down_rows = experts.rows
-        buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
+        buffer.prefetch_weight(plan, gate_up_rows, None, down_rows, experts.scales)
         offs_g = compute_offsets(cu_seqlens, buffer.world.rank, buffer.epn, buffer.E)
-        ab_nv2f = gemm.fwd(x_nvsh, gate_up_rows.compute_weights(gemm.joined_weights), offs_g)
+        gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
+        ab_nv2f = gemm.fwd(x_nvsh, gate_up_w, offs_g)
         hw_nvf = swiglu_weighted(ab_nv2f, w_nvs, offs_g[-1:])
-        y_nvsh = gemm.fwd(hw_nvf, down_rows.compute_weights(gemm.joined_weights), offs_g)
+        y_nvsh = gemm.fwd(hw_nvf, down_w, offs_g)
         out_sh, _, _ = buffer.combine(plan, y_nvsh)
         ctx.save_for_backward(x_nvsh, ab_nv2f, w_nvs, offs_g)
         ctx.plan, ctx.state = plan, state
@@ -108,7 +113,8 @@ class MoonEPExperts(torch.autograd.Function):
         dy_nvsh, *_ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None, plan=plan,
                                       zero_copy=True)
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
-        u_nvf = gemm.dgrad(dy_nvsh, down_rows.compute_weights(gemm.joined_weights), offs_g)
+        gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
+        u_nvf = gemm.dgrad(dy_nvsh, down_w, offs_g)
         dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:])
         # "param": the GEMMs make this step's home gradients (None parts) and overwrite the slot gradients
         # (no zeroing pass, no copy); "main_grad": they add into the persistent main_grad and the slot
@@ -119,7 +125,7 @@ class MoonEPExperts(torch.autograd.Function):
         down_home, _ = gemm.wgrad(dy_nvsh, hw_nvf, offs_g, (home[1], down_slots), add)
         gate_up_home, _ = gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (home[0], gate_up_slots), add)
         gate_up_grads, down_grads = experts.new_grads((gate_up_home, down_home))
-        dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_rows.compute_weights(gemm.joined_weights), offs_g)
+        dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_w, offs_g)
         grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs)
         buffer.reduce_grad(plan, gate_up_grads, None, down_grads)
         if state.main_grad:
