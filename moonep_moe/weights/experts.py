@@ -40,6 +40,7 @@ layout load as stored, bytes and scales unchanged; unquantised ones are quantise
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -266,7 +267,7 @@ class HomeExperts(nn.Module):
                 error_msgs.append(f"{key}: block scales without their weight {weight_key}")
         with torch.no_grad():
             if fused is not None:
-                self._load_fused(state_dict, [ours[n] for n in fused], error_msgs)
+                self.load_fused(state_dict, [ours[n] for n in fused], error_msgs)
             else:
                 self._load_per_expert(state_dict, prefix, ours, missing_keys, error_msgs)
         if strict and fused is None:
@@ -274,10 +275,12 @@ class HomeExperts(nn.Module):
                      for names in PER_EXPERT_NAMES.values() for n in names for suffix in ("", SCALE_SUFFIX)}
             unexpected_keys.extend(k for name, k in ours.items() if name not in known)
 
-    def _load_fused(self, state_dict, keys: list[str], error_msgs: list[str]) -> None:
+    @torch.no_grad()
+    def load_fused(self, state_dict, keys: Sequence[str], error_msgs: list[str]) -> None:
         """Home experts from fused `gate_up [E, 2F, H]` and `down [E, H, F]` under `keys` (unquantised ones
         also stored transposed, `[E, H, 2F]` and `[E, F, H]`), expert by expert (`_store`; FP8 ones with
-        gate's and up's scales stacked). Nothing is copied after an error."""
+        gate's and up's scales stacked under `key + SCALE_SUFFIX`). Errors are appended to `error_msgs`,
+        naming the key; nothing is copied after one."""
         f, h, e = self.ffn_hidden_size, self.hidden_size, self.num_experts
         sources = []
         for key, kind, expected, parts in ((keys[0], "gate_up", (e, 2 * f, h), 2),
