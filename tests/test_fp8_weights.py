@@ -235,11 +235,13 @@ def test_deep_gemm_path_refused_at_construction_without_cuda():
 
 
 def test_dtype_conversion_of_fp8_experts_is_refused():
-    """`.to(bfloat16)` leaves a bf16 layer's parameters as they are but would cast the e4m3 buffers."""
+    """`.to(bfloat16)` leaves a bf16 layer's parameters as they are but would cast the e4m3 buffers and their
+    fp32 scales (whichever the check meets first is named)."""
     layer = MoonEPMoELayer(config(1, router={"dtype": "bfloat16"}))
-    with pytest.raises(ValueError, match=r"cannot convert MoonEPMoELayer's torch.float8_e4m3fn"):
+    with pytest.raises(ValueError, match=r"cannot convert MoonEPMoELayer's torch.(float8_e4m3fn|float32) "
+                                         r"parameters to torch.bfloat16"):
         layer.to(torch.bfloat16)
-    assert layer.experts.gate_up.dtype == FP8_DTYPE
+    assert layer.experts.gate_up.dtype == FP8_DTYPE and layer.experts.down_scale_inv.dtype == torch.float32
 
 
 def test_fp8_weight_without_its_scales_is_an_error_naming_the_key():
