@@ -449,6 +449,23 @@ class MoEConfig(CommConfig):
             "(`moonep_moe.layers.fp8`)."
         ),
     )
+    expert_weights: Literal["bf16", "fp8"] = Field(
+        "bf16",
+        description=(
+            "How the routed experts' weights are stored. Default 'bf16': masters in `dtype` (parameters, "
+            "trainable). 'fp8' (inference with FP8 checkpoints): no master at all; each home expert is "
+            "e4m3 values with fp32 128x128 block scales (buffers `experts.gate_up` / "
+            "`experts.gate_up_scale_inv`, `experts.down` / `experts.down_scale_inv`; `state_dict()` in "
+            "DeepSeek-V3's per-expert format), loaded from DeepSeek-V3's per-expert or transformers' fused "
+            "FP8 checkpoints as stored (unquantised ones are quantised on load); prefetch moves e4m3 bytes "
+            "and scales; the GEMMs take them as they are: DeepGEMM's FP8 GEMMs ('auto' / 'deep_gemm', CUDA "
+            "sm90) or, with grouped_gemm='reference', the weights dequantised exactly and multiplied in "
+            "fp32 on any device. Needs precision='fp8' (the default with 'fp8'), dtype='bfloat16' and "
+            "ffn_hidden_size a multiple of 128 (gate and up are one [2F, H] FP8 matrix whose blocks must not "
+            "straddle them). Not trainable: a forward with grad enabled whose input or router requires "
+            "grad raises; run under torch.no_grad() or torch.inference_mode()."
+        ),
+    )
     world: Literal["threads", "symmetric", "collective"] = Field(
         "threads",
         description=(
@@ -470,8 +487,10 @@ class MoEConfig(CommConfig):
     @model_validator(mode="before")
     @classmethod
     def _default_token_padding(cls, data: Any) -> Any:
-        """`token_padding` left out: 128 for DeepGEMM, else 16 (see the field); a pure function of the config,
-        so every rank resolves the same value."""
+        """`precision` left out: 'fp8' with `expert_weights='fp8'`; `token_padding` left out: 128 for DeepGEMM
+        and FP8, else 16 (see the fields). Pure functions of the config, so every rank resolves the same."""
+        if isinstance(data, dict) and data.get("expert_weights") == "fp8" and data.get("precision") is None:
+            data = {**data, "precision": "fp8"}
         if isinstance(data, dict) and data.get("token_padding") is None:
             aligned = data.get("grouped_gemm") == "deep_gemm" or data.get("precision") == "fp8"
             data = {**data, "token_padding": 128 if aligned else 16}
@@ -493,7 +512,22 @@ class MoEConfig(CommConfig):
         if self.precision == "fp8" and (self.dtype != "bfloat16" or self.token_padding % 128):
             raise ValueError(f"precision='fp8' needs dtype='bfloat16' and token_padding a multiple of 128, "
                              f"got dtype={self.dtype!r}, token_padding={self.token_padding}")
+        if self.expert_weights == "fp8":
+            self._check_fp8_weights()
         return self
+
+    def _check_fp8_weights(self) -> None:
+        """`expert_weights='fp8'`: FP8 GEMMs, on a backend that takes FP8 weights, over whole 128-row blocks
+        of gate and of up."""
+        if self.precision != "fp8":
+            raise ValueError(f"expert_weights='fp8' needs precision='fp8' (its default), got "
+                             f"precision={self.precision!r}")
+        if self.ffn_hidden_size % 128:
+            raise ValueError(f"expert_weights='fp8' needs ffn_hidden_size a multiple of 128 (gate's and up's "
+                             f"128x128 blocks of one [2F, H] matrix), got {self.ffn_hidden_size}")
+        if self.grouped_gemm not in ("auto", "deep_gemm", "reference"):
+            raise ValueError(f"expert_weights='fp8' runs on grouped_gemm 'auto' or 'deep_gemm' (DeepGEMM's "
+                             f"FP8 GEMMs) or 'reference' (any device), got {self.grouped_gemm!r}")
 
     @property
     def comm(self) -> CommConfig:

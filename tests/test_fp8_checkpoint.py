@@ -194,14 +194,14 @@ VOCAB, BATCH, SEQ = 64, 2, 12
 HF_TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # as tests/test_hf.py: a few ulps of the largest value
 
 
-def deepseek_v3(dtype: torch.dtype) -> torch.nn.Module:
-    """A tiny random DeepSeek-V3 (2 MoE layers, H=32, E=8, K=2, F=16) with a random expert bias."""
+def deepseek_v3(dtype: torch.dtype, ffn: int = 16) -> torch.nn.Module:
+    """A tiny random DeepSeek-V3 (2 MoE layers, H=32, E=8, K=2, F=`ffn`) with a random expert bias."""
     transformers = pytest.importorskip("transformers")
     with torch.random.fork_rng():  # seeded here, and later tests draw what they drew without this one
         torch.manual_seed(0)
         model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=48,
+            num_key_value_heads=2, num_experts_per_tok=2, moe_intermediate_size=ffn, intermediate_size=48,
             n_routed_experts=8, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
             first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
             qk_nope_head_dim=4, v_head_dim=8))
@@ -229,13 +229,14 @@ def quantise_stacked(w: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.T
             torch.cat(products, 1).reshape(w.shape))
 
 
-def quantised_deepseek_v3(dtype: torch.dtype, block_size=(128, 128)) -> tuple[torch.nn.Module, ...]:
+def quantised_deepseek_v3(dtype: torch.dtype, block_size=(128, 128), ffn: int = 16
+                          ) -> tuple[torch.nn.Module, ...]:
     """`(reference, fp8)`: `fp8` is the tiny model with its MoE blocks' experts and shared experts turned
     into transformers' own FP8 modules (`replace_with_fp8_linear`: `FP8Experts` with `gate_up_proj_scale_inv
     [E, 2, 1]` (gate's and up's stacked) and `down_proj_scale_inv`, `FP8Linear`s with `weight_scale_inv`),
     holding the reference's weights quantised; `reference` holds their dequantised values (exact in `dtype`:
     power-of-two scales)."""
-    reference = deepseek_v3(dtype)
+    reference = deepseek_v3(dtype, ffn)
     transformers = pytest.importorskip("transformers")
     fp8_integration = pytest.importorskip("transformers.integrations.finegrained_fp8")
     fp8 = copy.deepcopy(reference)

@@ -29,7 +29,10 @@ FP8 blocks (transformers' finegrained-FP8 integration, e.g. DeepSeek-V3's releas
 as it is): `FP8Experts` (e4m3 `gate_up_proj` / `down_proj` with fp32 `gate_up_proj_scale_inv` (gate's and
 up's scales stacked) / `down_proj_scale_inv`, one scale per 128x128 block) and `FP8Linear` shared experts
 (`weight` + `weight_scale_inv`) are swapped in dequantised (each weight times its block scales in fp32, then
-rounded), into bfloat16 masters unless the overrides say `dtype=`.
+rounded), into bfloat16 masters unless the overrides say `dtype=`. With `expert_weights="fp8"` (inference)
+the routed experts stay FP8 instead: this rank's e4m3 bytes and scales are copied as they are into the
+layer's FP8 experts (`MoEConfig.expert_weights`; an unquantised block's experts are quantised), and
+`hf_tensors` gives them back with their scales under the same names; shared experts are still dequantised.
 
 Anything else that looks like an MoE block, expert bias terms, transposed or interleaved expert layouts,
 activations other than SiLU, FP8 blocks other than 128x128 and Mixtral's router jitter fail in
@@ -140,9 +143,9 @@ class MoonEPBlock(nn.Module):
         """This block's tensors (or their `.grad`) under the replaced block's HF-local names, as views.
 
         `experts.gate_up_proj [epn, 2F, H]` and `experts.down_proj [epn, H, F]` are this rank's home experts
-        (global ids `moe.experts.home_experts`); shared-expert `gate_proj`/`up_proj` are the two halves of
-        the fused `gate_up [2 * width, H]` (width: the shared experts' FFN width). Buffers
-        (`gate.e_score_correction_bias`) only when `grads` is False.
+        (global ids `moe.experts.home_experts`), FP8 ones with their block scales (`..._scale_inv`);
+        shared-expert `gate_proj`/`up_proj` are the two halves of the fused `gate_up [2 * width, H]` (width:
+        the shared experts' FFN width). Buffers (`gate.e_score_correction_bias`) only when `grads` is False.
         """
         def get(p: torch.Tensor) -> torch.Tensor | None:
             return p.grad if grads else p
@@ -150,6 +153,9 @@ class MoonEPBlock(nn.Module):
         moe = self.moe
         out = {"gate.weight": get(moe.router.weight), EXPERT_KEYS[0]: get(moe.experts.gate_up),
                EXPERT_KEYS[1]: get(moe.experts.down)}
+        if moe.experts.fp8:  # no gradients (forward only)
+            out.update({key + SCALE_SUFFIX: get(getattr(moe.experts, kind + SCALE_SUFFIX))
+                         for key, kind in zip(EXPERT_KEYS, ("gate_up", "down"), strict=True)})
         if not grads and moe.router.expert_bias is not None:
             out[BIAS_KEY] = moe.router.expert_bias
         shared = moe.shared_experts
@@ -234,17 +240,22 @@ def _install_logits_hook(block: MoonEPBlock) -> None:
 
 @torch.no_grad()
 def _copy_weights(block: nn.Module, target: MoonEPBlock) -> None:
-    """Copy the HF block's tensors into `target` (home experts only; FP8 ones dequantised)."""
+    """Copy the HF block's tensors into `target`: its home experts (`HomeExperts.load_fused`: into masters,
+    FP8 ones dequantised, or kept FP8 with `expert_weights="fp8"`), then the rest (FP8 ones dequantised)."""
     source = dict(block.state_dict())
-    home = slice(target.moe.experts.first_expert, target.moe.experts.first_expert + target.moe.experts.epn)
+    errors: list[str] = []
+    target.moe.experts.load_fused(source, EXPERT_KEYS, errors)
+    if errors:
+        raise ValueError(f"{target.hf_class}.{errors[0]}")
     for name, view in target.hf_tensors().items():
+        if name.startswith(EXPERT_KEYS):
+            continue  # loaded above, scales too
         if name == BIAS_KEY and name not in source:
             continue  # an expert bias the overrides added (router.expert_bias) starts at zero
         if name not in source:
             raise ValueError(f"{target.hf_class}: expected a tensor named {name!r}, found {sorted(source)}")
-        parts = 2 if name == EXPERT_KEYS[0] else 1  # gate's and up's scales stacked
         try:
-            value = checkpoint_weight(source, name, parts, home if name in EXPERT_KEYS else ...)
+            value = checkpoint_weight(source, name)
         except ValueError as error:
             raise ValueError(f"{target.hf_class}.{error}") from None
         if value.shape != view.shape:
@@ -264,7 +275,8 @@ def swap_moe_blocks(model: nn.Module, max_tokens_per_rank: int, world: EPWorld |
             R ranks, call this on every rank, on that rank's own copy of the model.
         **config_overrides: `MoEConfig` fields applied after the ones read from the model, e.g.
             `token_padding=8`, `num_prefetch_slots=0`, `grouped_gemm="reference"`,
-            `router={"expert_bias_update_rate": 1e-3}`.
+            `router={"expert_bias_update_rate": 1e-3}`; `expert_weights="fp8"` keeps FP8 experts FP8 (no
+            bf16 master; inference only; the model's expert FFN size must be a multiple of 128).
 
     Raises:
         ValueError: no supported block found, an MoE-like block of an unsupported class, or an unsupported
@@ -310,5 +322,7 @@ def hf_state_dict(model: nn.Module, grads: bool = False) -> dict[str, torch.Tens
 
 
 def merge_expert_shards(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The ranks' `hf_state_dict`s (in rank order) -> their expert entries concatenated to `[E, ...]`."""
-    return {k: torch.cat([s[k] for s in states]) for k in states[0] if k.endswith(EXPERT_KEYS)}
+    """The ranks' `hf_state_dict`s (in rank order) -> their expert entries (FP8 ones' scales too)
+    concatenated to `[E, ...]`."""
+    keys = EXPERT_KEYS + tuple(key + SCALE_SUFFIX for key in EXPERT_KEYS)
+    return {k: torch.cat([s[k] for s in states]) for k in states[0] if k.endswith(keys)}

@@ -27,23 +27,32 @@ What DeepGEMM 2.8.2 takes on sm90 (read from its ``csrc/apis/layout.hpp``, ``csr
 
 from __future__ import annotations
 
-import struct
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from moonep_moe.layers.grouped_gemm import (
     GroupedGemm,
+    ReferenceGroupedGemm,
     _check_groups,
     deep_gemm_unsupported_reason,
     import_deep_gemm,
 )
-from moonep_moe.weights.quantised import BLOCK, FP8_DTYPE, block_scales_shape, dequantise_blocks
+from moonep_moe.weights.quantised import (
+    BLOCK,
+    E4M3_MAX,
+    FP8_DTYPE,
+    Fp8Weights,
+    block_scales_shape,
+    dequantise_blocks,
+    pad_to_blocks,
+    pow2_scales,
+    quantise_blocks,
+)
 
 __all__ = [
     "E4M3_MAX",
@@ -51,10 +60,13 @@ __all__ = [
     "TILE",
     "Fp8GroupedGemm",
     "Fp8WeightCache",
+    "Fp8Weights",
+    "ReferenceFp8Gemm",
     "dequantise_blocks",
     "dequantise_rows",
     "fp8_grouped_gemm",
     "fp8_unsupported_reason",
+    "fp8_weights_gemm",
     "pow2_scales",
     "quantise_blocks",
     "quantise_rows",
@@ -63,32 +75,8 @@ __all__ = [
     "transpose_blocks",
 ]
 
-E4M3_MAX = 448.0
-"""The largest finite e4m3 value, ``1.75 * 2^8``."""
 TILE = BLOCK
 """Activations: one scale per row per ``TILE`` columns; weights: one per ``TILE x TILE`` block."""
-MIN_AMAX = 2.0**-100
-"""Tiles whose amax is below this are scaled as if it were this (an all-zero tile gets a finite scale)."""
-MAX_BITS = struct.unpack("<i", struct.pack("<f", E4M3_MAX))[0]
-"""``E4M3_MAX``'s fp32 bits: exponent field ``MAX_BITS >> 23``, significand bits ``MAX_BITS & 0x7FFFFF``."""
-
-
-def pow2_scales(amax: Tensor) -> Tensor:
-    """fp32 powers of two ``s``, the smallest with ``amax / s <= E4M3_MAX`` (amax floored at ``MIN_AMAX``).
-
-    Read from amax's fp32 bits: with ``E4M3_MAX = 1.75 * 2^8``, ``s = 2^(e - 8)`` when amax's significand is
-    at most 1.75, else ``2^(e - 7)`` (``e`` the exponent of amax)."""
-    bits = amax.to(torch.float32).clamp(min=MIN_AMAX).view(torch.int32)
-    over = ((bits & 0x7FFFFF) > (MAX_BITS & 0x7FFFFF)).to(torch.int32)
-    return (((bits >> 23) - (MAX_BITS >> 23) + 127 + over) << 23).view(torch.float32)
-
-
-def _pad_to_tiles(x: Tensor, dims: Sequence[int]) -> Tensor:
-    """``x`` in fp32 with each of ``dims`` zero-padded to a multiple of ``TILE``."""
-    pad = [0] * (2 * x.dim())
-    for dim in dims:
-        pad[2 * (x.dim() - 1 - dim) + 1] = -x.shape[dim] % TILE
-    return F.pad(x.to(torch.float32), pad)
 
 
 def quantise_rows(x_mk: Tensor) -> tuple[Tensor, Tensor]:
@@ -96,7 +84,7 @@ def quantise_rows(x_mk: Tensor) -> tuple[Tensor, Tensor]:
     K] e4m3, scales [rows, Kb] fp32)`` with ``x ~= q * scales`` per 1x128 tile; a tail tile of ``K % 128``
     columns gets its own scale. The scales are contiguous (see `to_deep_gemm_row_scales`)."""
     rows, k = x_mk.shape
-    padded = _pad_to_tiles(x_mk, [1])
+    padded = pad_to_blocks(x_mk, [1])
     tiles_mkt = padded.view(rows, padded.shape[1] // TILE, TILE)
     scales_mk = pow2_scales(tiles_mkt.abs().amax(-1))
     q_mkt = (tiles_mkt / scales_mk[..., None]).to(FP8_DTYPE)
@@ -106,17 +94,6 @@ def quantise_rows(x_mk: Tensor) -> tuple[Tensor, Tensor]:
 def dequantise_rows(q_mk: Tensor, scales_mk: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
     """``q * scale`` per 1x128 tile, in ``dtype``: ``[rows, K]``."""
     return q_mk.to(dtype) * scales_mk.to(dtype).repeat_interleave(TILE, dim=1)[:, :q_mk.shape[1]]
-
-
-def quantise_blocks(w_gnk: Tensor) -> tuple[Tensor, Tensor]:
-    """Reference weight cast: ``w [G, N, K]`` -> ``(q [G, N, K] e4m3, scales [G, ceil(N/128), Kb] fp32)``, one
-    scale per 128x128 block (tail blocks of ``N % 128`` rows or ``K % 128`` columns get their own)."""
-    g, n, k = w_gnk.shape
-    padded = _pad_to_tiles(w_gnk, [1, 2])
-    blocks = padded.view(g, padded.shape[1] // TILE, TILE, padded.shape[2] // TILE, TILE)
-    scales_gnk = pow2_scales(blocks.abs().amax((2, 4)))
-    q = (blocks / scales_gnk[:, :, None, :, None]).to(FP8_DTYPE)
-    return q.view(padded.shape)[:, :n, :k].contiguous(), scales_gnk
 
 
 def transpose_blocks(q_gnk: Tensor, scales_gnk: Tensor) -> tuple[Tensor, Tensor]:
@@ -242,6 +219,10 @@ class Fp8GroupedGemm:
     Cost: wgrad is a third of the expert block's GEMM FLOPs and runs at the bf16 rate, so at 1.6x on fwd and
     dgrad the GEMM time is at best ``(2 / 1.6 + 1) / 3 = 0.75`` of bf16's (1.33x).
 
+    Experts kept FP8 (`MoEConfig.expert_weights="fp8"`) come to ``fwd`` as `Fp8Weights`: multiplied as they
+    are (joined into one tensor only where they come in parts), no cast, no bf16 copy; such a layer has no
+    weight gradients (``wgrad=None``).
+
     Needs CUDA sm90, DeepGEMM, bf16 and segments starting at multiples of 128 (`fp8_unsupported_reason`).
     """
 
@@ -249,7 +230,7 @@ class Fp8GroupedGemm:
     ops = ("fwd", "dgrad")
     joined_weights = False  # the home parameters themselves, so inference keeps their FP8 copies per version
 
-    def __init__(self, wgrad: GroupedGemm) -> None:
+    def __init__(self, wgrad: GroupedGemm | None) -> None:
         from moonep_moe.layers.kernels.fp8_cast import cast_rows
 
         self._deep_gemm = import_deep_gemm()
@@ -257,7 +238,11 @@ class Fp8GroupedGemm:
         self._wgrad = wgrad
         self.weights = Fp8WeightCache()
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor, frozen: bool = False) -> Tensor:
+    def fwd(self, x: Tensor, weights: Sequence[Tensor] | Fp8Weights, offs_g: Tensor,
+            frozen: bool = False) -> Tensor:
+        if isinstance(weights, Fp8Weights):
+            _check_groups(weights.q, offs_g, "weights")
+            return self._gemm(x, *weights.joined(), offs_g)
         _check_groups(weights, offs_g, "weights")
         return self._gemm(x, *self.weights.get(weights, transposed=False, keep=frozen), offs_g)
 
@@ -275,7 +260,38 @@ class Fp8GroupedGemm:
 
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
               accumulate: bool = True) -> list[Tensor]:
+        if self._wgrad is None:
+            raise ValueError(FORWARD_ONLY)
         return self._wgrad.wgrad(dy, x, offs_g, out, accumulate)
+
+
+FORWARD_ONLY = "experts kept FP8 (expert_weights='fp8') run forward only: no master weights to train"
+
+
+class ReferenceFp8Gemm:
+    """Experts kept FP8 (`Fp8Weights`) on any device, for tests and CPUs: each weight dequantised exactly
+    (``q * scale`` per 128x128 block in fp32: with power-of-two scales the products are exact) and multiplied
+    by the activations as given, per segment, in fp32 (`ReferenceGroupedGemm`: it reads ``offs_g`` on the
+    host, and holds a transient fp32 copy of the weights). The activations are not cast to FP8: this is
+    each expert's checkpoint value applied to the layer's activations, equal to the bf16 masters' GEMM on
+    the dequantised weights; DeepGEMM's path (`Fp8GroupedGemm`) also rounds the activations to e4m3 per
+    1x128 tile. Forward only (`FORWARD_ONLY`)."""
+
+    name = "reference_fp8"
+    ops = ("fwd",)
+    joined_weights = True
+
+    def fwd(self, x: Tensor, weights: Fp8Weights, offs_g: Tensor, frozen: bool = False) -> Tensor:
+        dequantised = [dequantise_blocks(q, scales, torch.float32)
+                       for q, scales in zip(weights.q, weights.scales, strict=True)]
+        return ReferenceGroupedGemm().fwd(x, dequantised, offs_g)
+
+    def dgrad(self, dy: Tensor, weights: Fp8Weights, offs_g: Tensor) -> Tensor:
+        raise ValueError(FORWARD_ONLY)
+
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
+        raise ValueError(FORWARD_ONLY)
 
 
 def fp8_unsupported_reason(device: torch.device, dtype: torch.dtype, token_padding: int | None) -> str | None:
@@ -304,4 +320,21 @@ def fp8_grouped_gemm(wgrad: GroupedGemm, device: torch.device, dtype: torch.dtyp
     if reason is not None:
         raise ValueError(f"precision='fp8' cannot run here (rank {rank}): {reason}; use precision='bf16'")
     return Fp8GroupedGemm(wgrad)
+
+
+def fp8_weights_gemm(grouped_gemm: str, device: torch.device, dtype: torch.dtype, token_padding: int | None,
+                     rank: int = 0) -> Fp8GroupedGemm | ReferenceFp8Gemm:
+    """The GEMM backend of an ``expert_weights="fp8"`` layer: `ReferenceFp8Gemm` for ``grouped_gemm=
+    "reference"``, else DeepGEMM's FP8 GEMMs (`Fp8GroupedGemm`, no weight gradients).
+
+    Raises:
+        ValueError naming ``expert_weights`` and the rank when DeepGEMM's FP8 GEMMs cannot run here.
+    """
+    if grouped_gemm == "reference":
+        return ReferenceFp8Gemm()
+    reason = fp8_unsupported_reason(device, dtype, token_padding)
+    if reason is not None:
+        raise ValueError(f"expert_weights='fp8' with grouped_gemm={grouped_gemm!r} cannot run here (rank "
+                         f"{rank}): {reason}; use grouped_gemm='reference' (dequantised weights, any device)")
+    return Fp8GroupedGemm(None)
 

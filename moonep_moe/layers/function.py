@@ -75,6 +75,10 @@ class MoonEPExperts(torch.autograd.Function):
         frozen: the experts get no gradient from this call (grad mode off, or their parameters frozen;
             inside `forward` autograd has turned grad mode off, so the caller says): the GEMM backend may
             keep what it derives from the weights (`GroupedGemm.fwd`).
+
+    FP8 experts with no master (`MoEConfig.expert_weights="fp8"`) run forward only: their scales are
+    prefetched with them and the GEMMs take `Fp8Weights`; the layer refuses, before routing, a forward whose
+    output would need a gradient (`MoonEPMoELayer.forward`), so this backward never meets them.
     """
 
     @staticmethod
@@ -84,11 +88,12 @@ class MoonEPExperts(torch.autograd.Function):
         x_nvsh, w_nvs, cu_seqlens, plan, _ = buffer.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
                                                              tokens_per_expert)
         gate_up_rows, down_rows = experts.rows
-        buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
+        buffer.prefetch_weight(plan, gate_up_rows, None, down_rows, experts.scales)
         offs_g = compute_offsets(cu_seqlens, buffer.world.rank, buffer.epn, buffer.E)
-        ab_nv2f = gemm.fwd(x_nvsh, gate_up_rows.compute_weights(gemm.joined_weights), offs_g, frozen)
+        gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
+        ab_nv2f = gemm.fwd(x_nvsh, gate_up_w, offs_g, frozen)
         hw_nvf = swiglu_weighted(ab_nv2f, w_nvs, offs_g[-1:])
-        y_nvsh = gemm.fwd(hw_nvf, down_rows.compute_weights(gemm.joined_weights), offs_g, frozen)
+        y_nvsh = gemm.fwd(hw_nvf, down_w, offs_g, frozen)
         out_sh, _, _ = buffer.combine(plan, y_nvsh)
         ctx.save_for_backward(x_nvsh, ab_nv2f, w_nvs, offs_g)
         ctx.plan, ctx.state = plan, state
@@ -112,11 +117,12 @@ class MoonEPExperts(torch.autograd.Function):
         dy_nvsh, *_ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None, plan=plan,
                                       zero_copy=True)
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
-        u_nvf = gemm.dgrad(dy_nvsh, down_rows.compute_weights(gemm.joined_weights), offs_g)
+        gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
+        u_nvf = gemm.dgrad(dy_nvsh, down_w, offs_g)
         dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:])
         # both dgrads before the weight gradients exist: an fp8 backend's transposed FP8 weights live only
         # inside its dgrad call, so they never coexist with this step's home gradients
-        dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_rows.compute_weights(gemm.joined_weights), offs_g)
+        dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_w, offs_g)
         # "param": the GEMMs make this step's home gradients (None parts) and overwrite the slot gradients
         # (no zeroing pass, no copy); "main_grad": they add into the persistent main_grad and the slot
         # gradients (zero between steps)

@@ -35,7 +35,7 @@ from torch import nn
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.world import EPWorld, single_world
 from moonep_moe.config import MoEConfig
-from moonep_moe.layers.fp8 import fp8_grouped_gemm
+from moonep_moe.layers.fp8 import fp8_grouped_gemm, fp8_weights_gemm
 from moonep_moe.layers.function import COMPILE_BREAK_REASON, ExpertsState, MoonEPExperts
 from moonep_moe.layers.grouped_gemm import GemmProblem, select_grouped_gemm
 from moonep_moe.layers.router import RouterOutput, TopKRouter
@@ -229,7 +229,9 @@ def world_on(world: EPWorld, device: torch.device) -> EPWorld:
 
 class MoonEPMoELayer(nn.Module):
     """Drop-in MoE block. Parameters: `router.weight [E, H]`, `experts.gate_up [epn, 2H', H]`,
-    `experts.down [epn, H, H']` (this rank's home experts only) and the shared experts.
+    `experts.down [epn, H, H']` (this rank's home experts only) and the shared experts. With
+    `config.expert_weights="fp8"` the home experts are no parameters but e4m3 buffers with their block
+    scales (`HomeExperts`), and the layer runs forward only (a forward that would need a gradient raises).
 
     Args:
         config: the layer's `MoEConfig` (validated).
@@ -250,8 +252,8 @@ class MoonEPMoELayer(nn.Module):
     - A one-rank layer moves with `.to()` / `.cuda()` / `.cpu()`, its comm memory too (its world becomes
       a one-rank world on the new device, `world_on`). A multi-rank layer is bound to its world's device:
       moving it elsewhere raises (its comm memory is registered with its peers there).
-    - Dtypes are the config's (`dtype`, `router.dtype`): `.to(dtype)`, `.half()`, ... that would change
-      one raise; build the layer from a config with the dtype you want.
+    - Dtypes are the config's (`dtype`, `router.dtype`, FP8 experts' e4m3 and fp32 scales): `.to(dtype)`,
+      `.half()`, ... that would change one raise; build the layer from a config with the dtype you want.
     - Replicated parameters (router, shared experts) start identical on every rank, and home experts are
       drawn per global expert id, so the initial model is the same at every EP size (`reset_parameters`).
     - `copy.deepcopy`, `pickle` and `torch.save(layer)` raise (the comm memory belongs to the world): save
@@ -283,7 +285,7 @@ class MoonEPMoELayer(nn.Module):
                 width = shared.num_shared_experts * (shared.ffn_hidden_size or f)
                 self.shared_experts = SharedExperts(h, width, shared.gate, dtype, torch.device("meta"))
         self.experts = HomeExperts(world, e, h, f, config.prefetch_slots, dtype, name=f"moe{next(serial)}",
-                                   seed=self.init_seed)
+                                   seed=self.init_seed, fp8=config.expert_weights == "fp8")
         expert_load_e = torch.zeros(e, dtype=torch.int64, device=device)
         self.register_buffer("expert_load", expert_load_e, persistent=False)
         self.record_router_logits = False
@@ -315,6 +317,10 @@ class MoonEPMoELayer(nn.Module):
         self.buffer = Buffer(config.max_tokens_per_rank, h, k, e, config.ep_size, config.prefetch_slots,
                              token_padding=config.token_padding, world=world, dtype=dtype, validate=False,
                              replica_cost=config.replica_cost)
+        if config.expert_weights == "fp8":  # FP8 GEMMs on the weights as stored; no weight gradients
+            gemm = fp8_weights_gemm(config.grouped_gemm, device, dtype, config.token_padding, world.rank)
+            self._state = ExpertsState(self.buffer, self.experts, gemm)
+            return
         main_grad = config.expert_grad_dtype == "main_grad"
         grad_dtype = torch.promote_types(dtype, torch.float32) if main_grad else dtype
         groups = config.experts_per_rank + config.prefetch_slots  # this rank's compute groups
@@ -344,7 +350,7 @@ class MoonEPMoELayer(nn.Module):
         anything moves: raises where `fn` changes a dtype (they are the config's) or moves a multi-rank
         layer off its world's device (its comm memory is registered with its peers there)."""
         world, device = self.world, self.experts.gate_up.device
-        for dtype in {t.dtype for t in self.parameters()}:
+        for dtype in {t.dtype for t in itertools.chain(self.parameters(), self.experts.buffers())}:
             probe = fn(torch.empty(0, dtype=dtype, device=device))
             if probe.dtype != dtype:
                 cfg = self.config
@@ -430,6 +436,11 @@ class MoonEPMoELayer(nn.Module):
         if hidden_states.device != self.world.device:
             raise ValueError(f"hidden_states must be on {self.world.device} (the layer's device), "
                              f"got {hidden_states.device}")
+        if cfg.expert_weights == "fp8" and torch.is_grad_enabled() and (
+                hidden_states.requires_grad or any(p.requires_grad for p in self.router.parameters())):
+            raise ValueError(f"expert_weights='fp8' runs forward only (rank {self.world.rank}): the FP8 "
+                             "experts have no master weights to train; run under torch.no_grad() or "
+                             "torch.inference_mode() (or freeze the router and the input)")
         hidden_sh = hidden_states.reshape(-1, cfg.hidden_size)
         if hidden_sh.shape[0] > cfg.max_tokens_per_rank:
             raise ValueError(f"{hidden_sh.shape[0]} tokens exceed "

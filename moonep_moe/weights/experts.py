@@ -26,18 +26,37 @@ FP8 checkpoints load too: DeepSeek-V3's released per-expert e4m3 `{e}.down_proj.
 `gate_up_proj` + `gate_up_proj_scale_inv` (gate's and up's scales stacked) and `down_proj` +
 `down_proj_scale_inv`: each weight times its block scales in fp32, as the format defines it, rounded to the
 parameters' dtype (`weights.quantised.checkpoint_weight`). `state_dict()` holds the parameters, never FP8.
+
+FP8 experts with no master (`expert_weights="fp8"`, inference): `gate_up` and `down` are then e4m3 buffers
+(not parameters: nothing to train) beside fp32 block scales `gate_up_scale_inv [epn, 2F/128, ceil(H/128)]`
+and `down_scale_inv [epn, ceil(H/128), ceil(F/128)]` (F a multiple of 128, so gate's and up's blocks are the
+fused matrix's); slots are e4m3 with a scale pool (`slot_scale_pool`), prefetched with their scales
+(`scales`), and the grouped GEMMs take them as `Fp8Weights` (`compute_weights`). Checkpoints in either FP8
+layout load as stored, bytes and scales unchanged; unquantised ones are quantised on load
+(`quantise_blocks`). `state_dict()` is DeepSeek-V3's per-expert format: `{e}.gate_proj.weight` e4m3 +
+`{e}.gate_proj.weight_scale_inv`, ... (views of the buffers), which any layer loads, at any EP size.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from moonep_moe.comm.world import EPWorld, SymmetricTensor
-from moonep_moe.weights.pool import ExpertRows, allocate_home, slot_grad_pool, slot_pool
-from moonep_moe.weights.quantised import FP8_DTYPE, SCALE_SUFFIX, checkpoint_scales, checkpoint_weight
+from moonep_moe.weights.pool import ExpertRows, allocate_home, slot_grad_pool, slot_pool, slot_scale_pool
+from moonep_moe.weights.quantised import (
+    BLOCK,
+    FP8_DTYPE,
+    SCALE_SUFFIX,
+    Fp8Weights,
+    block_scales_shape,
+    checkpoint_scales,
+    checkpoint_weight,
+    quantise_blocks,
+)
 
 PER_EXPERT_NAMES = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
 FUSED_NAMES = (("gate_up_proj", "down_proj"), ("w13", "w2"))
@@ -69,25 +88,38 @@ class HomeExperts(nn.Module):
         num_experts: E. hidden_size: H. ffn_hidden_size: F. num_slots: B prefetch slots per rank.
         dtype: parameter dtype. name: a key unique to this layer on every rank (the same on all ranks).
         seed: the layer's init seed (the same on every rank; see `reset_parameters`).
+        fp8: keep the experts FP8 with no master (`MoEConfig.expert_weights="fp8"`): e4m3 buffers and their
+            block scales instead of `dtype` parameters (see the module docstring).
 
-    The parameters start on meta, unallocated: the owner calls `bind(world)` once they are to live on a real
+    The weights start on meta, unallocated: the owner calls `bind(world)` once they are to live on a real
     device, then `reset_parameters()` (or loads a checkpoint).
     """
 
     def __init__(self, world: EPWorld, num_experts: int, hidden_size: int, ffn_hidden_size: int,
-                 num_slots: int, dtype: torch.dtype, name: str, seed: int):
+                 num_slots: int, dtype: torch.dtype, name: str, seed: int, fp8: bool = False):
         super().__init__()
         self.world, self.num_experts, self.num_slots = world, num_experts, num_slots
-        self.name, self.seed = name, seed
+        self.name, self.seed, self.fp8 = name, seed, fp8
         self.epn = num_experts // world.size
         self.first_expert = world.rank * self.epn
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
-        h, f, epn = hidden_size, ffn_hidden_size, self.epn
-        self.gate_up = nn.Parameter(torch.empty(epn, 2 * f, h, dtype=dtype, device="meta"))
-        self.down = nn.Parameter(torch.empty(epn, h, f, dtype=dtype, device="meta"))
+        for kind, shape in self._shapes():
+            if fp8:
+                self.register_buffer(kind, torch.empty(shape, dtype=FP8_DTYPE, device="meta"))
+                self.register_buffer(kind + SCALE_SUFFIX, torch.empty(block_scales_shape(shape),
+                                                                      dtype=torch.float32, device="meta"))
+            else:
+                setattr(self, kind, nn.Parameter(torch.empty(shape, dtype=dtype, device="meta")))
         self.rows: tuple[ExpertRows, ExpertRows] | None = None
         """`(gate_up, down)` rows as registered with the world; None while unbound (e.g. on meta)."""
+        self.scale_rows: tuple[ExpertRows, ExpertRows] | None = None
+        """FP8 experts: their block scales' rows `(gate_up, down)`, registered like `rows`; else None."""
         self.slot_grads: tuple[SymmetricTensor, SymmetricTensor] | None = None
+
+    def _shapes(self) -> tuple[tuple[str, tuple[int, int, int]], ...]:
+        """`(name, [epn, out, in])` of the two stored projections."""
+        h, f, epn = self.hidden_size, self.ffn_hidden_size, self.epn
+        return ("gate_up", (epn, 2 * f, h)), ("down", (epn, h, f))
 
     def bind(self, world: EPWorld) -> None:
         """Move the home experts into memory of `world.device` that peers can read (the arena where it
@@ -95,33 +127,55 @@ class HomeExperts(nn.Module):
         slot-gradient pools with `world`. Releases an earlier binding first. Collective."""
         self.release()
         self.world = world
-        f, h = self.ffn_hidden_size, self.hidden_size
-        computes = []
-        for name, row_shape in (("gate_up", (2 * f, h)), ("down", (h, f))):
-            param = getattr(self, name)
-            home, compute = allocate_home(world, self.epn, row_shape, param.dtype, self.num_slots)
-            if param.device.type == "meta":  # nothing to keep, and `.data` cannot leave meta
-                setattr(self, name, nn.Parameter(home, requires_grad=param.requires_grad))
-            else:
-                home.copy_(param.detach())
-                param.data = home
-            computes.append(compute)
-        dtype, b = self.gate_up.dtype, self.num_slots
-        self.rows = (
-            ExpertRows(world.symmetric(f"{self.name}/gate_up", self.gate_up),
-                       slot_pool(world, (b, 2 * f, h), dtype), computes[0]),
-            ExpertRows(world.symmetric(f"{self.name}/down", self.down),
-                       slot_pool(world, (b, h, f), dtype), computes[1]),
-        )
-        self.slot_grads = (slot_grad_pool(world, (b, 2 * f, h), dtype),
-                           slot_grad_pool(world, (b, h, f), dtype))
+        b, rows, scale_rows = self.num_slots, [], []
+        for kind, shape in self._shapes():
+            dtype = getattr(self, kind).dtype
+            home, compute = allocate_home(world, self.epn, shape[1:], dtype, b)
+            rows.append(self._register(kind, home, slot_pool(world, (b, *shape[1:]), dtype), compute))
+            if self.fp8:
+                scales = getattr(self, kind + SCALE_SUFFIX)
+                home = torch.empty(scales.shape, dtype=scales.dtype, device=world.device)
+                slots = slot_scale_pool(world, (b, *scales.shape[1:]))
+                scale_rows.append(self._register(kind + SCALE_SUFFIX, home, slots))
+        self.rows = (rows[0], rows[1])
+        if self.fp8:
+            self.scale_rows = (scale_rows[0], scale_rows[1])
+        else:
+            self.slot_grads = (slot_grad_pool(world, rows[0].slots.local.shape, dtype),
+                               slot_grad_pool(world, rows[1].slots.local.shape, dtype))
+
+    def _register(self, name: str, home: torch.Tensor, slots: SymmetricTensor,
+                  compute: torch.Tensor | None = None) -> ExpertRows:
+        """Make `home` the storage of the parameter or buffer `name` (keeping its values unless they are on
+        meta) and register it with the world, beside its `slots` (and the arena's `compute` view)."""
+        current = getattr(self, name)
+        if current.device.type == "meta":  # nothing to keep, and `.data` cannot leave meta
+            value = nn.Parameter(home, current.requires_grad) if isinstance(current, nn.Parameter) else home
+            setattr(self, name, value)
+        else:
+            home.copy_(current.detach())
+            current.data = home
+        return ExpertRows(self.world.symmetric(f"{self.name}/{name}", getattr(self, name)), slots, compute)
 
     def release(self) -> None:
         """Forget this layer's registrations with its world (the shared pools stay); idempotent."""
-        if self.rows is not None:
-            for rows in self.rows:
-                self.world.release(rows.home.key)
-        self.rows = self.slot_grads = None
+        for rows in (self.rows or ()) + (self.scale_rows or ()):
+            self.world.release(rows.home.key)
+        self.rows = self.scale_rows = self.slot_grads = None
+
+    @property
+    def scales(self) -> tuple[ExpertRows, None, ExpertRows] | None:
+        """`Buffer.prefetch_weight`'s `scales` for `(gate_up, None, down)`; None for unquantised experts."""
+        return None if self.scale_rows is None else (self.scale_rows[0], None, self.scale_rows[1])
+
+    def compute_weights(self, joined: bool) -> tuple[tuple[torch.Tensor, ...] | Fp8Weights, ...]:
+        """`(gate_up, down)` weights of this rank's compute groups (home experts, then slots) for a grouped
+        GEMM: `ExpertRows.compute_weights(joined)` of each, or for FP8 experts `Fp8Weights` of the e4m3 rows
+        (joined where the arena joins them: the backend takes them as they are) and of their scales."""
+        if self.scale_rows is None:
+            return tuple(rows.compute_weights(joined) for rows in self.rows)
+        return tuple(Fp8Weights(rows.compute_weights(), scales.compute_weights())
+                     for rows, scales in zip(self.rows, self.scale_rows, strict=True))
 
     def new_grads(self, home: tuple[torch.Tensor, torch.Tensor] | None = None
                   ) -> tuple[ExpertRows, ExpertRows]:
@@ -145,21 +199,63 @@ class HomeExperts(nn.Module):
 
     def reset_parameters(self) -> None:
         """nn.Linear's default init per expert (uniform in +-1/sqrt(fan_in)), each expert from its own
-        generator seeded by (`seed`, global expert id): the same experts at every EP size. Not collective."""
+        generator seeded by (`seed`, global expert id): the same experts at every EP size. FP8 experts draw
+        in fp32 and are quantised (`quantise_blocks`). Not collective; nothing to do on meta."""
+        if self.gate_up.device.type == "meta":
+            return
         for i, expert in enumerate(self.home_experts):
-            seeded_uniform_(self.gate_up[i], self.seed, f"expert{expert}.gate_up")
-            seeded_uniform_(self.down[i], self.seed, f"expert{expert}.down")
+            for kind, shape in self._shapes():
+                key = f"expert{expert}.{kind}"
+                if not self.fp8:
+                    seeded_uniform_(getattr(self, kind)[i], self.seed, key)
+                    continue
+                drawn = torch.empty(shape[1:], dtype=torch.float32, device=self.gate_up.device)
+                seeded_uniform_(drawn, self.seed, key)
+                self._store(kind, i, 0, shape[1], {key: drawn}, key)
 
     @property
     def home_experts(self) -> range:
         return range(self.first_expert, self.first_expert + self.epn)
 
+    def _regions(self) -> dict[str, tuple[str, int, int]]:
+        """Where one expert's projections are stored: `{part: (gate_up | down, first row, end row)}`."""
+        f, h = self.ffn_hidden_size, self.hidden_size
+        return {"gate": ("gate_up", 0, f), "up": ("gate_up", f, 2 * f), "down": ("down", 0, h)}
+
+    def _views(self, kind: str, i: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Expert i's rows [start, stop) of `kind` and, for FP8 experts, the rows of their block scales."""
+        weight = getattr(self, kind)[i, start:stop]
+        if not self.fp8:
+            return weight, None
+        return weight, getattr(self, kind + SCALE_SUFFIX)[i, start // BLOCK:-(-stop // BLOCK)]
+
+    def _store(self, kind: str, i: int, start: int, stop: int, state_dict, key: str, parts: int = 1,
+               index=..., transposed: bool = False) -> None:
+        """Expert i's rows [start, stop) of `kind` from `state_dict[key][index]` (transposed if so stored):
+        masters take the checkpoint's values (FP8 ones dequantised, `checkpoint_weight`); FP8 experts take an
+        FP8 weight's bytes and scales as stored, and quantise any other (`quantise_blocks`). Raises as
+        `checkpoint_scales`."""
+        weight, scales = self._views(kind, i, start, stop)
+        if scales is None:
+            value = checkpoint_weight(state_dict, key, parts, index)
+            weight.copy_(value.T if transposed else value)
+            return
+        stored_scales = checkpoint_scales(state_dict, key, parts)
+        value = state_dict[key][index].to(weight.device)
+        if stored_scales is None:
+            q, stored = quantise_blocks((value.T if transposed else value)[None])
+            value, stored_scales, index = q[0], stored[0], ...
+        weight.copy_(value)
+        scales.copy_(stored_scales[index])
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        f = self.ffn_hidden_size
-        for i, expert in enumerate(self.home_experts):
-            for name, value in (("gate_proj", self.gate_up[i, :f]), ("up_proj", self.gate_up[i, f:]),
-                                ("down_proj", self.down[i])):
-                destination[f"{prefix}{expert}.{name}.weight"] = value if keep_vars else value.detach()
+        for expert_i, expert in enumerate(self.home_experts):
+            for part, (kind, start, stop) in self._regions().items():
+                key = f"{prefix}{expert}.{PER_EXPERT_NAMES[part][0]}.weight"
+                for suffix, value in zip(("", SCALE_SUFFIX), self._views(kind, expert_i, start, stop),
+                                         strict=True):
+                    if value is not None:
+                        destination[key + suffix] = value if keep_vars else value.detach()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -171,7 +267,7 @@ class HomeExperts(nn.Module):
                 error_msgs.append(f"{key}: block scales without their weight {weight_key}")
         with torch.no_grad():
             if fused is not None:
-                self._load_fused(state_dict, [ours[n] for n in fused], error_msgs)
+                self.load_fused(state_dict, [ours[n] for n in fused], error_msgs)
             else:
                 self._load_per_expert(state_dict, prefix, ours, missing_keys, error_msgs)
         if strict and fused is None:
@@ -179,14 +275,16 @@ class HomeExperts(nn.Module):
                      for names in PER_EXPERT_NAMES.values() for n in names for suffix in ("", SCALE_SUFFIX)}
             unexpected_keys.extend(k for name, k in ours.items() if name not in known)
 
-    def _load_fused(self, state_dict, keys: list[str], error_msgs: list[str]) -> None:
+    @torch.no_grad()
+    def load_fused(self, state_dict, keys: Sequence[str], error_msgs: list[str]) -> None:
         """Home experts from fused `gate_up [E, 2F, H]` and `down [E, H, F]` under `keys` (unquantised ones
-        also stored transposed, `[E, H, 2F]` and `[E, F, H]`); FP8 ones dequantised expert by expert with
-        their scales (`checkpoint_weight`; gate's and up's stacked). Nothing is copied after an error."""
+        also stored transposed, `[E, H, 2F]` and `[E, F, H]`), expert by expert (`_store`; FP8 ones with
+        gate's and up's scales stacked under `key + SCALE_SUFFIX`). Errors are appended to `error_msgs`,
+        naming the key; nothing is copied after one."""
         f, h, e = self.ffn_hidden_size, self.hidden_size, self.num_experts
         sources = []
-        for key, param, expected, parts in ((keys[0], self.gate_up, (e, 2 * f, h), 2),
-                                            (keys[1], self.down, (e, h, f), 1)):
+        for key, kind, expected, parts in ((keys[0], "gate_up", (e, 2 * f, h), 2),
+                                           (keys[1], "down", (e, h, f), 1)):
             shape = tuple(state_dict[key].shape)
             transposed = state_dict[key].dtype != FP8_DTYPE and expected[1] != expected[2] and \
                 shape == (e, expected[2], expected[1])
@@ -198,34 +296,33 @@ class HomeExperts(nn.Module):
             except ValueError as error:
                 error_msgs.append(str(error))
                 return
-            sources.append((key, param, parts, transposed))
-        for key, param, parts, transposed in sources:
+            sources.append((key, kind, expected[1], parts, transposed))
+        for key, kind, rows, parts, transposed in sources:
             for i, expert in enumerate(self.home_experts):
-                value = checkpoint_weight(state_dict, key, parts, expert)
-                param[i].copy_(value.T if transposed else value)
+                self._store(kind, i, 0, rows, state_dict, key, parts, expert, transposed)
 
     def _load_per_expert(self, state_dict, prefix: str, ours: dict[str, str], missing_keys: list[str],
                          error_msgs: list[str]) -> None:
         """Home experts from per-expert `{e}.{gate_proj|w1, up_proj|w3, down_proj|w2}.weight` entries (FP8
-        ones dequantised with their `weight_scale_inv`)."""
-        f = self.ffn_hidden_size
+        ones with their `weight_scale_inv`), each stored by `_store`."""
         for i, expert in enumerate(self.home_experts):
-            targets = {"gate": self.gate_up[i, :f], "up": self.gate_up[i, f:], "down": self.down[i]}
             for part, names in PER_EXPERT_NAMES.items():
+                kind, start, stop = self._regions()[part]
                 candidates = [f"{expert}.{n}.weight" for n in names]
                 key = next((ours[c] for c in candidates if c in ours), None)
                 if key is None:
                     missing_keys.append(f"{prefix}{candidates[0]}")
                     continue
                 try:
-                    value = checkpoint_weight(state_dict, key)
+                    checkpoint_scales(state_dict, key)
                 except ValueError as error:
                     error_msgs.append(str(error))
                     continue
-                if value.shape != targets[part].shape:
-                    error_msgs.append(f"{key}: expected {list(targets[part].shape)}, got {list(value.shape)}")
+                expected = self._views(kind, i, start, stop)[0].shape
+                if state_dict[key].shape != expected:
+                    error_msgs.append(f"{key}: expected {list(expected)}, got {list(state_dict[key].shape)}")
                     continue
-                targets[part].copy_(value)
+                self._store(kind, i, start, stop, state_dict, key)
 
 
 def persistent_main_grad(weight: nn.Parameter, name: str, rank: int) -> torch.Tensor:

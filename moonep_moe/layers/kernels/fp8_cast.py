@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moonep_moe.layers.fp8 import FP8_DTYPE, MAX_BITS, MIN_AMAX, TILE, tma_aligned_rows
+from moonep_moe.layers.fp8 import FP8_DTYPE, TILE, tma_aligned_rows
+from moonep_moe.weights.quantised import MAX_BITS, MIN_AMAX
 
 BLOCK_ROWS = 32
 """Rows per program of `cast_rows` (a divisor of 128, so no block straddles a segment's padded end)."""
