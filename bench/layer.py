@@ -298,8 +298,10 @@ class RankOfEPBuffer:
         return self.inner.combine(*args, **kwargs)
 
     @torch.no_grad()
-    def prefetch_weight(self, plan, gate_up: ExpertRows, up: None, down: ExpertRows) -> None:
-        for rows in (gate_up, down):
+    def prefetch_weight(self, plan, gate_up: ExpertRows, up: None, down: ExpertRows, scales=None) -> None:
+        """FP8 experts' block scales (`scales`: one `ExpertRows` per weight, or None) travel with them."""
+        moved = [gate_up, down] + ([] if scales is None else [s for s in scales if s is not None])
+        for rows in moved:
             rows.slots.local.copy_(rows.home.local)
 
     @torch.no_grad()
