@@ -122,14 +122,15 @@ def test_deep_gemm_row_scale_layout():
 # -- the Triton casts, bit for bit against the reference ---------------------------------------------------
 
 
+@pytest.mark.parametrize("num_warps", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows,k", [(1, 1), (37, 300), (130, 128), (64, 7 * 128 + 5)])
-def test_cast_rows_matches_reference_bit_for_bit(rows, k, dtype):
+def test_cast_rows_matches_reference_bit_for_bit(rows, k, dtype, num_warps):
     from moonep_moe.layers.kernels.fp8_cast import cast_rows
 
     x = spread(rows, k, seed=2).to(dtype)
     offs_g = torch.tensor([0, rows, rows], dtype=torch.int32)  # an empty group, then all rows
-    q, scales = cast_rows(x.to(KERNEL_DEVICE), offs_g.to(KERNEL_DEVICE))
+    q, scales = cast_rows(x.to(KERNEL_DEVICE), offs_g.to(KERNEL_DEVICE), num_warps)
     want_q, want_scales = quantise_rows(x)
     assert scales.stride() == (1, fp8.tma_aligned_rows(rows)), "DeepGEMM's sm90 SFA layout"
     assert torch.equal(bits(q.cpu()), bits(want_q))
@@ -152,10 +153,11 @@ def test_cast_rows_writes_only_rows_below_the_last_segment_end():
     assert not (scales[used:] == 2.0**69).all(), "the rows past the end were cast"
 
 
+@pytest.mark.parametrize("num_warps", [4, 8, 16])
 @pytest.mark.parametrize("g,n,k", [(1, 1, 1), (3, 200, 300), (2, 256, 128), (1, 129, 385)])
-def test_cast_blocks_matches_reference_bit_for_bit(g, n, k):
+def test_cast_blocks_matches_reference_bit_for_bit(g, n, k, num_warps):
     """Both orientations and the scales, written into a group range of larger buffers (as the weight cache
-    does), from a non-contiguous input."""
+    does), from a non-contiguous input, at every warp count `bench.fp8_cast` times."""
     from moonep_moe.layers.kernels.fp8_cast import cast_blocks
 
     w = spread(g, k, n, seed=4).to(torch.bfloat16).transpose(1, 2)  # [g, n, k], not contiguous
@@ -163,7 +165,7 @@ def test_cast_blocks_matches_reference_bit_for_bit(g, n, k):
     q = torch.zeros(g + 2, n, k, dtype=torch.uint8, device=dev).view(FP8_DTYPE)
     qt = torch.zeros(g + 2, k, n, dtype=torch.uint8, device=dev).view(FP8_DTYPE)
     scales = torch.zeros(g + 2, -(-n // TILE), -(-k // TILE), device=dev)
-    cast_blocks(w.to(dev), scales[1:g + 1], q[1:g + 1], qt[1:g + 1])
+    cast_blocks(w.to(dev), scales[1:g + 1], q[1:g + 1], qt[1:g + 1], num_warps=num_warps)
     want_q, want_scales = quantise_blocks(w)
     want_qt, _ = transpose_blocks(want_q, want_scales)
     assert torch.equal(bits(q[1:g + 1].cpu()), bits(want_q))

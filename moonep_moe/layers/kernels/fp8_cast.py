@@ -23,6 +23,11 @@ from moonep_moe.weights.quantised import MAX_BITS, MIN_AMAX
 
 BLOCK_ROWS = 32
 """Rows per program of `cast_rows` (a divisor of 128, so no block straddles a segment's padded end)."""
+ROWS_WARPS = 4
+"""Warps per `cast_rows` program (32 x 128 values: 32 a thread)."""
+BLOCKS_WARPS = 8
+"""Warps per `cast_blocks` program: its 128 x 128 block is held whole in registers between the amax and the
+rounding (64 fp32 values a thread at 8 warps, 128 at 4). `python -m bench.fp8_cast` times 4, 8 and 16."""
 
 
 @triton.jit
@@ -93,7 +98,8 @@ def _format_constants() -> dict:
     return {"MAX_EXP_FIELD": MAX_BITS >> 23, "MAX_MANTISSA": MAX_BITS & 0x7FFFFF, "MIN_AMAX": MIN_AMAX}
 
 
-def cast_rows(x_mk: torch.Tensor, offs_g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def cast_rows(x_mk: torch.Tensor, offs_g: torch.Tensor,
+              num_warps: int = ROWS_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations `x [rows, K]` (bf16 or fp32, rows contiguous) -> `(q [rows, K] e4m3, scales [rows,
     ceil(K/128)] fp32)`, the scales MN-major with a row stride of `tma_aligned_rows(rows)` (DeepGEMM's sm90
     SFA layout, taken without a transpose). Only rows below `offs_g[-1]` (int32 [G] segment ends, on the
@@ -107,12 +113,13 @@ def cast_rows(x_mk: torch.Tensor, offs_g: torch.Tensor) -> tuple[torch.Tensor, t
     if rows and cols:
         grid = (triton.cdiv(rows, BLOCK_ROWS), tiles)
         _cast_rows_kernel[grid](x_mk, q_mk, scales, offs_g, offs_g.numel() - 1, rows, cols, x_mk.stride(0),
-                                stride_s, BLOCK=BLOCK_ROWS, TILE=TILE, **_format_constants())
+                                stride_s, BLOCK=BLOCK_ROWS, TILE=TILE, num_warps=num_warps,
+                                **_format_constants())
     return q_mk, scales.as_strided((rows, tiles), (1, stride_s))
 
 
 def cast_blocks(w_gnk: torch.Tensor, scales_out: torch.Tensor, q_out: torch.Tensor | None = None,
-                qt_out: torch.Tensor | None = None) -> None:
+                qt_out: torch.Tensor | None = None, num_warps: int = BLOCKS_WARPS) -> None:
     """Weights `w [G, N, K]` (bf16 or fp32, any strides) -> 128x128-block scales into `scales_out [G,
     ceil(N/128), ceil(K/128)]` fp32 and, where given, the e4m3 blocks into `q_out [G, N, K]` and their
     transpose into `qt_out [G, K, N]` (contiguous tensors, e.g. a group range of a larger buffer)."""
@@ -129,4 +136,4 @@ def cast_blocks(w_gnk: torch.Tensor, scales_out: torch.Tensor, q_out: torch.Tens
         _cast_blocks_kernel[grid](w_gnk, q_out if q_out is not None else qt_out,
                                   qt_out if qt_out is not None else q_out, scales_out, n, k, *w_gnk.stride(),
                                   WRITE_Q=q_out is not None, WRITE_QT=qt_out is not None, TILE=TILE,
-                                  **_format_constants())
+                                  num_warps=num_warps, **_format_constants())
