@@ -10,6 +10,10 @@ fp32 rows, FP8 dispatch's packed uint8 rows, the FP8 casts' orientations), with 
 `[grid]` launch replaced by a recorder; each recorded launch (its real argument types and constexpr values)
 is then lowered to Triton IR for an sm90 target, which is where such errors are raised. Nothing runs.
 
+The FP8 casts are compiled further, to PTX (Triton's bundled LLVM and ptxas), which must hold sm90's
+hardware e4m3 conversion (`HARDWARE_E4M3`): the compiled casts round with it, not with the integer path the
+interpreter needs.
+
 Prints one line per launch and exits non-zero if any fails to compile.
 """
 
@@ -166,6 +170,21 @@ def swiglu_launches() -> None:
         swiglu.swiglu_weighted_backward_triton(torch.zeros(64, 48, dtype=dtype), ab, w, end)
 
 
+HARDWARE_E4M3 = "cvt.rn.satfinite.e4m3x2.f32"
+"""sm90's fp32 -> e4m3 conversion, round to nearest even: the compiled FP8 casts must round with it."""
+
+
+def check_hardware_rounding(kernel: JITFunction, kwargs: dict, sig: dict, constexprs: dict) -> None:
+    """A compiled FP8 cast takes the hardware path (`HARDWARE_ROUNDING`) and, compiled all the way to PTX
+    for sm90 (Triton's bundled LLVM and ptxas; nothing runs), rounds with `HARDWARE_E4M3`."""
+    if not constexprs.get("HARDWARE_ROUNDING"):
+        raise RuntimeError("launched with HARDWARE_ROUNDING off while compiled")
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs), target=TARGET,
+                              options={"num_warps": kwargs["num_warps"]})
+    if HARDWARE_E4M3 not in compiled.asm["ptx"]:
+        raise RuntimeError(f"the compiled cast does not round with {HARDWARE_E4M3}")
+
+
 def fp8_launches() -> None:
     """The FP8 casts: rows, and blocks in each orientation."""
     global current
@@ -195,6 +214,8 @@ def main() -> int:
     for what, kernel, args, kwargs in launches:
         try:
             lower(kernel, *signature(kernel, args, kwargs))
+            if what.startswith("cast_"):
+                check_hardware_rounding(kernel, kwargs, *signature(kernel, args, kwargs))
             print(f"ok     {what}: {kernel.__name__}")
         except Exception as error:  # noqa: BLE001 - every failure is reported, then the exit code says it
             failed += 1

@@ -7,12 +7,18 @@
 - `cast_blocks`: weights, one pass per 128x128 block of `w [G, N, K]`: writes the scale and, as asked, the
   e4m3 block (`q [G, N, K]`) and its transpose (`qt [G, K, N]`, the K-major copy dgrad needs on sm90).
 
-Rounding to e4m3 is done in integer arithmetic (`_round_to_e4m3`), then converted: the conversion only ever
-sees exactly representable values. (Triton's interpreter rounds fp32 -> fp8 wrongly when rounding carries
-into the next binade, e.g. 126.77 -> 64 instead of 128: checked against torch while writing this.)
+Rounding to e4m3 (to nearest, ties to even, as the reference): compiled, one hardware conversion per two
+values (sm90's `cvt.rn.satfinite.e4m3x2.f32`; the scaled values are within +-448, so saturation never
+applies); under Triton's interpreter in integer arithmetic (`_round_to_e4m3`), whose result the conversion
+then only has to copy, because the interpreter rounds fp32 -> fp8 wrongly when rounding carries into the next
+binade (e.g. 126.77 -> 64 instead of 128: checked against torch while writing this). The integer path costs
+about 25 integer operations a value, which made the compiled casts compute-bound (0.45-0.60 of the copy
+bandwidth on the H200 at 4efa8f0, `bench/results/fp8-cast-*-4efa8f0.json`); the conversion is one.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -21,6 +27,8 @@ import triton.language as tl
 from moonep_moe.layers.fp8 import FP8_DTYPE, TILE, tma_aligned_rows
 from moonep_moe.weights.quantised import MAX_BITS, MIN_AMAX
 
+HARDWARE_ROUNDING = os.environ.get("TRITON_INTERPRET") != "1"
+"""Compiled kernels round with the hardware conversion; the interpreter with `_round_to_e4m3`."""
 BLOCK_ROWS = 32
 """Rows per program of `cast_rows` (a divisor of 128, so no block straddles a segment's padded end)."""
 ROWS_WARPS = 4
@@ -56,9 +64,17 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
+def _to_e4m3(v, dtype: tl.constexpr, HARDWARE_ROUNDING: tl.constexpr):
+    """fp32 `v` with `|v| <= 448` -> `dtype` (e4m3), rounded to nearest, ties to even."""
+    if HARDWARE_ROUNDING:
+        return v.to(dtype, fp_downcast_rounding="rtne")
+    return _round_to_e4m3(v).to(dtype)
+
+
+@triton.jit
 def _cast_rows_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, last_group, rows, cols, stride_x, stride_s,
                       MAX_EXP_FIELD: tl.constexpr, MAX_MANTISSA: tl.constexpr, MIN_AMAX: tl.constexpr,
-                      BLOCK: tl.constexpr, TILE: tl.constexpr):
+                      HARDWARE_ROUNDING: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
     block, tile = tl.program_id(0), tl.program_id(1)
     if block * BLOCK < tl.load(offs_ptr + last_group):
         row = (block * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
@@ -66,15 +82,16 @@ def _cast_rows_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, last_group, rows, cols, str
         mask = (row < rows)[:, None] & (col < cols)[None, :]
         x = tl.load(x_ptr + row[:, None] * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
         scale, inverse = _pow2_scale(tl.max(tl.abs(x), axis=1), MAX_EXP_FIELD, MAX_MANTISSA, MIN_AMAX)
-        q = _round_to_e4m3(x * inverse[:, None])
-        tl.store(q_ptr + row[:, None] * cols + col[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        q = _to_e4m3(x * inverse[:, None], q_ptr.dtype.element_ty, HARDWARE_ROUNDING)
+        tl.store(q_ptr + row[:, None] * cols + col[None, :], q, mask=mask)
         tl.store(s_ptr + tile * stride_s + row, scale, mask=row < rows)
 
 
 @triton.jit
 def _cast_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, n, k, stride_g, stride_n, stride_k,
                         MAX_EXP_FIELD: tl.constexpr, MAX_MANTISSA: tl.constexpr, MIN_AMAX: tl.constexpr,
-                        WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, TILE: tl.constexpr):
+                        HARDWARE_ROUNDING: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
+                        TILE: tl.constexpr):
     g, n_block, k_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g64 = g.to(tl.int64)
     rn = n_block * TILE + tl.arange(0, TILE)
@@ -84,18 +101,19 @@ def _cast_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, n, k, stride_g, stride_n, s
                 mask=mask, other=0.0).to(tl.float32)
     scale, inverse = _pow2_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0), MAX_EXP_FIELD, MAX_MANTISSA,
                                  MIN_AMAX)
-    q = _round_to_e4m3(w * inverse)  # fp32, exactly representable in e4m3
+    q = _to_e4m3(w * inverse, q_ptr.dtype.element_ty, HARDWARE_ROUNDING)
     base = g64 * n * k
     if WRITE_Q:
-        tl.store(q_ptr + base + rn[:, None] * k + rk[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + base + rn[:, None] * k + rk[None, :], q, mask=mask)
     if WRITE_QT:
-        tl.store(qt_ptr + base + rk[:, None] * n + rn[None, :], tl.trans(q).to(qt_ptr.dtype.element_ty),
+        tl.store(qt_ptr + base + rk[:, None] * n + rn[None, :], tl.trans(q),
                  mask=(rk < k)[:, None] & (rn < n)[None, :])
     tl.store(s_ptr + (g64 * tl.num_programs(1) + n_block) * tl.num_programs(2) + k_block, scale)
 
 
 def _format_constants() -> dict:
-    return {"MAX_EXP_FIELD": MAX_BITS >> 23, "MAX_MANTISSA": MAX_BITS & 0x7FFFFF, "MIN_AMAX": MIN_AMAX}
+    return {"MAX_EXP_FIELD": MAX_BITS >> 23, "MAX_MANTISSA": MAX_BITS & 0x7FFFFF, "MIN_AMAX": MIN_AMAX,
+            "HARDWARE_ROUNDING": HARDWARE_ROUNDING}
 
 
 def cast_rows(x_mk: torch.Tensor, offs_g: torch.Tensor,
