@@ -41,7 +41,11 @@ and `token_padding=128` (`FP8_SETTINGS`: FP8 fwd and dgrad, bf16 wgrad, bf16 mas
 like every row and checked against `FP8_LAYER_TARGETS` (`fp8_layer_targets`): its fwd+bwd speed >= 1.6x
 the DEFAULT (bf16) row's, its fwd+bwd time <= 0.45x the baseline's (the faster torch-native bf16 layer),
 its peak memory <= the DEFAULT row's; printed as PASS / MISS lines and recorded in `fp8_targets`. Where
-FP8 cannot run (no sm90, no DeepGEMM) the row is skipped with the reason.
+FP8 cannot run (no sm90, no DeepGEMM) the row is skipped with the reason. A second fp8 row, "weights
+fixed", measures the same layer inside `moonep_moe.fixed_expert_weights` (gradient accumulation: the home
+experts' FP8 copies cast once in warm-up and reused by every timed step, as by a step's micro-batches; the
+prefetched slots still cast on every call; the kept copies count in its peak), checked against the same
+bounds under its own scope.
 
 Layers, in the order run:
 - `torch-native`: what users run today, in the torchtitan style: an fp32 softmax top-k router, a sort-based
@@ -89,7 +93,7 @@ when the DEFAULT row was not measured); `fp8_targets` (the same fields, with --f
 DEFAULT rows were both measured, else empty); `profile` (with --profile: per layer `total_ms`, `groups_ms`
 {group: ms}, `beyond_gemms_ms`, `kernels` [{name, group, calls, ms}], by time) and `results`, one row per
 layer in the order run:
-- `layer`; `config`: "baseline", "default", "fp8" or "variant"; ours also `backend`, `precision`,
+- `layer`; `config`: "baseline", "default", "fp8", "fp8 fixed" or "variant"; ours also `backend`, `precision`,
   `expert_grad_dtype`, `token_padding`, `dtype` (the resolved config) and `gemm` (the backend per
   primitive and weight shape);
 - `ms`, `ms_min`, `ms_max`, `ms_samples`: fwd+bwd median, spread and every run, in ms; `tflops`: the useful
@@ -105,6 +109,7 @@ layer in the order run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import re
@@ -134,7 +139,7 @@ from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.world import single_world
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.function import ExpertsState
-from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.layers.moe import MoonEPMoELayer, fixed_expert_weights
 from moonep_moe.weights.experts import HomeExperts
 from moonep_moe.weights.pool import ExpertRows
 
@@ -462,27 +467,30 @@ class Bench:
 
 
 def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: dict | None,
-             ep_rank_epn: int | None = None) -> dict | None:
+             ep_rank_epn: int | None = None, fixed: bool = False) -> dict | None:
     """Our layer built from `cfg` with `layer_weights` (with `ep_rank_epn`: then made one EP rank's,
-    `as_ep_rank`), measured (`Bench.measure`), released: its row, None (printed) where `cfg` cannot run
-    here, a row with `error` where it ran out of memory. With `profiles`, its step profile is stored there
-    under `name`."""
+    `as_ep_rank`), measured (`Bench.measure`; with `fixed`, inside `fixed_expert_weights`), released: its
+    row, None (printed) where `cfg` cannot run here, a row with `error` where it ran out of memory. With
+    `profiles`, its step profile is stored there under `name`."""
     before = free_memory()
     try:
         layer = MoonEPMoELayer(cfg, single_world("cuda"))
     except ValueError as error:
         print(f"skipping {name}: {error}", flush=True)
         return None
-    kind = "default" if default else "fp8" if cfg.precision == "fp8" else "variant"
+    fp8_kind = "fp8 fixed" if fixed else "fp8"
+    kind = "default" if default else fp8_kind if cfg.precision == "fp8" else "variant"
     row = {"layer": name, "config": kind, "backend": cfg.grouped_gemm, "precision": cfg.precision,
-           "expert_grad_dtype": cfg.expert_grad_dtype, "token_padding": cfg.token_padding, "dtype": cfg.dtype}
+           "expert_grad_dtype": cfg.expert_grad_dtype, "token_padding": cfg.token_padding, "dtype": cfg.dtype,
+           "fixed_expert_weights": fixed}
     try:
         layer.load_state_dict(layer_weights(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts))
         if ep_rank_epn is not None:
             as_ep_rank(layer, ep_rank_epn)
         gemm = layer._state.gemm  # the backend of each primitive ("auto" picks per weight shape)
         row["gemm"] = gemm.describe() if hasattr(gemm, "describe") else gemm.name
-        row.update(bench.measure(layer, before))
+        with fixed_expert_weights(layer) if fixed else contextlib.nullcontext():
+            row.update(bench.measure(layer, before))
         if profiles is not None:
             profiles[name] = bench.profile(layer)
     except torch.OutOfMemoryError as error:
@@ -500,22 +508,25 @@ def run_all_ours(bench: Bench, shapes: dict, variants: list[dict], profiles: dic
     `ep_rank_epn`, each layer made one EP rank's (`as_ep_rank`, names prefixed "EP rank")."""
     seen = set()
     for settings in [{}] + variants:
+        fixed = settings.get(FIXED, False)
         try:
-            cfg = MoEConfig(**shapes, **settings)
+            cfg = MoEConfig(**shapes, **{key: value for key, value in settings.items() if key != FIXED})
         except ValueError as error:
             print(f"skipping {settings}: {error}", flush=True)
             continue
         what = f"{cfg.grouped_gemm}, {cfg.expert_grad_dtype} grads, tp {cfg.token_padding}"
         if cfg.precision != "bf16":
             what = f"{cfg.precision}, {what}"
+        if fixed:
+            what = f"{what}, weights fixed"
         name = f"moonep DEFAULT ({what})" if not settings else f"moonep ({what})"
         if ep_rank_epn is not None:
             name = f"EP rank {name}"
-        if cfg.model_dump_json() in seen:
+        if (cfg.model_dump_json(), fixed) in seen:
             print(f"{name:46} the same config as an earlier row, not run again", flush=True)
             continue
-        seen.add(cfg.model_dump_json())
-        row = run_ours(cfg, name, not settings, bench, None if settings else profiles, ep_rank_epn)
+        seen.add((cfg.model_dump_json(), fixed))
+        row = run_ours(cfg, name, not settings, bench, None if settings else profiles, ep_rank_epn, fixed)
         if row is not None:
             yield row
 
@@ -660,12 +671,21 @@ def layer_targets(row: dict, baseline: dict, flops: dict[str, int], dense: float
 
 FP8_SETTINGS = {"precision": "fp8", "token_padding": 128}
 """--fp8: the fp8 row's config, the DEFAULT config with these settings."""
+FIXED = "fixed_expert_weights"
+"""A row setting that is not a config field: measure the layer inside `fixed_expert_weights`."""
+FP8_FIXED_SETTINGS = {**FP8_SETTINGS, FIXED: True}
+"""--fp8's second row: the fp8 layer with its weights fixed, as across a step's micro-batches."""
 
 FP8_LAYER_TARGETS = (  # (what, op, bound): issue 16 item 6, on the fp8 row
     ("fp8 speed vs our bf16", ">=", 1.6),
     ("fp8 time vs torch-native bf16", "<=", 0.45),
     ("fp8 peak vs our bf16", "<=", 1.0),
 )
+
+
+FP8_SCOPES = {"fp8": "issue 16 item 6",
+              "fp8 fixed": "issue 16 item 6, weights fixed over micro-batches"}
+"""The fp8 rows' kinds (`run_ours`) and the scope their `fp8_layer_targets` are recorded under."""
 
 
 def fp8_layer_targets(fp8: dict, default: dict, baseline: dict, scope: str) -> list[dict]:
@@ -754,8 +774,8 @@ def run_table(table: Table, variants: list[dict], args: argparse.Namespace,
             if row["config"] == "default":
                 record["targets"] = layer_targets(row, baseline, bench.flops, bench.dense, table.scope)
                 default = row
-            if row["config"] == "fp8" and default is not None:
-                record["fp8_targets"] = fp8_layer_targets(row, default, baseline, "issue 16 item 6")
+            if row["config"] in FP8_SCOPES and default is not None:
+                record["fp8_targets"] += fp8_layer_targets(row, default, baseline, FP8_SCOPES[row["config"]])
         rows.append(row)
         print(format_row(row), flush=True)
         save()
@@ -790,9 +810,10 @@ def table_variants(backends: list[str] | None, main_grad: list[str] | None, toke
     `fp8` (--fp8: the fp8 row right after DEFAULT); a list not given (None) is `DEFAULT_VARIANTS`' for one
     table and empty for several (--model all: the baselines and the DEFAULT row of every table)."""
     defaults = DEFAULT_VARIANTS if tables == 1 else dict.fromkeys(DEFAULT_VARIANTS, [])
-    return [FP8_SETTINGS] * fp8 + variant_settings(defaults["backends"] if backends is None else backends,
-                                                   defaults["main_grad_backends"] if main_grad is None
-                                                   else main_grad, token_paddings)
+    fp8_rows = [FP8_SETTINGS, FP8_FIXED_SETTINGS] if fp8 else []
+    return fp8_rows + variant_settings(defaults["backends"] if backends is None else backends,
+                                       defaults["main_grad_backends"] if main_grad is None else main_grad,
+                                       token_paddings)
 
 
 def main() -> None:

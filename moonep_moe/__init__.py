@@ -21,7 +21,7 @@ from moonep_moe.config import (
     available_configs,
     load_config,
 )
-from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.layers.moe import MoonEPMoELayer, fixed_expert_weights
 from moonep_moe.weights.layout import ExpertLayout
 
 try:
@@ -53,6 +53,7 @@ __all__ = [
     "RouterConfig",
     "SharedExpertConfig",
     "available_configs",
+    "fixed_expert_weights",
     "load_config",
     "run_ranks",
     *_LAZY,

@@ -9,6 +9,7 @@ import pytest
 
 from bench.common import MODELS, check, format_check, model_shape, ratio, spread, total
 from bench.layer import (
+    FIXED,
     FP8_LAYER_TARGETS,
     FP8_SETTINGS,
     ISSUE_TABLES,
@@ -330,16 +331,34 @@ def test_table_variants_default_to_none_for_several_tables():
     assert table_variants([], ["auto"], [], 1) == [{"grouped_gemm": "auto", "expert_grad_dtype": "main_grad"}]
 
 
-def test_fp8_row_comes_right_after_default_with_precision_fp8_and_padding_128():
+def test_fp8_rows_come_right_after_default_with_precision_fp8_and_padding_128():
+    """The fp8 row, then the same config measured with its weights fixed (`FIXED`, not a config field)."""
     one = variant_settings(["auto", "triton", "torch", "deep_gemm"], ["auto"], [])
-    assert table_variants(None, None, [], tables=1, fp8=True) == [FP8_SETTINGS, *one]
-    assert table_variants([], [], [], tables=1, fp8=True) == [FP8_SETTINGS], "--backends --main-grad-backends"
-    assert table_variants(None, None, [], tables=5, fp8=True) == [FP8_SETTINGS]
+    fp8_rows = [FP8_SETTINGS, {**FP8_SETTINGS, FIXED: True}]
+    assert table_variants(None, None, [], tables=1, fp8=True) == [*fp8_rows, *one]
+    assert table_variants([], [], [], tables=1, fp8=True) == fp8_rows, "--backends --main-grad-backends"
+    assert table_variants(None, None, [], tables=5, fp8=True) == fp8_rows
     cfg = MoEConfig(**make_table("deepseek-v3", None, {}).shapes, **FP8_SETTINGS)
     default = MoEConfig(**make_table("deepseek-v3", None, {}).shapes)
     assert (cfg.precision, cfg.token_padding, cfg.grouped_gemm) == ("fp8", 128, default.grouped_gemm)
     assert cfg.model_copy(update={"precision": "bf16", "token_padding": default.token_padding}) == default, \
         "the DEFAULT config but for precision and padding"
+
+
+def test_weights_fixed_row_runs_the_fp8_config_inside_fixed_expert_weights(monkeypatch):
+    """`run_all_ours` strips `FIXED` from the config, runs that row with `fixed`, names it, and does not
+    take it for a repeat of the plain fp8 row."""
+    import bench.layer as layer_bench
+
+    calls = []
+    monkeypatch.setattr(layer_bench, "run_ours", lambda cfg, name, default, bench, profiles, epn, fixed:
+                        calls.append((cfg, name, fixed)) or {"layer": name})
+    shapes = make_table("deepseek-v3", None, {}).shapes
+    rows = list(layer_bench.run_all_ours(None, shapes, [FP8_SETTINGS, {**FP8_SETTINGS, FIXED: True}], None))
+    assert len(rows) == 3
+    (_, _, default_fixed), (fp8_cfg, _, plain), (fixed_cfg, name, fixed) = calls
+    assert (default_fixed, plain, fixed) == (False, False, True)
+    assert fixed_cfg == fp8_cfg and fixed_cfg.precision == "fp8" and name.endswith("weights fixed)")
 
 
 def test_fp8_layer_targets_against_our_bf16_row_and_torch_native():

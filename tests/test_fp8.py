@@ -22,6 +22,7 @@ from moonep_moe.layers.fp8 import (
     E4M3_MAX,
     FP8_DTYPE,
     TILE,
+    Fp8GroupedGemm,
     Fp8WeightCache,
     dequantise_blocks,
     dequantise_rows,
@@ -243,7 +244,7 @@ def test_weight_cache_keeps_nothing_while_training(monkeypatch):
     assert second.data_ptr() != first.data_ptr(), "a fresh buffer (a kept copy would come back)"
     qt, _ = cache.get((home,), transposed=True, keep=False)
     assert [(q, qt) for _, q, qt in casts.calls] == [(True, False), (True, False), (False, True)]
-    assert len(cache._copies) == 0, "nothing kept"
+    assert not any(cache._copies.values()), "nothing kept"
     want_q, want_scales = quantise_blocks(home.detach().cpu())
     assert torch.equal(bits(second.cpu()), bits(want_q)) and torch.equal(scales.cpu(), want_scales)
     assert torch.equal(bits(qt.cpu()), bits(transpose_blocks(want_q, want_scales)[0]))
@@ -277,6 +278,91 @@ def test_weight_cache_rebuilds_for_another_sequence(monkeypatch):
     assert cache.get((home,), transposed=False, keep=True)[0].shape[0] == 1
     q, _ = cache.get((home, slots), transposed=False, keep=True)
     assert q.shape[0] == 3 and len(casts.calls) == 3, "home cast again into the new copy, then the slots"
+
+
+def test_weight_cache_fixed_keeps_both_orientations_until_released(monkeypatch):
+    """In a `fixed_expert_weights` block (``fixed`` > 0) a parameter's forward and transposed copies are
+    each cast once and kept while training (``keep`` False); other parts are cast on every call; a version
+    bump casts again; `release` drops everything and training keeps nothing again."""
+    casts = CountingCasts(monkeypatch)
+    home = torch.nn.Parameter(spread(2, 128, 256, seed=13).to(torch.bfloat16).to(KERNEL_DEVICE))
+    slots = spread(1, 128, 256, seed=14).to(torch.bfloat16).to(KERNEL_DEVICE)
+    cache = Fp8WeightCache()
+    cache.fixed = 1
+    for _ in range(3):  # micro-batches: forward, then backward
+        q, scales = cache.get((home, slots), transposed=False, keep=False)
+        qt, scales_t = cache.get((home, slots), transposed=True, keep=False)
+    assert [(w is home, q, qt) for w, q, qt in casts.calls] == [
+        (True, True, False), (False, True, False), (True, False, True), (False, False, True),
+        *[(False, True, False), (False, False, True)] * 2]
+    want_q, want_scales = quantise_blocks(torch.cat([home.detach(), slots]).cpu())
+    assert torch.equal(bits(q.cpu()), bits(want_q)) and torch.equal(scales.cpu(), want_scales)
+    want_qt, want_scales_t = transpose_blocks(want_q, want_scales)
+    assert torch.equal(bits(qt.cpu()), bits(want_qt)) and torch.equal(scales_t.cpu(), want_scales_t)
+    with torch.no_grad():
+        home.mul_(0.5)
+    cache.get((home, slots), transposed=True, keep=False)
+    assert [w is home for w, _, _ in casts.calls[-2:]] == [True, False], "a version bump casts again"
+    cache.fixed = 0
+    cache.release()
+    assert not any(cache._copies.values())
+    first, _ = cache.get((home,), transposed=False, keep=False)
+    assert first.data_ptr() != cache.get((home,), transposed=False, keep=False)[0].data_ptr()
+    assert not any(cache._copies.values()), "training outside a block keeps nothing"
+
+
+class ReferenceProductFp8Gemm(Fp8GroupedGemm):
+    """`Fp8GroupedGemm` on the CPU: its casts (interpreted) and weight cache as they are, DeepGEMM's FP8
+    product replaced by the product of the dequantised operands (`ReferenceGroupedGemm`)."""
+
+    def __init__(self, wgrad) -> None:
+        from moonep_moe.layers.kernels.fp8_cast import cast_rows
+
+        self._cast_rows, self._wgrad, self.weights = cast_rows, wgrad, Fp8WeightCache()
+
+    def _gemm(self, a, q_w, scales_w, offs_g):
+        q_a, scales_a = self._cast_rows(a, offs_g)
+        end = int(offs_g[-1])  # rows past the last segment are not cast (unspecified)
+        rows = torch.zeros(a.shape, dtype=torch.float32, device=a.device)
+        rows[:end] = dequantise_rows(q_a[:end], scales_a[:end], torch.float32)
+        out = ReferenceGroupedGemm().fwd(rows, [dequantise_blocks(q_w, scales_w, torch.float32)], offs_g)
+        return out.to(a.dtype)
+
+
+def test_fixed_expert_weights_casts_the_home_experts_once_per_block(monkeypatch):
+    """Gradient accumulation in an fp8 layer: outside a `fixed_expert_weights` block every micro-batch casts
+    both home weights in both orientations (4 casts); inside, the whole block does, and the gradients are
+    the same bits; the block's end frees the copies."""
+    from moonep_moe import fixed_expert_weights
+    from moonep_moe.comm.world import single_world
+
+    layer = MoonEPMoELayer(MoEConfig(**BASE, token_padding=128), single_world(KERNEL_DEVICE))
+    gemm = layer._state.gemm = ReferenceProductFp8Gemm(layer._state.gemm)
+    casts = CountingCasts(monkeypatch)
+    home = (layer.experts.gate_up, layer.experts.down)
+    gen = torch.Generator().manual_seed(15)
+    xs = [torch.randn(48, BASE["hidden_size"], generator=gen).to(torch.bfloat16).to(KERNEL_DEVICE)
+          for _ in range(3)]
+
+    def accumulate() -> list[torch.Tensor]:
+        layer.zero_grad(set_to_none=True)
+        for x in xs:
+            layer(x).float().square().sum().backward()
+        return [weight.grad.clone() for weight in home]
+
+    def home_casts() -> int:
+        return sum(any(w is weight for weight in home) for w, _, _ in casts.calls)
+
+    plain = accumulate()
+    assert home_casts() == 4 * len(xs)
+    casts.calls.clear()
+    with fixed_expert_weights(layer):
+        fixed = accumulate()
+        assert home_casts() == 4, "gate_up and down, forward and transposed, once"
+        assert any(gemm.weights._copies.values())
+    assert not any(gemm.weights._copies.values()), "the block's end frees the copies"
+    for got, want in zip(fixed, plain, strict=True):
+        assert torch.equal(got, want)
 
 
 class FrozenSpy(TorchGroupedGemm):

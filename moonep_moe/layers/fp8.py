@@ -121,19 +121,20 @@ def to_deep_gemm_row_scales(scales_mk: Tensor) -> Tensor:
 
 @dataclass
 class _Fp8Copy:
-    """One weights sequence's cached FP8 copy, all its parts' groups joined: ``q [G, N, K]`` and ``scales [G,
-    ceil(N/128), Kb]``; ``stamps[i]``: ``(version, data_ptr)`` of part i when it was last cast (None: not
-    cached)."""
+    """One weights sequence's kept FP8 copy in one orientation, all its parts' groups joined: ``q [G, N, K]``
+    (transposed: ``[G, K, N]``) and ``scales [G, ceil(N/128), Kb]``; ``shapes[i]``: part i's shape;
+    ``stamps[i]``: ``(version, data_ptr)`` of part i when it was last cast (None: not kept)."""
 
     parts: list[weakref.ref]
+    shapes: list[torch.Size]
     q: Tensor
     scales: Tensor
     stamps: list[tuple[int, int] | None]
 
     def holds(self, weights: Sequence[Tensor]) -> bool:
         return len(weights) == len(self.parts) and all(
-            ref() is w and w.shape[1:] == self.q.shape[1:] for ref, w in zip(self.parts, weights, strict=True)
-        ) and sum(w.shape[0] for w in weights) == self.q.shape[0]
+            ref() is w and w.shape == shape
+            for ref, w, shape in zip(self.parts, weights, self.shapes, strict=True))
 
 
 def _joined_shape(weights: Sequence[Tensor], transposed: bool) -> tuple[int, int, int]:
@@ -159,50 +160,70 @@ class Fp8WeightCache:
     joined view, are cast on every call into the same joined copy. Writes that bypass the version counter
     (``param.data.copy_``) are not seen. While a CUDA graph is being captured every part is cast in the call
     (the replay then casts again: the cache is a host-side decision a replay cannot make).
+
+    Micro-batches (``fixed``, set by `moonep_moe.fixed_expert_weights` while its caller promises the
+    weights do not change): both orientations of the parameters are kept as in inference, so gradient
+    accumulation casts them once per optimizer step instead of once per micro-batch, at the memory of both
+    copies (the bf16 weights' bytes) until `release`.
     """
 
     def __init__(self) -> None:
         from moonep_moe.layers.kernels import fp8_cast
 
         self._kernels = fp8_cast
-        self._copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._copies: dict[bool, WeakIdKeyDictionary] = {False: WeakIdKeyDictionary(),
+                                                         True: WeakIdKeyDictionary()}
+        self.fixed = 0
+        """Nesting depth of `moonep_moe.fixed_expert_weights` blocks: while > 0 every call keeps."""
 
     def get(self, weights: Sequence[Tensor], transposed: bool, keep: bool) -> tuple[Tensor, Tensor]:
         """``(q [G, N, K], scales [G, ceil(N/128), Kb])`` of ``weights`` (parts ``[g_i, N, K]`` whose groups
         concatenate to G), or with ``transposed`` ``(qt [G, K, N], scales^T [G, Kb, ceil(N/128)])``.
-        ``keep``: inference (the caller's ``frozen``), where the forward copy of the parameters is kept."""
+        ``keep``: inference (the caller's ``frozen``), where the forward copy of the parameters is kept; in a
+        ``fixed`` block both orientations are."""
         capturing = weights[0].is_cuda and torch.cuda.is_current_stream_capturing()
-        kept = [keep and not transposed and not capturing and isinstance(w, nn.Parameter) for w in weights]
+        keep = self.fixed > 0 or (keep and not transposed)
+        kept = [keep and not capturing and isinstance(w, nn.Parameter) for w in weights]
         if not any(kept):
             return self._cast(weights, transposed)
-        copy = self._copies.get(weights[0])
+        copies = self._copies[transposed]
+        copy = copies.get(weights[0])
         if copy is None or not copy.holds(weights):
-            ref, shape = weights[0], _joined_shape(weights, False)
-            copy = self._copies[weights[0]] = _Fp8Copy(
-                [weakref.ref(w) for w in weights], ref.new_empty(shape, dtype=FP8_DTYPE),
-                ref.new_empty(block_scales_shape(shape), dtype=torch.float32), [None] * len(weights))
+            ref = weights[0]
+            copy = copies[ref] = _Fp8Copy(
+                [weakref.ref(w) for w in weights], [w.shape for w in weights],
+                ref.new_empty(_joined_shape(weights, transposed), dtype=FP8_DTYPE),
+                ref.new_empty(block_scales_shape(_joined_shape(weights, False)), dtype=torch.float32),
+                [None] * len(weights))
         start = 0
         for i, (part, keep) in enumerate(zip(weights, kept, strict=True)):
             stop = start + part.shape[0]
             stamp = (part._version, part.data_ptr()) if keep else None
             if stamp is None or stamp != copy.stamps[i]:
-                self._kernels.cast_blocks(part, copy.scales[start:stop], copy.q[start:stop], None)
+                self._cast_part(part, copy.scales[start:stop], copy.q[start:stop], transposed)
                 copy.stamps[i] = stamp
             start = stop
-        return copy.q, copy.scales
+        return (copy.q, copy.scales.transpose(1, 2)) if transposed else (copy.q, copy.scales)
+
+    def release(self) -> None:
+        """Drop every kept copy (the next call casts again)."""
+        for copies in self._copies.values():
+            copies.clear()
 
     def _cast(self, weights: Sequence[Tensor], transposed: bool) -> tuple[Tensor, Tensor]:
         """Every part cast into fresh joined buffers, one orientation."""
-        ref, shape = weights[0], _joined_shape(weights, False)
+        ref = weights[0]
         out = ref.new_empty(_joined_shape(weights, transposed), dtype=FP8_DTYPE)
-        scales = ref.new_empty(block_scales_shape(shape), dtype=torch.float32)
+        scales = ref.new_empty(block_scales_shape(_joined_shape(weights, False)), dtype=torch.float32)
         start = 0
         for part in weights:
             stop = start + part.shape[0]
-            self._kernels.cast_blocks(part, scales[start:stop], None if transposed else out[start:stop],
-                                      out[start:stop] if transposed else None)
+            self._cast_part(part, scales[start:stop], out[start:stop], transposed)
             start = stop
         return (out, scales.transpose(1, 2)) if transposed else (out, scales)
+
+    def _cast_part(self, part: Tensor, scales: Tensor, out: Tensor, transposed: bool) -> None:
+        self._kernels.cast_blocks(part, scales, None if transposed else out, out if transposed else None)
 
 
 class Fp8GroupedGemm:

@@ -22,11 +22,12 @@ may take an earlier plan of the Buffer); gradients equal the uncheckpointed run'
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,7 @@ from torch import nn
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.world import EPWorld, single_world
 from moonep_moe.config import MoEConfig
-from moonep_moe.layers.fp8 import fp8_grouped_gemm, fp8_weights_gemm
+from moonep_moe.layers.fp8 import Fp8GroupedGemm, fp8_grouped_gemm, fp8_weights_gemm
 from moonep_moe.layers.function import COMPILE_BREAK_REASON, ExpertsState, MoonEPExperts
 from moonep_moe.layers.grouped_gemm import GemmProblem, select_grouped_gemm
 from moonep_moe.layers.router import RouterOutput, TopKRouter
@@ -496,3 +497,35 @@ class MoonEPMoELayer(nn.Module):
         """Release the layer's comm memory (its Buffer). The layer cannot run afterwards."""
         if self.buffer is not None:
             self.buffer.destroy()
+
+
+@contextlib.contextmanager
+def fixed_expert_weights(model: nn.Module) -> Iterator[None]:
+    """Gradient accumulation with `precision="fp8"`: the caller promises that no routed expert weight of
+    `model`'s MoonEP layers (the model itself may be one) changes inside the block. Run a step's
+    micro-batches inside and `optimizer.step()` after it::
+
+        with fixed_expert_weights(model):
+            for micro_batch in micro_batches:
+                loss_fn(model(micro_batch)).backward()
+        optimizer.step()
+
+    Each fp8 layer then casts its home experts' weights to FP8 once in the block, both orientations, and
+    reuses them for every micro-batch, instead of casting them on every call; the copies (as many bytes as
+    the bf16 home weights, per layer) are freed when the block ends. A weight changed in place inside the
+    block (its `._version` moves: any torch op, `load_state_dict`) is cast again; a write through `.data`
+    is not seen. The prefetched replicas change with every plan and are cast on every call. `bf16` layers
+    are unaffected. Blocks nest; the outermost one frees the copies.
+    """
+    caches = [layer._state.gemm.weights for layer in model.modules()
+              if isinstance(layer, MoonEPMoELayer) and layer._state is not None
+              and isinstance(layer._state.gemm, Fp8GroupedGemm)]
+    for cache in caches:
+        cache.fixed += 1
+    try:
+        yield
+    finally:
+        for cache in caches:
+            cache.fixed -= 1
+            if not cache.fixed:
+                cache.release()
