@@ -510,6 +510,37 @@ def test_fp8_backend_recasts_after_an_optimizer_step():
 
 @pytest.mark.gpu
 @needs_fp8
+def test_fixed_expert_weights_on_deep_gemm_gives_the_same_gradients():
+    """The real fp8 layer (DeepGEMM, compiled casts), skewed routing: three micro-batches accumulated inside
+    `fixed_expert_weights` give the bits they give outside it, and the block frees its copies."""
+    from moonep_moe import fixed_expert_weights
+    from moonep_moe.comm.world import single_world
+
+    cfg = MoEConfig(hidden_size=256, ffn_hidden_size=256, num_experts=8, top_k=2, max_tokens_per_rank=256,
+                    dtype="bfloat16", precision="fp8", router={"dtype": "float32", "expert_bias": True})
+    layer = MoonEPMoELayer(cfg, single_world("cuda"))
+    with torch.no_grad():
+        layer.router.expert_bias.copy_(torch.linspace(0, 4, 8))  # skewed: the high-bias experts are hot
+    gen = torch.Generator(device="cuda").manual_seed(16)
+    xs = [torch.randn(256, 256, device="cuda", generator=gen).bfloat16() for _ in range(3)]
+    home = (layer.experts.gate_up, layer.experts.down)
+
+    def accumulate() -> list[torch.Tensor]:
+        layer.zero_grad(set_to_none=True)
+        for x in xs:
+            layer(x).float().square().sum().backward()
+        return [weight.grad.clone() for weight in home]
+
+    plain = accumulate()
+    with fixed_expert_weights(layer):
+        fixed = accumulate()
+    assert not any(layer._state.gemm.weights._copies.values())
+    for got, want in zip(fixed, plain, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@needs_fp8
 def test_fp8_layer_tracks_the_float64_reference_like_the_bf16_layer():
     """One EP=1 layer step in fp8 and in bf16 against the float64 dense reference (bf16-rounded inputs):
     the fp8 layer's output, input gradient and expert weight gradients within 2^-3 relative (norm-wise)
