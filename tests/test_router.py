@@ -117,6 +117,23 @@ def test_bias_changes_selection_not_gates():
     torch.testing.assert_close(out.route_weights_tk, unbiased_gates_tk)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_softmax_renormalised_gates_of_underflowed_scores_are_zero_not_nan(dtype):
+    """With the expert bias choosing experts whose softmax scores underflowed to 0 (logits far below the
+    token's best), renormalising divides 0 by 0: those tokens get route weights 0; the others keep the plain
+    sum's bits."""
+    router = TopKRouter(RouterConfig(dtype=dtype, score_function="softmax", renormalize=True,
+                                     expert_bias=True), E, E, 2)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(E))
+        router.expert_bias[E - 2:] = 10.0  # every token picks the last two experts
+    logits_te = torch.zeros(2, E, dtype=router.weight.dtype)
+    logits_te[0, 0] = 2000.0  # token 0: expert 0 takes all the softmax mass, the picked two underflow
+    out = router(logits_te)
+    assert torch.equal(out.route_weights_tk[0], torch.zeros(2, dtype=router.weight.dtype))
+    assert torch.equal(out.route_weights_tk[1], torch.full((2,), 0.5, dtype=router.weight.dtype))
+
+
 def test_aux_loss_hand_example():
     # Two tokens, both pick expert 0 (K=1): f = [1, 0]; P = mean([.75, .25], [.6, .4]) = [.675, .325].
     router = identity_router(2, 1, aux_loss_coeff=0.01)

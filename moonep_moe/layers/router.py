@@ -93,7 +93,13 @@ class TopKRouter(nn.Module):
 
         gates_tk = scores_te.gather(-1, topk_experts_tk)
         if cfg.renormalize:
-            gates_tk = gates_tk / (gates_tk.sum(-1, keepdim=True) + (1e-20 if sigmoid else 0.0))
+            # sigmoid: DeepSeek-V3's `sum + 1e-20`. softmax: the plain sum, floored at the dtype's smallest
+            # normal (the same bits wherever it is above that) so that a token whose selected scores all
+            # underflowed to 0 (possible when the expert bias selects experts far below its best one) gets
+            # route weights 0, not 0 / 0 = NaN
+            total_tk = gates_tk.sum(-1, keepdim=True)
+            floor = torch.finfo(total_tk.dtype).tiny
+            gates_tk = gates_tk / (total_tk + 1e-20 if sigmoid else total_tk.clamp(min=floor))
         gates_tk = gates_tk * cfg.routed_scaling_factor
 
         real_tk = torch.ones_like(topk_experts_tk, dtype=torch.bool)
