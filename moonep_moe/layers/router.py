@@ -93,13 +93,14 @@ class TopKRouter(nn.Module):
 
         gates_tk = scores_te.gather(-1, topk_experts_tk)
         if cfg.renormalize:
-            # sigmoid: DeepSeek-V3's `sum + 1e-20`. softmax: the plain sum, floored at the dtype's smallest
-            # normal (the same bits wherever it is above that) so that a token whose selected scores all
-            # underflowed to 0 (possible when the expert bias selects experts far below its best one) gets
-            # route weights 0, not 0 / 0 = NaN
+            # sigmoid: DeepSeek-V3's `sum + 1e-20`. softmax: the plain sum where it is a normal number; a
+            # token whose selected scores (nearly) all underflowed (the expert bias can select experts far
+            # below its best one) keeps them unnormalised, about 0, instead of 0 / 0 = NaN forward or an
+            # infinite 1 / sum in backward
             total_tk = gates_tk.sum(-1, keepdim=True)
-            floor = torch.finfo(total_tk.dtype).tiny
-            gates_tk = gates_tk / (total_tk + 1e-20 if sigmoid else total_tk.clamp(min=floor))
+            if not sigmoid:
+                total_tk = torch.where(total_tk >= torch.finfo(total_tk.dtype).tiny, total_tk, 1.0)
+            gates_tk = gates_tk / (total_tk + 1e-20 if sigmoid else total_tk)
         gates_tk = gates_tk * cfg.routed_scaling_factor
 
         real_tk = torch.ones_like(topk_experts_tk, dtype=torch.bool)
