@@ -41,11 +41,12 @@ and `token_padding=128` (`FP8_SETTINGS`: FP8 fwd and dgrad, bf16 wgrad, bf16 mas
 like every row and checked against `FP8_LAYER_TARGETS` (`fp8_layer_targets`): its fwd+bwd speed >= 1.6x
 the DEFAULT (bf16) row's, its fwd+bwd time <= 0.45x the baseline's (the faster torch-native bf16 layer),
 its peak memory <= the DEFAULT row's; printed as PASS / MISS lines and recorded in `fp8_targets`. Where
-FP8 cannot run (no sm90, no DeepGEMM) the row is skipped with the reason. A second fp8 row, "weights
-fixed", measures the same layer inside `moonep_moe.fixed_expert_weights` (gradient accumulation: the home
-experts' FP8 copies cast once in warm-up and reused by every timed step, as by a step's micro-batches; the
-prefetched slots still cast on every call; the kept copies count in its peak), checked against the same
-bounds under its own scope.
+FP8 cannot run (no sm90, no DeepGEMM) the row is skipped with the reason. Three more fp8 rows follow
+(`FP8_VARIANTS`), each checked against the same bounds under its own scope (`fp8_scope`): "weights fixed",
+the same layer measured inside `moonep_moe.fixed_expert_weights` (gradient accumulation: the home experts'
+FP8 copies cast once in warm-up and reused by every timed step, as by a step's micro-batches; the prefetched
+slots still cast on every call; the kept copies count in its peak); `fp8_wgrad=True` (wgrad in FP8 too);
+and both.
 
 Layers, in the order run:
 - `torch-native`: what users run today, in the torchtitan style: an fp32 softmax top-k router, a sort-based
@@ -93,7 +94,7 @@ when the DEFAULT row was not measured); `fp8_targets` (the same fields, with --f
 DEFAULT rows were both measured, else empty); `profile` (with --profile: per layer `total_ms`, `groups_ms`
 {group: ms}, `beyond_gemms_ms`, `kernels` [{name, group, calls, ms}], by time) and `results`, one row per
 layer in the order run:
-- `layer`; `config`: "baseline", "default", "fp8", "fp8 fixed" or "variant"; ours also `backend`, `precision`,
+- `layer`; `config`: "baseline", "default", "fp8" or "variant"; ours also `backend`, `precision`,
   `expert_grad_dtype`, `token_padding`, `dtype` (the resolved config) and `gemm` (the backend per
   primitive and weight shape);
 - `ms`, `ms_min`, `ms_max`, `ms_samples`: fwd+bwd median, spread and every run, in ms; `tflops`: the useful
@@ -478,11 +479,10 @@ def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: d
     except ValueError as error:
         print(f"skipping {name}: {error}", flush=True)
         return None
-    fp8_kind = "fp8 fixed" if fixed else "fp8"
-    kind = "default" if default else fp8_kind if cfg.precision == "fp8" else "variant"
+    kind = "default" if default else "fp8" if cfg.precision == "fp8" else "variant"
     row = {"layer": name, "config": kind, "backend": cfg.grouped_gemm, "precision": cfg.precision,
-           "expert_grad_dtype": cfg.expert_grad_dtype, "token_padding": cfg.token_padding, "dtype": cfg.dtype,
-           "fixed_expert_weights": fixed}
+           "fp8_wgrad": cfg.fp8_wgrad, "expert_grad_dtype": cfg.expert_grad_dtype,
+           "token_padding": cfg.token_padding, "dtype": cfg.dtype, "fixed_expert_weights": fixed}
     try:
         layer.load_state_dict(layer_weights(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts))
         if ep_rank_epn is not None:
@@ -516,7 +516,7 @@ def run_all_ours(bench: Bench, shapes: dict, variants: list[dict], profiles: dic
             continue
         what = f"{cfg.grouped_gemm}, {cfg.expert_grad_dtype} grads, tp {cfg.token_padding}"
         if cfg.precision != "bf16":
-            what = f"{cfg.precision}, {what}"
+            what = f"{cfg.precision}{' + fp8 wgrad' * cfg.fp8_wgrad}, {what}"
         if fixed:
             what = f"{what}, weights fixed"
         name = f"moonep DEFAULT ({what})" if not settings else f"moonep ({what})"
@@ -673,8 +673,10 @@ FP8_SETTINGS = {"precision": "fp8", "token_padding": 128}
 """--fp8: the fp8 row's config, the DEFAULT config with these settings."""
 FIXED = "fixed_expert_weights"
 """A row setting that is not a config field: measure the layer inside `fixed_expert_weights`."""
-FP8_FIXED_SETTINGS = {**FP8_SETTINGS, FIXED: True}
-"""--fp8's second row: the fp8 layer with its weights fixed, as across a step's micro-batches."""
+FP8_VARIANTS = [FP8_SETTINGS, {**FP8_SETTINGS, FIXED: True}, {**FP8_SETTINGS, "fp8_wgrad": True},
+                {**FP8_SETTINGS, "fp8_wgrad": True, FIXED: True}]
+"""--fp8's rows: the fp8 layer, with its weights fixed (as across a step's micro-batches), with wgrad in
+FP8, and both."""
 
 FP8_LAYER_TARGETS = (  # (what, op, bound): issue 16 item 6, on the fp8 row
     ("fp8 speed vs our bf16", ">=", 1.6),
@@ -683,9 +685,11 @@ FP8_LAYER_TARGETS = (  # (what, op, bound): issue 16 item 6, on the fp8 row
 )
 
 
-FP8_SCOPES = {"fp8": "issue 16 item 6",
-              "fp8 fixed": "issue 16 item 6, weights fixed over micro-batches"}
-"""The fp8 rows' kinds (`run_ours`) and the scope their `fp8_layer_targets` are recorded under."""
+def fp8_scope(row: dict) -> str:
+    """The scope an fp8 row's `fp8_layer_targets` are recorded under: the issue's item, and how the row
+    differs from the plain fp8 layer."""
+    return "issue 16 item 6" + ", wgrad in FP8" * row["fp8_wgrad"] + \
+        ", weights fixed over micro-batches" * row["fixed_expert_weights"]
 
 
 def fp8_layer_targets(fp8: dict, default: dict, baseline: dict, scope: str) -> list[dict]:
@@ -774,8 +778,8 @@ def run_table(table: Table, variants: list[dict], args: argparse.Namespace,
             if row["config"] == "default":
                 record["targets"] = layer_targets(row, baseline, bench.flops, bench.dense, table.scope)
                 default = row
-            if row["config"] in FP8_SCOPES and default is not None:
-                record["fp8_targets"] += fp8_layer_targets(row, default, baseline, FP8_SCOPES[row["config"]])
+            if row["config"] == "fp8" and default is not None:
+                record["fp8_targets"] += fp8_layer_targets(row, default, baseline, fp8_scope(row))
         rows.append(row)
         print(format_row(row), flush=True)
         save()
@@ -810,7 +814,7 @@ def table_variants(backends: list[str] | None, main_grad: list[str] | None, toke
     `fp8` (--fp8: the fp8 row right after DEFAULT); a list not given (None) is `DEFAULT_VARIANTS`' for one
     table and empty for several (--model all: the baselines and the DEFAULT row of every table)."""
     defaults = DEFAULT_VARIANTS if tables == 1 else dict.fromkeys(DEFAULT_VARIANTS, [])
-    fp8_rows = [FP8_SETTINGS, FP8_FIXED_SETTINGS] if fp8 else []
+    fp8_rows = FP8_VARIANTS if fp8 else []
     return fp8_rows + variant_settings(defaults["backends"] if backends is None else backends,
                                        defaults["main_grad_backends"] if main_grad is None else main_grad,
                                        token_paddings)

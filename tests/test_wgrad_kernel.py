@@ -164,3 +164,97 @@ def test_gpu_accumulate_first_call_autotunes_without_adding_twice():
     torch.testing.assert_close(home.double(), want[:1], rtol=1e-5, atol=1e-3)
     want_slots = (before[1:].to(torch.bfloat16).double() + want[1:] - before[1:].double()).to(torch.bfloat16)
     torch.testing.assert_close(slots, want_slots, rtol=2e-2, atol=2e-2)
+
+
+# -- the FP8 form (`grouped_wgrad_fp8`: e4m3 operands, transposed, one scale per column per 128 rows) -------
+# Products of e4m3 values are exact in fp32 and the scales are powers of two, so against the float64 product
+# of the dequantised operands the kernel differs only by fp32 rounding of its sums: at most (terms + 1)
+# roundings of 2^-24 each, relative to the sum of the terms' magnitudes (`assert_within_sum_rounding`).
+# Segments are whole 128-row blocks (fp8's token padding).
+
+
+def assert_within_sum_rounding(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor,
+                               terms: int, output_rounding: float = 0.0) -> None:
+    """`output_rounding`: the relative error of storing the fp32 sum in the output's dtype."""
+    bound = (terms + 1) * 2.0**-24 * magnitude + output_rounding * want.abs() + 1e-30
+    excess = ((got.double().cpu() - want).abs() / bound).max()
+    assert excess <= 1, f"an fp32 sum is off by {excess:.2f}x its rounding bound"
+
+SIZES_FP8_G = [0, 128, 384, 0, 128, 256, 0]  # empty first, middle and last; one to three blocks
+FP8_CASES = {"home+slots": (SIZES_FP8_G, [4]), "skewed": ([0, 0, 1024, 0, 128], [2]), "empty": ([0] * 4, [2])}
+
+
+def fp8_operands(sizes_g: list[int], n: int, k: int, device="cpu", tail: int = 128):
+    """`cast_columns` of random dy and x (magnitudes over 16 binades, so the per-block scales differ) and
+    the float64 reference ``dy^T x`` per group of the dequantised operands."""
+    from moonep_moe.layers.fp8 import dequantise_rows
+    from moonep_moe.layers.kernels.fp8_cast import cast_columns
+
+    dy_mn, x_mk = random_rows(sizes_g, n, k, torch.bfloat16, device=device, tail=tail)
+    rows = dy_mn.shape[0]
+    for t in (dy_mn, x_mk):
+        t[:rows - tail] *= torch.exp2(torch.randint(-8, 8, (rows - tail, 1), device=device)).bfloat16()
+    offs_g = offsets_g(sizes_g, device)
+    q_dy, q_x = cast_columns(dy_mn, offs_g), cast_columns(x_mk, offs_g)
+    used = sum(sizes_g)
+    deq_dy, deq_x = (dequantise_rows(q[:, :used].cpu(), s[:, :used // 128].cpu()).T for q, s in (q_dy, q_x))
+    want = torch.stack([deq_dy[s:e].T @ deq_x[s:e] for s, e in segments(sizes_g)])
+    magnitude = torch.stack([deq_dy[s:e].abs().T @ deq_x[s:e].abs() for s, e in segments(sizes_g)])
+    return q_dy, q_x, offs_g, want, magnitude
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("accumulate", [False, True], ids=["overwrite", "accumulate"])
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_fp8_wgrad_matches_the_dequantised_product(case, accumulate):
+    from moonep_moe.layers.kernels.wgrad import grouped_wgrad_fp8
+
+    sizes_g, cuts = FP8_CASES[case]
+    q_dy, q_x, offs_g, want, magnitude = fp8_operands(sizes_g, N, K)
+    before = torch.randn(len(sizes_g), N, K) if accumulate else torch.full((len(sizes_g), N, K), float("nan"))
+    parts = split(before, cuts)
+    grouped_wgrad_fp8(q_dy, q_x, offs_g, parts, accumulate)
+    if accumulate:
+        want, magnitude = want + before.double(), magnitude + before.double().abs()
+    assert_within_sum_rounding(torch.cat(parts), want, magnitude, max(sizes_g) + 1)
+
+
+@pytest.mark.interpreter
+def test_fp8_wgrad_into_bf16_home_and_fp32_slots():
+    from moonep_moe.layers.kernels.wgrad import grouped_wgrad_fp8
+
+    q_dy, q_x, offs_g, want, magnitude = fp8_operands(SIZES_FP8_G, N, K)
+    home, slots = torch.zeros(4, N, K, dtype=torch.bfloat16), torch.zeros(3, N, K)
+    grouped_wgrad_fp8(q_dy, q_x, offs_g, (home, slots), accumulate=False)
+    assert_within_sum_rounding(slots, want[4:], magnitude[4:], max(SIZES_FP8_G))
+    # then one bf16 rounding (within one bf16 step: the interpreter truncates, the GPU rounds to nearest)
+    assert_within_sum_rounding(home, want[:4], magnitude[:4], max(SIZES_FP8_G), output_rounding=2**-7)
+
+
+def test_fp8_wgrad_refuses_untransposed_operands():
+    from moonep_moe.layers.kernels.wgrad import grouped_wgrad_fp8
+
+    q_dy, q_x = (torch.zeros(256, width, dtype=torch.float8_e4m3fn) for width in (N, K))  # [rows, .]
+    with pytest.raises(ValueError, match="transposed, K-major"):
+        grouped_wgrad_fp8((q_dy, torch.ones(256, 1)), (q_x, torch.ones(256, 1)), offsets_g([256]),
+                          [torch.zeros(1, N, K)], False)
+    q_dy, q_x = q_dy.T.contiguous(), q_x.T.contiguous()
+    with pytest.raises(ValueError, match="scales must be contiguous"):
+        grouped_wgrad_fp8((q_dy, torch.ones(N, 1)), (q_x, torch.ones(K, 2)), offsets_g([256]),
+                          [torch.zeros(1, N, K)], False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(FP8_CASES))
+@pytest.mark.parametrize(("n", "k"), [(2 * DSV3_F, DSV3_H), (DSV3_H, DSV3_F)], ids=["gate_up", "down"])
+def test_gpu_fp8_wgrad_dsv3_shapes(case, n, k):
+    """Compiled, at DeepSeek-V3's expert shapes, accumulating (the autotuner must not add twice)."""
+    from moonep_moe.layers.kernels.wgrad import grouped_wgrad_fp8
+
+    sizes_g, cuts = FP8_CASES[case]
+    q_dy, q_x, offs_g, want, magnitude = fp8_operands(sizes_g, n, k, device="cuda")
+    before = torch.randn(len(sizes_g), n, k, device="cuda")
+    parts = split(before, cuts)
+    grouped_wgrad_fp8(q_dy, q_x, offs_g, parts, accumulate=True)
+    before = before.double().cpu()
+    assert_within_sum_rounding(torch.cat(parts), want + before, magnitude + before.abs(), max(sizes_g) + 1)
