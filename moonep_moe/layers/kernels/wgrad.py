@@ -155,16 +155,16 @@ def _grouped_wgrad_fp8_kernel(qdy_ptr, sdy_ptr, qx_ptr, sx_ptr, offs_ptr, out0_p
     acc = tl.zeros((BLOCK_COLS, BLOCK_INNER), dtype=tl.float32)
     # INTERPRET_ROWS: as in `_grouped_wgrad_kernel` (the interpreter multiplies e4m3 tiles as they are)
     for first_row in range(0, INTERPRET_ROWS if INTERPRET_ROWS else count, BLOCK_ROWS):
-        live_block = first_row < count
         row_ids = (start + first_row + tl.arange(0, BLOCK_ROWS))[None, :]
         live_rows = ((first_row + tl.arange(0, BLOCK_ROWS)) < count)[None, :]
         qdy_tile = tl.load(qdy_cols + row_ids, mask=live_cols[:, None] & live_rows, other=0.0)
         qx_tile = tl.load(qx_cols + row_ids, mask=live_inner[:, None] & live_rows, other=0.0)
         block = (start + first_row) // BLOCK_ROWS
-        sdy = tl.load(sdy_ptr + col_ids.to(tl.int64) * blocks + block, mask=live_cols & live_block,
-                      other=0.0)
-        sx = tl.load(sx_ptr + inner_ids.to(tl.int64) * blocks + block, mask=live_inner & live_block,
-                     other=0.0)
+        # the block's liveness as a vector: Triton 3.9's interpreter refuses a mask broadcast from a scalar
+        sdy = tl.load(sdy_ptr + col_ids.to(tl.int64) * blocks + block,
+                      mask=live_cols & ((col_ids * 0 + first_row) < count), other=0.0)
+        sx = tl.load(sx_ptr + inner_ids.to(tl.int64) * blocks + block,
+                     mask=live_inner & ((inner_ids * 0 + first_row) < count), other=0.0)
         product = tl.dot(qdy_tile, tl.trans(qx_tile), out_dtype=tl.float32)
         acc += product * sdy[:, None] * sx[None, :]
     _store_group(acc, group, groups0, out0_ptr, out1_ptr, stride_out0, stride_out1, col_ids, inner_ids, inner,
