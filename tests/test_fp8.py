@@ -384,6 +384,31 @@ def test_fixed_expert_weights_casts_the_home_experts_once_per_block(monkeypatch)
         assert torch.equal(got, want)
 
 
+def test_fixed_expert_weights_blocks_nest_and_leave_bf16_layers_alone(monkeypatch):
+    """An inner block's end keeps the copies (the outer block still promises); the outer one frees them. A
+    model's bf16 layers are left alone; an exception inside still ends the block."""
+    from moonep_moe import fixed_expert_weights
+    from moonep_moe.comm.world import single_world
+
+    CountingCasts(monkeypatch)
+    cfg = MoEConfig(**BASE, token_padding=128)
+    fp8_layer, bf16_layer = (MoonEPMoELayer(cfg, single_world(KERNEL_DEVICE)) for _ in range(2))
+    model = torch.nn.ModuleList([fp8_layer, bf16_layer])
+    fp8_layer._state.gemm = ReferenceProductFp8Gemm(fp8_layer._state.gemm)
+    cache = fp8_layer._state.gemm.weights
+    with fixed_expert_weights(model):
+        with fixed_expert_weights(fp8_layer):
+            cache.get((fp8_layer.experts.down,), transposed=True, keep=False)
+            assert cache.fixed == 2
+        assert cache.fixed == 1 and any(cache._copies.values()), "the outer block still keeps them"
+    assert cache.fixed == 0 and not any(cache._copies.values())
+    assert not hasattr(bf16_layer._state.gemm, "weights")
+    with pytest.raises(RuntimeError, match="inside"), fixed_expert_weights(model):
+        assert cache.fixed == 1
+        raise RuntimeError("inside")
+    assert cache.fixed == 0
+
+
 def test_fp8_wgrad_layer_gradients_within_the_format_bound_of_the_bf16_wgrad():
     """The fp8 layer (its GEMM double on the CPU) with `fp8_wgrad`, skewed routing: the expert weight
     gradients within 2^-3 relative (norm-wise) of the same layer's bf16 wgrad, which sees the same dy and x
