@@ -8,6 +8,8 @@ and several tiles per group are covered); the GPU cases use DeepSeek-V3's expert
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moonep_moe.layers.grouped_gemm import ReferenceGroupedGemm, TorchGroupedGemm
 from moonep_moe.layers.kernels.wgrad import grouped_wgrad_triton
@@ -229,6 +231,25 @@ def test_fp8_wgrad_into_bf16_home_and_fp32_slots():
     assert_within_sum_rounding(slots, want[4:], magnitude[4:], max(SIZES_FP8_G))
     # then one bf16 rounding (within one bf16 step: the interpreter truncates, the GPU rounds to nearest)
     assert_within_sum_rounding(home, want[:4], magnitude[:4], max(SIZES_FP8_G), output_rounding=2**-7)
+
+
+@pytest.mark.interpreter
+@settings(max_examples=8, deadline=None)
+@given(blocks_g=st.lists(st.integers(0, 3), min_size=1, max_size=6), cut=st.integers(0, 6),
+       accumulate=st.booleans(), n=st.integers(1, 70), k=st.integers(1, 70))
+def test_fp8_wgrad_any_segments_parts_and_widths(blocks_g, cut, accumulate, n, k):
+    """Random 128-row segments (empty ones included), a random home/slots cut, widths that are not multiples
+    of the 32-wide interpreter tiles: every group within the fp32 summation bound of its reference."""
+    from moonep_moe.layers.kernels.wgrad import grouped_wgrad_fp8
+
+    sizes_g = [128 * blocks for blocks in blocks_g]
+    q_dy, q_x, offs_g, want, magnitude = fp8_operands(sizes_g, n, k)
+    before = torch.randn(len(sizes_g), n, k) if accumulate else torch.full((len(sizes_g), n, k), float("nan"))
+    parts = split(before, [min(cut, len(sizes_g))])
+    grouped_wgrad_fp8(q_dy, q_x, offs_g, parts, accumulate)
+    if accumulate:
+        want, magnitude = want + before.double(), magnitude + before.double().abs()
+    assert_within_sum_rounding(torch.cat(parts), want, magnitude, max(sizes_g) + 1)
 
 
 def test_fp8_wgrad_refuses_untransposed_operands():
