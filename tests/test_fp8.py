@@ -334,10 +334,7 @@ class ReferenceProductFp8Gemm(Fp8GroupedGemm):
     operands (`ReferenceGroupedGemm`)."""
 
     def __init__(self, wgrad, fp8_wgrad: bool = False) -> None:
-        from moonep_moe.layers.kernels.fp8_cast import cast_rows
-
-        self._cast_rows, self._wgrad, self.weights = cast_rows, wgrad, Fp8WeightCache()
-        self.fp8_wgrad = fp8_wgrad
+        super().__init__(wgrad, fp8_wgrad, deep_gemm="unused: _gemm is replaced")
 
     def _gemm(self, a, q_w, scales_w, offs_g):
         q_a, scales_a = self._cast_rows(a, offs_g)

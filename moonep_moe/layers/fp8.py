@@ -254,11 +254,14 @@ class Fp8GroupedGemm:
     ops = ("fwd", "dgrad")
     joined_weights = False  # the home parameters themselves, so inference keeps their FP8 copies per version
 
-    def __init__(self, wgrad: GroupedGemm | None, fp8_wgrad: bool = False) -> None:
-        from moonep_moe.layers.kernels.fp8_cast import cast_rows
+    def __init__(self, wgrad: GroupedGemm | None, fp8_wgrad: bool = False, deep_gemm=None) -> None:
+        """``deep_gemm``: the DeepGEMM module (default: imported here; a test may give a stand-in)."""
+        from moonep_moe.layers.kernels import fp8_cast
+        from moonep_moe.layers.kernels import wgrad as wgrad_kernels
 
-        self._deep_gemm = import_deep_gemm()
-        self._cast_rows = cast_rows
+        self._deep_gemm = import_deep_gemm() if deep_gemm is None else deep_gemm
+        self._cast_rows, self._cast_columns = fp8_cast.cast_rows, fp8_cast.cast_columns
+        self._grouped_wgrad_fp8 = wgrad_kernels.grouped_wgrad_fp8
         self._wgrad = wgrad
         self.fp8_wgrad = fp8_wgrad
         self.weights = Fp8WeightCache()
@@ -289,11 +292,9 @@ class Fp8GroupedGemm:
             raise ValueError(FORWARD_ONLY)
         if not self.fp8_wgrad:
             return self._wgrad.wgrad(dy, x, offs_g, out, accumulate)
-        from moonep_moe.layers.kernels.fp8_cast import cast_columns
-        from moonep_moe.layers.kernels.wgrad import grouped_wgrad_fp8
-
         parts = _wgrad_parts(dy, x, offs_g, out, accumulate)
-        grouped_wgrad_fp8(cast_columns(dy, offs_g), cast_columns(x, offs_g), offs_g, parts, accumulate)
+        self._grouped_wgrad_fp8(self._cast_columns(dy, offs_g), self._cast_columns(x, offs_g), offs_g, parts,
+                                accumulate)
         return parts
 
 
