@@ -76,6 +76,19 @@ def _to_e4m3(v, dtype: tl.constexpr, HARDWARE_ROUNDING: tl.constexpr):
 
 
 @triton.jit
+def _quantised_tile(x_ptr, row, col, rows, cols, stride_x, AXIS: tl.constexpr, dtype: tl.constexpr,
+                    MAX_EXP_FIELD: tl.constexpr, MAX_MANTISSA: tl.constexpr, MIN_AMAX: tl.constexpr,
+                    HARDWARE_ROUNDING: tl.constexpr):
+    """The tile `x[row, col]` of a row-major `x [rows, cols]` (int64 `row`) quantised with one scale per
+    line along `AXIS` (1: a scale per row, over its columns; 0: a scale per column, over its rows):
+    `(q, scale, mask)`, `q` in `dtype`, masked elements 0."""
+    mask = (row < rows)[:, None] & (col < cols)[None, :]
+    x = tl.load(x_ptr + row[:, None] * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale, inverse = _pow2_scale(tl.max(tl.abs(x), axis=AXIS), MAX_EXP_FIELD, MAX_MANTISSA, MIN_AMAX)
+    return _to_e4m3(x * tl.expand_dims(inverse, AXIS), dtype, HARDWARE_ROUNDING), scale, mask
+
+
+@triton.jit
 def _cast_rows_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, last_group, rows, cols, stride_x, stride_s,
                       MAX_EXP_FIELD: tl.constexpr, MAX_MANTISSA: tl.constexpr, MIN_AMAX: tl.constexpr,
                       HARDWARE_ROUNDING: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
@@ -83,10 +96,8 @@ def _cast_rows_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, last_group, rows, cols, str
     if block * BLOCK < tl.load(offs_ptr + last_group):
         row = (block * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
         col = tile * TILE + tl.arange(0, TILE)
-        mask = (row < rows)[:, None] & (col < cols)[None, :]
-        x = tl.load(x_ptr + row[:, None] * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
-        scale, inverse = _pow2_scale(tl.max(tl.abs(x), axis=1), MAX_EXP_FIELD, MAX_MANTISSA, MIN_AMAX)
-        q = _to_e4m3(x * inverse[:, None], q_ptr.dtype.element_ty, HARDWARE_ROUNDING)
+        q, scale, mask = _quantised_tile(x_ptr, row, col, rows, cols, stride_x, 1, q_ptr.dtype.element_ty,
+                                         MAX_EXP_FIELD, MAX_MANTISSA, MIN_AMAX, HARDWARE_ROUNDING)
         tl.store(q_ptr + row[:, None] * cols + col[None, :], q, mask=mask)
         tl.store(s_ptr + tile * stride_s + row, scale, mask=row < rows)
 
@@ -123,12 +134,9 @@ def _cast_columns_kernel(x_ptr, qt_ptr, s_ptr, offs_ptr, last_group, rows, cols,
     if block * TILE < tl.load(offs_ptr + last_group):
         row = (block * TILE + tl.arange(0, TILE)).to(tl.int64)
         col = tile * COLS + tl.arange(0, COLS)
-        mask = (row < rows)[:, None] & (col < cols)[None, :]
-        x = tl.load(x_ptr + row[:, None] * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
-        scale, inverse = _pow2_scale(tl.max(tl.abs(x), axis=0), MAX_EXP_FIELD, MAX_MANTISSA, MIN_AMAX)
-        q = _to_e4m3(x * inverse[None, :], qt_ptr.dtype.element_ty, HARDWARE_ROUNDING)
-        tl.store(qt_ptr + col[:, None].to(tl.int64) * rows + row[None, :], tl.trans(q),
-                 mask=(col < cols)[:, None] & (row < rows)[None, :])
+        q, scale, mask = _quantised_tile(x_ptr, row, col, rows, cols, stride_x, 0, qt_ptr.dtype.element_ty,
+                                         MAX_EXP_FIELD, MAX_MANTISSA, MIN_AMAX, HARDWARE_ROUNDING)
+        tl.store(qt_ptr + col[:, None].to(tl.int64) * rows + row[None, :], tl.trans(q), mask=tl.trans(mask))
         tl.store(s_ptr + col.to(tl.int64) * blocks + block, scale, mask=col < cols)
 
 
