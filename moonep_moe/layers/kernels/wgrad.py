@@ -73,9 +73,11 @@ def _fp8_configs() -> list[triton.Config]:
 
 
 @triton.jit
-def _tile(pid, cols, inner, SWIZZLE: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_INNER: tl.constexpr):
-    """Program `pid` -> `(group, tile_col, tile_inner)`: groups in order, each group's tiles swizzled in
-    bands of `SWIZZLE` tile rows."""
+def _group_tile(pid, offs_ptr, first_group, cols, inner, SWIZZLE: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                BLOCK_INNER: tl.constexpr):
+    """Program `pid` -> `(group, start, count, col_ids, inner_ids)`: its group (counted from `first_group`;
+    groups in order, each group's tiles swizzled in bands of `SWIZZLE` tile rows), the group's first row and
+    row count (read on the device), and its tile's column and inner indices."""
     tiles_cols = tl.cdiv(cols, BLOCK_COLS)
     tiles_inner = tl.cdiv(inner, BLOCK_INNER)
     tiles = tiles_cols * tiles_inner
@@ -84,7 +86,13 @@ def _tile(pid, cols, inner, SWIZZLE: tl.constexpr, BLOCK_COLS: tl.constexpr, BLO
     band_tiles = SWIZZLE * tiles_inner
     band_first_col = (tile // band_tiles) * SWIZZLE
     band_rows = tl.minimum(tiles_cols - band_first_col, SWIZZLE)
-    return group, band_first_col + (tile % band_tiles) % band_rows, (tile % band_tiles) // band_rows
+    tile_col = band_first_col + (tile % band_tiles) % band_rows
+    tile_inner = (tile % band_tiles) // band_rows
+    segment = first_group + group
+    end = tl.load(offs_ptr + segment)
+    start = tl.load(offs_ptr + segment - 1, mask=segment > 0, other=0)
+    return (group, start, end - start, tile_col * BLOCK_COLS + tl.arange(0, BLOCK_COLS),
+            tile_inner * BLOCK_INNER + tl.arange(0, BLOCK_INNER))
 
 
 @triton.autotune(configs=_configs(), key=["cols", "inner"], cache_results=True)
@@ -93,17 +101,12 @@ def _grouped_wgrad_kernel(dy_ptr, x_ptr, offs_ptr, out0_ptr, out1_ptr, groups0, 
                           stride_dy, stride_x, stride_out0, stride_out1, ACCUMULATE: tl.constexpr,
                           SWIZZLE: tl.constexpr, INTERPRET_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
                           BLOCK_INNER: tl.constexpr, BLOCK_ROWS: tl.constexpr):
-    group, tile_col, tile_inner = _tile(tl.program_id(0), cols, inner, SWIZZLE, BLOCK_COLS, BLOCK_INNER)
-    segment = first_group + group
-    end = tl.load(offs_ptr + segment)
-    start = tl.load(offs_ptr + segment - 1, mask=segment > 0, other=0)
-    count = end - start
+    group, start, count, col_ids, inner_ids = _group_tile(tl.program_id(0), offs_ptr, first_group, cols,
+                                                          inner, SWIZZLE, BLOCK_COLS, BLOCK_INNER)
     if ACCUMULATE:
         if count <= 0:
             return
 
-    col_ids = tile_col * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    inner_ids = tile_inner * BLOCK_INNER + tl.arange(0, BLOCK_INNER)
     live_cols = col_ids < cols
     live_inner = inner_ids < inner
     dy_rows = dy_ptr + start.to(tl.int64) * stride_dy
@@ -137,17 +140,12 @@ def _grouped_wgrad_fp8_kernel(qdy_ptr, sdy_ptr, qx_ptr, sx_ptr, offs_ptr, out0_p
     inner dimension) with one fp32 scale per column per 128 rows, ``sdy [cols, blocks]`` and ``sx [inner,
     blocks]``; each 128-row block's product is scaled by the outer product of its two scale vectors and
     added in fp32. Segments start at multiples of 128 (BLOCK_ROWS), so a block never straddles two."""
-    group, tile_col, tile_inner = _tile(tl.program_id(0), cols, inner, SWIZZLE, BLOCK_COLS, BLOCK_INNER)
-    segment = first_group + group
-    end = tl.load(offs_ptr + segment)
-    start = tl.load(offs_ptr + segment - 1, mask=segment > 0, other=0)
-    count = end - start
+    group, start, count, col_ids, inner_ids = _group_tile(tl.program_id(0), offs_ptr, first_group, cols,
+                                                          inner, SWIZZLE, BLOCK_COLS, BLOCK_INNER)
     if ACCUMULATE:
         if count <= 0:
             return
 
-    col_ids = tile_col * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    inner_ids = tile_inner * BLOCK_INNER + tl.arange(0, BLOCK_INNER)
     live_cols = col_ids < cols
     live_inner = inner_ids < inner
     qdy_cols = qdy_ptr + col_ids.to(tl.int64)[:, None] * rows
