@@ -143,6 +143,19 @@ def _joined_shape(weights: Sequence[Tensor], transposed: bool) -> tuple[int, int
     return (g, k, n) if transposed else (g, n, k)
 
 
+def _empty_copy(weights: Sequence[Tensor], transposed: bool) -> tuple[Tensor, Tensor]:
+    """Uninitialised ``(q, scales [G, ceil(N/128), Kb])`` for all ``weights``' groups joined, ``q`` in the
+    orientation asked for."""
+    ref = weights[0]
+    return (ref.new_empty(_joined_shape(weights, transposed), dtype=FP8_DTYPE),
+            ref.new_empty(block_scales_shape(_joined_shape(weights, False)), dtype=torch.float32))
+
+
+def _oriented(q: Tensor, scales: Tensor, transposed: bool) -> tuple[Tensor, Tensor]:
+    """``(q, scales)`` as DeepGEMM takes them: a transposed ``q`` with its scales as a transposed view."""
+    return (q, scales.transpose(1, 2)) if transposed else (q, scales)
+
+
 class Fp8WeightCache:
     """FP8 copies of grouped bf16 weights, cast by `kernels.fp8_cast.cast_blocks` straight into one joined
     buffer per call (no ``torch.cat``), in the orientation asked for.
@@ -190,12 +203,9 @@ class Fp8WeightCache:
         copies = self._copies[transposed]
         copy = copies.get(weights[0])
         if copy is None or not copy.holds(weights):
-            ref = weights[0]
-            copy = copies[ref] = _Fp8Copy(
-                [weakref.ref(w) for w in weights], [w.shape for w in weights],
-                ref.new_empty(_joined_shape(weights, transposed), dtype=FP8_DTYPE),
-                ref.new_empty(block_scales_shape(_joined_shape(weights, False)), dtype=torch.float32),
-                [None] * len(weights))
+            parts, shapes = [weakref.ref(w) for w in weights], [w.shape for w in weights]
+            copy = copies[weights[0]] = _Fp8Copy(parts, shapes, *_empty_copy(weights, transposed),
+                                                 [None] * len(weights))
         start = 0
         for i, (part, keep) in enumerate(zip(weights, kept, strict=True)):
             stop = start + part.shape[0]
@@ -204,7 +214,7 @@ class Fp8WeightCache:
                 self._cast_part(part, copy.scales[start:stop], copy.q[start:stop], transposed)
                 copy.stamps[i] = stamp
             start = stop
-        return (copy.q, copy.scales.transpose(1, 2)) if transposed else (copy.q, copy.scales)
+        return _oriented(copy.q, copy.scales, transposed)
 
     def release(self) -> None:
         """Drop every kept copy (the next call casts again)."""
@@ -213,15 +223,13 @@ class Fp8WeightCache:
 
     def _cast(self, weights: Sequence[Tensor], transposed: bool) -> tuple[Tensor, Tensor]:
         """Every part cast into fresh joined buffers, one orientation."""
-        ref = weights[0]
-        out = ref.new_empty(_joined_shape(weights, transposed), dtype=FP8_DTYPE)
-        scales = ref.new_empty(block_scales_shape(_joined_shape(weights, False)), dtype=torch.float32)
+        out, scales = _empty_copy(weights, transposed)
         start = 0
         for part in weights:
             stop = start + part.shape[0]
             self._cast_part(part, scales[start:stop], out[start:stop], transposed)
             start = stop
-        return (out, scales.transpose(1, 2)) if transposed else (out, scales)
+        return _oriented(out, scales, transposed)
 
     def _cast_part(self, part: Tensor, scales: Tensor, out: Tensor, transposed: bool) -> None:
         self._kernels.cast_blocks(part, scales, None if transposed else out, out if transposed else None)
