@@ -257,6 +257,7 @@ def assert_duplicates(sc: Scenario) -> None:
     dest_rsk = torch.where(rt["valid"], rt["dest"], -1).view(sc.R, sc.S, sc.K)
     for k in range(sc.K):
         earlier = (dest_rsk[:, :, :k] == dest_rsk[:, :, k:k + 1]).any(-1) & (dest_rsk[:, :, k] >= 0)
+        earlier &= sc.R > 1  # one rank: no link to save, every route is primary
         dst_k = rt["dst"].view(sc.R, sc.S, sc.K)[:, :, k]
         assert torch.equal((dst_k < 0) & (dst_k != NO_ROUTE), earlier)
 
@@ -297,6 +298,17 @@ def test_every_route_lands_in_its_experts_segment_once(sc):
 @given(scenarios())
 def test_later_routes_to_the_same_rank_are_duplicates(sc):
     assert_duplicates(sc)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_duplicates_only_where_a_link_is_saved(ranks):
+    # every token's K routes land on one rank: with two ranks all but the first are duplicates, with one
+    # rank (no link) every valid route is primary, so its row is written and read directly
+    topk_sk = torch.tensor([[0, 1, 2], [3, 0, -1], [1, 2, 3]])
+    sc = Scenario(ranks, 4 * ranks, 3, 3, 0, 8, [topk_sk] * ranks)  # no slots: every route stays home
+    rt = sc.routes
+    duplicates = int((rt["valid"] & ~rt["primary"]).view(ranks, -1)[0].sum())
+    assert duplicates == (0 if ranks == 1 else 8 - 3)
 
 
 @SETTINGS

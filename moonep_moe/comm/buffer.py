@@ -554,8 +554,7 @@ class Buffer:
         def op():
             if route_weights_nvs is not None and not zero_copy:
                 self._weights.local.copy_(route_weights_nvs)
-            self._exchange.pre_reduce(plan, hidden_nvsh, zero_copy)
-            return self._exchange.gather_routes(plan, route_weights_nvs is not None, out_sh)
+            return self._exchange.combine(plan, hidden_nvsh, zero_copy, route_weights_nvs is not None, out_sh)
 
         (out_sh, weights_sk), event = self._launch(async_finish, op, (plan, hidden_nvsh, route_weights_nvs))
         return out_sh, weights_sk, event

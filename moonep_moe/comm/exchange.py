@@ -65,9 +65,21 @@ class RowMemory:
     num_sms: int | None
 
     @property
+    def duplicates(self) -> bool:
+        """Whether plans can hold duplicate routes: with R > 1 (a token crosses the link once per rank); with
+        one rank every route is primary (`plan.route_destinations`)."""
+        return self.world.size > 1
+
+    @property
     def max_dup_groups(self) -> int:
         """A bound on a rank's duplicate groups: each is one (source rank, token) pair and spans >= 2 rows."""
-        return min(self.rows.local.shape[0] // 2, self.world.size * self.max_tokens)
+        return min(self.rows.local.shape[0] // 2, self.world.size * self.max_tokens) if self.duplicates else 0
+
+    @property
+    def payload_capacity(self) -> int:
+        """Payload rows a rank exchanges with any one rank: one per token (S) where duplicates share their
+        primary row, every route (S*K) with one rank."""
+        return self.max_tokens if self.duplicates else self.max_tokens * self.top_k
 
 
 class RowExchange(Protocol):
@@ -96,17 +108,13 @@ class RowExchange(Protocol):
         primary row is copied into its duplicate rows."""
         ...
 
-    def pre_reduce(self, plan: MoonEPCommPlan, hidden_nvsh: torch.Tensor, zero_copy: bool) -> None:
-        """Local: the rows up to `cu_seqlens[-1]` become those of `hidden_nvsh [NvS, H]` (already them with
-        `zero_copy`; the rows past it are left as they are) with each duplicate group summed into its primary
-        row in fp32, in row order."""
-        ...
-
-    def gather_routes(self, plan: MoonEPCommPlan, with_weights: bool, out_sh: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Collective, after `pre_reduce` on every rank: `[s, H]` each token's primary rows summed in fp32 in
-        k order (in the rows' dtype; written into `out_sh` when given, a contiguous `[s, H]` tensor of that
-        dtype), and with `with_weights` `[s, K]` every route's weight (0 if invalid)."""
+    def combine(self, plan: MoonEPCommPlan, hidden_nvsh: torch.Tensor, zero_copy: bool, with_weights: bool,
+                out_sh: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Collective: each duplicate group of `hidden_nvsh [NvS, H]` (the Buffer's rows themselves with
+        `zero_copy`) summed into its primary row in fp32, in row order, then `[s, H]` each token's primary
+        rows summed in fp32 in k order (in the rows' dtype; written into `out_sh` when given, a contiguous
+        `[s, H]` tensor of that dtype), and with `with_weights` `[s, K]` every route's weight (0 if invalid).
+        The Buffer's rows up to `cu_seqlens[-1]` may be overwritten (with R > 1 peers read them there)."""
         ...
 
     def copy_experts(self, weights: list[ExpertRows], expert_b: torch.Tensor) -> None:
@@ -139,7 +147,7 @@ class ReferenceExchange:
         token_n = torch.arange(plan.dst.numel(), device=plan.dst.device) // top_k
         # capacities: a token sends one payload row per destination rank (<= S), a weight per route
         m.world.scatter_rows(m.rows, torch.where(valid_n & primary_n, dest_n, -1), row_n,
-                             hidden_sh.index_select(0, token_n), capacity=m.max_tokens)
+                             hidden_sh.index_select(0, token_n), capacity=m.payload_capacity)
         if route_weights_sk is not None:
             m.world.scatter_rows(m.weights, torch.where(valid_n, dest_n, -1), row_n,
                                  route_weights_sk.reshape(-1), capacity=m.max_tokens * top_k)
@@ -180,7 +188,11 @@ class ReferenceExchange:
         weights_nvs.masked_fill_(padding_nvs, 0)
         rows_nvsh.copy_(rows_nvsh.index_select(0, source_rows(plan)))
 
-    def pre_reduce(self, plan, hidden_nvsh, zero_copy) -> None:
+    def combine(self, plan, hidden_nvsh, zero_copy, with_weights, out_sh=None):
+        self._pre_reduce(plan, hidden_nvsh)
+        return self._gather_routes(plan, with_weights, out_sh)
+
+    def _pre_reduce(self, plan, hidden_nvsh) -> None:
         # every row adds into its source row (duplicates into their primary, the rest into themselves), in
         # fp32, in row order; only primary rows are read afterwards
         # (rows past the plan's end keep their values, as the kernels leave them)
@@ -191,14 +203,14 @@ class ReferenceExchange:
         filled_v = torch.arange(rows_nvsh.shape[0], device=rows_nvsh.device) < plan.cu_seqlens[-1]
         rows_nvsh.copy_(torch.where(filled_v[:, None], sums_nvsh, rows_nvsh))
 
-    def gather_routes(self, plan, with_weights, out_sh=None):
+    def _gather_routes(self, plan, with_weights, out_sh):
         m = self.memory
         rows_nvsh, top_k = m.rows.local, m.top_k
         accumulate = m.weights.local.dtype
         dest_n, row_n, primary_n, valid_n = decode_dst(plan.dst, rows_nvsh.shape[0])
         num_tokens, width = plan.dst.numel() // top_k, rows_nvsh.shape[1]
         gathered_nh = m.world.gather_rows(m.rows, torch.where(valid_n & primary_n, dest_n, -1), row_n,
-                                          capacity=m.max_tokens).to(accumulate)
+                                          capacity=m.payload_capacity).to(accumulate)
         sum_sh = torch.zeros(num_tokens, width, dtype=accumulate, device=rows_nvsh.device)
         for k in range(top_k):  # fp32 sum in k order
             sum_sh += gathered_nh.view(num_tokens, top_k, width)[:, k]
@@ -247,12 +259,14 @@ class KernelExchange:
         m = self.memory
         m.world.barrier()  # every rank is done with the rows' previous contents
         self.rows.send_routes(hidden_sh.contiguous(), None if route_weights_sk is None else
-                              route_weights_sk.contiguous(), plan.dst, record, m.rows, m.weights,
-                              m.dup_pairs, m.world.rank * m.max_tokens * m.top_k)
+                              route_weights_sk.contiguous(), plan.dst, record and m.duplicates, m.rows,
+                              m.weights, m.dup_pairs, m.world.rank * m.max_tokens * m.top_k)
         m.world.barrier()  # every write into this rank's rows has landed
 
     def record_duplicates(self, plan) -> None:
         m = self.memory
+        if not m.duplicates:  # none to record: the dup tables stay empty
+            return
         self.rows.record_duplicates(m.dup_pairs.local, m.dup_marks, plan.cu_seqlens[-1:], plan.dup_groups,
                                     plan.dup_loffs, plan.dup_counts, m.top_k)
 
@@ -262,15 +276,16 @@ class KernelExchange:
         self.rows.expand_duplicates(m.rows.local, plan.dup_groups, plan.dup_loffs, plan.dup_counts,
                                     m.top_k - 1, m.max_dup_groups, m.num_sms)
 
-    def pre_reduce(self, plan, hidden_nvsh, zero_copy) -> None:
+    def combine(self, plan, hidden_nvsh, zero_copy, with_weights, out_sh=None):
         m = self.memory
-        if not zero_copy:
-            self.rows.copy_rows(m.rows.local, hidden_nvsh.contiguous(), plan.cu_seqlens[-1:], m.num_sms)
-        self.rows.pre_reduce_duplicates(m.rows.local, plan.dup_groups, plan.dup_loffs, plan.dup_counts,
-                                        m.top_k - 1, m.max_dup_groups, m.weights.local.dtype, m.num_sms)
-
-    def gather_routes(self, plan, with_weights, out_sh=None):
-        m = self.memory
+        rows = m.rows
+        if not m.duplicates:  # one rank, every route primary: its row is read where the experts wrote it
+            rows = hidden_nvsh.contiguous()
+        else:
+            if not zero_copy:
+                self.rows.copy_rows(m.rows.local, hidden_nvsh.contiguous(), plan.cu_seqlens[-1:], m.num_sms)
+            self.rows.pre_reduce_duplicates(m.rows.local, plan.dup_groups, plan.dup_loffs, plan.dup_counts,
+                                            m.top_k - 1, m.max_dup_groups, m.weights.local.dtype, m.num_sms)
         rows_nvsh, weights_nvs = m.rows.local, m.weights.local
         num_tokens = plan.dst.numel() // m.top_k
         if out_sh is None:
@@ -280,7 +295,7 @@ class KernelExchange:
         if with_weights:
             weights_sk = torch.empty(num_tokens, m.top_k, dtype=weights_nvs.dtype, device=rows_nvsh.device)
         m.world.barrier()  # every rank's primary rows are final
-        self.rows.gather_routes(plan.dst, m.rows, m.weights if with_weights else None, out_sh, weights_sk,
+        self.rows.gather_routes(plan.dst, rows, m.weights if with_weights else None, out_sh, weights_sk,
                                 weights_nvs.dtype)
         m.world.barrier()  # every rank is done reading this rank's rows
         return out_sh, weights_sk

@@ -20,9 +20,10 @@ plan, bit for bit (no rank-0 broadcast):
    this rank's compute groups (`compute_groups`: home experts then slots) are what an engine runs.
 6. Routes (`route_destinations`): an expert's routes are ordered by (source rank, token, k) and the ranks
    computing it take contiguous ranges of that order, in rank order. A route's `dst` is
-   `dest_rank * NvS + row`; a later route of a token to a rank the token already visits is encoded
-   `-(dest_rank * NvS + row) - 1` (it carries only its weight: the receiver copies the primary row);
-   an invalid route (expert -1) is `NO_ROUTE`.
+   `dest_rank * NvS + row`; with R > 1 a later route of a token to a rank the token already visits is
+   encoded `-(dest_rank * NvS + row) - 1` (it carries only its weight: the receiver copies the primary row,
+   so the token crosses the link once per rank); with one rank there is no link to save and every valid
+   route is primary (its row written and read directly); an invalid route (expert -1) is `NO_ROUTE`.
 
 Replication policy (`replica_cost` c, in routes: the GEMM routes whose time equals one expert's weight
 transfer, `replica_cost_routes`): c = 0 is `balance='exact'`, the algorithm above. With c > 0
@@ -485,8 +486,8 @@ def route_destinations(topk_experts_sk: torch.Tensor, counts_re: torch.Tensor, a
     dest_n = (ends_er[expert_n] <= global_n[:, None]).sum(1).clamp(max=counts_re.shape[0] - 1)
     start_n = (ends_er - alloc_re.t())[expert_n, dest_n]
     dst_n = dest_n * rows_per_rank + row_base_re[dest_n, expert_n] + global_n - start_n
-    # A later route of a token to a rank it already visits carries only its weight.
-    dest_sk = torch.where(valid_n, dest_n, -1).view(num_tokens, top_k)
+    # With R > 1, a later route of a token to a rank it already visits carries only its weight.
+    dest_sk = torch.where(valid_n & (counts_re.shape[0] > 1), dest_n, -1).view(num_tokens, top_k)
     earlier_kk = torch.ones(top_k, top_k, dtype=torch.bool, device=key_n.device).tril(-1)
     seen_sk = ((dest_sk[:, :, None] == dest_sk[:, None, :]) & earlier_kk).any(2) & (dest_sk >= 0)
     dst_n = torch.where(seen_sk.view(-1), -dst_n - 1, dst_n)

@@ -26,9 +26,9 @@ Launch 1, `_plan_kernel` (grid `nb + 1`), two kinds of program that run side by 
 
 Launch 2, `_destinations_kernel` (grid `nb`): block b adds the histograms of blocks `< b` to `before_e`,
 so every route gets its index in its expert's (source rank, token, k) order; its destination rank is the
-number of `ends_er[e, :]` at or below the index; duplicates (a later k of the same token to the same rank)
-are encoded `-dst - 1`, invalid routes `NO_ROUTE`; `remote_stats` is summed with integer atomics (exact in any
-order).
+number of `ends_er[e, :]` at or below the index; duplicates (R > 1: a later k of the same token to the same
+rank) are encoded `-dst - 1`, invalid routes `NO_ROUTE`; `remote_stats` is summed with integer atomics
+(exact in any order).
 
 Limits: the group's total routes and `R * NvS` below 2^31 (int32 plan fields), expert ids in [-1, E)
 (`Buffer(validate=True)` checks them; an id outside is treated as no route, never read out of bounds).
@@ -329,10 +329,11 @@ def _destinations_kernel(topk_ptr, num_tokens, rank, position_ptr, block_counts_
         dest_c = tl.minimum(tl.sum((ends_cr <= index_c[:, None]).to(tl.int32), 1), R - 1)
         dst_c = tl.load(offset_ptr + expert_c * R + dest_c, mask=valid_c, other=0) + index_c
         dest_c = tl.where(valid_c, dest_c, -1)
-        # a duplicate: an earlier k of the same token goes to the same rank ([SUB, K_P, K_P] compares)
+        # a duplicate (R > 1): an earlier k of the same token goes to the same rank ([SUB, K_P, K_P]
+        # compares); with one rank every route is primary
         dest_tk = tl.reshape(dest_c, [SUB, K_P])
         again_tkk = (dest_tk[:, :, None] == dest_tk[:, None, :]) & earlier_1kk
-        duplicate_c = (tl.reshape(tl.sum(again_tkk.to(tl.int32), 2), [C]) > 0) & valid_c
+        duplicate_c = (tl.reshape(tl.sum(again_tkk.to(tl.int32), 2), [C]) > 0) & valid_c & (R > 1)
         dst_c = tl.where(duplicate_c, -dst_c - 1, dst_c)
         tl.store(dst_ptr + route_c, tl.where(valid_c, dst_c, NO_ROUTE_), mask=inside_c)
         remote_c = valid_c & (dest_c != rank)

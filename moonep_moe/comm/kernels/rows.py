@@ -28,7 +28,10 @@ a capacity bucket and replayed with fewer tokens moves only their rows.
 - `add_replicas`: each home expert's fp32 gradient gets its replicas' slot gradients added, in the order
   of `replica_sources` (the reference's order).
 
-With one rank (R = 1) `send_routes` and `gather_routes` take the local tensors instead of pointer tables.
+With one rank (R = 1) `send_routes` and `gather_routes` take the local tensors instead of pointer tables;
+its plans hold no duplicates (every route primary), so the exchange runs neither `record_duplicates`,
+`expand_duplicates` nor `pre_reduce_duplicates`, and `gather_routes` reads the expert outputs where they are
+(no `copy_rows`).
 
 Speed: rows are moved in blocks of up to `ROW_BLOCK_BYTES` per program (16-byte vector accesses: the peer
 base addresses are 16-byte aligned, asserted when a table is built, and told to the compiler), with grids of
@@ -159,12 +162,12 @@ def _base(table_ptr, rank, like_ptr, ONE_RANK: tl.constexpr):
     return base
 
 
-def _tables(*tensors: SymmetricTensor) -> tuple[list[torch.Tensor], bool]:
+def _tables(*tensors: SymmetricTensor | torch.Tensor) -> tuple[list[torch.Tensor], bool]:
     """(a pointer table per tensor, ONE_RANK): with one rank the local tensors stand in for the tables
     (`_base` reads none), so no table is filled: not even a CUDA graph's own, whose fills each replay
-    runs (`pointer_table`)."""
-    if len(tensors[0].peers) == 1:
-        return [tensor.local for tensor in tensors], True
+    runs (`pointer_table`). A plain tensor is a one-rank world's local tensor."""
+    if isinstance(tensors[0], torch.Tensor) or len(tensors[0].peers) == 1:
+        return [tensor if isinstance(tensor, torch.Tensor) else tensor.local for tensor in tensors], True
     return [pointer_table(tensor) for tensor in tensors], False
 
 
@@ -510,14 +513,15 @@ def _gather_routes_kernel(out_ptr, weights_out_ptr, dst_ptr, rows_table, weights
     tl.store(out_ptr + token.to(tl.int64) * H + offs, _narrow(total, out_ptr.dtype.element_ty), mask=inside)
 
 
-def gather_routes(dst_n: torch.Tensor, rows: SymmetricTensor, weights: SymmetricTensor | None,
+def gather_routes(dst_n: torch.Tensor, rows: SymmetricTensor | torch.Tensor, weights: SymmetricTensor | None,
                   out_sh: torch.Tensor, weights_out_sk: torch.Tensor | None, accumulate: torch.dtype) -> None:
     """`out_sh[t] = sum_k rows[dst[t, k]]` over primary routes, in `accumulate` and k order (peer reads;
     the caller barriers); with `weights`, `weights_out_sk[t, k]` = the weight at every valid route's row
     (0 for invalid routes).
 
     Args:
-        dst_n: `[s*K]` int32. rows: `[NvS, H]` symmetric (pre-reduced). weights: `[NvS]` symmetric or None.
+        dst_n: `[s*K]` int32. rows: `[NvS, H]` symmetric (pre-reduced), or with one rank a contiguous local
+            tensor (the rows where the experts wrote them). weights: `[NvS]` symmetric or None.
         out_sh: `[s, H]` contiguous output. weights_out_sk: `[s, K]` contiguous output or None.
     """
     num_tokens, width = out_sh.shape
@@ -526,10 +530,11 @@ def gather_routes(dst_n: torch.Tensor, rows: SymmetricTensor, weights: Symmetric
     block, warps = _row_block(width, 4)
     with_weights = weights is not None
     tables, one_rank = _tables(rows, *([weights] if with_weights else []))
+    rows_nvsh = tables[0] if one_rank else rows.local
     with _launching():
         _gather_routes_kernel[(num_tokens, triton.cdiv(width, block))](
-            out_sh, weights_out_sk if with_weights else out_sh, dst_n, tables[0], tables[-1], rows.local,
-            weights.local if with_weights else rows.local, width, rows.local.shape[0],
+            out_sh, weights_out_sk if with_weights else out_sh, dst_n, tables[0], tables[-1], rows_nvsh,
+            weights.local if with_weights else rows_nvsh, width, rows_nvsh.shape[0],
             ACC=_TL_DTYPES[accumulate], K=dst_n.numel() // num_tokens, WEIGHTS=with_weights,
             ONE_RANK=one_rank, BLOCK_H=block, num_warps=warps)
 
