@@ -9,9 +9,7 @@ Rows, each at every warp count in `--warps`:
 - `weights`: `cast_blocks` of each projection's bf16 experts (gate_up `[G, 2H', H]`, down `[G, H, H']`) in
   the forward orientation (`q`, what `Fp8WeightCache` casts in forward), the transposed one (`qt`, dgrad's,
   cast in backward) and both in one pass.
-- `activations`: `cast_rows` of the rows a GEMM reads (`x [rows, H]`, `hw [rows, H']`), every row used, at
-  each warp count; and `cast_columns` (orientation "columns": the same rows transposed and quantised per
-  column per 128 rows, what `fp8_wgrad` casts dy and x with), at its one warp count.
+- `activations`: `cast_rows` of the rows a GEMM reads (`x [rows, H]`, `hw [rows, H']`), every row used.
 
 Each row's bytes are what the kernel must move at least (bf16 read, e4m3 written per orientation, fp32
 scales); `vs_copy` is those bytes per second over the run's device copy bandwidth (bytes read + written per
@@ -51,18 +49,14 @@ def weight_rows(name: str, w_gnk: torch.Tensor, warps: list[int], repeat: int) -
 
 
 def activation_rows(name: str, x_mk: torch.Tensor, warps: list[int], repeat: int) -> list[dict]:
-    """`cast_rows` of every row of `x [rows, K]` at each warp count, then `cast_columns` of them."""
-    rows, k = x_mk.shape
-    offs_g = torch.tensor([rows], dtype=torch.int32, device=x_mk.device)
-    row_major = {"kind": "activations", "tensor": name, "shape": list(x_mk.shape), "orientation": "rows",
-                 "bytes": x_mk.numel() * 3 + rows * -(-k // TILE) * 4}
-    out = [{**row_major, "num_warps": num_warps,
-            **spread(timings(lambda num_warps=num_warps: fp8_cast.cast_rows(x_mk, offs_g, num_warps),
-                             repeat=repeat))}
-           for num_warps in warps]
-    columns = {**row_major, "orientation": "columns", "num_warps": 4,
-               "bytes": x_mk.numel() * 3 + k * -(-rows // TILE) * 4}
-    return out + [{**columns, **spread(timings(lambda: fp8_cast.cast_columns(x_mk, offs_g), repeat=repeat))}]
+    """`cast_rows` of every row of `x [rows, K]`, at each warp count."""
+    offs_g = torch.tensor([x_mk.shape[0]], dtype=torch.int32, device=x_mk.device)
+    moved = x_mk.numel() * 3 + x_mk.shape[0] * -(-x_mk.shape[1] // TILE) * 4
+    return [{"kind": "activations", "tensor": name, "shape": list(x_mk.shape), "orientation": "rows",
+             "num_warps": num_warps, "bytes": moved,
+             **spread(timings(lambda num_warps=num_warps: fp8_cast.cast_rows(x_mk, offs_g, num_warps),
+                              repeat=repeat))}
+            for num_warps in warps]
 
 
 def main() -> None:
@@ -94,7 +88,7 @@ def main() -> None:
     for row in rows:
         row["vs_copy"] = row["bytes"] / (row["ms"] / 1e3) / limits["copy_bytes_per_s"]
         print(f"{row['model']:12} {row['kind']:11} {row['tensor']:8} {str(row['shape']):22} "
-              f"{row['orientation']:7} warps={row['num_warps']:2}  {row['ms']:7.3f} ms "
+              f"{row['orientation']:5} warps={row['num_warps']:2}  {row['ms']:7.3f} ms "
               f"({row['ms_min']:.3f}-{row['ms_max']:.3f})  {row['vs_copy']:.2f} of copy bandwidth")
     path = write_record("fp8-cast", limits, rows, setup=vars(args),
                         defaults={"cast_blocks": fp8_cast.BLOCKS_WARPS, "cast_rows": fp8_cast.ROWS_WARPS})

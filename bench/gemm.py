@@ -3,7 +3,7 @@
     python -m bench.gemm --preset ep8       # issue 13 item 2's rows, with pass/miss (an H200: ~2 min)
     python -m bench.gemm                    # all shapes, uniform and skewed segments (an H200: ~6 min)
     python -m bench.gemm --shapes deepseek-v3 --rows 65536 --layouts plain arena
-    python -m bench.gemm --preset ep8 --backends auto fp8 fp8-wgrad   # issue 16 item 6: fp8 beside bf16
+    python -m bench.gemm --preset ep8 --backends auto fp8   # issue 16 item 6: fp8 beside bf16 (~1 min)
 
 For each model's expert shape at EP=8 (its packaged config, `moonep_moe/configs/<name>.yaml`: H, H' and
 epn = E / ep_size home + B = epn slot groups, rows = the routes of one rank, each segment padded to 128)
@@ -23,19 +23,17 @@ floor, the block <= 1.08x its GEMMs), printed as PASS / MISS lines and recorded 
 
 --preset ep8 runs exactly the issue's production rows: one rank of an EP=8 group, S*K = 8192*8 = 65536
 routes (each config's max_tokens_per_rank * top_k), uniform segments over DeepSeek-V3's 32 + 32 and
-Kimi-K2's 48 + 48 groups, the weights on the arena as the layer has them, every backend: 12 rows, recorded
+Kimi-K2's 48 + 48 groups, the weights on the arena as the layer has them, every backend: 10 rows, recorded
 as `gemm-ep8-<device>-<date>-<commit>.json` (the other runs: `gemm-...`). It is bounded by that: 2 shapes
-x 6 backends x 1 layout x 1 skew, each of fwd, dgrad, wgrad and the block timed 3 + 10 times (~10-40 ms a
+x 5 backends x 1 layout x 1 skew, each of fwd, dgrad, wgrad and the block timed 3 + 10 times (~10-40 ms a
 call at these shapes), ~1-2 s of timing per row; the rest is one-off start-up (the dense limits,
 DeepGEMM's JIT, the Triton wgrad's autotuning and `auto`'s measurement: a minute or so on a fresh machine,
 cached after).
 
 Backends: torch, deep_gemm (fwd/dgrad; wgrad on torch), triton (wgrad on the Triton kernel; fwd/dgrad on
 torch), auto (each op and shape on the backend measured fastest, as the layer's "auto" picks it; the
-picks are printed and recorded), fp8 (`moonep_moe.layers.fp8.Fp8GroupedGemm`, what a `precision="fp8"`
-layer runs: fwd and dgrad on DeepGEMM's FP8 GEMMs, wgrad in bf16 on auto's pick) and fp8-wgrad (the same with
-`fp8_wgrad=True`: wgrad in FP8 on the Triton kernel, its column casts of dy and x inside, also timed alone
-as `wgrad_cast_ms`).
+picks are printed and recorded) and fp8 (`moonep_moe.layers.fp8.Fp8GroupedGemm`, what a `precision="fp8"`
+layer runs: fwd and dgrad on DeepGEMM's FP8 GEMMs, wgrad in bf16 on auto's pick).
 
 The fp8 row (issue 16 item 6; targets `FP8_TARGETS`: fwd and dgrad >= 1.7x the dense bf16 rate, wgrad and
 the block as for bf16) takes bf16 activations and bf16 weights as a training layer does, so its fwd and
@@ -85,7 +83,6 @@ TARGETS = (  # (what, op, bound): issue 13 item 2, one rank of an EP=8 group
     ("wgrad vs its floor", "<=", 1.15),
     ("block vs its GEMMs", "<=", 1.08),
 )
-FP8_BACKENDS = ("fp8", "fp8-wgrad")
 FP8_TARGETS = (("fwd of dense", ">=", 1.7), ("dgrad of dense", ">=", 1.7), *TARGETS[2:])
 """The fp8 row's (issue 16 item 6): fwd and dgrad at 1.7x the dense bf16 rate; wgrad (bf16) and the block
 as for bf16."""
@@ -119,7 +116,7 @@ def gemm_targets(row: dict, flops: int, dense: float, wgrad_floor_s: float) -> l
               "block vs its GEMMs": ratio(span(row, "block_"),
                                           total(*(span(row, f"{op}_") for op in ("fwd", "dgrad", "wgrad"))))}
     name = f"{row['shape']} rows={row['rows']} skew={row['skew']} {row['backend']} {row['weights']}"
-    targets = FP8_TARGETS if row["backend"] in FP8_BACKENDS else TARGETS
+    targets = FP8_TARGETS if row["backend"] == "fp8" else TARGETS
     return [check(what, values[what], op, bound, row=name) for what, op, bound in targets]
 
 
@@ -161,18 +158,17 @@ def fp32_grads(parts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
 
 def make_gemm(backend: str, k: int, problem: GemmProblem | None):
     """The grouped GEMM a layer with `grouped_gemm=backend` runs (bf16); "fp8": a `precision="fp8"` layer's
-    (FP8 fwd and dgrad, wgrad on auto's pick); "fp8-wgrad": with `fp8_wgrad=True` too. Raises ValueError
-    where it cannot run here."""
+    (FP8 fwd and dgrad, wgrad on auto's pick). Raises ValueError where it cannot run here."""
     cuda = torch.device("cuda")
-    if backend not in FP8_BACKENDS:
+    if backend != "fp8":
         return select_grouped_gemm(backend, cuda, torch.bfloat16, k=k, token_padding=PAD, problem=problem)
     wgrad = select_grouped_gemm("auto", cuda, torch.bfloat16, k=k, token_padding=PAD, problem=problem)
-    return fp8_grouped_gemm(wgrad, cuda, torch.bfloat16, PAD, fp8_wgrad=backend == "fp8-wgrad")
+    return fp8_grouped_gemm(wgrad, cuda, torch.bfloat16, PAD)
 
 
 def unavailable(backend: str) -> str | None:
     """Why `make_gemm(backend, ...)` cannot run here, or None."""
-    if backend in FP8_BACKENDS:
+    if backend == "fp8":
         return fp8_unsupported_reason(torch.device("cuda"), torch.bfloat16, PAD)
     try:
         make_gemm(backend, 128, None)
@@ -182,10 +178,10 @@ def unavailable(backend: str) -> str | None:
 
 
 def cast_ops(x, dab, g, hw, offs, gate_up, down) -> dict:
-    """The FP8 casts inside the fp8 rows, each timed alone: the activations of fwd (x, hw) and of dgrad (dy
-    of both projections: g, dab), the weights (every group of both projections) in fwd's orientation and in
-    dgrad's transposed one, and (fp8-wgrad's) wgrad's column casts of dab, x, g and hw."""
-    from moonep_moe.layers.kernels.fp8_cast import cast_blocks, cast_columns, cast_rows
+    """The FP8 casts inside the fp8 row, each timed alone: the activations of fwd (x, hw) and of dgrad (dy
+    of both projections: g, dab), and the weights (every group of both projections) in fwd's orientation
+    and in dgrad's transposed one."""
+    from moonep_moe.layers.kernels.fp8_cast import cast_blocks, cast_rows
 
     def cast_weights(transposed: bool) -> None:
         for part in (*gate_up, *down):
@@ -197,8 +193,7 @@ def cast_ops(x, dab, g, hw, offs, gate_up, down) -> dict:
 
     return {"fwd_cast": lambda: (cast_rows(x, offs), cast_rows(hw, offs)),
             "dgrad_cast": lambda: (cast_rows(g, offs), cast_rows(dab, offs)),
-            "weight_cast_fwd": lambda: cast_weights(False), "weight_cast_dgrad": lambda: cast_weights(True),
-            "wgrad_cast": lambda: [cast_columns(t, offs) for t in (dab, x, g, hw)]}
+            "weight_cast_fwd": lambda: cast_weights(False), "weight_cast_dgrad": lambda: cast_weights(True)}
 
 
 def gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down) -> dict:
@@ -245,15 +240,14 @@ def bench_shape(name: str, rows: int, skew: float, backends: list[str], limits: 
     for backend, (layout, (gate_up, down)) in itertools.product(backends, layouts.items()):
         gemm = make_gemm(backend, math.gcd(h, f), problem)
         row = {"shape": name, "rows": rows, "padded_rows": m_total, "groups": groups, "skew": skew,
-               "backend": backend if backend in FP8_BACKENDS else gemm.name, "weights": layout}
+               "backend": gemm.name, "weights": layout}
         if isinstance(gemm, MeasuredGroupedGemm):
             row["picks"] = {f"{op} {n}x{k}": pick.name for (op, n, k), pick in gemm.chosen.items()}
             print(f"{name:18} auto picks: {row['picks']}", flush=True)
         calls = gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down)
         calls["block"] = lambda gm=gemm, gu=gate_up, dn=down: block(gm, x, w, offs, gu, dn, g)
-        if backend in FP8_BACKENDS:
-            casts = cast_ops(x, dab, g, hw, offs, gate_up, down)
-            calls.update({op: fn for op, fn in casts.items() if op != "wgrad_cast" or backend == "fp8-wgrad"})
+        if backend == "fp8":
+            calls.update(cast_ops(x, dab, g, hw, offs, gate_up, down))
         for op, fn in calls.items():
             row.update({f"{op}_{key}": value for key, value in spread(timings(fn, warmup, repeat)).items()})
         for op in ("fwd", "dgrad", "wgrad"):
@@ -280,8 +274,6 @@ def format_row(row: dict) -> str:
     if "fwd_cast_ms" in row:  # the fp8 row
         casts = (f"  casts in the row: activations fwd {timing('fwd_cast')}, dgrad {timing('dgrad_cast')}; "
                  f"weights fwd {timing('weight_cast_fwd')}, dgrad {timing('weight_cast_dgrad')}")
-    if "wgrad_cast_ms" in row:  # the fp8-wgrad row
-        casts += f"; wgrad's column casts {timing('wgrad_cast')}"
     return (f"{row['shape']:18} rows={row['rows']:6} skew={row['skew']:3.1f} {row['backend']:9} "
             f"{row['weights']:5} fwd {row['fwd_tflops']:4.0f} TF/s ({row['fwd_vs_dense']:.2f} dense) "
             f"{timing('fwd')}  dgrad {row['dgrad_tflops']:4.0f} ({row['dgrad_vs_dense']:.2f}) "
@@ -299,8 +291,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", choices=MODELS, default=list(MODELS))
     parser.add_argument("--rows", nargs="*", type=int, default=[16384, 65536])
     parser.add_argument("--skews", nargs="*", type=float, default=[0.0, 1.5])
-    parser.add_argument("--backends", nargs="*",
-                        default=["torch", "deep_gemm", "triton", "auto", "fp8", "fp8-wgrad"])
+    parser.add_argument("--backends", nargs="*", default=["torch", "deep_gemm", "triton", "auto", "fp8"])
     parser.add_argument("--layouts", nargs="*", default=["pair", "plain", "arena"],
                         help="(home, slots) copied per call, one ordinary tensor, or the VMM arena")
     parser.add_argument("--warmup", type=int, default=3)

@@ -41,12 +41,11 @@ and `token_padding=128` (`FP8_SETTINGS`: FP8 fwd and dgrad, bf16 wgrad, bf16 mas
 like every row and checked against `FP8_LAYER_TARGETS` (`fp8_layer_targets`): its fwd+bwd speed >= 1.6x
 the DEFAULT (bf16) row's, its fwd+bwd time <= 0.45x the baseline's (the faster torch-native bf16 layer),
 its peak memory <= the DEFAULT row's; printed as PASS / MISS lines and recorded in `fp8_targets`. Where
-FP8 cannot run (no sm90, no DeepGEMM) the row is skipped with the reason. Three more fp8 rows follow
-(`FP8_VARIANTS`), each checked against the same bounds under its own scope (`fp8_scope`): "weights fixed",
-the same layer measured inside `moonep_moe.fixed_expert_weights` (gradient accumulation: the home experts'
-FP8 copies cast once in warm-up and reused by every timed step, as by a step's micro-batches; the prefetched
-slots still cast on every call; the kept copies count in its peak); `fp8_wgrad=True` (wgrad in FP8 too);
-and both.
+FP8 cannot run (no sm90, no DeepGEMM) the row is skipped with the reason. A second fp8 row follows
+(`FP8_VARIANTS`), checked against the same bounds under its own scope (`fp8_scope`): "weights fixed", the
+same layer measured inside `moonep_moe.fixed_expert_weights` (gradient accumulation: the home experts' FP8
+copies cast once in warm-up and reused by every timed step, as by a step's micro-batches; the prefetched
+slots still cast on every call; the kept copies count in its peak).
 
 Layers, in the order run:
 - `torch-native`: what users run today, in the torchtitan style: an fp32 softmax top-k router, a sort-based
@@ -481,8 +480,8 @@ def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: d
         return None
     kind = "default" if default else "fp8" if cfg.precision == "fp8" else "variant"
     row = {"layer": name, "config": kind, "backend": cfg.grouped_gemm, "precision": cfg.precision,
-           "fp8_wgrad": cfg.fp8_wgrad, "expert_grad_dtype": cfg.expert_grad_dtype,
-           "token_padding": cfg.token_padding, "dtype": cfg.dtype, "fixed_expert_weights": fixed}
+           "expert_grad_dtype": cfg.expert_grad_dtype, "token_padding": cfg.token_padding, "dtype": cfg.dtype,
+           "fixed_expert_weights": fixed}
     try:
         layer.load_state_dict(layer_weights(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts))
         if ep_rank_epn is not None:
@@ -516,7 +515,7 @@ def run_all_ours(bench: Bench, shapes: dict, variants: list[dict], profiles: dic
             continue
         what = f"{cfg.grouped_gemm}, {cfg.expert_grad_dtype} grads, tp {cfg.token_padding}"
         if cfg.precision != "bf16":
-            what = f"{cfg.precision}{' + fp8 wgrad' * cfg.fp8_wgrad}, {what}"
+            what = f"{cfg.precision}, {what}"
         if fixed:
             what = f"{what}, weights fixed"
         name = f"moonep DEFAULT ({what})" if not settings else f"moonep ({what})"
@@ -673,10 +672,8 @@ FP8_SETTINGS = {"precision": "fp8", "token_padding": 128}
 """--fp8: the fp8 row's config, the DEFAULT config with these settings."""
 FIXED = "fixed_expert_weights"
 """A row setting that is not a config field: measure the layer inside `fixed_expert_weights`."""
-FP8_VARIANTS = [FP8_SETTINGS, {**FP8_SETTINGS, FIXED: True}, {**FP8_SETTINGS, "fp8_wgrad": True},
-                {**FP8_SETTINGS, "fp8_wgrad": True, FIXED: True}]
-"""--fp8's rows: the fp8 layer, with its weights fixed (as across a step's micro-batches), with wgrad in
-FP8, and both."""
+FP8_VARIANTS = [FP8_SETTINGS, {**FP8_SETTINGS, FIXED: True}]
+"""--fp8's rows: the fp8 layer, and the same with its weights fixed (as across a step's micro-batches)."""
 
 FP8_LAYER_TARGETS = (  # (what, op, bound): issue 16 item 6, on the fp8 row
     ("fp8 speed vs our bf16", ">=", 1.6),
@@ -688,8 +685,7 @@ FP8_LAYER_TARGETS = (  # (what, op, bound): issue 16 item 6, on the fp8 row
 def fp8_scope(row: dict) -> str:
     """The scope an fp8 row's `fp8_layer_targets` are recorded under: the issue's item, and how the row
     differs from the plain fp8 layer."""
-    return "issue 16 item 6" + ", wgrad in FP8" * row["fp8_wgrad"] + \
-        ", weights fixed over micro-batches" * row["fixed_expert_weights"]
+    return "issue 16 item 6" + ", weights fixed over micro-batches" * row["fixed_expert_weights"]
 
 
 def fp8_layer_targets(fp8: dict, default: dict, baseline: dict, scope: str) -> list[dict]:

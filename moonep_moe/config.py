@@ -444,19 +444,9 @@ class MoEConfig(CommConfig):
             "master weights and gradients as with 'bf16'; fwd and dgrad run on DeepGEMM's FP8 GEMMs with "
             "e4m3 activations (1x128 tiles) and weights (128x128 blocks), cast by fused kernels (the weights "
             "on every call while they train, once per block inside `fixed_expert_weights`, once per "
-            "version in inference); wgrad stays bf16 on the `grouped_gemm` backend unless `fp8_wgrad`. "
-            "Needs dtype='bfloat16', token_padding a multiple of 128 (the default with 'fp8'), CUDA sm90 "
-            "and the [gpu] extra (`moonep_moe.layers.fp8`)."
-        ),
-    )
-    fp8_wgrad: bool = Field(
-        False,
-        description=(
-            "With precision='fp8': the weight gradients in FP8 too (DeepSeek-V3's recipe), on the package's "
-            "Triton kernel (`layers.kernels.wgrad.grouped_wgrad_fp8`: segment offsets read on the device, "
-            "no host sync): dy and x cast per column per 128 rows (128x1 tiles), products accumulated in "
-            "fp32. Default False (wgrad in bf16) until measured faster on the H200: `python -m bench.gemm "
-            "--backends fp8 fp8-wgrad`."
+            "version in inference); wgrad stays bf16 on the `grouped_gemm` backend. Needs "
+            "dtype='bfloat16', token_padding a multiple of 128 (the default with 'fp8'), CUDA sm90 and the "
+            "[gpu] extra (`moonep_moe.layers.fp8`)."
         ),
     )
     expert_weights: Literal["bf16", "fp8"] = Field(
@@ -519,10 +509,6 @@ class MoEConfig(CommConfig):
             )
         if self.grouped_gemm == "deep_gemm" and self.dtype != "bfloat16":
             raise ValueError(f"grouped_gemm='deep_gemm' needs dtype='bfloat16', got dtype={self.dtype!r}")
-        if self.fp8_wgrad and (self.precision != "fp8" or self.expert_weights == "fp8"):
-            raise ValueError(f"fp8_wgrad=True needs precision='fp8' and trainable experts "
-                             f"(expert_weights='bf16'), got precision={self.precision!r}, "
-                             f"expert_weights={self.expert_weights!r}")
         if self.precision == "fp8" and (self.dtype != "bfloat16" or self.token_padding % 128):
             raise ValueError(f"precision='fp8' needs dtype='bfloat16' and token_padding a multiple of 128, "
                              f"got dtype={self.dtype!r}, token_padding={self.token_padding}")

@@ -191,23 +191,6 @@ def test_cast_blocks_writes_one_orientation_when_asked():
         cast_blocks(w, scales)
 
 
-@pytest.mark.parametrize("rows,k", [(128, 1), (384, 300), (256, 64 * 3 + 5)])
-def test_cast_columns_is_the_row_cast_of_the_transpose_bit_for_bit(rows, k):
-    """wgrad's operand: ``x^T`` quantised per 1x128 tile of its rows (a scale per column of x per 128 of its
-    rows), written transposed, K-major; blocks at and past the last segment end (unused capacity, huge
-    values here) are skipped."""
-    from moonep_moe.layers.kernels.fp8_cast import cast_columns
-
-    x = spread(rows + 128, k, seed=17).to(torch.bfloat16)
-    x[rows:] = 2.0**77
-    offs_g = torch.tensor([0, rows - 128, rows], dtype=torch.int32, device=KERNEL_DEVICE)
-    qt, scales = cast_columns(x.to(KERNEL_DEVICE), offs_g)
-    want_q, want_scales = quantise_rows(x[:rows].T.contiguous())
-    assert qt.shape == (k, rows + 128) and scales.shape == (k, rows // 128 + 1)
-    assert torch.equal(bits(qt[:, :rows].cpu()), bits(want_q))
-    assert torch.equal(scales[:, :rows // 128].cpu(), want_scales)
-
-
 # -- the weight cache (host-side logic; the casts interpreted on the CPU) ----------------------------------
 
 
@@ -329,12 +312,11 @@ def test_weight_cache_fixed_keeps_both_orientations_until_released(monkeypatch):
 
 
 class ReferenceProductFp8Gemm(Fp8GroupedGemm):
-    """`Fp8GroupedGemm` on the CPU: its casts (interpreted), weight cache and wgrad (bf16, or FP8 on the
-    interpreted Triton kernel) as they are, DeepGEMM's FP8 product replaced by the product of the dequantised
-    operands (`ReferenceGroupedGemm`)."""
+    """`Fp8GroupedGemm` on the CPU: its casts (interpreted), weight cache and wgrad (bf16) as they are,
+    DeepGEMM's FP8 product replaced by the product of the dequantised operands (`ReferenceGroupedGemm`)."""
 
-    def __init__(self, wgrad, fp8_wgrad: bool = False) -> None:
-        super().__init__(wgrad, fp8_wgrad, deep_gemm="unused: _gemm is replaced")
+    def __init__(self, wgrad) -> None:
+        super().__init__(wgrad, deep_gemm="unused: _gemm is replaced")
 
     def _gemm(self, a, q_w, scales_w, offs_g):
         q_a, scales_a = self._cast_rows(a, offs_g)
@@ -406,38 +388,6 @@ def test_fixed_expert_weights_blocks_nest_and_leave_bf16_layers_alone(monkeypatc
     assert cache.fixed == 0
 
 
-def test_fp8_wgrad_layer_gradients_within_the_format_bound_of_the_bf16_wgrad():
-    """The fp8 layer (its GEMM double on the CPU) with `fp8_wgrad`, skewed routing: the expert weight
-    gradients within 2^-3 relative (norm-wise) of the same layer's bf16 wgrad, which sees the same dy and x
-    (each FP8 product term is off by at most 2 * 2^-4: both operands rounded to e4m3), while dx and the
-    output, which do not go through wgrad, are the same bits."""
-    from moonep_moe.comm.world import single_world
-
-    layer = MoonEPMoELayer(MoEConfig(**BASE, token_padding=128, router={"dtype": "float32",
-                                                                       "expert_bias": True}),
-                           single_world(KERNEL_DEVICE))
-    with torch.no_grad():
-        layer.router.expert_bias.copy_(torch.linspace(0, 2, BASE["num_experts"]))
-    wgrad = layer._state.gemm
-    gen = torch.Generator().manual_seed(18)
-    x = torch.randn(48, BASE["hidden_size"], generator=gen).to(torch.bfloat16).to(KERNEL_DEVICE)
-    x.requires_grad_()
-    results = {}
-    for fp8_wgrad in (False, True):
-        layer._state.gemm = ReferenceProductFp8Gemm(wgrad, fp8_wgrad)
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        out = layer(x)
-        out.float().square().sum().backward()
-        results[fp8_wgrad] = (out, x.grad, layer.experts.gate_up.grad, layer.experts.down.grad)
-    (out, dx, *bf16_grads), (out8, dx8, *fp8_grads) = results[False], results[True]
-    assert torch.equal(out, out8) and torch.equal(dx, dx8)
-    for got, want in zip(fp8_grads, bf16_grads, strict=True):
-        error = float((got.double() - want.double()).norm() / want.double().norm())
-        print(f"fp8 wgrad relative error {error:.4f}")
-        assert 0 < error < 2.0**-3, error
-
-
 class FrozenSpy(TorchGroupedGemm):
     """The torch backend, recording the `frozen` flag of every forward call."""
 
@@ -475,14 +425,6 @@ def test_precision_defaults_to_bf16_and_fp8_pads_to_128():
     assert MoEConfig(**BASE).precision == "bf16"
     assert MoEConfig(**BASE, precision="fp8").token_padding == 128
     assert MoEConfig(**BASE, precision="fp8", token_padding=256).token_padding == 256
-
-
-def test_fp8_wgrad_needs_precision_fp8_and_trainable_experts():
-    assert not MoEConfig(**BASE, precision="fp8").fp8_wgrad
-    assert MoEConfig(**BASE, precision="fp8", fp8_wgrad=True).fp8_wgrad
-    for changes in (dict(), dict(precision="fp8", expert_weights="fp8")):
-        with pytest.raises(ValueError, match="fp8_wgrad=True needs precision='fp8' and trainable experts"):
-            MoEConfig(**{**BASE, **changes, "fp8_wgrad": True})
 
 
 @pytest.mark.parametrize("changes,named", [(dict(dtype="float32"), "dtype='float32'"),
@@ -623,17 +565,16 @@ def test_fixed_expert_weights_on_deep_gemm_gives_the_same_gradients():
 @pytest.mark.gpu
 @needs_fp8
 def test_fp8_layer_tracks_the_float64_reference_like_the_bf16_layer():
-    """One EP=1 layer step in fp8 (wgrad bf16, then FP8 too) and in bf16 against the float64 dense reference
-    (bf16-rounded inputs): the fp8 layer's output, input gradient and expert weight gradients within 2^-3
-    relative (norm-wise) error. Each FP8 GEMM's product terms carry at most 2 * 2^-4 = 2^-3 relative error
-    (two operands rounded to e4m3) in the worst case, and rounding errors of random signs add in norm far
-    below that, so one GEMM's worth of worst case is a ceiling for the chain (expected: a few 2^-5); the
-    bf16 layer's errors are printed beside for the record."""
+    """One EP=1 layer step in fp8 and in bf16 against the float64 dense reference (bf16-rounded inputs):
+    the fp8 layer's output, input gradient and expert weight gradients within 2^-3 relative (norm-wise)
+    error. Each FP8 GEMM's product terms carry at most 2 * 2^-4 = 2^-3 relative error (two operands rounded
+    to e4m3) in the worst case, and rounding errors of random signs add in norm far below that, so one
+    GEMM's worth of worst case is a ceiling for the chain (expected: a few 2^-5); the bf16 layer's errors
+    are printed beside for the record."""
     errors = {}
-    for precision, fp8_wgrad in (("fp8", False), ("fp8 + fp8_wgrad", True), ("bf16", False)):
+    for precision in ("fp8", "bf16"):
         cfg = make_config(1, hidden_size=256, ffn_hidden_size=128, num_experts=8, max_tokens_per_rank=256,
-                          token_padding=128, dtype="bfloat16", grouped_gemm="torch",
-                          precision=precision.split()[0], fp8_wgrad=fp8_wgrad,
+                          token_padding=128, dtype="bfloat16", grouped_gemm="torch", precision=precision,
                           router={"dtype": "float32", "expert_bias": True})
         p = make_problem(cfg, seed=41, skew=2.0)
         rounded = [t.bfloat16().double() for t in p.hidden + [p.gate_up_e2fh, p.down_ehf]]
@@ -643,8 +584,7 @@ def test_fp8_layer_tracks_the_float64_reference_like_the_bf16_layer():
         errors[precision] = {name: float((got[name] - want[name]).norm() / want[name].norm())
                              for name in ("out", "grad_x", "grad_gate_up", "grad_down")}
     print(errors)
-    for precision in ("fp8", "fp8 + fp8_wgrad"):
-        assert all(error < 2.0**-3 for error in errors[precision].values()), errors
+    assert all(error < 2.0**-3 for error in errors["fp8"].values()), errors
 
 
 @pytest.mark.parametrize("k", [128, 300])
@@ -660,10 +600,10 @@ def test_reference_row_cast_takes_zero_rows(k):
 def test_fp8_training_tracks_the_bf16_loss_curve():
     """Issue 16 item 5: a student MoonEP layer (the teacher's router, its own experts) regressed onto a fixed
     random teacher layer for 60 AdamW steps (fresh tokens every step, the same in every run; skew from the
-    router's expert bias), in bf16, in fp8 and in fp8 with FP8 wgrad: every fp8 run's loss stays within 10%
-    of the bf16 run's at every step after the first 10 (e4m3 perturbs each GEMM by a few 2^-5, which moves
-    the trajectory but not the descent; a sanity bound on the curve, not derived from the format), and all
-    fall below 0.75 of the start (bf16 on the CPU: 0.0127 -> 0.0066). The curves are printed."""
+    router's expert bias), in bf16 and in fp8: the fp8 run's loss stays within 10% of the bf16 run's at
+    every step after the first 10 (e4m3 perturbs each GEMM by a few 2^-5, which moves the trajectory but not
+    the descent; a sanity bound on the curve, not derived from the format), and both fall below 0.75 of the
+    start (bf16 on the CPU: 0.0127 -> 0.0066). The curves are printed."""
     from moonep_moe.comm.world import single_world
 
     shapes = dict(hidden_size=256, ffn_hidden_size=128, num_experts=8, top_k=2, max_tokens_per_rank=512,
@@ -673,8 +613,7 @@ def test_fp8_training_tracks_the_bf16_loss_curve():
     with torch.no_grad():
         teacher.router.expert_bias.copy_(torch.linspace(0, 0.5, 8))
     curves = {}
-    for name, extra in (("bf16", {}), ("fp8", dict(precision="fp8")),
-                        ("fp8 + fp8_wgrad", dict(precision="fp8", fp8_wgrad=True))):
+    for name, extra in (("bf16", {}), ("fp8", dict(precision="fp8"))):
         torch.manual_seed(2)  # the same student in every run
         student = MoonEPMoELayer(MoEConfig(**shapes, **extra), single_world("cuda"))
         student.router.load_state_dict(teacher.router.state_dict())
@@ -693,7 +632,7 @@ def test_fp8_training_tracks_the_bf16_loss_curve():
         curves[name] = losses
     print({name: [round(v, 5) for v in losses[::10] + losses[-1:]] for name, losses in curves.items()})
     bf16 = torch.tensor(curves["bf16"])
-    for name in ("bf16", "fp8", "fp8 + fp8_wgrad"):
+    for name in ("bf16", "fp8"):
         losses = torch.tensor(curves[name])
         assert losses[-1] < 0.75 * losses[0], (name, curves[name])
         if name != "bf16":

@@ -39,7 +39,6 @@ from moonep_moe.layers.grouped_gemm import (
     GroupedGemm,
     ReferenceGroupedGemm,
     _check_groups,
-    _wgrad_parts,
     deep_gemm_unsupported_reason,
     import_deep_gemm,
 )
@@ -243,13 +242,12 @@ class Fp8GroupedGemm:
     training, kept per parameter version in inference). Outputs are bf16. dgrad multiplies by the K-major
     transposed FP8 copy of each weight (sm90 takes FP8 operand B only K-major).
 
-    The weight gradient stays in bf16 on ``wgrad`` (the backend ``grouped_gemm`` selects) by default:
-    DeepGEMM's sm90 k-grouped FP8 wgrad takes the segment sizes as a host list (a device-to-host read per
-    call, which the no-host-sync rule forbids). Cost: wgrad is a third of the expert block's GEMM FLOPs and
-    runs at the bf16 rate, so at 1.6x on fwd and dgrad the GEMM time is at best ``(2 / 1.6 + 1) / 3 = 0.75``
-    of bf16's (1.33x). With ``fp8_wgrad`` it runs in FP8 on the package's Triton kernel instead
-    (`kernels.wgrad.grouped_wgrad_fp8`, offsets read on the device), ``dy`` and ``x`` cast per column per
-    128 rows (`kernels.fp8_cast.cast_columns`, transposed: K-major for the product over rows).
+    The weight gradient stays in bf16 on ``wgrad`` (the backend ``grouped_gemm`` selects): DeepGEMM's sm90
+    k-grouped FP8 wgrad takes the segment sizes as a host list (a device-to-host read per call, which the
+    no-host-sync rule forbids), and a Triton FP8 wgrad, measured on the H200, was slower than the bf16 one
+    and was removed (README, "Precision: bf16 or fp8"). Cost: wgrad is a third of the expert block's GEMM
+    FLOPs and runs at the bf16 rate, so at 1.6x on fwd and dgrad the GEMM time is at best
+    ``(2 / 1.6 + 1) / 3 = 0.75`` of bf16's (1.33x).
 
     Experts kept FP8 (`MoEConfig.expert_weights="fp8"`) come to ``fwd`` as `Fp8Weights`: multiplied as they
     are (joined into one tensor only where they come in parts), no cast, no bf16 copy; such a layer has no
@@ -262,16 +260,13 @@ class Fp8GroupedGemm:
     ops = ("fwd", "dgrad")
     joined_weights = False  # the home parameters themselves, so inference keeps their FP8 copies per version
 
-    def __init__(self, wgrad: GroupedGemm | None, fp8_wgrad: bool = False, deep_gemm=None) -> None:
+    def __init__(self, wgrad: GroupedGemm | None, deep_gemm=None) -> None:
         """``deep_gemm``: the DeepGEMM module (default: imported here; a test may give a stand-in)."""
-        from moonep_moe.layers.kernels import fp8_cast
-        from moonep_moe.layers.kernels import wgrad as wgrad_kernels
+        from moonep_moe.layers.kernels.fp8_cast import cast_rows
 
         self._deep_gemm = import_deep_gemm() if deep_gemm is None else deep_gemm
-        self._cast_rows, self._cast_columns = fp8_cast.cast_rows, fp8_cast.cast_columns
-        self._grouped_wgrad_fp8 = wgrad_kernels.grouped_wgrad_fp8
+        self._cast_rows = cast_rows
         self._wgrad = wgrad
-        self.fp8_wgrad = fp8_wgrad
         self.weights = Fp8WeightCache()
 
     def fwd(self, x: Tensor, weights: Sequence[Tensor] | Fp8Weights, offs_g: Tensor,
@@ -298,12 +293,7 @@ class Fp8GroupedGemm:
               accumulate: bool = True) -> list[Tensor]:
         if self._wgrad is None:
             raise ValueError(FORWARD_ONLY)
-        if not self.fp8_wgrad:
-            return self._wgrad.wgrad(dy, x, offs_g, out, accumulate)
-        parts = _wgrad_parts(dy, x, offs_g, out, accumulate)
-        self._grouped_wgrad_fp8(self._cast_columns(dy, offs_g), self._cast_columns(x, offs_g), offs_g, parts,
-                                accumulate)
-        return parts
+        return self._wgrad.wgrad(dy, x, offs_g, out, accumulate)
 
 
 FORWARD_ONLY = "experts kept FP8 (expert_weights='fp8') run forward only: no master weights to train"
@@ -351,9 +341,8 @@ def fp8_unsupported_reason(device: torch.device, dtype: torch.dtype, token_paddi
 
 
 def fp8_grouped_gemm(wgrad: GroupedGemm, device: torch.device, dtype: torch.dtype, token_padding: int | None,
-                     rank: int = 0, fp8_wgrad: bool = False) -> Fp8GroupedGemm:
-    """The FP8 backend of a ``precision="fp8"`` layer, its weight gradients on ``wgrad`` (bf16) or, with
-    ``fp8_wgrad``, on `kernels.wgrad.grouped_wgrad_fp8`.
+                     rank: int = 0) -> Fp8GroupedGemm:
+    """The FP8 backend of a ``precision="fp8"`` layer, its weight gradients on ``wgrad`` (bf16).
 
     Raises:
         ValueError naming ``precision`` (and the rank) when FP8 cannot run here.
@@ -361,7 +350,7 @@ def fp8_grouped_gemm(wgrad: GroupedGemm, device: torch.device, dtype: torch.dtyp
     reason = fp8_unsupported_reason(device, dtype, token_padding)
     if reason is not None:
         raise ValueError(f"precision='fp8' cannot run here (rank {rank}): {reason}; use precision='bf16'")
-    return Fp8GroupedGemm(wgrad, fp8_wgrad)
+    return Fp8GroupedGemm(wgrad)
 
 
 def fp8_weights_gemm(grouped_gemm: str, device: torch.device, dtype: torch.dtype, token_padding: int | None,

@@ -331,7 +331,7 @@ class MoonEPMoELayer(nn.Module):
         gemm = select_grouped_gemm(config.grouped_gemm, device, dtype, k=math.gcd(h, f),
                                    token_padding=config.token_padding, problem=problem)
         if config.precision == "fp8":  # fwd and dgrad in FP8; the backend selected above keeps wgrad
-            gemm = fp8_grouped_gemm(gemm, device, dtype, config.token_padding, world.rank, config.fp8_wgrad)
+            gemm = fp8_grouped_gemm(gemm, device, dtype, config.token_padding, world.rank)
         self._state = ExpertsState(self.buffer, self.experts, gemm, main_grad)
 
     def _release_comm(self) -> None:

@@ -6,8 +6,6 @@
   and past `offs_g[-1]` (a device scalar: no host read) are skipped, their outputs left unwritten.
 - `cast_blocks`: weights, one pass per 128x128 block of `w [G, N, K]`: writes the scale and, as asked, the
   e4m3 block (`q [G, N, K]`) and its transpose (`qt [G, K, N]`, the K-major copy dgrad needs on sm90).
-- `cast_columns`: wgrad's operands, one pass: reads `x [rows, K]`, writes its transpose `qt [K, rows]` e4m3
-  (K-major for the product over rows) with one scale per column per 128 rows (128x1 tiles).
 
 Rounding to e4m3 (to nearest, ties to even, as the reference): compiled, one hardware conversion per two
 values (sm90's `cvt.rn.satfinite.e4m3x2.f32`; the scaled values are within +-448, so saturation never
@@ -35,8 +33,6 @@ BLOCK_ROWS = 32
 """Rows per program of `cast_rows` (a divisor of 128, so no block straddles a segment's padded end)."""
 ROWS_WARPS = 4
 """Warps per `cast_rows` program (32 x 128 values: 32 a thread)."""
-COLUMNS_TILE = 64
-"""Columns per `cast_columns` program (with 128 rows: 8192 values, 64 a thread at 4 warps)."""
 BLOCKS_WARPS = 8
 """Warps per `cast_blocks` program: its 128 x 128 block is held whole in registers between the amax and the
 rounding (64 fp32 values a thread at 8 warps, 128 at 4). `python -m bench.fp8_cast` times 4, 8 and 16."""
@@ -76,19 +72,6 @@ def _to_e4m3(v, dtype: tl.constexpr, HARDWARE_ROUNDING: tl.constexpr):
 
 
 @triton.jit
-def _quantised_tile(x_ptr, row, col, rows, cols, stride_x, AXIS: tl.constexpr, dtype: tl.constexpr,
-                    MAX_EXP_FIELD: tl.constexpr, MAX_MANTISSA: tl.constexpr, MIN_AMAX: tl.constexpr,
-                    HARDWARE_ROUNDING: tl.constexpr):
-    """The tile `x[row, col]` of a row-major `x [rows, cols]` (int64 `row`) quantised with one scale per
-    line along `AXIS` (1: a scale per row, over its columns; 0: a scale per column, over its rows):
-    `(q, scale, mask)`, `q` in `dtype`, masked elements 0."""
-    mask = (row < rows)[:, None] & (col < cols)[None, :]
-    x = tl.load(x_ptr + row[:, None] * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale, inverse = _pow2_scale(tl.max(tl.abs(x), axis=AXIS), MAX_EXP_FIELD, MAX_MANTISSA, MIN_AMAX)
-    return _to_e4m3(x * tl.expand_dims(inverse, AXIS), dtype, HARDWARE_ROUNDING), scale, mask
-
-
-@triton.jit
 def _cast_rows_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, last_group, rows, cols, stride_x, stride_s,
                       MAX_EXP_FIELD: tl.constexpr, MAX_MANTISSA: tl.constexpr, MIN_AMAX: tl.constexpr,
                       HARDWARE_ROUNDING: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
@@ -96,8 +79,10 @@ def _cast_rows_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, last_group, rows, cols, str
     if block * BLOCK < tl.load(offs_ptr + last_group):
         row = (block * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
         col = tile * TILE + tl.arange(0, TILE)
-        q, scale, mask = _quantised_tile(x_ptr, row, col, rows, cols, stride_x, 1, q_ptr.dtype.element_ty,
-                                         MAX_EXP_FIELD, MAX_MANTISSA, MIN_AMAX, HARDWARE_ROUNDING)
+        mask = (row < rows)[:, None] & (col < cols)[None, :]
+        x = tl.load(x_ptr + row[:, None] * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale, inverse = _pow2_scale(tl.max(tl.abs(x), axis=1), MAX_EXP_FIELD, MAX_MANTISSA, MIN_AMAX)
+        q = _to_e4m3(x * inverse[:, None], q_ptr.dtype.element_ty, HARDWARE_ROUNDING)
         tl.store(q_ptr + row[:, None] * cols + col[None, :], q, mask=mask)
         tl.store(s_ptr + tile * stride_s + row, scale, mask=row < rows)
 
@@ -124,20 +109,6 @@ def _cast_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, n, k, stride_g, stride_n, s
         tl.store(qt_ptr + base + rk[:, None] * n + rn[None, :], tl.trans(q),
                  mask=(rk < k)[:, None] & (rn < n)[None, :])
     tl.store(s_ptr + (g64 * tl.num_programs(1) + n_block) * tl.num_programs(2) + k_block, scale)
-
-
-@triton.jit
-def _cast_columns_kernel(x_ptr, qt_ptr, s_ptr, offs_ptr, last_group, rows, cols, stride_x, blocks,
-                         MAX_EXP_FIELD: tl.constexpr, MAX_MANTISSA: tl.constexpr, MIN_AMAX: tl.constexpr,
-                         HARDWARE_ROUNDING: tl.constexpr, TILE: tl.constexpr, COLS: tl.constexpr):
-    block, tile = tl.program_id(0), tl.program_id(1)
-    if block * TILE < tl.load(offs_ptr + last_group):
-        row = (block * TILE + tl.arange(0, TILE)).to(tl.int64)
-        col = tile * COLS + tl.arange(0, COLS)
-        q, scale, mask = _quantised_tile(x_ptr, row, col, rows, cols, stride_x, 0, qt_ptr.dtype.element_ty,
-                                         MAX_EXP_FIELD, MAX_MANTISSA, MIN_AMAX, HARDWARE_ROUNDING)
-        tl.store(qt_ptr + col[:, None].to(tl.int64) * rows + row[None, :], tl.trans(q), mask=tl.trans(mask))
-        tl.store(s_ptr + col.to(tl.int64) * blocks + block, scale, mask=col < cols)
 
 
 def _format_constants() -> dict:
@@ -184,23 +155,3 @@ def cast_blocks(w_gnk: torch.Tensor, scales_out: torch.Tensor, q_out: torch.Tens
                                   qt_out if qt_out is not None else q_out, scales_out, n, k, *w_gnk.stride(),
                                   WRITE_Q=q_out is not None, WRITE_QT=qt_out is not None, TILE=TILE,
                                   num_warps=num_warps, **_format_constants())
-
-
-def cast_columns(x_mk: torch.Tensor, offs_g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """wgrad's operand `x [rows, K]` (bf16 or fp32, rows contiguous) -> `(qt [K, rows] e4m3, scales [K,
-    ceil(rows/128)] fp32)`: `x^T` quantised per 1x128 tile of its rows, i.e. one scale per column of `x` per
-    128 of its rows (counted from row 0), as `quantise_rows(x.T)` does. 128-row blocks at and past
-    `offs_g[-1]` (int32 [G] segment ends, on the device) are skipped, their outputs unspecified; segment ends
-    at multiples of 128 (fp8's token padding) keep every block inside one segment."""
-    rows, cols = x_mk.shape
-    if x_mk.stride(1) != 1:
-        raise ValueError(f"x must have contiguous rows (stride(1) == 1), got strides {x_mk.stride()}")
-    blocks = triton.cdiv(rows, TILE)
-    qt_km = torch.empty(cols, rows, dtype=FP8_DTYPE, device=x_mk.device)
-    scales = torch.empty(cols, blocks, dtype=torch.float32, device=x_mk.device)
-    if rows and cols:
-        grid = (blocks, triton.cdiv(cols, COLUMNS_TILE))
-        _cast_columns_kernel[grid](x_mk, qt_km, scales, offs_g, offs_g.numel() - 1, rows, cols,
-                                   x_mk.stride(0), blocks, TILE=TILE, COLS=COLUMNS_TILE,
-                                   **_format_constants())
-    return qt_km, scales

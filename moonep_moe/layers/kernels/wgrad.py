@@ -39,7 +39,6 @@ import triton
 import triton.language as tl
 
 SWIZZLE = 8
-FP8_E4M3 = torch.float8_e4m3fn
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -59,17 +58,6 @@ def _configs() -> list[triton.Config]:
     ]
     return [triton.Config({"BLOCK_COLS": bc, "BLOCK_INNER": bi, "BLOCK_ROWS": br}, num_warps=w, num_stages=s)
             for bc, bi, br, w, s in tiles]
-
-
-def _fp8_configs() -> list[triton.Config]:
-    """The FP8 kernel's tiles: ``BLOCK_ROWS`` is the scale block, 128; the interpreter gets small column
-    tiles."""
-    if _INTERPRET:
-        return [triton.Config({"BLOCK_COLS": 32, "BLOCK_INNER": 32, "BLOCK_ROWS": 128}, num_warps=4,
-                              num_stages=1)]
-    tiles = [(128, 256, 8, 3), (256, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4)]
-    return [triton.Config({"BLOCK_COLS": bc, "BLOCK_INNER": bi, "BLOCK_ROWS": 128}, num_warps=w, num_stages=s)
-            for bc, bi, w, s in tiles]
 
 
 @triton.jit
@@ -130,45 +118,6 @@ def _grouped_wgrad_kernel(dy_ptr, x_ptr, offs_ptr, out0_ptr, out1_ptr, groups0, 
                  live_cols, live_inner, ACCUMULATE)
 
 
-@triton.autotune(configs=_fp8_configs(), key=["cols", "inner"], cache_results=True)
-@triton.jit
-def _grouped_wgrad_fp8_kernel(qdy_ptr, sdy_ptr, qx_ptr, sx_ptr, offs_ptr, out0_ptr, out1_ptr, groups0,
-                              first_group, cols, inner, rows, blocks, stride_out0, stride_out1,
-                              ACCUMULATE: tl.constexpr, SWIZZLE: tl.constexpr, INTERPRET_ROWS: tl.constexpr,
-                              BLOCK_COLS: tl.constexpr, BLOCK_INNER: tl.constexpr, BLOCK_ROWS: tl.constexpr):
-    """The FP8 form: ``qdy [cols, rows]`` and ``qx [inner, rows]`` e4m3 (K-major: the rows are the product's
-    inner dimension) with one fp32 scale per column per 128 rows, ``sdy [cols, blocks]`` and ``sx [inner,
-    blocks]``; each 128-row block's product is scaled by the outer product of its two scale vectors and
-    added in fp32. Segments start at multiples of 128 (BLOCK_ROWS), so a block never straddles two."""
-    group, start, count, col_ids, inner_ids = _group_tile(tl.program_id(0), offs_ptr, first_group, cols,
-                                                          inner, SWIZZLE, BLOCK_COLS, BLOCK_INNER)
-    if ACCUMULATE:
-        if count <= 0:
-            return
-
-    live_cols = col_ids < cols
-    live_inner = inner_ids < inner
-    qdy_cols = qdy_ptr + col_ids.to(tl.int64)[:, None] * rows
-    qx_cols = qx_ptr + inner_ids.to(tl.int64)[:, None] * rows
-    acc = tl.zeros((BLOCK_COLS, BLOCK_INNER), dtype=tl.float32)
-    # INTERPRET_ROWS: as in `_grouped_wgrad_kernel` (the interpreter multiplies e4m3 tiles as they are)
-    for first_row in range(0, INTERPRET_ROWS if INTERPRET_ROWS else count, BLOCK_ROWS):
-        row_ids = (start + first_row + tl.arange(0, BLOCK_ROWS))[None, :]
-        live_rows = ((first_row + tl.arange(0, BLOCK_ROWS)) < count)[None, :]
-        qdy_tile = tl.load(qdy_cols + row_ids, mask=live_cols[:, None] & live_rows, other=0.0)
-        qx_tile = tl.load(qx_cols + row_ids, mask=live_inner[:, None] & live_rows, other=0.0)
-        block = (start + first_row) // BLOCK_ROWS
-        # the block's liveness as a vector: Triton 3.9's interpreter refuses a mask broadcast from a scalar
-        sdy = tl.load(sdy_ptr + col_ids.to(tl.int64) * blocks + block,
-                      mask=live_cols & ((col_ids * 0 + first_row) < count), other=0.0)
-        sx = tl.load(sx_ptr + inner_ids.to(tl.int64) * blocks + block,
-                     mask=live_inner & ((inner_ids * 0 + first_row) < count), other=0.0)
-        product = tl.dot(qdy_tile, tl.trans(qx_tile), out_dtype=tl.float32)
-        acc += product * sdy[:, None] * sx[None, :]
-    _store_group(acc, group, groups0, out0_ptr, out1_ptr, stride_out0, stride_out1, col_ids, inner_ids, inner,
-                 live_cols, live_inner, ACCUMULATE)
-
-
 @triton.jit
 def _store_group(acc, group, groups0, out0_ptr, out1_ptr, stride_out0, stride_out1, col_ids, inner_ids, inner,
                  live_cols, live_inner, ACCUMULATE: tl.constexpr):
@@ -202,12 +151,7 @@ def _check(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor, out: Sequenc
                          f"{list(x.shape)}")
     if dy.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("dy and x must have unit column stride")
-    _check_out(dy.shape[1], x.shape[1], offs_g, out, first_group)
-
-
-def _check_out(cols: int, inner: int, offs_g: torch.Tensor, out: Sequence[torch.Tensor],
-               first_group: int) -> None:
-    """The output parts and the offsets."""
+    cols, inner = dy.shape[1], x.shape[1]
     for part in out:
         if part.dtype not in OUT_DTYPES or part.shape[1:] != (cols, inner) or part.stride()[1:] != (inner, 1):
             raise ValueError(f"every out part must be [g, {cols}, {inner}] of {OUT_DTYPES} with contiguous "
@@ -237,35 +181,6 @@ def grouped_wgrad_triton(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor
     cols, inner = dy.shape[1], x.shape[1]
     launch = functools.partial(_launch, dy, x, offs_g)
     _run_parts(launch, (dy.dtype, cols, inner, dy.device), offs_g, out, accumulate, first_group)
-
-
-def grouped_wgrad_fp8(dy: tuple[torch.Tensor, torch.Tensor], x: tuple[torch.Tensor, torch.Tensor],
-                      offs_g: torch.Tensor, out: Sequence[torch.Tensor], accumulate: bool) -> None:
-    """``out[g] (+)= dy[start:end]^T @ x[start:end]`` from FP8 operands, accumulated in fp32.
-
-    Args:
-        dy: ``(q [cols, rows] e4m3, scales [cols, ceil(rows/128)] fp32)``, dy transposed and quantised per
-            column per 128 rows (`kernels.fp8_cast.cast_columns`).
-        x: ``(q [inner, rows], scales [inner, ceil(rows/128)])``, likewise.
-        offs_g: int32 ``[G]`` group end offsets (device), each a multiple of 128 (fp8's token padding: a
-            scale block never straddles two groups); rows at and past ``offs_g[-1]`` are never read.
-        out: as `grouped_wgrad_triton`'s, from group 0.
-        accumulate: add into ``out``; False overwrites every group (empty ones with zeros).
-    """
-    (q_dy, s_dy), (q_x, s_x) = dy, x
-    cols, rows = q_dy.shape
-    inner = q_x.shape[0]
-    if q_dy.dtype != FP8_E4M3 or q_x.dtype != FP8_E4M3 or q_x.shape[1] != rows:
-        raise ValueError(f"dy and x must be e4m3 [cols, rows] and [inner, rows] (transposed, K-major), got "
-                         f"{q_dy.dtype} {list(q_dy.shape)} and {q_x.dtype} {list(q_x.shape)}")
-    blocks = triton.cdiv(rows, 128)
-    if s_dy.shape != (cols, blocks) or s_x.shape != (inner, blocks) or not (s_dy.is_contiguous()
-                                                                          and s_x.is_contiguous()):
-        raise ValueError(f"the scales must be contiguous [cols, {blocks}] and [inner, {blocks}] fp32, got "
-                         f"{list(s_dy.shape)} and {list(s_x.shape)}")
-    _check_out(cols, inner, offs_g, out, 0)
-    launch = functools.partial(_launch_fp8, q_dy, s_dy, q_x, s_x, offs_g)
-    _run_parts(launch, ("e4m3", cols, inner, q_dy.device), offs_g, out, accumulate, 0)
 
 
 def _run_parts(launch: Callable, key: tuple, offs_g: torch.Tensor, out: Sequence[torch.Tensor],
@@ -299,24 +214,13 @@ def _launch(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor, out0: torch
         INTERPRET_ROWS=dy.shape[0] if _INTERPRET else 0)
 
 
-def _launch_fp8(q_dy: torch.Tensor, s_dy: torch.Tensor, q_x: torch.Tensor, s_x: torch.Tensor,
-                offs_g: torch.Tensor, out0: torch.Tensor, out1: torch.Tensor, groups: int, groups0: int,
-                first_group: int, accumulate: bool) -> None:
-    """`_launch` for `grouped_wgrad_fp8`'s operands."""
-    (cols, rows), inner = q_dy.shape, q_x.shape[0]
-    _grouped_wgrad_fp8_kernel[_grid(groups, cols, inner)](
-        q_dy, s_dy, q_x, s_x, offs_g, out0, out1, groups0, first_group, cols, inner, rows, s_dy.shape[1],
-        out0.stride(0), out1.stride(0), ACCUMULATE=accumulate, SWIZZLE=SWIZZLE,
-        INTERPRET_ROWS=rows if _INTERPRET else 0)
-
-
 _TUNING_GROUPS = 8
 _TUNED: set[tuple] = set()
 
 
 def _tune_overwriting(launch: Callable, key: tuple, offs_g: torch.Tensor, out0: torch.Tensor,
                       out1: torch.Tensor, first_group: int) -> None:
-    """Before the first accumulating launch of a `key` (kernel, shape, dtypes) in this process: an
+    """Before the first accumulating launch of a `key` (dtypes, shape, device) in this process: an
     overwriting launch over the first `_TUNING_GROUPS` groups into scratch outputs of `out0`'s and `out1`'s
     dtypes, which runs the autotuner (or loads its disk cache) for the key the accumulating launch uses."""
     if key in _TUNED:
