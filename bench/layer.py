@@ -289,7 +289,8 @@ class RankOfEPBuffer:
     traffic is stood in for by local copies of the same bytes: `prefetch_weight` copies the home experts into
     the slots (over NVLink in a real group, and from peers), `reduce_grad` adds the slot gradients into the
     home gradients and clears the slots (in a real group the replicas' owners pull them). No peer traffic:
-    the group's histogram all-gather, remote rows and every wait on a peer are left out. Owns nothing.
+    the group's histogram all-gather, remote rows and every wait on a peer are left out, and so is the
+    duplicate rows' expansion and pre-reduction (one rank's plans have none). Owns nothing.
     """
 
     def __init__(self, inner: Buffer, epn: int):
@@ -567,8 +568,10 @@ EP_RANK = ("one rank of an EP group of ep_rank_of ranks (--ep-rank-of), in a one
            "slot groups (slot j "
            "holds home expert j; weights joined by the arena where it applies) and combine; prefetch and "
            "reduce_grad stood in for by local copies of the same bytes. Left out: all peer traffic (the "
-           "histogram all-gather, rows to and from other ranks, weights and gradients over NVLink) and every "
-           "wait on a peer; the torch-native rows run the same routed work on home_experts + slots experts")
+           "histogram all-gather, rows to and from other ranks, weights and gradients over NVLink), every "
+           "wait on a peer, and the duplicate rows' expansion and pre-reduction (a one-rank plan has no "
+           "duplicates; with K = R = 8 about a third of a real rank's routes are); the torch-native rows run "
+           "the same routed work on home_experts + slots experts")
 """What the `--ep-rank-of` rows measure and leave out (the record's `setup.ep_rank`)."""
 
 
