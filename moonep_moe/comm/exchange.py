@@ -145,7 +145,7 @@ class ReferenceExchange:
         nvs, top_k = m.rows.local.shape[0], m.top_k
         dest_n, row_n, primary_n, valid_n = decode_dst(plan.dst, nvs)
         token_n = torch.arange(plan.dst.numel(), device=plan.dst.device) // top_k
-        # capacities: a token sends one payload row per destination rank (<= S), a weight per route
+        # capacities: payload rows per destination rank (`payload_capacity`), a weight per route
         m.world.scatter_rows(m.rows, torch.where(valid_n & primary_n, dest_n, -1), row_n,
                              hidden_sh.index_select(0, token_n), capacity=m.payload_capacity)
         if route_weights_sk is not None:
