@@ -96,6 +96,7 @@ def comm_launches() -> None:
 
     H, K, S, nvs = 64, 4, 8, 256
     dst_n = torch.zeros(S * K, dtype=torch.int32)
+    zero_fill = torch.zeros(12, 2, dtype=torch.int32)  # 12 groups' padding, zeroed by send_routes (tp 16)
     for dtype in (torch.bfloat16, torch.float32):
         for ranks in (1, 2):
             def sym(name, shape, dtype=dtype, ranks=ranks):
@@ -107,7 +108,7 @@ def comm_launches() -> None:
             for weighted in (True, False):
                 current = f"send_routes {dtype} R={ranks} weights={weighted}"
                 rows.send_routes(hidden, torch.zeros(S, K) if weighted else None, dst_n, weighted, rows_t,
-                                 weights_t, pairs_t)
+                                 weights_t, pairs_t, 0, zero_fill, 16)
                 current = f"gather_routes {dtype} R={ranks} weights={weighted}"
                 rows.gather_routes(dst_n, rows_t, weights_t if weighted else None,
                                    torch.zeros(S, H, dtype=dtype), torch.zeros(S, K) if weighted else None,
@@ -119,9 +120,7 @@ def comm_launches() -> None:
         pairs_t = symmetric("pairs", [torch.zeros(ranks * S * K, 2, dtype=torch.int32) for _ in range(ranks)])
         current = f"send_routes fp8 packed R={ranks}"
         rows.send_routes(torch.zeros(S, width, dtype=torch.uint8), torch.zeros(S, K), dst_n, True, packed_t,
-                         weights_t, pairs_t)
-    current = "zero_padding fp8 packed"
-    rows.zero_padding(packed_t.local, torch.zeros(nvs), torch.zeros(12, 2, dtype=torch.int32), 16)
+                         weights_t, pairs_t, 0, zero_fill, 16)
     current = "expand_duplicates fp8 packed"
     rows.expand_duplicates(packed_t.local, torch.zeros(nvs, 3, dtype=torch.int32),
                            torch.zeros(nvs, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), K - 1, 16,
@@ -131,9 +130,6 @@ def comm_launches() -> None:
     rows.record_duplicates(torch.full((2 * S * K, 2), -1, **int32), torch.zeros(nvs, **int32),
                            torch.zeros(1, **int32), torch.zeros(nvs, 3, **int32), torch.zeros(nvs, **int32),
                            torch.zeros(2, **int32), K)
-    current = "zero_padding"
-    rows.zero_padding(torch.zeros(nvs, H, dtype=torch.bfloat16), torch.zeros(nvs),
-                      torch.zeros(12, 2, dtype=torch.int32), 16)
     current = "copy_rows"
     rows.copy_rows(torch.zeros(nvs, H, dtype=torch.bfloat16), torch.zeros(nvs, H, dtype=torch.bfloat16),
                    torch.zeros(1, dtype=torch.int32), num_sms=4)

@@ -50,7 +50,7 @@ ENTRY_POINTS = {
                                           "_dispatch", "_combine")},
     "moonep_moe.communicator": {"MoECommunicator": ("dispatch", "dispatch_async", "combine",
                                                     "combine_async", "prefetch_weights")},
-    "moonep_moe.comm.kernels.rows": {None: ("send_routes", "record_duplicates", "zero_padding",
+    "moonep_moe.comm.kernels.rows": {None: ("send_routes", "record_duplicates",
                                             "expand_duplicates", "copy_rows", "pre_reduce_duplicates",
                                             "gather_routes", "copy_experts", "add_replicas", "clear_slots")},
 }

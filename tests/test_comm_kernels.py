@@ -160,6 +160,10 @@ def operate(state: dict) -> dict:
     out.update(slots0=gate.slots.local, slots1=down.slots.local, replicated=state["replicated"],
                home_grad0=state["grads"][0].home.local, slot_grad0=state["grads"][0].slots.local,
                home_grad1=state["grads"][1].home.local, full_grad=state["full"])
+    rows.fill_(7)  # garbage in every row and weight: the next dispatch must zero its padding again
+    weights.fill_(7)
+    out["over_garbage"], out["over_garbage_w"], *_ = buf.dispatch(x["hidden"], x["weights"], x["topk"],
+                                                                  x["tpe"])
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
 

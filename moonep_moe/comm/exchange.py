@@ -92,9 +92,9 @@ class RowExchange(Protocol):
                     route_weights_sk: torch.Tensor | None, record: bool) -> None:
         """Collective: every valid route's weight, and each primary route's payload row, into its
         destination row; with `record` (the forward dispatch) each duplicate route's (row, row of its
-        token's primary route to the same rank) into the destination's `dup_pairs`, at its own slot. Starts
-        once every rank is done with the rows' previous contents; returns once every write into this rank's
-        rows has landed."""
+        token's primary route to the same rank) into the destination's `dup_pairs`, at its own slot; this
+        rank's padding rows and their weights become zero. Starts once every rank is done with the rows'
+        previous contents; returns once every write into this rank's rows has landed."""
         ...
 
     def record_duplicates(self, plan: MoonEPCommPlan) -> None:
@@ -104,8 +104,8 @@ class RowExchange(Protocol):
         ...
 
     def fill_rows(self, plan: MoonEPCommPlan) -> None:
-        """Local, after `send_routes` and the dup tables: padding rows and their weights become zero, each
-        primary row is copied into its duplicate rows."""
+        """Local, after `send_routes` and the dup tables: each primary row is copied into its duplicate
+        rows."""
         ...
 
     def combine(self, plan: MoonEPCommPlan, hidden_nvsh: torch.Tensor, zero_copy: bool, with_weights: bool,
@@ -156,6 +156,9 @@ class ReferenceExchange:
             m.world.scatter_rows(m.dup_pairs, torch.where(valid_n & ~primary_n, dest_n, -1), slot_n,
                                  torch.stack([row_n.to(torch.int32), primary_rows(plan.dst, nvs, top_k)], 1),
                                  capacity=m.max_tokens * top_k)
+        padding_nvs = _padding_mask(plan.zero_fill_ranges, nvs)  # local rows no route writes
+        m.rows.local.masked_fill_(padding_nvs[:, None], 0)
+        m.weights.local.masked_fill_(padding_nvs, 0)
 
     def record_duplicates(self, plan) -> None:
         # fixed shapes of the pairs' size R*S*K, never NvS: the pairs sorted by (primary, row) with empty
@@ -182,10 +185,7 @@ class ReferenceExchange:
         pairs_p2.fill_(-1)
 
     def fill_rows(self, plan) -> None:
-        rows_nvsh, weights_nvs = self.memory.rows.local, self.memory.weights.local
-        padding_nvs = _padding_mask(plan.zero_fill_ranges, rows_nvsh.shape[0])
-        rows_nvsh.masked_fill_(padding_nvs[:, None], 0)
-        weights_nvs.masked_fill_(padding_nvs, 0)
+        rows_nvsh = self.memory.rows.local
         rows_nvsh.copy_(rows_nvsh.index_select(0, source_rows(plan)))
 
     def combine(self, plan, hidden_nvsh, zero_copy, with_weights, out_sh=None):
@@ -260,7 +260,8 @@ class KernelExchange:
         m.world.barrier()  # every rank is done with the rows' previous contents
         self.rows.send_routes(hidden_sh.contiguous(), None if route_weights_sk is None else
                               route_weights_sk.contiguous(), plan.dst, record and m.duplicates, m.rows,
-                              m.weights, m.dup_pairs, m.world.rank * m.max_tokens * m.top_k)
+                              m.weights, m.dup_pairs, m.world.rank * m.max_tokens * m.top_k,
+                              plan.zero_fill_ranges, m.token_padding)
         m.world.barrier()  # every write into this rank's rows has landed
 
     def record_duplicates(self, plan) -> None:
@@ -272,7 +273,6 @@ class KernelExchange:
 
     def fill_rows(self, plan) -> None:
         m = self.memory
-        self.rows.zero_padding(m.rows.local, m.weights.local, plan.zero_fill_ranges, m.token_padding)
         self.rows.expand_duplicates(m.rows.local, plan.dup_groups, plan.dup_loffs, plan.dup_counts,
                                     m.top_k - 1, m.max_dup_groups, m.num_sms)
 

@@ -10,10 +10,11 @@ orders its phases, and builds every index both paths share (the plan's `dst`, du
 
 - `send_routes`: each token row is read once and written once per destination rank, straight into its
   expert-grouped row there (primary routes); every route's weight; duplicates record their primary row.
+  The programs past the tokens zero this rank's padding rows and their weights (local rows no route
+  writes): one launch for both.
 - `record_duplicates`: after the barrier, local, one program: the received duplicate pairs become the
   plan's dup tables (the pairs mark their primary rows, the rows the plan fills are scanned in order).
-- `zero_padding` / `expand_duplicates`: after the barrier, local: padding rows and weights become zero,
-  primary rows are copied into their duplicate rows.
+- `expand_duplicates`: after the barrier, local: primary rows are copied into their duplicate rows.
 
 Work follows the step's tokens, not the capacity: every kernel reads its counts (padding rows per group,
 duplicate groups, rows the plan fills) on the device and loops over those only, so a CUDA graph captured for
@@ -213,14 +214,47 @@ def _narrow(acc, OUT: tl.constexpr):
 
 
 @triton.jit
+def _zero_group_padding(rows_ptr, weights_ptr, zero_fill_ptr, group, block, offs, inside, H,
+                        TILE: tl.constexpr, BLOCK_H: tl.constexpr):
+    """This rank's padding rows of group `group` (`zero_fill[group]`: first row, count < tp) and their
+    weights become zero, row block `block` of them; none for an empty group."""
+    first = tl.load(zero_fill_ptr + 2 * group).to(tl.int64)
+    count = tl.load(zero_fill_ptr + 2 * group + 1)
+    zeros = tl.zeros([TILE, BLOCK_H], dtype=rows_ptr.dtype.element_ty)
+    for start in tl.range(0, count, TILE):
+        pad = start + tl.arange(0, TILE)
+        padding = pad < count
+        tl.store(rows_ptr + (first + pad)[:, None] * H + offs[None, :], zeros,
+                 mask=_both(padding[:, None], inside[None, :]))
+        tl.store(weights_ptr + first + pad, tl.zeros([TILE], dtype=weights_ptr.dtype.element_ty),
+                 mask=_both(padding, block == 0))
+
+
+@triton.jit
 def _send_routes_kernel(hidden_ptr, weights_ptr, dst_ptr,
                         rows_table, weights_table, pairs_table, rows_like, weights_like, pairs_like,
-                        H, rows_per_rank, pairs_offset, K: tl.constexpr, WEIGHTS: tl.constexpr,
-                        RECORD: tl.constexpr, ONE_RANK: tl.constexpr, BLOCK_H: tl.constexpr):
-    token = tl.program_id(0)
+                        zero_fill_ptr, num_tokens, H, rows_per_rank, pairs_offset, K: tl.constexpr,
+                        WEIGHTS: tl.constexpr, RECORD: tl.constexpr, ONE_RANK: tl.constexpr,
+                        PAD_TILE: tl.constexpr, BLOCK_H: tl.constexpr):
+    program = tl.program_id(0)
     block = tl.program_id(1)
     offs = block * BLOCK_H + tl.arange(0, BLOCK_H)
     inside = offs < H
+    if program < num_tokens:
+        _send_token(hidden_ptr, weights_ptr, dst_ptr, rows_table, weights_table, pairs_table, rows_like,
+                    weights_like, pairs_like, program, block, offs, inside, H, rows_per_rank, pairs_offset, K,
+                    WEIGHTS, RECORD, ONE_RANK)
+    else:  # the programs past the tokens zero this rank's padding rows, a group each
+        _zero_group_padding(rows_like, weights_like, zero_fill_ptr, program - num_tokens, block, offs, inside,
+                            H, PAD_TILE, BLOCK_H)
+
+
+@triton.jit
+def _send_token(hidden_ptr, weights_ptr, dst_ptr, rows_table, weights_table, pairs_table, rows_like,
+                weights_like, pairs_like, token, block, offs, inside, H, rows_per_rank, pairs_offset,
+                K: tl.constexpr, WEIGHTS: tl.constexpr, RECORD: tl.constexpr, ONE_RANK: tl.constexpr):
+    """Token `token`'s row block `block` to each of its primary routes' rows; its weights and duplicate
+    pairs from the first block."""
     x = tl.load(hidden_ptr + token.to(tl.int64) * H + offs, mask=inside)
     first_block = block == 0
     for k in tl.static_range(K):
@@ -245,8 +279,10 @@ def _send_routes_kernel(hidden_ptr, weights_ptr, dst_ptr,
 
 def send_routes(hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None, dst_n: torch.Tensor,
                 record: bool, rows: SymmetricTensor, weights: SymmetricTensor, pairs: SymmetricTensor,
-                pairs_offset: int = 0) -> None:
-    """Every route of this rank to its destination rank's rows (peer writes; the caller barriers).
+                pairs_offset: int = 0, zero_fill_g2: torch.Tensor | None = None, token_padding: int = 1
+                ) -> None:
+    """Every route of this rank to its destination rank's rows (peer writes; the caller barriers), and in
+    the same launch this rank's padding rows and their weights zeroed (local: no route writes them).
 
     Args:
         hidden_sh: `[s, H]` rows, contiguous. route_weights_sk: `[s, K]` or None (no weights sent).
@@ -256,19 +292,22 @@ def send_routes(hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None, 
             primary route to the same rank, found among the token's earlier routes) at pair
             `pairs_offset + i` of its destination (`pairs_offset`: this rank's `rank * S * K`, so every slot
             has one writer).
+        zero_fill_g2: `[G, 2]` int32 this rank's (first padding row, padding rows) per group, read on the
+            device (`plan.zero_fill_ranges`), or None: no padding. token_padding: tp (1: no padding rows).
     """
     num_tokens, width = hidden_sh.shape
-    if num_tokens == 0:
+    pad_groups = 0 if zero_fill_g2 is None or token_padding == 1 else zero_fill_g2.shape[0]
+    if num_tokens + pad_groups == 0:
         return
-    top_k = dst_n.numel() // num_tokens
     block, warps = _row_block(width, hidden_sh.element_size())
     tables, one_rank = _tables(rows, weights, pairs)
     with _launching():
-        _send_routes_kernel[(num_tokens, triton.cdiv(width, block))](
+        _send_routes_kernel[(num_tokens + pad_groups, triton.cdiv(width, block))](
             hidden_sh, route_weights_sk if route_weights_sk is not None else hidden_sh, dst_n, *tables,
-            rows.local, weights.local, pairs.local, width, rows.local.shape[0], pairs_offset, K=top_k,
-            WEIGHTS=route_weights_sk is not None, RECORD=bool(record), ONE_RANK=one_rank, BLOCK_H=block,
-            num_warps=warps)
+            rows.local, weights.local, pairs.local, zero_fill_g2 if pad_groups else dst_n, num_tokens, width,
+            rows.local.shape[0], pairs_offset, K=dst_n.numel() // max(num_tokens, 1),
+            WEIGHTS=route_weights_sk is not None, RECORD=bool(record), ONE_RANK=one_rank,
+            PAD_TILE=min(16, triton.next_power_of_2(token_padding)), BLOCK_H=block, num_warps=warps)
 
 
 RECORD_SLOTS = 4096
@@ -334,39 +373,6 @@ def record_duplicates(pairs_p2: torch.Tensor, marks_nvs: torch.Tensor, end_1: to
         _record_duplicates_kernel[(1,)](pairs_p2, pairs_p2.shape[0], marks_nvs, end_1, dup_groups, dup_loffs,
                                         dup_counts, K=top_k, K_P=triton.next_power_of_2(top_k),
                                         SLOTS=RECORD_SLOTS, ROWS=RECORD_ROWS, num_warps=8)
-
-
-@triton.jit
-def _zero_padding_kernel(rows_ptr, weights_ptr, zero_fill_ptr, H, TILE: tl.constexpr, BLOCK_H: tl.constexpr):
-    group = tl.program_id(0)
-    block = tl.program_id(1)
-    first = tl.load(zero_fill_ptr + 2 * group).to(tl.int64)
-    count = tl.load(zero_fill_ptr + 2 * group + 1)
-    offs = block * BLOCK_H + tl.arange(0, BLOCK_H)
-    inside = offs < H
-    zeros = tl.zeros([TILE, BLOCK_H], dtype=rows_ptr.dtype.element_ty)
-    for start in tl.range(0, count, TILE):  # the group's padding rows only: none for an empty group
-        pad = start + tl.arange(0, TILE)
-        padding = pad < count
-        tl.store(rows_ptr + (first + pad)[:, None] * H + offs[None, :], zeros,
-                 mask=_both(padding[:, None], inside[None, :]))
-        tl.store(weights_ptr + first + pad, tl.zeros([TILE], dtype=weights_ptr.dtype.element_ty),
-                 mask=_both(padding, block == 0))
-
-
-def zero_padding(rows_nvsh: torch.Tensor, weights_nvs: torch.Tensor, zero_fill_g2: torch.Tensor,
-                 token_padding: int) -> None:
-    """Zero every padding row and its weight: group g's `zero_fill_g2[g, 1]` (< tp) rows from
-    `zero_fill_g2[g, 0]` (`[G, 2]` int32, read on the device)."""
-    num_groups, width = zero_fill_g2.shape[0], rows_nvsh.shape[1]
-    if num_groups == 0 or token_padding == 1:
-        return
-    block, warps = _row_block(width, rows_nvsh.element_size())
-    tile = min(16, triton.next_power_of_2(token_padding))
-    with _launching():
-        _zero_padding_kernel[(num_groups, triton.cdiv(width, block))](
-            rows_nvsh, weights_nvs, zero_fill_g2, width, TILE=tile,
-            BLOCK_H=block, num_warps=warps)
 
 
 @triton.jit
