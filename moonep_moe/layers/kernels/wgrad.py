@@ -30,9 +30,8 @@ H200 out of memory in `main_grad` mode).
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -60,12 +59,13 @@ def _configs() -> list[triton.Config]:
             for bc, bi, br, w, s in tiles]
 
 
+@triton.autotune(configs=_configs(), key=["cols", "inner"], cache_results=True)
 @triton.jit
-def _group_tile(pid, offs_ptr, first_group, cols, inner, SWIZZLE: tl.constexpr, BLOCK_COLS: tl.constexpr,
-                BLOCK_INNER: tl.constexpr):
-    """Program `pid` -> `(group, start, count, col_ids, inner_ids)`: its group (counted from `first_group`;
-    groups in order, each group's tiles swizzled in bands of `SWIZZLE` tile rows), the group's first row and
-    row count (read on the device), and its tile's column and inner indices."""
+def _grouped_wgrad_kernel(dy_ptr, x_ptr, offs_ptr, out0_ptr, out1_ptr, groups0, first_group, cols, inner,
+                          stride_dy, stride_x, stride_out0, stride_out1, ACCUMULATE: tl.constexpr,
+                          SWIZZLE: tl.constexpr, INTERPRET_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                          BLOCK_INNER: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    pid = tl.program_id(0)
     tiles_cols = tl.cdiv(cols, BLOCK_COLS)
     tiles_inner = tl.cdiv(inner, BLOCK_INNER)
     tiles = tiles_cols * tiles_inner
@@ -76,25 +76,17 @@ def _group_tile(pid, offs_ptr, first_group, cols, inner, SWIZZLE: tl.constexpr, 
     band_rows = tl.minimum(tiles_cols - band_first_col, SWIZZLE)
     tile_col = band_first_col + (tile % band_tiles) % band_rows
     tile_inner = (tile % band_tiles) // band_rows
+
     segment = first_group + group
     end = tl.load(offs_ptr + segment)
     start = tl.load(offs_ptr + segment - 1, mask=segment > 0, other=0)
-    return (group, start, end - start, tile_col * BLOCK_COLS + tl.arange(0, BLOCK_COLS),
-            tile_inner * BLOCK_INNER + tl.arange(0, BLOCK_INNER))
-
-
-@triton.autotune(configs=_configs(), key=["cols", "inner"], cache_results=True)
-@triton.jit
-def _grouped_wgrad_kernel(dy_ptr, x_ptr, offs_ptr, out0_ptr, out1_ptr, groups0, first_group, cols, inner,
-                          stride_dy, stride_x, stride_out0, stride_out1, ACCUMULATE: tl.constexpr,
-                          SWIZZLE: tl.constexpr, INTERPRET_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-                          BLOCK_INNER: tl.constexpr, BLOCK_ROWS: tl.constexpr):
-    group, start, count, col_ids, inner_ids = _group_tile(tl.program_id(0), offs_ptr, first_group, cols,
-                                                          inner, SWIZZLE, BLOCK_COLS, BLOCK_INNER)
+    count = end - start
     if ACCUMULATE:
         if count <= 0:
             return
 
+    col_ids = tile_col * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    inner_ids = tile_inner * BLOCK_INNER + tl.arange(0, BLOCK_INNER)
     live_cols = col_ids < cols
     live_inner = inner_ids < inner
     dy_rows = dy_ptr + start.to(tl.int64) * stride_dy
@@ -114,14 +106,7 @@ def _grouped_wgrad_kernel(dy_ptr, x_ptr, offs_ptr, out0_ptr, out1_ptr, groups0, 
         if INTERPRET_ROWS:
             dy_tile, x_tile = dy_tile.to(tl.float32), x_tile.to(tl.float32)
         acc = tl.dot(tl.trans(dy_tile), x_tile, acc)
-    _store_group(acc, group, groups0, out0_ptr, out1_ptr, stride_out0, stride_out1, col_ids, inner_ids, inner,
-                 live_cols, live_inner, ACCUMULATE)
 
-
-@triton.jit
-def _store_group(acc, group, groups0, out0_ptr, out1_ptr, stride_out0, stride_out1, col_ids, inner_ids, inner,
-                 live_cols, live_inner, ACCUMULATE: tl.constexpr):
-    """One group's tile into its part: the first `groups0` groups in `out0`, the rest in `out1`."""
     if group < groups0:
         _store_tile(out0_ptr + group.to(tl.int64) * stride_out0, acc, col_ids, inner_ids, inner, live_cols,
                     live_inner, ACCUMULATE)
@@ -178,56 +163,44 @@ def grouped_wgrad_triton(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor
             gradients being made by another GEMM); their rows are never read.
     """
     _check(dy, x, offs_g, out, first_group)
-    cols, inner = dy.shape[1], x.shape[1]
-    launch = functools.partial(_launch, dy, x, offs_g)
-    _run_parts(launch, (dy.dtype, cols, inner, dy.device), offs_g, out, accumulate, first_group)
-
-
-def _run_parts(launch: Callable, key: tuple, offs_g: torch.Tensor, out: Sequence[torch.Tensor],
-               accumulate: bool, first_group: int) -> None:
-    """One `launch(out0, out1, groups, groups0, first_group, accumulate)` per pair of parts, after the
-    autotuner has run for `key` on an overwriting launch where the first one accumulates."""
     for pair in (out[i:i + 2] for i in range(0, len(out), 2)):
         out0, out1 = pair[0], pair[-1]
         groups0 = out0.shape[0]
         groups = groups0 + (out1.shape[0] if len(pair) == 2 else 0)
         if groups and accumulate:
-            _tune_overwriting(launch, (*key, out0.dtype, out1.dtype), offs_g, out0, out1, first_group)
+            _tune_overwriting(dy, x, offs_g, out0, out1, first_group)
         if groups:
-            launch(out0, out1, groups, groups0, first_group, accumulate)
+            _launch(dy, x, offs_g, out0, out1, groups, groups0, first_group, accumulate)
         first_group += groups
-
-
-def _grid(groups: int, cols: int, inner: int) -> Callable[[dict], tuple[int]]:
-    """One program per (group, tile) of the autotuned tile shape."""
-    return lambda meta: (
-        groups * triton.cdiv(cols, meta["BLOCK_COLS"]) * triton.cdiv(inner, meta["BLOCK_INNER"]),)
 
 
 def _launch(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor, out0: torch.Tensor, out1: torch.Tensor,
             groups: int, groups0: int, first_group: int, accumulate: bool) -> None:
     """One launch over groups `[first_group, first_group + groups)`, the first `groups0` in `out0`."""
     cols, inner = dy.shape[1], x.shape[1]
-    _grouped_wgrad_kernel[_grid(groups, cols, inner)](
-        dy, x, offs_g, out0, out1, groups0, first_group, cols, inner, dy.stride(0), x.stride(0),
-        out0.stride(0), out1.stride(0), ACCUMULATE=accumulate, SWIZZLE=SWIZZLE,
-        INTERPRET_ROWS=dy.shape[0] if _INTERPRET else 0)
+    grid = lambda meta: (
+        groups * triton.cdiv(cols, meta["BLOCK_COLS"]) * triton.cdiv(inner, meta["BLOCK_INNER"]),)
+    _grouped_wgrad_kernel[grid](dy, x, offs_g, out0, out1, groups0, first_group, cols, inner, dy.stride(0),
+                                x.stride(0), out0.stride(0), out1.stride(0), ACCUMULATE=accumulate,
+                                SWIZZLE=SWIZZLE, INTERPRET_ROWS=dy.shape[0] if _INTERPRET else 0)
 
 
 _TUNING_GROUPS = 8
 _TUNED: set[tuple] = set()
 
 
-def _tune_overwriting(launch: Callable, key: tuple, offs_g: torch.Tensor, out0: torch.Tensor,
+def _tune_overwriting(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor, out0: torch.Tensor,
                       out1: torch.Tensor, first_group: int) -> None:
-    """Before the first accumulating launch of a `key` (dtypes, shape, device) in this process: an
-    overwriting launch over the first `_TUNING_GROUPS` groups into scratch outputs of `out0`'s and `out1`'s
-    dtypes, which runs the autotuner (or loads its disk cache) for the key the accumulating launch uses."""
+    """Before the first accumulating launch of a shape and dtypes in this process: an overwriting launch over
+    the first `_TUNING_GROUPS` groups into scratch outputs of `out0`'s and `out1`'s dtypes, which runs the
+    autotuner (or loads its disk cache) for the key the accumulating launch uses."""
+    key = (dy.dtype, dy.shape[1], x.shape[1], out0.dtype, out1.dtype, dy.device)
     if key in _TUNED:
         return
-    matrix = out0.shape[1:]  # [cols, inner]
+    matrix = (dy.shape[1], x.shape[1])  # [cols, inner]
     scratch0 = torch.empty((_TUNING_GROUPS - 1, *matrix), dtype=out0.dtype, device=out0.device)
     scratch1 = torch.empty((1, *matrix), dtype=out1.dtype, device=out1.device)
     groups = min(_TUNING_GROUPS, offs_g.numel() - first_group)
-    launch(scratch0, scratch1, groups, min(groups, _TUNING_GROUPS - 1), first_group, False)
+    _launch(dy, x, offs_g, scratch0, scratch1, groups, min(groups, _TUNING_GROUPS - 1), first_group,
+            accumulate=False)
     _TUNED.add(key)
