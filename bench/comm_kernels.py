@@ -17,14 +17,15 @@ no graph and no kernel: the smoke test profiles the eager step's top-level torch
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import captured_graph, spread, timings, write_record
-from bench.serving import token_counts
+from bench.common import captured_graph, cuda_kernels, spread, timings, write_record
+from bench.serving import comm_step, static_expert_out, step_inputs, token_counts
 from moonep_moe.comm.world import single_world
 from moonep_moe.communicator import MoECommunicator
 
@@ -48,48 +49,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def kernel_times(run: Callable[[], object], steps: int, cuda: bool) -> dict[str, float]:
-    """Microseconds per step of each kernel `run()` launches (`steps` runs profiled): device time on CUDA;
-    on the CPU each top-level torch op's host time."""
-    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
-        for _ in range(steps):
-            run()
-        if cuda:
-            torch.cuda.synchronize()
+    """Microseconds per step of each kernel `run()` launches (`steps` runs profiled), most first: device
+    time on CUDA (`cuda_kernels`); on the CPU each top-level torch op's host time."""
     times: dict[str, float] = {}
-    for event in prof.events():
-        if cuda and event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        if not cuda and (event.device_type != torch.autograd.DeviceType.CPU or event.cpu_parent is not None):
-            continue
-        us = event.device_time if cuda else event.cpu_time
-        times[event.name] = times.get(event.name, 0.0) + us / steps
+    if cuda:
+        for name, ms in cuda_kernels(lambda: [run() for _ in range(steps)]):
+            times[name] = times.get(name, 0.0) + ms * 1e3 / steps
+    else:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                run()
+        for event in prof.events():
+            if event.cpu_parent is None:
+                times[event.name] = times.get(event.name, 0.0) + event.cpu_time / steps
     return dict(sorted(times.items(), key=lambda item: -item[1]))
 
 
-def row_for(comm: MoECommunicator, s: int, args: argparse.Namespace, gen: torch.Generator) -> dict:
+def row_for(comm: MoECommunicator, s: int, router_he: torch.Tensor, gen: torch.Generator, reps: int) -> dict:
     """One token count's row: the step's kernels (eager; and replayed, with the replay time, on CUDA)."""
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    hidden_sh = torch.randn(s, args.hidden, generator=gen, device=device, dtype=dtype)
-    router_he = torch.randn(args.hidden, args.experts, generator=gen, device=device)
-    scores_sk, ids_sk = torch.topk(hidden_sh.float() @ router_he, args.top_k, dim=-1)
-    weights_sk, ids_sk, out_sh = torch.softmax(scores_sk, -1), ids_sk.int(), torch.empty_like(hidden_sh)
-    bucket = comm.capacity_for(s)
-    out, handle = comm.dispatch(hidden_sh, ids_sk, weights_sk, capacity=bucket)
-    expert_out_nvsh = out.tokens_nvsh.clone()  # an engine's expert outputs: a static tensor
-    comm.combine(expert_out_nvsh, handle, out=out_sh)
-
-    def step() -> None:
-        _, step_handle = comm.dispatch(hidden_sh, ids_sk, weights_sk, capacity=bucket)
-        comm.combine(expert_out_nvsh, step_handle, out=out_sh)
-
-    cuda = device.type == "cuda"
-    row = dict(tokens=s, capacity=bucket, rows=expert_out_nvsh.shape[0],
-               eager=kernel_times(step, args.reps, cuda))
+    inputs = step_inputs(comm, s, router_he, gen)
+    expert_out_nvsh = static_expert_out(comm, inputs)
+    step = functools.partial(comm_step, comm, inputs, expert_out_nvsh)
+    cuda = router_he.is_cuda
+    row = dict(tokens=s, capacity=inputs[-1], rows=expert_out_nvsh.shape[0],
+               eager=kernel_times(step, reps, cuda))
     if cuda:
         graph = captured_graph(step)
-        row["graph"] = spread(timings(graph.replay, 3, args.reps))
-        row["replayed"] = kernel_times(graph.replay, args.reps, cuda)
+        row["graph"] = spread(timings(graph.replay, 3, reps))
+        row["replayed"] = kernel_times(graph.replay, reps, cuda)
     return row
 
 
@@ -101,8 +88,9 @@ def main(argv: list[str] | None = None) -> Path:
                            top_k=args.top_k, max_tokens_per_rank=args.tokens, dtype=args.dtype,
                            check_expert_ids=False, **padding)
     gen = torch.Generator(device).manual_seed(0)
+    router_he = torch.randn(args.hidden, args.experts, generator=gen, device=device)
     with torch.no_grad():
-        rows = [row_for(comm, s, args, gen) for s in token_counts(args.tokens)]
+        rows = [row_for(comm, s, router_he, gen, args.reps) for s in token_counts(args.tokens)]
     comm.destroy()
     shape = dict(H=args.hidden, E=args.experts, K=args.top_k, S=args.tokens, dtype=args.dtype,
                  token_padding=comm.config.token_padding)

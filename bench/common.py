@@ -135,6 +135,17 @@ def seconds_between(start: Stamp, end: Stamp) -> float:
     return end - start if isinstance(start, float) else start.elapsed_time(end) / 1e3
 
 
+def cuda_kernels(run: Callable[[], object]) -> list[tuple[str, float]]:
+    """`[(name, ms)]`: every GPU kernel, copy and fill `run()` launches, one entry per launch
+    (torch.profiler's CUDA activity; user annotations left out)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return [(event.name, event.time_range.elapsed_us() / 1e3) for event in prof.events()
+            if event.device_type == torch.autograd.DeviceType.CUDA
+            and not getattr(event, "is_user_annotation", False)]
+
+
 def captured_graph(step: Callable[[], object], runs: int = 2) -> torch.cuda.CUDAGraph:
     """`step` captured once in a CUDA graph, after `runs` eager runs on a side stream (compilation, lazy
     allocations and comm streams made off the capturing stream, as capture asks). Replay it for new inputs

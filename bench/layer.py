@@ -121,11 +121,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd import DeviceType
 
 from bench.common import (
     MODELS,
     check,
+    cuda_kernels,
     format_check,
     measure_limits,
     model_shape,
@@ -353,11 +353,7 @@ def step(layer: nn.Module, x_th: torch.Tensor, grad_th: torch.Tensor) -> None:
 
 def step_kernels(layer: nn.Module, x_th: torch.Tensor, grad_th: torch.Tensor) -> list[tuple[str, float]]:
     """`[(name, ms)]`: every GPU kernel, copy and fill of one step, one entry per launch."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step(layer, x_th, grad_th)
-        torch.cuda.synchronize()
-    return [(event.name, event.time_range.elapsed_us() / 1e3) for event in prof.events()
-            if event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)]
+    return cuda_kernels(lambda: step(layer, x_th, grad_th))
 
 
 def profile_lines(label: str, summary: dict) -> list[str]:

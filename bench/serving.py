@@ -248,17 +248,10 @@ def rank_bench(world: EPWorld, args: argparse.Namespace) -> dict:
         comm.combine(y_nvsh, handle, out=out_sh)
         mark()
 
-    def comm_step(hidden_sh, topk_sk, weights_sk, out_sh, bucket: int, expert_out_nvsh) -> None:
-        _, handle = comm.dispatch(hidden_sh, topk_sk, weights_sk, capacity=bucket)
-        comm.combine(expert_out_nvsh, handle, out=out_sh)
-
     rows = []
     with torch.no_grad():
         for s in token_counts(S):
-            hidden_sh = torch.randn(s, H, generator=gen, device=device, dtype=dtype)
-            scores_sk, topk_sk = torch.topk(hidden_sh.float() @ w_router_he, K, dim=-1)  # a router's top-k
-            inputs = (hidden_sh, topk_sk.int(), torch.softmax(scores_sk, dim=-1), torch.empty_like(hidden_sh),
-                      comm.capacity_for(s))
+            inputs = step_inputs(comm, s, w_router_he, gen)
             reps = eager_reps(world, lambda marks, inputs=inputs: step(*inputs, lambda: marks.append(
                 stamp(device))), args.warmup, args.reps)
             comm_ms = spread([rep["dispatch"] + rep["combine"] for rep in reps])
@@ -268,10 +261,8 @@ def rank_bench(world: EPWorld, args: argparse.Namespace) -> dict:
                 replays = graph_replays(lambda inputs=inputs: step(*inputs, lambda: None), args.warmup,
                                         args.reps)
                 row["graph"] = {"step": spread(replays)}
-                out, handle = comm.dispatch(*inputs[:3], capacity=inputs[-1])  # the bucket's row shape
-                expert_out_nvsh = out.tokens_nvsh.clone()
-                comm.combine(expert_out_nvsh, handle, out=inputs[3])
-                replays = graph_replays(lambda inputs=inputs, y=expert_out_nvsh: comm_step(*inputs, y),
+                expert_out_nvsh = static_expert_out(comm, inputs)
+                replays = graph_replays(lambda inputs=inputs, y=expert_out_nvsh: comm_step(comm, inputs, y),
                                         args.warmup, args.reps)
                 row["comm"]["graph"] = spread(replays)
                 del expert_out_nvsh
@@ -282,6 +273,34 @@ def rank_bench(world: EPWorld, args: argparse.Namespace) -> dict:
     stats = comm.stats()
     comm.destroy()
     return dict(rows=rows, slowest_eager_step_ms=slowest, pool=stats)
+
+
+def step_inputs(comm: MoECommunicator, s: int, router_he: torch.Tensor, gen: torch.Generator) -> tuple:
+    """One step of `s` tokens as an engine feeds it: `(hidden_sh, topk_sk, weights_sk, out_sh, bucket)`,
+    random rows in the communicator's dtype, a router's top-K of `router_he [H, E]` (fp32) and its softmax
+    weights, an output tensor and the smallest bucket that holds them."""
+    hidden_sh = torch.randn(s, comm.config.hidden_size, generator=gen, device=router_he.device,
+                            dtype=comm.dtype)
+    scores_sk, topk_sk = torch.topk(hidden_sh.float() @ router_he, comm.config.top_k, dim=-1)
+    return (hidden_sh, topk_sk.int(), torch.softmax(scores_sk, dim=-1), torch.empty_like(hidden_sh),
+            comm.capacity_for(s))
+
+
+def static_expert_out(comm: MoECommunicator, inputs: tuple) -> torch.Tensor:
+    """An engine's expert-output workspace for `inputs`' bucket (`[NvS, H]`, the dispatched rows' copy),
+    made by one dispatch + combine."""
+    out, handle = comm.dispatch(*inputs[:3], capacity=inputs[-1])
+    expert_out_nvsh = out.tokens_nvsh.clone()
+    comm.combine(expert_out_nvsh, handle, out=inputs[3])
+    return expert_out_nvsh
+
+
+def comm_step(comm: MoECommunicator, inputs: tuple, expert_out_nvsh: torch.Tensor) -> None:
+    """Communication alone: `inputs` (`step_inputs`) dispatched, then the static `expert_out_nvsh`
+    combined into their output tensor."""
+    hidden_sh, topk_sk, weights_sk, out_sh, bucket = inputs
+    _, handle = comm.dispatch(hidden_sh, topk_sk, weights_sk, capacity=bucket)
+    comm.combine(expert_out_nvsh, handle, out=out_sh)
 
 
 def eager_reps(world: EPWorld, run: Callable[[list], object], warmup: int, reps: int
