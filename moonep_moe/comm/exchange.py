@@ -163,10 +163,11 @@ class ReferenceExchange:
     def record_duplicates(self, plan) -> None:
         # fixed shapes of the pairs' size R*S*K, never NvS: the pairs sorted by (primary, row) with empty
         # slots pushed to the end by a sentinel key; a group starts where the primary changes. Only the
-        # first min(R*S*K, NvS) table entries are written (no rank receives more duplicates).
+        # first min(R*S*K, NvS) table entries are written (no rank receives more duplicates; none with one
+        # rank, whose tables are empty).
         nvs = plan.rows_per_rank
         pairs_p2 = self.memory.dup_pairs.local
-        used = min(pairs_p2.shape[0], nvs)
+        used = min(pairs_p2.shape[0], plan.dup_loffs.shape[0])
         row_p, primary_p = pairs_p2.long().unbind(1)
         order_p = torch.argsort(torch.where(row_p >= 0, primary_p * nvs + row_p, nvs * nvs), stable=True)
         row_p, primary_p = row_p[order_p][:used], primary_p[order_p][:used]
@@ -365,8 +366,11 @@ def primary_rows(dst_n: torch.Tensor, rows_per_rank: int, top_k: int) -> torch.T
 
 def source_rows(plan: MoonEPCommPlan) -> torch.Tensor:
     """`[NvS]` int64 from the plan's dup tables: each row's primary row if it is a duplicate, else the
-    row itself (so `rows[source]` expands duplicates, and an `index_add_` over it pre-reduces them)."""
+    row itself (so `rows[source]` expands duplicates, and an `index_add_` over it pre-reduces them); every
+    row itself where the plan has no dup tables (one rank)."""
     nvs = plan.rows_per_rank
+    if plan.dup_loffs.numel() == 0:
+        return torch.arange(nvs, device=plan.dup_loffs.device)
     groups_v3 = plan.dup_groups.long()
     num_groups, num_dups = plan.dup_counts.long().unbind()
     index_v = torch.arange(nvs, device=groups_v3.device)

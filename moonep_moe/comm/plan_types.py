@@ -18,10 +18,12 @@ NO_ROUTE = -(2**31)
 
 
 def _field_shapes(N: int, R: int, E: int, B: int, NvS: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor field of a plan and its shape, in allocation order (the dup tables last and adjacent)."""
+    """Every tensor field of a plan and its shape, in allocation order (the dup tables last and adjacent;
+    empty with one rank, whose plans hold no duplicates)."""
+    dups = NvS if R > 1 else 0
     return dict(dst=(N,), experts_to_copy=(R, B), cu_seqlens=(E + B,), zero_fill_ranges=(E + B, 2),
                 remote_stats=(2,), rank_load=(R,), home_load=(R,), expert_load=(E,), slots_used=(R,),
-                compute_groups=(3, E // R + B), dup_groups=(NvS, 3), dup_loffs=(NvS,), dup_counts=(2,))
+                compute_groups=(3, E // R + B), dup_groups=(dups, 3), dup_loffs=(dups,), dup_counts=(2,))
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,9 @@ class MoonEPCommPlan:
             excluded), row 2 its global expert (-1 for an unused slot). What an engine's expert runner
             reads (`MoECommunicator`'s `DispatchOutput`), written by the planner.
         dup_groups: `[NvS, 3]` rows `(primary row, first index into dup_loffs, duplicates)`; the first
-            `dup_counts[0]` are used, sorted by primary row.
-        dup_loffs: `[NvS]` duplicate rows; the first `dup_counts[1]` are used.
+            `dup_counts[0]` are used, sorted by primary row. `[0, 3]` with one rank (R = 1: every route is
+            primary, so no table is zeroed or read per step).
+        dup_loffs: `[NvS]` duplicate rows; the first `dup_counts[1]` are used (`[0]` with one rank).
         dup_counts: `[2]` (duplicate groups, duplicate rows) received by this rank.
         num_routes, num_ranks, num_experts, num_slots, rows_per_rank, top_k: the scalars N, R, E, B, NvS, K.
         rank: the rank this plan belongs to; owner: id of the Buffer that made it (None: a bare plan).
