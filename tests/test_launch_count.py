@@ -31,12 +31,13 @@ from moonep_moe.comm.exchange import select_exchange
 from moonep_moe.comm.world import single_world
 from moonep_moe.communicator import MoECommunicator
 
-MAX_DEVICE_OPS = 5
-"""Device ops of one R = 1 dispatch + combine on the kernel path: the histogram, the planner's two launches,
-send_routes, which also zeroes the padding rows (dispatch); gather_routes into `out` (combine). One rank's
-plans hold no duplicate routes, so record_duplicates, expand_duplicates, copy_rows and pre_reduce do not run
-(10 before that, 6 before the padding moved into send_routes); before the fusion (a8777f7) it was 80: 10
-Triton launches, 5 pointer-table fills, 65 torch ops."""
+MAX_DEVICE_OPS = 4
+"""Device ops of one R = 1 dispatch + combine on the kernel path: the planner's two launches (the first also
+counts the routes: one rank has no histogram to gather), send_routes, which also zeroes the padding rows
+(dispatch); gather_routes into `out` (combine). One rank's plans hold no duplicate routes, so
+record_duplicates, expand_duplicates, copy_rows and pre_reduce do not run (10 before that, 6 before the
+padding moved into send_routes, 5 before the planner counted the routes); before the fusion (a8777f7) it was
+80: 10 Triton launches, 5 pointer-table fills, 65 torch ops."""
 S, H, K, E, TP = 8, 32, 4, 16, 16
 
 

@@ -23,7 +23,14 @@ from moonep_moe.comm.kernels.plan import (
     plan_routes_triton,
     prepare,
 )
-from moonep_moe.comm.plan import default_slots, expert_histogram, plan_global, plan_routes, rows_capacity
+from moonep_moe.comm.plan import (
+    default_slots,
+    expert_histogram,
+    plan_global,
+    plan_one_rank,
+    plan_routes,
+    rows_capacity,
+)
 from moonep_moe.comm.plan_types import MoonEPCommPlan
 
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -154,6 +161,38 @@ def test_kernel_tables_give_the_reference_allocation(case, data):
     assert launch.plan.home_load.tolist() == ref.home_load
     assert launch.plan.slots_used.tolist() == [sum(e >= 0 for e in row) for row in ref.experts_to_copy]
     assert launch.before_e.tolist() == counts_re[:rank].sum(0).tolist()
+
+
+@pytest.mark.parametrize("num_tokens, E, B, tp", [(0, 16, 0, 8), (3, 12, 0, 1), (40, 16, 2, 8),
+                                                    (HISTOGRAM_ROUTES // 4 + 5, 12, 0, 128)])
+def test_one_rank_plan_counts_its_routes(num_tokens, E, B, tp):
+    """One rank (`plan_one_rank`): the planner's first launch counts the routes itself (no histogram launch)
+    and writes the histogram it counted; the plan equals the torch planner's given `expert_histogram`.
+    Skewed routing with dropped routes; E not a power of two; B > 0 slots, which one rank leaves unused; the
+    largest case counts in two loop steps; no tokens at all."""
+    K = 4
+    gen = torch.Generator().manual_seed(num_tokens)
+    skew_e = torch.exp(torch.randn(E, generator=gen, dtype=torch.float64) * 2)
+    topk_sk = torch.multinomial(skew_e.expand(num_tokens, -1), K, generator=gen) if num_tokens else \
+        torch.empty(0, K, dtype=torch.int64)
+    topk_sk[torch.rand(num_tokens, K, generator=gen) < 0.2] = -1
+    nvs = rows_capacity(max(num_tokens, 1), K, 1, E, B, tp)
+    kwargs = dict(num_slots=B, token_padding=tp, rows_per_rank=nvs)
+    counts_e = expert_histogram(topk_sk, E)
+    expected = plan_routes(counts_e[None], topk_sk, rank=0, **kwargs)
+    counts_re = torch.full((1, E), -7, dtype=torch.int64, device=KERNEL_DEVICE)
+    kernel = plan_routes_triton(counts_re, topk_sk.to(KERNEL_DEVICE), rank=0, count_routes=True, **kwargs)
+    assert torch.equal(counts_re.cpu()[0], counts_e)
+    assert_plans_equal(kernel, expected)
+    assert_plans_equal(plan_one_rank(topk_sk.to(KERNEL_DEVICE), E, **kwargs), expected)
+    assert kernel.dup_groups.numel() == kernel.dup_loffs.numel() == 0  # one rank: no duplicates, no tables
+
+
+def test_only_one_rank_counts_its_routes():
+    counts_re = torch.zeros(2, 8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="count_routes: only a one-rank group's plan counts its own routes"):
+        prepare(counts_re, torch.zeros(1, 2, dtype=torch.int64), rank=0, num_slots=4, token_padding=8,
+                rows_per_rank=64, count_routes=True)
 
 
 def _dsv3_scenario(sigma: float) -> Scenario:

@@ -71,6 +71,7 @@ from moonep_moe.comm.plan import (
     check_layout,
     default_slots,
     expert_histogram,
+    plan_one_rank,
     plan_routes,
     rows_capacity,
 )
@@ -460,13 +461,14 @@ class Buffer:
         def op():
             step_plan, cu_seqlens = plan, None
             if step_plan is None:
-                counts_e = expert_histogram(topk_experts_sk, self.E)
-                # one rank has no peers to gather from (no copy, no launch)
-                counts_re = counts_e[None] if self.R == 1 else self.world.all_gather(counts_e)
-                step_plan = replace(plan_routes(counts_re, topk_experts_sk, rank=self.world.rank,
-                                                num_slots=self.B, token_padding=self.token_padding,
-                                                rows_per_rank=self.NvS, owner=self.id,
-                                                replica_cost=self.replica_cost), step=step)
+                kwargs = dict(num_slots=self.B, token_padding=self.token_padding, rows_per_rank=self.NvS,
+                              owner=self.id, replica_cost=self.replica_cost)
+                if self.R == 1:  # no peers to gather from: the planner counts the routes itself
+                    step_plan = plan_one_rank(topk_experts_sk, self.E, **kwargs)
+                else:
+                    counts_re = self.world.all_gather(expert_histogram(topk_experts_sk, self.E))
+                    step_plan = plan_routes(counts_re, topk_experts_sk, rank=self.world.rank, **kwargs)
+                step_plan = replace(step_plan, step=step)
                 cu_seqlens = step_plan.cu_seqlens
             rows_sh = hidden_sh if scales is None else pack_rows(hidden_sh, scales)
             self._send_rows(exchange, step_plan, rows_sh, route_weights_sk, record_duplicates=plan is None)

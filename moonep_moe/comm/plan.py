@@ -584,3 +584,18 @@ def plan_routes(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank:
         getattr(plan, name).copy_(value)
     plan.dup_tables.zero_()
     return plan
+
+
+def plan_one_rank(topk_experts_sk: torch.Tensor, num_experts: int, *, num_slots: int, token_padding: int,
+                  rows_per_rank: int, owner: int | None = None, replica_cost: int = 0) -> MoonEPCommPlan:
+    """`plan_routes` of a one-rank group (R = 1), whose histogram is its own routes' and needs no gathering:
+    on CUDA with Triton counted inside the planner's first launch (no histogram launch), elsewhere by
+    `expert_histogram`. Args: as `plan_routes`, with E = `num_experts`."""
+    kwargs = dict(rank=0, num_slots=num_slots, token_padding=token_padding, rows_per_rank=rows_per_rank,
+                  owner=owner, replica_cost=replica_cost)
+    if _use_triton(topk_experts_sk):
+        from moonep_moe.comm.kernels.plan import plan_routes_triton
+
+        counts_re = torch.empty(1, num_experts, dtype=torch.int64, device=topk_experts_sk.device)
+        return plan_routes_triton(counts_re, topk_experts_sk, count_routes=True, **kwargs)
+    return plan_routes(expert_histogram(topk_experts_sk, num_experts)[None], topk_experts_sk, **kwargs)

@@ -22,7 +22,9 @@ Launch 1, `_plan_kernel` (grid `nb + 1`), two kinds of program that run side by 
   launch 2:
   `ends_er[e, d]` (routes of expert e computed on ranks `<= d`) and `offset_er[e, d]`
   (`d * NvS + row_base[d, e] - start`: a route with index i in e's group order on d lands at
-  `offset + i`), and `before_e` (routes of expert e on ranks before this one).
+  `offset + i`), and `before_e` (routes of expert e on ranks before this one). With one rank it is
+  `_one_rank_plan`: the same fields without the loops (nothing to balance), and with `count_routes` it
+  counts the rank's routes itself (no histogram launch before it: one rank has nothing to gather).
 
 Launch 2, `_destinations_kernel` (grid `nb`): block b adds the histograms of blocks `< b` to `before_e`,
 so every route gets its index in its expert's (source rank, token, k) order; its destination rank is the
@@ -51,11 +53,13 @@ PLAN_WARPS = 8
 """Warps of launch 1 (the global program's loops reduce across them; `bench.plan` sweeps the choice)."""
 DESTINATION_WARPS = 8
 """Warps of launch 2 (`bench.plan` sweeps them)."""
+HISTOGRAM_ROUTES = 4096
+"""Routes a program counting a histogram (`expert_histogram_triton`, a one-rank plan) reads a loop step."""
 ZERO_CHUNK = tl.constexpr(1024)
 """Elements a block program zeroes per store of the dup tables."""
 BIG = tl.constexpr(2**31 - 1)
 _PLAN_CONSTANTS = ("R", "E", "B", "TP", "NVS", "K", "R_P", "W", "B_P", "DC", "K_P", "E_P", "TOK", "SUB",
-                   "G_P")
+                   "G_P", "COUNT", "ROUTES")
 
 
 @triton.jit
@@ -266,6 +270,66 @@ def _rank_segments(d0, routes_before_wg, home_alloc_wg, from_wg, rank, received_
     return routes_before_wg + tl.sum(alloc_dwg, 0)
 
 
+@triton.jit
+def _count_routes(topk_ptr, num_routes, E: tl.constexpr, E_P: tl.constexpr, ROUTES: tl.constexpr):
+    """`[E_P]` int32 valid routes per expert among the `num_routes` ids at `topk_ptr`, `ROUTES` a loop step
+    (ids outside [0, E) count nowhere)."""
+    counts_e = tl.zeros([E_P], tl.int32)
+    for r0 in range(0, num_routes, ROUTES):
+        route_c = r0 + tl.arange(0, ROUTES)
+        expert_c = tl.load(topk_ptr + route_c, mask=route_c < num_routes, other=-1).to(tl.int32)
+        valid_c = (expert_c >= 0) & (expert_c < E)
+        counts_e += tl.histogram(tl.where(valid_c, expert_c, 0), E_P, mask=valid_c)
+    return counts_e
+
+
+@triton.jit
+def _one_rank_plan(counts_ptr, counts_stride_e, topk_ptr, num_routes, received_ptr, before_ptr, ends_ptr,
+                   offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr, remote_stats_ptr,
+                   rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr, groups_ptr, E: tl.constexpr,
+                   B: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, B_P: tl.constexpr, E_P: tl.constexpr,
+                   COUNT: tl.constexpr, ROUTES: tl.constexpr):
+    """Steps 1-6 of a one-rank group, what `_global_plan` computes when R = 1 without its loops: nothing to
+    balance, every slot unused, each expert's routes in its home segment. With `COUNT` the histogram is
+    counted here from the rank's routes and written to `counts_ptr` (one rank has nothing to gather)."""
+    e_e = tl.arange(0, E_P)
+    expert_e = e_e < E
+    if COUNT:
+        load_e = _count_routes(topk_ptr, num_routes, E, E_P, ROUTES)
+        tl.store(counts_ptr + e_e * counts_stride_e, load_e.to(counts_ptr.dtype.element_ty), mask=expert_e)
+    else:
+        load_e = tl.load(counts_ptr + e_e * counts_stride_e, mask=expert_e, other=0).to(tl.int32)
+    padded_e = (load_e + TP - 1) // TP * TP
+    end_e = tl.cumsum(padded_e, 0)
+    total = tl.sum(load_e, 0)
+    rows = tl.sum(padded_e, 0)
+    tl.store(remote_stats_ptr + tl.arange(0, 2), tl.zeros([2], tl.int32))
+    tl.store(received_ptr + tl.arange(0, W), tl.zeros([W], tl.int32))
+    tl.store(rank_load_ptr, total)
+    tl.store(home_load_ptr, total)
+    tl.store(slots_used_ptr, 0)
+    tl.store(before_ptr + e_e, tl.zeros([E_P], tl.int32), mask=expert_e)
+    tl.store(expert_load_ptr + e_e, load_e, mask=expert_e)
+    tl.store(ends_ptr + e_e, load_e, mask=expert_e)  # ends_er[e, 0]: all of e's routes
+    tl.store(offset_ptr + e_e, end_e - padded_e, mask=expert_e)  # offset_er[e, 0]: e's segment start
+    tl.store(cu_seqlens_ptr + e_e, end_e, mask=expert_e)
+    tl.store(zero_fill_ptr + 2 * e_e, end_e - padded_e + load_e, mask=expert_e)
+    tl.store(zero_fill_ptr + 2 * e_e + 1, padded_e - load_e, mask=expert_e)
+    tl.store(groups_ptr + e_e, end_e, mask=expert_e)
+    tl.store(groups_ptr + E + B + e_e, load_e, mask=expert_e)
+    tl.store(groups_ptr + 2 * (E + B) + e_e, e_e, mask=expert_e)
+    s_s = tl.arange(0, B_P)
+    slot_s = s_s < B
+    rows_s = tl.full([B_P], rows, tl.int32)
+    tl.store(experts_to_copy_ptr + s_s, tl.full([B_P], -1, tl.int32), mask=slot_s)
+    tl.store(cu_seqlens_ptr + E + s_s, rows_s, mask=slot_s)
+    tl.store(zero_fill_ptr + 2 * (E + s_s), rows_s, mask=slot_s)
+    tl.store(zero_fill_ptr + 2 * (E + s_s) + 1, tl.zeros([B_P], tl.int32), mask=slot_s)
+    tl.store(groups_ptr + E + s_s, rows_s, mask=slot_s)
+    tl.store(groups_ptr + E + B + E + s_s, tl.zeros([B_P], tl.int32), mask=slot_s)
+    tl.store(groups_ptr + 2 * (E + B) + E + s_s, tl.full([B_P], -1, tl.int32), mask=slot_s)
+
+
 @triton.jit(do_not_specialize=["counts_stride_e", "replica_cost"])
 def _plan_kernel(counts_ptr, counts_stride_r, counts_stride_e, topk_ptr, num_tokens, rank, replica_cost,
                  position_ptr,
@@ -275,11 +339,17 @@ def _plan_kernel(counts_ptr, counts_stride_r, counts_stride_e, topk_ptr, num_tok
                  E: tl.constexpr, B: tl.constexpr, TP: tl.constexpr, NVS: tl.constexpr, K: tl.constexpr,
                  R_P: tl.constexpr,
                  W: tl.constexpr, B_P: tl.constexpr, DC: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr,
-                 TOK: tl.constexpr, SUB: tl.constexpr, G_P: tl.constexpr):
+                 TOK: tl.constexpr, SUB: tl.constexpr, G_P: tl.constexpr, COUNT: tl.constexpr,
+                 ROUTES: tl.constexpr):
     """Launch 1: programs `< nb` are token blocks (`_block_positions`), the last one plans the group."""
     pid = tl.program_id(0)
     num_blocks = tl.num_programs(0) - 1
-    if pid == num_blocks:
+    if pid == num_blocks and R == 1:
+        _one_rank_plan(counts_ptr, counts_stride_e, topk_ptr, num_tokens * K, received_ptr, before_ptr,
+                       ends_ptr, offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr,
+                       remote_stats_ptr, rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr,
+                       groups_ptr, E, B, TP, W, B_P, E_P, COUNT, ROUTES)
+    elif pid == num_blocks:
         _global_plan(counts_ptr, counts_stride_r, counts_stride_e, rank, replica_cost, received_ptr,
                      before_ptr, ends_ptr, offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr,
                      remote_stats_ptr, rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr,
@@ -343,19 +413,10 @@ def _destinations_kernel(topk_ptr, num_tokens, rank, position_ptr, block_counts_
     tl.atomic_add(remote_stats_ptr + 1, remote_primary)
 
 
-HISTOGRAM_ROUTES = 4096
-"""Routes `expert_histogram_triton`'s one program counts per loop step."""
-
-
 @triton.jit
 def _plan_histogram_kernel(topk_ptr, num_routes, counts_ptr, E: tl.constexpr, E_P: tl.constexpr,
                       ROUTES: tl.constexpr):
-    counts_e = tl.zeros([E_P], tl.int32)
-    for r0 in range(0, num_routes, ROUTES):
-        route_c = r0 + tl.arange(0, ROUTES)
-        expert_c = tl.load(topk_ptr + route_c, mask=route_c < num_routes, other=-1).to(tl.int32)
-        valid_c = (expert_c >= 0) & (expert_c < E)
-        counts_e += tl.histogram(tl.where(valid_c, expert_c, 0), E_P, mask=valid_c)
+    counts_e = _count_routes(topk_ptr, num_routes, E, E_P, ROUTES)
     e_e = tl.arange(0, E_P)
     tl.store(counts_ptr + e_e, counts_e.to(tl.int64), mask=e_e < E)
 
@@ -431,11 +492,11 @@ def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int
             token_padding: int, rows_per_rank: int, owner: int | None = None, replica_cost: int = 0,
             routes_per_block: int = ROUTES_PER_BLOCK,
             plan_warps: int = PLAN_WARPS, destination_warps: int = DESTINATION_WARPS,
-            segment_ranks: int | None = None) -> PlanLaunch:
+            segment_ranks: int | None = None, count_routes: bool = False) -> PlanLaunch:
     """Allocate (the plan and one int32 scratch tensor, no kernel) and describe the two launches of one rank's
     plan.
 
-    Args: as `plan_routes_triton`; the rest tune the launches (`bench.plan` sweeps them):
+    Args: as `plan_routes_triton` (`count_routes` too); the rest tune the launches (`bench.plan` sweeps them):
         routes_per_block: routes (tokens x padded K) of one token block, a power of two.
         plan_warps / destination_warps: warps of launch 1 / launch 2.
         segment_ranks: ranks whose segments the global program computes at once (DC, a power of two; None:
@@ -447,6 +508,9 @@ def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int
     device = topk_experts_sk.device
     num_ranks, num_experts = counts_re.shape
     num_tokens, top_k = topk_experts_sk.shape
+    if count_routes and num_ranks != 1:
+        raise ValueError(f"count_routes: only a one-rank group's plan counts its own routes; counts_re "
+                         f"has {num_ranks} ranks")
     epn = num_experts // num_ranks
     R_P, K_P, E_P = _pow2(num_ranks), _pow2(top_k), _pow2(num_experts)
     W = max(R_P, _pow2(epn))
@@ -458,7 +522,8 @@ def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int
                      DC=min(R_P, segment_ranks or max(1, 16 * threads // (R_P * W))), K_P=K_P, E_P=E_P,
                      TOK=TOK, SUB=SUB,
                      SUB2=min(TOK, max(1, 16 * threads2 // (R_P * K_P))),
-                     NB_CHUNK=max(1, 32 * threads2 // E_P), plan_warps=plan_warps,
+                     NB_CHUNK=max(1, 32 * threads2 // E_P), COUNT=count_routes, ROUTES=HISTOGRAM_ROUTES,
+                     plan_warps=plan_warps,
                      destination_warps=destination_warps)
     num_blocks = max(1, triton.cdiv(num_tokens, TOK))
     plan = MoonEPCommPlan.empty(num_tokens=num_tokens, top_k=top_k, num_ranks=num_ranks,
@@ -479,18 +544,21 @@ def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int
 
 def plan_routes_triton(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int, num_slots: int,
                        token_padding: int, rows_per_rank: int, owner: int | None = None,
-                       replica_cost: int = 0, **tuning: int | None) -> MoonEPCommPlan:
+                       replica_cost: int = 0, count_routes: bool = False,
+                       **tuning: int | None) -> MoonEPCommPlan:
     """`moonep_moe.comm.plan.plan_routes` in two Triton launches (equal to it bit for bit, no host read).
 
     Args:
-        counts_re: `[R, E]` int32/int64, valid routes from each source rank to each expert.
+        counts_re: `[R, E]` int32/int64, valid routes from each source rank to each expert; with
+            `count_routes` (one rank, R = 1) the launch writes `topk_experts_sk`'s histogram into it instead.
         topk_experts_sk: `[s, K]` int32/int64, this rank's routed experts, -1 = no route.
         num_slots: B. token_padding: tp. rows_per_rank: NvS. replica_cost: the replication policy
             (`comm.plan`; 0 = exact balance).
         tuning: `prepare`'s launch-shape arguments (default: its defaults).
     """
     launch = prepare(counts_re, topk_experts_sk, rank=rank, num_slots=num_slots, token_padding=token_padding,
-                     rows_per_rank=rows_per_rank, owner=owner, replica_cost=replica_cost, **tuning)
+                     rows_per_rank=rows_per_rank, owner=owner, replica_cost=replica_cost,
+                     count_routes=count_routes, **tuning)
     launch.plan_group()
     launch.route_destinations()
     return launch.plan
