@@ -47,8 +47,12 @@ import triton.language as tl
 from moonep_moe.comm.plan_types import NO_ROUTE, MoonEPCommPlan
 
 ROUTES_PER_BLOCK = 512
-"""Routes (tokens x padded K) per block program: S=8192, K=8 gives 128 blocks (the H200 sweep of 256 .. 2048
-in `bench.plan` put 512 first)."""
+"""The most routes (tokens x padded K) a block program takes: S=8192, K=8 gives 128 blocks (the H200 sweep of
+256 .. 2048 in `bench.plan` put 512 first)."""
+BLOCKS = 128
+"""Block programs a launch aims for (about the H200's 132 SMs): smaller steps get smaller blocks, down to one
+loop step each, since a block's loop steps run one after another (a decode step's 8 tokens in one block of
+64 tokens took 8 steps, ~1 us each)."""
 PLAN_WARPS = 8
 """Warps of launch 1 (the global program's loops reduce across them; `bench.plan` sweeps the choice)."""
 DESTINATION_WARPS = 8
@@ -490,14 +494,15 @@ def _pow2(n: int) -> int:
 
 def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int, num_slots: int,
             token_padding: int, rows_per_rank: int, owner: int | None = None, replica_cost: int = 0,
-            routes_per_block: int = ROUTES_PER_BLOCK,
+            routes_per_block: int | None = None,
             plan_warps: int = PLAN_WARPS, destination_warps: int = DESTINATION_WARPS,
             segment_ranks: int | None = None, count_routes: bool = False) -> PlanLaunch:
     """Allocate (the plan and one int32 scratch tensor, no kernel) and describe the two launches of one rank's
     plan.
 
     Args: as `plan_routes_triton` (`count_routes` too); the rest tune the launches (`bench.plan` sweeps them):
-        routes_per_block: routes (tokens x padded K) of one token block, a power of two.
+        routes_per_block: routes (tokens x padded K) of one token block, a power of two (None: the
+            smallest that keeps the blocks at most `BLOCKS`, between one loop step and `ROUTES_PER_BLOCK`).
         plan_warps / destination_warps: warps of launch 1 / launch 2.
         segment_ranks: ranks whose segments the global program computes at once (DC, a power of two; None:
             as many as keep its `[DC, W, R_P]` tiles near 16 elements a thread).
@@ -515,6 +520,8 @@ def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int
     R_P, K_P, E_P = _pow2(num_ranks), _pow2(top_k), _pow2(num_experts)
     W = max(R_P, _pow2(epn))
     SUB = max(1, (32 if plan_warps < 4 else 64) // K_P)
+    if routes_per_block is None:
+        routes_per_block = min(ROUTES_PER_BLOCK, _pow2(triton.cdiv(num_tokens * K_P, BLOCKS)))
     TOK = max(SUB, routes_per_block // K_P)
     threads, threads2 = 32 * plan_warps, 32 * destination_warps
     constants = dict(R=num_ranks, E=num_experts, B=num_slots, TP=token_padding, NVS=rows_per_rank, K=top_k,
