@@ -335,10 +335,11 @@ def select_exchange(memory: RowMemory, kernels: bool | None) -> RowExchange:
         reasons.append(f"rows in {dtype} are not supported")
     try:
         from moonep_moe.comm.kernels import rows
+        from moonep_moe.triton_interpreter import INTERPRETED as interpreted
     except ImportError as error:  # no Triton: the reference runs everywhere
-        rows = None
+        rows, interpreted = None, False
         reasons.append(f"Triton is not importable ({error})")
-    if rows is not None and device.type != "cuda" and not (device.type == "cpu" and rows.interpreted()):
+    if rows is not None and device.type != "cuda" and not (device.type == "cpu" and interpreted):
         reasons.append(f"{device} tensors: the kernels run on CUDA, or on the CPU in Triton's interpreter "
                        "(TRITON_INTERPRET=1)")
     if kernels is None:

@@ -54,9 +54,9 @@ import threading
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from moonep_moe.comm.world import SymmetricTensor
+from moonep_moe.triton_interpreter import INTERPRETED
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
               torch.float64: tl.float64}
@@ -101,17 +101,12 @@ def _table(device: str, stream: int, addresses: tuple[int, ...]) -> torch.Tensor
     return table_r
 
 
-def interpreted() -> bool:
-    """True where the kernels run in Triton's CPU interpreter (`TRITON_INTERPRET=1` at import)."""
-    return isinstance(_send_routes_kernel, InterpretedFunction)
-
-
 _interpreter_lock = threading.Lock()
 
 
 def _launching():
     """The interpreter keeps its program ids and language patches in globals: thread-ranks take turns."""
-    return _interpreter_lock if interpreted() else contextlib.nullcontext()
+    return _interpreter_lock if INTERPRETED else contextlib.nullcontext()
 
 
 ROW_BLOCK_BYTES = 8192

@@ -18,16 +18,15 @@ bandwidth on the H200 at 4efa8f0, `bench/results/fp8-cast-*-4efa8f0.json`); the 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from moonep_moe.layers.fp8 import FP8_DTYPE, TILE, tma_aligned_rows
+from moonep_moe.triton_interpreter import INTERPRETED
 from moonep_moe.weights.quantised import MAX_BITS, MIN_AMAX
 
-HARDWARE_ROUNDING = os.environ.get("TRITON_INTERPRET") != "1"
+HARDWARE_ROUNDING = not INTERPRETED
 """Compiled kernels round with the hardware conversion; the interpreter with `_round_to_e4m3`."""
 BLOCK_ROWS = 32
 """Rows per program of `cast_rows` (a divisor of 128, so no block straddles a segment's padded end)."""

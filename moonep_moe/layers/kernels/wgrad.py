@@ -30,22 +30,22 @@ H200 out of memory in `main_grad` mode).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from moonep_moe.triton_interpreter import INTERPRETED
+
 SWIZZLE = 8
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _configs() -> list[triton.Config]:
     """sm90 tiles (the accumulator is ``[BLOCK_COLS, BLOCK_INNER]`` fp32, rows consumed ``BLOCK_ROWS`` at a
     time); the interpreter gets one small tile so CPU tests cover several tiles and masked tails."""
-    if _INTERPRET:
+    if INTERPRETED:
         return [triton.Config({"BLOCK_COLS": 32, "BLOCK_INNER": 32, "BLOCK_ROWS": 64}, num_warps=4,
                               num_stages=1)]
     tiles = [  # (BLOCK_COLS, BLOCK_INNER, BLOCK_ROWS, num_warps, num_stages)
@@ -182,7 +182,7 @@ def _launch(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor, out0: torch
         groups * triton.cdiv(cols, meta["BLOCK_COLS"]) * triton.cdiv(inner, meta["BLOCK_INNER"]),)
     _grouped_wgrad_kernel[grid](dy, x, offs_g, out0, out1, groups0, first_group, cols, inner, dy.stride(0),
                                 x.stride(0), out0.stride(0), out1.stride(0), ACCUMULATE=accumulate,
-                                SWIZZLE=SWIZZLE, INTERPRET_ROWS=dy.shape[0] if _INTERPRET else 0)
+                                SWIZZLE=SWIZZLE, INTERPRET_ROWS=dy.shape[0] if INTERPRETED else 0)
 
 
 _TUNING_GROUPS = 8
