@@ -99,11 +99,28 @@ def require_transformers() -> None:
 
 
 def describe_model(cfg: TrainConfig) -> str:
-    """The shape of a training config's model, from its YAML (`?`: left to transformers' default)."""
+    """The shape of a training config's model, from its YAML (`?`: left to transformers' default), its dtype
+    and, when they are FP8, its experts' GEMMs."""
     model = cfg.model
     shape = ", ".join(f"{label}={model.get(key, '?')}" for label, key in (
         ("H", "hidden_size"), ("E", "num_experts"), ("K", "num_experts_per_tok"), ("vocab", "vocab_size")))
-    return f"Qwen3-MoE with {model.get('num_hidden_layers', '?')} layers, {shape}"
+    fp8 = ", fp8 experts" if cfg.moe.get("precision") == "fp8" else ""
+    return f"Qwen3-MoE with {model.get('num_hidden_layers', '?')} layers, {shape}, {cfg.train.dtype}{fp8}"
+
+
+def with_precision(cfg: TrainConfig, precision: str, device: str, config: str) -> TrainConfig:
+    """`cfg` with its experts' GEMMs in `precision` (`--precision`), refused in one line where fp8 cannot
+    run: a model that is not bfloat16, or a machine without DeepGEMM on a Hopper GPU."""
+    if precision == "fp8":
+        if cfg.train.dtype != "bfloat16":
+            raise UsageError(f"--precision fp8: config {config} trains in {cfg.train.dtype}; FP8 experts "
+                             "need a bfloat16 model (train.dtype: bfloat16, as in small-transformer)")
+        from moonep_moe.layers.fp8 import fp8_unsupported_reason
+
+        reason = fp8_unsupported_reason(torch.device(device), torch.bfloat16, cfg.moe.get("token_padding"))
+        if reason is not None:
+            raise UsageError(f"--precision fp8 cannot run here: {reason}")
+    return cfg.with_moe(precision=precision)
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -201,6 +218,8 @@ def train(args: argparse.Namespace) -> int:
     given = "".join(f" {flag} {v}" for flag, v in (("--ranks", args.ranks), ("--dp", args.dp),
                                                    ("--steps", args.steps)) if v)
     cfg = load(load_train_config, args.config, overrides, given)
+    if args.precision:
+        cfg = with_precision(cfg, args.precision, device, args.config)
     start, batch_from = 0, ""
     if args.resume:
         checkpoint = load_checkpoint(args.resume)
@@ -289,6 +308,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--save", default=None, help="write a checkpoint here at the end (its folder must exist)")
     p.add_argument("--resume", default=None,
                    help="continue from this checkpoint, at any EP size, keeping its global batch")
+    p.add_argument("--precision", choices=["bf16", "fp8"],
+                   help="the routed experts' GEMMs (MoEConfig.precision); default: the config's moe section, "
+                        "else bf16. fp8 needs DeepGEMM on a Hopper GPU and a bfloat16 model: --config "
+                        "small-transformer")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
     p.set_defaults(run=train)
     p = commands.add_parser("configs", parents=[common], help="list the packaged configs and their shapes")

@@ -33,7 +33,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,9 @@ class TrainSection(BaseModel):
     branching: int = Field(2, ge=1, description="Likely successors per token in the Markov chain.")
     skew: float = Field(0.0, ge=0, description="Selection bias added to the first top_k experts of every "
                         "layer (frozen): 0 = plain routing; large values send nearly every token there.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="The model's dtype: its parameters "
+                                                  "and activations, the MoonEP layers' included (`precision: "
+                                                  "fp8` experts need bfloat16).")
 
 
 class TrainConfig(BaseModel):
@@ -74,6 +77,11 @@ class TrainConfig(BaseModel):
     model: dict[str, Any]
     moe: dict[str, Any] = Field(default_factory=dict)
     train: TrainSection = Field(default_factory=TrainSection)
+
+    def with_moe(self, **fields: Any) -> TrainConfig:
+        """This config with `fields` added to its `moe:` overrides (validated when the blocks are swapped),
+        e.g. `with_moe(precision="fp8")`."""
+        return self.model_copy(update={"moe": {**self.moe, **fields}})
 
 
 def load_train_config(path_or_name: str | Path, **train_overrides: Any) -> TrainConfig:
@@ -322,7 +330,8 @@ def train(cfg: TrainConfig, device: str = "cpu", save: str | None = None, resume
     tc = cfg.train
     start = checkpoint["step"] if checkpoint else 0
     torch.manual_seed(tc.seed)
-    base = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg.model)).float()
+    hf_model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg.model))
+    base = hf_model.to(getattr(torch, tc.dtype))
     if checkpoint:
         torch.set_rng_state(checkpoint["rng"])
     probs = markov_chain(cfg.model["vocab_size"], tc.branching, tc.seed)

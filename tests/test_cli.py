@@ -115,6 +115,12 @@ ERRORS = {
     "resume-missing": (["train", "--resume", "{tmp}/nowhere.pt"], "checkpoint not found"),
     "resume-not-a-checkpoint": (["train", "--resume", "{tmp}/bad.yaml"], "not a checkpoint torch.load can"),
     "ranks-with-collective": (["demo", "--world", "collective", "--ranks", "2"], "torchrun's processes"),
+    "fp8-float32-model": (["train", "--precision", "fp8"],
+                          "--precision fp8: config tiny-transformer trains in float32; FP8 experts need a "
+                          "bfloat16 model"),
+    "fp8-without-deep-gemm": (["train", "--config", "small-transformer", "--precision", "fp8"],
+                              "--precision fp8 cannot run here: FP8 experts run on DeepGEMM: DeepGEMM runs "
+                              "bf16 on CUDA, got torch.bfloat16 on cpu"),
 }
 
 
@@ -126,6 +132,25 @@ def test_user_errors_are_one_line_with_status_2_before_any_work(case, tmp_path, 
         pytest.importorskip("transformers")
     assert main([a.format(tmp=tmp_path) for a in argv]) == 2
     assert message in error_line(capsys)
+
+
+@needs_hf
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_precision_reaches_the_swapped_layers(precision, monkeypatch, capsys):
+    """`--precision` becomes the `moe:` override `precision` of the run (fp8 as on a machine where it can
+    run) and the header says so."""
+    import moonep_moe.layers.fp8
+
+    runs = []
+    monkeypatch.setattr(moonep_moe.layers.fp8, "fp8_unsupported_reason", lambda *_: None)
+    monkeypatch.setattr(moonep_moe.train, "train", lambda cfg, **_: runs.append(cfg) or {"losses": []})
+    assert main(["train", "--config", "small-transformer", "--precision", precision, "--quiet"]) == 0
+    (cfg,) = runs
+    assert cfg.moe["precision"] == precision and cfg.train.dtype == "bfloat16"
+    header = capsys.readouterr().out
+    assert header.startswith("moonep-moe train: config small-transformer, Qwen3-MoE with 2 layers, H=256, "
+                             "E=8, K=2, vocab=128, bfloat16")
+    assert ("fp8 experts" in header) == (precision == "fp8")
 
 
 def test_debug_shows_the_traceback(no_work):

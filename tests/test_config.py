@@ -129,7 +129,7 @@ def test_yaml_syntax_error_names_the_file_and_line_on_one_line(tmp_path, text, w
 
 
 def test_training_and_layer_configs_are_told_apart():
-    assert available_configs("train") == ["tiny-transformer"]
+    assert available_configs("train") == ["small-transformer", "tiny-transformer"]
     with pytest.raises(ValueError, match="'tiny-transformer' is a training config, not a layer config"):
         load_config("tiny-transformer")
     with pytest.raises(ValueError, match="'tiny-cpu' is a layer config, not a training config"):

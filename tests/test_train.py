@@ -55,6 +55,41 @@ def test_packaged_training_config_loads_by_name():
     assert load_train_config("tiny-transformer") == load_train_config(CONFIG)
 
 
+def test_small_transformer_trains_in_bfloat16():
+    """`train.dtype: bfloat16` (small-transformer, the config `--precision fp8` needs): the whole model,
+    MoonEP layers included, is bf16 and its loss falls."""
+    result = train(load_train_config("small-transformer", steps=10), progress=False)
+    floats = {name: t.dtype for name, t in result["model"].items() if t.is_floating_point()}
+    assert floats and set(floats.values()) == {torch.bfloat16}, floats
+    assert result["losses"][-1] < 0.75 * result["losses"][0], result["losses"]  # 4.90 -> 2.48
+
+
+def _fp8_trains_here() -> bool:
+    from moonep_moe.layers.fp8 import fp8_unsupported_reason
+
+    return torch.cuda.is_available() and fp8_unsupported_reason(torch.device("cuda"), torch.bfloat16,
+                                                                128) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _fp8_trains_here(), reason="needs DeepGEMM on a Hopper GPU (run on the H200)")
+def test_fp8_training_run_tracks_the_bf16_run():
+    """Issue 16 item 5 as a user runs it (`moonep-moe train --config small-transformer --precision fp8`):
+    the same model, data and seed trained 60 steps with bf16 and with fp8 experts on the GPU; the fp8 run's
+    loss stays within 10% of the bf16 run's at every step after the 10th and both fall below half of the
+    start (bf16 on the CPU: 4.90 -> 1.65). A sanity bound on the curve, as in test_fp8's layer-level
+    test, not one derived from the format. The curves are printed."""
+    cfg = load_train_config("small-transformer")
+    curves = {p: train(cfg.with_moe(precision=p), device="cuda", progress=False)["losses"]
+              for p in ("bf16", "fp8")}
+    print({p: [round(v, 3) for v in losses[::10] + losses[-1:]] for p, losses in curves.items()})
+    bf16, fp8 = torch.tensor(curves["bf16"]), torch.tensor(curves["fp8"])
+    for losses in (bf16, fp8):
+        assert losses[-1] < 0.5 * losses[0], curves
+    gap = ((fp8[10:] - bf16[10:]).abs() / bf16[10:]).max()
+    assert gap < 0.1, (float(gap), curves)
+
+
 def test_resume_keeps_the_global_batch_at_another_ep_size_and_refuses_nothing_to_train(tmp_path, monkeypatch):
     ckpt = tmp_path / "ep2.pt"
     train(small(ep_size=2, steps=1), save=str(ckpt), progress=False)  # global batch 2 x 4 sequences
