@@ -56,7 +56,6 @@ def signature(kernel: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dic
     sig, constexprs = {}, {}
     for index, name in enumerate(names):
         value = values[name]
-        value = value.value if isinstance(value, triton.language.constexpr) else value  # as the launcher does
         if index in kernel.constexprs:
             sig[name], constexprs[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
@@ -155,23 +154,6 @@ def comm_launches() -> None:
         rows.clear_slots(torch.zeros(2, 8, 16, dtype=dtype), torch.tensor([0, -1], **int32))
 
 
-def plan_launches() -> None:
-    """The planner's launches: one rank as one fused program (a decode step) and as two launches, counting
-    its routes or given them, and two ranks."""
-    global current
-    from moonep_moe.comm.kernels import plan
-
-    E, K = 16, 4
-    for ranks, tokens, count in ((1, 1, True), (1, 40, True), (1, 40, False), (2, 40, False)):
-        counts_re = torch.zeros(ranks, E, dtype=torch.int64)
-        launch = plan.prepare(counts_re, torch.zeros(tokens, K, dtype=torch.int64), rank=0,
-                              num_slots=0 if ranks == 1 else E // ranks, token_padding=16, rows_per_rank=1024,
-                              count_routes=count)
-        current = f"plan R={ranks} s={tokens} count_routes={count} fused={launch.constants['FUSED']}"
-        launch.plan_group()
-        launch.route_destinations()
-
-
 def swiglu_launches() -> None:
     """The fused SwiGLU, forward and backward."""
     global current
@@ -238,7 +220,6 @@ current = ""
 def main() -> int:
     JITFunction.__getitem__ = record
     comm_launches()
-    plan_launches()
     swiglu_launches()
     fp8_launches()
     wgrad_launches()
