@@ -4,10 +4,10 @@ interpreter off (`tests/test_kernel_frontend.py` starts it in a subprocess).
 The interpreter runs a kernel as Python, so code that the compiler rejects can pass every CPU test: a
 `return` under a constexpr-true `if` followed by more code once built `_peer` on a local tensor and failed
 every one-rank dispatch on the H200 ("cannot cast fp32[] to pointer<bf16>") while the interpreter ran it.
-Here every launcher of the comm row kernels, the histogram, the SwiGLU and the FP8 casts, and the grouped
-wgrad kernel (one autotuner tile), is called on small CPU tensors, in each variant it has (one rank or
-several, with and without route weights, bf16 and fp32 rows, FP8 dispatch's packed uint8 rows, the FP8
-casts' orientations), with the kernels' `[grid]` launch replaced by a recorder; each recorded launch (its
+Here every launcher of the comm row kernels, the planner, the histogram, the SwiGLU and the FP8 casts, and
+the grouped wgrad kernel (one autotuner tile), is called on small CPU tensors, in each variant it has (one
+rank or several, with and without route weights, bf16 and fp32 rows, FP8 dispatch's packed uint8 rows, the
+FP8 casts' orientations), with the kernels' `[grid]` launch replaced by a recorder; each recorded launch (its
 real argument types and constexpr values) is then lowered to Triton IR for an sm90 target, which is where
 such errors are raised. Nothing runs.
 
@@ -56,6 +56,7 @@ def signature(kernel: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dic
     sig, constexprs = {}, {}
     for index, name in enumerate(names):
         value = values[name]
+        value = value.value if isinstance(value, triton.language.constexpr) else value  # as the launcher does
         if index in kernel.constexprs:
             sig[name], constexprs[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
@@ -154,6 +155,21 @@ def comm_launches() -> None:
         rows.clear_slots(torch.zeros(2, 8, 16, dtype=dtype), torch.tensor([0, -1], **int32))
 
 
+def plan_launches() -> None:
+    """The planner's two launches: one rank counting its routes or given them, and two ranks."""
+    global current
+    from moonep_moe.comm.kernels import plan
+
+    E, K, S = 16, 4, 40
+    for ranks, count in ((1, True), (1, False), (2, False)):
+        launch = plan.prepare(torch.zeros(ranks, E, dtype=torch.int64), torch.zeros(S, K, dtype=torch.int64),
+                              rank=0, num_slots=0 if ranks == 1 else E // ranks, token_padding=16,
+                              rows_per_rank=1024, count_routes=count)
+        current = f"plan R={ranks} count_routes={count}"
+        launch.plan_group()
+        launch.route_destinations()
+
+
 def swiglu_launches() -> None:
     """The fused SwiGLU, forward and backward."""
     global current
@@ -220,6 +236,7 @@ current = ""
 def main() -> int:
     JITFunction.__getitem__ = record
     comm_launches()
+    plan_launches()
     swiglu_launches()
     fp8_launches()
     wgrad_launches()
