@@ -136,7 +136,7 @@ def test_user_errors_are_one_line_with_status_2_before_any_work(case, tmp_path, 
 
 @needs_hf
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_precision_reaches_the_swapped_layers(precision, monkeypatch, capsys):
+def test_precision_becomes_the_runs_moe_override(precision, monkeypatch, capsys):
     """`--precision` becomes the `moe:` override `precision` of the run (fp8 as on a machine where it can
     run) and the header says so."""
     import moonep_moe.layers.fp8
