@@ -32,8 +32,10 @@ cached after).
 
 Backends: torch, deep_gemm (fwd/dgrad; wgrad on torch), triton (wgrad on the Triton kernel; fwd/dgrad on
 torch), auto (each op and shape on the backend measured fastest, as the layer's "auto" picks it; the
-picks are printed and recorded) and fp8 (`moonep_moe.layers.fp8.Fp8GroupedGemm`, what a `precision="fp8"`
-layer runs: fwd and dgrad on DeepGEMM's FP8 GEMMs, wgrad in bf16 on auto's pick).
+picks are printed and recorded), fp8 (`moonep_moe.layers.fp8.Fp8GroupedGemm`, what a `precision="fp8"`
+layer runs: fwd and dgrad on DeepGEMM's FP8 GEMMs where it runs, wgrad in bf16 on auto's pick) and
+fp8_triton (the same on the package's Triton FP8 GEMM, what runs where DeepGEMM cannot; not in the
+default list: `--backends auto fp8 fp8_triton`).
 
 The fp8 row (issue 16 item 6; targets `FP8_TARGETS`: fwd and dgrad >= 1.7x the dense bf16 rate, wgrad and
 the block as for bf16) takes bf16 activations and bf16 weights as a training layer does, so its fwd and
@@ -67,7 +69,7 @@ from bench.common import (
     total,
     write_record,
 )
-from moonep_moe.layers.fp8 import fp8_grouped_gemm, fp8_unsupported_reason
+from moonep_moe.layers.fp8 import Fp8GroupedGemm, fp8_grouped_gemm, fp8_unsupported_reason
 from moonep_moe.layers.grouped_gemm import GemmProblem, MeasuredGroupedGemm, select_grouped_gemm
 from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
 from moonep_moe.weights.arena import PhysicalRows, expert_arena_reason, joined_rows
@@ -116,7 +118,7 @@ def gemm_targets(row: dict, flops: int, dense: float, wgrad_floor_s: float) -> l
               "block vs its GEMMs": ratio(span(row, "block_"),
                                           total(*(span(row, f"{op}_") for op in ("fwd", "dgrad", "wgrad"))))}
     name = f"{row['shape']} rows={row['rows']} skew={row['skew']} {row['backend']} {row['weights']}"
-    targets = FP8_TARGETS if row["backend"] == "fp8" else TARGETS
+    targets = FP8_TARGETS if row["backend"].startswith("fp8") else TARGETS
     return [check(what, values[what], op, bound, row=name) for what, op, bound in targets]
 
 
@@ -158,17 +160,19 @@ def fp32_grads(parts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
 
 def make_gemm(backend: str, k: int, problem: GemmProblem | None):
     """The grouped GEMM a layer with `grouped_gemm=backend` runs (bf16); "fp8": a `precision="fp8"` layer's
-    (FP8 fwd and dgrad, wgrad on auto's pick). Raises ValueError where it cannot run here."""
+    (FP8 fwd and dgrad on the kernel it picks, wgrad on auto's pick); "fp8_triton": the same on the Triton
+    FP8 GEMM, what runs where DeepGEMM cannot. Raises ValueError where it cannot run here."""
     cuda = torch.device("cuda")
-    if backend != "fp8":
+    if not backend.startswith("fp8"):
         return select_grouped_gemm(backend, cuda, torch.bfloat16, k=k, token_padding=PAD, problem=problem)
     wgrad = select_grouped_gemm("auto", cuda, torch.bfloat16, k=k, token_padding=PAD, problem=problem)
-    return fp8_grouped_gemm(wgrad, cuda, torch.bfloat16, PAD)
+    gemm = fp8_grouped_gemm(wgrad, cuda, torch.bfloat16, PAD)
+    return gemm if backend == "fp8" else Fp8GroupedGemm(wgrad, kernel=backend.removeprefix("fp8_"))
 
 
 def unavailable(backend: str) -> str | None:
     """Why `make_gemm(backend, ...)` cannot run here, or None."""
-    if backend == "fp8":
+    if backend.startswith("fp8"):
         return fp8_unsupported_reason(torch.device("cuda"), torch.bfloat16, PAD)
     try:
         make_gemm(backend, 128, None)
@@ -246,7 +250,7 @@ def bench_shape(name: str, rows: int, skew: float, backends: list[str], limits: 
             print(f"{name:18} auto picks: {row['picks']}", flush=True)
         calls = gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down)
         calls["block"] = lambda gm=gemm, gu=gate_up, dn=down: block(gm, x, w, offs, gu, dn, g)
-        if backend == "fp8":
+        if backend.startswith("fp8"):
             calls.update(cast_ops(x, dab, g, hw, offs, gate_up, down))
         for op, fn in calls.items():
             row.update({f"{op}_{key}": value for key, value in spread(timings(fn, warmup, repeat)).items()})
@@ -274,7 +278,7 @@ def format_row(row: dict) -> str:
     if "fwd_cast_ms" in row:  # the fp8 row
         casts = (f"  casts in the row: activations fwd {timing('fwd_cast')}, dgrad {timing('dgrad_cast')}; "
                  f"weights fwd {timing('weight_cast_fwd')}, dgrad {timing('weight_cast_dgrad')}")
-    return (f"{row['shape']:18} rows={row['rows']:6} skew={row['skew']:3.1f} {row['backend']:9} "
+    return (f"{row['shape']:18} rows={row['rows']:6} skew={row['skew']:3.1f} {row['backend']:10} "
             f"{row['weights']:5} fwd {row['fwd_tflops']:4.0f} TF/s ({row['fwd_vs_dense']:.2f} dense) "
             f"{timing('fwd')}  dgrad {row['dgrad_tflops']:4.0f} ({row['dgrad_vs_dense']:.2f}) "
             f"{timing('dgrad')}"

@@ -110,14 +110,15 @@ def describe_model(cfg: TrainConfig) -> str:
 
 def with_precision(cfg: TrainConfig, precision: str, device: str, config: str) -> TrainConfig:
     """`cfg` with its experts' GEMMs in `precision` (`--precision`), refused in one line where fp8 cannot
-    run: a model that is not bfloat16, or a machine without DeepGEMM on a Hopper GPU."""
+    run: a model that is not bfloat16, or a machine without a GPU with FP8 tensor cores."""
     if precision == "fp8":
         if cfg.train.dtype != "bfloat16":
             raise UsageError(f"--precision fp8: config {config} trains in {cfg.train.dtype}; FP8 experts "
                              "need a bfloat16 model (train.dtype: bfloat16, as in small-transformer)")
         from moonep_moe.layers.fp8 import fp8_unsupported_reason
 
-        reason = fp8_unsupported_reason(torch.device(device), torch.bfloat16, cfg.moe.get("token_padding"))
+        padding = cfg.moe.get("token_padding") or 128  # what MoEConfig gives an fp8 layer that leaves it out
+        reason = fp8_unsupported_reason(torch.device(device), torch.bfloat16, padding)
         if reason is not None:
             raise UsageError(f"--precision fp8 cannot run here: {reason}")
     return cfg.with_moe(precision=precision)
@@ -310,8 +311,8 @@ def parser() -> argparse.ArgumentParser:
                    help="continue from this checkpoint, at any EP size, keeping its global batch")
     p.add_argument("--precision", choices=["bf16", "fp8"],
                    help="the routed experts' GEMMs (MoEConfig.precision); default: the config's moe section, "
-                        "else bf16. fp8 needs DeepGEMM on a Hopper GPU and a bfloat16 model: --config "
-                        "small-transformer")
+                        "else bf16. fp8 needs a GPU with FP8 tensor cores (DeepGEMM's kernels on Hopper "
+                        "where installed, else Triton's) and a bfloat16 model: --config small-transformer")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
     p.set_defaults(run=train)
     p = commands.add_parser("configs", parents=[common], help="list the packaged configs and their shapes")

@@ -441,12 +441,13 @@ class MoEConfig(CommConfig):
         "bf16",
         description=(
             "Routed experts' GEMM precision. Default 'bf16'. 'fp8' (DeepSeek-V3 recipe, training): bf16 "
-            "master weights and gradients as with 'bf16'; fwd and dgrad run on DeepGEMM's FP8 GEMMs with "
+            "master weights and gradients as with 'bf16'; fwd and dgrad run on FP8 grouped GEMMs (DeepGEMM's "
+            "on sm90 where it is installed, else the package's Triton kernel, half DeepGEMM's speed) with "
             "e4m3 activations (1x128 tiles) and weights (128x128 blocks), cast by fused kernels (the weights "
             "on every call while they train, once per block inside `fixed_expert_weights`, once per "
             "version in inference); wgrad stays bf16 on the `grouped_gemm` backend. Needs "
-            "dtype='bfloat16', token_padding a multiple of 128 (the default with 'fp8'), CUDA sm90 and the "
-            "[gpu] extra (`moonep_moe.layers.fp8`)."
+            "dtype='bfloat16', token_padding a multiple of 128 (the default with 'fp8') and a CUDA GPU with "
+            "FP8 tensor cores (sm89 or newer; tested on sm90) (`moonep_moe.layers.fp8`)."
         ),
     )
     expert_weights: Literal["bf16", "fp8"] = Field(
@@ -458,9 +459,10 @@ class MoEConfig(CommConfig):
             "`experts.gate_up_scale_inv`, `experts.down` / `experts.down_scale_inv`; `state_dict()` in "
             "DeepSeek-V3's per-expert format), loaded from DeepSeek-V3's per-expert or transformers' fused "
             "FP8 checkpoints as stored (unquantised ones are quantised on load); prefetch moves e4m3 bytes "
-            "and scales; the GEMMs take them as they are: DeepGEMM's FP8 GEMMs ('auto' / 'deep_gemm', CUDA "
-            "sm90) or, with grouped_gemm='reference', the weights dequantised exactly and multiplied in "
-            "fp32 on any device. Needs precision='fp8' (the default with 'fp8'), dtype='bfloat16' and "
+            "and scales; the GEMMs take them as they are: the FP8 grouped GEMMs ('auto' / 'deep_gemm': "
+            "DeepGEMM's on sm90 where installed, else the Triton kernel; CUDA sm89 or newer) or, with "
+            "grouped_gemm='reference', the weights dequantised exactly and multiplied in fp32 on any device. "
+            "Needs precision='fp8' (the default with 'fp8'), dtype='bfloat16' and "
             "ffn_hidden_size a multiple of 128 (gate and up are one [2F, H] FP8 matrix whose blocks must not "
             "straddle them). Not trainable: a forward with grad enabled whose input or router requires "
             "grad raises; run under torch.no_grad() or torch.inference_mode()."

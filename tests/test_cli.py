@@ -118,9 +118,9 @@ ERRORS = {
     "fp8-float32-model": (["train", "--precision", "fp8"],
                           "--precision fp8: config tiny-transformer trains in float32; FP8 experts need a "
                           "bfloat16 model"),
-    "fp8-without-deep-gemm": (["train", "--config", "small-transformer", "--precision", "fp8"],
-                              "--precision fp8 cannot run here: FP8 experts run on DeepGEMM: DeepGEMM runs "
-                              "bf16 on CUDA, got torch.bfloat16 on cpu"),
+    "fp8-without-cuda": (["train", "--config", "small-transformer", "--precision", "fp8"],
+                              "--precision fp8 cannot run here: FP8 experts run bf16 weights and activations "
+                              "on CUDA, got torch.bfloat16 on cpu"),
 }
 
 
@@ -138,15 +138,18 @@ def test_user_errors_are_one_line_with_status_2_before_any_work(case, tmp_path, 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_precision_becomes_the_runs_moe_override(precision, monkeypatch, capsys):
     """`--precision` becomes the `moe:` override `precision` of the run (fp8 as on a machine where it can
-    run) and the header says so."""
+    run) and the header says so. The check is asked about the segment alignment the fp8 layer will get
+    (128, the fp8 default, when the config leaves token_padding out: None was refused as unaligned)."""
     import moonep_moe.layers.fp8
 
-    runs = []
-    monkeypatch.setattr(moonep_moe.layers.fp8, "fp8_unsupported_reason", lambda *_: None)
+    runs, checked = [], []
+    monkeypatch.setattr(moonep_moe.layers.fp8, "fp8_unsupported_reason",
+                        lambda device, dtype, token_padding: checked.append(token_padding))
     monkeypatch.setattr(moonep_moe.train, "train", lambda cfg, **_: runs.append(cfg) or {"losses": []})
     assert main(["train", "--config", "small-transformer", "--precision", precision, "--quiet"]) == 0
     (cfg,) = runs
     assert cfg.moe["precision"] == precision and cfg.train.dtype == "bfloat16"
+    assert checked == ([128] if precision == "fp8" else [])
     header = capsys.readouterr().out
     assert header.startswith("moonep-moe train: config small-transformer, Qwen3-MoE with 2 layers, H=256, "
                              "E=8, K=2, vocab=128, bfloat16")

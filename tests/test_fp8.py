@@ -311,31 +311,15 @@ def test_weight_cache_fixed_keeps_both_orientations_until_released(monkeypatch):
     assert not any(cache._copies.values()), "training outside a block keeps nothing"
 
 
-class ReferenceProductFp8Gemm(Fp8GroupedGemm):
-    """`Fp8GroupedGemm` on the CPU: its casts (interpreted), weight cache and wgrad (bf16) as they are,
-    DeepGEMM's FP8 product replaced by the product of the dequantised operands (`ReferenceGroupedGemm`)."""
-
-    def __init__(self, wgrad) -> None:
-        super().__init__(wgrad, deep_gemm="unused: _gemm is replaced")
-
-    def _gemm(self, a, q_w, scales_w, offs_g):
-        q_a, scales_a = self._cast_rows(a, offs_g)
-        end = int(offs_g[-1])  # rows past the last segment are not cast (unspecified)
-        rows = torch.zeros(a.shape, dtype=torch.float32, device=a.device)
-        rows[:end] = dequantise_rows(q_a[:end], scales_a[:end], torch.float32)
-        out = ReferenceGroupedGemm().fwd(rows, [dequantise_blocks(q_w, scales_w, torch.float32)], offs_g)
-        return out.to(a.dtype)
-
-
 def test_fixed_expert_weights_casts_the_home_experts_once_per_block(monkeypatch):
-    """Gradient accumulation in an fp8 layer: outside a `fixed_expert_weights` block every micro-batch casts
-    both home weights in both orientations (4 casts); inside, the whole block does, and the gradients are
-    the same bits; the block's end frees the copies."""
+    """Gradient accumulation in an fp8 layer (the Triton FP8 GEMM; interpreted on the CPU): outside a
+    `fixed_expert_weights` block every micro-batch casts both home weights in both orientations (4 casts);
+    inside, the whole block does, and the gradients are the same bits; the block's end frees the copies."""
     from moonep_moe import fixed_expert_weights
     from moonep_moe.comm.world import single_world
 
     layer = MoonEPMoELayer(MoEConfig(**BASE, token_padding=128), single_world(KERNEL_DEVICE))
-    gemm = layer._state.gemm = ReferenceProductFp8Gemm(layer._state.gemm)
+    gemm = layer._state.gemm = Fp8GroupedGemm(layer._state.gemm, kernel="triton")
     casts = CountingCasts(monkeypatch)
     home = (layer.experts.gate_up, layer.experts.down)
     gen = torch.Generator().manual_seed(15)
@@ -373,7 +357,7 @@ def test_fixed_expert_weights_blocks_nest_and_leave_bf16_layers_alone(monkeypatc
     cfg = MoEConfig(**BASE, token_padding=128)
     fp8_layer, bf16_layer = (MoonEPMoELayer(cfg, single_world(KERNEL_DEVICE)) for _ in range(2))
     model = torch.nn.ModuleList([fp8_layer, bf16_layer])
-    fp8_layer._state.gemm = ReferenceProductFp8Gemm(fp8_layer._state.gemm)
+    fp8_layer._state.gemm = Fp8GroupedGemm(fp8_layer._state.gemm, kernel="triton")
     cache = fp8_layer._state.gemm.weights
     with fixed_expert_weights(model):
         with fixed_expert_weights(fp8_layer):
@@ -439,8 +423,8 @@ def test_precision_fp8_refuses_other_dtypes_and_paddings(changes, named):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
 def test_fp8_layer_refused_at_construction_without_cuda():
-    with pytest.raises(ValueError, match=r"precision='fp8' cannot run here \(rank 0\): FP8 experts run on "
-                                         r"DeepGEMM: DeepGEMM runs bf16 on CUDA, got torch.bfloat16 on cpu"):
+    with pytest.raises(ValueError, match=r"precision='fp8' cannot run here \(rank 0\): FP8 experts run bf16 "
+                                         r"weights and activations on CUDA, got torch.bfloat16 on cpu"):
         MoonEPMoELayer(MoEConfig(**BASE, precision="fp8", grouped_gemm="torch"))
 
 
@@ -454,7 +438,28 @@ def _fp8_available() -> bool:
 
 
 needs_fp8 = pytest.mark.skipif(not _fp8_available(),
-                               reason="needs DeepGEMM on a Hopper GPU (run on the H200)")
+                               reason="needs a GPU with FP8 tensor cores and Triton (run on the H200)")
+
+
+def _kernel_reason(kernel: str) -> str | None:
+    """Why `Fp8GroupedGemm(kernel=kernel)` cannot run on `KERNEL_DEVICE` here, or None. Without CUDA the
+    Triton kernel runs in Triton's interpreter."""
+    if not torch.cuda.is_available():
+        return None if kernel == "triton" else "DeepGEMM needs a CUDA device (run on the H200)"
+    if not _fp8_available():
+        return fp8.fp8_unsupported_reason(torch.device("cuda"), torch.bfloat16, 128)
+    if kernel == "deep_gemm" and fp8.fp8_kernel(torch.device("cuda")) != "deep_gemm":
+        return "DeepGEMM's FP8 GEMMs need DeepGEMM on an sm90 GPU (run on the H200)"
+    return None
+
+
+@pytest.fixture(params=fp8.FP8_KERNELS)
+def fp8_kernel(request) -> str:
+    """Each FP8 GEMM kernel, skipped with its reason where it cannot run."""
+    reason = _kernel_reason(request.param)
+    if reason is not None:
+        pytest.skip(reason)
+    return request.param
 
 
 def fp8_gemm_bound(a: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor, scale_w: torch.Tensor,
@@ -471,49 +476,126 @@ def fp8_gemm_bound(a: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor, scal
             + 2.0**-8 * a_times_w(big_a, big_w))
 
 
+HUGE = 16384 if torch.cuda.is_available() else 2048  # the interpreter is slow
 SEGMENTS = {"uniform": [256] * 4, "skewed": [1024, 128, 0, 128], "empty groups": [0, 128, 0, 0],
-            "all empty": [0] * 4, "huge": [0, 16384, 0, 0]}
+            "all empty": [0] * 4, "huge": [0, HUGE, 0, 0]}
 
 
-@pytest.mark.gpu
-@needs_fp8
 @pytest.mark.parametrize("case", list(SEGMENTS))
-def test_fp8_backend_matches_float64_within_the_format_bound(case):
-    """fwd and dgrad of `Fp8GroupedGemm` against the float64 product of the same bf16 data, per element,
-    within `fp8_gemm_bound`; weights as (home parameter, slots) pairs; NaN rows past the last segment end
-    (unused capacity) must not leak; after a warm-up, no host sync."""
-    cuda = torch.device("cuda")
-    gemm = fp8_grouped_gemm(TorchGroupedGemm(), cuda, torch.bfloat16, 128)
-    offs_g = torch.tensor(SEGMENTS[case], dtype=torch.int32, device=cuda).cumsum(0).int()
+def test_fp8_backend_matches_float64_within_the_format_bound(case, fp8_kernel):
+    """fwd and dgrad of `Fp8GroupedGemm` on each kernel (the Triton one interpreted on the CPU) against the
+    float64 product of the same bf16 data, per element, within `fp8_gemm_bound`; weights as (home
+    parameter, slots) pairs; NaN rows past the last segment end (unused capacity) must not leak; on CUDA,
+    after a warm-up, no host sync."""
+    dev = torch.device(KERNEL_DEVICE)
+    gemm = Fp8GroupedGemm(TorchGroupedGemm(), kernel=fp8_kernel)
+    offs_g = torch.tensor(SEGMENTS[case], dtype=torch.int32, device=dev).cumsum(0).int()
     used, (n, k) = int(offs_g[-1]), (384, 256)
-    x = torch.randn(used + 128, k, device=cuda).bfloat16()
-    dy = torch.randn(used + 128, n, device=cuda).bfloat16()
+    gen = torch.Generator().manual_seed(len(case))
+    x = torch.randn(used + 128, k, generator=gen).bfloat16().to(dev)
+    dy = torch.randn(used + 128, n, generator=gen).bfloat16().to(dev)
     x[used:], dy[used:] = float("nan"), float("nan")
-    w = (torch.randn(4, n, k, device=cuda) / k**0.5).bfloat16()
+    w = (torch.randn(4, n, k, generator=gen) / k**0.5).bfloat16().to(dev)
     weights = (torch.nn.Parameter(w[:3].clone()), w[3:].clone())
-    for _ in range(2):  # the first calls compile (DeepGEMM's JIT, Triton)
-        got_y, got_dx = gemm.fwd(x, weights, offs_g), gemm.dgrad(dy, weights, offs_g)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        got_y, got_dx = gemm.fwd(x, weights, offs_g), gemm.dgrad(dy, weights, offs_g)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    got_y, got_dx = gemm.fwd(x, weights, offs_g), gemm.dgrad(dy, weights, offs_g)  # compiles (JIT, Triton)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got_y, got_dx = gemm.fwd(x, weights, offs_g), gemm.dgrad(dy, weights, offs_g)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     ref = ReferenceGroupedGemm()
     w64, x64, dy64 = (w.double(), (x[:used].double(),), (dy[:used].double(),))
     _, w_scales = quantise_blocks(w)
     scale_w = w_scales.double().repeat_interleave(TILE, 1).repeat_interleave(TILE, 2)[:, :n, :k]
     _, x_scales = quantise_rows(x[:used])
     _, dy_scales = quantise_rows(dy[:used])
-    ends = offs_g.cpu()
     for got, a, scale_a, op in ((got_y, x64[0], x_scales, "fwd"), (got_dx, dy64[0], dy_scales, "dgrad")):
-        scale_a = scale_a.double().repeat_interleave(TILE, 1)[:, :a.shape[1]].to(cuda)
-        exact = getattr(ref, op)(a, (w64,), ends.to(cuda))
-        bound = fp8_gemm_bound(a, w64, scale_a, scale_w.to(cuda),
-                               lambda p, q, o=op: getattr(ref, o)(p, (q,), ends.to(cuda)))
+        scale_a = scale_a.double().repeat_interleave(TILE, 1)[:, :a.shape[1]]
+        exact = getattr(ref, op)(a, (w64,), offs_g)
+        bound = fp8_gemm_bound(a, w64, scale_a, scale_w,
+                               lambda p, q, o=op: getattr(ref, o)(p, (q,), offs_g))
         error = (got[:used].double() - exact).abs()
         assert (error <= bound).all(), f"{op}: worst error / bound {float((error / bound).max()):.2f}"
         assert not got[:used].isnan().any()
+
+
+def test_triton_fp8_gemm_leaves_rows_past_unaligned_segment_ends_alone():
+    """The psum layout as DeepGEMM takes it: segment g covers rows ``[align(offs[g-1], 128), offs[g])``, so
+    an end need not be aligned; the rows between such an end and the next segment's start, and those past
+    the last end, are neither read (NaN there would leak into a product) nor written. Each segment equals
+    the float64 product of its dequantised operands up to the accumulation's rounding (the products of e4m3
+    values are exact; Hopper's tensor cores sum each 128-element step with reduced precision before it is
+    promoted to fp32: 2^-9 of the product of magnitudes, as in `fp8_gemm_bound`)."""
+    from moonep_moe.layers.kernels.fp8_gemm import grouped_fp8_gemm
+
+    dev, (n, k) = KERNEL_DEVICE, (200, 300)
+    ends = [100, 128, 356, 484]  # rows [0, 100), empty, [128, 356), [384, 484)
+    starts = [0, 128, 128, 384]
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(640, k, generator=gen)
+    gaps = torch.ones(640, dtype=torch.bool)
+    for start, end in zip(starts, ends, strict=True):
+        gaps[start:end] = False
+    x[gaps] = float("nan")
+    w = torch.randn(4, n, k, generator=gen)
+    q_x, scales_x = quantise_rows(x)
+    q_w, scales_w = quantise_blocks(w)
+    out = torch.full((640, n), 7.0, device=dev)
+    offs_g = torch.tensor(ends, dtype=torch.int32, device=dev)
+    grouped_fp8_gemm((q_x.to(dev), to_deep_gemm_row_scales(scales_x).to(dev)),
+                     (q_w.to(dev), scales_w.to(dev)), out, offs_g)
+    x64, w64 = dequantise_rows(q_x, scales_x), dequantise_blocks(q_w, scales_w)
+    for g, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        exact = x64[start:end] @ w64[g].T
+        bound = 2.0**-9 * (x64[start:end].abs() @ w64[g].abs().T)
+        assert ((out[start:end].cpu().double() - exact).abs() <= bound).all(), g
+    assert (out[gaps] == 7.0).all(), "rows outside every segment were written"
+
+
+@pytest.mark.gpu
+@needs_fp8
+def test_triton_fp8_gemm_gives_deep_gemms_bits():
+    """On the same FP8 operands the Triton kernel sums each 128-element step on the tensor cores and scales
+    it into fp32 as DeepGEMM does, so its bf16 output is DeepGEMM's bit for bit (measured on the H200 at
+    every launch shape swept); skewed and empty segments, both orientations' scale layouts."""
+    if _kernel_reason("deep_gemm") is not None:
+        pytest.skip(_kernel_reason("deep_gemm"))
+    from moonep_moe.layers.kernels.fp8_cast import cast_rows
+    from moonep_moe.layers.kernels.fp8_gemm import grouped_fp8_gemm
+
+    gen = torch.Generator(device="cuda").manual_seed(22)
+    offs_g = torch.tensor([512, 512, 640, 1664], dtype=torch.int32, device="cuda")
+    for n, k, transposed in ((768, 512, False), (512, 768, True)):
+        x = torch.randn(1792, k, device="cuda", generator=gen).bfloat16()
+        w = torch.randn(4, k, n, device="cuda", generator=gen) if transposed else torch.randn(
+            4, n, k, device="cuda", generator=gen)
+        q_w, scales_w = quantise_blocks(w.bfloat16())
+        if transposed:  # dgrad's operand: the K-major copy with its scales as a transposed view
+            q_w, scales_w = transpose_blocks(q_w, scales_w)
+        a = cast_rows(x, offs_g)
+        outs = [torch.zeros(1792, n, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        grouped_fp8_gemm(a, (q_w, scales_w), outs[0], offs_g)
+        fp8.import_deep_gemm().m_grouped_fp8_gemm_nt_contiguous(
+            a, (q_w, scales_w), outs[1], offs_g, disable_ue8m0_cast=True, use_psum_layout=True)
+        assert torch.equal(outs[0][:1664], outs[1][:1664]), (n, k, transposed)
+
+
+def test_triton_fp8_gemm_names_what_is_wrong():
+    from moonep_moe.layers.kernels.fp8_gemm import grouped_fp8_gemm
+
+    q_a, s_a = quantise_rows(torch.randn(128, 256))
+    q_w, s_w = quantise_blocks(torch.randn(2, 64, 256))
+    out, offs = torch.empty(128, 64), torch.tensor([0, 128], dtype=torch.int32)
+    cases = [(((q_a.float(), s_a), (q_w, s_w), out, offs), "a and w must be torch.float8_e4m3fn"),
+             (((q_a[:, :128], s_a[:, :1]), (q_w, s_w), out, offs), "must share k"),
+             (((q_a, s_a[:, :1]), (q_w, s_w), out, offs), r"scales must be \[rows, 2\]"),
+             (((q_a, s_a), (q_w, s_w), out[:, :32], offs), r"out must be \[128, 64\]"),
+             (((q_a, s_a), (q_w, s_w), out, offs.long()), r"offs_g must be int32 \[2\]")]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            grouped_fp8_gemm(*args)
 
 
 @pytest.mark.gpu
@@ -564,13 +646,14 @@ def test_fixed_expert_weights_on_deep_gemm_gives_the_same_gradients():
 
 @pytest.mark.gpu
 @needs_fp8
-def test_fp8_layer_tracks_the_float64_reference_like_the_bf16_layer():
-    """One EP=1 layer step in fp8 and in bf16 against the float64 dense reference (bf16-rounded inputs):
-    the fp8 layer's output, input gradient and expert weight gradients within 2^-3 relative (norm-wise)
-    error. Each FP8 GEMM's product terms carry at most 2 * 2^-4 = 2^-3 relative error (two operands rounded
-    to e4m3) in the worst case, and rounding errors of random signs add in norm far below that, so one
-    GEMM's worth of worst case is a ceiling for the chain (expected: a few 2^-5); the bf16 layer's errors
-    are printed beside for the record."""
+def test_fp8_layer_tracks_the_float64_reference_like_the_bf16_layer(fp8_kernel, monkeypatch):
+    """One EP=1 layer step in fp8 (on each FP8 GEMM kernel) and in bf16 against the float64 dense reference
+    (bf16-rounded inputs): the fp8 layer's output, input gradient and expert weight gradients within 2^-3
+    relative (norm-wise) error. Each FP8 GEMM's product terms carry at most 2 * 2^-4 = 2^-3 relative error
+    (two operands rounded to e4m3) in the worst case, and rounding errors of random signs add in norm far
+    below that, so one GEMM's worth of worst case is a ceiling for the chain (expected: a few 2^-5); the
+    bf16 layer's errors are printed beside for the record."""
+    monkeypatch.setattr(fp8, "fp8_kernel", lambda device: fp8_kernel)
     errors = {}
     for precision in ("fp8", "bf16"):
         cfg = make_config(1, hidden_size=256, ffn_hidden_size=128, num_experts=8, max_tokens_per_rank=256,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -57,6 +58,7 @@ from moonep_moe.weights.quantised import (
 __all__ = [
     "E4M3_MAX",
     "FP8_DTYPE",
+    "FP8_KERNELS",
     "TILE",
     "Fp8GroupedGemm",
     "Fp8WeightCache",
@@ -65,6 +67,7 @@ __all__ = [
     "dequantise_blocks",
     "dequantise_rows",
     "fp8_grouped_gemm",
+    "fp8_kernel",
     "fp8_unsupported_reason",
     "fp8_weights_gemm",
     "pow2_scales",
@@ -77,6 +80,8 @@ __all__ = [
 
 TILE = BLOCK
 """Activations: one scale per row per ``TILE`` columns; weights: one per ``TILE x TILE`` block."""
+FP8_KERNELS = ("deep_gemm", "triton")
+"""The FP8 grouped GEMMs `Fp8GroupedGemm` runs on (`fp8_kernel` picks one)."""
 
 
 def quantise_rows(x_mk: Tensor) -> tuple[Tensor, Tensor]:
@@ -235,12 +240,17 @@ class Fp8WeightCache:
 
 
 class Fp8GroupedGemm:
-    """FP8 fwd and dgrad on DeepGEMM (``m_grouped_fp8_gemm_nt_contiguous``, psum layout: the padded segment
-    ends ``offs_g`` are read on the device, no host sync), taking bf16 activations and bf16 master weights as
-    the other backends do and casting inside: the activations on every call (`kernels.fp8_cast.cast_rows`,
-    one pass, rows past ``offs_g[-1]`` skipped), the weights through `Fp8WeightCache` (on every call while
-    training, kept per parameter version in inference). Outputs are bf16. dgrad multiplies by the K-major
-    transposed FP8 copy of each weight (sm90 takes FP8 operand B only K-major).
+    """FP8 fwd and dgrad on the segments' padded ends ``offs_g`` (read on the device, no host sync), taking
+    bf16 activations and bf16 master weights as the other backends do and casting inside: the activations on
+    every call (`kernels.fp8_cast.cast_rows`, one pass, rows past ``offs_g[-1]`` skipped), the weights through
+    `Fp8WeightCache` (on every call while training, kept per parameter version in inference). Outputs are
+    bf16. dgrad multiplies by the K-major transposed FP8 copy of each weight (sm90 takes FP8 operand B only
+    K-major).
+
+    ``kernel`` (`FP8_KERNELS`, chosen by `fp8_kernel`): "deep_gemm", DeepGEMM's
+    ``m_grouped_fp8_gemm_nt_contiguous`` on the psum layout (sm90 only: fp32 scales); or "triton", the
+    package's Triton FP8 grouped GEMM (`kernels.fp8_gemm`: the same operands and scales, any GPU with FP8
+    tensor cores), where DeepGEMM is not installed or the GPU is not sm90.
 
     The weight gradient stays in bf16 on ``wgrad`` (the backend ``grouped_gemm`` selects): DeepGEMM's sm90
     k-grouped FP8 wgrad takes the segment sizes as a host list (a device-to-host read per call, which the
@@ -253,18 +263,27 @@ class Fp8GroupedGemm:
     are (joined into one tensor only where they come in parts), no cast, no bf16 copy; such a layer has no
     weight gradients (``wgrad=None``).
 
-    Needs CUDA sm90, DeepGEMM, bf16 and segments starting at multiples of 128 (`fp8_unsupported_reason`).
+    Needs CUDA with FP8 tensor cores, bf16 and segments starting at multiples of 128
+    (`fp8_unsupported_reason`).
     """
 
-    name = "fp8"
     ops = ("fwd", "dgrad")
     joined_weights = False  # the home parameters themselves, so inference keeps their FP8 copies per version
 
-    def __init__(self, wgrad: GroupedGemm | None, deep_gemm=None) -> None:
-        """``deep_gemm``: the DeepGEMM module (default: imported here; a test may give a stand-in)."""
+    def __init__(self, wgrad: GroupedGemm | None, kernel: str = "deep_gemm") -> None:
         from moonep_moe.layers.kernels.fp8_cast import cast_rows
 
-        self._deep_gemm = import_deep_gemm() if deep_gemm is None else deep_gemm
+        if kernel == "deep_gemm":
+            self._kernel = partial(import_deep_gemm().m_grouped_fp8_gemm_nt_contiguous,
+                                   disable_ue8m0_cast=True, use_psum_layout=True)
+        elif kernel == "triton":
+            from moonep_moe.layers.kernels.fp8_gemm import grouped_fp8_gemm
+
+            self._kernel = grouped_fp8_gemm
+        else:
+            raise ValueError(f"kernel must be one of {FP8_KERNELS}, got {kernel!r}")
+        self.kernel = kernel
+        self.name = "fp8" if kernel == "deep_gemm" else f"fp8_{kernel}"
         self._cast_rows = cast_rows
         self._wgrad = wgrad
         self.weights = Fp8WeightCache()
@@ -284,9 +303,7 @@ class Fp8GroupedGemm:
     def _gemm(self, a: Tensor, q_w: Tensor, scales_w: Tensor, offs_g: Tensor) -> Tensor:
         """``a [rows, k] bf16 @ w^T`` per segment, ``w`` the FP8 ``q_w [G, n, k]`` with its block scales."""
         out = a.new_empty(a.shape[0], q_w.shape[1])
-        gemm = self._deep_gemm.m_grouped_fp8_gemm_nt_contiguous
-        gemm(self._cast_rows(a, offs_g), (q_w, scales_w), out, offs_g, disable_ue8m0_cast=True,
-             use_psum_layout=True)
+        self._kernel(self._cast_rows(a, offs_g), (q_w, scales_w), out, offs_g)
         return out
 
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
@@ -326,18 +343,29 @@ class ReferenceFp8Gemm:
 
 
 def fp8_unsupported_reason(device: torch.device, dtype: torch.dtype, token_padding: int | None) -> str | None:
-    """Why `Fp8GroupedGemm` cannot run here, or None when it can: DeepGEMM's conditions
-    (`deep_gemm_unsupported_reason`), sm90 exactly (fp32 scales), and Triton for the casts."""
-    reason = deep_gemm_unsupported_reason(device, dtype, token_padding)
-    if reason is not None:
-        return f"FP8 experts run on DeepGEMM: {reason}"
-    if torch.cuda.get_device_capability(device)[0] != 9:
-        return "DeepGEMM's FP8 GEMMs with fp32 scales need sm90 (Hopper)"
+    """Why `Fp8GroupedGemm` cannot run here, or None when it can: bf16 on CUDA, segments aligned to 128 rows,
+    FP8 tensor cores (sm89 or newer) and Triton (the casts, and the GEMM where DeepGEMM cannot run)."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return f"FP8 experts run bf16 weights and activations on CUDA, got {dtype} on {device.type}"
+    if token_padding is None or token_padding % 128:
+        return f"FP8 GEMMs need segments aligned to 128 rows (token_padding % 128 == 0), got {token_padding}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        return f"FP8 tensor cores need sm89 or newer, got sm{capability[0]}{capability[1]}"
     try:
         import triton  # noqa: F401
     except ImportError as error:
-        return f"triton cannot be imported ({error}); the FP8 casts are Triton kernels"
+        return f"triton cannot be imported ({error}); the FP8 casts and GEMMs are Triton kernels"
     return None
+
+
+def fp8_kernel(device: torch.device) -> str:
+    """The FP8 GEMM a CUDA ``device`` runs: "deep_gemm" on sm90 where DeepGEMM imports (the faster, measured
+    in `bench.gemm`), else "triton"."""
+    if torch.cuda.get_device_capability(device)[0] == 9 and deep_gemm_unsupported_reason(
+            device, torch.bfloat16, 128) is None:
+        return "deep_gemm"
+    return "triton"
 
 
 def fp8_grouped_gemm(wgrad: GroupedGemm, device: torch.device, dtype: torch.dtype, token_padding: int | None,
@@ -350,16 +378,16 @@ def fp8_grouped_gemm(wgrad: GroupedGemm, device: torch.device, dtype: torch.dtyp
     reason = fp8_unsupported_reason(device, dtype, token_padding)
     if reason is not None:
         raise ValueError(f"precision='fp8' cannot run here (rank {rank}): {reason}; use precision='bf16'")
-    return Fp8GroupedGemm(wgrad)
+    return Fp8GroupedGemm(wgrad, fp8_kernel(device))
 
 
 def fp8_weights_gemm(grouped_gemm: str, device: torch.device, dtype: torch.dtype, token_padding: int | None,
                      rank: int = 0) -> Fp8GroupedGemm | ReferenceFp8Gemm:
     """The GEMM backend of an ``expert_weights="fp8"`` layer: `ReferenceFp8Gemm` for ``grouped_gemm=
-    "reference"``, else DeepGEMM's FP8 GEMMs (`Fp8GroupedGemm`, no weight gradients).
+    "reference"``, else the FP8 GEMMs (`Fp8GroupedGemm`, no weight gradients).
 
     Raises:
-        ValueError naming ``expert_weights`` and the rank when DeepGEMM's FP8 GEMMs cannot run here.
+        ValueError naming ``expert_weights`` and the rank when the FP8 GEMMs cannot run here.
     """
     if grouped_gemm == "reference":
         return ReferenceFp8Gemm()
@@ -367,5 +395,5 @@ def fp8_weights_gemm(grouped_gemm: str, device: torch.device, dtype: torch.dtype
     if reason is not None:
         raise ValueError(f"expert_weights='fp8' with grouped_gemm={grouped_gemm!r} cannot run here (rank "
                          f"{rank}): {reason}; use grouped_gemm='reference' (dequantised weights, any device)")
-    return Fp8GroupedGemm(None)
+    return Fp8GroupedGemm(None, fp8_kernel(device))
 
