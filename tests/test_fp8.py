@@ -596,6 +596,9 @@ def test_triton_fp8_gemm_names_what_is_wrong():
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
             grouped_fp8_gemm(*args)
+    with pytest.raises(ValueError, match="BLOCK_M must divide 128"):
+        grouped_fp8_gemm((q_a, s_a), (q_w, s_w), out, offs, {"BLOCK_M": 96, "BLOCK_N": 64, "num_warps": 4,
+                                                              "num_stages": 1})
 
 
 @pytest.mark.gpu

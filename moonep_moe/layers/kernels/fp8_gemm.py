@@ -33,10 +33,9 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def tiles() -> dict:
     """Launch shape: ``BLOCK_M`` rows x ``BLOCK_N`` columns per program, 128 inner elements per step (one
-    scale tile). On the H200 (DeepSeek-V3's expert shapes, 64 groups of 1024 rows and 256 of 256; nine
-    shapes swept) 128 x 128 with 8 warps was the fastest, 0.71-0.86 of the dense bf16 rate; 4 warps at
-    that tile ran 5x slower, 256-wide tiles 3x. The interpreter gets smaller tiles so CPU tests cover
-    several blocks and masked tails."""
+    scale tile), as `python -m bench.fp8_gemm` measured fastest on the H200 (its record in
+    `bench/results/fp8-gemm-*.json`). The interpreter gets smaller tiles so CPU tests cover several blocks
+    and masked tails."""
     if INTERPRETED:
         return {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 1}
     return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
@@ -87,7 +86,7 @@ def _grouped_fp8_gemm_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, offs_ptr, out_ptr, gr
 
 
 def grouped_fp8_gemm(a: tuple[torch.Tensor, torch.Tensor], w: tuple[torch.Tensor, torch.Tensor],
-                     out: torch.Tensor, offs_g: torch.Tensor) -> None:
+                     out: torch.Tensor, offs_g: torch.Tensor, launch: dict | None = None) -> None:
     """``out[start:end] = dequant(a)[start:end] @ dequant(w[g])^T`` for every segment g, fp32 accumulation.
 
     Args:
@@ -98,6 +97,8 @@ def grouped_fp8_gemm(a: tuple[torch.Tensor, torch.Tensor], w: tuple[torch.Tensor
         out: ``[rows, n]`` (bf16, fp16 or fp32, contiguous rows); rows at and past ``offs_g[-1]`` are not
             written.
         offs_g: int32 ``[G]`` segment ends on the device, each segment starting at a multiple of 128.
+        launch: ``BLOCK_M`` (a divisor of 128), ``BLOCK_N``, ``num_warps``, ``num_stages`` instead of
+            `tiles` (`bench.fp8_gemm` sweeps them).
     """
     (q_a, scales_a), (q_w, scales_w) = a, w
     rows, k = q_a.shape
@@ -116,7 +117,9 @@ def grouped_fp8_gemm(a: tuple[torch.Tensor, torch.Tensor], w: tuple[torch.Tensor
                          f"{list(out.shape)}")
     if offs_g.dtype != torch.int32 or offs_g.shape != (groups,):
         raise ValueError(f"offs_g must be int32 [{groups}], got {offs_g.dtype} {list(offs_g.shape)}")
-    launch = tiles()
+    launch = tiles() if launch is None else launch
+    if 128 % launch["BLOCK_M"]:
+        raise ValueError(f"BLOCK_M must divide 128 (a block must not straddle two segments), got {launch}")
     if not (rows and n and groups):
         return
     grid = (triton.cdiv(rows, launch["BLOCK_M"]) * triton.cdiv(n, launch["BLOCK_N"]),)
