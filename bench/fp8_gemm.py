@@ -25,7 +25,7 @@ from moonep_moe.layers.grouped_gemm import import_deep_gemm
 from moonep_moe.layers.kernels import fp8_cast, fp8_gemm
 
 LAUNCHES = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4),
-            (128, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3)]
+            (128, 128, 4, 4), (128, 256, 8, 3)]
 """(BLOCK_M, BLOCK_N, num_warps, num_stages) swept; the first is `fp8_gemm.tiles`' choice."""
 
 
