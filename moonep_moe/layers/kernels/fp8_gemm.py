@@ -33,9 +33,10 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def tiles() -> dict:
     """Launch shape: ``BLOCK_M`` rows x ``BLOCK_N`` columns per program, 128 inner elements per step (one
-    scale tile), as `python -m bench.fp8_gemm` measured fastest on the H200 (its record in
-    `bench/results/fp8-gemm-*.json`). The interpreter gets smaller tiles so CPU tests cover several blocks
-    and masked tails."""
+    scale tile). 128 x 128 with 8 warps is within the run-to-run spread of the fastest launch
+    `python -m bench.fp8_gemm` found on the H200 (0.73-0.87 of the dense bf16 rate on DeepSeek-V3's
+    experts; 4 warps at this tile ran 4-5x slower, 256 columns 3x; `bench/results/fp8-gemm-*.json`). The
+    interpreter gets smaller tiles so CPU tests cover several blocks and masked tails."""
     if INTERPRETED:
         return {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 1}
     return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
