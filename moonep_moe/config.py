@@ -528,8 +528,8 @@ class MoEConfig(CommConfig):
             raise ValueError(f"expert_weights='fp8' needs ffn_hidden_size a multiple of 128 (gate's and up's "
                              f"128x128 blocks of one [2F, H] matrix), got {self.ffn_hidden_size}")
         if self.grouped_gemm not in ("auto", "deep_gemm", "reference"):
-            raise ValueError(f"expert_weights='fp8' runs on grouped_gemm 'auto' or 'deep_gemm' (DeepGEMM's "
-                             f"FP8 GEMMs) or 'reference' (any device), got {self.grouped_gemm!r}")
+            raise ValueError(f"expert_weights='fp8' runs on grouped_gemm 'auto' or 'deep_gemm' (the FP8 "
+                             f"GEMMs) or 'reference' (any device), got {self.grouped_gemm!r}")
 
     @property
     def comm(self) -> CommConfig:

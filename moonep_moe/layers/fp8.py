@@ -322,7 +322,7 @@ class ReferenceFp8Gemm:
     by the activations as given, per segment, in fp32 (`ReferenceGroupedGemm`: it reads ``offs_g`` on the
     host, and holds a transient fp32 copy of the weights). The activations are not cast to FP8: this is
     each expert's checkpoint value applied to the layer's activations, equal to the bf16 masters' GEMM on
-    the dequantised weights; DeepGEMM's path (`Fp8GroupedGemm`) also rounds the activations to e4m3 per
+    the dequantised weights; the FP8 GEMMs' path (`Fp8GroupedGemm`) also rounds the activations to e4m3 per
     1x128 tile. Forward only (`FORWARD_ONLY`)."""
 
     name = "reference_fp8"
