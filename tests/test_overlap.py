@@ -12,6 +12,7 @@ Perfetto) under `$MOONEP_BENCH_OUT` when set, and prints how long the two stream
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -33,19 +34,21 @@ GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|cutlass", re.IGNORECASE)
 """Names of cuBLAS / CUTLASS matrix-multiply kernels."""
 
 
-def make_layer(overlap: bool, device: str = "cuda", shape: tuple = (1024, 512, 256, 16, 4), **overrides
-               ) -> MoonEPMoELayer:
+def make_layer(overlap: bool, device: str = "cuda", shape: tuple = (1024, 512, 256, 16, 4), world=None,
+               **overrides) -> MoonEPMoELayer:
     """A layer of `shape` (T, H, H', E, K) with two shared experts, drawn from seed 0 (the same weights for
-    both values of `overlap`); bf16 with torch._grouped_mm on CUDA, float64 on the CPU."""
+    both values of `overlap`); bf16 with torch._grouped_mm on CUDA, float64 on the CPU; one rank of
+    `world` (default: the one-rank world on `device`)."""
     t, h, f, e, k = shape
     cuda = device == "cuda"
     fields = dict(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=k, max_tokens_per_rank=t,
                   token_padding=16 if cuda else 8, dtype="bfloat16" if cuda else "float64",
                   grouped_gemm="torch" if cuda else "reference",
                   router={"expert_bias": True, "dtype": "float32" if cuda else "float64"},
-                  shared_experts={"num_shared_experts": 2}, overlap_shared_experts=overlap)
+                  shared_experts={"num_shared_experts": 2}, overlap_shared_experts=overlap,
+                  ep_size=1 if world is None else world.size)
     torch.manual_seed(0)
-    return MoonEPMoELayer(MoEConfig(**{**fields, **overrides}), single_world(device))
+    return MoonEPMoELayer(MoEConfig(**{**fields, **overrides}), world or single_world(device))
 
 
 def skew(layer: MoonEPMoELayer, strength: float) -> None:
@@ -275,21 +278,21 @@ HOST_AHEAD_CYCLES = 100_000_000
 """About 50 ms of a spinning kernel on an H200: longer than the host takes to queue one layer step."""
 
 
-@pytest.mark.gpu
-def test_profiler_trace_shows_the_shared_experts_overlapping_the_routed_step(tmp_path):
-    """One step of a layer whose shared experts and routed experts both take milliseconds, profiled in two
-    traces (forward, backward): a shared-expert GEMM kernel runs while a kernel of the routed step (launched
-    inside `MoonEPExperts`' forward, or its backward) runs on another stream."""
-    layer = make_layer(True, shape=(8192, 4096, 2048, 16, 8))
+def profile_overlap(layer: MoonEPMoELayer, out_dir: Path, tag: str = "") -> dict[str, dict]:
+    """One step of `layer` (after two warm-up steps) profiled in two traces, `overlap-{phase}{tag}.json`
+    under `out_dir`; per phase (forward, backward): `pairs`, the (shared-expert GEMM, routed-step kernel)
+    pairs that ran at the same time on different streams (routed: launched inside `MoonEPExperts`' forward
+    or its backward), `routed` (how many routed-step kernels the trace holds), `routed_streams`, `side_ms`
+    (the other streams' busy time), `overlap_ms` (how much of it under the routed step) and `trace`."""
     t, h = layer.config.max_tokens_per_rank, layer.config.hidden_size
-    x_th = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad_th = torch.randn_like(x_th)
+    gen = torch.Generator(device="cuda").manual_seed(layer.world.rank)
+    x_th = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    grad_th = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen)
     for _ in range(2):  # kernels built, pools and workspaces allocated
         layer(x_th).backward(grad_th)
     torch.cuda.synchronize()
-    out_dir = Path(os.environ.get("MOONEP_BENCH_OUT") or tmp_path)
     out_dir.mkdir(parents=True, exist_ok=True)
-    out_th = None
+    out_th, phases = None, {}
     for phase, routed_op in (("forward", "MoonEPExperts"), ("backward", "MoonEPExpertsBackward")):
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof:
@@ -301,18 +304,65 @@ def test_profiler_trace_shows_the_shared_experts_overlapping_the_routed_step(tmp
             else:
                 out_th.backward(grad_th)
             torch.cuda.synchronize()
-        path = out_dir / f"overlap-{phase}.json"
+        path = out_dir / f"overlap-{phase}{tag}.json"
         prof.export_chrome_trace(str(path))
         kernels = kernels_and_launchers(json.loads(path.read_text()))
         routed = [k for k in kernels if any(routed_op in name for name in k["launchers"])]
-        assert routed, f"{phase}: no kernel launched inside {routed_op} in {path}"
         routed_streams = {k["stream"] for k in routed}
         shared = [k for k in kernels if GEMM_KERNEL.search(k["name"]) and k["stream"] not in routed_streams]
-        pairs = [(s["name"], r["name"]) for s in shared for r in routed
-                 if max(s["start"], r["start"]) < min(s["end"], r["end"])]
         side_us = [(k["start"], k["end"]) for k in kernels if k["stream"] not in routed_streams]
         routed_us = [(k["start"], k["end"]) for k in routed]
-        print(f"{phase}: side stream busy {sum(e - s for s, e in busy_us(side_us)) / 1e3:.3f} ms, "
-              f"of which {overlap_us(side_us, routed_us) / 1e3:.3f} ms under the routed step; trace {path}")
-        assert pairs, (f"{phase}: no shared-expert GEMM on a stream other than the routed step's "
-                       f"({sorted(routed_streams)}) overlaps a routed-step kernel in {path}")
+        phases[phase] = dict(
+            pairs=[(s["name"], r["name"]) for s in shared for r in routed
+                   if max(s["start"], r["start"]) < min(s["end"], r["end"])],
+            routed=len(routed), routed_streams=sorted(routed_streams), trace=str(path),
+            side_ms=sum(e - s for s, e in busy_us(side_us)) / 1e3,
+            overlap_ms=overlap_us(side_us, routed_us) / 1e3)
+    return phases
+
+
+def assert_overlapped(phases: dict[str, dict], who: str) -> None:
+    for phase, seen in phases.items():
+        print(f"{who} {phase}: side stream busy {seen['side_ms']:.3f} ms, of which "
+              f"{seen['overlap_ms']:.3f} ms under the routed step; trace {seen['trace']}")
+        assert seen["routed"], f"{who} {phase}: no kernel launched inside the routed step in {seen['trace']}"
+        assert seen["pairs"], (f"{who} {phase}: no shared-expert GEMM on a stream other than the routed "
+                               f"step's ({seen['routed_streams']}) overlaps a routed-step kernel in "
+                               f"{seen['trace']}")
+
+
+TRACE_SHAPE = (8192, 4096, 2048, 16, 8)
+"""(T, H, H', E, K): shared and routed experts that both take milliseconds."""
+
+
+@pytest.mark.gpu
+def test_profiler_trace_shows_the_shared_experts_overlapping_the_routed_step(tmp_path):
+    """One step of a layer whose shared experts and routed experts both take milliseconds, profiled in two
+    traces (forward, backward): a shared-expert GEMM kernel runs while a kernel of the routed step (launched
+    inside `MoonEPExperts`' forward, or its backward) runs on another stream."""
+    layer = make_layer(True, shape=TRACE_SHAPE)
+    out_dir = Path(os.environ.get("MOONEP_BENCH_OUT") or tmp_path)
+    assert_overlapped(profile_overlap(layer, out_dir), "one rank")
+
+
+def overlap_trace_job(world, out_dir: str) -> dict:
+    """One rank of a symmetric group whose processes share the GPU: its overlapped layer (R ranks, B = epn
+    slots) profiled as in `profile_overlap`, its traces tagged with the rank."""
+    layer = make_layer(True, shape=TRACE_SHAPE, world=world)
+    try:
+        return profile_overlap(layer, Path(out_dir), f"-rank{world.rank}-of{world.size}")
+    finally:
+        layer.destroy()
+
+
+@pytest.mark.gpu
+def test_profiler_trace_shows_the_overlap_in_processes_sharing_the_gpu(tmp_path):
+    """Issue 13 item 5's second trace: two processes, each a rank of one symmetric world on the same GPU
+    (dispatch, prefetch and combine crossing ranks through peer memory): in each process's trace a
+    shared-expert GEMM runs while a routed-step kernel runs on another stream, forward and backward."""
+    from test_symmetric import spawn_symmetric
+
+    out_dir = Path(os.environ.get("MOONEP_BENCH_OUT") or tmp_path)
+    results = spawn_symmetric(functools.partial(overlap_trace_job, out_dir=str(out_dir)), 2, tmp_path)
+    for rank, phases in enumerate(results):
+        assert_overlapped(phases, f"rank {rank} of 2")
