@@ -4,6 +4,9 @@ the kernels that way; compiled kernels pick their GPU tiles and hardware convers
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -15,3 +18,12 @@ def _probe():
 
 INTERPRETED = isinstance(_probe, InterpretedFunction)
 """True where `triton.jit` gives interpreted functions: the kernels run on CPU tensors."""
+
+
+_lock = threading.Lock()
+
+
+def launching() -> contextlib.AbstractContextManager:
+    """Held around a kernel launch: the interpreter keeps its program ids and language patches in globals, so
+    thread-ranks interpreting kernels at once take turns; compiled launches need nothing."""
+    return _lock if INTERPRETED else contextlib.nullcontext()

@@ -47,16 +47,14 @@ or mis-round), so the interpreter tests compare bit for bit too.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
 
 import torch
 import triton
 import triton.language as tl
 
 from moonep_moe.comm.world import SymmetricTensor
-from moonep_moe.triton_interpreter import INTERPRETED
+from moonep_moe.triton_interpreter import launching
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
               torch.float64: tl.float64}
@@ -99,14 +97,6 @@ def _table(device: str, stream: int, addresses: tuple[int, ...]) -> torch.Tensor
     for rank, address in enumerate(addresses):
         table_r[rank].fill_(address)
     return table_r
-
-
-_interpreter_lock = threading.Lock()
-
-
-def _launching():
-    """The interpreter keeps its program ids and language patches in globals: thread-ranks take turns."""
-    return _interpreter_lock if INTERPRETED else contextlib.nullcontext()
 
 
 ROW_BLOCK_BYTES = 8192
@@ -296,7 +286,7 @@ def send_routes(hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None, 
         return
     block, warps = _row_block(width, hidden_sh.element_size())
     tables, one_rank = _tables(rows, weights, pairs)
-    with _launching():
+    with launching():
         _send_routes_kernel[(num_tokens + pad_groups, triton.cdiv(width, block))](
             hidden_sh, route_weights_sk if route_weights_sk is not None else hidden_sh, dst_n, *tables,
             rows.local, weights.local, pairs.local, zero_fill_g2 if pad_groups else dst_n, num_tokens, width,
@@ -364,7 +354,7 @@ def record_duplicates(pairs_p2: torch.Tensor, marks_nvs: torch.Tensor, end_1: to
             where none. marks_nvs: `[NvS]` int32 all zero (scratch). end_1: `[1]` int32, `cu_seqlens[-1:]`.
         dup_groups, dup_loffs, dup_counts: the plan's `[NvS, 3]`, `[NvS]`, `[2]` int32 tables, zero.
     """
-    with _launching():
+    with launching():
         _record_duplicates_kernel[(1,)](pairs_p2, pairs_p2.shape[0], marks_nvs, end_1, dup_groups, dup_loffs,
                                         dup_counts, K=top_k, K_P=triton.next_power_of_2(top_k),
                                         SLOTS=RECORD_SLOTS, ROWS=RECORD_ROWS, num_warps=8)
@@ -412,7 +402,7 @@ def expand_duplicates(rows_nvsh: torch.Tensor, dup_groups: torch.Tensor, dup_lof
     if max_duplicates == 0 or max_groups == 0:
         return
     grid, launch = _duplicate_groups_launch(rows_nvsh, rows_nvsh.element_size(), max_groups, num_sms)
-    with _launching():
+    with launching():
         _expand_duplicates_kernel[grid](rows_nvsh, dup_groups, dup_loffs, dup_counts, rows_nvsh.shape[1],
                                         MAX_DUPS=max_duplicates, **launch)
 
@@ -445,7 +435,7 @@ def copy_rows(target_nvsh: torch.Tensor, source_nvsh: torch.Tensor, end_1: torch
         return
     block, warps = _row_block(width, target_nvsh.element_size())
     programs, _ = _group_programs(num_rows, target_nvsh.device, num_sms)
-    with _launching():
+    with launching():
         _pre_reduce_copy_kernel[(programs, triton.cdiv(width, block))](
             target_nvsh, source_nvsh, end_1, width, BLOCK_H=block, num_warps=warps)
 
@@ -485,7 +475,7 @@ def pre_reduce_duplicates(rows_nvsh: torch.Tensor, dup_groups: torch.Tensor, dup
     if max_duplicates == 0 or max_groups == 0:
         return
     grid, launch = _duplicate_groups_launch(rows_nvsh, 4, max_groups, num_sms)
-    with _launching():
+    with launching():
         _pre_reduce_kernel[grid](rows_nvsh, dup_groups, dup_loffs, dup_counts, rows_nvsh.shape[1],
                                  ACC=_TL_DTYPES[accumulate], MAX_DUPS=max_duplicates, **launch)
 
@@ -532,7 +522,7 @@ def gather_routes(dst_n: torch.Tensor, rows: SymmetricTensor | torch.Tensor, wei
     with_weights = weights is not None
     tables, one_rank = _tables(rows, *([weights] if with_weights else []))
     rows_nvsh = tables[0] if one_rank else rows.local
-    with _launching():
+    with launching():
         _gather_routes_kernel[(num_tokens, triton.cdiv(width, block))](
             out_sh, weights_out_sk if with_weights else out_sh, dst_n, tables[0], tables[-1], rows_nvsh,
             weights.local if with_weights else rows_nvsh, width, rows_nvsh.shape[0],
@@ -579,7 +569,7 @@ def copy_experts(home: SymmetricTensor, slots_b: torch.Tensor, experts_b: torch.
     if num_slots == 0 or numel == 0:
         return
     block, iterations, warps = _flat_block(numel, slots_b.element_size())
-    with _launching():
+    with launching():
         _copy_experts_kernel[(triton.cdiv(numel, block * iterations), num_slots)](
             slots_b, experts_b, pointer_table(home), home.local, numel, home.local.shape[0], BLOCK=block,
             ITERATIONS=iterations, num_warps=warps)
@@ -610,7 +600,7 @@ def clear_slots(slots_b: torch.Tensor, experts_b: torch.Tensor) -> None:
     if num_slots == 0 or numel == 0:
         return
     block, iterations, warps = _flat_block(numel, slots_b.element_size())
-    with _launching():
+    with launching():
         _clear_slots_kernel[(triton.cdiv(numel, block * iterations), num_slots)](
             slots_b, experts_b, numel, BLOCK=block, ITERATIONS=iterations, num_warps=warps)
 
@@ -661,7 +651,7 @@ def add_replicas(home_x: torch.Tensor, slots: SymmetricTensor, sources_xr: torch
         return
     block, iterations, warps = _flat_block(numel, home_x.element_size())
     accumulate = torch.promote_types(torch.promote_types(home_x.dtype, slots.local.dtype), torch.float32)
-    with _launching():
+    with launching():
         _add_replicas_kernel[(triton.cdiv(numel, block * iterations), num_home)](
             home_x, sources_xr, pointer_table(slots), slots.local, numel, slots.local.shape[0],
             ACC=_TL_DTYPES[accumulate], MAX_REPLICAS=max_replicas, BLOCK=block, ITERATIONS=iterations,
