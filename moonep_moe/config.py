@@ -450,6 +450,19 @@ class MoEConfig(CommConfig):
             "FP8 tensor cores (sm89 or newer; tested on sm90) (`moonep_moe.layers.fp8`)."
         ),
     )
+    fp8_dispatch: bool = Field(
+        False,
+        description=(
+            "With precision='fp8': quantise each token once, before dispatch (e4m3 with 1x128 fp32 scales, "
+            "the [S, H] tokens instead of the [NvS, H] rows), and dispatch the FP8 rows with their scales "
+            "(about half of bf16's bytes on the wire), which the forward GEMM takes as they arrive: "
+            "DeepSeek-V3's recipe. The output and every gradient but gate_up's weight gradient are the same "
+            "bits as without it (the same rows, quantised the same way); backward keeps the FP8 rows instead "
+            "of a bf16 copy (half that activation memory) and gate_up's wgrad multiplies them dequantised, "
+            "exactly the values the forward multiplied, where it multiplies the bf16 rows without it. "
+            "Default False: not yet timed on a GPU. Needs precision='fp8'."
+        ),
+    )
     expert_weights: Literal["bf16", "fp8"] = Field(
         "bf16",
         description=(
@@ -514,6 +527,8 @@ class MoEConfig(CommConfig):
         if self.precision == "fp8" and (self.dtype != "bfloat16" or self.token_padding % 128):
             raise ValueError(f"precision='fp8' needs dtype='bfloat16' and token_padding a multiple of 128, "
                              f"got dtype={self.dtype!r}, token_padding={self.token_padding}")
+        if self.fp8_dispatch and self.precision != "fp8":
+            raise ValueError(f"fp8_dispatch=True needs precision='fp8', got precision={self.precision!r}")
         if self.expert_weights == "fp8":
             self._check_fp8_weights()
         return self

@@ -654,10 +654,8 @@ def test_fp8_layer_tracks_the_float64_reference_like_the_bf16_layer(fp8_kernel, 
     (two operands rounded to e4m3) in the worst case, and rounding errors of random signs add in norm far
     below that, so one GEMM's worth of worst case is a ceiling for the chain (expected: a few 2^-5); the
     bf16 layer's errors are printed beside for the record. Without CUDA the layer runs the Triton FP8 GEMM
-    and casts in Triton's interpreter, the construction check (which wants CUDA) stood in for."""
-    monkeypatch.setattr(fp8, "fp8_kernel", lambda device: fp8_kernel)
-    if KERNEL_DEVICE == "cpu":
-        monkeypatch.setattr(fp8, "fp8_unsupported_reason", lambda *_: None)
+    and casts in Triton's interpreter (`fp8_layer_here`)."""
+    fp8_layer_here(monkeypatch, fp8_kernel)
     errors = {}
     for precision in ("fp8", "bf16"):
         cfg = make_config(1, hidden_size=256, ffn_hidden_size=128, num_experts=8, max_tokens_per_rank=256,
@@ -672,6 +670,76 @@ def test_fp8_layer_tracks_the_float64_reference_like_the_bf16_layer(fp8_kernel, 
                              for name in ("out", "grad_x", "grad_gate_up", "grad_down")}
     print(errors)
     assert all(error < 2.0**-3 for error in errors["fp8"].values()), errors
+
+
+def fp8_layer_here(monkeypatch, kernel: str) -> None:
+    """Layers built from here on with `precision="fp8"` run FP8 GEMM `kernel`; without CUDA, the Triton one
+    interpreted (the construction check, which wants CUDA, stood in for)."""
+    monkeypatch.setattr(fp8, "fp8_kernel", lambda device: kernel)
+    if KERNEL_DEVICE == "cpu":
+        monkeypatch.setattr(fp8, "fp8_unsupported_reason", lambda *_: None)
+
+
+ONE_GPU_BACKWARD = pytest.mark.skipif(torch.cuda.is_available(), reason="thread-ranks on one GPU run forward "
+                                      "only (PyTorch's one autograd thread per device); R=1 covers the GPU")
+
+
+@pytest.mark.parametrize("R", [1, pytest.param(2, marks=ONE_GPU_BACKWARD)])
+def test_fp8_dispatch_changes_only_gate_ups_weight_gradient(R, fp8_kernel, monkeypatch):
+    """`fp8_dispatch`: the tokens quantised once and dispatched as FP8 rows with their scales. The output and
+    the input, router and down gradients are the bits of the fp8 layer without it (the same rows, quantised
+    the same way; R ranks, skewed routing, duplicates at R=2); gate_up's weight gradient, made from the
+    dequantised rows instead of the bf16 ones, stays within the fp8 layer's 2^-3 of the float64 reference
+    (see `test_fp8_layer_tracks_the_float64_reference_like_the_bf16_layer`)."""
+    fp8_layer_here(monkeypatch, fp8_kernel)
+    runs = {}
+    for dispatch in (False, True):
+        cfg = make_config(R, hidden_size=256, ffn_hidden_size=128, num_experts=8, max_tokens_per_rank=64,
+                          token_padding=128, dtype="bfloat16", grouped_gemm="torch", precision="fp8",
+                          fp8_dispatch=dispatch, router={"dtype": "float32", "expert_bias": True})
+        p = make_problem(cfg, seed=43, skew=2.0)
+        rounded = [t.bfloat16().double() for t in p.hidden + [p.gate_up_e2fh, p.down_ehf]]
+        p.hidden, p.gate_up_e2fh, p.down_ehf = rounded[:-2], rounded[-2], rounded[-1]
+        runs[dispatch] = run_moonep(p, KERNEL_DEVICE)
+    for rank, (plain, fp8_rows) in enumerate(zip(runs[False], runs[True], strict=True)):
+        for name in ("out", "grad_x", "grad_router", "grad_down"):
+            assert torch.equal(fp8_rows[name], plain[name]), f"{name} on rank {rank}"
+    _, want, _, _ = run_dense(p)  # every expert's; a rank's own may be all zero (the skew sends no route)
+    got = torch.cat([fp8_rows["grad_gate_up"] for fp8_rows in runs[True]])
+    error = float((got - want).norm() / want.norm())
+    assert error < 2.0**-3, f"grad_gate_up: relative error {error}"
+
+
+@pytest.mark.parametrize("dispatch", [False, True])
+def test_fp8_dispatch_keeps_fp8_rows_for_backward_instead_of_a_bf16_copy(dispatch, fp8_kernel, monkeypatch):
+    """What the routed experts save for backward: with `fp8_dispatch` the dispatched rows as e4m3 `[NvS, H]`
+    (half the bytes) and no bf16 `[NvS, H]` tensor; without it, the bf16 copy."""
+    from moonep_moe.comm.world import single_world
+
+    fp8_layer_here(monkeypatch, fp8_kernel)
+    shapes = {**BASE, "ffn_hidden_size": 384}  # no other saved [NvS, H]-shaped tensor (ab is [NvS, 2F])
+    layer = MoonEPMoELayer(MoEConfig(**shapes, precision="fp8", fp8_dispatch=dispatch),
+                           single_world(KERNEL_DEVICE))
+    rows, hidden = layer.config.rows_per_rank, layer.config.hidden_size
+    saved = []
+
+    def pack(tensor):
+        saved.append((tensor.dtype, tuple(tensor.shape)))
+        return tensor
+
+    x = torch.randn(48, hidden, generator=torch.Generator().manual_seed(44)).bfloat16().to(KERNEL_DEVICE)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = layer(x.requires_grad_())
+    out.float().sum().backward()
+    assert ((FP8_DTYPE, (rows, hidden)) in saved) == dispatch
+    assert ((torch.bfloat16, (rows, hidden)) in saved) != dispatch
+    assert x.grad is not None and layer.experts.gate_up.grad is not None
+
+
+def test_fp8_dispatch_needs_precision_fp8():
+    with pytest.raises(ValueError, match="fp8_dispatch=True needs precision='fp8', got precision='bf16'"):
+        MoEConfig(**BASE, fp8_dispatch=True)
+    assert not MoEConfig(**BASE, precision="fp8").fp8_dispatch
 
 
 @pytest.mark.parametrize("k", [128, 300])

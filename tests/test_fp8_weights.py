@@ -26,7 +26,15 @@ from test_fp8_checkpoint import BATCH, HF_TOL, SEQ, VOCAB, deepseek_quantise, qu
 from moonep_moe.comm.world import run_ranks
 from moonep_moe.config import MoEConfig
 from moonep_moe.integrations.hf import MoonEPBlock, hf_state_dict, swap_moe_blocks
-from moonep_moe.layers.fp8 import FP8_DTYPE, fp8_unsupported_reason, quantise_blocks
+from moonep_moe.layers import moe
+from moonep_moe.layers.fp8 import (
+    FP8_DTYPE,
+    dequantise_rows,
+    fp8_unsupported_reason,
+    quantise_blocks,
+    quantise_rows,
+)
+from moonep_moe.layers.function import MoonEPExperts
 from moonep_moe.layers.moe import MoonEPMoELayer
 
 E, H, F, K, S = 4, 160, 256, 2, 8
@@ -175,6 +183,31 @@ def test_fp8_layer_equals_the_bf16_master_layer_on_the_dequantised_checkpoint(R,
         assert torch.equal(got["out"], want["out"]), f"rank {rank}"
     if R > 1:
         assert int(sum(res["slots_used"] for res in fp8).sum()) > 0, "skewed routing must use FP8 slots"
+
+
+class RoundedExperts:
+    """Stands in for `MoonEPExperts` in `moonep_moe.layers.moe`: the routed experts get the tokens rounded to
+    their FP8 values (1x128 tiles, dequantised exactly into bf16); the router still sees them as given."""
+
+    @staticmethod
+    def apply(hidden_sh, *args):
+        return MoonEPExperts.apply(dequantise_rows(*quantise_rows(hidden_sh), torch.bfloat16), *args)
+
+
+@pytest.mark.parametrize("R", [1, 2])
+def test_fp8_dispatch_multiplies_the_tokens_fp8_values(R, monkeypatch):
+    """`fp8_dispatch` on the reference path: the tokens are quantised before dispatch and arrive as e4m3
+    rows with their scales, so the layer computes, bit for bit, what the same layer without it computes when
+    its routed experts get the tokens rounded to those values; slots in use at R=2."""
+    state = checkpoint(seed=5)
+    with_dispatch = run(R, state, fp8_dispatch=True)
+    monkeypatch.setattr(moe, "MoonEPExperts", RoundedExperts)
+    plain = run(R, state)
+    for rank, (got, want) in enumerate(zip(with_dispatch, plain, strict=True)):
+        assert got["out"].abs().max() > 0
+        assert torch.equal(got["out"], want["out"]), f"rank {rank}"
+    if R > 1:
+        assert int(sum(res["slots_used"] for res in with_dispatch).sum()) > 0
 
 
 def test_fp8_layer_with_padding_tokens_and_an_empty_step():

@@ -97,8 +97,17 @@ def quantise_rows(x_mk: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def dequantise_rows(q_mk: Tensor, scales_mk: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
-    """``q * scale`` per 1x128 tile, in ``dtype``: ``[rows, K]``."""
-    return q_mk.to(dtype) * scales_mk.to(dtype).repeat_interleave(TILE, dim=1)[:, :q_mk.shape[1]]
+    """``q * scale`` per 1x128 tile, in ``dtype``: ``[rows, K]`` (scales of any strides), multiplied in place
+    tile by tile, so the only ``[rows, K]`` tensor made is the result. Exact in bf16 too: an e4m3 value has
+    4 significant bits and the scales are powers of two within bf16's exponent range."""
+    rows, k = q_mk.shape
+    x_mk = q_mk.to(dtype)
+    full = k // TILE
+    if full:
+        x_mk[:, :full * TILE].view(rows, full, TILE).mul_(scales_mk[:, :full, None].to(dtype))
+    if k % TILE:
+        x_mk[:, full * TILE:].mul_(scales_mk[:, full:full + 1].to(dtype))
+    return x_mk
 
 
 def transpose_blocks(q_gnk: Tensor, scales_gnk: Tensor) -> tuple[Tensor, Tensor]:
@@ -288,8 +297,17 @@ class Fp8GroupedGemm:
         self._wgrad = wgrad
         self.weights = Fp8WeightCache()
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor] | Fp8Weights, offs_g: Tensor,
+    def quantise_rows(self, x_sh: Tensor) -> tuple[Tensor, Tensor]:
+        """Tokens ``x [s, H]`` -> ``(q [s, H] e4m3, scales [s, ceil(H/128)] fp32)``, every row cast on the
+        device: what a layer dispatches as FP8 (`MoEConfig.fp8_dispatch`) and then gives ``fwd`` as it
+        arrives."""
+        ends = torch.full((1,), x_sh.shape[0], dtype=torch.int32, device=x_sh.device)
+        return self._cast_rows(x_sh, ends)
+
+    def fwd(self, x: Tensor | tuple[Tensor, Tensor], weights: Sequence[Tensor] | Fp8Weights, offs_g: Tensor,
             frozen: bool = False) -> Tensor:
+        """``x``: bf16 rows (cast here), or rows already FP8 as ``(q, scales)`` (`quantise_rows`' layout,
+        e.g. as a dispatch returns them)."""
         if isinstance(weights, Fp8Weights):
             _check_groups(weights.q, offs_g, "weights")
             return self._gemm(x, *weights.joined(), offs_g)
@@ -300,10 +318,18 @@ class Fp8GroupedGemm:
         _check_groups(weights, offs_g, "weights")
         return self._gemm(dy, *self.weights.get(weights, transposed=True, keep=False), offs_g)
 
-    def _gemm(self, a: Tensor, q_w: Tensor, scales_w: Tensor, offs_g: Tensor) -> Tensor:
-        """``a [rows, k] bf16 @ w^T`` per segment, ``w`` the FP8 ``q_w [G, n, k]`` with its block scales."""
-        out = a.new_empty(a.shape[0], q_w.shape[1])
-        self._kernel(self._cast_rows(a, offs_g), (q_w, scales_w), out, offs_g)
+    def _gemm(self, a: Tensor | tuple[Tensor, Tensor], q_w: Tensor, scales_w: Tensor,
+              offs_g: Tensor) -> Tensor:
+        """``a [rows, k] @ w^T`` per segment into bf16, ``a`` bf16 or already FP8 ``(q, scales)``, ``w`` the
+        FP8 ``q_w [G, n, k]`` with its block scales."""
+        if isinstance(a, tuple):
+            q_a, scales_a = a
+            if self.kernel == "deep_gemm":  # its sm90 SFA layout (else it transposes them on every call)
+                scales_a = to_deep_gemm_row_scales(scales_a)
+        else:
+            q_a, scales_a = self._cast_rows(a, offs_g)
+        out = torch.empty(q_a.shape[0], q_w.shape[1], dtype=torch.bfloat16, device=q_a.device)
+        self._kernel((q_a, scales_a), (q_w, scales_w), out, offs_g)
         return out
 
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
@@ -329,7 +355,16 @@ class ReferenceFp8Gemm:
     ops = ("fwd",)
     joined_weights = True
 
-    def fwd(self, x: Tensor, weights: Fp8Weights, offs_g: Tensor, frozen: bool = False) -> Tensor:
+    def quantise_rows(self, x_sh: Tensor) -> tuple[Tensor, Tensor]:
+        """As `Fp8GroupedGemm.quantise_rows`, with the reference cast (any device)."""
+        return quantise_rows(x_sh)
+
+    def fwd(self, x: Tensor | tuple[Tensor, Tensor], weights: Fp8Weights, offs_g: Tensor,
+            frozen: bool = False) -> Tensor:
+        """``x``: rows as given, or FP8 ``(q, scales)`` rows, dequantised exactly into bf16 (the layer's
+        dtype with FP8 experts) first."""
+        if isinstance(x, tuple):
+            x = dequantise_rows(*x, torch.bfloat16)
         dequantised = [dequantise_blocks(q, scales, torch.float32)
                        for q, scales in zip(weights.q, weights.scales, strict=True)]
         return ReferenceGroupedGemm().fwd(x, dequantised, offs_g)

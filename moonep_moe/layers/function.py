@@ -36,6 +36,7 @@ import torch
 
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.plan_types import MoonEPCommPlan
+from moonep_moe.layers.fp8 import dequantise_rows
 from moonep_moe.layers.grouped_gemm import GroupedGemm
 from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
 from moonep_moe.weights.experts import HomeExperts
@@ -51,6 +52,8 @@ class ExpertsState:
     gemm: GroupedGemm
     main_grad: bool = False
     """`MoEConfig.expert_grad_dtype == "main_grad"`: wgrad adds into the parameters' `main_grad`."""
+    fp8_dispatch: bool = False
+    """`MoEConfig.fp8_dispatch`: the tokens are quantised by the (FP8) GEMM backend and dispatched as FP8."""
     last_plan: MoonEPCommPlan | None = None
 
 
@@ -76,6 +79,10 @@ class MoonEPExperts(torch.autograd.Function):
             inside `forward` autograd has turned grad mode off, so the caller says): the GEMM backend may
             keep what it derives from the weights (`GroupedGemm.fwd`).
 
+    With `MoEConfig.fp8_dispatch` the tokens are quantised before dispatch (`gemm.quantise_rows`) and travel
+    as FP8 rows with their scales; the forward GEMM takes them as they arrive, backward keeps them (not a bf16
+    copy) and dequantises them for gate_up's weight gradient.
+
     FP8 experts with no master (`MoEConfig.expert_weights="fp8"`) run forward only: their scales are
     prefetched with them and the GEMMs take `Fp8Weights`; the layer refuses, before routing, a forward whose
     output would need a gradient (`MoonEPMoELayer.forward`), so this backward never meets them.
@@ -85,8 +92,13 @@ class MoonEPExperts(torch.autograd.Function):
     def forward(ctx, hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, gate_up, down,
                 state: ExpertsState, frozen: bool):
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
-        x_nvsh, w_nvs, cu_seqlens, plan, _ = buffer.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
-                                                             tokens_per_expert)
+        if state.fp8_dispatch:  # x_nvsh: the pair (e4m3 rows, their 1x128 scales), as the fwd GEMM takes it
+            q_sh, scales_sh = gemm.quantise_rows(hidden_sh)
+            x_nvsh, w_nvs, cu_seqlens, plan, _ = buffer.dispatch(q_sh, route_weights_sk, topk_experts_sk,
+                                                                 tokens_per_expert, scales=scales_sh)
+        else:
+            x_nvsh, w_nvs, cu_seqlens, plan, _ = buffer.dispatch(hidden_sh, route_weights_sk,
+                                                                 topk_experts_sk, tokens_per_expert)
         gate_up_rows, down_rows = experts.rows
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows, experts.scales)
         offs_g = compute_offsets(cu_seqlens, buffer.world.rank, buffer.epn, buffer.E)
@@ -95,14 +107,14 @@ class MoonEPExperts(torch.autograd.Function):
         hw_nvf = swiglu_weighted(ab_nv2f, w_nvs, offs_g[-1:])
         y_nvsh = gemm.fwd(hw_nvf, down_w, offs_g, frozen)
         out_sh, _, _ = buffer.combine(plan, y_nvsh)
-        ctx.save_for_backward(x_nvsh, ab_nv2f, w_nvs, offs_g)
+        ctx.save_for_backward(*(x_nvsh if state.fp8_dispatch else (x_nvsh,)), ab_nv2f, w_nvs, offs_g)
         ctx.plan, ctx.state = plan, state
         state.last_plan = plan
         return out_sh
 
     @staticmethod
     def backward(ctx, grad_out_sh):
-        x_nvsh, ab_nv2f, w_nvs, offs_g = ctx.saved_tensors
+        *x_parts, ab_nv2f, w_nvs, offs_g = ctx.saved_tensors
         plan, state = ctx.plan, ctx.state
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
         gate_up_rows, down_rows = experts.rows
@@ -130,6 +142,8 @@ class MoonEPExperts(torch.autograd.Function):
         home = tuple(rows.home.local for rows in experts.new_grads()) if add else (None, None)
         gate_up_slots, down_slots = (pool.local for pool in experts.slot_grads)
         down_home, _ = gemm.wgrad(dy_nvsh, hw_nvf, offs_g, (home[1], down_slots), add)
+        # FP8 rows (fp8_dispatch) dequantised exactly: the values the forward multiplied
+        x_nvsh = dequantise_rows(*x_parts, buffer.dtype) if state.fp8_dispatch else x_parts[0]
         gate_up_home, _ = gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (home[0], gate_up_slots), add)
         gate_up_grads, down_grads = experts.new_grads((gate_up_home, down_home))
         grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs)

@@ -320,7 +320,7 @@ class MoonEPMoELayer(nn.Module):
                              replica_cost=config.replica_cost)
         if config.expert_weights == "fp8":  # FP8 GEMMs on the weights as stored; no weight gradients
             gemm = fp8_weights_gemm(config.grouped_gemm, device, dtype, config.token_padding, world.rank)
-            self._state = ExpertsState(self.buffer, self.experts, gemm)
+            self._state = ExpertsState(self.buffer, self.experts, gemm, fp8_dispatch=config.fp8_dispatch)
             return
         main_grad = config.expert_grad_dtype == "main_grad"
         grad_dtype = torch.promote_types(dtype, torch.float32) if main_grad else dtype
@@ -332,7 +332,7 @@ class MoonEPMoELayer(nn.Module):
                                    token_padding=config.token_padding, problem=problem)
         if config.precision == "fp8":  # fwd and dgrad in FP8; the backend selected above keeps wgrad
             gemm = fp8_grouped_gemm(gemm, device, dtype, config.token_padding, world.rank)
-        self._state = ExpertsState(self.buffer, self.experts, gemm, main_grad)
+        self._state = ExpertsState(self.buffer, self.experts, gemm, main_grad, config.fp8_dispatch)
 
     def _release_comm(self) -> None:
         """Give the comm memory back to the world (the Buffer's and the home experts' registrations)."""

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from moonep_moe.layers.fp8 import FP8_DTYPE, TILE, tma_aligned_rows
-from moonep_moe.triton_interpreter import INTERPRETED
+from moonep_moe.triton_interpreter import INTERPRETED, launching
 from moonep_moe.weights.quantised import MAX_BITS, MIN_AMAX
 
 HARDWARE_ROUNDING = not INTERPRETED
@@ -129,9 +129,10 @@ def cast_rows(x_mk: torch.Tensor, offs_g: torch.Tensor,
     scales = torch.empty(tiles * stride_s, dtype=torch.float32, device=x_mk.device)
     if rows and cols:
         grid = (triton.cdiv(rows, BLOCK_ROWS), tiles)
-        _cast_rows_kernel[grid](x_mk, q_mk, scales, offs_g, offs_g.numel() - 1, rows, cols, x_mk.stride(0),
-                                stride_s, BLOCK=BLOCK_ROWS, TILE=TILE, num_warps=num_warps,
-                                **_format_constants())
+        with launching():
+            _cast_rows_kernel[grid](x_mk, q_mk, scales, offs_g, offs_g.numel() - 1, rows, cols,
+                                    x_mk.stride(0), stride_s, BLOCK=BLOCK_ROWS, TILE=TILE,
+                                    num_warps=num_warps, **_format_constants())
     return q_mk, scales.as_strided((rows, tiles), (1, stride_s))
 
 
@@ -150,7 +151,8 @@ def cast_blocks(w_gnk: torch.Tensor, scales_out: torch.Tensor, q_out: torch.Tens
             raise ValueError(f"{name} must be a contiguous {list(shape)} tensor, got {list(out.shape)} "
                              f"with strides {out.stride()}")
     if groups and n and k:
-        _cast_blocks_kernel[grid](w_gnk, q_out if q_out is not None else qt_out,
-                                  qt_out if qt_out is not None else q_out, scales_out, n, k, *w_gnk.stride(),
-                                  WRITE_Q=q_out is not None, WRITE_QT=qt_out is not None, TILE=TILE,
-                                  num_warps=num_warps, **_format_constants())
+        with launching():
+            _cast_blocks_kernel[grid](w_gnk, q_out if q_out is not None else qt_out,
+                                      qt_out if qt_out is not None else q_out, scales_out, n, k,
+                                      *w_gnk.stride(), WRITE_Q=q_out is not None, WRITE_QT=qt_out is not None,
+                                      TILE=TILE, num_warps=num_warps, **_format_constants())

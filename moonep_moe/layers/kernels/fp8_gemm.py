@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moonep_moe.triton_interpreter import INTERPRETED
+from moonep_moe.triton_interpreter import INTERPRETED, launching
 from moonep_moe.weights.quantised import BLOCK, FP8_DTYPE
 
 SWIZZLE = 8
@@ -124,8 +124,9 @@ def grouped_fp8_gemm(a: tuple[torch.Tensor, torch.Tensor], w: tuple[torch.Tensor
     if not (rows and n and groups):
         return
     grid = (triton.cdiv(rows, launch["BLOCK_M"]) * triton.cdiv(n, launch["BLOCK_N"]),)
-    _grouped_fp8_gemm_kernel[grid](q_a, scales_a, q_w, scales_w, offs_g, out, groups, rows, n, k,
-                                   q_a.stride(0), *scales_a.stride(), q_w.stride(0), q_w.stride(1),
-                                   *scales_w.stride(), out.stride(0),
-                                   GROUPS_POW2=triton.next_power_of_2(groups), SWIZZLE=SWIZZLE, BLOCK_K=BLOCK,
-                                   **launch)
+    with launching():
+        _grouped_fp8_gemm_kernel[grid](q_a, scales_a, q_w, scales_w, offs_g, out, groups, rows, n, k,
+                                       q_a.stride(0), *scales_a.stride(), q_w.stride(0), q_w.stride(1),
+                                       *scales_w.stride(), out.stride(0),
+                                       GROUPS_POW2=triton.next_power_of_2(groups), SWIZZLE=SWIZZLE,
+                                       BLOCK_K=BLOCK, **launch)
