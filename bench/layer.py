@@ -45,7 +45,8 @@ FP8 cannot run (no sm90, no DeepGEMM) the row is skipped with the reason. A seco
 (`FP8_VARIANTS`), checked against the same bounds under its own scope (`fp8_scope`): "weights fixed", the
 same layer measured inside `moonep_moe.fixed_expert_weights` (gradient accumulation: the home experts' FP8
 copies cast once in warm-up and reused by every timed step, as by a step's micro-batches; the prefetched
-slots still cast on every call; the kept copies count in its peak).
+slots still cast on every call; the kept copies count in its peak). A third, "tokens dispatched as FP8",
+is the fp8 layer with `fp8_dispatch` (its tokens quantised before dispatch, the FP8 rows kept for backward).
 
 Layers, in the order run:
 - `torch-native`: what users run today, in the torchtitan style: an fp32 softmax top-k router, a sort-based
@@ -478,7 +479,7 @@ def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: d
     kind = "default" if default else "fp8" if cfg.precision == "fp8" else "variant"
     row = {"layer": name, "config": kind, "backend": cfg.grouped_gemm, "precision": cfg.precision,
            "expert_grad_dtype": cfg.expert_grad_dtype, "token_padding": cfg.token_padding, "dtype": cfg.dtype,
-           "fixed_expert_weights": fixed}
+           "fixed_expert_weights": fixed, "fp8_dispatch": cfg.fp8_dispatch}
     try:
         layer.load_state_dict(layer_weights(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts))
         if ep_rank_epn is not None:
@@ -515,6 +516,8 @@ def run_all_ours(bench: Bench, shapes: dict, variants: list[dict], profiles: dic
             what = f"{cfg.precision}, {what}"
         if fixed:
             what = f"{what}, weights fixed"
+        if cfg.fp8_dispatch:
+            what = f"{what}, fp8 dispatch"
         name = f"moonep DEFAULT ({what})" if not settings else f"moonep ({what})"
         if ep_rank_epn is not None:
             name = f"EP rank {name}"
@@ -671,8 +674,9 @@ FP8_SETTINGS = {"precision": "fp8", "token_padding": 128}
 """--fp8: the fp8 row's config, the DEFAULT config with these settings."""
 FIXED = "fixed_expert_weights"
 """A row setting that is not a config field: measure the layer inside `fixed_expert_weights`."""
-FP8_VARIANTS = [FP8_SETTINGS, {**FP8_SETTINGS, FIXED: True}]
-"""--fp8's rows: the fp8 layer, and the same with its weights fixed (as across a step's micro-batches)."""
+FP8_VARIANTS = [FP8_SETTINGS, {**FP8_SETTINGS, FIXED: True}, {**FP8_SETTINGS, "fp8_dispatch": True}]
+"""--fp8's rows: the fp8 layer, the same with its weights fixed (as across a step's micro-batches), and the
+same dispatching its tokens as FP8 (`MoEConfig.fp8_dispatch`)."""
 
 FP8_LAYER_TARGETS = (  # (what, op, bound): issue 16 item 6, on the fp8 row
     ("fp8 speed vs our bf16", ">=", 1.6),
@@ -684,7 +688,8 @@ FP8_LAYER_TARGETS = (  # (what, op, bound): issue 16 item 6, on the fp8 row
 def fp8_scope(row: dict) -> str:
     """The scope an fp8 row's `fp8_layer_targets` are recorded under: the issue's item, and how the row
     differs from the plain fp8 layer."""
-    return "issue 16 item 6" + ", weights fixed over micro-batches" * row["fixed_expert_weights"]
+    return ("issue 16 item 6" + ", weights fixed over micro-batches" * row["fixed_expert_weights"]
+            + ", tokens dispatched as FP8" * row["fp8_dispatch"])
 
 
 def fp8_layer_targets(fp8: dict, default: dict, baseline: dict, scope: str) -> list[dict]:

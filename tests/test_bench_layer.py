@@ -332,9 +332,10 @@ def test_table_variants_default_to_none_for_several_tables():
 
 
 def test_fp8_rows_come_right_after_default_with_precision_fp8_and_padding_128():
-    """The fp8 row, then the same config measured with its weights fixed (`FIXED`, not a config field)."""
+    """The fp8 row, then the same config measured with its weights fixed (`FIXED`, not a config field), then
+    with its tokens dispatched as FP8."""
     one = variant_settings(["auto", "triton", "torch", "deep_gemm"], ["auto"], [])
-    fp8_rows = [FP8_SETTINGS, {**FP8_SETTINGS, FIXED: True}]
+    fp8_rows = [FP8_SETTINGS, {**FP8_SETTINGS, FIXED: True}, {**FP8_SETTINGS, "fp8_dispatch": True}]
     assert table_variants(None, None, [], tables=1, fp8=True) == [*fp8_rows, *one]
     assert table_variants([], [], [], tables=1, fp8=True) == fp8_rows, "--backends --main-grad-backends"
     assert table_variants(None, None, [], tables=5, fp8=True) == fp8_rows
@@ -359,9 +360,11 @@ def test_weights_fixed_row_runs_the_fp8_config_inside_fixed_expert_weights(monke
     (_, _, default_fixed), (fp8_cfg, _, plain), (fixed_cfg, name, fixed) = calls
     assert (default_fixed, plain, fixed) == (False, False, True)
     assert fixed_cfg == fp8_cfg and fixed_cfg.precision == "fp8" and name.endswith("weights fixed)")
-    assert layer_bench.fp8_scope({"fixed_expert_weights": True}) == \
+    assert layer_bench.fp8_scope({"fixed_expert_weights": True, "fp8_dispatch": False}) == \
         "issue 16 item 6, weights fixed over micro-batches"
-    assert layer_bench.fp8_scope({"fixed_expert_weights": False}) == "issue 16 item 6"
+    assert layer_bench.fp8_scope({"fixed_expert_weights": False, "fp8_dispatch": False}) == "issue 16 item 6"
+    assert layer_bench.fp8_scope({"fixed_expert_weights": False, "fp8_dispatch": True}) == \
+        "issue 16 item 6, tokens dispatched as FP8"
 
 
 def test_fp8_layer_targets_against_our_bf16_row_and_torch_native():
