@@ -736,6 +736,23 @@ def test_fp8_dispatch_keeps_fp8_rows_for_backward_instead_of_a_bf16_copy(dispatc
     assert x.grad is not None and layer.experts.gate_up.grad is not None
 
 
+def test_training_on_the_triton_fp8_gemm_warns_once(monkeypatch, caplog):
+    """Where DeepGEMM cannot run, fp8 training runs on the Triton FP8 GEMM at about half its rate, slower
+    than bf16: the first fp8 layer of a process says so (WARNING on the `moonep_moe` logger), later ones do
+    not; the DeepGEMM path says nothing."""
+    monkeypatch.setattr(fp8, "fp8_unsupported_reason", lambda *_: None)
+    fp8._warn_triton_training.cache_clear()
+    cpu = torch.device("cpu")
+    with caplog.at_level("WARNING", logger="moonep_moe"):
+        for kernel in ("triton", "triton", "deep_gemm"):
+            monkeypatch.setattr(fp8, "fp8_kernel", lambda device, k=kernel: k)
+            monkeypatch.setattr(fp8, "Fp8GroupedGemm", lambda wgrad, k: k)
+            assert fp8_grouped_gemm(TorchGroupedGemm(), cpu, torch.bfloat16, 128) == kernel
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "trains on the Triton FP8 GEMM" in caplog.records[0].getMessage()
+    fp8._warn_triton_training.cache_clear()
+
+
 def test_fp8_dispatch_needs_precision_fp8():
     with pytest.raises(ValueError, match="fp8_dispatch=True needs precision='fp8', got precision='bf16'"):
         MoEConfig(**BASE, fp8_dispatch=True)

@@ -27,10 +27,11 @@ What DeepGEMM 2.8.2 takes on sm90 (read from its ``csrc/apis/layout.hpp``, ``csr
 
 from __future__ import annotations
 
+import functools
+import logging
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -77,6 +78,8 @@ __all__ = [
     "tma_aligned_rows",
     "transpose_blocks",
 ]
+
+logger = logging.getLogger(__name__)  # a child of "moonep_moe"
 
 TILE = BLOCK
 """Activations: one scale per row per ``TILE`` columns; weights: one per ``TILE x TILE`` block."""
@@ -283,7 +286,7 @@ class Fp8GroupedGemm:
         from moonep_moe.layers.kernels.fp8_cast import cast_rows
 
         if kernel == "deep_gemm":
-            self._kernel = partial(import_deep_gemm().m_grouped_fp8_gemm_nt_contiguous,
+            self._kernel = functools.partial(import_deep_gemm().m_grouped_fp8_gemm_nt_contiguous,
                                    disable_ue8m0_cast=True, use_psum_layout=True)
         elif kernel == "triton":
             from moonep_moe.layers.kernels.fp8_gemm import grouped_fp8_gemm
@@ -413,7 +416,18 @@ def fp8_grouped_gemm(wgrad: GroupedGemm, device: torch.device, dtype: torch.dtyp
     reason = fp8_unsupported_reason(device, dtype, token_padding)
     if reason is not None:
         raise ValueError(f"precision='fp8' cannot run here (rank {rank}): {reason}; use precision='bf16'")
-    return Fp8GroupedGemm(wgrad, fp8_kernel(device))
+    kernel = fp8_kernel(device)
+    if kernel == "triton":
+        _warn_triton_training()
+    return Fp8GroupedGemm(wgrad, kernel)
+
+
+@functools.cache
+def _warn_triton_training() -> None:
+    """Once a process: fp8 training on the Triton FP8 GEMM is slower than bf16."""
+    logger.warning("precision='fp8' trains on the Triton FP8 GEMM here (DeepGEMM is not installed, or the "
+                   "GPU is not sm90): about half DeepGEMM's rate, so fp8 training is slower than bf16 "
+                   "(README, 'Precision: bf16 or fp8'); on Hopper, install DeepGEMM (the [gpu] extra)")
 
 
 def fp8_weights_gemm(grouped_gemm: str, device: torch.device, dtype: torch.dtype, token_padding: int | None,
