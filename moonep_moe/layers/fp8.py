@@ -287,7 +287,7 @@ class Fp8GroupedGemm:
 
         if kernel == "deep_gemm":
             self._kernel = functools.partial(import_deep_gemm().m_grouped_fp8_gemm_nt_contiguous,
-                                   disable_ue8m0_cast=True, use_psum_layout=True)
+                                             disable_ue8m0_cast=True, use_psum_layout=True)
         elif kernel == "triton":
             from moonep_moe.layers.kernels.fp8_gemm import grouped_fp8_gemm
 
