@@ -23,7 +23,7 @@ import torch
 from pydantic_core import ErrorDetails
 
 from moonep_moe import __version__
-from moonep_moe.config import available_configs, load_config, packaged_configs_folder
+from moonep_moe.config import available_configs, load_config, packaged_configs_folder, with_derived_defaults
 
 if TYPE_CHECKING:
     from moonep_moe.train import TrainConfig
@@ -117,7 +117,7 @@ def with_precision(cfg: TrainConfig, precision: str, device: str, config: str) -
                              "need a bfloat16 model (train.dtype: bfloat16, as in small-transformer)")
         from moonep_moe.layers.fp8 import fp8_unsupported_reason
 
-        padding = cfg.moe.get("token_padding") or 128  # what MoEConfig gives an fp8 layer that leaves it out
+        padding = with_derived_defaults({**cfg.moe, "precision": "fp8"})["token_padding"]  # the fp8 layer's
         reason = fp8_unsupported_reason(torch.device(device), torch.bfloat16, padding)
         if reason is not None:
             raise UsageError(f"--precision fp8 cannot run here: {reason}")

@@ -502,14 +502,7 @@ class MoEConfig(CommConfig):
     @model_validator(mode="before")
     @classmethod
     def _default_token_padding(cls, data: Any) -> Any:
-        """`precision` left out: 'fp8' with `expert_weights='fp8'`; `token_padding` left out: 128 for DeepGEMM
-        and FP8, else 16 (see the fields). Pure functions of the config, so every rank resolves the same."""
-        if isinstance(data, dict) and data.get("expert_weights") == "fp8" and data.get("precision") is None:
-            data = {**data, "precision": "fp8"}
-        if isinstance(data, dict) and data.get("token_padding") is None:
-            aligned = data.get("grouped_gemm") == "deep_gemm" or data.get("precision") == "fp8"
-            data = {**data, "token_padding": 128 if aligned else 16}
-        return data
+        return with_derived_defaults(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _check_routing_and_backend(self) -> MoEConfig:
@@ -559,6 +552,19 @@ demo``); ``"train"``, a training run with top-level ``model:`` / ``moe:`` / ``tr
 (``moonep_moe.train.load_train_config``, ``moonep-moe train``)."""
 
 _KIND_NAMES = {"layer": "layer config", "train": "training config"}
+
+
+def with_derived_defaults(fields: dict[str, Any]) -> dict[str, Any]:
+    """`MoEConfig` fields (a partial set, as a YAML `moe:` section gives them) with the defaults that depend
+    on other fields filled in: `precision` left out is 'fp8' with `expert_weights='fp8'`; `token_padding`
+    left out is 128 for DeepGEMM and FP8, else 16 (see the fields). Pure functions of the config, so every
+    rank resolves the same; what `MoEConfig` applies before validating."""
+    if fields.get("expert_weights") == "fp8" and fields.get("precision") is None:
+        fields = {**fields, "precision": "fp8"}
+    if fields.get("token_padding") is None:
+        aligned = fields.get("grouped_gemm") == "deep_gemm" or fields.get("precision") == "fp8"
+        fields = {**fields, "token_padding": 128 if aligned else 16}
+    return fields
 
 
 def packaged_configs_folder() -> Traversable:
