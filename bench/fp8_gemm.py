@@ -24,9 +24,17 @@ from moonep_moe.layers.fp8 import FP8_DTYPE, block_scales_shape, fp8_kernel
 from moonep_moe.layers.grouped_gemm import import_deep_gemm
 from moonep_moe.layers.kernels import fp8_cast, fp8_gemm
 
-LAUNCHES = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4),
-            (128, 128, 4, 4), (128, 256, 8, 3)]
-"""(BLOCK_M, BLOCK_N, num_warps, num_stages) swept; the first is `fp8_gemm.tiles`' choice."""
+OTHER_LAUNCHES = [(128, 128, 8, 4), (128, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 4),
+                  (128, 256, 8, 3)]
+"""(BLOCK_M, BLOCK_N, num_warps, num_stages) swept after `fp8_gemm.tiles`' choice."""
+
+
+def launches() -> list[dict]:
+    """The launches each shape runs: `fp8_gemm.tiles`' choice first, then `OTHER_LAUNCHES`."""
+    default = fp8_gemm.tiles()
+    others = [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+              for bm, bn, warps, stages in OTHER_LAUNCHES]
+    return [default] + [launch for launch in others if launch != default]
 
 
 def operands(groups: int, rows_per_group: int, n: int, k: int, gen: torch.Generator) -> tuple:
@@ -42,7 +50,7 @@ def operands(groups: int, rows_per_group: int, n: int, k: int, gen: torch.Genera
 
 
 def shape_rows(base: dict, a: tuple, w: tuple, offs_g: torch.Tensor, deep_gemm, repeat: int) -> list[dict]:
-    """DeepGEMM (where given) and the Triton kernel at each of `LAUNCHES` on one shape's operands."""
+    """DeepGEMM (where given) and the Triton kernel at each of `launches()` on one shape's operands."""
     rows, want = [], None
     out_shape = (a[0].shape[0], w[0].shape[1])
     if deep_gemm is not None:
@@ -50,8 +58,7 @@ def shape_rows(base: dict, a: tuple, w: tuple, offs_g: torch.Tensor, deep_gemm, 
         gemm = deep_gemm.m_grouped_fp8_gemm_nt_contiguous
         rows.append({**base, "kernel": "deep_gemm", **spread(timings(
             lambda: gemm(a, w, want, offs_g, disable_ue8m0_cast=True, use_psum_layout=True), repeat=repeat))})
-    for bm, bn, warps, stages in LAUNCHES:
-        launch = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+    for launch in launches():
         got = torch.empty(out_shape, device="cuda", dtype=torch.bfloat16)
         call = lambda launch=launch, got=got: fp8_gemm.grouped_fp8_gemm(a, w, got, offs_g, launch)  # noqa: E731
         row = {**base, "kernel": "triton", "launch": launch, **spread(timings(call, repeat=repeat))}
