@@ -2,7 +2,7 @@
 same weights, same tokens, same run, and every speed also as a share of that run's dense bf16 GEMM rate.
 
     python -m bench.layer                   # DeepSeek-V3 layer at EP=1: T=8192, H=7168, H'=2048, E=256, K=8
-    python -m bench.layer --profile         # and one step's GPU kernels, grouped (ours DEFAULT, torch-native)
+    python -m bench.layer --profile         # and each row's GPU kernels of one step, grouped
     python -m bench.layer --models all      # issue 13's whole table, DEFAULT rows (an H200: ~2-4 min)
     python -m bench.layer --model qwen3-moe-30b-a3b   # any packaged model's shapes, all variants
     python -m bench.layer --tokens 4096 --experts 64
@@ -76,9 +76,10 @@ runs after --warmup; the spread is min-max over those runs):
 - ratios, ours over theirs (< 1: faster, smaller): to `torch-native`, to `torch-native compiled`, and to
   the baseline, the faster of the two in fwd+bwd time.
 
---profile: one step's GPU kernels (and copies, fills) of ours (DEFAULT) and of `torch-native`, by total time,
-grouped by kernel name (`kernel_group`) into GEMMs, comm core, router, elementwise and other, with the time
-beyond the GEMMs (every other group's) and each group's share of it.
+--profile: one step's GPU kernels (and copies, fills) of each of our rows (DEFAULT, the variants asked for,
+the fp8 rows) and of `torch-native`, by total time, grouped by kernel name (`kernel_group`) into GEMMs, comm
+core, router, elementwise and other, with the time beyond the GEMMs (every other group's) and each group's
+share of it.
 
 The JSON record, one per table (`bench.common.write_record`: `bench/results/<name>-<device>-<YYYYMMDD>-
 <commit>.json`, `<name>` = `Table.record_name`, e.g. `layer-deepseek-v3`, `layer-kimi-k2-ep8-rank`;
@@ -500,8 +501,8 @@ def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: d
 
 def run_all_ours(bench: Bench, shapes: dict, variants: list[dict], profiles: dict | None,
                  ep_rank_epn: int | None = None) -> Iterator[dict]:
-    """The DEFAULT row (`MoEConfig(**shapes)`, profiled into `profiles` when given), then one row per
-    variant (`variant_settings`) whose config can be built and differs from every earlier row's; with
+    """The DEFAULT row (`MoEConfig(**shapes)`), then one row per variant (`variant_settings`) whose config
+    can be built and differs from every earlier row's, each profiled into `profiles` when given; with
     `ep_rank_epn`, each layer made one EP rank's (`as_ep_rank`, names prefixed "EP rank")."""
     seen = set()
     for settings in [{}] + variants:
@@ -525,7 +526,7 @@ def run_all_ours(bench: Bench, shapes: dict, variants: list[dict], profiles: dic
             print(f"{name:46} the same config as an earlier row, not run again", flush=True)
             continue
         seen.add((cfg.model_dump_json(), fixed))
-        row = run_ours(cfg, name, not settings, bench, None if settings else profiles, ep_rank_epn, fixed)
+        row = run_ours(cfg, name, not settings, bench, profiles, ep_rank_epn, fixed)
         if row is not None:
             yield row
 
@@ -846,7 +847,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=10, help="timed runs per layer (the median of them)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--profile", action="store_true",
-                        help="also one step's GPU kernels of ours (DEFAULT) and of torch-native, grouped")
+                        help="also one step's GPU kernels of each of our rows and of torch-native, grouped")
     parser.add_argument("--ep-rank-of", type=int, default=None, metavar="R",
                         help="measure ONE rank of an EP group of R ranks over the model's experts instead "
                              "(S=--tokens, epn home + epn slot groups; no peer traffic: see EP_RANK)")

@@ -367,6 +367,23 @@ def test_weights_fixed_row_runs_the_fp8_config_inside_fixed_expert_weights(monke
         "issue 16 item 6, tokens dispatched as FP8"
 
 
+def test_profile_covers_every_row_of_ours(monkeypatch):
+    """With --profile every row of ours is profiled (DEFAULT, variants, fp8 rows), each into the same dict;
+    without it none is."""
+    import bench.layer as layer_bench
+
+    calls = []
+    monkeypatch.setattr(layer_bench, "run_ours", lambda cfg, name, default, bench, profiles, epn, fixed:
+                        calls.append(profiles) or {"layer": name})
+    shapes = make_table("deepseek-v3", None, {}).shapes
+    for profiles in ({}, None):
+        calls.clear()
+        rows = list(layer_bench.run_all_ours(None, shapes, [FP8_SETTINGS, {**FP8_SETTINGS, FIXED: True}],
+                                             profiles))
+        assert len(rows) == len(calls) == 3
+        assert all(seen is profiles for seen in calls)
+
+
 def test_fp8_layer_targets_against_our_bf16_row_and_torch_native():
     """The fp8 row at 18 (17-20) ms against DEFAULT's 30 (28-33) ms is 1.67x (1.4-1.94x) its speed; against
     the torch-native baseline's 50 (48-52) ms, 0.36x; its peak 42 GiB over DEFAULT's 40 is 1.05x (a miss)."""
