@@ -154,6 +154,49 @@ def test_cast_rows_writes_only_rows_below_the_last_segment_end():
     assert not (scales[used:] == 2.0**69).all(), "the rows past the end were cast"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,k", [(1, 1), (37, 300), (130, 128), (64, 7 * 128 + 5)])
+def test_dequantise_rows_matches_reference_bit_for_bit(rows, k, dtype):
+    """The Triton dequantisation equals the torch one bit for bit, from the operands a layer gives it: views
+    of packed rows as a dispatch receives them (row stride wider than K, scales strided alike), and from
+    `cast_rows`' contiguous rows with MN-major scales."""
+    from moonep_moe.comm.fp8_rows import pack_rows, unpack_rows
+    from moonep_moe.layers.kernels import fp8_cast
+
+    q, scales = quantise_rows(spread(rows, k, seed=5))
+    want = dequantise_rows(q, scales, dtype)
+    offs_g = torch.tensor([0, rows], dtype=torch.int32, device=KERNEL_DEVICE)
+    packed = unpack_rows(pack_rows(q, scales).to(KERNEL_DEVICE), k)
+    laid_out = (q.to(KERNEL_DEVICE), to_deep_gemm_row_scales(scales).to(KERNEL_DEVICE))
+    for q_mk, scales_mk in (packed, laid_out):
+        got = fp8_cast.dequantise_rows(q_mk, scales_mk, offs_g, dtype)
+        assert got.dtype == dtype and got.is_contiguous()
+        assert torch.equal(got.cpu(), want)
+
+
+def test_dequantise_rows_writes_only_rows_below_the_last_segment_end():
+    from moonep_moe.layers.kernels import fp8_cast
+
+    rows, used = 4 * fp8_cast.BLOCK_ROWS, 2 * fp8_cast.BLOCK_ROWS
+    q, scales = quantise_rows(spread(rows, 256, seed=6))
+    offs_g = torch.tensor([used // 2, used], dtype=torch.int32, device=KERNEL_DEVICE)
+    out = fp8_cast.dequantise_rows(q.to(KERNEL_DEVICE), scales.to(KERNEL_DEVICE), offs_g)
+    assert torch.equal(out[:used].cpu(), dequantise_rows(q[:used], scales[:used], torch.bfloat16))
+    want_past = dequantise_rows(q[used:], scales[used:], torch.bfloat16)
+    assert not torch.equal(out[used:].cpu(), want_past), "the rows past the end were dequantised"
+
+
+def test_dequantise_rows_refuses_what_it_cannot_read():
+    from moonep_moe.layers.kernels import fp8_cast
+
+    q, scales = quantise_rows(spread(4, 256, seed=7))
+    offs_g = torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q must be torch.float8_e4m3fn rows with contiguous columns"):
+        fp8_cast.dequantise_rows(q.t(), scales, offs_g)
+    with pytest.raises(ValueError, match=r"scales must be float32 \[4, 2\], got torch.float32 \[4, 3\]"):
+        fp8_cast.dequantise_rows(q, torch.ones(4, 3), offs_g)
+
+
 @pytest.mark.parametrize("num_warps", [4, 8, 16])
 @pytest.mark.parametrize("g,n,k", [(1, 1, 1), (3, 200, 300), (2, 256, 128), (1, 129, 385)])
 def test_cast_blocks_matches_reference_bit_for_bit(g, n, k, num_warps):

@@ -27,7 +27,7 @@ from test_collective import spawn
 from test_comm_kernels import KERNEL_DEVICE
 
 from moonep_moe.comm.buffer import Buffer
-from moonep_moe.comm.fp8_rows import packed_width, scale_columns
+from moonep_moe.comm.fp8_rows import pack_rows, packed_width, scale_columns, unpack_rows, unpacked_copies
 from moonep_moe.comm.world import run_ranks, single_world
 from moonep_moe.communicator import MoECommunicator
 from moonep_moe.layers.fp8 import FP8_DTYPE, dequantise_rows, quantise_rows, to_deep_gemm_row_scales
@@ -152,6 +152,22 @@ def test_fp8_deepseek_v3_wide_rows():
     assert packed_width(7168) == 7392 and packed_width(8) == 16 and packed_width(100) == 112
     fits = [H for H in range(1, 20_000) if packed_width(H) <= 2 * H]
     assert fits[:6] == [8, 9, 10, 11, 12, 16] and fits[5:] == list(range(16, 20_000)), "bf16: H >= 16 fits"
+
+
+@pytest.mark.parametrize("hidden", [7168, 100, 10, 9])
+def test_unpacked_copies_equal_the_views_and_are_contiguous(hidden):
+    """What a dispatch without `zero_copy` returns: the packed rows' e4m3 bytes (copied as 8-, 4-, 2- and
+    1-byte words for these H) and scales, as contiguous tensors of their own."""
+    rows, gen = 5, torch.Generator().manual_seed(hidden)
+    q_sh = torch.randint(0, 256, (rows, hidden), dtype=torch.uint8, generator=gen)
+    scales_sh = torch.rand(rows, scale_columns(hidden), generator=gen)
+    packed_sh = pack_rows(q_sh.view(FP8_DTYPE), scales_sh)
+    q_view, scales_view = unpack_rows(packed_sh, hidden)
+    q_copy, scales_copy = unpacked_copies(packed_sh, hidden)
+    assert q_copy.dtype == FP8_DTYPE and q_copy.is_contiguous() and scales_copy.is_contiguous()
+    assert torch.equal(q_copy.view(torch.uint8), q_sh) and torch.equal(q_view.view(torch.uint8), q_sh)
+    assert torch.equal(scales_copy, scales_sh) and torch.equal(scales_view, scales_sh)
+    assert q_copy.untyped_storage().data_ptr() != packed_sh.untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("R", [1, 2])

@@ -65,7 +65,7 @@ import torch
 
 from moonep_moe.comm.event import CommEvent
 from moonep_moe.comm.exchange import KernelExchange, RowExchange, RowMemory, select_exchange
-from moonep_moe.comm.fp8_rows import pack_rows, packed_width, scale_columns, unpack_rows
+from moonep_moe.comm.fp8_rows import pack_rows, packed_width, scale_columns, unpack_rows, unpacked_copies
 from moonep_moe.comm.plan import (
     NO_REPLICATION,
     check_layout,
@@ -502,10 +502,8 @@ class Buffer:
         exchange the pair (e4m3 rows, scales) unpacked from them; views with `zero_copy`, else copies."""
         if exchange is self._exchange:
             return self._rows.local if zero_copy else self._rows.local.clone()
-        q_nvsh, scales_nvsh = unpack_rows(exchange.memory.rows.local, self.H)
-        if zero_copy:
-            return q_nvsh, scales_nvsh
-        return q_nvsh.view(torch.uint8).contiguous().view(FP8_DTYPE), scales_nvsh.contiguous()
+        packed_nvsh = exchange.memory.rows.local
+        return unpack_rows(packed_nvsh, self.H) if zero_copy else unpacked_copies(packed_nvsh, self.H)
 
     # -- combine --------------------------------------------------------------------------------------------
 

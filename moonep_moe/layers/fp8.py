@@ -283,7 +283,7 @@ class Fp8GroupedGemm:
     joined_weights = False  # the home parameters themselves, so inference keeps their FP8 copies per version
 
     def __init__(self, wgrad: GroupedGemm | None, kernel: str = "deep_gemm") -> None:
-        from moonep_moe.layers.kernels.fp8_cast import cast_rows
+        from moonep_moe.layers.kernels.fp8_cast import cast_rows, dequantise_rows
 
         if kernel == "deep_gemm":
             self._kernel = functools.partial(import_deep_gemm().m_grouped_fp8_gemm_nt_contiguous,
@@ -296,7 +296,7 @@ class Fp8GroupedGemm:
             raise ValueError(f"kernel must be one of {FP8_KERNELS}, got {kernel!r}")
         self.kernel = kernel
         self.name = "fp8" if kernel == "deep_gemm" else f"fp8_{kernel}"
-        self._cast_rows = cast_rows
+        self._cast_rows, self._dequantise_rows = cast_rows, dequantise_rows
         self._wgrad = wgrad
         self.weights = Fp8WeightCache()
 
@@ -306,6 +306,12 @@ class Fp8GroupedGemm:
         arrives."""
         ends = torch.full((1,), x_sh.shape[0], dtype=torch.int32, device=x_sh.device)
         return self._cast_rows(x_sh, ends)
+
+    def dequantise_rows(self, q_mk: Tensor, scales_mk: Tensor, offs_g: Tensor, dtype: torch.dtype) -> Tensor:
+        """FP8 rows ``(q [rows, K], scales)`` as `fwd` took them -> ``q * scale`` in ``dtype``, exactly, in
+        one pass on the device (rows past ``offs_g[-1]`` unspecified): the rows gate_up's weight gradient
+        multiplies under `MoEConfig.fp8_dispatch`."""
+        return self._dequantise_rows(q_mk, scales_mk, offs_g, dtype)
 
     def fwd(self, x: Tensor | tuple[Tensor, Tensor], weights: Sequence[Tensor] | Fp8Weights, offs_g: Tensor,
             frozen: bool = False) -> Tensor:

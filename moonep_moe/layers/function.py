@@ -36,7 +36,6 @@ import torch
 
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.plan_types import MoonEPCommPlan
-from moonep_moe.layers.fp8 import dequantise_rows
 from moonep_moe.layers.grouped_gemm import GroupedGemm
 from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
 from moonep_moe.weights.experts import HomeExperts
@@ -143,7 +142,7 @@ class MoonEPExperts(torch.autograd.Function):
         gate_up_slots, down_slots = (pool.local for pool in experts.slot_grads)
         down_home, _ = gemm.wgrad(dy_nvsh, hw_nvf, offs_g, (home[1], down_slots), add)
         # FP8 rows (fp8_dispatch) dequantised exactly: the values the forward multiplied
-        x_nvsh = dequantise_rows(*x_parts, buffer.dtype) if state.fp8_dispatch else x_parts[0]
+        x_nvsh = gemm.dequantise_rows(*x_parts, offs_g, buffer.dtype) if state.fp8_dispatch else x_parts[0]
         gate_up_home, _ = gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (home[0], gate_up_slots), add)
         gate_up_grads, down_grads = experts.new_grads((gate_up_home, down_home))
         grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs)

@@ -1,11 +1,16 @@
-"""Triton casts to FP8 e4m3 with power-of-two fp32 scales (the contract and the torch reference are
-`moonep_moe.layers.fp8`; these kernels match the reference bit for bit, fp8 bytes and scales).
+"""Triton casts to FP8 e4m3 with power-of-two fp32 scales, and back (the contract and the torch reference
+are `moonep_moe.layers.fp8`; these kernels match the reference bit for bit, fp8 bytes and scales).
 
 - `cast_rows`: activations, one pass: reads `x [rows, K]` (bf16 or fp32), writes `q [rows, K]` e4m3 and
   one scale per row per 128 columns in DeepGEMM's sm90 layout (MN-major, rows padded to 4). Row blocks at
   and past `offs_g[-1]` (a device scalar: no host read) are skipped, their outputs left unwritten.
 - `cast_blocks`: weights, one pass per 128x128 block of `w [G, N, K]`: writes the scale and, as asked, the
   e4m3 block (`q [G, N, K]`) and its transpose (`qt [G, K, N]`, the K-major copy dgrad needs on sm90).
+- `dequantise_rows`: `cast_rows` undone, one pass: reads e4m3 rows and their 1x128 scales (any strides: e.g.
+  views of the packed rows a dispatch received) and writes `q * scale` in bf16 or fp32, exact in both (an
+  e4m3 value has 4 significant bits, the scales are powers of two within the formats' exponent range). What
+  a layer with `MoEConfig.fp8_dispatch` multiplies in gate_up's weight gradient; rows past `offs_g[-1]` are
+  skipped as in `cast_rows`.
 
 Rounding to e4m3 (to nearest, ties to even, as the reference): compiled, one hardware conversion per two
 values (sm90's `cvt.rn.satfinite.e4m3x2.f32`; the scaled values are within +-448, so saturation never
@@ -87,6 +92,20 @@ def _cast_rows_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, last_group, rows, cols, str
 
 
 @triton.jit
+def _dequantise_rows_kernel(q_ptr, s_ptr, out_ptr, offs_ptr, last_group, rows, cols, stride_q, stride_s_row,
+                            stride_s_tile, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    block, tile = tl.program_id(0), tl.program_id(1)
+    if block * BLOCK < tl.load(offs_ptr + last_group):
+        row = (block * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        col = tile * TILE + tl.arange(0, TILE)
+        mask = (row < rows)[:, None] & (col < cols)[None, :]
+        q = tl.load(q_ptr + row[:, None] * stride_q + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(s_ptr + row * stride_s_row + tile * stride_s_tile, mask=row < rows, other=0.0)
+        x = (q * scale[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row[:, None] * cols + col[None, :], x, mask=mask)
+
+
+@triton.jit
 def _cast_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, n, k, stride_g, stride_n, stride_k,
                         MAX_EXP_FIELD: tl.constexpr, MAX_MANTISSA: tl.constexpr, MIN_AMAX: tl.constexpr,
                         HARDWARE_ROUNDING: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
@@ -156,3 +175,26 @@ def cast_blocks(w_gnk: torch.Tensor, scales_out: torch.Tensor, q_out: torch.Tens
                                       qt_out if qt_out is not None else q_out, scales_out, n, k,
                                       *w_gnk.stride(), WRITE_Q=q_out is not None, WRITE_QT=qt_out is not None,
                                       TILE=TILE, num_warps=num_warps, **_format_constants())
+
+
+def dequantise_rows(q_mk: torch.Tensor, scales_mk: torch.Tensor, offs_g: torch.Tensor,
+                    dtype: torch.dtype = torch.bfloat16, num_warps: int = ROWS_WARPS) -> torch.Tensor:
+    """e4m3 rows `q [rows, K]` (rows contiguous, any row stride) and their scales `[rows, ceil(K/128)]` fp32
+    (any strides) -> `q * scale` per 1x128 tile, a contiguous `[rows, K]` tensor of `dtype` (bf16 or fp32),
+    equal bit for bit to `layers.fp8.dequantise_rows`. Only rows below `offs_g[-1]` (int32 [G] segment ends,
+    on the device) are written: the others are unspecified."""
+    rows, cols = q_mk.shape
+    if q_mk.dtype != FP8_DTYPE or q_mk.stride(1) != 1:
+        raise ValueError(f"q must be {FP8_DTYPE} rows with contiguous columns (stride(1) == 1), got "
+                         f"{q_mk.dtype} with strides {q_mk.stride()}")
+    tiles = triton.cdiv(cols, TILE)
+    if tuple(scales_mk.shape) != (rows, tiles) or scales_mk.dtype != torch.float32:
+        raise ValueError(f"scales must be float32 [{rows}, {tiles}], got {scales_mk.dtype} "
+                         f"{list(scales_mk.shape)}")
+    x_mk = torch.empty(rows, cols, dtype=dtype, device=q_mk.device)
+    if rows and cols:
+        with launching():
+            _dequantise_rows_kernel[(triton.cdiv(rows, BLOCK_ROWS), tiles)](
+                q_mk, scales_mk, x_mk, offs_g, offs_g.numel() - 1, rows, cols, q_mk.stride(0),
+                *scales_mk.stride(), BLOCK=BLOCK_ROWS, TILE=TILE, num_warps=num_warps)
+    return x_mk
