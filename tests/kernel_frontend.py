@@ -199,7 +199,7 @@ def check_hardware_rounding(kernel: JITFunction, kwargs: dict, sig: dict, conste
 
 
 def fp8_launches() -> None:
-    """The FP8 casts: rows, and blocks in each orientation."""
+    """The FP8 casts: rows, and blocks in each orientation; rows back from FP8, from packed rows."""
     global current
     from moonep_moe.layers.kernels import fp8_cast
 
@@ -213,6 +213,11 @@ def fp8_launches() -> None:
         qt = torch.empty(2, 384, 256, dtype=torch.float8_e4m3fn) if orientation != "q" else None
         s = torch.empty(2, 2, 3, dtype=torch.float32)
         fp8_cast.cast_blocks(w, s, q, qt)
+    for dtype in (torch.bfloat16, torch.float32):
+        current = f"dequantise_rows {TYPES[dtype]}"
+        packed = torch.zeros(256, 320, dtype=torch.uint8)  # packed rows of H = 300: e4m3 bytes, then scales
+        q, scales = packed[:, :300].view(torch.float8_e4m3fn), packed[:, 300:312].view(torch.float32)
+        fp8_cast.dequantise_rows(q, scales, torch.tensor([128, 256], dtype=torch.int32), dtype)
 
 
 def wgrad_launches() -> None:
