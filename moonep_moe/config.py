@@ -425,6 +425,18 @@ class MoEConfig(CommConfig):
             "graph, after the routed experts."
         ),
     )
+    share_buffer: bool = Field(
+        True,
+        description=(
+            "Layers of the same shape on one world share one Buffer (dispatched rows, route weights, "
+            "duplicate pairs), as they share the prefetch-slot pools: a model pays its `[NvS, H]` rows once, "
+            "not per layer (0.89 GiB per DeepSeek-V3 layer at S=8192, EP=8). Correct for any schedule that "
+            "runs one layer's MoE step at a time (each forward and each backward of the routed experts "
+            "starts with its own dispatch; activation recomputation and pipeline schedules included). "
+            "Default True. False gives the layer a Buffer of its own: for schedules that run two layers' "
+            "routed steps at once, e.g. on two streams."
+        ),
+    )
     grouped_gemm: Literal["auto", "torch", "reference", "deep_gemm", "triton"] = Field(
         "auto",
         description=(

@@ -36,11 +36,13 @@ class Block(nn.Module):
         return h_th + self.moe(self.norm(h_th))
 
 
-def run(checkpointed: str | None, grad_mode: str = "param") -> list[dict[str, torch.Tensor]]:
+def run(checkpointed: str | None, grad_mode: str = "param",
+        share_buffer: bool = True) -> list[dict[str, torch.Tensor]]:
     """Two steps of `LAYERS` blocks on R thread-ranks, each block under `checkpoint` (`checkpointed`:
     "non-reentrant", "reentrant", or None: plain); every rank's output, input and parameter gradients,
-    expert loads and last balance statistics."""
-    cfg = make_config(R, expert_grad_dtype=grad_mode, shared_experts={"num_shared_experts": 1})
+    expert loads, last balance statistics, and how many Buffers the blocks' layers hold."""
+    cfg = make_config(R, expert_grad_dtype=grad_mode, shared_experts={"num_shared_experts": 1},
+                      share_buffer=share_buffer)
     gen = torch.Generator().manual_seed(7)
     steps = [(torch.randn(R, cfg.max_tokens_per_rank, cfg.hidden_size, generator=gen, dtype=torch.float64),
               torch.randn(R, cfg.max_tokens_per_rank, cfg.hidden_size, generator=gen, dtype=torch.float64))
@@ -67,6 +69,7 @@ def run(checkpointed: str | None, grad_mode: str = "param") -> list[dict[str, to
             result["out"], result["grad_x"] = h.detach(), x.grad
             kept = all(b.moe.last_router_logits_te is t for b, t in zip(blocks, recorded, strict=True))
             result["forward's router logits kept"] = torch.tensor(kept)
+        result["buffers"] = torch.tensor(len({id(block.moe.buffer) for block in blocks}))
         for name, p in blocks.named_parameters():
             result[name] = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
         for i, block in enumerate(blocks):
@@ -88,3 +91,17 @@ def test_checkpointed_blocks_give_the_plain_gradients_bit_for_bit_and_count_load
         assert g.keys() == want.keys()
         for key in want:
             assert torch.equal(g[key], want[key]), f"rank {rank}: {key} differs under {checkpointed}"
+
+
+@pytest.mark.parametrize("checkpointed", [None, "non-reentrant"])
+def test_blocks_sharing_one_buffer_train_like_blocks_with_a_buffer_each(checkpointed):
+    """`MoEConfig.share_buffer` (the default): the blocks' layers hold one Buffer between them, and two steps
+    give bit for bit what layers with a Buffer each give: plain, and with the recompute dispatching again
+    between the later block's backward and the earlier block's."""
+    own, shared = run(checkpointed, share_buffer=False), run(checkpointed)
+    assert int(own[0]["0.slots_used"].sum()) > 0, "no replicas: the skew is too weak"
+    for rank, (g, want) in enumerate(zip(shared, own, strict=True)):
+        assert (int(g.pop("buffers")), int(want.pop("buffers"))) == (1, LAYERS), f"rank {rank}"
+        assert g.keys() == want.keys()
+        for key in want:
+            assert torch.equal(g[key], want[key]), f"rank {rank}: {key} differs with a shared Buffer"

@@ -7,12 +7,13 @@ All random inputs are drawn on the main thread: torch's default generator is sha
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from moonep_moe.comm.world import run_ranks
+from moonep_moe.comm.world import run_ranks, single_world
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.dense import dense_step
 from moonep_moe.layers.moe import MoonEPMoELayer
@@ -298,6 +299,34 @@ def test_destroy_twice_then_use_raises():
     assert layer.buffer.destroyed
     with pytest.raises(RuntimeError, match="destroyed"):
         layer(torch.randn(4, 16, dtype=F64))
+
+
+def test_layers_of_one_shape_on_one_world_share_one_buffer():
+    """`MoEConfig.share_buffer`: one Buffer per shape and world, kept while a layer uses it. `destroy()` gives
+    one layer's share back (that layer cannot run any more; the others can), the last user destroys it, and
+    a layer garbage-collected gives its share back too. Layers built without a world share this process's
+    one-rank world of their device."""
+    world, x = single_world(), torch.randn(4, 16, dtype=F64)
+    a, b = MoonEPMoELayer(make_config(1), world), MoonEPMoELayer(make_config(1), world)
+    other_shape = MoonEPMoELayer(make_config(1, max_tokens_per_rank=24), world)
+    own = MoonEPMoELayer(make_config(1, share_buffer=False), world)
+    assert a.buffer is b.buffer and other_shape.buffer is not a.buffer and own.buffer is not a.buffer
+    first, second = one_rank_layer(), one_rank_layer()
+    assert first.world is second.world and first.buffer is second.buffer and first.buffer is not a.buffer
+    a.destroy()
+    a.destroy()
+    assert not b.buffer.destroyed
+    with pytest.raises(RuntimeError, match="was destroyed"):
+        a(x)
+    assert b(x).shape == x.shape
+    b.destroy()
+    assert b.buffer.destroyed and not own.buffer.destroyed
+    c = MoonEPMoELayer(make_config(1), world)
+    buffer = c.buffer
+    assert buffer is not b.buffer and not buffer.destroyed
+    del c
+    gc.collect()
+    assert buffer.destroyed
 
 
 def test_failed_step_leaves_layer_usable():

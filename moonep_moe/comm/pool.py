@@ -1,4 +1,5 @@
-"""`BufferPool`: Buffers of power-of-two token capacities for steps whose token count varies (serving).
+"""Buffers with several users: `BufferPool`, Buffers of power-of-two token capacities for steps whose token
+count varies (serving); `layer_buffer`, the one Buffer of a layer shape that a model's layers share.
 
 A Buffer's shapes are fixed by its capacity S (rows `NvS` grow with S), and a decode step often carries a few
 tokens per rank. The pool serves each step from the smallest Buffer that fits it:
@@ -24,6 +25,36 @@ import torch
 
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.world import EPWorld
+
+
+def layer_buffer(world: EPWorld, S: int, H: int, K: int, E: int, B: int, *, token_padding: int,
+                 dtype: torch.dtype, replica_cost: int) -> Buffer:
+    """The Buffer (`validate=False`) that every layer of this shape on `world` shares, as they share the
+    prefetch-slot pools: made by the first call (collective: every rank builds its layers in the same
+    order), each call one more user; give each back with `release_layer_buffer`. Layers may share it because
+    each routed step (a forward, or a backward) starts with its own dispatch and ends with its combine, and
+    a backward `dispatch(plan=...)` makes its layer's plan the Buffer's latest again."""
+    key = ("layer_buffer", S, H, K, E, B, token_padding, dtype, replica_cost)
+    shared = world.globals.get(key)
+    if shared is None or shared[0].destroyed:
+        buffer = Buffer(S, H, K, E, world.size, B, token_padding=token_padding, world=world, dtype=dtype,
+                        validate=False, replica_cost=replica_cost)
+        shared = world.globals[key] = [buffer, 0]
+    shared[1] += 1
+    return shared[0]
+
+
+def release_layer_buffer(world: EPWorld, buffer: Buffer) -> None:
+    """One user of a `layer_buffer` fewer: the last one destroys it (collective, like its making)."""
+    for key, shared in list(world.globals.items()):
+        if isinstance(key, tuple) and key[0] == "layer_buffer" and shared[0] is buffer:
+            shared[1] -= 1
+            if shared[1] == 0:
+                del world.globals[key]
+                buffer.destroy()
+            return
+    if not buffer.destroyed:  # a destroyed one was replaced (someone destroyed it directly): nothing to do
+        raise ValueError(f"rank {world.rank}: Buffer {buffer.id} is not a layer Buffer of this world")
 
 
 def next_power_of_two(value: int) -> int:

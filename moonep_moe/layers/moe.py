@@ -27,6 +27,7 @@ import functools
 import hashlib
 import itertools
 import math
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moonep_moe.comm.buffer import Buffer
+from moonep_moe.comm.pool import layer_buffer, release_layer_buffer
 from moonep_moe.comm.world import EPWorld, single_world
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.fp8 import Fp8GroupedGemm, fp8_grouped_gemm, fp8_weights_gemm
@@ -61,10 +63,18 @@ class SharedExperts(nn.Module):
         return out_th * torch.sigmoid(self.gate(hidden_th)) if self.gate is not None else out_th
 
 
+@functools.cache
+def one_rank_world(device: torch.device) -> EPWorld:
+    """This process's one-rank world on `device`, which every layer built there without a world shares (and
+    with it the layers' Buffer, `MoEConfig.share_buffer`)."""
+    return single_world(device)
+
+
 def default_world(config: MoEConfig, device: torch.device | None = None) -> EPWorld:
-    """The world a layer built without one uses: `world="threads"` -> a one-rank world on `device` (default:
-    torch's default device; only with ep_size == 1); `"collective"` -> the initialised default process
-    group's `CollectiveWorld`; `"symmetric"` -> its `SymmetricWorld` (one GPU per rank, `cuda:LOCAL_RANK`)."""
+    """The world a layer built without one uses: `world="threads"` -> the one-rank world on `device`
+    (`one_rank_world`; default: torch's default device; only with ep_size == 1); `"collective"` -> the
+    initialised default process group's `CollectiveWorld`; `"symmetric"` -> its `SymmetricWorld` (one GPU per
+    rank, `cuda:LOCAL_RANK`)."""
     if config.world == "collective":
         from moonep_moe.comm.collective import collective_world
 
@@ -77,7 +87,7 @@ def default_world(config: MoEConfig, device: torch.device | None = None) -> EPWo
         raise ValueError(f"ep_size={config.ep_size} needs a world with {config.ep_size} ranks "
                          "(e.g. moonep_moe.comm.world.run_ranks, or world='symmetric' / 'collective' under "
                          "torchrun)")
-    return single_world(torch.get_default_device() if device is None else device)
+    return one_rank_world(torch.device(torch.get_default_device() if device is None else device))
 
 
 def _indexed(device: torch.device) -> torch.device:
@@ -296,6 +306,7 @@ class MoonEPMoELayer(nn.Module):
         self._routed_step = eager_routed_step()  # built here, outside any compiled region
         self._overlapped_step = eager_routed_step(overlap=True)
         self.buffer: Buffer | None = None
+        self._buffer_given_back = False
         self._state: ExpertsState | None = None
         if device.type != "meta":
             for module in (self.router, self.shared_experts):
@@ -315,9 +326,16 @@ class MoonEPMoELayer(nn.Module):
         dtype, device = config.torch_dtype, world.device
         self.experts.bind(world)
         # validate=False: the router's expert ids are in [-1, E) by construction, and the check is a host read
-        self.buffer = Buffer(config.max_tokens_per_rank, h, k, e, config.ep_size, config.prefetch_slots,
-                             token_padding=config.token_padding, world=world, dtype=dtype, validate=False,
-                             replica_cost=config.replica_cost)
+        shape = dict(token_padding=config.token_padding, dtype=dtype, replica_cost=config.replica_cost)
+        if config.share_buffer:  # given back by destroy(), a move, or when the layer is garbage-collected
+            self.buffer = layer_buffer(world, config.max_tokens_per_rank, h, k, e, config.prefetch_slots,
+                                       **shape)
+            self._buffer_share = weakref.finalize(self, release_layer_buffer, world, self.buffer)
+            self._buffer_share.atexit = False  # no collective destroy while the interpreter exits
+        else:
+            self.buffer = Buffer(config.max_tokens_per_rank, h, k, e, config.ep_size, config.prefetch_slots,
+                                 world=world, validate=False, **shape)
+        self._buffer_given_back = False
         if config.expert_weights == "fp8":  # FP8 GEMMs on the weights as stored; no weight gradients
             gemm = fp8_weights_gemm(config.grouped_gemm, device, dtype, config.token_padding, world.rank)
             self._state = ExpertsState(self.buffer, self.experts, gemm, fp8_dispatch=config.fp8_dispatch)
@@ -336,10 +354,19 @@ class MoonEPMoELayer(nn.Module):
 
     def _release_comm(self) -> None:
         """Give the comm memory back to the world (the Buffer's and the home experts' registrations)."""
-        if self.buffer is not None:
-            self.buffer.destroy()
+        self._give_back_buffer()
         self.experts.release()
         self.buffer = self._state = None
+
+    def _give_back_buffer(self) -> None:
+        """Destroy the layer's own Buffer, or give its share of a shared one back (once)."""
+        if self.buffer is None or self._buffer_given_back:
+            return
+        if self.config.share_buffer:
+            self._buffer_share()
+        else:
+            self.buffer.destroy()
+        self._buffer_given_back = True
 
     def _placement(self) -> tuple:
         """Where the home experts are: device and storage (a move or `to_empty` changes it)."""
@@ -434,6 +461,9 @@ class MoonEPMoELayer(nn.Module):
         if self.buffer is None:
             raise RuntimeError(f"MoonEPMoELayer is on the meta device (rank {self.world.rank}): call "
                                "to_empty(device=...) and reset_parameters() (or load_state_dict) first")
+        if self._buffer_given_back:
+            raise RuntimeError(f"rank {self.world.rank}: this MoonEPMoELayer was destroyed (destroy() gave "
+                               "its comm memory back); build a new one")
         if hidden_states.device != self.world.device:
             raise ValueError(f"hidden_states must be on {self.world.device} (the layer's device), "
                              f"got {hidden_states.device}")
@@ -494,9 +524,10 @@ class MoonEPMoELayer(nn.Module):
         return stats
 
     def destroy(self) -> None:
-        """Release the layer's comm memory (its Buffer). The layer cannot run afterwards."""
-        if self.buffer is not None:
-            self.buffer.destroy()
+        """Release the layer's comm memory: its own Buffer, or its share of the Buffer its shape shares
+        (`MoEConfig.share_buffer`; the last layer to give it back destroys it). The layer cannot run
+        afterwards."""
+        self._give_back_buffer()
 
 
 @contextlib.contextmanager
