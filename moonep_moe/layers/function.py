@@ -122,9 +122,10 @@ class MoonEPExperts(torch.autograd.Function):
         # first to overwrite them (pre_reduce, with dx): only dispatch and combine of this Buffer write its
         # rows (prefetch and reduce_grad touch the slot pools), and peers write them only inside a dispatch
         # (`scatter_rows` / `KernelExchange.send_routes` start with every rank's barrier, which this rank
-        # reaches only in its next dispatch; the collective world writes them on this rank's stream). Every
-        # layer owns its Buffer (a `BufferPool` serves the communicator, not this Function). The forward's
-        # x_nvsh stays a copy: it is saved for backward and combine(y) overwrites the rows.
+        # reaches only in its next dispatch; the collective world writes them on this rank's stream). The
+        # model's layers of this shape may share the Buffer (`MoEConfig.share_buffer`): no other layer's
+        # routed step runs between this dispatch and this combine. The forward's x_nvsh stays a copy: it is
+        # saved for backward, and combine(y) and the other layers' steps overwrite the rows.
         dy_nvsh, *_ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None, plan=plan,
                                       zero_copy=True)
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
