@@ -87,7 +87,7 @@ def default_world(config: MoEConfig, device: torch.device | None = None) -> EPWo
         raise ValueError(f"ep_size={config.ep_size} needs a world with {config.ep_size} ranks "
                          "(e.g. moonep_moe.comm.world.run_ranks, or world='symmetric' / 'collective' under "
                          "torchrun)")
-    return one_rank_world(torch.device(torch.get_default_device() if device is None else device))
+    return one_rank_world(_indexed(torch.device(torch.get_default_device() if device is None else device)))
 
 
 def _indexed(device: torch.device) -> torch.device:
