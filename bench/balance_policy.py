@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from bench.common import write_record
-from moonep_moe.comm.plan import NO_REPLICATION, plan_global_device, replica_cost_routes
+from moonep_moe.plan.device import plan_global_device
+from moonep_moe.plan.policies import NO_REPLICATION, replica_cost_routes
 
 MEASURED_GEMM_TFLOPS = 775.8
 """Dense bf16 GEMM rate on the H200, bench/results/gemm-NVIDIA_H200-20261129.json (`limits`)."""

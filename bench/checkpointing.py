@@ -25,9 +25,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from bench.common import timed, write_record
-from moonep_moe.comm.world import single_world
 from moonep_moe.config import load_config
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.transport.threads import single_world
 
 
 class Block(nn.Module):

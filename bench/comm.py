@@ -60,11 +60,11 @@ import torch
 from bench.common import Stamp, measure_limits, seconds_between, stamp, timed, write_record
 from bench.plan import wall_time
 from moonep_moe.comm.buffer import Buffer
-from moonep_moe.comm.plan import plan_routes
-from moonep_moe.comm.plan_types import MoonEPCommPlan, decode_dst
-from moonep_moe.comm.world import ThreadGroup, ThreadsWorld, run_ranks
+from moonep_moe.gemm.registry import select_grouped_gemm
 from moonep_moe.layers.function import compute_offsets
-from moonep_moe.layers.grouped_gemm import select_grouped_gemm
+from moonep_moe.plan.planner import plan_routes
+from moonep_moe.plan.types import MoonEPCommPlan, decode_dst
+from moonep_moe.transport.threads import ThreadGroup, ThreadsWorld, run_ranks
 from moonep_moe.weights.pool import ExpertRows
 
 FULL = dict(device="cuda", tokens=8192, hidden=7168, ffn=2048, top_k=8, experts=384, ranks=8)

@@ -14,7 +14,7 @@ once; S*K route weights and duplicate sources; B expert rows):
 - dispatch (forward)  = (R-1) * [S*(H*a + 8) + 2 * S*K*(4 + 8)]    rows, route weights, duplicate sources
 - dispatch (backward) = (R-1) * S*(H*a + 8)                         the output gradient's rows
 - dispatch, FP8       = the same with H*a replaced by P = packed_width(H), the e4m3 bytes and their 1x128
-                        fp32 scales in one row: align16(align4(H) + 4*ceil(H/128)) (`comm.fp8_rows`)
+                        fp32 scales in one row: align16(align4(H) + 4*ceil(H/128)) (`fp8.wire`)
 - combine (forward)   = (R-1) * S*(8 + H*a)                         row requests, then the replies
 - combine (backward)  = (R-1) * [S*(8 + H*a) + S*K*(8 + 4)]         + the route-weight gradients
 - prefetch            = (R-1) * B*(8 + 3*H*H'*a)                    gate, up and down of an expert
@@ -33,9 +33,9 @@ reduce_grad move only the slots in use.
 
 A training step of one layer = dispatch and combine in forward and backward, prefetch twice (the slot pool is
 shared by layers, so backward prefetches again), reduce_grad once. The FP8 dispatch (`dispatch(...,
-scales=)`: e4m3 rows with one fp32 scale per 128 columns, `moonep_moe.comm.fp8_rows`) and the FP8 prefetch
+scales=)`: e4m3 rows with one fp32 scale per 128 columns, `moonep_moe.fp8.wire`) and the FP8 prefetch
 (`prefetch_weight(..., scales=)`: FP8 experts with one fp32 scale per 128x128 block,
-`moonep_moe.weights.quantised`) are columns of their own, beside the bf16 ones they would replace: about half
+`moonep_moe.fp8.format`) are columns of their own, beside the bf16 ones they would replace: about half
 their bytes (not in the training step's sum; both columns count FP8 both ways, where a layer's backward
 dispatch would carry bf16 gradients). The scales' overhead over the e4m3 bytes: 4/128 = 3.1% of a row
 (DeepSeek-V3's H = 7168: 7392 bytes against bf16's 14336, 51.6%; plus 8 per row index and the unchanged
@@ -46,9 +46,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moonep_moe.comm.fp8_rows import packed_width
 from moonep_moe.config import MoEConfig, available_configs, load_config
-from moonep_moe.weights.quantised import BLOCK
+from moonep_moe.fp8.format import BLOCK
+from moonep_moe.fp8.wire import packed_width
 
 INDEX = 8
 """Bytes per row index (int64) sent alongside every row."""

@@ -26,8 +26,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.common import captured_graph, cuda_kernels, spread, timings, write_record
 from bench.serving import comm_step, static_expert_out, step_inputs, token_counts
-from moonep_moe.comm.world import single_world
-from moonep_moe.communicator import MoECommunicator
+from moonep_moe.engine.communicator import MoECommunicator
+from moonep_moe.transport.threads import single_world
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -24,8 +24,8 @@ import argparse
 import torch
 
 from bench.common import measure_limits, model_shape, spread, timings, write_record
-from moonep_moe.layers.fp8 import FP8_DTYPE, TILE, block_scales_shape
-from moonep_moe.layers.kernels import fp8_cast
+from moonep_moe.fp8 import cast as fp8_cast
+from moonep_moe.fp8.format import FP8_DTYPE, TILE, block_scales_shape
 
 ORIENTATIONS = {"q": (True, False), "qt": (False, True), "q+qt": (True, True)}
 

@@ -1,4 +1,4 @@
-"""The Triton FP8 grouped GEMM (`moonep_moe.layers.kernels.fp8_gemm`) at each launch shape, beside
+"""The Triton FP8 grouped GEMM (`moonep_moe.gemm.kernels.fp8_gemm`) at each launch shape, beside
 DeepGEMM's FP8 GEMM on the same operands and the dense bf16 rate of the same run (issue 16: the fallback
 where DeepGEMM cannot run, and which tile it should use).
 
@@ -20,9 +20,11 @@ import argparse
 import torch
 
 from bench.common import measure_limits, model_shape, spread, timings, write_record
-from moonep_moe.layers.fp8 import FP8_DTYPE, block_scales_shape, fp8_kernel
-from moonep_moe.layers.grouped_gemm import import_deep_gemm
-from moonep_moe.layers.kernels import fp8_cast, fp8_gemm
+from moonep_moe.fp8 import cast as fp8_cast
+from moonep_moe.fp8.format import FP8_DTYPE, block_scales_shape
+from moonep_moe.gemm.deep_gemm import import_deep_gemm
+from moonep_moe.gemm.kernels import fp8_gemm
+from moonep_moe.gemm.registry import fp8_kernel
 
 OTHER_LAUNCHES = [(128, 128, 8, 4), (128, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 4),
                   (128, 256, 8, 3)]

@@ -9,7 +9,7 @@ For each model's expert shape at EP=8 (its packaged config, `moonep_moe/configs/
 epn = E / ep_size home + B = epn slot groups, rows = the routes of one rank, each segment padded to 128)
 and each backend: TFLOP/s (on the used rows) of fwd, dgrad and wgrad of both projections, as a ratio to the
 dense bf16 rate, with the weights given as a (home, slots) pair (the GEMM backend copies them together), as
-one ordinary tensor ("plain": what an EP=1 layer has), and as one arena tensor (`moonep_moe.weights.arena`:
+one ordinary tensor ("plain": what an EP=1 layer has), and as one arena tensor (`moonep_moe.transport.arena`:
 two VMM allocations mapped back to back, no copy); the weight gradient against its floor (its FLOPs at the
 dense rate, or its bytes at the copy bandwidth: the fp32 gradients written (overwrite, as the layer runs
 it), the bf16 inputs read; the larger); and the whole expert block forward + backward (the layer's own code
@@ -32,7 +32,7 @@ cached after).
 
 Backends: torch, deep_gemm (fwd/dgrad; wgrad on torch), triton (wgrad on the Triton kernel; fwd/dgrad on
 torch), auto (each op and shape on the backend measured fastest, as the layer's "auto" picks it; the
-picks are printed and recorded), fp8 (`moonep_moe.layers.fp8.Fp8GroupedGemm`, what a `precision="fp8"`
+picks are printed and recorded), fp8 (`moonep_moe.gemm.fp8.Fp8GroupedGemm`, what a `precision="fp8"`
 layer runs: fwd and dgrad on DeepGEMM's FP8 GEMMs where it runs, wgrad in bf16 on auto's pick) and
 fp8_triton (the same on the package's Triton FP8 GEMM, what runs where DeepGEMM cannot; not in the
 default list: `--backends auto fp8 fp8_triton`).
@@ -69,10 +69,12 @@ from bench.common import (
     total,
     write_record,
 )
-from moonep_moe.layers.fp8 import Fp8GroupedGemm, fp8_grouped_gemm, fp8_unsupported_reason
-from moonep_moe.layers.grouped_gemm import GemmProblem, MeasuredGroupedGemm, select_grouped_gemm
+from moonep_moe.gemm.autotune import MeasuredGroupedGemm
+from moonep_moe.gemm.base import GemmProblem
+from moonep_moe.gemm.fp8 import Fp8GroupedGemm
+from moonep_moe.gemm.registry import fp8_grouped_gemm, fp8_unsupported_reason, select_grouped_gemm
 from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
-from moonep_moe.weights.arena import PhysicalRows, expert_arena_reason, joined_rows
+from moonep_moe.transport.arena import PhysicalRows, expert_arena_reason, joined_rows
 
 PAD = 128
 
@@ -185,7 +187,7 @@ def cast_ops(x, dab, g, hw, offs, gate_up, down) -> dict:
     """The FP8 casts inside the fp8 row, each timed alone: the activations of fwd (x, hw) and of dgrad (dy
     of both projections: g, dab), and the weights (every group of both projections) in fwd's orientation
     and in dgrad's transposed one."""
-    from moonep_moe.layers.kernels.fp8_cast import cast_blocks, cast_rows
+    from moonep_moe.fp8.cast import cast_blocks, cast_rows
 
     def cast_weights(transposed: bool) -> None:
         for part in (*gate_up, *down):

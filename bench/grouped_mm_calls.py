@@ -28,8 +28,8 @@ import torch
 from bench.common import measure_limits, spread, timings, write_record
 from bench.layer import layer_weights, native_layer, step
 from moonep_moe import MoEConfig, MoonEPMoELayer
-from moonep_moe.comm.world import single_world
 from moonep_moe.config import load_config
+from moonep_moe.transport.threads import single_world
 
 
 @contextmanager

@@ -138,10 +138,10 @@ from bench.common import (
     write_record,
 )
 from moonep_moe.comm.buffer import Buffer
-from moonep_moe.comm.world import single_world
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.function import ExpertsState
 from moonep_moe.layers.moe import MoonEPMoELayer, fixed_expert_weights
+from moonep_moe.transport.threads import single_world
 from moonep_moe.weights.experts import HomeExperts
 from moonep_moe.weights.pool import ExpertRows
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from bench.common import measure_limits, ratio, span, spread, timings, write_record
-from moonep_moe.comm.world import single_world
 from moonep_moe.config import load_config
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.transport.threads import single_world
 
 
 def step(module: torch.nn.Module, x_th: torch.Tensor, grad_th: torch.Tensor) -> None:

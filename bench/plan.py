@@ -11,7 +11,7 @@ shared by the group, tokens drawn without replacement per rank), it times on ran
   `plan_global_device` + `route_destinations`);
 - `plan_routes_graph_s` (CUDA only): the same, captured once in a CUDA graph and replayed.
 
-On CUDA also the Triton planner (`moonep_moe.comm.kernels.plan`, target 20 us for the whole plan at S=8192
+On CUDA also the Triton planner (`moonep_moe.plan.triton`, target 20 us for the whole plan at S=8192
 K=8 E=384 R=8 B=48 tp=128), each result checked field by field against the torch planner first. Kernel
 times are device times (`bench.common.graph_timed`: 20 calls captured in a CUDA graph and replayed, no host
 launch time):
@@ -47,15 +47,11 @@ from pathlib import Path
 import torch
 
 from bench.common import graph_timed, measure_limits, timed, write_record
-from moonep_moe.comm.plan import (
-    MoonEPCommPlan,
-    default_slots,
-    plan_global,
-    plan_global_device,
-    plan_routes,
-    route_destinations,
-    rows_capacity,
-)
+from moonep_moe.base.sizes import default_slots, rows_capacity
+from moonep_moe.plan.device import plan_global_device, route_destinations
+from moonep_moe.plan.planner import plan_routes
+from moonep_moe.plan.reference import plan_global
+from moonep_moe.plan.types import MoonEPCommPlan
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -140,7 +136,7 @@ def time_triton(counts_re: torch.Tensor, topk_sk: torch.Tensor, kwargs: dict,
                 measure: Callable[[Callable[[], object]], float], iters: int,
                 sweep: dict[str, list]) -> dict[str, object]:
     """The Triton planner's launches (module docstring), after checking its plan against the torch planner."""
-    from moonep_moe.comm.kernels.plan import PlanLaunch, plan_routes_triton, prepare
+    from moonep_moe.plan.triton import PlanLaunch, plan_routes_triton, prepare
 
     expected = plan_routes(counts_re.cpu(), topk_sk.cpu(), **kwargs)
 

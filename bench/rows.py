@@ -32,12 +32,14 @@ from collections.abc import Callable
 import torch
 
 from bench.common import graph_timed, measure_limits, timed, write_record
+from moonep_moe.base.sizes import default_slots, rows_capacity
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.exchange import replica_sources
-from moonep_moe.comm.kernels import rows
-from moonep_moe.comm.plan import default_slots, plan_routes, rows_capacity
-from moonep_moe.comm.plan_types import decode_dst
-from moonep_moe.comm.world import SymmetricTensor, single_world
+from moonep_moe.comm.kernels import experts, rows
+from moonep_moe.plan.planner import plan_routes
+from moonep_moe.plan.types import decode_dst
+from moonep_moe.transport.threads import single_world
+from moonep_moe.transport.world import SymmetricTensor
 
 
 def symmetric(key: str, tensors: list[torch.Tensor]) -> SymmetricTensor:
@@ -82,14 +84,14 @@ def weight_phases(record, S: int, H: int, K: int, E: int, R: int, B: int, nvs: i
     slots_bx = torch.empty(B, *row, dtype=torch.bfloat16, device="cuda")
     experts_b = plan.experts_to_copy[0]
     used = int((experts_b >= 0).sum())  # used slots are read and written, unused ones only zero-filled
-    record("copy_experts", lambda: rows.copy_experts(home, slots_bx, experts_b),
+    record("copy_experts", lambda: experts.copy_experts(home, slots_bx, experts_b),
            (2 * used + B - used) * slots_bx[0].nbytes)
     grads = torch.zeros(epn, *row, device="cuda")
     slot_grads = symmetric("slot_grads", [torch.zeros(B, *row, device="cuda") for _ in range(R)])
     table_rb = plan.experts_to_copy.long()
     mine_rb, home_rb = (table_rb >= 0) & (table_rb // epn == 0), table_rb.clamp(min=0) % epn
     sources_hr = replica_sources(mine_rb, home_rb, epn)
-    record("add_replicas", lambda: rows.add_replicas(grads, slot_grads, sources_hr),
+    record("add_replicas", lambda: experts.add_replicas(grads, slot_grads, sources_hr),
            (2 * epn + int(mine_rb.sum())) * grads[0].nbytes)
 
 

@@ -59,11 +59,12 @@ from pathlib import Path
 import torch
 
 from bench.common import Stamp, captured_graph, seconds_between, spread, stamp, timings, write_record
-from moonep_moe.comm.world import EPWorld, run_ranks, single_world
-from moonep_moe.communicator import CommunicatorConfig, MoECommunicator
-from moonep_moe.layers.grouped_gemm import select_grouped_gemm
+from moonep_moe.engine.communicator import CommunicatorConfig, MoECommunicator
+from moonep_moe.engine.layout import ExpertLayout
+from moonep_moe.gemm.registry import select_grouped_gemm
 from moonep_moe.layers.swiglu import swiglu_weighted
-from moonep_moe.weights.layout import ExpertLayout
+from moonep_moe.transport.threads import run_ranks, single_world
+from moonep_moe.transport.world import EPWorld
 
 WORLDS = ("threads", "symmetric", "single")
 PHASES = ("dispatch", "prefetch", "experts", "combine")
@@ -370,7 +371,7 @@ def symmetric_rank(args: argparse.Namespace, rank: int | None, size: int | None,
                    ) -> Path | None:
     """One process's rank of the symmetric world: spawned here (`rank`, `size`, a file store in `folder`)
     or a torchrun process (all None: its environment). Rank 0 writes the record (and its path to `folder`)."""
-    from moonep_moe.comm.symmetric import init_symmetric
+    from moonep_moe.transport.symmetric import init_symmetric
 
     size = size or launched_size()
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank

@@ -22,7 +22,7 @@ import torch
 
 from bench.common import model_shape, write_record
 from moonep_moe import MoEConfig, MoonEPMoELayer
-from moonep_moe.comm.world import single_world
+from moonep_moe.transport.threads import single_world
 
 CPU_SMOKE = {"hidden_size": 64, "num_experts": 16, "top_k": 4, "max_tokens_per_rank": 32}
 

@@ -9,10 +9,7 @@ from typing import Any
 
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.event import CommEvent
-from moonep_moe.comm.plan_types import MoonEPCommPlan
 from moonep_moe.comm.pool import BufferPool
-from moonep_moe.comm.world import EPWorld, run_ranks
-from moonep_moe.communicator import MoECommunicator
 from moonep_moe.config import (
     CommConfig,
     MoEConfig,
@@ -21,8 +18,12 @@ from moonep_moe.config import (
     available_configs,
     load_config,
 )
+from moonep_moe.engine.communicator import MoECommunicator
+from moonep_moe.engine.layout import ExpertLayout
 from moonep_moe.layers.moe import MoonEPMoELayer, fixed_expert_weights
-from moonep_moe.weights.layout import ExpertLayout
+from moonep_moe.plan.types import MoonEPCommPlan
+from moonep_moe.transport.threads import run_ranks
+from moonep_moe.transport.world import EPWorld
 
 try:
     __version__ = metadata.version("moonep-moe")
@@ -32,10 +33,10 @@ except metadata.PackageNotFoundError:  # a source tree on sys.path, not installe
 _LAZY = {
     "swap_moe_blocks": "moonep_moe.integrations.hf",  # the `hf` extra (transformers)
     "hf_state_dict": "moonep_moe.integrations.hf",
-    "init_collective": "moonep_moe.comm.collective",  # torch.distributed process groups
-    "fail_fast": "moonep_moe.comm.collective",
-    "RankFailedError": "moonep_moe.comm.collective",
-    "init_symmetric": "moonep_moe.comm.symmetric",  # torch symmetric memory (CUDA)
+    "init_collective": "moonep_moe.transport.collective",  # torch.distributed process groups
+    "fail_fast": "moonep_moe.transport.collective",
+    "RankFailedError": "moonep_moe.transport.collective",
+    "init_symmetric": "moonep_moe.transport.symmetric",  # torch symmetric memory (CUDA)
 }
 """Public names imported on first access: module that defines each."""
 

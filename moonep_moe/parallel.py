@@ -45,8 +45,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from moonep_moe.comm.world import EPWorld
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.transport.registry import world_of_group
+from moonep_moe.transport.world import EPWorld
 
 __all__ = ["data_parallel", "ep_world", "expert_parameters", "moe_layers", "moe_mesh", "reduce_expert_grads",
            "update_expert_bias"]
@@ -74,16 +75,7 @@ def ep_world(mesh: DeviceMesh, kind: Literal["collective", "symmetric"] = "colle
     or gloo; `exact_size` as there), or `symmetric_world` (one NVLink domain) on `device` (default
     `cuda:LOCAL_RANK`). One per process and group, so every layer built on it shares its slot pools. From a
     bare process group, call `collective_world(group)` / `symmetric_world(group)` directly."""
-    group = mesh_dims(mesh)[EP].get_group()
-    if kind == "collective":
-        from moonep_moe.comm.collective import collective_world
-
-        return collective_world(group, exact_size)
-    if kind == "symmetric":
-        from moonep_moe.comm.symmetric import symmetric_world
-
-        return symmetric_world(group, device)
-    raise ValueError(f"kind must be 'collective' or 'symmetric', got {kind!r} (rank {dist.get_rank()})")
+    return world_of_group(kind, mesh_dims(mesh)[EP].get_group(), device, exact_size=exact_size)
 
 
 def mesh_dims(mesh: DeviceMesh) -> dict[str, DeviceMesh]:

@@ -2,7 +2,7 @@
 interpreter off (`tests/test_kernel_frontend.py` starts it in a subprocess).
 
 The interpreter runs a kernel as Python, so code that the compiler rejects can pass every CPU test: a
-`return` under a constexpr-true `if` followed by more code once built `_peer` on a local tensor and failed
+`return` under a constexpr-true `if` followed by more code once built `peer` on a local tensor and failed
 every one-rank dispatch on the H200 ("cannot cast fp32[] to pointer<bf16>") while the interpreter ran it.
 Here every launcher of the comm row kernels, the planner, the histogram, the SwiGLU and the FP8 casts, and
 the grouped wgrad kernel (one autotuner tile), is called on small CPU tensors, in each variant it has (one
@@ -32,7 +32,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from moonep_moe.comm.world import SymmetricTensor  # noqa: E402
+from moonep_moe.transport.world import SymmetricTensor  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
@@ -92,8 +92,9 @@ def symmetric(name: str, tensors: list[torch.Tensor], rank: int = 0) -> Symmetri
 def comm_launches() -> None:
     """Every row-kernel launcher, one rank and two ranks, with and without weights."""
     global current
-    from moonep_moe.comm import fp8_rows
-    from moonep_moe.comm.kernels import plan, rows
+    from moonep_moe.comm.kernels import experts, rows
+    from moonep_moe.fp8 import wire as fp8_rows
+    from moonep_moe.plan import triton as plan
 
     H, K, S, nvs = 64, 4, 8, 256
     dst_n = torch.zeros(S * K, dtype=torch.int32)
@@ -114,7 +115,7 @@ def comm_launches() -> None:
                 rows.gather_routes(dst_n, rows_t, weights_t if weighted else None,
                                    torch.zeros(S, H, dtype=dtype), torch.zeros(S, K) if weighted else None,
                                    torch.float32)
-    for ranks in (1, 2):  # FP8 dispatch: packed e4m3 rows + scales as uint8 rows (`comm.fp8_rows`)
+    for ranks in (1, 2):  # FP8 dispatch: packed e4m3 rows + scales as uint8 rows (`fp8.wire`)
         width = fp8_rows.packed_width(H)
         packed_t = symmetric("rows", [torch.zeros(nvs, width, dtype=torch.uint8) for _ in range(ranks)])
         weights_t = symmetric("weights", [torch.zeros(nvs) for _ in range(ranks)])
@@ -147,18 +148,18 @@ def comm_launches() -> None:
         for ranks in (1, 2):
             home = symmetric("home", [torch.zeros(3, 8, 16, dtype=dtype) for _ in range(ranks)])
             current = f"copy_experts {dtype} R={ranks}"
-            rows.copy_experts(home, torch.zeros(2, 8, 16, dtype=dtype), torch.tensor([0, -1], **int32))
+            experts.copy_experts(home, torch.zeros(2, 8, 16, dtype=dtype), torch.tensor([0, -1], **int32))
             slots = symmetric("slots", [torch.zeros(2, 8, 16) for _ in range(ranks)])
             current = f"add_replicas {dtype} R={ranks}"
-            rows.add_replicas(torch.zeros(3, 8, 16, dtype=dtype), slots, torch.full((3, ranks), -1, **int32))
+            experts.add_replicas(torch.zeros(3, 8, 16, dtype=dtype), slots, torch.full((3, ranks), -1, **int32))  # noqa: E501
         current = f"clear_slots {dtype}"
-        rows.clear_slots(torch.zeros(2, 8, 16, dtype=dtype), torch.tensor([0, -1], **int32))
+        experts.clear_slots(torch.zeros(2, 8, 16, dtype=dtype), torch.tensor([0, -1], **int32))
 
 
 def plan_launches() -> None:
     """The planner's two launches: one rank counting its routes or given them, and two ranks."""
     global current
-    from moonep_moe.comm.kernels import plan
+    from moonep_moe.plan import triton as plan
 
     E, K, S = 16, 4, 40
     for ranks, count in ((1, True), (1, False), (2, False)):
@@ -201,7 +202,7 @@ def check_hardware_rounding(kernel: JITFunction, kwargs: dict, sig: dict, conste
 def fp8_launches() -> None:
     """The FP8 casts: rows, and blocks in each orientation; rows back from FP8, from packed rows."""
     global current
-    from moonep_moe.layers.kernels import fp8_cast
+    from moonep_moe.fp8 import cast as fp8_cast
 
     current = "cast_rows"
     fp8_cast.cast_rows(torch.zeros(256, 300, dtype=torch.bfloat16),
@@ -224,7 +225,7 @@ def wgrad_launches() -> None:
     """The grouped wgrad kernel in the first of its autotuner's sm90 tiles (called through the autotuner's
     kernel, `.fn`, which the recorder sees)."""
     global current
-    from moonep_moe.layers.kernels import wgrad
+    from moonep_moe.gemm.kernels import wgrad
 
     offs = torch.tensor([128, 256], dtype=torch.int32)
     out0, out1 = torch.zeros(1, 64, 96), torch.zeros(1, 64, 96)

@@ -41,18 +41,19 @@ DEFAULT_CYCLES = 20_000_000
 TARGETS = ("current", "comm", "peers")
 """The kinds of stream delayed in turn, one per wrapped call (and again after it returns)."""
 ENTRY_POINTS = {
-    "moonep_moe.comm.world": {"ThreadsWorld": ("all_gather", "scatter_rows", "barrier"),
-                              "PeerWorld": ("gather_rows",)},
-    "moonep_moe.comm.symmetric": {"SymmetricWorld": ("all_gather", "scatter_rows", "barrier")},
-    "moonep_moe.comm.collective": {"CollectiveWorld": ("all_gather", "scatter_rows", "gather_rows",
+    "moonep_moe.transport.threads": {"ThreadsWorld": ("all_gather", "scatter_rows", "barrier")},
+    "moonep_moe.transport.peer": {"PeerWorld": ("gather_rows",)},
+    "moonep_moe.transport.symmetric": {"SymmetricWorld": ("all_gather", "scatter_rows", "barrier")},
+    "moonep_moe.transport.collective": {"CollectiveWorld": ("all_gather", "scatter_rows", "gather_rows",
                                                        "barrier")},
     "moonep_moe.comm.buffer": {"Buffer": ("dispatch", "combine", "prefetch_weight", "reduce_grad",
                                           "_dispatch", "_combine")},
-    "moonep_moe.communicator": {"MoECommunicator": ("dispatch", "dispatch_async", "combine",
+    "moonep_moe.engine.communicator": {"MoECommunicator": ("dispatch", "dispatch_async", "combine",
                                                     "combine_async", "prefetch_weights")},
     "moonep_moe.comm.kernels.rows": {None: ("send_routes", "record_duplicates",
                                             "expand_duplicates", "copy_rows", "pre_reduce_duplicates",
-                                            "gather_routes", "copy_experts", "add_replicas", "clear_slots")},
+                                            "gather_routes")},
+    "moonep_moe.comm.kernels.experts": {None: ("copy_experts", "add_replicas", "clear_slots")},
 }
 """module -> class (None: the module's functions) -> names wrapped. Modules that cannot be imported here
 (torch.distributed's symmetric memory, Triton) are skipped."""

@@ -6,7 +6,7 @@ import torch
 
 @pytest.mark.gpu
 def test_joined_rows_alias_both_allocations():
-    from moonep_moe.weights.arena import PhysicalRows, expert_arena_reason, joined_rows
+    from moonep_moe.transport.arena import PhysicalRows, expert_arena_reason, joined_rows
 
     device = torch.device("cuda", torch.cuda.current_device())
     row_shape, dtype = (1024, 512), torch.bfloat16  # 1 MiB a row
@@ -31,7 +31,7 @@ def test_layer_arena_views_stay_coherent():
     """After a forward with replicas, the compute view still equals (home parameters, slot pool)."""
     from test_layer import build_layer, make_config, make_problem
 
-    from moonep_moe.comm.world import run_ranks
+    from moonep_moe.transport.threads import run_ranks
 
     cfg = make_config(2, hidden_size=1024, ffn_hidden_size=512, num_experts=8, max_tokens_per_rank=64,
                       dtype="bfloat16", grouped_gemm="torch",

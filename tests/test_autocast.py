@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from moonep_moe.comm.world import run_ranks
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.transport.threads import run_ranks
 
 H = 32
 

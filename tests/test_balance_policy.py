@@ -28,22 +28,16 @@ from test_plan import (
 )
 from test_plan_kernel import KERNEL_DEVICE, assert_plans_equal
 
-from moonep_moe.comm.kernels.plan import plan_routes_triton
-from moonep_moe.comm.plan import (
-    NO_REPLICATION,
-    balance_ranks,
-    modelled_load,
-    plan_global,
-    plan_global_device,
-    plan_routes,
-    replica_cost_routes,
-    rows_capacity,
-    split_quotas,
-)
+from moonep_moe.base.sizes import rows_capacity
 from moonep_moe.comm.pool import BufferPool
-from moonep_moe.comm.world import single_world
-from moonep_moe.communicator import MoECommunicator
 from moonep_moe.config import load_config
+from moonep_moe.engine.communicator import MoECommunicator
+from moonep_moe.plan.device import plan_global_device
+from moonep_moe.plan.planner import plan_routes
+from moonep_moe.plan.policies import NO_REPLICATION, replica_cost_routes
+from moonep_moe.plan.reference import balance_ranks, modelled_load, plan_global, split_quotas
+from moonep_moe.plan.triton import plan_routes_triton
+from moonep_moe.transport.threads import single_world
 
 GLOBAL_FIELDS = ("experts_to_copy", "rank_load", "home_load", "expert_load", "slots_used")
 """Plan fields that are a function of the histogram only (identical on every rank)."""

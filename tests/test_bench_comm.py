@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from bench.comm import collective_seconds, expert_skew, hottest_offsets, op_bytes, skewed_routes
-from moonep_moe.comm.plan import plan_routes, rows_capacity
+from moonep_moe.base.sizes import rows_capacity
+from moonep_moe.plan.planner import plan_routes
 
 CPU = torch.device("cpu")
 

@@ -141,7 +141,8 @@ def kernel_names(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize(("files", "group"), [("comm/kernels/*.py", "comm core"),
-                                              ("layers/kernels/wgrad.py", "GEMMs"),
+                                              ("plan/triton.py", "comm core"),
+                                              ("gemm/kernels/wgrad.py", "GEMMs"),
                                               ("layers/kernels/swiglu.py", "elementwise")])
 def test_every_package_kernel_has_its_group(files, group):
     names = [name for path in sorted(PACKAGE.glob(files)) for name in kernel_names(path)]
@@ -203,9 +204,9 @@ def test_ep_rank_layer_equals_a_layer_whose_slot_experts_copy_the_home_ones():
     import torch
 
     from bench.layer import RankOfEPBuffer, as_ep_rank
-    from moonep_moe.comm.world import single_world
     from moonep_moe.config import MoEConfig
     from moonep_moe.layers.moe import MoonEPMoELayer
+    from moonep_moe.transport.threads import single_world
 
     epn, tokens, hidden = 4, 48, 16
     cfg = MoEConfig(hidden_size=hidden, ffn_hidden_size=8, num_experts=2 * epn, top_k=3,

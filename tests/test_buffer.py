@@ -14,9 +14,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moonep_moe.comm.buffer import Buffer, CommEvent
-from moonep_moe.comm.plan_types import decode_dst
-from moonep_moe.comm.world import RankFailedError, ThreadGroup, run_ranks, single_world
+from moonep_moe.comm.buffer import Buffer
+from moonep_moe.comm.event import CommEvent
+from moonep_moe.plan.types import decode_dst
+from moonep_moe.transport.threads import ThreadGroup, run_ranks, single_world
+from moonep_moe.transport.world import RankFailedError
 from moonep_moe.weights.pool import ExpertRows, slot_grad_pool, slot_pool
 
 F64 = torch.float64
@@ -250,8 +252,15 @@ def full_weights(case: Case, shape_nk: tuple[int, int], seed: int) -> torch.Tens
     return torch.randint(-50, 51, (case.E, *shape_nk), generator=gen).to(F64)
 
 
+def projections(first, second, position: str) -> tuple:
+    """MoonEP's `(gate, up, down)` arguments with a second projection in the `up` or `down` position (the
+    layer fuses gate and up, so passes `(gate_up, None, down)`; the guide's callers pass all three)."""
+    return (first, second, None) if position == "up" else (first, None, second)
+
+
+@pytest.mark.parametrize("position", ["down", "up"])
 @pytest.mark.parametrize("R", [1, 2, 4])
-def test_prefetch_weight_fills_slots(R):
+def test_prefetch_weight_fills_slots(R, position):
     case = Case(R=R, S=16, H=8, K=2, E=8, tp=4, kind="skewed", invalid=0.0)
 
     def fn(world):
@@ -261,12 +270,12 @@ def test_prefetch_weight_fills_slots(R):
         epn, r, B = case.epn, world.rank, buf.B
         # replicated form [E+B, N, K]: rows E.. are the slots
         replicated = [torch.cat([w, torch.zeros(B, *w.shape[1:], dtype=F64)]) for w in (gate_e, down_e)]
-        buf.prefetch_weight(plan, replicated[0], None, replicated[1])
+        buf.prefetch_weight(plan, *projections(replicated[0], replicated[1], position))
         # ExpertRows: home experts from the symmetric home tensors, slots from the process-global pool
         rows = [ExpertRows(world.symmetric(f"test/home/{name}", w[r * epn:(r + 1) * epn].clone()),
                            slot_pool(world, (B, *w.shape[1:]), F64))
                 for name, w in (("gate", gate_e), ("down", down_e))]
-        buf.prefetch_weight(plan, rows[0], None, rows[1])
+        buf.prefetch_weight(plan, *projections(rows[0], rows[1], position))
         return plan.experts_to_copy[r].tolist(), (gate_e, down_e), replicated, [x.slots.local for x in rows]
 
     results = run_ranks(fn, R)
@@ -283,9 +292,10 @@ def test_prefetch_weight_fills_slots(R):
                     assert not rep[case.E + j].any()
 
 
+@pytest.mark.parametrize("position", ["down", "up"])
 @pytest.mark.parametrize("form", ["replicated", "expert_rows"])
 @pytest.mark.parametrize("R", [1, 2, 4])
-def test_reduce_grad_sums_replicas_into_home(R, form):
+def test_reduce_grad_sums_replicas_into_home(R, form, position):
     case = Case(R=R, S=16, H=8, K=2, E=8, tp=4, kind="skewed", invalid=0.0)
 
     def fn(world):
@@ -309,7 +319,8 @@ def test_reduce_grad_sums_replicas_into_home(R, form):
                 pool.local.copy_(slots)
                 grads.append((ExpertRows(home_t, pool), None, (home.clone(), slots.clone(), None)))
         (gate, gate_stage, gate_before), (down, down_stage, down_before) = grads
-        buf.reduce_grad(plan, gate, None, down, gate_reduce_buffer=gate_stage, down_reduce_buffer=down_stage)
+        buf.reduce_grad(plan, *projections(gate, down, position), gate_reduce_buffer=gate_stage,
+                        **{f"{position}_reduce_buffer": down_stage})
         after = [(g.home.local, g.slots.local) if form == "expert_rows"
                  else (g[r * epn:(r + 1) * epn], g[case.E:]) for g in (gate, down)]
         untouched = [g if form == "replicated" else None for g in (gate, down)]

@@ -18,8 +18,8 @@ from test_layer import make_config
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from moonep_moe.comm.world import run_ranks
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.transport.threads import run_ranks
 
 R, LAYERS = 2, 2
 

@@ -15,9 +15,9 @@ import torch
 import yaml
 
 import moonep_moe
-import moonep_moe.demo
-import moonep_moe.train
-from moonep_moe.cli import main
+import moonep_moe.apps.demo
+import moonep_moe.apps.train
+from moonep_moe.apps.cli import main
 from moonep_moe.config import available_configs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,8 +37,8 @@ def no_work(monkeypatch):
     def started(*_, **__):
         raise AssertionError("the run started before the error was found")
 
-    monkeypatch.setattr(moonep_moe.demo, "run_demo", started)
-    monkeypatch.setattr(moonep_moe.train, "train", started)
+    monkeypatch.setattr(moonep_moe.apps.demo, "run_demo", started)
+    monkeypatch.setattr(moonep_moe.apps.train, "train", started)
 
 
 def tiny_yaml(folder: Path, **train_fields) -> Path:
@@ -140,12 +140,12 @@ def test_precision_becomes_the_runs_moe_override(precision, monkeypatch, capsys)
     """`--precision` becomes the `moe:` override `precision` of the run (fp8 as on a machine where it can
     run) and the header says so. The check is asked about the segment alignment the fp8 layer will get
     (128, the fp8 default, when the config leaves token_padding out: None was refused as unaligned)."""
-    import moonep_moe.layers.fp8
+    import moonep_moe.gemm.registry
 
     runs, checked = [], []
-    monkeypatch.setattr(moonep_moe.layers.fp8, "fp8_unsupported_reason",
+    monkeypatch.setattr(moonep_moe.gemm.registry, "fp8_unsupported_reason",
                         lambda device, dtype, token_padding: checked.append(token_padding))
-    monkeypatch.setattr(moonep_moe.train, "train", lambda cfg, **_: runs.append(cfg) or {"losses": []})
+    monkeypatch.setattr(moonep_moe.apps.train, "train", lambda cfg, **_: runs.append(cfg) or {"losses": []})
     assert main(["train", "--config", "small-transformer", "--precision", precision, "--quiet"]) == 0
     (cfg,) = runs
     assert cfg.moe["precision"] == precision and cfg.train.dtype == "bfloat16"
@@ -164,7 +164,7 @@ def test_debug_shows_the_traceback(no_work):
 def test_the_command_prints_no_traceback():
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
-    done = subprocess.run([sys.executable, "-m", "moonep_moe.cli", "demo", "--config", "no-such-model"],
+    done = subprocess.run([sys.executable, "-m", "moonep_moe.apps.cli", "demo", "--config", "no-such-model"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
     assert done.stderr.startswith("moonep-moe: error: no packaged layer config")
@@ -224,13 +224,13 @@ def test_steps_not_beyond_the_checkpoint_are_refused(steps, checkpoint, no_work,
 
 @pytest.mark.parametrize("ranks", [1, 4])
 def test_resume_at_another_ep_size_keeps_the_global_batch(ranks, checkpoint, tmp_path, monkeypatch, capsys):
-    sample_batch, rows = moonep_moe.train.sample_batch, []
+    sample_batch, rows = moonep_moe.apps.train.sample_batch, []
 
     def spy(probs_vv, cfg, step, rank):
         rows.append(cfg.batch_size)
         return sample_batch(probs_vv, cfg, step, rank)
 
-    monkeypatch.setattr(moonep_moe.train, "sample_batch", spy)
+    monkeypatch.setattr(moonep_moe.apps.train, "sample_batch", spy)
     saved = tmp_path / "step3.pt"
     argv = resume(checkpoint, "--steps", "3", "--ranks", str(ranks), "--save", str(saved), "--quiet")
     assert main(argv) == 0

@@ -25,14 +25,9 @@ import torch
 from processes import spawn_ranks
 from test_layer import TOL, make_config, make_problem, rank_step, run_dense, run_moonep
 
-from moonep_moe.comm.collective import (
-    CollectiveWorld,
-    RankFailedError,
-    collective_world,
-    fail_fast,
-    init_collective,
-)
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.transport.collective import CollectiveWorld, collective_world, fail_fast, init_collective
+from moonep_moe.transport.world import RankFailedError
 
 COLLECTIVE_TIMEOUT_S = 30.0
 """The process groups' timeout: longer than any check here, far shorter than the run's bound."""

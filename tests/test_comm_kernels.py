@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from moonep_moe.comm.buffer import Buffer
-from moonep_moe.comm.world import run_ranks, single_world
+from moonep_moe.transport.threads import run_ranks, single_world
 from moonep_moe.weights.pool import ExpertRows
 
 GATE_NK, DOWN_NK = (6, 8), (8, 6)

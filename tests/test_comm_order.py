@@ -24,8 +24,8 @@ import pytest
 import torch
 from test_comm_kernels import KERNEL_DEVICE, Step, assert_equal, operate, prepare
 
-from moonep_moe.comm.plan import decode_dst
-from moonep_moe.comm.world import run_ranks
+from moonep_moe.plan.types import decode_dst
+from moonep_moe.transport.threads import run_ranks
 
 ORDER_HISTOGRAM = (
     # rank 0's experts        rank 1's        rank 2's        rank 3's

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch._dynamo
 
-from moonep_moe.comm.world import single_world
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.transport.threads import single_world
 
 T, H, F, E, K = 64, 32, 16, 8, 2
 

@@ -6,8 +6,8 @@ import pydantic
 import pytest
 import torch
 
-from moonep_moe.comm.plan import align_up
-from moonep_moe.communicator import CommunicatorConfig
+from moonep_moe.apps.train import load_train_config
+from moonep_moe.base.sizes import align_up
 from moonep_moe.config import (
     CommConfig,
     MoEConfig,
@@ -16,7 +16,7 @@ from moonep_moe.config import (
     available_configs,
     load_config,
 )
-from moonep_moe.train import load_train_config
+from moonep_moe.engine.communicator import CommunicatorConfig
 
 PACKAGED = ["deepseek-v3", "kimi-k2", "mixtral-8x7b", "qwen3-moe-30b-a3b", "tiny-cpu"]
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"

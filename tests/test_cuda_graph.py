@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moonep_moe.comm.world import single_world
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.transport.threads import single_world
 
 pytestmark = pytest.mark.gpu
 

@@ -14,9 +14,9 @@ import pickle
 import pytest
 import torch
 
-from moonep_moe.comm.world import run_ranks, single_world
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.transport.threads import run_ranks, single_world
 
 F64 = torch.float64
 H = 16

@@ -20,9 +20,9 @@ import torch
 from test_serving import F64, H, K, R, S, comm_config, dense_moe, grouped_swiglu, model_weights, step_inputs
 
 from bench.common import captured_graph
-from moonep_moe.comm.world import run_ranks, single_world
-from moonep_moe.communicator import DispatchHandle, MoECommunicator
-from moonep_moe.weights.layout import ExpertLayout
+from moonep_moe.engine.communicator import DispatchHandle, MoECommunicator
+from moonep_moe.engine.layout import ExpertLayout
+from moonep_moe.transport.threads import run_ranks, single_world
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""FP8 experts (`moonep_moe.layers.fp8`, `moonep_moe.layers.kernels.fp8_cast`): the e4m3 formats, the
+"""FP8 experts (`moonep_moe.gemm.fp8`, `moonep_moe.fp8.cast`): the e4m3 formats, the
 reference quantisers against float64, the Triton casts bit for bit against the reference (interpreted on the
 CPU, compiled on a GPU), the weight cache's host-side logic, the config, and on an H200 the FP8 backend and
 an FP8 layer against the float64 reference.
@@ -17,23 +17,24 @@ from test_layer import make_config, make_problem, run_dense, run_moonep
 from test_plan_kernel import KERNEL_DEVICE
 
 from moonep_moe.config import MoEConfig
-from moonep_moe.layers import fp8
-from moonep_moe.layers.fp8 import (
+from moonep_moe.fp8 import format as fp8_format
+from moonep_moe.fp8.format import (
     E4M3_MAX,
     FP8_DTYPE,
     TILE,
-    Fp8GroupedGemm,
-    Fp8WeightCache,
     dequantise_blocks,
     dequantise_rows,
-    fp8_grouped_gemm,
     pow2_scales,
     quantise_blocks,
     quantise_rows,
     to_deep_gemm_row_scales,
     transpose_blocks,
 )
-from moonep_moe.layers.grouped_gemm import ReferenceGroupedGemm, TorchGroupedGemm
+from moonep_moe.gemm import fp8, registry
+from moonep_moe.gemm.fp8 import Fp8GroupedGemm, Fp8WeightCache
+from moonep_moe.gemm.reference import ReferenceGroupedGemm
+from moonep_moe.gemm.registry import fp8_grouped_gemm
+from moonep_moe.gemm.torch_native import TorchGroupedGemm
 from moonep_moe.layers.moe import MoonEPMoELayer
 
 F64 = torch.float64
@@ -127,13 +128,13 @@ def test_deep_gemm_row_scale_layout():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows,k", [(1, 1), (37, 300), (130, 128), (64, 7 * 128 + 5)])
 def test_cast_rows_matches_reference_bit_for_bit(rows, k, dtype, num_warps):
-    from moonep_moe.layers.kernels.fp8_cast import cast_rows
+    from moonep_moe.fp8.cast import cast_rows
 
     x = spread(rows, k, seed=2).to(dtype)
     offs_g = torch.tensor([0, rows, rows], dtype=torch.int32)  # an empty group, then all rows
     q, scales = cast_rows(x.to(KERNEL_DEVICE), offs_g.to(KERNEL_DEVICE), num_warps)
     want_q, want_scales = quantise_rows(x)
-    assert scales.stride() == (1, fp8.tma_aligned_rows(rows)), "DeepGEMM's sm90 SFA layout"
+    assert scales.stride() == (1, fp8_format.tma_aligned_rows(rows)), "DeepGEMM's sm90 SFA layout"
     assert torch.equal(bits(q.cpu()), bits(want_q))
     assert torch.equal(scales.cpu(), want_scales)
 
@@ -141,7 +142,7 @@ def test_cast_rows_matches_reference_bit_for_bit(rows, k, dtype, num_warps):
 def test_cast_rows_writes_only_rows_below_the_last_segment_end():
     """Rows at and past offs_g[-1] (unused capacity, here 2^77: a cast would give them the scale 2^69) are
     skipped a whole block at a time, without a host read, and do not disturb the rows below."""
-    from moonep_moe.layers.kernels import fp8_cast
+    from moonep_moe.fp8 import cast as fp8_cast
 
     rows, used = 4 * fp8_cast.BLOCK_ROWS, 2 * fp8_cast.BLOCK_ROWS
     x = spread(rows, 256, seed=3).to(torch.bfloat16)
@@ -160,8 +161,8 @@ def test_dequantise_rows_matches_reference_bit_for_bit(rows, k, dtype):
     """The Triton dequantisation equals the torch one bit for bit, from the operands a layer gives it: views
     of packed rows as a dispatch receives them (row stride wider than K, scales strided alike), and from
     `cast_rows`' contiguous rows with MN-major scales."""
-    from moonep_moe.comm.fp8_rows import pack_rows, unpack_rows
-    from moonep_moe.layers.kernels import fp8_cast
+    from moonep_moe.fp8 import cast as fp8_cast
+    from moonep_moe.fp8.wire import pack_rows, unpack_rows
 
     q, scales = quantise_rows(spread(rows, k, seed=5))
     want = dequantise_rows(q, scales, dtype)
@@ -175,7 +176,7 @@ def test_dequantise_rows_matches_reference_bit_for_bit(rows, k, dtype):
 
 
 def test_dequantise_rows_writes_only_rows_below_the_last_segment_end():
-    from moonep_moe.layers.kernels import fp8_cast
+    from moonep_moe.fp8 import cast as fp8_cast
 
     rows, used = 4 * fp8_cast.BLOCK_ROWS, 2 * fp8_cast.BLOCK_ROWS
     q, scales = quantise_rows(spread(rows, 256, seed=6))
@@ -187,7 +188,7 @@ def test_dequantise_rows_writes_only_rows_below_the_last_segment_end():
 
 
 def test_dequantise_rows_refuses_what_it_cannot_read():
-    from moonep_moe.layers.kernels import fp8_cast
+    from moonep_moe.fp8 import cast as fp8_cast
 
     q, scales = quantise_rows(spread(4, 256, seed=7))
     offs_g = torch.tensor([4], dtype=torch.int32)
@@ -202,7 +203,7 @@ def test_dequantise_rows_refuses_what_it_cannot_read():
 def test_cast_blocks_matches_reference_bit_for_bit(g, n, k, num_warps):
     """Both orientations and the scales, written into a group range of larger buffers (as the weight cache
     does), from a non-contiguous input, at every warp count `bench.fp8_cast` times."""
-    from moonep_moe.layers.kernels.fp8_cast import cast_blocks
+    from moonep_moe.fp8.cast import cast_blocks
 
     w = spread(g, k, n, seed=4).to(torch.bfloat16).transpose(1, 2)  # [g, n, k], not contiguous
     dev = KERNEL_DEVICE
@@ -220,7 +221,7 @@ def test_cast_blocks_matches_reference_bit_for_bit(g, n, k, num_warps):
 
 
 def test_cast_blocks_writes_one_orientation_when_asked():
-    from moonep_moe.layers.kernels.fp8_cast import cast_blocks
+    from moonep_moe.fp8.cast import cast_blocks
 
     w = spread(2, 130, 260, seed=5).to(torch.bfloat16).to(KERNEL_DEVICE)
     scales = torch.empty(2, 2, 3, device=KERNEL_DEVICE)
@@ -241,7 +242,7 @@ class CountingCasts:
     """Wraps `fp8_cast.cast_blocks` and records, per call, the input and which orientations were written."""
 
     def __init__(self, monkeypatch):
-        from moonep_moe.layers.kernels import fp8_cast
+        from moonep_moe.fp8 import cast as fp8_cast
 
         self.calls: list[tuple[torch.Tensor, bool, bool]] = []
         real = fp8_cast.cast_blocks
@@ -359,7 +360,7 @@ def test_fixed_expert_weights_casts_the_home_experts_once_per_block(monkeypatch)
     `fixed_expert_weights` block every micro-batch casts both home weights in both orientations (4 casts);
     inside, the whole block does, and the gradients are the same bits; the block's end frees the copies."""
     from moonep_moe import fixed_expert_weights
-    from moonep_moe.comm.world import single_world
+    from moonep_moe.transport.threads import single_world
 
     layer = MoonEPMoELayer(MoEConfig(**BASE, token_padding=128), single_world(KERNEL_DEVICE))
     gemm = layer._state.gemm = Fp8GroupedGemm(layer._state.gemm, kernel="triton")
@@ -394,7 +395,7 @@ def test_fixed_expert_weights_blocks_nest_and_leave_bf16_layers_alone(monkeypatc
     """An inner block's end keeps the copies (the outer block still promises); the outer one frees them. A
     model's bf16 layers are left alone; an exception inside still ends the block."""
     from moonep_moe import fixed_expert_weights
-    from moonep_moe.comm.world import single_world
+    from moonep_moe.transport.threads import single_world
 
     CountingCasts(monkeypatch)
     cfg = MoEConfig(**BASE, token_padding=128)
@@ -429,7 +430,7 @@ class FrozenSpy(TorchGroupedGemm):
 def test_layer_tells_the_backend_when_the_experts_get_no_gradient():
     """`frozen` (what lets the FP8 backend keep its weight copies) is True exactly when the call gives the
     experts no gradient: under no_grad, or with the experts' parameters frozen; False while they train."""
-    from moonep_moe.comm.world import single_world
+    from moonep_moe.transport.threads import single_world
 
     layer = MoonEPMoELayer(MoEConfig(**{**BASE, "dtype": "float32"}), single_world("cpu"))
     spy = layer._state.gemm = FrozenSpy()
@@ -477,7 +478,7 @@ def test_fp8_layer_refused_at_construction_without_cuda():
 def _fp8_available() -> bool:
     if not torch.cuda.is_available():
         return False
-    return fp8.fp8_unsupported_reason(torch.device("cuda"), torch.bfloat16, 128) is None
+    return registry.fp8_unsupported_reason(torch.device("cuda"), torch.bfloat16, 128) is None
 
 
 needs_fp8 = pytest.mark.skipif(not _fp8_available(),
@@ -490,8 +491,8 @@ def _kernel_reason(kernel: str) -> str | None:
     if not torch.cuda.is_available():
         return None if kernel == "triton" else "DeepGEMM needs a CUDA device (run on the H200)"
     if not _fp8_available():
-        return fp8.fp8_unsupported_reason(torch.device("cuda"), torch.bfloat16, 128)
-    if kernel == "deep_gemm" and fp8.fp8_kernel(torch.device("cuda")) != "deep_gemm":
+        return registry.fp8_unsupported_reason(torch.device("cuda"), torch.bfloat16, 128)
+    if kernel == "deep_gemm" and registry.fp8_kernel(torch.device("cuda")) != "deep_gemm":
         return "DeepGEMM's FP8 GEMMs need DeepGEMM on an sm90 GPU (run on the H200)"
     return None
 
@@ -571,7 +572,7 @@ def test_triton_fp8_gemm_leaves_rows_past_unaligned_segment_ends_alone():
     the float64 product of its dequantised operands up to the accumulation's rounding (the products of e4m3
     values are exact; Hopper's tensor cores sum each 128-element step with reduced precision before it is
     promoted to fp32: 2^-9 of the product of magnitudes, as in `fp8_gemm_bound`)."""
-    from moonep_moe.layers.kernels.fp8_gemm import grouped_fp8_gemm
+    from moonep_moe.gemm.kernels.fp8_gemm import grouped_fp8_gemm
 
     dev, (n, k) = KERNEL_DEVICE, (200, 300)
     ends = [100, 128, 356, 484]  # rows [0, 100), empty, [128, 356), [384, 484)
@@ -605,8 +606,8 @@ def test_triton_fp8_gemm_gives_deep_gemms_bits():
     every launch shape swept); skewed and empty segments, both orientations' scale layouts."""
     if _kernel_reason("deep_gemm") is not None:
         pytest.skip(_kernel_reason("deep_gemm"))
-    from moonep_moe.layers.kernels.fp8_cast import cast_rows
-    from moonep_moe.layers.kernels.fp8_gemm import grouped_fp8_gemm
+    from moonep_moe.fp8.cast import cast_rows
+    from moonep_moe.gemm.kernels.fp8_gemm import grouped_fp8_gemm
 
     gen = torch.Generator(device="cuda").manual_seed(22)
     offs_g = torch.tensor([512, 512, 640, 1664], dtype=torch.int32, device="cuda")
@@ -626,7 +627,7 @@ def test_triton_fp8_gemm_gives_deep_gemms_bits():
 
 
 def test_triton_fp8_gemm_names_what_is_wrong():
-    from moonep_moe.layers.kernels.fp8_gemm import grouped_fp8_gemm
+    from moonep_moe.gemm.kernels.fp8_gemm import grouped_fp8_gemm
 
     q_a, s_a = quantise_rows(torch.randn(128, 256))
     q_w, s_w = quantise_blocks(torch.randn(2, 64, 256))
@@ -665,7 +666,7 @@ def test_fixed_expert_weights_on_deep_gemm_gives_the_same_gradients():
     """The real fp8 layer (DeepGEMM, compiled casts), skewed routing: three micro-batches accumulated inside
     `fixed_expert_weights` give the bits they give outside it, and the block frees its copies."""
     from moonep_moe import fixed_expert_weights
-    from moonep_moe.comm.world import single_world
+    from moonep_moe.transport.threads import single_world
 
     cfg = MoEConfig(hidden_size=256, ffn_hidden_size=256, num_experts=8, top_k=2, max_tokens_per_rank=256,
                     dtype="bfloat16", precision="fp8", router={"dtype": "float32", "expert_bias": True})
@@ -718,9 +719,9 @@ def test_fp8_layer_tracks_the_float64_reference_like_the_bf16_layer(fp8_kernel, 
 def fp8_layer_here(monkeypatch, kernel: str) -> None:
     """Layers built from here on with `precision="fp8"` run FP8 GEMM `kernel`; without CUDA, the Triton one
     interpreted (the construction check, which wants CUDA, stood in for)."""
-    monkeypatch.setattr(fp8, "fp8_kernel", lambda device: kernel)
+    monkeypatch.setattr(registry, "fp8_kernel", lambda device: kernel)
     if KERNEL_DEVICE == "cpu":
-        monkeypatch.setattr(fp8, "fp8_unsupported_reason", lambda *_: None)
+        monkeypatch.setattr(registry, "fp8_unsupported_reason", lambda *_: None)
 
 
 ONE_GPU_BACKWARD = pytest.mark.skipif(torch.cuda.is_available(), reason="thread-ranks on one GPU run forward "
@@ -757,7 +758,7 @@ def test_fp8_dispatch_changes_only_gate_ups_weight_gradient(R, fp8_kernel, monke
 def test_fp8_dispatch_keeps_fp8_rows_for_backward_instead_of_a_bf16_copy(dispatch, fp8_kernel, monkeypatch):
     """What the routed experts save for backward: with `fp8_dispatch` the dispatched rows as e4m3 `[NvS, H]`
     (half the bytes) and no bf16 `[NvS, H]` tensor; without it, the bf16 copy."""
-    from moonep_moe.comm.world import single_world
+    from moonep_moe.transport.threads import single_world
 
     fp8_layer_here(monkeypatch, fp8_kernel)
     shapes = {**BASE, "ffn_hidden_size": 384}  # no other saved [NvS, H]-shaped tensor (ab is [NvS, 2F])
@@ -783,17 +784,17 @@ def test_training_on_the_triton_fp8_gemm_warns_once(monkeypatch, caplog):
     """Where DeepGEMM cannot run, fp8 training runs on the Triton FP8 GEMM at about half its rate, slower
     than bf16: the first fp8 layer of a process says so (WARNING on the `moonep_moe` logger), later ones do
     not; the DeepGEMM path says nothing."""
-    monkeypatch.setattr(fp8, "fp8_unsupported_reason", lambda *_: None)
-    fp8._warn_triton_training.cache_clear()
+    monkeypatch.setattr(registry, "fp8_unsupported_reason", lambda *_: None)
+    registry._warn_triton_training.cache_clear()
     cpu = torch.device("cpu")
     with caplog.at_level("WARNING", logger="moonep_moe"):
         for kernel in ("triton", "triton", "deep_gemm"):
-            monkeypatch.setattr(fp8, "fp8_kernel", lambda device, k=kernel: k)
-            monkeypatch.setattr(fp8, "Fp8GroupedGemm", lambda wgrad, k: k)
+            monkeypatch.setattr(registry, "fp8_kernel", lambda device, k=kernel: k)
+            monkeypatch.setattr(registry, "Fp8GroupedGemm", lambda wgrad, k: k)
             assert fp8_grouped_gemm(TorchGroupedGemm(), cpu, torch.bfloat16, 128) == kernel
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert "trains on the Triton FP8 GEMM" in caplog.records[0].getMessage()
-    fp8._warn_triton_training.cache_clear()
+    registry._warn_triton_training.cache_clear()
 
 
 def test_fp8_dispatch_needs_precision_fp8():
@@ -819,7 +820,7 @@ def test_fp8_training_tracks_the_bf16_loss_curve():
     every step after the first 10 (e4m3 perturbs each GEMM by a few 2^-5, which moves the trajectory but not
     the descent; a sanity bound on the curve, not derived from the format), and both fall below 0.75 of the
     start (bf16 on the CPU: 0.0127 -> 0.0066). The curves are printed."""
-    from moonep_moe.comm.world import single_world
+    from moonep_moe.transport.threads import single_world
 
     shapes = dict(hidden_size=256, ffn_hidden_size=128, num_experts=8, top_k=2, max_tokens_per_rank=512,
                   dtype="bfloat16", router={"dtype": "float32", "expert_bias": True})

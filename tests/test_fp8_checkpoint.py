@@ -19,11 +19,11 @@ import math
 import pytest
 import torch
 
-from moonep_moe.comm.world import run_ranks
 from moonep_moe.config import MoEConfig
+from moonep_moe.fp8.format import E4M3_MAX, FP8_DTYPE, quantise_blocks
 from moonep_moe.integrations.hf import MoonEPBlock, swap_moe_blocks
-from moonep_moe.layers.fp8 import E4M3_MAX, FP8_DTYPE, quantise_blocks
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.transport.threads import run_ranks
 
 E, H, F, K = 4, 160, 192, 2
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}

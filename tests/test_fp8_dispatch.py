@@ -1,5 +1,5 @@
 """FP8 activations on the wire (issue 16 item 3, dispatch): `Buffer.dispatch(q_sh, ..., scales=scales_sh)`
-moves e4m3 rows with their 1x128 fp32 scales (packed byte rows, `comm.fp8_rows`), about half the bytes of
+moves e4m3 rows with their 1x128 fp32 scales (packed byte rows, `fp8.wire`), about half the bytes of
 bf16; combine stays bf16.
 
 The contract: dispatch is a copy, so every received e4m3 row and its scales are exactly the sender's bytes,
@@ -27,10 +27,10 @@ from test_collective import spawn
 from test_comm_kernels import KERNEL_DEVICE
 
 from moonep_moe.comm.buffer import Buffer
-from moonep_moe.comm.fp8_rows import pack_rows, packed_width, scale_columns, unpack_rows, unpacked_copies
-from moonep_moe.comm.world import run_ranks, single_world
-from moonep_moe.communicator import MoECommunicator
-from moonep_moe.layers.fp8 import FP8_DTYPE, dequantise_rows, quantise_rows, to_deep_gemm_row_scales
+from moonep_moe.engine.communicator import MoECommunicator
+from moonep_moe.fp8.format import FP8_DTYPE, dequantise_rows, quantise_rows, to_deep_gemm_row_scales
+from moonep_moe.fp8.wire import pack_rows, packed_width, scale_columns, unpack_rows, unpacked_copies
+from moonep_moe.transport.threads import run_ranks, single_world
 
 BF16 = torch.bfloat16
 U8 = torch.uint8

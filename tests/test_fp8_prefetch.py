@@ -20,12 +20,11 @@ from test_buffer import Case, dispatch
 from test_collective import spawn
 from test_comm_kernels import KERNEL_DEVICE
 
-from moonep_moe.comm.world import run_ranks, single_world
-from moonep_moe.communicator import MoECommunicator
-from moonep_moe.layers.fp8 import FP8_DTYPE, quantise_blocks
-from moonep_moe.weights.layout import ExpertLayout
+from moonep_moe.engine.communicator import MoECommunicator
+from moonep_moe.engine.layout import ExpertLayout
+from moonep_moe.fp8.format import FP8_DTYPE, block_scales_shape, quantise_blocks
+from moonep_moe.transport.threads import run_ranks, single_world
 from moonep_moe.weights.pool import ExpertRows
-from moonep_moe.weights.quantised import block_scales_shape
 
 CASE = dict(S=16, H=8, K=2, E=8, tp=4, kind="skewed", invalid=0.0)
 SHAPES_NK = ((160, 136), (136, 160))

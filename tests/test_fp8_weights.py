@@ -23,19 +23,14 @@ import pytest
 import torch
 from test_fp8_checkpoint import BATCH, HF_TOL, SEQ, VOCAB, deepseek_quantise, quantised_deepseek_v3, rel_err
 
-from moonep_moe.comm.world import run_ranks
 from moonep_moe.config import MoEConfig
+from moonep_moe.fp8.format import FP8_DTYPE, dequantise_rows, quantise_blocks, quantise_rows
+from moonep_moe.gemm.registry import fp8_unsupported_reason
 from moonep_moe.integrations.hf import MoonEPBlock, hf_state_dict, swap_moe_blocks
 from moonep_moe.layers import moe
-from moonep_moe.layers.fp8 import (
-    FP8_DTYPE,
-    dequantise_rows,
-    fp8_unsupported_reason,
-    quantise_blocks,
-    quantise_rows,
-)
 from moonep_moe.layers.function import MoonEPExperts
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.transport.threads import run_ranks
 
 E, H, F, K, S = 4, 160, 256, 2, 8
 PROJECTIONS = {"gate_proj": (F, H), "up_proj": (F, H), "down_proj": (H, F)}

@@ -15,11 +15,12 @@ import pytest
 import torch
 from test_layer import TOL, build_layer, make_config, make_problem, run_dense
 
-from moonep_moe.comm.world import run_ranks, single_world
 from moonep_moe.config import MoEConfig
-from moonep_moe.layers import grouped_gemm, moe
+from moonep_moe.gemm import autotune
+from moonep_moe.layers import moe
 from moonep_moe.layers.function import MoonEPExperts
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.transport.threads import run_ranks, single_world
 
 
 def expert_grads(layer: MoonEPMoELayer) -> dict[str, torch.Tensor | None]:
@@ -278,7 +279,7 @@ def test_gpu_param_mode_backward_makes_no_second_gradient(monkeypatch, tmp_path,
     use grows by less than 1.5x the home gradients (copying the GEMM's output into separately allocated
     gradients needed 2x), with `torch._grouped_mm` `.grad` is the GEMM's own output, and the gradients equal
     the `reference` backend's (same weights, same tokens) within bf16 tolerance."""
-    monkeypatch.setattr(grouped_gemm, "_DEFAULT_CACHE", None)
+    monkeypatch.setattr(autotune, "_DEFAULT_CACHE", None)
     monkeypatch.setenv("MOONEP_MOE_CACHE", str(tmp_path))
     cuda = torch.device("cuda")
     made_ptrs, grouped_mm = set(), torch._grouped_mm

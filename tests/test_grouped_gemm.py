@@ -11,19 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from moonep_moe.layers import grouped_gemm
-from moonep_moe.layers.grouped_gemm import (
+from moonep_moe.gemm import autotune
+from moonep_moe.gemm.autotune import (
     ChoiceCache,
-    GemmProblem,
     MeasuredGroupedGemm,
-    ReferenceGroupedGemm,
-    TorchGroupedGemm,
-    TritonGroupedGemm,
     choice_context,
     measure_grouped_gemm,
     rows_bucket,
-    select_grouped_gemm,
 )
+from moonep_moe.gemm.base import GemmProblem
+from moonep_moe.gemm.reference import ReferenceGroupedGemm
+from moonep_moe.gemm.registry import select_grouped_gemm
+from moonep_moe.gemm.torch_native import TorchGroupedGemm
+from moonep_moe.gemm.triton import TritonGroupedGemm
 
 CPU = torch.device("cpu")
 # Segment sizes: empty groups (first, middle, last), a 1-row group and large ones; 7 unused tail rows.
@@ -350,8 +350,8 @@ def test_wgrad_choice_is_kept_per_gradient_dtype(tmp_path):
 ])
 def test_timed_groups_are_the_layers_up_to_a_count_and_a_memory_cap(groups, shape, rows, timed):
     problem = GemmProblem((shape,), rows, groups=groups)
-    assert grouped_gemm.timed_groups(problem, *shape, rows) == timed
-    assert 2 * rows * sum(shape) + 6 * shape[0] * shape[1] <= grouped_gemm.TIMING_BYTES // sum(timed)
+    assert autotune.timed_groups(problem, *shape, rows) == timed
+    assert 2 * rows * sum(shape) + 6 * shape[0] * shape[1] <= autotune.TIMING_BYTES // sum(timed)
 
 
 def test_wgrad_is_timed_in_the_layers_mode_and_kept_per_mode(tmp_path):
@@ -392,7 +392,7 @@ def test_timed_wgrad_calls_are_the_layers(fresh):
     """"param": the home part made by the backend, fp32 slots overwritten; "main_grad": added into home
     gradients of the gradient dtype and fp32 slots; on (home + slot) groups of the timed rows."""
     gemm = Recording()
-    calls = grouped_gemm.timed_calls("wgrad", N, K, 8, (3, 2), [gemm], CPU, torch.bfloat16, torch.float32,
+    calls = autotune.timed_calls("wgrad", N, K, 8, (3, 2), [gemm], CPU, torch.bfloat16, torch.float32,
                                      fresh)
     calls[0]()
     home = None if fresh else (torch.float32, 3)
@@ -413,16 +413,16 @@ def test_cache_file_unreadable_or_stale_is_timed_again(tmp_path):
 
 
 def test_default_cache_location(monkeypatch, tmp_path):
-    monkeypatch.setattr(grouped_gemm, "_DEFAULT_CACHE", None)
+    monkeypatch.setattr(autotune, "_DEFAULT_CACHE", None)
     monkeypatch.setenv("MOONEP_MOE_CACHE", str(tmp_path))
-    assert grouped_gemm.default_choice_cache().path == tmp_path / "gemm.json"
-    monkeypatch.setattr(grouped_gemm, "_DEFAULT_CACHE", None)
+    assert autotune.default_choice_cache().path == tmp_path / "gemm.json"
+    monkeypatch.setattr(autotune, "_DEFAULT_CACHE", None)
     monkeypatch.setenv("MOONEP_MOE_CACHE", "off")
-    assert grouped_gemm.default_choice_cache().path is None
-    monkeypatch.setattr(grouped_gemm, "_DEFAULT_CACHE", None)
+    assert autotune.default_choice_cache().path is None
+    monkeypatch.setattr(autotune, "_DEFAULT_CACHE", None)
     monkeypatch.delenv("MOONEP_MOE_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert grouped_gemm.default_choice_cache().path == tmp_path / "moonep-moe" / "gemm.json"
+    assert autotune.default_choice_cache().path == tmp_path / "moonep-moe" / "gemm.json"
 
 
 def test_measured_selection_logs_what_it_times_what_it_chose_and_the_cache(caplog, tmp_path):
@@ -447,8 +447,10 @@ def test_measured_selection_logs_what_it_times_what_it_chose_and_the_cache(caplo
 
 
 SECOND_PROCESS = """
-from moonep_moe.layers.grouped_gemm import *
-from moonep_moe.layers.grouped_gemm import default_choice_cache
+from moonep_moe.gemm.autotune import default_choice_cache, measure_grouped_gemm
+from moonep_moe.gemm.base import GemmProblem
+from moonep_moe.gemm.reference import ReferenceGroupedGemm
+from moonep_moe.gemm.torch_native import TorchGroupedGemm
 calls = []
 def timer(op, n, k, rows, groups, backends):
     calls.append(op)
@@ -488,7 +490,7 @@ def test_rows_bucket(rows, align, bucket):
 @pytest.mark.gpu
 def test_gpu_auto_measures_once_and_matches_reference(monkeypatch, tmp_path):
     """On CUDA, "auto" times torch, triton (and DeepGEMM where installed) and the result is right."""
-    monkeypatch.setattr(grouped_gemm, "_DEFAULT_CACHE", None)
+    monkeypatch.setattr(autotune, "_DEFAULT_CACHE", None)
     monkeypatch.setenv("MOONEP_MOE_CACHE", str(tmp_path))
     cuda = torch.device("cuda")
     n, k, sizes_g = 512, 256, [0, 128, 256, 0, 384, 128]

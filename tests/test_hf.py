@@ -16,7 +16,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from moonep_moe.comm.world import run_ranks  # noqa: E402
 from moonep_moe.integrations.hf import (  # noqa: E402
     EXPERT_KEYS,
     MoonEPBlock,
@@ -24,6 +23,7 @@ from moonep_moe.integrations.hf import (  # noqa: E402
     merge_expert_shards,
     swap_moe_blocks,
 )
+from moonep_moe.transport.threads import run_ranks  # noqa: E402
 
 VOCAB, BATCH, SEQ = 64, 2, 12
 TOKENS = BATCH * SEQ

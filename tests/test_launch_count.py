@@ -12,7 +12,7 @@ What counts as one device op (`DeviceOps`):
   run unrecorded: every op but views, allocations (`empty*`, no kernel) and `scalar_tensor` (a Python
   number wrapped on the CPU by `torch.where(mask, tensor, number)`, no device kernel);
 - each `pointer_table` call counts R fills: while a CUDA graph is captured every call fills a fresh table
-  (`comm.kernels.rows.pointer_table`), so a replayed step runs them.
+  (`comm.kernels.common.pointer_table`), so a replayed step runs them.
 
 Run with `-s` to print the listing (`python -m pytest tests/test_launch_count.py -s`).
 """
@@ -26,10 +26,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import moonep_moe.comm.buffer as buffer_module
-import moonep_moe.comm.plan as plan_module
+import moonep_moe.plan.planner as plan_module
 from moonep_moe.comm.exchange import select_exchange
-from moonep_moe.comm.world import single_world
-from moonep_moe.communicator import MoECommunicator
+from moonep_moe.engine.communicator import MoECommunicator
+from moonep_moe.transport.threads import single_world
 
 MAX_DEVICE_OPS = 4
 """Device ops of one R = 1 dispatch + combine on the kernel path: the planner's two launches (the first also
@@ -60,9 +60,9 @@ def record_launches(ops: list[str], monkeypatch) -> None:
     mode), and every `pointer_table` call one `pointer_table fill` per rank."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from moonep_moe.comm.kernels import rows
+    from moonep_moe.comm.kernels import common
 
-    run, table = InterpretedFunction.run, rows.pointer_table
+    run, table = InterpretedFunction.run, common.pointer_table
 
     def recorded_run(self, *args, **kwargs):
         ops.append(f"triton.{self.fn.__name__}")
@@ -75,7 +75,7 @@ def record_launches(ops: list[str], monkeypatch) -> None:
             return table(tensor)
 
     monkeypatch.setattr(InterpretedFunction, "run", recorded_run)
-    monkeypatch.setattr(rows, "pointer_table", recorded_table)
+    monkeypatch.setattr(common, "pointer_table", recorded_table)
 
 
 def step_ops(num_tokens: int, monkeypatch) -> list[str]:

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from moonep_moe.comm.world import run_ranks, single_world
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.dense import dense_step
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.transport.threads import run_ranks, single_world
 
 F64 = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 import moonep_moe.comm.buffer as buffer_module
 import moonep_moe.comm.exchange as exchange_module
-from moonep_moe.comm.world import run_ranks, single_world
+from moonep_moe.transport.threads import run_ranks, single_world
 from moonep_moe.weights.pool import ExpertRows, slot_grad_pool, slot_pool
 
 F64 = torch.float64

@@ -23,10 +23,10 @@ import torch
 from test_compile import taken_grads
 
 from bench.common import captured_graph
-from moonep_moe.comm.world import single_world
 from moonep_moe.config import MoEConfig, load_config
 from moonep_moe.layers import moe
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.transport.threads import single_world
 
 DELAY = 20_000_000
 """GPU clock cycles (about 10 ms on an H200) that `torch.cuda._sleep` holds a stream back."""

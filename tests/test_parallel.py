@@ -36,9 +36,7 @@ from test_collective import RUN_TIMEOUT_S, rank_main
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from moonep_moe.cli import main
-from moonep_moe.comm.collective import collective_world
-from moonep_moe.comm.world import single_world
+from moonep_moe.apps.cli import main
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.moe import MoonEPMoELayer
 from moonep_moe.parallel import (
@@ -49,6 +47,8 @@ from moonep_moe.parallel import (
     reduce_expert_grads,
     update_expert_bias,
 )
+from moonep_moe.transport.collective import collective_world
+from moonep_moe.transport.threads import single_world
 
 F64 = torch.float64
 TOL = dict(rtol=1e-9, atol=1e-12)
@@ -243,16 +243,16 @@ def tiny_train_yaml(folder: Path) -> Path:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_torchrun_train_dp2_ep2_has_the_loss_curve_of_one_process_on_the_global_batch(tmp_path, device):
-    """`torchrun --nproc-per-node 4 -m moonep_moe.cli train --dp 2` (DDP over 4 processes, EP 2) prints the
-    losses of one rank training on the 4 ranks' sequences at once, with balance and step time. On the CPU:
+    """`torchrun --nproc-per-node 4 -m moonep_moe.apps.cli train --dp 2` (DDP over 4 processes, EP 2) prints
+    the losses of one rank training on the 4 ranks' sequences at once, with balance and step time. On the CPU:
     gloo, the collective EP world, the same losses to the printed digits; on a GPU: 4 processes sharing it
     (gloo, the symmetric EP world), within bf16 noise (the GEMM backends differ with the row counts)."""
     pytest.importorskip("transformers")
-    from moonep_moe.train import load_train_config, train
+    from moonep_moe.apps.train import load_train_config, train
 
     config = tiny_train_yaml(tmp_path)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
-               "moonep_moe.cli", "train", "--config", str(config), "--dp", "2"]
+               "moonep_moe.apps.cli", "train", "--config", str(config), "--dp", "2"]
     env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})}
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]

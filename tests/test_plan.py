@@ -22,14 +22,11 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 
-from moonep_moe.comm.plan import (
-    default_slots,
-    plan_global,
-    plan_global_device,
-    plan_routes,
-    rows_capacity,
-)
-from moonep_moe.comm.plan_types import NO_ROUTE, MoonEPCommPlan, decode_dst
+from moonep_moe.base.sizes import default_slots, rows_capacity
+from moonep_moe.plan.device import plan_global_device
+from moonep_moe.plan.planner import plan_routes
+from moonep_moe.plan.reference import plan_global
+from moonep_moe.plan.types import NO_ROUTE, MoonEPCommPlan, decode_dst
 
 RANKS = [1, 2, 3, 4, 8, 16]
 KINDS = ["uniform", "zipf", "hot_expert", "one_rank", "random", "adversarial", "direct"]

@@ -1,4 +1,4 @@
-"""The Triton planner (`moonep_moe.comm.kernels.plan`) equals the torch planner and the host reference bit for
+"""The Triton planner (`moonep_moe.plan.triton`) equals the torch planner and the host reference bit for
 bit: every plan field, every rank, on random and adversarial routing; its internal tables give back the
 reference's allocation and segment starts.
 
@@ -17,21 +17,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_plan import Scenario, histograms, scenarios, topk_from_counts
 
-from moonep_moe.comm.kernels.plan import (
-    HISTOGRAM_ROUTES,
-    expert_histogram_triton,
-    plan_routes_triton,
-    prepare,
-)
-from moonep_moe.comm.plan import (
-    default_slots,
-    expert_histogram,
-    plan_global,
-    plan_one_rank,
-    plan_routes,
-    rows_capacity,
-)
-from moonep_moe.comm.plan_types import MoonEPCommPlan
+from moonep_moe.base.sizes import default_slots, rows_capacity
+from moonep_moe.plan.planner import expert_histogram, plan_one_rank, plan_routes
+from moonep_moe.plan.reference import plan_global
+from moonep_moe.plan.triton import HISTOGRAM_ROUTES, expert_histogram_triton, plan_routes_triton, prepare
+from moonep_moe.plan.types import MoonEPCommPlan
 
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -11,12 +11,13 @@ from stress import comm_streams
 
 from bench.common import captured_graph
 from moonep_moe.comm.buffer import Buffer
-from moonep_moe.comm.plan_types import decode_dst
 from moonep_moe.comm.pool import BufferPool, next_power_of_two
-from moonep_moe.comm.world import RankFailedError, run_ranks, single_world
-from moonep_moe.communicator import CommunicatorConfig, DispatchHandle, MoECommunicator
 from moonep_moe.config import load_config
-from moonep_moe.weights.layout import ExpertLayout
+from moonep_moe.engine.communicator import CommunicatorConfig, DispatchHandle, MoECommunicator
+from moonep_moe.engine.layout import ExpertLayout
+from moonep_moe.plan.types import decode_dst
+from moonep_moe.transport.threads import run_ranks, single_world
+from moonep_moe.transport.world import RankFailedError
 
 F64 = torch.float64
 R, S, H, K, E, TP = 4, 32, 8, 2, 16, 4

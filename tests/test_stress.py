@@ -9,7 +9,7 @@ import torch
 from stress import DEFAULT_CYCLES, ENV, TARGETS, Stress, _entry_points, cycles_from_env
 from test_buffer import Case, assert_roundtrip, roundtrip
 
-from moonep_moe.comm.world import single_world
+from moonep_moe.transport.threads import single_world
 
 
 def test_cycles_from_env(monkeypatch):
@@ -55,15 +55,15 @@ def test_pointer_table_is_filled_before_any_stream_reads_it():
     it was read by kernels on others (every thread-rank of one GPU maps the same addresses) before the
     fills ran. With the building stream delayed, another stream's read of the table must still see the
     addresses."""
-    from moonep_moe.comm.kernels import rows
+    from moonep_moe.comm.kernels import common
 
     world = single_world("cuda")
     tensor = world.symmetric("test/pointer_table", torch.zeros(4, 8, device="cuda"))
     builder, reader = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(builder):
         torch.cuda._sleep(200_000_000)  # ~0.1 s: the fills run after it
-        rows.pointer_table(tensor)
+        common.pointer_table(tensor)
     with torch.cuda.stream(reader):
-        seen = rows.pointer_table(tensor).clone()
+        seen = common.pointer_table(tensor).clone()
     torch.cuda.synchronize()
     assert seen.tolist() == [tensor.local.data_ptr()]

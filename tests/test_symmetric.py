@@ -33,11 +33,12 @@ from stress import install_from_env
 from test_buffer import DOWN_NK, GATE_NK, Case, dispatch, full_weights
 from test_layer import TOL, make_config, make_problem, rank_step, run_moonep
 
-import moonep_moe.comm.symmetric as symmetric_module
-from moonep_moe.comm.symmetric import NO_MULTICAST_ENV, SymmetricWorld, init_symmetric
-from moonep_moe.comm.world import entries_by_rank, run_ranks, write_peer_rows
+import moonep_moe.transport.symmetric as symmetric_module
 from moonep_moe.layers.moe import MoonEPMoELayer
-from moonep_moe.weights.arena import PhysicalRows
+from moonep_moe.transport.arena import PhysicalRows
+from moonep_moe.transport.peer import entries_by_rank, write_peer_rows
+from moonep_moe.transport.symmetric import NO_MULTICAST_ENV, SymmetricWorld, init_symmetric
+from moonep_moe.transport.threads import run_ranks
 from moonep_moe.weights.pool import ExpertRows, slot_grad_pool, slot_pool
 
 TIMEOUT_S = 60.0

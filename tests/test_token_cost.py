@@ -25,8 +25,9 @@ from test_comm_kernels import KERNEL_DEVICE
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from moonep_moe.comm.buffer import Buffer, expert_histogram
-from moonep_moe.comm.world import run_ranks
+from moonep_moe.comm.buffer import Buffer
+from moonep_moe.plan.planner import expert_histogram
+from moonep_moe.transport.threads import run_ranks
 
 # R=2, capacity S=4, K=4, E=16 (epn=8, B=8), tp=16: NvS = align_up(16 + 15*16, 16) = 256 rows, while the
 # capacity's routes are R*S*K = 32 and a one-token step fills at most K segments.
@@ -136,7 +137,7 @@ def test_cuda_combine_leaves_rows_past_the_plan_and_equals_the_full_copy():
     """On the H200: the compiled `copy_rows` copies exactly the planned rows, and combine's result equals
     the reference's run on the CPU from the same inputs (the CUDA reference's `index_add_` adds in no fixed
     order, so it is not bit-reproducible: see tests/test_comm_kernels.py)."""
-    from moonep_moe.comm.world import single_world
+    from moonep_moe.transport.threads import single_world
 
     results = []
     for kernels, device in ((True, torch.device(KERNEL_DEVICE)), (False, torch.device("cpu"))):

@@ -11,9 +11,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import moonep_moe.train  # noqa: E402
-from moonep_moe.comm.world import run_ranks  # noqa: E402
-from moonep_moe.train import build_model, load_train_config, sample_batch, train  # noqa: E402
+import moonep_moe.apps.train  # noqa: E402
+from moonep_moe.apps.train import build_model, load_train_config, sample_batch, train  # noqa: E402
+from moonep_moe.transport.threads import run_ranks  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny-transformer.yaml"
 
@@ -65,7 +65,7 @@ def test_small_transformer_trains_in_bfloat16():
 
 
 def _fp8_trains_here() -> bool:
-    from moonep_moe.layers.fp8 import fp8_unsupported_reason
+    from moonep_moe.gemm.registry import fp8_unsupported_reason
 
     return torch.cuda.is_available() and fp8_unsupported_reason(torch.device("cuda"), torch.bfloat16,
                                                                 128) is None
@@ -103,7 +103,7 @@ def test_resume_keeps_the_global_batch_at_another_ep_size_and_refuses_nothing_to
         sizes.append(cfg.batch_size)
         return sample_batch(probs_vv, cfg, step, rank)
 
-    monkeypatch.setattr(moonep_moe.train, "sample_batch", spy)
+    monkeypatch.setattr(moonep_moe.apps.train, "sample_batch", spy)
     train(small(ep_size=1, steps=2), resume=str(ckpt), progress=False)
     assert sizes == [8]  # one step on one rank: the whole global batch
 

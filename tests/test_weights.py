@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moonep_moe.comm.world import run_ranks
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.dense import dense_step
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.transport.threads import run_ranks
 
 F64 = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -217,7 +217,7 @@ def test_a_gemm_that_wants_the_parts_gets_the_parameters_even_where_the_arena_jo
     backend gets the joined view. The arena is CUDA-only, so a stand-in joined tensor is set here."""
     from dataclasses import replace
 
-    from moonep_moe.layers.grouped_gemm import ReferenceGroupedGemm
+    from moonep_moe.gemm.reference import ReferenceGroupedGemm
 
     class Recording(ReferenceGroupedGemm):
         def __init__(self, joined: bool):

@@ -9,8 +9,9 @@ and several tiles per group are covered); the GPU cases use DeepSeek-V3's expert
 import pytest
 import torch
 
-from moonep_moe.layers.grouped_gemm import ReferenceGroupedGemm, TorchGroupedGemm
-from moonep_moe.layers.kernels.wgrad import grouped_wgrad_triton
+from moonep_moe.gemm.kernels.wgrad import grouped_wgrad_triton
+from moonep_moe.gemm.reference import ReferenceGroupedGemm
+from moonep_moe.gemm.torch_native import TorchGroupedGemm
 
 # empty groups (first, middle, last), 1-row groups, unaligned and large segments
 SIZES_G = [0, 1, 37, 0, 70, 1, 150, 17, 0]

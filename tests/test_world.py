@@ -14,9 +14,10 @@ import pytest
 import torch
 from test_layer import make_config, make_problem
 
-from moonep_moe.comm import world as world_module
-from moonep_moe.comm.world import RankFailedError, ThreadGroup, run_ranks
 from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.transport import threads as world_module
+from moonep_moe.transport.threads import ThreadGroup, run_ranks
+from moonep_moe.transport.world import RankFailedError
 
 TIMEOUT_S = 20.0
 """The barrier timeout while these tests run: a hang the group fails to detect fails the test this late."""

@@ -7,7 +7,7 @@ Notation and suffixes: DESIGN.md, "Notation". One step of a layer on every rank:
    into its expert-grouped row there, sends a weight for every route, fills padding rows with zeros and
    copies primary rows into their same-rank duplicates (local expansion).
    -> `hidden_nvsh [NvS, H]`, `route_weights_nvs [NvS]`, `cu_seqlens [E+B]`, `plan`. FP8 rows move with
-   their 1x128 scales (`scales=`): one packed byte row each in the rows' memory (`comm.fp8_rows`), through
+   their 1x128 scales (`scales=`): one packed byte row each in the rows' memory (`fp8.wire`), through
    the same exchange; `hidden_nvsh` is then the pair (e4m3 rows, scales).
 2. `prefetch_weight(plan, gate, up, down)`: copies every replicated expert into this rank's slots (FP8
    weights with their block scales: `scales=`).
@@ -57,28 +57,23 @@ from __future__ import annotations
 import itertools
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
-from dataclasses import fields, replace
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from moonep_moe.base.sizes import TOKEN_PADDING, check_layout, default_slots, rows_capacity
+from moonep_moe.comm.checks import _tensors, check_tensor
 from moonep_moe.comm.event import CommEvent
 from moonep_moe.comm.exchange import KernelExchange, RowExchange, RowMemory, select_exchange
-from moonep_moe.comm.fp8_rows import pack_rows, packed_width, scale_columns, unpack_rows, unpacked_copies
-from moonep_moe.comm.plan import (
-    NO_REPLICATION,
-    check_layout,
-    default_slots,
-    expert_histogram,
-    plan_one_rank,
-    plan_routes,
-    rows_capacity,
-)
-from moonep_moe.comm.plan_types import MoonEPCommPlan
-from moonep_moe.comm.world import EPWorld, SymmetricTensor
-from moonep_moe.weights.pool import ExpertRows
-from moonep_moe.weights.quantised import FP8_DTYPE, as_bytes, block_scales_shape, rows_as_bytes
+from moonep_moe.comm.replicas import ExpertTransfers
+from moonep_moe.fp8.format import FP8_DTYPE
+from moonep_moe.fp8.wire import pack_rows, packed_width, scale_columns, unpack_rows, unpacked_copies
+from moonep_moe.plan.planner import expert_histogram, plan_one_rank, plan_routes
+from moonep_moe.plan.policies import NO_REPLICATION
+from moonep_moe.plan.types import MoonEPCommPlan
+from moonep_moe.transport.world import EPWorld
 
 _buffer_ids = itertools.count()
 
@@ -89,51 +84,7 @@ DISPATCH_NAMES = ("hidden_sh", "route_weights_sk", "topk_experts_sk")
 """How `Buffer.dispatch` calls its rows, route weights and expert ids (in its errors)."""
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in `value`: tensors, tuples/lists of them, and a plan's tensor fields."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, MoonEPCommPlan):
-        for field in fields(value):
-            yield from _tensors(getattr(value, field.name))
-    elif isinstance(value, ExpertRows):
-        yield from _tensors((value.home.local, value.slots.local))
-    elif isinstance(value, SymmetricTensor):
-        yield value.local
-
-
-def _check(tensor: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype | tuple,
-           device: torch.device, rank: int) -> None:
-    """Raise a ValueError naming `rank` and `name` unless `tensor` has this shape (None = any size), dtype
-    and device."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"rank {rank}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
-    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-    if tensor.dtype not in dtypes:
-        raise ValueError(f"rank {rank}: {name} must have dtype {' or '.join(map(str, dtypes))}, "
-                         f"got {tensor.dtype}")
-    if tensor.dim() != len(shape) or any(s is not None and s != t for s, t in zip(shape, tensor.shape,
-                                                                                  strict=True)):
-        expected = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"rank {rank}: {name} must have shape {expected}, got {list(tensor.shape)}")
-    if tensor.device != device:
-        raise ValueError(f"rank {rank}: {name} must be on {device}, got {tensor.device}")
-
-
-def row_fingerprints(rows_c: torch.Tensor) -> torch.Tensor:
-    """`[c, *row]` -> `[c, 2]` int64: per row the sum of its elements' bit patterns and their sum weighted by
-    position (wrapping integer sums: exact and independent of the summation order, so two ranks holding
-    the same row get the same fingerprint bit for bit, and a zero or permuted row gets another)."""
-    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[rows_c.element_size()]
-    values_cm = rows_c.flatten(1).view(bits).long()
-    position_m = torch.arange(1, values_cm.shape[1] + 1, device=rows_c.device)
-    return torch.stack([values_cm.sum(1), (values_cm * position_m).sum(1)], 1)
-
-
-class Buffer:
+class Buffer(ExpertTransfers):
     """The comm core of one EP group for one layer shape: plan, dispatch, combine, prefetch, reduce_grad.
 
     Args:
@@ -144,11 +95,12 @@ class Buffer:
         num_sms: SMs the row kernels' grid-stride loops size their grids for (default: the device's).
         comm_stream_priority: priority of the comm stream that `async_finish=True` operations run on
             (torch's convention: lower is higher priority; e.g. -1).
-        token_padding: every non-empty segment is padded to a multiple of it (128: Hopper's M-block).
+        token_padding: every non-empty segment is padded to a multiple of it (default `TOKEN_PADDING`, 16;
+            128 for grouped GEMMs that need Hopper's M-block).
         explicitly_destroy: when True the caller must call `destroy()`: a Buffer garbage-collected without
             it warns (ResourceWarning, naming the Buffer and rank) and then releases its memory; when False
             the memory is released silently when the Buffer is garbage-collected.
-        world: the EP world (`moonep_moe.comm.world`).
+        world: the EP world (`moonep_moe.transport.world`).
         dtype: dtype of the dispatched rows (bf16 in production; float64 for exact tests). Route weights
             are fp32 (float64 for float64 rows).
         validate: check in `dispatch` that every expert id is in [-1, E) (a ValueError naming the bad id)
@@ -163,15 +115,15 @@ class Buffer:
             on one GPU, symmetric-memory world), rows in bf16/fp16/fp32/fp64. True forces them (a ValueError
             where they cannot run; on CPU tensors they need Triton's interpreter, `TRITON_INTERPRET=1`, which
             is how the tests check them against the reference); False forces the reference.
-        replica_cost: the planner's replication policy (`comm.plan`, `CommConfig.replica_cost`): 0 (default)
-            exact balance, c > 0 cost-aware (a replica must take more than c routes off its donor),
+        replica_cost: the planner's replication policy (`plan.policies`, `CommConfig.replica_cost`): 0
+            (default) exact balance, c > 0 cost-aware (a replica must take more than c routes off its donor),
             `NO_REPLICATION` plain EP. Anything but 0 sizes the rows for best-effort balance
             (`rows_capacity`).
     """
 
     def __init__(self, S: int, H: int, K: int, E: int, num_ep_ranks: int, B: int | None = None,
-                 num_sms: int | None = None, token_padding: int = 128, comm_stream_priority: int = 0,
-                 explicitly_destroy: bool = False, *, world: EPWorld,
+                 num_sms: int | None = None, token_padding: int = TOKEN_PADDING,
+                 comm_stream_priority: int = 0, explicitly_destroy: bool = False, *, world: EPWorld,
                  dtype: torch.dtype = torch.bfloat16, validate: bool = True, kernels: bool | None = None,
                  replica_cost: int = 0):
         where = f"rank {world.rank}"
@@ -209,7 +161,7 @@ class Buffer:
         self._exchange = select_exchange(memory, kernels)
         """How rows cross ranks: the Triton row kernels or the torch reference (`comm.exchange`)."""
         self._fp8_exchange: RowExchange | None = None
-        """The same exchange over the rows' memory seen as packed FP8 rows (`comm.fp8_rows`), where they fit
+        """The same exchange over the rows' memory seen as packed FP8 rows (`fp8.wire`), where they fit
         in the rows' bytes: what `dispatch(..., scales=)` moves."""
         if packed_width(H) <= self._rows.local[0].nbytes:
             packed = replace(memory, rows=self._rows.as_rows(packed_width(H), torch.uint8))
@@ -329,7 +281,8 @@ class Buffer:
     def dispatch(self, hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None = None,
                  topk_experts_sk: torch.Tensor | None = None, tokens_per_expert: torch.Tensor | None = None,
                  plan: MoonEPCommPlan | None = None, async_finish: bool = False, zero_copy: bool = False,
-                 router_weights_zero_copy: bool = False, scales: torch.Tensor | None = None):
+                 router_weights_zero_copy: bool = False, scales: torch.Tensor | None = None, *,
+                 arg_names: tuple[str, str, str] = DISPATCH_NAMES):
         """Send every route's row and weight to the rank and row where it is computed.
 
         Args:
@@ -351,12 +304,14 @@ class Buffer:
                 Dispatches with a plan (backward) stay legal: forward dispatch -> combine -> backward
                 dispatch(plan) -> combine.
             scales: the fp32 scales `[s, ceil(H/128)]` (any strides) of FP8 `hidden_sh`, one per row per 128
-                columns (a tail tile has its own; `layers.fp8.quantise_rows`, `cast_rows`), None otherwise:
+                columns (a tail tile has its own; `gemm.fp8.quantise_rows`, `cast_rows`), None otherwise:
                 quantise, then dispatch (as vLLM does). Each row travels with its scales as one packed byte
-                row (`comm.fp8_rows`: H + 4*ceil(H/128) bytes, rounded up to 16; about half of bf16's) in
+                row (`fp8.wire`: H + 4*ceil(H/128) bytes, rounded up to 16; about half of bf16's) in
                 the memory of the Buffer's rows, so it needs `packed_width(H) <= H * itemsize` (any H >= 16
                 in bf16). Every destination row gets exactly the sender's bytes and scales, duplicates
                 included; padding rows get zero values and zero scales. Combine stays in the Buffer's dtype.
+            arg_names: how errors call the rows, route weights and expert ids (a facade over the Buffer
+                passes its own arguments' names).
 
         A plan is valid for the operations after its dispatch (prefetch_weight, combine, reduce_grad) until
         the next dispatch of this Buffer; a backward `dispatch(plan=...)` makes an earlier plan of this
@@ -372,7 +327,7 @@ class Buffer:
             so expert outputs written there overwrite them); else contiguous copies.
         """
         self._check_dispatch(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, plan,
-                             DISPATCH_NAMES, scales)
+                             arg_names, scales)
         return self._dispatch(hidden_sh, route_weights_sk, topk_experts_sk, plan, async_finish, zero_copy,
                               router_weights_zero_copy, scales)
 
@@ -396,14 +351,16 @@ class Buffer:
             if isinstance(hidden_sh, torch.Tensor) and not fp8:
                 raise ValueError(f"rank {rank}: scales is only for FP8 ({FP8_DTYPE}) {hidden_name}, got "
                                  f"{hidden_name} in {hidden_sh.dtype}")
-            _check(scales, "scales", (num_tokens, scale_columns(self.H)), torch.float32, device, rank)
+            check_tensor(scales, "scales", (num_tokens, scale_columns(self.H)), torch.float32, device, rank)
             if self._fp8_exchange is None:
                 raise ValueError(f"rank {rank}: scales: FP8 rows of H={self.H} with their scales take "
                                  f"{packed_width(self.H)} bytes, more than this Buffer's {self.dtype} rows "
                                  f"({self._rows.local[0].nbytes} bytes) hold")
-        _check(hidden_sh, hidden_name, (num_tokens, self.H), FP8_DTYPE if fp8 else self.dtype, device, rank)
+        check_tensor(hidden_sh, hidden_name, (num_tokens, self.H), FP8_DTYPE if fp8 else self.dtype, device,
+                     rank)
         if route_weights_sk is not None:
-            _check(route_weights_sk, weights_name, (num_tokens, self.K), self.weight_dtype, device, rank)
+            check_tensor(route_weights_sk, weights_name, (num_tokens, self.K), self.weight_dtype, device,
+                         rank)
         if plan is not None:
             self._check_plan(plan, backward_dispatch=True)
             if plan.num_routes != num_tokens * self.K:
@@ -417,9 +374,9 @@ class Buffer:
                 "Combine the previous step first, give each in-flight step its own Buffer, or call "
                 "end_step() if the previous step failed")
         ints = (torch.int32, torch.int64)
-        _check(topk_experts_sk, topk_name, (num_tokens, self.K), ints, device, rank)
+        check_tensor(topk_experts_sk, topk_name, (num_tokens, self.K), ints, device, rank)
         if tokens_per_expert is not None:
-            _check(tokens_per_expert, "tokens_per_expert", (self.E,), ints, device, rank)
+            check_tensor(tokens_per_expert, "tokens_per_expert", (self.E,), ints, device, rank)
         if route_weights_sk is None:
             raise ValueError(f"rank {rank}: {weights_name} is required when no plan is given")
         if self._validating():
@@ -510,7 +467,8 @@ class Buffer:
     @torch.no_grad()
     def combine(self, plan: MoonEPCommPlan, hidden_nvsh: torch.Tensor,
                 route_weights_nvs: torch.Tensor | None = None, zero_copy: bool = False,
-                async_finish: bool = False):
+                async_finish: bool = False, *, out_sh: torch.Tensor | None = None,
+                arg_name: str = "hidden_nvsh"):
         """Bring every route's row home and sum each token's K rows in fp32, in k order.
 
         Args:
@@ -519,13 +477,21 @@ class Buffer:
                 the route weights. With `zero_copy` it must be `hidden_nvsh_buffer_view` itself.
             route_weights_nvs: optional `[NvS]` fp32 per-row values gathered back per route (backward: the
                 route-weight gradients); with `zero_copy` it must be `router_weight_buffer_view`.
+            out_sh: where to write the sums: a contiguous `[s, H]` tensor in the Buffer's dtype on its device
+                (returned as `hidden_sh`); None: a new tensor.
+            arg_name: how errors call `hidden_nvsh` (a facade over the Buffer passes its own name).
 
         Returns:
             `(hidden_sh [s, H] in the Buffer's dtype, route_weights_sk [s, K] or None, event)`, the event a
             `CommEvent` with `async_finish`, else None; invalid routes contribute zero.
         """
-        self._check_combine(plan, hidden_nvsh, route_weights_nvs, zero_copy, "hidden_nvsh")
-        return self._combine(plan, hidden_nvsh, route_weights_nvs, zero_copy, async_finish)
+        self._check_combine(plan, hidden_nvsh, route_weights_nvs, zero_copy, arg_name)
+        if out_sh is not None:
+            check_tensor(out_sh, "out_sh", (plan.num_routes // self.K, self.H), self.dtype, self.world.device,
+                         self.world.rank)
+            if not out_sh.is_contiguous():
+                raise ValueError(f"rank {self.world.rank}: out_sh must be contiguous")
+        return self._combine(plan, hidden_nvsh, route_weights_nvs, zero_copy, async_finish, out_sh)
 
     def _check_combine(self, plan: MoonEPCommPlan, hidden_nvsh, route_weights_nvs, zero_copy: bool,
                        hidden_name: str) -> None:
@@ -533,9 +499,9 @@ class Buffer:
         self._check_alive()
         self._check_plan(plan)
         device, rank = self.world.device, self.world.rank
-        _check(hidden_nvsh, hidden_name, (self.NvS, self.H), self.dtype, device, rank)
+        check_tensor(hidden_nvsh, hidden_name, (self.NvS, self.H), self.dtype, device, rank)
         if route_weights_nvs is not None:
-            _check(route_weights_nvs, "route_weights_nvs", (self.NvS,), self.weight_dtype, device, rank)
+            check_tensor(route_weights_nvs, "route_weights_nvs", (self.NvS,), self.weight_dtype, device, rank)
         if zero_copy:
             for given, own, name, view in ((hidden_nvsh, self._rows.local, hidden_name, "hidden_nvsh"),
                                            (route_weights_nvs, self._weights.local, "route_weights_nvs",
@@ -558,199 +524,6 @@ class Buffer:
 
         (out_sh, weights_sk), event = self._launch(async_finish, op, (plan, hidden_nvsh, route_weights_nvs))
         return out_sh, weights_sk, event
-
-    # -- weights --------------------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def prefetch_weight(self, plan: MoonEPCommPlan, full_gate_weight, full_up_weight, full_down_weight,
-                        scales=None, async_finish: bool = False) -> CommEvent | None:
-        """Copy each replicated expert's weights into this rank's slots: slot j gets `experts_to_copy[r, j]`.
-
-        Each projection is either the replicated form `[E+B, N, K]` (every expert present on every rank, as
-        vLLM's integration passes it: rows E+j are the slots) or an `ExpertRows` (home experts read from
-        their rank + this rank's slot pool). A projection given as None is skipped (a fused gate_up passed
-        as the gate). Every slot is written (fixed shapes): slots marked -1 are zeroed, their segments are
-        empty. Collective: every rank calls it with the same forms.
-
-        FP8 weights (`float8_e4m3fn`, one fp32 scale per 128x128 block: `weights.quantised`) move with their
-        scales: `scales` is then `(gate_scales, up_scales, down_scales)`, one per weight in that weight's
-        form: an `ExpertRows` of home `[epn, ceil(N/128), ceil(K/128)]` and slot `[B, ...]` fp32 scales, or
-        the replicated `[E+B, ceil(N/128), ceil(K/128)]`; None for a weight that is None or not FP8. Each
-        slot gets its expert's e4m3 bytes and scales unchanged (half the bytes of bf16, plus 4 per block),
-        so it equals quantising the moved bf16 expert. `scales` None: no weight may be FP8.
-
-        The replicated form is read locally, so its rows of other ranks' experts must be those experts'
-        real weights: with `validate` every copied expert is compared with its home rank's rows (exact
-        fingerprints, one all-gather, one host read) and a mismatch raises before any slot is written. A
-        weight that holds only this rank's home experts must be passed as `ExpertRows`.
-
-        Returns the event: a `CommEvent` with `async_finish`, else None.
-        """
-        self._check_alive()
-        self._check_plan(plan)
-        rank = self.world.rank
-        named = self._prefetched(((full_gate_weight, "full_gate_weight"), (full_up_weight, "full_up_weight"),
-                                  (full_down_weight, "full_down_weight")), scales)
-        projections = [w for w, _ in named]
-        validate = self._validating()
-
-        def op():
-            expert_b = plan.experts_to_copy[rank]
-            used_b = expert_b >= 0
-            for weight, name in named:  # the replicated form is local: every expert is on every rank
-                if not isinstance(weight, ExpertRows):
-                    weight = as_bytes(weight)
-                    copies = weight.index_select(0, expert_b.long().clamp(min=0))
-                    if validate:
-                        self._check_replicated(weight, name, copies, expert_b)
-                    weight[self.E:].copy_(copies.masked_fill_(~used_b.view(-1, *[1] * (copies.dim() - 1)), 0))
-            expert_rows = [rows_as_bytes(w) for w in projections if isinstance(w, ExpertRows)]
-            if expert_rows:
-                self._exchange.copy_experts(expert_rows, expert_b)
-
-        return self._launch(async_finish, op, (plan, *projections))[1]
-
-    def _prefetched(self, weights: tuple[tuple[Any, str], ...], scales) -> list[tuple[Any, str]]:
-        """`[(tensor, name)]` that `prefetch_weight` copies: the given weights (`(weight or None, name)` of
-        gate, up, down), each FP8 one followed by its scales (named `scales[i]`), all checked."""
-        rank = self.world.rank
-        if scales is None:
-            scales = (None,) * len(weights)
-        elif not isinstance(scales, tuple | list) or len(scales) != len(weights):
-            raise ValueError(f"rank {rank}: scales must be None or a tuple (gate_scales, up_scales, "
-                             f"down_scales), got {scales!r:.80}")
-        named = []
-        for i, ((weight, name), scale) in enumerate(zip(weights, scales, strict=True)):
-            if weight is None:
-                if scale is not None:
-                    raise ValueError(f"rank {rank}: scales[{i}] is given but {name} is None")
-                continue
-            if isinstance(weight, ExpertRows):
-                self._check_rows(weight, name)
-            else:
-                self._check_full(weight, name)
-            named.append((weight, name))
-            dtype = (weight.home.local if isinstance(weight, ExpertRows) else weight).dtype
-            if (dtype == FP8_DTYPE) != (scale is not None):
-                raise ValueError(f"rank {rank}: {name} is {dtype}: " + (
-                    f"FP8 weights move with their 128x128 block scales, pass them as scales[{i}]"
-                    if scale is None else f"scales[{i}] is only for FP8 ({FP8_DTYPE}) weights, pass None"))
-            if scale is not None:
-                self._check_scales(scale, weight, f"scales[{i}]", name)
-                named.append((scale, f"scales[{i}]"))
-        return named
-
-    def _check_scales(self, scales, weight, name: str, weight_name: str) -> None:
-        """`scales` in `weight`'s form, fp32, contiguous, one per 128x128 block of each of its experts."""
-        rank = self.world.rank
-        if isinstance(weight, ExpertRows) != isinstance(scales, ExpertRows):
-            raise ValueError(f"rank {rank}: {name} must be in {weight_name}'s form "
-                             f"({type(weight).__name__}), got {type(scales).__name__}")
-        if isinstance(weight, ExpertRows):
-            pairs = ((weight.home.local, scales.home.local, f"{name} home"),
-                     (weight.slots.local, scales.slots.local, f"{name} slots"))
-        else:
-            pairs = ((weight, scales, name),)
-        for w, s, label in pairs:
-            _check(s, label, block_scales_shape(w.shape), torch.float32, self.world.device, rank)
-            if not s.is_contiguous():
-                raise ValueError(f"rank {rank}: {label} must be contiguous")
-
-    def _check_replicated(self, weight: torch.Tensor, name: str, copies_b: torch.Tensor,
-                          expert_b: torch.Tensor) -> None:
-        """Collective: raise unless every used slot's copy `copies_b [B, N, K]` (rows of `weight [E+B, N, K]`
-        for the experts `expert_b [B]`, -1 unused) equals that expert's rows on its home rank."""
-        rank, epn = self.world.rank, self.epn
-        home_rx2 = self.world.all_gather(row_fingerprints(weight[rank * epn:(rank + 1) * epn]))
-        expected_b2 = home_rx2.view(self.E, 2).index_select(0, expert_b.long().clamp(min=0))
-        wrong_b = (expert_b >= 0) & (row_fingerprints(copies_b) != expected_b2).any(1)
-        if bool(wrong_b.any()):  # the host read of `validate`
-            expert = int(expert_b[wrong_b][0])
-            raise ValueError(
-                f"rank {rank}: {name}[{expert}] differs from expert {expert}'s weights on its home rank "
-                f"{expert // epn}: the replicated [E+B, N, K] form must hold every expert's real weights on "
-                "every rank; pass a weight that holds only the home experts as ExpertRows")
-
-    def _check_full(self, tensor: torch.Tensor, name: str) -> None:
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 or tensor.shape[0] != self.E + self.B:
-            shape = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(f"rank {self.world.rank}: {name} must be [E+B={self.E + self.B}, N, K] or "
-                             f"ExpertRows, got {shape}")
-
-    def _check_rows(self, rows: ExpertRows, name: str,
-                    slots_dtypes: tuple[torch.dtype, ...] | None = None) -> None:
-        """Home `[epn, *row]` and slots `[B, *row]` on this device, contiguous (the row kernels address them
-        as flat rows); the slots in the home dtype, or in one of `slots_dtypes`."""
-        home, slots = rows.home.local, rows.slots.local
-        row = tuple(home.shape[1:])
-        for tensor, part, count, dtypes in ((home, "home", self.epn, (home.dtype,)),
-                                            (slots, "slots", self.B, slots_dtypes or (home.dtype,))):
-            _check(tensor, f"{name} {part}", (count, *row), dtypes, self.world.device, self.world.rank)
-            if not tensor.is_contiguous():
-                raise ValueError(f"rank {self.world.rank}: {name} {part} must be contiguous")
-
-    @torch.no_grad()
-    def reduce_grad(self, plan: MoonEPCommPlan, full_gate_grad, full_up_grad, full_down_grad,
-                    gate_reduce_buffer: SymmetricTensor | None = None,
-                    up_reduce_buffer: SymmetricTensor | None = None,
-                    down_reduce_buffer: SymmetricTensor | None = None,
-                    async_finish: bool = False) -> CommEvent | None:
-        """Add every replica's gradient into its home expert's gradient (fp32), then clear the slots.
-
-        Each projection's gradient is either an `ExpertRows` (home fp32 gradients + the symmetric slot-grad
-        pool) or the replicated form `[E+B, N, K]` fp32 with the slot gradients in rows E.., in which case
-        its `*_reduce_buffer` (a symmetric `[B, N, K]` fp32 tensor) stages them for the peers. None skips a
-        projection. Collective: every rank must call it with the same projections. Replicas are added in
-        (slot, rank) order, the same order on both implementations: deterministic.
-
-        Returns the event: a `CommEvent` with `async_finish`, else None.
-        """
-        self._check_alive()
-        self._check_plan(plan)
-        given = []
-        for grad, staging, name in ((full_gate_grad, gate_reduce_buffer, "gate"),
-                                    (full_up_grad, up_reduce_buffer, "up"),
-                                    (full_down_grad, down_reduce_buffer, "down")):
-            if grad is None:
-                continue
-            if isinstance(grad, ExpertRows):
-                self._check_rows(grad, f"full_{name}_grad", (torch.float32, torch.float64))
-            else:
-                self._check_full(grad, f"full_{name}_grad")
-                if not isinstance(staging, SymmetricTensor):
-                    raise ValueError(f"rank {self.world.rank}: full_{name}_grad in the [E+B, ...] form needs "
-                                     f"{name}_reduce_buffer, a SymmetricTensor [B, N, K]")
-                _check(staging.local, f"{name}_reduce_buffer", tuple(grad[self.E:].shape),
-                       (grad.dtype, torch.float32, torch.float64), self.world.device, self.world.rank)
-                if not grad.is_contiguous():
-                    raise ValueError(f"rank {self.world.rank}: full_{name}_grad must be contiguous")
-            given.append((grad, staging))
-
-        def op():
-            rank = self.world.rank
-            projections = []  # (home gradients [epn, ...], symmetric slot gradients, replicated slot rows)
-            for grad, staging in given:
-                if isinstance(grad, ExpertRows):
-                    projections.append((grad.home.local, grad.slots, None))
-                else:
-                    staging.local.copy_(grad[self.E:])
-                    projections.append((grad[rank * self.epn:(rank + 1) * self.epn], staging, grad[self.E:]))
-            mine_rb, home_rb = self._replica_tables(plan)
-            self._exchange.add_replicas([(home, slots) for home, slots, _ in projections], mine_rb, home_rb)
-            experts_b = plan.experts_to_copy[rank]
-            for _, slots, replicated in projections:  # both forms were checked contiguous above
-                self._exchange.clear_slots(slots.local, experts_b)
-                if replicated is not None:
-                    self._exchange.clear_slots(replicated, experts_b)
-
-        return self._launch(async_finish, op, (plan, *given))[1]
-
-    def _replica_tables(self, plan: MoonEPCommPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[R, B]` (slot j of rank d holds one of this rank's home experts, which one: index in [0, epn))."""
-        table_rb = plan.experts_to_copy.long()
-        mine_rb = (table_rb >= 0) & (table_rb // self.epn == self.world.rank)
-        return mine_rb, table_rb.clamp(min=0) % self.epn
-
 
 def _release(world: EPWorld, keys: list[str], unreleased: str | None = None) -> None:
     """Forget this rank's registrations of `keys`; `unreleased` names a Buffer created with

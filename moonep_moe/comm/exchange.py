@@ -30,8 +30,8 @@ from typing import Protocol
 
 import torch
 
-from moonep_moe.comm.plan_types import MoonEPCommPlan, decode_dst
-from moonep_moe.comm.world import EPWorld, SymmetricTensor
+from moonep_moe.plan.types import MoonEPCommPlan, decode_dst
+from moonep_moe.transport.world import EPWorld, SymmetricTensor
 from moonep_moe.weights.pool import ExpertRows
 
 ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -250,11 +250,13 @@ class ReferenceExchange:
 
 @dataclass(frozen=True)
 class KernelExchange:
-    """`RowExchange` with the Triton row kernels (`rows`, the `comm.kernels.rows` module) over per-rank
-    pointer tables, ordered by `world.barrier()`: needs every peer's memory mapped."""
+    """`RowExchange` with the Triton kernels (`rows` and `experts`, the `comm.kernels.rows` and
+    `comm.kernels.experts` modules) over per-rank pointer tables, ordered by `world.barrier()`: needs every
+    peer's memory mapped."""
 
     memory: RowMemory
     rows: ModuleType
+    experts: ModuleType
 
     def send_routes(self, plan, hidden_sh, route_weights_sk, record) -> None:
         m = self.memory
@@ -305,7 +307,7 @@ class KernelExchange:
         world = self.memory.world
         world.barrier()  # every rank's home weights are final
         for weight in weights:
-            self.rows.copy_experts(weight.home, weight.slots.local, expert_b)
+            self.experts.copy_experts(weight.home, weight.slots.local, expert_b)
         world.barrier()  # every rank is done reading this rank's home weights
 
     def add_replicas(self, projections, mine_rb, home_rb) -> None:
@@ -313,11 +315,11 @@ class KernelExchange:
         sources_xr = replica_sources(mine_rb, home_rb, self.memory.experts_per_rank)
         world.barrier()  # every rank's slot gradients are final
         for home, slots in projections:
-            self.rows.add_replicas(home, slots, sources_xr)
+            self.experts.add_replicas(home, slots, sources_xr)
         world.barrier()  # every rank is done reading this rank's slot gradients
 
     def clear_slots(self, slots_b, expert_b) -> None:
-        self.rows.clear_slots(slots_b, expert_b)
+        self.experts.clear_slots(slots_b, expert_b)
 
 
 def select_exchange(memory: RowMemory, kernels: bool | None) -> RowExchange:
@@ -334,21 +336,21 @@ def select_exchange(memory: RowMemory, kernels: bool | None) -> RowExchange:
     if dtype not in ROW_DTYPES:
         reasons.append(f"rows in {dtype} are not supported")
     try:
-        from moonep_moe.comm.kernels import rows
-        from moonep_moe.triton_interpreter import INTERPRETED as interpreted
+        from moonep_moe.base.interpreter import INTERPRETED as interpreted
+        from moonep_moe.comm.kernels import experts, rows
     except ImportError as error:  # no Triton: the reference runs everywhere
-        rows, interpreted = None, False
+        rows, experts, interpreted = None, None, False
         reasons.append(f"Triton is not importable ({error})")
     if rows is not None and device.type != "cuda" and not (device.type == "cpu" and interpreted):
         reasons.append(f"{device} tensors: the kernels run on CUDA, or on the CPU in Triton's interpreter "
                        "(TRITON_INTERPRET=1)")
     if kernels is None:
         usable = device.type == "cuda" and not reasons
-        return KernelExchange(memory, rows) if usable else ReferenceExchange(memory)
+        return KernelExchange(memory, rows, experts) if usable else ReferenceExchange(memory)
     if reasons:
         raise ValueError(f"rank {memory.world.rank}: kernels=True: the row kernels cannot run here: "
                          f"{'; '.join(reasons)}")
-    return KernelExchange(memory, rows)
+    return KernelExchange(memory, rows, experts)
 
 
 # -- indices the reference builds ----------------------------------------------------------------------------

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import torch
 
+from moonep_moe.base.sizes import TOKEN_PADDING
 from moonep_moe.comm.buffer import Buffer
-from moonep_moe.comm.world import EPWorld
+from moonep_moe.transport.world import EPWorld
 
 
 def layer_buffer(world: EPWorld, S: int, H: int, K: int, E: int, B: int, *, token_padding: int,
@@ -77,7 +78,7 @@ class BufferPool:
     """
 
     def __init__(self, max_tokens_per_rank: int, hidden_size: int, top_k: int, num_experts: int, *,
-                 world: EPWorld, num_slots: int | None = None, token_padding: int = 128,
+                 world: EPWorld, num_slots: int | None = None, token_padding: int = TOKEN_PADDING,
                  dtype: torch.dtype = torch.bfloat16, min_capacity: int = 1, max_inflight_steps: int = 1,
                  validate: bool = True, replica_cost: int = 0):
         if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:

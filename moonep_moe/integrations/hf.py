@@ -48,10 +48,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from moonep_moe.comm.world import EPWorld, single_world
 from moonep_moe.config import MoEConfig
+from moonep_moe.fp8.checkpoint import SCALE_SUFFIX, checkpoint_weight
+from moonep_moe.fp8.format import BLOCK, FP8_DTYPE
 from moonep_moe.layers.moe import MoonEPMoELayer
-from moonep_moe.weights.quantised import BLOCK, FP8_DTYPE, SCALE_SUFFIX, checkpoint_weight
+from moonep_moe.transport.threads import single_world
+from moonep_moe.transport.world import EPWorld
 
 __all__ = ["EXPERT_KEYS", "MoonEPBlock", "hf_state_dict", "merge_expert_shards", "swap_moe_blocks"]
 

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from moonep_moe.comm.buffer import Buffer
-from moonep_moe.comm.plan_types import MoonEPCommPlan
-from moonep_moe.layers.grouped_gemm import GroupedGemm
+from moonep_moe.gemm.base import Fp8RowsGemm, GroupedGemm
 from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
+from moonep_moe.plan.types import MoonEPCommPlan
 from moonep_moe.weights.experts import HomeExperts
 
 
@@ -52,8 +52,14 @@ class ExpertsState:
     main_grad: bool = False
     """`MoEConfig.expert_grad_dtype == "main_grad"`: wgrad adds into the parameters' `main_grad`."""
     fp8_dispatch: bool = False
-    """`MoEConfig.fp8_dispatch`: the tokens are quantised by the (FP8) GEMM backend and dispatched as FP8."""
+    """`MoEConfig.fp8_dispatch`: the tokens are quantised by the GEMM backend, an `Fp8RowsGemm`, and
+    dispatched as FP8."""
     last_plan: MoonEPCommPlan | None = None
+
+    def __post_init__(self) -> None:
+        if self.fp8_dispatch and not isinstance(self.gemm, Fp8RowsGemm):
+            raise TypeError(f"fp8_dispatch needs a GEMM backend that takes FP8 rows (Fp8RowsGemm), got "
+                            f"{type(self.gemm).__name__}")
 
 
 def compute_offsets(cu_seqlens_g: torch.Tensor, rank: int, epn: int, num_experts: int) -> torch.Tensor:

@@ -36,12 +36,15 @@ from torch import nn
 
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.pool import layer_buffer, release_layer_buffer
-from moonep_moe.comm.world import EPWorld, single_world
 from moonep_moe.config import MoEConfig
-from moonep_moe.layers.fp8 import Fp8GroupedGemm, fp8_grouped_gemm, fp8_weights_gemm
+from moonep_moe.gemm.base import GemmProblem
+from moonep_moe.gemm.fp8 import Fp8GroupedGemm
+from moonep_moe.gemm.registry import fp8_grouped_gemm, fp8_weights_gemm, select_grouped_gemm
 from moonep_moe.layers.function import COMPILE_BREAK_REASON, ExpertsState, MoonEPExperts
-from moonep_moe.layers.grouped_gemm import GemmProblem, select_grouped_gemm
 from moonep_moe.layers.router import RouterOutput, TopKRouter
+from moonep_moe.transport.registry import WORLDS, world_of_group
+from moonep_moe.transport.threads import single_world
+from moonep_moe.transport.world import EPWorld
 from moonep_moe.weights.experts import HomeExperts, seeded_uniform_
 
 
@@ -75,17 +78,11 @@ def default_world(config: MoEConfig, device: torch.device | None = None) -> EPWo
     (`one_rank_world`; default: torch's default device; only with ep_size == 1); `"collective"` -> the
     initialised default process group's `CollectiveWorld`; `"symmetric"` -> its `SymmetricWorld` (one GPU per
     rank, `cuda:LOCAL_RANK`)."""
-    if config.world == "collective":
-        from moonep_moe.comm.collective import collective_world
-
-        return collective_world()
-    if config.world == "symmetric":
-        from moonep_moe.comm.symmetric import symmetric_world
-
-        return symmetric_world()
+    if WORLDS[config.world].of_group is not None:
+        return world_of_group(config.world)
     if config.ep_size != 1:
         raise ValueError(f"ep_size={config.ep_size} needs a world with {config.ep_size} ranks "
-                         "(e.g. moonep_moe.comm.world.run_ranks, or world='symmetric' / 'collective' under "
+                         "(e.g. moonep_moe.run_ranks, or world='symmetric' / 'collective' under "
                          "torchrun)")
     return one_rank_world(_indexed(torch.device(torch.get_default_device() if device is None else device)))
 

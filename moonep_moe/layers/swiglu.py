@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moonep_moe.base.triton import triton_available
+
 __all__ = ["swiglu_weighted", "swiglu_weighted_backward"]
 
 
@@ -27,13 +29,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def _use_triton(tensor: Tensor) -> bool:
     """The one place that picks the fused kernels: CUDA tensors of 16 or 32 bits with Triton installed (the
     kernels compute in fp32; float64 stays on the torch path)."""
-    if not tensor.is_cuda or tensor.dtype == torch.float64:
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return tensor.is_cuda and tensor.dtype != torch.float64 and triton_available()
 
 
 def swiglu_weighted(ab_nv2f: Tensor, route_weights_nvs: Tensor, num_rows: Tensor | None = None) -> Tensor:

@@ -5,8 +5,8 @@ Shapes use the suffix letters of DESIGN.md, "Notation". Layout (nn.Linear style,
 `down [epn, H, F]`. Only the home experts are stored: never a replicated copy of all E. Both parameters are
 registered with the EP world so peers can read them (prefetch); `bind(world)` does it, and again whenever the
 parameters move (a one-rank layer's `.to()`, `to_empty()`): on the meta device nothing is registered or
-allocated. On CUDA, where `weights.arena` can, the home experts are mapped right before the shared slot pool,
-so the grouped GEMMs read home experts and slots as one tensor without copying them. The home experts'
+allocated. On CUDA, where `transport.arena` can, the home experts are mapped right before the shared slot
+pool, so the grouped GEMMs read home experts and slots as one tensor without copying them. The home experts'
 gradients are made fresh every step by the weight-gradient GEMMs (`new_grads` wraps them), or are each
 parameter's persistent fp32 `main_grad` (`MoEConfig.expert_grad_dtype="main_grad"`); the replicas' accumulate
 in the shared fp32 slot-gradient pools, which peers pull.
@@ -25,7 +25,7 @@ FP8 checkpoints load too: DeepSeek-V3's released per-expert e4m3 `{e}.down_proj.
 `{e}.down_proj.weight_scale_inv` (one scale per 128x128 block), and transformers' fused FP8 experts
 `gate_up_proj` + `gate_up_proj_scale_inv` (gate's and up's scales stacked) and `down_proj` +
 `down_proj_scale_inv`: each weight times its block scales in fp32, as the format defines it, rounded to the
-parameters' dtype (`weights.quantised.checkpoint_weight`). `state_dict()` holds the parameters, never FP8.
+parameters' dtype (`fp8.format.checkpoint_weight`). `state_dict()` holds the parameters, never FP8.
 
 FP8 experts with no master (`expert_weights="fp8"`, inference): `gate_up` and `down` are then e4m3 buffers
 (not parameters: nothing to train) beside fp32 block scales `gate_up_scale_inv [epn, 2F/128, ceil(H/128)]`
@@ -45,18 +45,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from moonep_moe.comm.world import EPWorld, SymmetricTensor
+from moonep_moe.fp8.checkpoint import SCALE_SUFFIX, checkpoint_scales, checkpoint_weight
+from moonep_moe.fp8.format import BLOCK, FP8_DTYPE, block_scales_shape, quantise_blocks
+from moonep_moe.transport.world import EPWorld, SymmetricTensor
 from moonep_moe.weights.pool import ExpertRows, allocate_home, slot_grad_pool, slot_pool, slot_scale_pool
-from moonep_moe.weights.quantised import (
-    BLOCK,
-    FP8_DTYPE,
-    SCALE_SUFFIX,
-    Fp8Weights,
-    block_scales_shape,
-    checkpoint_scales,
-    checkpoint_weight,
-    quantise_blocks,
-)
+from moonep_moe.weights.quantised import Fp8Weights
 
 PER_EXPERT_NAMES = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
 FUSED_NAMES = (("gate_up_proj", "down_proj"), ("w13", "w2"))

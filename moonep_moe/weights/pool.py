@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from moonep_moe.comm.world import EPWorld, SymmetricTensor
-from moonep_moe.weights.arena import PhysicalRows, expert_arena_reason, joined_rows
+from moonep_moe.transport.arena import PhysicalRows, expert_arena_reason, joined_rows
+from moonep_moe.transport.world import EPWorld, SymmetricTensor
 
 
 @dataclass(frozen=True)
 class ExpertRows:
     """One projection: `home [epn, out, in]` (this rank's experts, symmetric) and `slots [B, out, in]`;
-    `compute` is both as one `[epn + B, out, in]` tensor without a copy (`weights.arena`), or None where
+    `compute` is both as one `[epn + B, out, in]` tensor without a copy (`transport.arena`), or None where
     unavailable."""
 
     home: SymmetricTensor
@@ -89,7 +89,7 @@ def slot_pool(world: EPWorld, shape: tuple[int, ...], dtype: torch.dtype) -> Sym
 
 def slot_scale_pool(world: EPWorld, shape: tuple[int, ...]) -> SymmetricTensor:
     """This rank's fp32 `[B, ceil(out/128), ceil(in/128)]` block scales of FP8 slot weights
-    (`weights.quantised`), shared like `slot_pool`; a pool of its own, never an fp32 weight pool."""
+    (`fp8.format`), shared like `slot_pool`; a pool of its own, never an fp32 weight pool."""
     return _pool(world, "slot_scales", tuple(shape), torch.float32)
 
 

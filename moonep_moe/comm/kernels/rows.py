@@ -47,56 +47,15 @@ or mis-round), so the interpreter tests compare bit for bit too.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from moonep_moe.comm.world import SymmetricTensor
-from moonep_moe.triton_interpreter import launching
-
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
-              torch.float64: tl.float64}
-
-ALIGNMENT = 16
-"""Bytes every peer base address must be a multiple of (what the kernels promise the compiler)."""
-
+from moonep_moe.base.interpreter import launching
+from moonep_moe.comm.kernels.common import TL_DTYPES, base, both, narrow, pointer_tables, widen
+from moonep_moe.transport.world import SymmetricTensor
 
 # -- host side: pointer tables, launch parameters ------------------------------------------------------------
-
-
-def pointer_table(tensor: SymmetricTensor) -> torch.Tensor:
-    """`[R]` int64 on the tensor's device: every rank's base address of `tensor` (all peers mapped).
-
-    Cached by the addresses and the current stream, so it is built once per symmetric tensor and stream;
-    built with one `fill_` per rank (no host-to-device copy, so no sync, and capturable in a CUDA graph).
-    The fills are queued on the current stream, so only kernels on that stream are ordered after them: a
-    table shared across streams (the thread-ranks of one GPU all map the same addresses; a rank's comm
-    stream and its caller's stream) could be read before its fills ran. A table built while a CUDA graph
-    is captured is filled by the graph's replays only: it is the graph's own, never cached."""
-    if any(peer is None for peer in tensor.peers):
-        raise RuntimeError(f"rank {tensor.rank}: symmetric tensor {tensor.key!r}: the row kernels need every "
-                           "peer mapped")
-    addresses = tuple(peer.data_ptr() for peer in tensor.peers)
-    if any(address % ALIGNMENT for address in addresses):
-        raise ValueError(f"rank {tensor.rank}: symmetric tensor {tensor.key!r}: peer addresses must be "
-                         f"{ALIGNMENT}-byte aligned")
-    device = tensor.local.device
-    if device.type != "cuda":
-        return _table(str(device), 0, addresses)
-    if torch.cuda.is_current_stream_capturing():  # its fills run at each replay, not now: never cached
-        return _table.__wrapped__(str(device), 0, addresses)
-    return _table(str(device), torch.cuda.current_stream(device).cuda_stream, addresses)
-
-
-@functools.lru_cache(maxsize=4096)
-def _table(device: str, stream: int, addresses: tuple[int, ...]) -> torch.Tensor:
-    """The table of `addresses`, filled on `stream` (the current one: the caller's cache key)."""
-    table_r = torch.empty(len(addresses), dtype=torch.int64, device=device)
-    for rank, address in enumerate(addresses):
-        table_r[rank].fill_(address)
-    return table_r
 
 
 ROW_BLOCK_BYTES = 8192
@@ -129,42 +88,6 @@ def _group_programs(capacity: int, device: torch.device, num_sms: int | None) ->
 
 
 @triton.jit
-def _peer(table_ptr, rank, like_ptr):
-    """Rank `rank`'s base pointer from a pointer table, typed like `like_ptr`."""
-    address = tl.load(table_ptr + rank)
-    return tl.multiple_of(address.to(tl.pointer_type(like_ptr.dtype.element_ty)), 16)
-
-
-@triton.jit
-def _base(table_ptr, rank, like_ptr, ONE_RANK: tl.constexpr):
-    """`_peer`, or `like_ptr` itself where the world has one rank (every access is to this rank's own
-    tensor, which needs no pointer table)."""
-    # if/else, not an early return: compiled (not interpreted), Triton 3.6 also built the code after a return
-    # under a constexpr-true `if`, and `_peer` then cast the local tensor's values to a pointer
-    if ONE_RANK:
-        base = like_ptr
-    else:
-        base = _peer(table_ptr, rank, like_ptr)
-    return base
-
-
-def _tables(*tensors: SymmetricTensor | torch.Tensor) -> tuple[list[torch.Tensor], bool]:
-    """(a pointer table per tensor, ONE_RANK): with one rank the local tensors stand in for the tables
-    (`_base` reads none), so no table is filled: not even a CUDA graph's own, whose fills each replay
-    runs (`pointer_table`). A plain tensor is a one-rank world's local tensor."""
-    if isinstance(tensors[0], torch.Tensor) or len(tensors[0].peers) == 1:
-        return [tensor if isinstance(tensor, torch.Tensor) else tensor.local for tensor in tensors], True
-    return [pointer_table(tensor) for tensor in tensors], False
-
-
-@triton.jit
-def _both(a, b):
-    """`a & b` for int1 masks of broadcastable shapes (a block and a scalar, a column and a row). Not `&`:
-    Triton 3.9's interpreter broadcasts int1 into int32 blocks, which its loads and stores reject."""
-    return tl.where(a, b, False)
-
-
-@triton.jit
 def _decode(dst_ptr, rows_per_rank):
     """One int32 `dst` entry -> (destination rank, int64 row, is primary, is valid); rank and row 0 when
     invalid. In int32 (the plan keeps `R * NvS` below 2^31): one division per route, not a 64-bit one."""
@@ -174,25 +97,6 @@ def _decode(dst_ptr, rows_per_rank):
     raw = tl.where(valid, tl.where(primary, dst, ~dst), 0)  # ~dst == -dst - 1
     rank = raw // rows_per_rank
     return rank, (raw - rank * rows_per_rank).to(tl.int64), primary, valid
-
-
-@triton.jit
-def _widen(x, ACC: tl.constexpr):
-    """Rows -> the accumulation dtype, exactly (bf16 by its bits)."""
-    if x.dtype == tl.bfloat16:
-        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(ACC)
-    return x.to(ACC)
-
-
-@triton.jit
-def _narrow(acc, OUT: tl.constexpr):
-    """The accumulation dtype -> rows, rounded to nearest even (bf16 by its bits; NaN stays NaN)."""
-    if OUT == tl.bfloat16:
-        bits = acc.to(tl.float32).to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        rounded = tl.where(acc != acc, 0x7FC0, rounded)
-        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return acc.to(OUT)
 
 
 # -- dispatch ------------------------------------------------------------------------------------------------
@@ -210,9 +114,9 @@ def _zero_group_padding(rows_ptr, weights_ptr, zero_fill_ptr, group, block, offs
         pad = start + tl.arange(0, TILE)
         padding = pad < count
         tl.store(rows_ptr + (first + pad)[:, None] * H + offs[None, :], zeros,
-                 mask=_both(padding[:, None], inside[None, :]))
+                 mask=both(padding[:, None], inside[None, :]))
         tl.store(weights_ptr + first + pad, tl.zeros([TILE], dtype=weights_ptr.dtype.element_ty),
-                 mask=_both(padding, block == 0))
+                 mask=both(padding, block == 0))
 
 
 @triton.jit
@@ -245,10 +149,10 @@ def _send_token(hidden_ptr, weights_ptr, dst_ptr, rows_table, weights_table, pai
     for k in tl.static_range(K):
         route = token * K + k
         dest, row, primary, valid = _decode(dst_ptr + route, rows_per_rank)
-        rows_ptr = _base(rows_table, dest, rows_like, ONE_RANK)
-        tl.store(rows_ptr + row * H + offs, x, mask=_both(inside, primary))
+        rows_ptr = base(rows_table, dest, rows_like, ONE_RANK)
+        tl.store(rows_ptr + row * H + offs, x, mask=both(inside, primary))
         if WEIGHTS:
-            tl.store(_base(weights_table, dest, weights_like, ONE_RANK) + row, tl.load(weights_ptr + route),
+            tl.store(base(weights_table, dest, weights_like, ONE_RANK) + row, tl.load(weights_ptr + route),
                      mask=valid & first_block)
         if RECORD:
             # a duplicate's source: the token's primary route to the same rank, an earlier k
@@ -256,7 +160,7 @@ def _send_token(hidden_ptr, weights_ptr, dst_ptr, rows_table, weights_table, pai
             for j in tl.static_range(k):
                 dest_j, row_j, primary_j, _ = _decode(dst_ptr + token * K + j, rows_per_rank)
                 source = tl.where(primary_j & (dest_j == dest), row_j, source)
-            pair_ptr = _base(pairs_table, dest, pairs_like, ONE_RANK) + 2 * (pairs_offset + route)
+            pair_ptr = base(pairs_table, dest, pairs_like, ONE_RANK) + 2 * (pairs_offset + route)
             duplicate = valid & ~primary & first_block
             tl.store(pair_ptr, row.to(tl.int32), mask=duplicate)
             tl.store(pair_ptr + 1, source.to(tl.int32), mask=duplicate)
@@ -285,7 +189,7 @@ def send_routes(hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None, 
     if num_tokens + pad_groups == 0:
         return
     block, warps = _row_block(width, hidden_sh.element_size())
-    tables, one_rank = _tables(rows, weights, pairs)
+    tables, one_rank = pointer_tables(rows, weights, pairs)
     with launching():
         _send_routes_kernel[(num_tokens + pad_groups, triton.cdiv(width, block))](
             hidden_sh, route_weights_sk if route_weights_sk is not None else hidden_sh, dst_n, *tables,
@@ -321,7 +225,7 @@ def _record_duplicates_kernel(pairs_ptr, num_pairs, marks_ptr, end_ptr, groups_p
         window_c = tl.load(marks_ptr + row_c, mask=row_c < tl.load(end_ptr), other=0) - 1
         marked_c = window_c >= 0
         slot_cj = window_c[:, None] * K + j_1j
-        in_window_cj = _both(marked_c[:, None], j_1j < K)
+        in_window_cj = both(marked_c[:, None], j_1j < K)
         dup_cj = tl.load(pairs_ptr + 2 * slot_cj, mask=in_window_cj, other=-1)
         count_c = tl.sum((dup_cj >= 0).to(tl.int32), 1)
         sorted_cj = tl.sort(tl.where(dup_cj >= 0, dup_cj, 2147483647), dim=1)
@@ -330,7 +234,7 @@ def _record_duplicates_kernel(pairs_ptr, num_pairs, marks_ptr, end_ptr, groups_p
         tl.store(groups_ptr + 3 * group_c, row_c, mask=marked_c)
         tl.store(groups_ptr + 3 * group_c + 1, first_c, mask=marked_c)
         tl.store(groups_ptr + 3 * group_c + 2, count_c, mask=marked_c)
-        tl.store(loffs_ptr + first_c[:, None] + j_1j, sorted_cj, mask=_both(marked_c[:, None],
+        tl.store(loffs_ptr + first_c[:, None] + j_1j, sorted_cj, mask=both(marked_c[:, None],
                                                                            j_1j < count_c[:, None]))
         tl.store(pairs_ptr + 2 * slot_cj, tl.full([ROWS, K_P], -1, tl.int32), mask=in_window_cj)
         tl.store(pairs_ptr + 2 * slot_cj + 1, tl.full([ROWS, K_P], -1, tl.int32), mask=in_window_cj)
@@ -381,7 +285,7 @@ def _expand_duplicates_kernel(rows_ptr, groups_ptr, loffs_ptr, counts_ptr, H, MA
             for i in tl.static_range(MAX_DUPS):
                 has = i < count
                 row = tl.load(loffs_ptr + first + i, mask=has, other=0).to(tl.int64)
-                tl.store(rows_ptr + row * H + offs, x, mask=_both(inside, has))
+                tl.store(rows_ptr + row * H + offs, x, mask=both(inside, has))
 
 
 def _duplicate_groups_launch(rows_nvsh: torch.Tensor, itemsize: int, max_groups: int,
@@ -440,7 +344,6 @@ def copy_rows(target_nvsh: torch.Tensor, source_nvsh: torch.Tensor, end_1: torch
             target_nvsh, source_nvsh, end_1, width, BLOCK_H=block, num_warps=warps)
 
 
-
 @triton.jit
 def _pre_reduce_kernel(rows_ptr, groups_ptr, loffs_ptr, counts_ptr, H, ACC: tl.constexpr,
                        MAX_DUPS: tl.constexpr, ITERATIONS: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -460,11 +363,11 @@ def _pre_reduce_kernel(rows_ptr, groups_ptr, loffs_ptr, counts_ptr, H, ACC: tl.c
                 has = i < count
                 row = tl.load(loffs_ptr + first + i, mask=has, other=0).to(tl.int64)
                 primary_now = has & (row > primary) & ~added
-                total += _widen(tl.load(primary_ptrs, mask=_both(inside, primary_now), other=0.0), ACC)
+                total += widen(tl.load(primary_ptrs, mask=both(inside, primary_now), other=0.0), ACC)
                 added = added | primary_now
-                total += _widen(tl.load(rows_ptr + row * H + offs, mask=_both(inside, has), other=0.0), ACC)
-            total += _widen(tl.load(primary_ptrs, mask=_both(inside, ~added), other=0.0), ACC)
-            tl.store(primary_ptrs, _narrow(total, rows_ptr.dtype.element_ty), mask=inside)
+                total += widen(tl.load(rows_ptr + row * H + offs, mask=both(inside, has), other=0.0), ACC)
+            total += widen(tl.load(primary_ptrs, mask=both(inside, ~added), other=0.0), ACC)
+            tl.store(primary_ptrs, narrow(total, rows_ptr.dtype.element_ty), mask=inside)
 
 
 def pre_reduce_duplicates(rows_nvsh: torch.Tensor, dup_groups: torch.Tensor, dup_loffs: torch.Tensor,
@@ -477,7 +380,7 @@ def pre_reduce_duplicates(rows_nvsh: torch.Tensor, dup_groups: torch.Tensor, dup
     grid, launch = _duplicate_groups_launch(rows_nvsh, 4, max_groups, num_sms)
     with launching():
         _pre_reduce_kernel[grid](rows_nvsh, dup_groups, dup_loffs, dup_counts, rows_nvsh.shape[1],
-                                 ACC=_TL_DTYPES[accumulate], MAX_DUPS=max_duplicates, **launch)
+                                 ACC=TL_DTYPES[accumulate], MAX_DUPS=max_duplicates, **launch)
 
 
 @triton.jit
@@ -493,15 +396,15 @@ def _gather_routes_kernel(out_ptr, weights_out_ptr, dst_ptr, rows_table, weights
     for k in tl.static_range(K):  # in k order, +0.0 for duplicates and invalid routes: the reference's sum
         route = token * K + k
         dest, row, primary, valid = _decode(dst_ptr + route, rows_per_rank)
-        rows_ptr = _base(rows_table, dest, rows_like, ONE_RANK)
-        x = tl.load(rows_ptr + row * H + offs, mask=_both(inside, primary), other=0.0)
-        total += _widen(x, ACC)
+        rows_ptr = base(rows_table, dest, rows_like, ONE_RANK)
+        x = tl.load(rows_ptr + row * H + offs, mask=both(inside, primary), other=0.0)
+        total += widen(x, ACC)
         if WEIGHTS:
-            weight = tl.load(_base(weights_table, dest, weights_like, ONE_RANK) + row,
+            weight = tl.load(base(weights_table, dest, weights_like, ONE_RANK) + row,
                              mask=valid & first_block,
                              other=0.0)
             tl.store(weights_out_ptr + route, weight, mask=first_block)
-    tl.store(out_ptr + token.to(tl.int64) * H + offs, _narrow(total, out_ptr.dtype.element_ty), mask=inside)
+    tl.store(out_ptr + token.to(tl.int64) * H + offs, narrow(total, out_ptr.dtype.element_ty), mask=inside)
 
 
 def gather_routes(dst_n: torch.Tensor, rows: SymmetricTensor | torch.Tensor, weights: SymmetricTensor | None,
@@ -520,139 +423,16 @@ def gather_routes(dst_n: torch.Tensor, rows: SymmetricTensor | torch.Tensor, wei
         return
     block, warps = _row_block(width, 4)
     with_weights = weights is not None
-    tables, one_rank = _tables(rows, *([weights] if with_weights else []))
+    tables, one_rank = pointer_tables(rows, *([weights] if with_weights else []))
     rows_nvsh = tables[0] if one_rank else rows.local
     with launching():
         _gather_routes_kernel[(num_tokens, triton.cdiv(width, block))](
             out_sh, weights_out_sk if with_weights else out_sh, dst_n, tables[0], tables[-1], rows_nvsh,
             weights.local if with_weights else rows_nvsh, width, rows_nvsh.shape[0],
-            ACC=_TL_DTYPES[accumulate], K=dst_n.numel() // num_tokens, WEIGHTS=with_weights,
+            ACC=TL_DTYPES[accumulate], K=dst_n.numel() // num_tokens, WEIGHTS=with_weights,
             ONE_RANK=one_rank, BLOCK_H=block, num_warps=warps)
 
 
 # -- weights -------------------------------------------------------------------------------------------------
 
 
-def _flat_block(numel: int, itemsize: int) -> tuple[int, int, int]:
-    """(elements per access, accesses per program, warps) to copy rows of `numel` elements."""
-    block = min(triton.next_power_of_2(numel), 4096 // itemsize)
-    return block, min(8, triton.cdiv(numel, block)), max(1, min(8, block * itemsize // 512))
-
-
-@triton.jit
-def _copy_experts_kernel(slots_ptr, experts_ptr, home_table, home_like, numel, experts_per_rank,
-                         BLOCK: tl.constexpr, ITERATIONS: tl.constexpr):
-    chunk = tl.program_id(0)
-    slot = tl.program_id(1)
-    expert = tl.load(experts_ptr + slot)
-    used = expert >= 0
-    expert = tl.maximum(expert, 0)
-    source = _peer(home_table, expert // experts_per_rank, home_like) + (expert % experts_per_rank).to(
-        tl.int64) * numel
-    target = slots_ptr + slot.to(tl.int64) * numel
-    for i in tl.range(ITERATIONS):
-        offs = (chunk * ITERATIONS + i).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offs < numel
-        tl.store(target + offs, tl.load(source + offs, mask=_both(inside, used), other=0.0), mask=inside)
-
-
-def copy_experts(home: SymmetricTensor, slots_b: torch.Tensor, experts_b: torch.Tensor) -> None:
-    """`slots_b[j] = home expert experts_b[j]` from its home rank (expert e lives on rank e // epn at
-    index e % epn of `home`), a zero row where `experts_b[j]` is -1 (peer reads; the caller barriers).
-
-    Args:
-        home: symmetric `[epn, *row]` home experts. slots_b: `[B, *row]` contiguous, same dtype.
-        experts_b: `[B]` int32 global expert per slot, -1 = unused.
-    """
-    num_slots = slots_b.shape[0]
-    numel = slots_b[0].numel() if num_slots else 0
-    if num_slots == 0 or numel == 0:
-        return
-    block, iterations, warps = _flat_block(numel, slots_b.element_size())
-    with launching():
-        _copy_experts_kernel[(triton.cdiv(numel, block * iterations), num_slots)](
-            slots_b, experts_b, pointer_table(home), home.local, numel, home.local.shape[0], BLOCK=block,
-            ITERATIONS=iterations, num_warps=warps)
-
-
-@triton.jit
-def _clear_slots_kernel(slots_ptr, experts_ptr, numel, BLOCK: tl.constexpr, ITERATIONS: tl.constexpr):
-    chunk = tl.program_id(0)
-    slot = tl.program_id(1)
-    if tl.load(experts_ptr + slot) < 0:
-        return  # an unused slot holds nothing to clear
-    target = slots_ptr + slot.to(tl.int64) * numel
-    zeros = tl.zeros([BLOCK], dtype=slots_ptr.dtype.element_ty)
-    for i in tl.range(ITERATIONS):
-        offs = (chunk * ITERATIONS + i).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(target + offs, zeros, mask=offs < numel)
-
-
-def clear_slots(slots_b: torch.Tensor, experts_b: torch.Tensor) -> None:
-    """`slots_b[j] = 0` for every used slot (`experts_b[j] >= 0`), in one launch; unused slots are not
-    touched (the reference's `masked_fill_` reads and writes every slot).
-
-    Args:
-        slots_b: `[B, *row]` contiguous slot gradients. experts_b: `[B]` int32 expert per slot, -1 = unused.
-    """
-    num_slots = slots_b.shape[0]
-    numel = slots_b[0].numel() if num_slots else 0
-    if num_slots == 0 or numel == 0:
-        return
-    block, iterations, warps = _flat_block(numel, slots_b.element_size())
-    with launching():
-        _clear_slots_kernel[(triton.cdiv(numel, block * iterations), num_slots)](
-            slots_b, experts_b, numel, BLOCK=block, ITERATIONS=iterations, num_warps=warps)
-
-
-@triton.jit
-def _add_replicas_kernel(home_ptr, sources_ptr, slots_table, slots_like, numel, num_slots, ACC: tl.constexpr,
-                         MAX_REPLICAS: tl.constexpr, BLOCK: tl.constexpr, ITERATIONS: tl.constexpr):
-    chunk = tl.program_id(0)
-    expert = tl.program_id(1)
-    if tl.load(sources_ptr + expert * MAX_REPLICAS) < 0:
-        return  # no replica: the home gradient stays as it is (no read, no write)
-    HOME: tl.constexpr = home_ptr.dtype.element_ty
-    target = home_ptr + expert.to(tl.int64) * numel
-    for i in tl.range(ITERATIONS):
-        offs = (chunk * ITERATIONS + i).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offs < numel
-        total = _widen(tl.load(target + offs, mask=inside), ACC)
-        for j in tl.static_range(MAX_REPLICAS):
-            source = tl.load(sources_ptr + expert * MAX_REPLICAS + j)
-            has = source >= 0
-            source = tl.maximum(source, 0)
-            replica = _peer(slots_table, source // num_slots, slots_like) + (source % num_slots).to(
-                tl.int64) * numel
-            # the reference's exchange of one slot index: `home += replica.to(home dtype)` for every rank
-            # holding the expert in that slot, summed in ACC and rounded to the home dtype once
-            x = _narrow(_widen(tl.load(replica + offs, mask=_both(inside, has), other=0.0), ACC), HOME)
-            total += _widen(x, ACC)
-            if j + 1 < MAX_REPLICAS:
-                following = tl.load(sources_ptr + expert * MAX_REPLICAS + j + 1)
-                last_of_slot = (following < 0) | (following % num_slots != source % num_slots)
-                total = tl.where(last_of_slot, _widen(_narrow(total, HOME), ACC), total)
-        tl.store(target + offs, _narrow(total, HOME), mask=inside)
-
-
-def add_replicas(home_x: torch.Tensor, slots: SymmetricTensor, sources_xr: torch.Tensor) -> None:
-    """`home_x[x] += slots(rank)[slot]` for each `sources_xr[x, i] = rank * B + slot` (-1: none), in i
-    order (peer reads; the caller barriers); experts without replicas are not touched. Like the reference's
-    one `index_add_` per slot index: each replica is rounded to the home dtype, and the sum to it once per
-    slot index (sources are sorted by slot); with fp32 home gradients that is a plain fp32 sum.
-
-    Args:
-        home_x: `[epn, *row]` contiguous home gradients. slots: symmetric `[B, *row]` slot gradients.
-        sources_xr: `[epn, R]` int32 replica sources of each home expert, in the order they are added.
-    """
-    num_home, max_replicas = sources_xr.shape
-    numel = home_x[0].numel() if num_home else 0
-    if num_home == 0 or numel == 0 or slots.local.shape[0] == 0:
-        return
-    block, iterations, warps = _flat_block(numel, home_x.element_size())
-    accumulate = torch.promote_types(torch.promote_types(home_x.dtype, slots.local.dtype), torch.float32)
-    with launching():
-        _add_replicas_kernel[(triton.cdiv(numel, block * iterations), num_home)](
-            home_x, sources_xr, pointer_table(slots), slots.local, numel, slots.local.shape[0],
-            ACC=_TL_DTYPES[accumulate], MAX_REPLICAS=max_replicas, BLOCK=block, ITERATIONS=iterations,
-            num_warps=warps)

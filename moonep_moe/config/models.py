@@ -1,0 +1,569 @@
+"""Typed configuration of one MoonEP MoE layer: pydantic models, validated once at construction.
+
+The tree is ``MoEConfig`` -> ``RouterConfig`` (``router``) and ``SharedExpertConfig`` (``shared_experts``).
+Every model forbids unknown keys and is frozen: a config that validated stays valid. To change a field, build
+a new one (``load_config(name, field=value)`` or ``MoEConfig(**{**cfg.model_dump(), "field": value})``).
+
+Notation (DESIGN.md): S = ``max_tokens_per_rank``, H = ``hidden_size``, H' = ``ffn_hidden_size``,
+K = ``top_k``, E = ``num_experts``, R = ``ep_size``, epn = E // R, B = prefetch slots per rank,
+tp = ``token_padding``, NvS = dispatched-row capacity per rank (``MoEConfig.rows_per_rank``).
+
+Every error names the field and the expected value. Errors come out as ``pydantic.ValidationError``, a
+``ValueError`` subclass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from moonep_moe.base.sizes import (
+    BLOCK_TOKEN_PADDING,
+    TOKEN_PADDING,
+    check_layout,
+    default_slots,
+    rows_capacity,
+)
+from moonep_moe.gemm.registry import BACKENDS, GROUPED_GEMM_NAMES
+from moonep_moe.plan.policies import BALANCE_NAMES, BALANCE_POLICIES
+from moonep_moe.transport.registry import WORLD_NAMES
+
+__all__ = [
+    "CommConfig",
+    "MoEConfig",
+    "RouterConfig",
+    "SharedExpertConfig",
+]
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+class RouterConfig(BaseModel):
+    """How tokens pick their K experts: scores, top-k selection, load-balancing terms."""
+
+    model_config = _STRICT
+
+    score_function: Literal["softmax", "sigmoid"] = Field(
+        "softmax",
+        description=(
+            "Maps router logits to scores. Default 'softmax' (Mixtral, Qwen-MoE); 'sigmoid' for DeepSeek-V3 "
+            "and Kimi-K2 (HF `scoring_func`). With 'sigmoid' keep `renormalize=True`, since sigmoid scores "
+            "of the K chosen experts do not sum to 1."
+        ),
+    )
+    renormalize: bool = Field(
+        True,
+        description=(
+            "Divide the K selected scores by their sum, so each token's route weights sum to 1 before "
+            "`routed_scaling_factor` (HF `norm_topk_prob`). Default True; recommended for every packaged "
+            "model."
+        ),
+    )
+    n_group: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Group-limited routing (DeepSeek-V3): the E experts form `n_group` equal groups, a token first "
+            "keeps its best `topk_group` groups, then picks top-k inside them. Default 1 disables it. Must "
+            "divide num_experts; DeepSeek-V3 uses 8 (one group per node)."
+        ),
+    )
+    topk_group: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Groups kept per token when n_group > 1 (DeepSeek-V3: 4). Must satisfy "
+            "1 <= topk_group <= n_group, and top_k <= topk_group * (num_experts // n_group). Ignored when "
+            "n_group == 1."
+        ),
+    )
+    routed_scaling_factor: float = Field(
+        1.0,
+        ge=0.0,
+        description=(
+            "Multiplies every route weight after (optional) renormalisation. Default 1.0; DeepSeek-V3 2.5, "
+            "Kimi-K2 2.827 (HF `routed_scaling_factor`)."
+        ),
+    )
+    expert_bias: bool = Field(
+        False,
+        description=(
+            "Aux-loss-free load balancing (DeepSeek-V3 `e_score_correction_bias`): a per-expert bias added "
+            "to the scores for *selection only*; route weights use the unbiased scores. The bias is a "
+            "buffer, updated outside the gradient by `expert_bias_update_rate`. Default False."
+        ),
+    )
+    expert_bias_update_rate: float = Field(
+        1e-3,
+        ge=0.0,
+        description=(
+            "Step size of the expert-bias update (raise the bias of under-loaded experts, lower it for "
+            "over-loaded ones). Default 1e-3 (DeepSeek-V3's gamma). Only used when `expert_bias` is True; 0 "
+            "freezes the bias (inference, or a loaded checkpoint's bias)."
+        ),
+    )
+    aux_loss_coeff: float = Field(
+        0.0,
+        ge=0.0,
+        description=(
+            "Weight of the switch-style load-balancing aux loss (E * sum_e f_e * P_e). Default 0.0 disables "
+            "it. Typical values 1e-3 to 1e-2; with `expert_bias` True a small value (or 0) is usual. "
+            "Balance across ranks does not need it: the planner already balances them exactly."
+        ),
+    )
+    dtype: Literal["float32", "float64", "bfloat16"] = Field(
+        "float32",
+        description=(
+            "Compute dtype of the router GEMM and scores. Default 'float32' (recommended: top-k ties and "
+            "small score gaps are sensitive to bf16 rounding); 'float64' for reference tests."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> RouterConfig:
+        if self.topk_group > self.n_group:
+            raise ValueError(
+                f"topk_group ({self.topk_group}) must be <= n_group ({self.n_group}); expected "
+                f"1 <= topk_group <= n_group"
+            )
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The router compute dtype as a ``torch.dtype``."""
+        return getattr(torch, self.dtype)
+
+
+class SharedExpertConfig(BaseModel):
+    """Always-on experts that every token passes through, beside the K routed ones (not dispatched)."""
+
+    model_config = _STRICT
+
+    num_shared_experts: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Number of shared experts. Default 0 (none: Mixtral, Qwen3-MoE); DeepSeek-V3 and Kimi-K2 use 1 "
+            "(HF `n_shared_experts`). They are fused into one dense SwiGLU MLP of width "
+            "num_shared_experts * ffn_hidden_size, computed locally on every rank."
+        ),
+    )
+    ffn_hidden_size: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Intermediate size of ONE shared expert. Default None means the routed experts' "
+            "`ffn_hidden_size` (DeepSeek-V3, Kimi-K2: 2048). The shared MLP width is "
+            "num_shared_experts * ffn_hidden_size."
+        ),
+    )
+    gate: bool = Field(
+        False,
+        description=(
+            "Qwen2-MoE style gate: multiply the shared output by sigmoid(Linear(H, 1)(x)). Default False "
+            "(DeepSeek-V3 and Kimi-K2 have no shared gate)."
+        ),
+    )
+
+
+class CommConfig(BaseModel):
+    """The comm core's fields of one layer shape: what the planner, the `Buffer` and `MoECommunicator` need.
+
+    Defined once: `MoEConfig` extends it (its YAML keys are these fields, flat) and `MoEConfig.comm` is its
+    comm part; `moonep_moe.engine.communicator.CommunicatorConfig` extends it with the facade's options. The
+    layout checks (E % R, K <= E, B in [0, E - E/R]) are `base.sizes.check_layout`, the one check every
+    caller runs.
+    """
+
+    model_config = _STRICT
+
+    hidden_size: int = Field(
+        ...,
+        ge=1,
+        description="H: model hidden size (HF `hidden_size`). Required.",
+    )
+    num_experts: int = Field(
+        ...,
+        ge=1,
+        description=(
+            "E: routed experts in the EP group (HF `n_routed_experts` / `num_experts` / "
+            "`num_local_experts`). Required; must be divisible by ep_size."
+        ),
+    )
+    top_k: int = Field(
+        ...,
+        ge=1,
+        description=(
+            "K: routed experts per token (HF `num_experts_per_tok`). Required; 1 <= top_k <= num_experts."
+        ),
+    )
+    ep_size: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "R: ranks in the EP group; each rank owns epn = num_experts // ep_size home experts. None: the "
+            "world's size, where a world is given (`MoECommunicator`); `MoEConfig` defaults it to 1."
+        ),
+    )
+    num_prefetch_slots: int | None = Field(
+        None,
+        ge=0,
+        description=(
+            "B: expert slots per rank that receive prefetched replicas of hot remote experts. Default None "
+            "resolves to epn (= num_experts // ep_size) when ep_size > 1, else 0. Training needs B >= epn "
+            "for exact balance (a rank hosts replicas from at most one remote home group); B < epn "
+            "(inference, to save memory) gives best-effort balance and a larger `rows_per_rank`. "
+            "Must be in [0, num_experts - epn]."
+        ),
+    )
+    token_padding: int = Field(
+        TOKEN_PADDING,
+        ge=1,
+        description=(
+            "tp: every non-empty expert segment is padded with zero rows to a multiple of this. Default 16, "
+            "the layer's (`MoEConfig` picks 16, or 128 with DeepGEMM): the alignment torch._grouped_mm and "
+            "the Triton kernels take. Engines whose grouped GEMM needs Hopper's 128-row M-block "
+            "(DeepGEMM's contiguous layout) pass 128; a GEMM that masks partial blocks can take 1. Serving "
+            "pays for it per step: a decode step of s tokens fills up to s*K groups, each padded to tp rows "
+            "that are zeroed and run through the GEMMs (with E=256, K=8 and tp=128 a 128-token step carries "
+            "~250 groups of 128 rows, mostly padding)."
+        ),
+    )
+    max_tokens_per_rank: int = Field(
+        ...,
+        ge=1,
+        description=(
+            "S: token capacity per rank per step; a step may carry fewer valid tokens. Required. Fixes every "
+            "buffer shape (static shapes, no host sync), so peak memory grows with it."
+        ),
+    )
+    dtype: Literal["bfloat16", "float16", "float32", "float64"] = Field(
+        "bfloat16",
+        description=(
+            "Dtype of activations and expert weights. Default 'bfloat16' (production; required by DeepGEMM). "
+            "'float32' for the CPU demo, 'float64' for reference tests."
+        ),
+    )
+    balance: Literal[BALANCE_NAMES] = Field(
+        BALANCE_NAMES[0],
+        description=(
+            "Replication policy of the planner (`plan.reference`). Default 'exact' (training): with B >= epn "
+            "every rank computes T // R or T // R + 1 routes for any routing, replicating hot experts "
+            "however few routes they take. 'cost_aware' (serving): an expert is replicated only where it "
+            "takes more routes off its donor than the GEMM time of one weight transfer is worth "
+            "(`replica_cost`, from `link_bandwidth_gbs` and `gemm_tflops`), and the plan falls back to "
+            "plain EP unless the modelled hottest rank gets faster; decode-sized steps then move no "
+            "weights. 'off': plain EP, no replica (every route on its home rank). 'cost_aware' and 'off' "
+            "are best effort, so `rows_per_rank` covers the B < epn worst case (R*S*K routes)."
+        ),
+    )
+    link_bandwidth_gbs: float = Field(
+        450.0,
+        gt=0,
+        description=(
+            "Cost model of balance='cost_aware': GB/s one rank's link moves in one direction (a replica's "
+            "weights in, or a donor's replicas out). Default 450: H200 NVLink's 900 GB/s bidirectional spec "
+            "(a spec number, not measured here). Unused by 'exact' and 'off'."
+        ),
+    )
+    gemm_tflops: float = Field(
+        775.8,
+        gt=0,
+        description=(
+            "Cost model of balance='cost_aware': the expert GEMMs' rate in TFLOP/s. Default 775.8: the dense "
+            "bf16 GEMM rate measured on the H200 (bench/results/gemm-NVIDIA_H200-20261129.json, `limits`); "
+            "the grouped GEMMs reached 537 there. A higher rate makes routes cheaper, so fewer replicas pay. "
+            "Unused by 'exact' and 'off'."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_comm_layout(self) -> CommConfig:
+        # without an EP size (the world's, known later) only K <= E can be checked here
+        if self.ep_size is None:
+            check_layout(self.num_experts, 1, self.top_k, None)
+        else:
+            check_layout(self.num_experts, self.ep_size, self.top_k, self.num_prefetch_slots)
+        return self
+
+    def _ranks(self) -> int:
+        if self.ep_size is None:
+            raise ValueError("ep_size is None (the world's size): set it to derive per-rank sizes")
+        return self.ep_size
+
+    @property
+    def experts_per_rank(self) -> int:
+        """epn = E // R: home experts stored on each rank."""
+        return self.num_experts // self._ranks()
+
+    @property
+    def prefetch_slots(self) -> int:
+        """B, resolved: ``num_prefetch_slots``, or when None, epn if ``ep_size`` > 1 else 0."""
+        if self.num_prefetch_slots is not None:
+            return self.num_prefetch_slots
+        return default_slots(self.num_experts, self._ranks())
+
+    @property
+    def replica_cost(self) -> int:
+        """The planner's `replica_cost` for ``balance`` (`plan.policies`): 0 for 'exact', `NO_REPLICATION`
+        for 'off', and for 'cost_aware' the GEMM routes whose (forward) time equals one expert's weight
+        transfer, `replica_cost_routes` (1724 for bf16 at the defaults)."""
+        policy = BALANCE_POLICIES[self.balance]
+        return policy.replica_cost(self.torch_dtype.itemsize, self.link_bandwidth_gbs * 1e9,
+                                   self.gemm_tflops * 1e12)
+
+    @property
+    def routes_per_rank(self) -> int:
+        """N = S * K: routes that leave one rank per step (at most; invalid routes are not sent)."""
+        return self.max_tokens_per_rank * self.top_k
+
+    @property
+    def rows_per_rank(self) -> int:
+        """NvS: dispatched-row capacity per rank, the first dimension of ``hidden_nvsh``.
+
+        A rank has at most epn + B non-empty segments (its home experts and its slots), each padded by
+        fewer than tp rows, so the capacity is ``align_up(routes + (tp - 1) * (epn + B), tp)``, where
+        ``routes`` is the most routes the planner can put on one rank:
+
+        - B >= epn and ``balance='exact'``: the balance invariant holds for any routing, so a rank computes
+          at most S*K routes.
+        - B < epn, or another ``balance``: balance is best effort. In the worst case every rank sends all
+          its S*K routes to this rank's home experts and no replica absorbs them, so the bound is R*S*K.
+          Static shapes must cover that worst case, because sizing for the typical case would make a
+          skewed step overflow.
+          (With R = 1, B = 0 < epn and the bound is S*K, as expected.)
+        """
+        return rows_capacity(self.max_tokens_per_rank, self.top_k, self._ranks(), self.num_experts,
+                             self.prefetch_slots, self.token_padding, self.replica_cost)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """``dtype`` as a ``torch.dtype`` (activations and expert weights)."""
+        return getattr(torch, self.dtype)
+
+
+class MoEConfig(CommConfig):
+    """One MoE layer and its expert-parallel group: the comm fields (`CommConfig`, flat in YAML), the expert
+    FFN size, router, shared experts, gradient mode and backends."""
+
+    ffn_hidden_size: int = Field(
+        ...,
+        ge=1,
+        description=(
+            "H': intermediate size of one routed expert (HF `moe_intermediate_size`, Mixtral "
+            "`intermediate_size`). Required. A multiple of 128 keeps grouped GEMMs on their fast path."
+        ),
+    )
+    ep_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "R: ranks in the EP group. Default 1 (no expert parallelism). Each rank owns "
+            "epn = num_experts // ep_size home experts."
+        ),
+    )
+    token_padding: int = Field(
+        None,
+        ge=1,
+        validate_default=False,
+        description=(
+            "tp: every non-empty expert segment is padded with zero rows to a multiple of this. Default: 128 "
+            "with grouped_gemm='deep_gemm' (its M-block; it needs a multiple of 128), else 16, the alignment "
+            "torch._grouped_mm and the Triton wgrad take. Measured on the H200 (DeepSeek-V3 layer at EP=1, "
+            "bench/results/layer-NVIDIA_H200-20261201-0b81cc1.json): 128 pads ~25% more rows than 16 there "
+            "(256 segments of ~256 routes) for 2.2 GiB more peak memory and no speed gain with 'auto'. "
+            "Smaller values (e.g. 8) waste less memory in CPU tests and demos."
+        ),
+    )
+    expert_grad_dtype: Literal["param", "main_grad"] = Field(
+        "param",
+        description=(
+            "How the routed experts' weight gradients are kept. Default 'param' (recommended, the fast one): "
+            "the weight-gradient GEMMs accumulate in fp32 and write each home expert's gradient in the "
+            "parameters' dtype (bf16 grads for bf16 weights), as plain PyTorch does; replicas' gradients are "
+            "added in fp32 and rounded; autograd receives them as `.grad`. 'main_grad' (Megatron style, for "
+            "fp32 accumulation across micro-batches): each home-expert parameter (`experts.gate_up`, "
+            "`experts.down`) carries a persistent `main_grad` in fp32 (float64 for float64 weights), "
+            "allocated zero on first use on the parameter's device (or one you attach beforehand, e.g. a "
+            "view of a contiguous grad buffer); the weight-gradient GEMMs add straight into it and the "
+            "replicas' gradients are reduced into it (no zeroing pass, no cast), and `param.grad` stays None "
+            "(so hooks on those parameters' grads do not fire). Zero it yourself between optimizer steps: "
+            "`layer.zero_main_grad()` (or `p.main_grad.zero_()`). An optimizer must read `main_grad`, as "
+            "Megatron's do (they step fp32 main params from it); with a plain torch optimizer set "
+            "`p.grad = p.main_grad.to(p.dtype)` before `step()`. Router and shared experts keep ordinary "
+            "`.grad` in both modes. The former 'float32' (fp32 copy of the home gradients, then a cast: "
+            "1.37x the time and +40 GiB on the DeepSeek-V3 layer) was removed: use 'param' or 'main_grad'."
+        ),
+    )
+    router: RouterConfig = Field(
+        default_factory=RouterConfig,
+        description="Router options (scores, renormalisation, group-limited routing, balancing terms).",
+    )
+    shared_experts: SharedExpertConfig = Field(
+        default_factory=SharedExpertConfig,
+        description="Shared (always-on) experts. Default: none.",
+    )
+    overlap_shared_experts: bool = Field(
+        True,
+        description=(
+            "Run the shared experts on a side CUDA stream while the routed experts (planning, dispatch, "
+            "prefetch, grouped GEMMs, combine) run on the current one, joined before the sum; autograd runs "
+            "their backward on the same streams, so backward overlaps too. Default True (recommended). "
+            "Outputs and gradients are bit-identical either way. No effect without shared experts or off "
+            "CUDA (one stream). Under torch.compile the overlapped shared experts run eagerly with the "
+            "routed experts (one graph break, as without overlap); set False to keep them in the compiled "
+            "graph, after the routed experts."
+        ),
+    )
+    share_buffer: bool = Field(
+        True,
+        description=(
+            "Layers of the same shape on one world share one Buffer (dispatched rows, route weights, "
+            "duplicate pairs), as they share the prefetch-slot pools: a model pays its `[NvS, H]` rows once, "
+            "not per layer (0.89 GiB per DeepSeek-V3 layer at S=8192, EP=8). Correct for any schedule that "
+            "runs one layer's MoE step at a time (each forward and each backward of the routed experts "
+            "starts with its own dispatch; activation recomputation and pipeline schedules included). "
+            "Default True. False gives the layer a Buffer of its own: for schedules that run two layers' "
+            "routed steps at once, e.g. on two streams."
+        ),
+    )
+    grouped_gemm: Literal[GROUPED_GEMM_NAMES] = Field(
+        "auto",
+        description=(
+            "Grouped-GEMM backend. Default 'auto': on CUDA every backend that can run is timed once per "
+            "primitive and shape (cached in process and in ~/.cache/moonep-moe/gemm.json, $MOONEP_MOE_CACHE) "
+            "and the fastest runs; elsewhere torch where it supports the dtype, else the reference. "
+            "'torch' = torch._grouped_mm, 'reference' = a plain loop over segments (any device and dtype), "
+            "'deep_gemm' = DeepGEMM fwd/dgrad on sm90 (needs the [gpu] extra and dtype 'bfloat16'), "
+            "'triton' = the package's Triton weight-gradient kernel (fp32 accumulation straight into the "
+            "gradients) with torch fwd/dgrad."
+        ),
+    )
+    precision: Literal["bf16", "fp8"] = Field(
+        "bf16",
+        description=(
+            "Routed experts' GEMM precision. Default 'bf16'. 'fp8' (DeepSeek-V3 recipe, training): bf16 "
+            "master weights and gradients as with 'bf16'; fwd and dgrad run on FP8 grouped GEMMs (DeepGEMM's "
+            "on sm90 where it is installed, else the package's Triton kernel, half DeepGEMM's speed) with "
+            "e4m3 activations (1x128 tiles) and weights (128x128 blocks), cast by fused kernels (the weights "
+            "on every call while they train, once per block inside `fixed_expert_weights`, once per "
+            "version in inference); wgrad stays bf16 on the `grouped_gemm` backend. Needs "
+            "dtype='bfloat16', token_padding a multiple of 128 (the default with 'fp8') and a CUDA GPU with "
+            "FP8 tensor cores (sm89 or newer; tested on sm90) (`moonep_moe.gemm.fp8`)."
+        ),
+    )
+    fp8_dispatch: bool = Field(
+        False,
+        description=(
+            "With precision='fp8': quantise each token once, before dispatch (e4m3 with 1x128 fp32 scales, "
+            "the [S, H] tokens instead of the [NvS, H] rows), and dispatch the FP8 rows with their scales "
+            "(about half of bf16's bytes on the wire), which the forward GEMM takes as they arrive: "
+            "DeepSeek-V3's recipe. The output and every gradient but gate_up's weight gradient are the same "
+            "bits as without it (the same rows, quantised the same way); backward keeps the FP8 rows instead "
+            "of a bf16 copy (half that activation memory) and gate_up's wgrad multiplies them dequantised, "
+            "exactly the values the forward multiplied, where it multiplies the bf16 rows without it. "
+            "Default False: on one H200 at EP=1 it ran 0.98x plain fp8's step time, and its wire saving "
+            "across GPUs is not yet measured. Needs precision='fp8'."
+        ),
+    )
+    expert_weights: Literal["bf16", "fp8"] = Field(
+        "bf16",
+        description=(
+            "How the routed experts' weights are stored. Default 'bf16': masters in `dtype` (parameters, "
+            "trainable). 'fp8' (inference with FP8 checkpoints): no master at all; each home expert is "
+            "e4m3 values with fp32 128x128 block scales (buffers `experts.gate_up` / "
+            "`experts.gate_up_scale_inv`, `experts.down` / `experts.down_scale_inv`; `state_dict()` in "
+            "DeepSeek-V3's per-expert format), loaded from DeepSeek-V3's per-expert or transformers' fused "
+            "FP8 checkpoints as stored (unquantised ones are quantised on load); prefetch moves e4m3 bytes "
+            "and scales; the GEMMs take them as they are: the FP8 grouped GEMMs ('auto' / 'deep_gemm': "
+            "DeepGEMM's on sm90 where installed, else the Triton kernel; CUDA sm89 or newer) or, with "
+            "grouped_gemm='reference', the weights dequantised exactly and multiplied in fp32 on any device. "
+            "Needs precision='fp8' (the default with 'fp8'), dtype='bfloat16' and "
+            "ffn_hidden_size a multiple of 128 (gate and up are one [2F, H] FP8 matrix whose blocks must not "
+            "straddle them). Not trainable: a forward with grad enabled whose input or router requires "
+            "grad raises; run under torch.no_grad() or torch.inference_mode()."
+        ),
+    )
+    world: Literal[WORLD_NAMES] = Field(
+        WORLD_NAMES[0],
+        description=(
+            "EP transport (`transport.registry.WORLDS`). Default 'threads' (R ranks as threads in one "
+            "process: tests, one-device simulation). 'symmetric' = torch symmetric memory inside one NVLink "
+            "domain (production); 'collective' = torch.distributed all-to-all over NCCL or gloo (multi-node, "
+            "CPU)."
+        ),
+    )
+
+    @field_validator("expert_grad_dtype", mode="before")
+    @classmethod
+    def _removed_grad_mode(cls, value: Any) -> Any:
+        if value == "float32":
+            raise ValueError("expert_grad_dtype='float32' was removed: use 'param' (the default: gradients "
+                             "in the parameters' dtype, fp32 accumulation inside the GEMM) or 'main_grad' "
+                             "(fp32 `main_grad` accumulated across micro-batches)")
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_token_padding(cls, data: Any) -> Any:
+        return with_derived_defaults(data) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _check_routing_and_backend(self) -> MoEConfig:
+        e, k = self.num_experts, self.top_k
+        n_group, topk_group = self.router.n_group, self.router.topk_group
+        if e % n_group != 0:
+            raise ValueError(f"router.n_group ({n_group}) must divide num_experts (E={e})")
+        if n_group > 1 and k > topk_group * (e // n_group):
+            raise ValueError(
+                f"top_k (K={k}) must be <= router.topk_group * (num_experts // router.n_group) "
+                f"= {topk_group} * {e // n_group} = {topk_group * (e // n_group)}"
+            )
+        if self.grouped_gemm == "deep_gemm" and self.dtype != "bfloat16":
+            raise ValueError(f"grouped_gemm='deep_gemm' needs dtype='bfloat16', got dtype={self.dtype!r}")
+        if self.precision == "fp8" and (self.dtype != "bfloat16" or self.token_padding % BLOCK_TOKEN_PADDING):
+            raise ValueError(f"precision='fp8' needs dtype='bfloat16' and token_padding a multiple of 128, "
+                             f"got dtype={self.dtype!r}, token_padding={self.token_padding}")
+        if self.fp8_dispatch and self.precision != "fp8":
+            raise ValueError(f"fp8_dispatch=True needs precision='fp8', got precision={self.precision!r}")
+        if self.expert_weights == "fp8":
+            self._check_fp8_weights()
+        return self
+
+    def _check_fp8_weights(self) -> None:
+        """`expert_weights='fp8'`: FP8 GEMMs, on a backend that takes FP8 weights, over whole 128-row blocks
+        of gate and of up."""
+        if self.precision != "fp8":
+            raise ValueError(f"expert_weights='fp8' needs precision='fp8' (its default), got "
+                             f"precision={self.precision!r}")
+        if self.ffn_hidden_size % 128:
+            raise ValueError(f"expert_weights='fp8' needs ffn_hidden_size a multiple of 128 (gate's and up's "
+                             f"128x128 blocks of one [2F, H] matrix), got {self.ffn_hidden_size}")
+        if self.grouped_gemm not in ("auto", "deep_gemm", "reference"):
+            raise ValueError(f"expert_weights='fp8' runs on grouped_gemm 'auto' or 'deep_gemm' (the FP8 "
+                             f"GEMMs) or 'reference' (any device), got {self.grouped_gemm!r}")
+
+    @property
+    def comm(self) -> CommConfig:
+        """The comm part of this layer's config (E, K, R, B, S, H, tp, dtype), for the Buffer and
+        `MoECommunicator`."""
+        return CommConfig(**self.model_dump(include=set(CommConfig.model_fields)))
+
+
+def with_derived_defaults(fields: dict[str, Any]) -> dict[str, Any]:
+    """`MoEConfig` fields (a partial set, as a YAML `moe:` section gives them) with the defaults that depend
+    on other fields filled in: `precision` left out is 'fp8' with `expert_weights='fp8'`; `token_padding`
+    left out is 128 for DeepGEMM and FP8, else 16 (see the fields). Pure functions of the config, so every
+    rank resolves the same; what `MoEConfig` applies before validating."""
+    if fields.get("expert_weights") == "fp8" and fields.get("precision") is None:
+        fields = {**fields, "precision": "fp8"}
+    if fields.get("token_padding") is None:
+        backend = BACKENDS.get(fields.get("grouped_gemm"))
+        aligned = fields.get("precision") == "fp8" or (backend is not None
+                                                       and backend.token_padding > TOKEN_PADDING)
+        fields = {**fields, "token_padding": BLOCK_TOKEN_PADDING if aligned else TOKEN_PADDING}
+    return fields
+
+

@@ -1,0 +1,199 @@
+"""Triton casts to FP8 e4m3 with power-of-two fp32 scales, and back (the contract and the torch reference
+are `moonep_moe.gemm.fp8`; these kernels match the reference bit for bit, fp8 bytes and scales).
+
+- `cast_rows`: activations, one pass: reads `x [rows, K]` (bf16 or fp32), writes `q [rows, K]` e4m3 and
+  one scale per row per 128 columns in DeepGEMM's sm90 layout (MN-major, rows padded to 4). Row blocks at
+  and past `offs_g[-1]` (a device scalar: no host read) are skipped, their outputs left unwritten.
+- `cast_blocks`: weights, one pass per 128x128 block of `w [G, N, K]`: writes the scale and, as asked, the
+  e4m3 block (`q [G, N, K]`) and its transpose (`qt [G, K, N]`, the K-major copy dgrad needs on sm90).
+- `dequantise_rows`: `cast_rows` undone, one pass: reads e4m3 rows and their 1x128 scales (any strides: e.g.
+  views of the packed rows a dispatch received) and writes `q * scale` in bf16 or fp32, exact in both (an
+  e4m3 value has 4 significant bits, the scales are powers of two within the formats' exponent range). What
+  a layer with `MoEConfig.fp8_dispatch` multiplies in gate_up's weight gradient; rows past `offs_g[-1]` are
+  skipped as in `cast_rows`.
+
+Rounding to e4m3 (to nearest, ties to even, as the reference): compiled, one hardware conversion per two
+values (sm90's `cvt.rn.satfinite.e4m3x2.f32`; the scaled values are within +-448, so saturation never
+applies); under Triton's interpreter in integer arithmetic (`_round_to_e4m3`), whose result the conversion
+then only has to copy, because the interpreter rounds fp32 -> fp8 wrongly when rounding carries into the next
+binade (e.g. 126.77 -> 64 instead of 128: checked against torch while writing this). The integer path costs
+about 25 integer operations a value, which made the compiled casts compute-bound (0.45-0.60 of the copy
+bandwidth on the H200 at 4efa8f0, `bench/results/fp8-cast-*-4efa8f0.json`); the conversion is one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moonep_moe.base.interpreter import INTERPRETED, launching
+from moonep_moe.fp8.format import FP8_DTYPE, MAX_BITS, MIN_AMAX, TILE, tma_aligned_rows
+
+HARDWARE_ROUNDING = not INTERPRETED
+"""Compiled kernels round with the hardware conversion; the interpreter with `_round_to_e4m3`."""
+BLOCK_ROWS = 32
+"""Rows per program of `cast_rows` (a divisor of 128, so no block straddles a segment's padded end)."""
+ROWS_WARPS = 4
+"""Warps per `cast_rows` program (32 x 128 values: 32 a thread)."""
+BLOCKS_WARPS = 8
+"""Warps per `cast_blocks` program: its 128 x 128 block is held whole in registers between the amax and the
+rounding (64 fp32 values a thread at 8 warps, 128 at 4). `python -m bench.fp8_cast` times 4, 8 and 16."""
+
+
+@triton.jit
+def _pow2_scale(amax, MAX_EXP_FIELD: tl.constexpr, MAX_MANTISSA: tl.constexpr, MIN_AMAX: tl.constexpr):
+    """`(scale, 1 / scale)`: the smallest power of two with `amax / scale <= E4M3_MAX`, from amax's bits."""
+    bits = tl.maximum(amax, MIN_AMAX).to(tl.int32, bitcast=True)
+    field = (bits >> 23) - MAX_EXP_FIELD + 127 + ((bits & 0x7FFFFF) > MAX_MANTISSA).to(tl.int32)
+    return (field << 23).to(tl.float32, bitcast=True), ((254 - field) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """fp32 `v` with `|v| <= 448` -> the nearest e4m3 value (ties to even), as fp32: the significand is
+    shifted right to the format's ulp (2^(e-3) for normal values, 2^-9 below 2^-6) with round-to-even."""
+    bits = v.to(tl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    exponent = (magnitude >> 23) - 127
+    significand = (magnitude & 0x7FFFFF) | 0x800000
+    ulp_exponent = tl.maximum(exponent, -6) - 3
+    shift = tl.minimum(ulp_exponent - exponent + 23, 25)  # >= 20; 25 rounds every significand to zero
+    rounded = (significand + (1 << (shift - 1)) - 1 + ((significand >> shift) & 1)) >> shift
+    value = rounded.to(tl.float32) * ((ulp_exponent + 127) << 23).to(tl.float32, bitcast=True)
+    # the sign as a bit, not `where(bits < 0, -value, value)`: compiled for sm90 that lost the sign of values
+    # rounding to zero (+0 where the reference keeps -0), though the interpreter kept it
+    return (value.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_e4m3(v, dtype: tl.constexpr, HARDWARE_ROUNDING: tl.constexpr):
+    """fp32 `v` with `|v| <= 448` -> `dtype` (e4m3), rounded to nearest, ties to even."""
+    if HARDWARE_ROUNDING:
+        return v.to(dtype, fp_downcast_rounding="rtne")
+    return _round_to_e4m3(v).to(dtype)
+
+
+@triton.jit
+def _cast_rows_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, last_group, rows, cols, stride_x, stride_s,
+                      MAX_EXP_FIELD: tl.constexpr, MAX_MANTISSA: tl.constexpr, MIN_AMAX: tl.constexpr,
+                      HARDWARE_ROUNDING: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    block, tile = tl.program_id(0), tl.program_id(1)
+    if block * BLOCK < tl.load(offs_ptr + last_group):
+        row = (block * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        col = tile * TILE + tl.arange(0, TILE)
+        mask = (row < rows)[:, None] & (col < cols)[None, :]
+        x = tl.load(x_ptr + row[:, None] * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale, inverse = _pow2_scale(tl.max(tl.abs(x), axis=1), MAX_EXP_FIELD, MAX_MANTISSA, MIN_AMAX)
+        q = _to_e4m3(x * inverse[:, None], q_ptr.dtype.element_ty, HARDWARE_ROUNDING)
+        tl.store(q_ptr + row[:, None] * cols + col[None, :], q, mask=mask)
+        tl.store(s_ptr + tile * stride_s + row, scale, mask=row < rows)
+
+
+@triton.jit
+def _dequantise_rows_kernel(q_ptr, s_ptr, out_ptr, offs_ptr, last_group, rows, cols, stride_q, stride_s_row,
+                            stride_s_tile, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    block, tile = tl.program_id(0), tl.program_id(1)
+    if block * BLOCK < tl.load(offs_ptr + last_group):
+        row = (block * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        col = tile * TILE + tl.arange(0, TILE)
+        mask = (row < rows)[:, None] & (col < cols)[None, :]
+        q = tl.load(q_ptr + row[:, None] * stride_q + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(s_ptr + row * stride_s_row + tile * stride_s_tile, mask=row < rows, other=0.0)
+        x = (q * scale[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row[:, None] * cols + col[None, :], x, mask=mask)
+
+
+@triton.jit
+def _cast_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, n, k, stride_g, stride_n, stride_k,
+                        MAX_EXP_FIELD: tl.constexpr, MAX_MANTISSA: tl.constexpr, MIN_AMAX: tl.constexpr,
+                        HARDWARE_ROUNDING: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
+                        TILE: tl.constexpr):
+    g, n_block, k_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    g64 = g.to(tl.int64)
+    rn = n_block * TILE + tl.arange(0, TILE)
+    rk = k_block * TILE + tl.arange(0, TILE)
+    mask = (rn < n)[:, None] & (rk < k)[None, :]
+    w = tl.load(w_ptr + g64 * stride_g + rn[:, None].to(tl.int64) * stride_n + rk[None, :] * stride_k,
+                mask=mask, other=0.0).to(tl.float32)
+    scale, inverse = _pow2_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0), MAX_EXP_FIELD, MAX_MANTISSA,
+                                 MIN_AMAX)
+    q = _to_e4m3(w * inverse, q_ptr.dtype.element_ty, HARDWARE_ROUNDING)
+    base = g64 * n * k
+    if WRITE_Q:
+        tl.store(q_ptr + base + rn[:, None] * k + rk[None, :], q, mask=mask)
+    if WRITE_QT:
+        tl.store(qt_ptr + base + rk[:, None] * n + rn[None, :], tl.trans(q),
+                 mask=(rk < k)[:, None] & (rn < n)[None, :])
+    tl.store(s_ptr + (g64 * tl.num_programs(1) + n_block) * tl.num_programs(2) + k_block, scale)
+
+
+def _format_constants() -> dict:
+    return {"MAX_EXP_FIELD": MAX_BITS >> 23, "MAX_MANTISSA": MAX_BITS & 0x7FFFFF, "MIN_AMAX": MIN_AMAX,
+            "HARDWARE_ROUNDING": HARDWARE_ROUNDING}
+
+
+def cast_rows(x_mk: torch.Tensor, offs_g: torch.Tensor,
+              num_warps: int = ROWS_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations `x [rows, K]` (bf16 or fp32, rows contiguous) -> `(q [rows, K] e4m3, scales [rows,
+    ceil(K/128)] fp32)`, the scales MN-major with a row stride of `tma_aligned_rows(rows)` (DeepGEMM's sm90
+    SFA layout, taken without a transpose). Only rows below `offs_g[-1]` (int32 [G] segment ends, on the
+    device) are written: the others are unspecified."""
+    rows, cols = x_mk.shape
+    if x_mk.stride(1) != 1:
+        raise ValueError(f"x must have contiguous rows (stride(1) == 1), got strides {x_mk.stride()}")
+    tiles, stride_s = triton.cdiv(cols, TILE), tma_aligned_rows(rows)
+    q_mk = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x_mk.device)
+    scales = torch.empty(tiles * stride_s, dtype=torch.float32, device=x_mk.device)
+    if rows and cols:
+        grid = (triton.cdiv(rows, BLOCK_ROWS), tiles)
+        with launching():
+            _cast_rows_kernel[grid](x_mk, q_mk, scales, offs_g, offs_g.numel() - 1, rows, cols,
+                                    x_mk.stride(0), stride_s, BLOCK=BLOCK_ROWS, TILE=TILE,
+                                    num_warps=num_warps, **_format_constants())
+    return q_mk, scales.as_strided((rows, tiles), (1, stride_s))
+
+
+def cast_blocks(w_gnk: torch.Tensor, scales_out: torch.Tensor, q_out: torch.Tensor | None = None,
+                qt_out: torch.Tensor | None = None, num_warps: int = BLOCKS_WARPS) -> None:
+    """Weights `w [G, N, K]` (bf16 or fp32, any strides) -> 128x128-block scales into `scales_out [G,
+    ceil(N/128), ceil(K/128)]` fp32 and, where given, the e4m3 blocks into `q_out [G, N, K]` and their
+    transpose into `qt_out [G, K, N]` (contiguous tensors, e.g. a group range of a larger buffer)."""
+    groups, n, k = w_gnk.shape
+    grid = (groups, triton.cdiv(n, TILE), triton.cdiv(k, TILE))
+    if q_out is None and qt_out is None:
+        raise ValueError("cast_blocks needs q_out, qt_out or both")
+    for out, shape, name in ((scales_out, grid, "scales_out"), (q_out, (groups, n, k), "q_out"),
+                             (qt_out, (groups, k, n), "qt_out")):
+        if out is not None and (tuple(out.shape) != shape or not out.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous {list(shape)} tensor, got {list(out.shape)} "
+                             f"with strides {out.stride()}")
+    if groups and n and k:
+        with launching():
+            _cast_blocks_kernel[grid](w_gnk, q_out if q_out is not None else qt_out,
+                                      qt_out if qt_out is not None else q_out, scales_out, n, k,
+                                      *w_gnk.stride(), WRITE_Q=q_out is not None, WRITE_QT=qt_out is not None,
+                                      TILE=TILE, num_warps=num_warps, **_format_constants())
+
+
+def dequantise_rows(q_mk: torch.Tensor, scales_mk: torch.Tensor, offs_g: torch.Tensor,
+                    dtype: torch.dtype = torch.bfloat16, num_warps: int = ROWS_WARPS) -> torch.Tensor:
+    """e4m3 rows `q [rows, K]` (rows contiguous, any row stride) and their scales `[rows, ceil(K/128)]` fp32
+    (any strides) -> `q * scale` per 1x128 tile, a contiguous `[rows, K]` tensor of `dtype` (bf16 or fp32),
+    equal bit for bit to `gemm.fp8.dequantise_rows`. Only rows below `offs_g[-1]` (int32 [G] segment ends,
+    on the device) are written: the others are unspecified."""
+    rows, cols = q_mk.shape
+    if q_mk.dtype != FP8_DTYPE or q_mk.stride(1) != 1:
+        raise ValueError(f"q must be {FP8_DTYPE} rows with contiguous columns (stride(1) == 1), got "
+                         f"{q_mk.dtype} with strides {q_mk.stride()}")
+    tiles = triton.cdiv(cols, TILE)
+    if tuple(scales_mk.shape) != (rows, tiles) or scales_mk.dtype != torch.float32:
+        raise ValueError(f"scales must be float32 [{rows}, {tiles}], got {scales_mk.dtype} "
+                         f"{list(scales_mk.shape)}")
+    x_mk = torch.empty(rows, cols, dtype=dtype, device=q_mk.device)
+    if rows and cols:
+        with launching():
+            _dequantise_rows_kernel[(triton.cdiv(rows, BLOCK_ROWS), tiles)](
+                q_mk, scales_mk, x_mk, offs_g, offs_g.numel() - 1, rows, cols, q_mk.stride(0),
+                *scales_mk.stride(), BLOCK=BLOCK_ROWS, TILE=TILE, num_warps=num_warps)
+    return x_mk

@@ -1,0 +1,260 @@
+"""`grouped_gemm='auto'`: time every backend that can run, per primitive and weight shape, and keep the
+fastest (`MeasuredGroupedGemm`); the choices are cached in process and in a JSON file
+(`ChoiceCache`, `default_choice_cache`), so later processes read them instead of timing."""
+
+import itertools
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from moonep_moe.base.triton import triton_version
+from moonep_moe.gemm.base import OPS, GemmProblem, GroupedGemm
+
+logger = logging.getLogger(__name__)  # a child of "moonep_moe"
+
+
+class MeasuredGroupedGemm:
+    """Sends each call to the backend measured fastest for its primitive and weight shape ``[cols, inner]``
+    (built by ``measure_grouped_gemm``); shapes that were not measured go to ``fallback``. Pure dispatch: a
+    dict look-up per call, no host sync."""
+
+    name = "auto"
+    ops = OPS
+    joined_weights = True
+
+    def __init__(self, chosen: dict[tuple[str, int, int], GroupedGemm], fallback: GroupedGemm) -> None:
+        self.chosen = chosen
+        """``(op, cols, inner) -> backend``."""
+        self.fallback = fallback
+
+    def _for(self, op: str, cols: int, inner: int) -> GroupedGemm:
+        return self.chosen.get((op, cols, inner), self.fallback)
+
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor, frozen: bool = False) -> Tensor:
+        return self._for("fwd", *weights[0].shape[-2:]).fwd(x, weights, offs_g, frozen)
+
+    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        return self._for("dgrad", *weights[0].shape[-2:]).dgrad(dy, weights, offs_g)
+
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
+        return self._for("wgrad", dy.shape[-1], x.shape[-1]).wgrad(dy, x, offs_g, out, accumulate)
+
+    def describe(self) -> str:
+        """``"fwd 4096x7168: deep_gemm, ..."``: each primitive and weight shape with its backend."""
+        return ", ".join(f"{op} {cols}x{inner}: {gemm.name}"
+                         for (op, cols, inner), gemm in self.chosen.items())
+
+    def __repr__(self) -> str:
+        return f"MeasuredGroupedGemm({self.describe()})"
+
+
+Timer = Callable[[str, int, int, int, tuple[int, int], Sequence[GroupedGemm]], Sequence[float]]
+"""``timer(op, cols, inner, rows_per_group, (home, slot) groups, backends)`` -> seconds of one ``op`` call
+per backend."""
+
+
+class ChoiceCache:
+    """Measured winners by key: in this process, and in a JSON file ``{key: backend name}`` that later
+    processes read instead of timing again (``path`` None: this process only). A write merges with the
+    file and replaces it atomically; an unreadable file counts as empty, an unwritable one warns."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._choices: dict[str, str] = {}
+
+    def get(self, key: str) -> str | None:
+        if key not in self._choices and self.path is not None:
+            self._choices = {**self._read(), **self._choices}
+        return self._choices.get(key)
+
+    def put(self, key: str, name: str) -> None:
+        self._choices[key] = name
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as tmp:
+                json.dump({**self._read(), key: name}, tmp, indent=1, sort_keys=True)
+            os.replace(tmp.name, self.path)
+        except OSError as error:
+            warnings.warn(f"grouped-GEMM choice not saved to {self.path}: {error}", stacklevel=2)
+
+    def _read(self) -> dict[str, str]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+
+_DEFAULT_CACHE: ChoiceCache | None = None
+
+
+_MEASURE_LOCK = threading.Lock()  # thread-ranks build their layers at once: one times, the others read
+
+
+def default_choice_cache() -> ChoiceCache:
+    """The process's cache; its file is ``$MOONEP_MOE_CACHE/gemm.json``, per user by default
+    (``$XDG_CACHE_HOME/moonep-moe``, else ``~/.cache/moonep-moe``), none with ``MOONEP_MOE_CACHE=off``."""
+    global _DEFAULT_CACHE
+    if _DEFAULT_CACHE is None:
+        user_cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        folder = os.environ.get("MOONEP_MOE_CACHE", str(Path(user_cache) / "moonep-moe"))
+        _DEFAULT_CACHE = ChoiceCache(None if folder == "off" else Path(folder) / "gemm.json")
+    return _DEFAULT_CACHE
+
+
+def rows_bucket(rows_per_group: int, align: int) -> int:
+    """The rows per group timed for ``rows_per_group``: the next power of two, rounded up to ``align``."""
+    rows = 1 << max(rows_per_group - 1, 0).bit_length()
+    return -(-rows // align) * align
+
+
+MAX_TIMED_GROUPS = 32
+"""Enough groups that a grouped GEMM's scheduling and tails show (8 said little about 256 groups)."""
+
+
+TIMING_BYTES = 6 << 30
+"""Cap on the tensors one timing allocates (``timed_groups``)."""
+
+
+def timed_groups(problem: GemmProblem, cols: int, inner: int, rows: int) -> tuple[int, int]:
+    """The ``(home, slot)`` groups timed for one weight shape: ``min(G, MAX_TIMED_GROUPS)`` in the ratio of
+    ``problem.groups``, fewer where one group's tensors times that count would pass ``TIMING_BYTES`` (bf16
+    rows of x and dy, and at most a bf16 weight or made gradient plus an fp32 gradient per group:
+    ``2 rows (cols + inner) + 6 cols inner`` bytes; DeepSeek-V3's gate_up at 256 rows: 182 MB, so all 32
+    groups); at least one group."""
+    home, slots = problem.groups
+    per_group = 2 * rows * (cols + inner) + 6 * cols * inner
+    timed = max(1, min(home + slots, MAX_TIMED_GROUPS, TIMING_BYTES // per_group))
+    timed_home = min(home, max(1 if home else 0, timed * home // max(home + slots, 1)))
+    return timed_home, timed - timed_home
+
+
+def measure_grouped_gemm(backends: Sequence[GroupedGemm], problem: GemmProblem, context: str, timer: Timer,
+                         cache: ChoiceCache, align: int = 1) -> MeasuredGroupedGemm:
+    """For every primitive and weight shape of ``problem``: the cached winner, or the fastest by ``timer`` of
+    the backends that compute that primitive themselves (then cached).
+
+    Args:
+        backends: the candidates; the first is also the fallback for shapes not measured.
+        context: what else the speed depends on (device name, versions, dtype); part of every cache key,
+            with the primitive, ``cols`` (``n=`` in the key), ``inner`` (``k=``), the timed rows per group,
+            the timed ``(home, slot)`` groups (``groups=h+s``), the candidates' names and, for wgrad,
+            ``problem.grad_dtype`` where it is given and the mode (``fresh`` or ``add``). Keys without
+            ``groups=`` (before wgrad was timed in the layer's mode, on 8 groups) are never read again.
+        timer: ``timer(op, cols, inner, rows_per_group, groups, backends)`` -> seconds each (``cuda_timer``
+            on a GPU).
+        cache: where winners are looked up and stored.
+        align: the segment alignment (``token_padding``); the timed rows per group are a multiple of it.
+    """
+    by_name = {gemm.name: gemm for gemm in backends}
+    rows = rows_bucket(problem.rows_per_group, align)
+    where = str(cache.path) if cache.path is not None else "this process only (MOONEP_MOE_CACHE=off)"
+    chosen, timed = {}, 0
+    with _MEASURE_LOCK:
+        for op, (cols, inner) in itertools.product(OPS, dict.fromkeys(problem.shapes_nk)):
+            rivals = [gemm for gemm in backends if op in gemm.ops]
+            if not rivals:
+                continue
+            names = "/".join(gemm.name for gemm in rivals)
+            groups = timed_groups(problem, cols, inner, rows)
+            key = f"{context}|{op}|n={cols}|k={inner}|rows={rows}|groups={groups[0]}+{groups[1]}|{names}"
+            if op == "wgrad" and problem.grad_dtype is not None:
+                key += f"|grad={str(problem.grad_dtype).removeprefix('torch.')}"
+            if op == "wgrad":
+                key += "|fresh" if problem.fresh_home_grads else "|add"
+            name = cache.get(key) if len(rivals) > 1 else rivals[0].name
+            if name not in by_name:
+                logger.info("grouped_gemm=auto: timing %s %s on [%d, %d] weights, %d + %d groups of %d rows "
+                            "(%s), once: the winner is kept in %s", names, op, cols, inner, *groups, rows,
+                            context, where)
+                start = time.perf_counter()
+                timings = list(zip(timer(op, cols, inner, rows, groups, rivals), names.split("/"),
+                                   strict=True))
+                name = min(timings)[1]
+                logger.info("grouped_gemm=auto: %s %dx%d -> %s (%s; timed in %.1f s)", op, cols, inner, name,
+                            ", ".join(f"{rival} {t * 1e3:.3f} ms" for t, rival in timings),
+                            time.perf_counter() - start)
+                cache.put(key, name)
+                timed += 1
+            chosen[(op, cols, inner)] = by_name[name]
+    gemm = MeasuredGroupedGemm(chosen, fallback=backends[0])
+    logger.info("grouped_gemm=auto (%s, %d rows per group): %s; %d timed, the rest from the cache %s "
+                "(MOONEP_MOE_CACHE=<folder> moves it, =off disables it)", context, rows,
+                gemm.describe(), timed, where)
+    return gemm
+
+
+def choice_context(device_name: str, dtype: torch.dtype) -> str:
+    """What a measured choice depends on besides the problem: the device's name, the torch and Triton
+    versions and the dtype (the first part of every ``ChoiceCache`` key)."""
+    return f"{device_name}|torch {torch.__version__}|triton {triton_version()}|{dtype}".replace("torch.", "")
+
+
+def cuda_timer(device: torch.device, dtype: torch.dtype, grad_dtype: torch.dtype, fresh_home_grads: bool,
+               warmup: int = 2, repeat: int = 5) -> Timer:
+    """A ``Timer`` on synthetic uniform segments of the given rows and groups, random data, the weights as
+    one tensor, wgrad as the layer calls it (``timed_calls``); mean seconds over ``repeat`` calls after
+    ``warmup`` (compilation, autotuning), CUDA events. A backend that raises is reported and counts as
+    infinitely slow."""
+
+    def timer(op: str, cols: int, inner: int, rows: int, groups: tuple[int, int],
+              backends: Sequence[GroupedGemm]) -> list[float]:
+        calls = timed_calls(op, cols, inner, rows, groups, backends, device, dtype, grad_dtype,
+                            fresh_home_grads)
+        return [_cuda_seconds(call, warmup, repeat, f"{gemm.name} {op} {cols}x{inner}")
+                for call, gemm in zip(calls, backends, strict=True)]
+
+    return timer
+
+
+def timed_calls(op: str, cols: int, inner: int, rows: int, groups: tuple[int, int],
+                backends: Sequence[GroupedGemm], device: torch.device, dtype: torch.dtype,
+                grad_dtype: torch.dtype, fresh_home_grads: bool) -> list[Callable[[], object]]:
+    """One call of ``op`` per backend on ``home + slot`` groups of ``rows`` rows each. wgrad runs the way the
+    layer runs it: with ``fresh_home_grads`` the home part None (made by the backend) and the fp32 (or
+    wider) slot gradients overwritten; else adding into home gradients of ``grad_dtype`` and the slot
+    gradients."""
+    home, slots = groups
+    offs_g = torch.arange(1, home + slots + 1, dtype=torch.int32, device=device) * rows
+    x = torch.randn((home + slots) * rows, inner, device=device, dtype=dtype)
+    dy = torch.randn((home + slots) * rows, cols, device=device, dtype=dtype)
+    if op == "wgrad":
+        slot_dtype = torch.promote_types(dtype, torch.float32)
+        slot_grads = torch.zeros(slots, cols, inner, device=device, dtype=slot_dtype)
+        if fresh_home_grads:
+            return [lambda g=gemm: g.wgrad(dy, x, offs_g, (None, slot_grads), accumulate=False)
+                    for gemm in backends]
+        home_grads = torch.zeros(home, cols, inner, device=device, dtype=grad_dtype)
+        return [lambda g=gemm: g.wgrad(dy, x, offs_g, (home_grads, slot_grads), accumulate=True)
+                for gemm in backends]
+    w = torch.randn(home + slots, cols, inner, device=device, dtype=dtype) / inner**0.5
+    a = x if op == "fwd" else dy
+    return [lambda g=gemm: getattr(g, op)(a, (w,), offs_g) for gemm in backends]
+
+
+def _cuda_seconds(call: Callable[[], object], warmup: int, repeat: int, what: str) -> float:
+    try:
+        for _ in range(warmup):
+            call()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeat):
+            call()
+        end.record()
+        end.synchronize()
+    except Exception as error:  # noqa: BLE001 - a candidate that fails here is not chosen
+        warnings.warn(f"grouped-GEMM candidate {what} failed while timed: {error!r}", stacklevel=2)
+        return float("inf")
+    return start.elapsed_time(end) / 1e3 / repeat

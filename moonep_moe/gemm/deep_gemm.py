@@ -1,0 +1,92 @@
+"""DeepGEMM's grouped GEMMs: its bf16 contiguous-layout kernels for fwd and dgrad (wgrad on torch), and
+whether its FP8 GEMM can run (`Fp8GroupedGemm`'s `kernel='deep_gemm'`). Optional: the `[gpu]` extra."""
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from moonep_moe.gemm.base import _cat_groups, _check_groups
+from moonep_moe.gemm.torch_native import TorchGroupedGemm
+
+
+def import_deep_gemm():
+    """`import deep_gemm`, after loading libstdc++ with RTLD_GLOBAL.
+
+    Without that, DeepGEMM's JIT segfaults in `std::regex` on its first call on the H200 image (torch 2.11,
+    the system libstdc++ 6.0.33 already mapped: a symbol-resolution clash, not a missing library). Loading
+    the same libstdc++ again with RTLD_GLOBAL, after torch, fixes it in-process: measured by
+    `python -m bench.deep_gemm_probe`, so users need no LD_PRELOAD.
+    """
+    import ctypes
+    import ctypes.util
+
+    ctypes.CDLL(ctypes.util.find_library("stdc++") or "libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
+    import deep_gemm
+
+    return deep_gemm
+
+
+class DeepGemmGroupedGemm:
+    """DeepGEMM on Hopper: fwd and dgrad through ``m_grouped_bf16_gemm_{nt,nn}_contiguous`` with
+    ``use_psum_layout=True``, which takes the padded segment end offsets (``offs_g``) directly on the device:
+    no host sync. Every segment must start at a multiple of 128 (``token_padding`` a multiple of 128).
+
+    The weight gradient runs on ``torch._grouped_mm``: DeepGEMM's k-grouped wgrad needs the segment sizes as a
+    host list (a device-to-host read per call), which the no-host-sync rule forbids. A weights sequence of
+    several non-empty parts is joined with ``torch.cat`` as in ``TorchGroupedGemm`` (pass one arena tensor to
+    avoid the copy: ``ExpertRows.compute_weights``).
+    """
+
+    name = "deep_gemm"
+    ops = ("fwd", "dgrad")
+    joined_weights = True
+
+    def __init__(self) -> None:
+        self._deep_gemm = import_deep_gemm()
+        self._torch = TorchGroupedGemm()
+
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor, frozen: bool = False) -> Tensor:
+        return self._psum(self._deep_gemm.m_grouped_bf16_gemm_nt_contiguous, x, weights, offs_g, dim=1)
+
+    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        # DeepGEMM's operand b, [G, K, N] in its own letters, is w as stored: [G, cols, inner]
+        nn = self._deep_gemm.m_grouped_bf16_gemm_nn_contiguous
+        return self._psum(nn, dy, weights, offs_g, dim=2)
+
+    @staticmethod
+    def _psum(kernel, a: Tensor, weights: Sequence[Tensor], offs_g: Tensor, dim: int) -> Tensor:
+        """`kernel(a, w, out, offs)` on the psum layout; `out` has `w.shape[dim]` columns."""
+        _check_groups(weights, offs_g, "weights")
+        joined = _cat_groups(weights)
+        out = a.new_empty(a.shape[0], joined.shape[dim])
+        kernel(a, joined, out, offs_g, use_psum_layout=True)
+        return out
+
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
+        return self._torch.wgrad(dy, x, offs_g, out, accumulate)
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype, k: int | None = None,
+                       token_padding: int | None = None) -> str | None:
+    """Why DeepGEMM's bf16 grouped GEMMs cannot run here (device, dtype, alignment, import), or None."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return f"DeepGEMM runs bf16 on CUDA, got {dtype} on {device.type}"
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return "DeepGEMM needs sm90 (Hopper) or newer"
+    if token_padding is None or token_padding % 128:
+        return f"DeepGEMM needs segments aligned to 128 rows (token_padding % 128 == 0), got {token_padding}"
+    try:
+        import_deep_gemm()
+    except ImportError as error:
+        return f"deep_gemm cannot be imported ({error}); install the 'gpu' extra (README, GPU section)"
+    return None
+
+
+def fp8_unsupported_reason(device: torch.device) -> str | None:
+    """Why DeepGEMM's FP8 grouped GEMM cannot run on a CUDA ``device``, or None: sm90 only (the FP8 layer's
+    fp32 scales are DeepGEMM's sm90 layout; sm100 takes UE8M0 scales), bf16 segments of 128 rows."""
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return "the FP8 scales are laid out for DeepGEMM's sm90 kernels"
+    return unsupported_reason(device, torch.bfloat16, None, 128)

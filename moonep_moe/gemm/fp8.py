@@ -1,0 +1,334 @@
+"""FP8 experts, the DeepSeek-V3 recipe: e4m3 values with fp32 scales, one scale per row per 128 columns for
+activations (1x128 tiles) and one per 128x128 block for weights; the reference quantisers (plain torch, any
+device) and `Fp8GroupedGemm`, an FP8 backend behind the grouped-GEMM seam (`moonep_moe.gemm.base`).
+
+Shapes: ``rows x K`` activations (``_mk``), ``[G, N, K]`` weights (``_gnk``: G groups of ``[N, K]``, nn.Linear
+layout); ``ceil(K/128)`` is written ``Kb``.
+
+Scales are powers of two: the smallest ``s = 2^j`` with ``amax / s <= 448`` (amax of the tile or block,
+floored at ``MIN_AMAX``), so ``amax / s`` lies in (224, 448]. Dividing by a power of two is exact, so every
+implementation (torch on any device, the Triton casts compiled or interpreted) gives the same bytes, and the
+quantisation error is e4m3's rounding alone: at most 2^-4 of ``|x|`` (3 mantissa bits, round to nearest) for
+``|x| >= 2^-6 s``, at most ``2^-10 s`` below (e4m3's subnormal step is ``2^-9 s``). Against ``s = amax / 448``
+it gives up at most one binade of range at the bottom; it is also what DeepGEMM needs on sm100 (UE8M0).
+
+What DeepGEMM 2.8.2 takes on sm90 (read from its ``csrc/apis/layout.hpp``, ``csrc/utils/layout.hpp``,
+``csrc/apis/gemm.hpp``), with ``disable_ue8m0_cast=True`` and the default recipe ``(1, 128, 128)``:
+- scales are fp32 and any positive value (powers of two are required only by sm100's UE8M0 packing);
+- activations' scales (SFA) ``[rows, Kb]``: MN-major with ``stride = (1, align(rows, 4))`` (16-byte TMA
+  alignment) go through as they are; any other layout is transposed by a DeepGEMM kernel on every call, so
+  the cast writes this layout (`tma_aligned_rows`, `to_deep_gemm_row_scales`);
+- weights' scales (SFB) ``[G, ceil(N/128), Kb]``: contiguous, or contiguous after transposing the last two
+  dimensions (so the transposed weight's scales are a view, ``scales.transpose(1, 2)``);
+- both FP8 operands K-major: fwd (``x W^T``) takes W ``[G, N, K]`` as stored; dgrad (``dy W``) needs the
+  transposed copy ``W^T [G, K, N]`` contiguous (`transpose_blocks`). A 128x128 block's scale is the same
+  for W and W^T, so the copy is the transposed bytes and needs no second quantisation.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from moonep_moe.fp8.format import (
+    E4M3_MAX,
+    FP8_DTYPE,
+    block_scales_shape,
+    dequantise_blocks,
+    dequantise_rows,
+    pow2_scales,
+    quantise_blocks,
+    quantise_rows,
+    to_deep_gemm_row_scales,
+)
+from moonep_moe.gemm.base import GroupedGemm, _check_groups
+from moonep_moe.gemm.deep_gemm import import_deep_gemm
+from moonep_moe.gemm.reference import ReferenceGroupedGemm
+from moonep_moe.weights.quantised import Fp8Weights
+
+__all__ = [
+    "E4M3_MAX",
+    "FP8_DTYPE",
+    "FP8_KERNELS",
+    "Fp8GroupedGemm",
+    "Fp8WeightCache",
+    "Fp8Weights",
+    "ReferenceFp8Gemm",
+    "dequantise_blocks",
+    "dequantise_rows",
+    "pow2_scales",
+    "quantise_blocks",
+    "quantise_rows",
+    "to_deep_gemm_row_scales",
+]
+
+logger = logging.getLogger(__name__)  # a child of "moonep_moe"
+
+FP8_KERNELS = ("deep_gemm", "triton")
+"""The FP8 grouped GEMMs `Fp8GroupedGemm` runs on (`fp8_kernel` picks one)."""
+
+
+# -- the FP8 backend --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Fp8Copy:
+    """One weights sequence's kept FP8 copy in one orientation, all its parts' groups joined: ``q [G, N, K]``
+    (transposed: ``[G, K, N]``) and ``scales [G, ceil(N/128), Kb]``; ``shapes[i]``: part i's shape;
+    ``stamps[i]``: ``(version, data_ptr)`` of part i when it was last cast (None: not kept)."""
+
+    parts: list[weakref.ref]
+    shapes: list[torch.Size]
+    q: Tensor
+    scales: Tensor
+    stamps: list[tuple[int, int] | None]
+
+    def holds(self, weights: Sequence[Tensor]) -> bool:
+        return len(weights) == len(self.parts) and all(
+            ref() is w and w.shape == shape
+            for ref, w, shape in zip(self.parts, weights, self.shapes, strict=True))
+
+
+def _joined_shape(weights: Sequence[Tensor], transposed: bool) -> tuple[int, int, int]:
+    g, (n, k) = sum(w.shape[0] for w in weights), weights[0].shape[1:]
+    return (g, k, n) if transposed else (g, n, k)
+
+
+def _empty_copy(weights: Sequence[Tensor], transposed: bool) -> tuple[Tensor, Tensor]:
+    """Uninitialised ``(q, scales [G, ceil(N/128), Kb])`` for all ``weights``' groups joined, ``q`` in the
+    orientation asked for."""
+    ref = weights[0]
+    return (ref.new_empty(_joined_shape(weights, transposed), dtype=FP8_DTYPE),
+            ref.new_empty(block_scales_shape(_joined_shape(weights, False)), dtype=torch.float32))
+
+
+def _oriented(q: Tensor, scales: Tensor, transposed: bool) -> tuple[Tensor, Tensor]:
+    """``(q, scales)`` as DeepGEMM takes them: a transposed ``q`` with its scales as a transposed view."""
+    return (q, scales.transpose(1, 2)) if transposed else (q, scales)
+
+
+class Fp8WeightCache:
+    """FP8 copies of grouped bf16 weights, cast by `kernels.fp8_cast.cast_blocks` straight into one joined
+    buffer per call (no ``torch.cat``), in the orientation asked for.
+
+    Training (``keep`` False: a backward follows) casts every call into fresh buffers that die with the
+    GEMM: the optimizer changes the weights every step, so a kept copy would be reused by nothing but
+    micro-batches of one step, and keeping it across forward and backward would cost the layer more memory
+    than its bf16 weights' gradients (``q`` and ``qt`` are each half the weights' bytes; the transposed
+    ``qt`` for dgrad is made in backward only). So the fp8 layer's peak stays below the bf16 layer's; the
+    price is reading each bf16 weight twice a step (forward, backward), about 1.5x the bytes one cast of both
+    orientations would move.
+
+    Inference (``keep``) keeps the forward copy ``q`` of every ``nn.Parameter`` part and casts it
+    again only when its ``._version`` or storage changes (a ``load_state_dict``, any in-place torch op);
+    other parts, the prefetch slots (rewritten by kernels that do not bump ``._version``) and the arena's
+    joined view, are cast on every call into the same joined copy. Writes that bypass the version counter
+    (``param.data.copy_``) are not seen. While a CUDA graph is being captured every part is cast in the call
+    (the replay then casts again: the cache is a host-side decision a replay cannot make).
+
+    Micro-batches (``fixed``, set by `moonep_moe.fixed_expert_weights` while its caller promises the
+    weights do not change): both orientations of the parameters are kept as in inference, so gradient
+    accumulation casts them once per optimizer step instead of once per micro-batch, at the memory of both
+    copies (the bf16 weights' bytes) until `release`.
+    """
+
+    def __init__(self) -> None:
+        from moonep_moe.fp8 import cast as fp8_cast
+
+        self._kernels = fp8_cast
+        self._copies: dict[bool, WeakIdKeyDictionary] = {False: WeakIdKeyDictionary(),
+                                                         True: WeakIdKeyDictionary()}
+        self.fixed = 0
+        """Nesting depth of `moonep_moe.fixed_expert_weights` blocks: while > 0 every call keeps."""
+
+    def get(self, weights: Sequence[Tensor], transposed: bool, keep: bool) -> tuple[Tensor, Tensor]:
+        """``(q [G, N, K], scales [G, ceil(N/128), Kb])`` of ``weights`` (parts ``[g_i, N, K]`` whose groups
+        concatenate to G), or with ``transposed`` ``(qt [G, K, N], scales^T [G, Kb, ceil(N/128)])``.
+        ``keep``: inference (the caller's ``frozen``), where the forward copy of the parameters is kept; in a
+        ``fixed`` block both orientations are."""
+        capturing = weights[0].is_cuda and torch.cuda.is_current_stream_capturing()
+        keep = self.fixed > 0 or (keep and not transposed)
+        kept = [keep and not capturing and isinstance(w, nn.Parameter) for w in weights]
+        if not any(kept):
+            return self._cast(weights, transposed)
+        copies = self._copies[transposed]
+        copy = copies.get(weights[0])
+        if copy is None or not copy.holds(weights):
+            parts, shapes = [weakref.ref(w) for w in weights], [w.shape for w in weights]
+            copy = copies[weights[0]] = _Fp8Copy(parts, shapes, *_empty_copy(weights, transposed),
+                                                 [None] * len(weights))
+        start = 0
+        for i, (part, keep) in enumerate(zip(weights, kept, strict=True)):
+            stop = start + part.shape[0]
+            stamp = (part._version, part.data_ptr()) if keep else None
+            if stamp is None or stamp != copy.stamps[i]:
+                self._cast_part(part, copy.scales[start:stop], copy.q[start:stop], transposed)
+                copy.stamps[i] = stamp
+            start = stop
+        return _oriented(copy.q, copy.scales, transposed)
+
+    def release(self) -> None:
+        """Drop every kept copy (the next call casts again)."""
+        for copies in self._copies.values():
+            copies.clear()
+
+    def _cast(self, weights: Sequence[Tensor], transposed: bool) -> tuple[Tensor, Tensor]:
+        """Every part cast into fresh joined buffers, one orientation."""
+        out, scales = _empty_copy(weights, transposed)
+        start = 0
+        for part in weights:
+            stop = start + part.shape[0]
+            self._cast_part(part, scales[start:stop], out[start:stop], transposed)
+            start = stop
+        return _oriented(out, scales, transposed)
+
+    def _cast_part(self, part: Tensor, scales: Tensor, out: Tensor, transposed: bool) -> None:
+        self._kernels.cast_blocks(part, scales, None if transposed else out, out if transposed else None)
+
+
+class Fp8GroupedGemm:
+    """FP8 fwd and dgrad on the segments' padded ends ``offs_g`` (read on the device, no host sync), taking
+    bf16 activations and bf16 master weights as the other backends do and casting inside: the activations on
+    every call (`kernels.fp8_cast.cast_rows`, one pass, rows past ``offs_g[-1]`` skipped), the weights through
+    `Fp8WeightCache` (on every call while training, kept per parameter version in inference). Outputs are
+    bf16. dgrad multiplies by the K-major transposed FP8 copy of each weight (sm90 takes FP8 operand B only
+    K-major).
+
+    ``kernel`` (`FP8_KERNELS`, chosen by `fp8_kernel`): "deep_gemm", DeepGEMM's
+    ``m_grouped_fp8_gemm_nt_contiguous`` on the psum layout (sm90 only: fp32 scales); or "triton", the
+    package's Triton FP8 grouped GEMM (`kernels.fp8_gemm`: the same operands and scales, any GPU with FP8
+    tensor cores), where DeepGEMM is not installed or the GPU is not sm90.
+
+    The weight gradient stays in bf16 on ``wgrad`` (the backend ``grouped_gemm`` selects): DeepGEMM's sm90
+    k-grouped FP8 wgrad takes the segment sizes as a host list (a device-to-host read per call, which the
+    no-host-sync rule forbids), and a Triton FP8 wgrad, measured on the H200, was slower than the bf16 one
+    and was removed (README, "Precision: bf16 or fp8"). Cost: wgrad is a third of the expert block's GEMM
+    FLOPs and runs at the bf16 rate, so at 1.6x on fwd and dgrad the GEMM time is at best
+    ``(2 / 1.6 + 1) / 3 = 0.75`` of bf16's (1.33x).
+
+    Experts kept FP8 (`MoEConfig.expert_weights="fp8"`) come to ``fwd`` as `Fp8Weights`: multiplied as they
+    are (joined into one tensor only where they come in parts), no cast, no bf16 copy; such a layer has no
+    weight gradients (``wgrad=None``).
+
+    Needs CUDA with FP8 tensor cores, bf16 and segments starting at multiples of 128
+    (`fp8_unsupported_reason`).
+    """
+
+    ops = ("fwd", "dgrad")
+    joined_weights = False  # the home parameters themselves, so inference keeps their FP8 copies per version
+
+    def __init__(self, wgrad: GroupedGemm | None, kernel: str = "deep_gemm") -> None:
+        from moonep_moe.fp8.cast import cast_rows, dequantise_rows
+
+        if kernel == "deep_gemm":
+            self._kernel = functools.partial(import_deep_gemm().m_grouped_fp8_gemm_nt_contiguous,
+                                             disable_ue8m0_cast=True, use_psum_layout=True)
+        elif kernel == "triton":
+            from moonep_moe.gemm.kernels.fp8_gemm import grouped_fp8_gemm
+
+            self._kernel = grouped_fp8_gemm
+        else:
+            raise ValueError(f"kernel must be one of {FP8_KERNELS}, got {kernel!r}")
+        self.kernel = kernel
+        self.name = "fp8" if kernel == "deep_gemm" else f"fp8_{kernel}"
+        self._cast_rows, self._dequantise_rows = cast_rows, dequantise_rows
+        self._wgrad = wgrad
+        self.weights = Fp8WeightCache()
+
+    def quantise_rows(self, x_sh: Tensor) -> tuple[Tensor, Tensor]:
+        """Tokens ``x [s, H]`` -> ``(q [s, H] e4m3, scales [s, ceil(H/128)] fp32)``, every row cast on the
+        device: what a layer dispatches as FP8 (`MoEConfig.fp8_dispatch`) and then gives ``fwd`` as it
+        arrives."""
+        ends = torch.full((1,), x_sh.shape[0], dtype=torch.int32, device=x_sh.device)
+        return self._cast_rows(x_sh, ends)
+
+    def dequantise_rows(self, q_mk: Tensor, scales_mk: Tensor, offs_g: Tensor, dtype: torch.dtype) -> Tensor:
+        """FP8 rows ``(q [rows, K], scales)`` as `fwd` took them -> ``q * scale`` in ``dtype``, exactly, in
+        one pass on the device (rows past ``offs_g[-1]`` unspecified): the rows gate_up's weight gradient
+        multiplies under `MoEConfig.fp8_dispatch`."""
+        return self._dequantise_rows(q_mk, scales_mk, offs_g, dtype)
+
+    def fwd(self, x: Tensor | tuple[Tensor, Tensor], weights: Sequence[Tensor] | Fp8Weights, offs_g: Tensor,
+            frozen: bool = False) -> Tensor:
+        """``x``: bf16 rows (cast here), or rows already FP8 as ``(q, scales)`` (`quantise_rows`' layout,
+        e.g. as a dispatch returns them)."""
+        if isinstance(weights, Fp8Weights):
+            _check_groups(weights.q, offs_g, "weights")
+            return self._gemm(x, *weights.joined(), offs_g)
+        _check_groups(weights, offs_g, "weights")
+        return self._gemm(x, *self.weights.get(weights, transposed=False, keep=frozen), offs_g)
+
+    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        _check_groups(weights, offs_g, "weights")
+        return self._gemm(dy, *self.weights.get(weights, transposed=True, keep=False), offs_g)
+
+    def _gemm(self, a: Tensor | tuple[Tensor, Tensor], q_w: Tensor, scales_w: Tensor,
+              offs_g: Tensor) -> Tensor:
+        """``a [rows, k] @ w^T`` per segment into bf16, ``a`` bf16 or already FP8 ``(q, scales)``, ``w`` the
+        FP8 ``q_w [G, n, k]`` with its block scales."""
+        if isinstance(a, tuple):
+            q_a, scales_a = a
+            if self.kernel == "deep_gemm":  # its sm90 SFA layout (else it transposes them on every call)
+                scales_a = to_deep_gemm_row_scales(scales_a)
+        else:
+            q_a, scales_a = self._cast_rows(a, offs_g)
+        out = torch.empty(q_a.shape[0], q_w.shape[1], dtype=torch.bfloat16, device=q_a.device)
+        self._kernel((q_a, scales_a), (q_w, scales_w), out, offs_g)
+        return out
+
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
+        if self._wgrad is None:
+            raise ValueError(FORWARD_ONLY)
+        return self._wgrad.wgrad(dy, x, offs_g, out, accumulate)
+
+
+FORWARD_ONLY = "experts kept FP8 (expert_weights='fp8') run forward only: no master weights to train"
+
+
+class ReferenceFp8Gemm:
+    """Experts kept FP8 (`Fp8Weights`) on any device, for tests and CPUs: each weight dequantised exactly
+    (``q * scale`` per 128x128 block in fp32: with power-of-two scales the products are exact) and multiplied
+    by the activations as given, per segment, in fp32 (`ReferenceGroupedGemm`: it reads ``offs_g`` on the
+    host, and holds a transient fp32 copy of the weights). The activations are not cast to FP8: this is
+    each expert's checkpoint value applied to the layer's activations, equal to the bf16 masters' GEMM on
+    the dequantised weights; the FP8 GEMMs' path (`Fp8GroupedGemm`) also rounds the activations to e4m3 per
+    1x128 tile. Forward only (`FORWARD_ONLY`)."""
+
+    name = "reference_fp8"
+    ops = ("fwd",)
+    joined_weights = True
+
+    def quantise_rows(self, x_sh: Tensor) -> tuple[Tensor, Tensor]:
+        """As `Fp8GroupedGemm.quantise_rows`, with the reference cast (any device)."""
+        return quantise_rows(x_sh)
+
+    def dequantise_rows(self, q_mk: Tensor, scales_mk: Tensor, offs_g: Tensor, dtype: torch.dtype) -> Tensor:
+        """As `Fp8GroupedGemm.dequantise_rows`, with the reference (every row, any device)."""
+        return dequantise_rows(q_mk, scales_mk, dtype)
+
+    def fwd(self, x: Tensor | tuple[Tensor, Tensor], weights: Fp8Weights, offs_g: Tensor,
+            frozen: bool = False) -> Tensor:
+        """``x``: rows as given, or FP8 ``(q, scales)`` rows, dequantised exactly into bf16 (the layer's
+        dtype with FP8 experts) first."""
+        if isinstance(x, tuple):
+            x = dequantise_rows(*x, torch.bfloat16)
+        dequantised = [dequantise_blocks(q, scales, torch.float32)
+                       for q, scales in zip(weights.q, weights.scales, strict=True)]
+        return ReferenceGroupedGemm().fwd(x, dequantised, offs_g)
+
+    def dgrad(self, dy: Tensor, weights: Fp8Weights, offs_g: Tensor) -> Tensor:
+        raise ValueError(FORWARD_ONLY)
+
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
+        raise ValueError(FORWARD_ONLY)
+
+

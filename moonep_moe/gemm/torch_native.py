@@ -1,0 +1,78 @@
+"""The torch grouped GEMM: `torch._grouped_mm` (CUTLASS on CUDA) for fwd, dgrad and wgrad."""
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from moonep_moe.gemm.base import OPS, _cat_groups, _check_groups, _fresh_groups, _store_groups
+
+
+class TorchGroupedGemm:
+    """``torch._grouped_mm``: no host sync, reads ``offs_g`` on the device.
+
+    fwd and dgrad are 2D x 3D calls with ``offs``; wgrad is a 2D x 2D call giving ``[G, cols, inner]``, which
+    is added into the fp32 gradients. ``torch._grouped_mm`` insists that its output dtype equals its input
+    dtype, so for bf16 each wgrad product is rounded to bf16 before that fp32 add.
+
+    A wgrad whose first part is to be made (None: the home experts' gradients, "param" mode) gets
+    ``torch._grouped_mm(dy^T, x, offs=offs_g[:n])`` itself: rows past the n-th group's end are ignored, so
+    that call computes exactly the first n groups, and its output is the gradient (no copy). The later
+    groups (prefetch slots, B > 0) start at a row known only on the device, which ``torch._grouped_mm``
+    cannot skip to: on CUDA they go to the Triton wgrad (`moonep_moe.gemm.kernels.wgrad`, which starts at
+    any group, written straight into the fp32 slot gradients); elsewhere a call over all G groups gives
+    them, which computes the first n groups a second time and holds a ``[G, cols, inner]`` temporary.
+
+    Known cost: a weights sequence of more than one tensor (home experts + slots) is joined with
+    ``torch.cat`` on every call, a copy of the weights; a later issue removes it.
+
+    Limits (torch 2.13, found by experiment; ``select_grouped_gemm`` checks them): float32, bfloat16 and
+    float16 on CPU, bfloat16 on CUDA; every operand's row stride (inner and cols) must be a multiple of 16
+    bytes.
+    """
+
+    name = "torch"
+    ops = OPS
+    joined_weights = True
+
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor, frozen: bool = False) -> Tensor:
+        _check_groups(weights, offs_g, "weights")
+        return torch._grouped_mm(x, _cat_groups(weights).transpose(-2, -1), offs=offs_g)
+
+    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        _check_groups(weights, offs_g, "weights")
+        return torch._grouped_mm(dy, _cat_groups(weights), offs=offs_g)
+
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
+        fresh = _fresh_groups(out, offs_g, accumulate)
+        if out[0] is not None:
+            _store_groups(torch._grouped_mm(dy.T, x, offs=offs_g), out, accumulate)
+            return list(out)
+        made = torch._grouped_mm(dy.T, x, offs=offs_g[:fresh])  # [fresh, cols, inner], the rest ignored
+        later = out[1:]
+        if any(part.shape[0] for part in later):
+            if dy.is_cuda:
+                from moonep_moe.gemm.kernels.wgrad import grouped_wgrad_triton
+
+                grouped_wgrad_triton(dy, x, offs_g, later, accumulate=False, first_group=fresh)
+            else:
+                _store_groups(torch._grouped_mm(dy.T, x, offs=offs_g)[fresh:], later, accumulate=False)
+        return [made, *later]
+
+
+_TORCH_DTYPES = {
+    "cpu": (torch.float32, torch.bfloat16, torch.float16),
+    "cuda": (torch.bfloat16,),
+}
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype, k: int | None = None,
+                       token_padding: int | None = None) -> str | None:
+    """Why ``torch._grouped_mm`` cannot run this case, or None when it can."""
+    dtypes = _TORCH_DTYPES.get(device.type, ())
+    if dtype not in dtypes:
+        return f"torch._grouped_mm on {device.type} supports {[str(d) for d in dtypes]}, got {dtype}"
+    if k is not None and k * dtype.itemsize % 16:
+        return f"row strides must be multiples of 16 bytes; k={k} of {dtype} is {k * dtype.itemsize} bytes"
+    return None

@@ -1,0 +1,74 @@
+"""Balance policies: how far the planner replicates hot experts, each a class in one registry.
+
+The planner itself takes one int, `replica_cost` c (in routes: the GEMM routes whose time equals one expert's
+weight transfer), so that the same fixed-shape code (torch and Triton) serves every policy:
+
+- `Exact` (c = 0, the default and training's): every rank computes `T // R` or `T // R + 1` routes for any
+  routing when B >= epn, replicating hot experts however few routes they take.
+- `CostAware` (c from the link and the GEMM rate, serving): a move pays only if it takes more than c routes
+  off its donor, and the plan falls back to plain EP unless the modelled hottest rank gets faster.
+- `Off` (c = `NO_REPLICATION`): plain EP, every route on its home rank.
+
+A new policy is one class with a `name` and a `replica_cost`, plus one entry in `BALANCE_POLICIES`;
+`MoEConfig.balance` takes its choices from that table.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+NO_REPLICATION = 2**31 - 1
+"""`replica_cost` of `balance='off'`: no move pays (a move takes fewer routes than the group's total, which
+the int32 plan fields keep below 2^31), so the plan is plain EP."""
+
+
+def replica_cost_routes(dtype_bytes: int, link_bytes_per_s: float, gemm_flops_per_s: float) -> int:
+    """c for `balance='cost_aware'`: GEMM routes whose time equals one expert's weight transfer (ceil, >= 1).
+
+    Moving expert e takes `W_e / BW` with `W_e = 3 * H * H' * dtype_bytes` (gate, up, down); computing one
+    of its routes takes `2 * 3 * H * H' / rate` (forward). H * H' cancels: `c = dtype_bytes * rate / (2 *
+    BW)`, a function of the dtype, the link bandwidth and the GEMM rate only. Forward only (serving): in
+    training backward prefetches again and reduce_grad moves fp32 gradients, while the routes cost 3x the
+    FLOPs, so the break-even is `(2 * dtype_bytes + 4) / (3 * dtype_bytes)` times higher (4/3 for bf16).
+    """
+    return max(1, math.ceil(dtype_bytes * gemm_flops_per_s / (2 * link_bytes_per_s)))
+
+
+class BalancePolicy:
+    """One replication policy: its config name and the planner's `replica_cost` for a layer."""
+
+    name: ClassVar[str]
+    exact: ClassVar[bool] = False
+    """Whether the balance invariant holds (rows sized for S*K routes); else best effort (R*S*K)."""
+
+    def replica_cost(self, dtype_bytes: int, link_bytes_per_s: float, gemm_flops_per_s: float) -> int:
+        """c for a layer whose weights have `dtype_bytes` per element, on this link and GEMM rate."""
+        raise NotImplementedError
+
+
+class Exact(BalancePolicy):
+    name = "exact"
+    exact = True
+
+    def replica_cost(self, dtype_bytes: int, link_bytes_per_s: float, gemm_flops_per_s: float) -> int:
+        return 0
+
+
+class CostAware(BalancePolicy):
+    name = "cost_aware"
+
+    def replica_cost(self, dtype_bytes: int, link_bytes_per_s: float, gemm_flops_per_s: float) -> int:
+        return replica_cost_routes(dtype_bytes, link_bytes_per_s, gemm_flops_per_s)
+
+
+class Off(BalancePolicy):
+    name = "off"
+
+    def replica_cost(self, dtype_bytes: int, link_bytes_per_s: float, gemm_flops_per_s: float) -> int:
+        return NO_REPLICATION
+
+
+BALANCE_POLICIES: dict[str, BalancePolicy] = {policy.name: policy for policy in (Exact(), CostAware(), Off())}
+"""Every balance policy by its config name (`MoEConfig.balance`); the first is the default."""
+BALANCE_NAMES = tuple(BALANCE_POLICIES)
