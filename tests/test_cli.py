@@ -137,6 +137,14 @@ def demo_run(tmp_path_factory) -> tuple[Path, str, str, str]:
 
 
 @pytest.mark.slow
+def test_demo_writes_its_plot_into_an_output_folder(demo_run):
+    folder, out, _, _ = demo_run
+    assert sorted(p.name for p in folder.iterdir()) == ["moonep-out"]
+    assert (folder / "moonep-out" / "moonep-demo.png").stat().st_size > 0
+    assert out.splitlines()[-1].startswith("plot: moonep-out/moonep-demo.png   time: ")
+
+
+@pytest.mark.slow
 def test_demo_table_is_intact_with_the_progress_bar_on_the_same_terminal(demo_run):
     """stdout is the header, the table (column titles, rule, one row per skew level) and the summary, line
     after line; the bar is drawn on stderr and cleared before the table prints, so a terminal showing both
@@ -187,13 +195,15 @@ ERRORS = {
 
 
 @pytest.mark.parametrize("case", ERRORS)
-def test_user_errors_are_one_line_with_status_2_before_any_work(case, tmp_path, no_work, capsys):
+def test_user_errors_are_one_line_with_status_2_before_any_work(case, tmp_path, no_work, monkeypatch, capsys):
     argv, message = ERRORS[case]
     bad_yaml(tmp_path)
     if argv[0] == "train":
         pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
     assert main([a.format(tmp=tmp_path) for a in argv]) == 2
     assert message in error_line(capsys)
+    assert not (tmp_path / "moonep-out").exists()  # nor is the demo's default output folder made
 
 
 @needs_hf
