@@ -151,9 +151,11 @@ def run_demo(cfg: MoEConfig, seed: int = 0, targets: tuple[float, ...] = SKEW_TA
     the same results: loads come from the global plan, the error is the group's maximum)."""
     results = []
     quiet = world is not None and world.rank > 0
-    # The bar goes to stderr and is cleared when the sweep ends (or fails), so that the table printed next
-    # on stdout reads intact where both streams share a terminal.
-    with tqdm(targets, desc="skew levels", unit="level", disable=quiet, file=sys.stderr, leave=False) as bar:
+    # The bar goes to stderr, only where that is a terminal (None: tqdm asks), and is cleared when the sweep
+    # ends (or fails), so that the table printed next on stdout reads intact where both share a terminal.
+    bar = tqdm(targets, desc="skew levels", unit="level", disable=True if quiet else None, file=sys.stderr,
+               leave=False)
+    with bar:
         for target in bar:
             model = make_model(cfg, find_sigma(cfg, target, seed), seed)
             got = run_layer(cfg, model, world)

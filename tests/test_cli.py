@@ -98,8 +98,8 @@ def test_train_finds_packaged_configs_outside_the_repo(config, tmp_path, monkeyp
 
 
 class Stream(io.StringIO):
-    """One of the demo's streams, which also copies all it is written to `screen`, as a terminal that
-    shows both stdout and stderr gets them."""
+    """One of the demo's streams on a terminal: it also copies all it is written to `screen`, as a
+    terminal showing both stdout and stderr gets them."""
 
     def __init__(self, screen: io.StringIO):
         super().__init__()
@@ -108,6 +108,9 @@ class Stream(io.StringIO):
     def write(self, text: str) -> int:
         self.screen.write(text)
         return super().write(text)
+
+    def isatty(self) -> bool:
+        return True
 
 
 def shown(text: str) -> list[str]:
@@ -123,8 +126,8 @@ def shown(text: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory) -> tuple[Path, str, str, str]:
-    """`moonep-moe demo` run once with its defaults in an empty folder: the folder, stdout, stderr, and both
-    streams in the order they were written."""
+    """`moonep-moe demo` run once with its defaults in an empty folder, both streams on a terminal: the
+    folder, stdout, stderr, and both streams in the order they were written."""
     folder = tmp_path_factory.mktemp("demo")
     screen = io.StringIO()
     out, err = Stream(screen), Stream(screen)
@@ -160,6 +163,12 @@ def test_demo_table_is_intact_with_the_progress_bar_on_the_same_terminal(demo_ru
     assert lines[4 + len(rows):] == [lines[-1]] and lines[-1].startswith("plot: ")
     assert "skew levels: 100%" in err
     assert shown(screen) == shown(out)
+
+
+def test_demo_draws_no_bar_into_a_log(capsys):
+    """Where stderr is not a terminal (a CI log, a file), the sweep writes nothing to it."""
+    moonep_moe.demo.run_demo(moonep_moe.load_config("tiny-cpu"), targets=(0.0,))
+    assert capsys.readouterr().err == ""
 
 
 # --- user errors: one line, exit status 2, before any work ---------------------------------------------
