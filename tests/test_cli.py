@@ -4,7 +4,9 @@ keeping the checkpoint's global batch at any EP size."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 import subprocess
 import sys
@@ -92,6 +94,83 @@ def test_train_finds_packaged_configs_outside_the_repo(config, tmp_path, monkeyp
     assert capsys.readouterr().out.startswith("moonep-moe train: config tiny-transformer, ")
 
 
+# --- the demo's output -----------------------------------------------------------------------------------
+
+
+class Stream(io.StringIO):
+    """One of the demo's streams on a terminal: it also copies all it is written to `screen`, as a
+    terminal showing both stdout and stderr gets them."""
+
+    def __init__(self, screen: io.StringIO):
+        super().__init__()
+        self.screen = screen
+
+    def write(self, text: str) -> int:
+        self.screen.write(text)
+        return super().write(text)
+
+    def isatty(self) -> bool:
+        return True
+
+
+def shown(text: str) -> list[str]:
+    """`text`'s lines as a terminal leaves them: each carriage return writes over the line from its start."""
+    lines = []
+    for line in text.split("\n"):
+        screen = ""
+        for part in line.split("\r"):
+            screen = part + screen[len(part):]
+        lines.append(screen.rstrip())
+    return lines
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> tuple[Path, str, str, str]:
+    """`moonep-moe demo` run once with its defaults in an empty folder, both streams on a terminal: the
+    folder, stdout, stderr, and both streams in the order they were written."""
+    folder = tmp_path_factory.mktemp("demo")
+    screen = io.StringIO()
+    out, err = Stream(screen), Stream(screen)
+    with (pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out),
+          contextlib.redirect_stderr(err)):
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        patch.chdir(folder)
+        assert main(["demo"]) == 0
+    return folder, out.getvalue(), err.getvalue(), screen.getvalue()
+
+
+@pytest.mark.slow
+def test_demo_writes_its_plot_into_an_output_folder(demo_run):
+    folder, out, _, _ = demo_run
+    assert sorted(p.name for p in folder.iterdir()) == ["moonep-out"]
+    assert (folder / "moonep-out" / "moonep-demo.png").stat().st_size > 0
+    assert out.splitlines()[-1].startswith("plot: moonep-out/moonep-demo.png   time: ")
+
+
+@pytest.mark.slow
+def test_demo_table_is_intact_with_the_progress_bar_on_the_same_terminal(demo_run):
+    """stdout is the header, the table (column titles, rule, one row per skew level) and the summary, line
+    after line; the bar is drawn on stderr and cleared before the table prints, so a terminal showing both
+    streams shows exactly stdout's lines."""
+    _, out, err, screen = demo_run
+    lines = out.splitlines()
+    assert "\r" not in out and "skew levels" not in out
+    assert lines[0].startswith("moonep-moe demo: config tiny-cpu, ")
+    assert lines[1].startswith("target maxvio (got) |") and set(lines[2]) == {"-"}
+    rows = lines[3:3 + len(moonep_moe.demo.SKEW_TARGETS)]
+    assert [float(row.split()[0]) for row in rows] == list(moonep_moe.demo.SKEW_TARGETS)
+    assert lines[3 + len(rows)].startswith("outputs and gradients vs the dense float64 reference: ")
+    assert lines[4 + len(rows):] == [lines[-1]] and lines[-1].startswith("plot: ")
+    assert "skew levels: 100%" in err
+    assert shown(screen) == shown(out)
+
+
+def test_demo_draws_no_bar_into_a_log(capsys):
+    """Where stderr is not a terminal (a CI log, a file), the sweep writes nothing to it."""
+    moonep_moe.demo.run_demo(moonep_moe.load_config("tiny-cpu"), targets=(0.0,))
+    assert capsys.readouterr().err == ""
+
+
 # --- user errors: one line, exit status 2, before any work ---------------------------------------------
 
 
@@ -125,13 +204,15 @@ ERRORS = {
 
 
 @pytest.mark.parametrize("case", ERRORS)
-def test_user_errors_are_one_line_with_status_2_before_any_work(case, tmp_path, no_work, capsys):
+def test_user_errors_are_one_line_with_status_2_before_any_work(case, tmp_path, no_work, monkeypatch, capsys):
     argv, message = ERRORS[case]
     bad_yaml(tmp_path)
     if argv[0] == "train":
         pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
     assert main([a.format(tmp=tmp_path) for a in argv]) == 2
     assert message in error_line(capsys)
+    assert not (tmp_path / "moonep-out").exists()  # nor is the demo's default output folder made
 
 
 @needs_hf

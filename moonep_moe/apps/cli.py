@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from moonep_moe.apps.train import TrainConfig
 
 
+DEFAULT_PLOT = Path("moonep-out") / "moonep-demo.png"
+"""`demo`'s plot without `--out`, relative to the current folder; its folder is made if missing."""
+
+
 class UsageError(Exception):
     """An error of the user's making found by the command: printed as one line, exit status 2."""
 
@@ -127,7 +131,6 @@ def with_precision(cfg: TrainConfig, precision: str, device: str, config: str) -
 def demo(args: argparse.Namespace) -> int:
     from moonep_moe.apps.demo import TOLERANCE, format_table, plot, run_demo
 
-    check_plot_path(args.out)
     torch.set_num_threads(1)  # the thread-ranks are the parallelism; nested OpenMP would oversubscribe
     overrides = {"ep_size": args.ranks} if args.ranks else {}
     given = f" --ranks {args.ranks}" if args.ranks else ""
@@ -145,6 +148,10 @@ def demo(args: argparse.Namespace) -> int:
     lead = world is None or world.rank == 0
     print = builtins.print if lead else lambda *_, **__: None  # only rank 0 reports
     cfg = load(load_config, args.config, overrides, given)
+    if args.out is None:  # made only now that the config is valid; a given --out's folder must exist
+        args.out = str(DEFAULT_PLOT)
+        DEFAULT_PLOT.parent.mkdir(exist_ok=True)
+    check_plot_path(args.out)
     print(f"moonep-moe demo: config {args.config}, {cfg.ep_size} EP ranks as {ranks_as}, "
           f"S={cfg.max_tokens_per_rank} tokens/rank, H={cfg.hidden_size}, H'={cfg.ffn_hidden_size}, "
           f"E={cfg.num_experts}, K={cfg.top_k}, B={cfg.prefetch_slots} slots/rank, {cfg.dtype}")
@@ -289,7 +296,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="tiny-cpu", help="packaged layer config name or YAML path (tiny-cpu)")
     p.add_argument("--ranks", type=positive_int, help="EP ranks (threads); default: the config's")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="moonep-demo.png", help="where to write the plot (its folder must exist)")
+    p.add_argument("--out", help=f"where to write the plot (its folder must exist); default: {DEFAULT_PLOT} "
+                                 "in the current folder, made if missing")
     p.add_argument("--world", choices=["threads", "collective"], default="threads",
                    help="threads: R ranks in this process; collective: one rank per process under "
                         "torchrun (gloo on the CPU, NCCL on GPUs): torchrun --nproc-per-node 4 -m "

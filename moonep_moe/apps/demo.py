@@ -15,6 +15,7 @@ It prints a table and writes a PNG of per-rank load against skew.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -151,14 +152,19 @@ def run_demo(cfg: MoEConfig, seed: int = 0, targets: tuple[float, ...] = SKEW_TA
     the same results: loads come from the global plan, the error is the group's maximum)."""
     results = []
     quiet = world is not None and world.rank > 0
-    for target in tqdm(targets, desc="skew levels", unit="level", disable=quiet):
-        model = make_model(cfg, find_sigma(cfg, target, seed), seed)
-        got = run_layer(cfg, model, world)
-        error = max_error(cfg, model, got, None if world is None else [world.rank])
-        if world is not None:
-            error = float(world.all_gather(torch.tensor(error, device=world.device)).max())
-        results.append(SkewResult(target, measure_maxvio(cfg, model), got[0]["rank_load"].tolist(),
-                                  got[0]["ep_rank_load"].tolist(), got[0]["slots_used"].tolist(), error))
+    # The bar goes to stderr, only where that is a terminal (None: tqdm asks), and is cleared when the sweep
+    # ends (or fails), so that the table printed next on stdout reads intact where both share a terminal.
+    bar = tqdm(targets, desc="skew levels", unit="level", disable=True if quiet else None, file=sys.stderr,
+               leave=False)
+    with bar:
+        for target in bar:
+            model = make_model(cfg, find_sigma(cfg, target, seed), seed)
+            got = run_layer(cfg, model, world)
+            error = max_error(cfg, model, got, None if world is None else [world.rank])
+            if world is not None:
+                error = float(world.all_gather(torch.tensor(error, device=world.device)).max())
+            results.append(SkewResult(target, measure_maxvio(cfg, model), got[0]["rank_load"].tolist(),
+                                      got[0]["ep_rank_load"].tolist(), got[0]["slots_used"].tolist(), error))
     return results
 
 
