@@ -157,8 +157,8 @@ def test_demo_table_is_intact_with_the_progress_bar_on_the_same_terminal(demo_ru
     assert "\r" not in out and "skew levels" not in out
     assert lines[0].startswith("moonep-moe demo: config tiny-cpu, ")
     assert lines[1].startswith("target maxvio (got) |") and set(lines[2]) == {"-"}
-    rows = lines[3:3 + len(moonep_moe.demo.SKEW_TARGETS)]
-    assert [float(row.split()[0]) for row in rows] == list(moonep_moe.demo.SKEW_TARGETS)
+    rows = lines[3:3 + len(moonep_moe.apps.demo.SKEW_TARGETS)]
+    assert [float(row.split()[0]) for row in rows] == list(moonep_moe.apps.demo.SKEW_TARGETS)
     assert lines[3 + len(rows)].startswith("outputs and gradients vs the dense float64 reference: ")
     assert lines[4 + len(rows):] == [lines[-1]] and lines[-1].startswith("plot: ")
     assert "skew levels: 100%" in err
@@ -167,7 +167,7 @@ def test_demo_table_is_intact_with_the_progress_bar_on_the_same_terminal(demo_ru
 
 def test_demo_draws_no_bar_into_a_log(capsys):
     """Where stderr is not a terminal (a CI log, a file), the sweep writes nothing to it."""
-    moonep_moe.demo.run_demo(moonep_moe.load_config("tiny-cpu"), targets=(0.0,))
+    moonep_moe.apps.demo.run_demo(moonep_moe.load_config("tiny-cpu"), targets=(0.0,))
     assert capsys.readouterr().err == ""
 
 
