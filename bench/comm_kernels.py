@@ -1,6 +1,6 @@
 """Where one rank's serving communication goes, kernel by kernel: the device time of every kernel of one
-R = 1 `MoECommunicator.dispatch` + `combine(..., out=)` for s = 1, 2, 4, ... S tokens (issue 14's 40 us
-bound is spent on these).
+R = 1 `MoECommunicator.dispatch` + `combine(..., out=)` for s = 1, 2, 4, ... S tokens (the serving
+target's 40 us bound is spent on these).
 
 Per token count: the step (dispatch + combine of a static expert-output tensor, as `bench.serving`'s comm
 graph) is captured in a CUDA graph; its replay is timed with CUDA events (median of `--reps`), then

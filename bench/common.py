@@ -106,7 +106,7 @@ def format_check(result: dict) -> str:
 
 
 MODELS = ("deepseek-v3", "kimi-k2", "qwen3-moe-30b-a3b", "mixtral-8x7b")
-"""The models of issue 13's tables, each a packaged layer config (`moonep_moe/configs/<name>.yaml`)."""
+"""The models of bench.layer's tables, each a packaged layer config (`moonep_moe/configs/<name>.yaml`)."""
 
 
 def model_shape(name: str) -> dict[str, int]:

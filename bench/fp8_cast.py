@@ -1,4 +1,4 @@
-"""The FP8 cast kernels alone, against the run's device copy bandwidth (issue 16: what a training step pays
+"""The FP8 cast kernels alone, against the run's device copy bandwidth (what an FP8 training step pays
 to cast, and which warp count the kernels should use).
 
     python -m bench.fp8_cast                          # DeepSeek-V3 and Kimi-K2 experts, 64 groups (one EP=8

@@ -1,5 +1,5 @@
 """The Triton FP8 grouped GEMM (`moonep_moe.gemm.kernels.fp8_gemm`) at each launch shape, beside
-DeepGEMM's FP8 GEMM on the same operands and the dense bf16 rate of the same run (issue 16: the fallback
+DeepGEMM's FP8 GEMM on the same operands and the dense bf16 rate of the same run (the fallback
 where DeepGEMM cannot run, and which tile it should use).
 
     python -m bench.fp8_gemm            # DeepSeek-V3's experts: one EP=8 rank (64 groups of 1024 rows) and

@@ -1,9 +1,9 @@
 """Grouped-GEMM backends on the expert shapes of real models, against the dense bf16 rate of the same run.
 
-    python -m bench.gemm --preset ep8       # issue 13 item 2's rows, with pass/miss (an H200: ~2 min)
+    python -m bench.gemm --preset ep8       # one EP=8 rank's rows, with pass/miss (an H200: ~2 min)
     python -m bench.gemm                    # all shapes, uniform and skewed segments (an H200: ~6 min)
     python -m bench.gemm --shapes deepseek-v3 --rows 65536 --layouts plain arena
-    python -m bench.gemm --preset ep8 --backends auto fp8   # issue 16 item 6: fp8 beside bf16 (~1 min)
+    python -m bench.gemm --preset ep8 --backends auto fp8   # fp8 beside bf16 (~1 min)
 
 For each model's expert shape at EP=8 (its packaged config, `moonep_moe/configs/<name>.yaml`: H, H' and
 epn = E / ep_size home + B = epn slot groups, rows = the routes of one rank, each segment padded to 128)
@@ -17,7 +17,7 @@ path) against the sum of its GEMMs.
 
 Every time is the median of --repeat runs (>= 5) after --warmup, with the min-max beside it; every ratio
 is the medians' ratio with the range over the pairings of the runs (`bench.common.ratio`). Each row is
-checked against issue 13 item 2's targets (`TARGETS`: fwd and dgrad >= 0.92 of dense, wgrad <= 1.15x its
+checked against the EP=8 rank's targets (`TARGETS`: fwd and dgrad >= 0.92 of dense, wgrad <= 1.15x its
 floor, the block <= 1.08x its GEMMs), printed as PASS / MISS lines and recorded in the JSON's `targets`
 (one entry per row and target, naming the row; computed from the row, never set by hand).
 
@@ -37,7 +37,7 @@ layer runs: fwd and dgrad on DeepGEMM's FP8 GEMMs where it runs, wgrad in bf16 o
 fp8_triton (the same on the package's Triton FP8 GEMM, what runs where DeepGEMM cannot; not in the
 default list: `--backends auto fp8 fp8_triton`).
 
-The fp8 row (issue 16 item 6; targets `FP8_TARGETS`: fwd and dgrad >= 1.7x the dense bf16 rate, wgrad and
+The fp8 row (targets `FP8_TARGETS`: fwd and dgrad >= 1.7x the dense bf16 rate, wgrad and
 the block as for bf16) takes bf16 activations and bf16 weights as a training layer does, so its fwd and
 dgrad times include every cast a training step makes for them: the activations' (x and hw in fwd, dy and
 dab in dgrad, `cast_rows`) and the weights' (fwd: `q`; dgrad: the transposed `qt`; both on every call, as
@@ -81,14 +81,14 @@ PAD = 128
 PRESETS = {"ep8": {"shapes": ["deepseek-v3", "kimi-k2"], "rows": None, "skews": [0.0], "layouts": ["arena"]}}
 """`--preset NAME`: the shapes, rows (None: each model's S*K), skews and layouts it runs."""
 
-TARGETS = (  # (what, op, bound): issue 13 item 2, one rank of an EP=8 group
+TARGETS = (  # (what, op, bound): one rank of an EP=8 group
     ("fwd of dense", ">=", 0.92),
     ("dgrad of dense", ">=", 0.92),
     ("wgrad vs its floor", "<=", 1.15),
     ("block vs its GEMMs", "<=", 1.08),
 )
 FP8_TARGETS = (("fwd of dense", ">=", 1.7), ("dgrad of dense", ">=", 1.7), *TARGETS[2:])
-"""The fp8 row's (issue 16 item 6): fwd and dgrad at 1.7x the dense bf16 rate; wgrad (bf16) and the block
+"""The fp8 row's: fwd and dgrad at 1.7x the dense bf16 rate; wgrad (bf16) and the block
 as for bf16."""
 
 
@@ -292,7 +292,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                        help="ep8: issue 13 item 2's production rows (instead of --shapes, --rows, --skews "
+                        help="ep8: one EP=8 rank's production rows (instead of --shapes, --rows, --skews "
                              "and --layouts)")
     parser.add_argument("--shapes", nargs="*", choices=MODELS, default=list(MODELS))
     parser.add_argument("--rows", nargs="*", type=int, default=[16384, 65536])
@@ -323,7 +323,7 @@ def main() -> None:
     rows = [r for shape, m, skew in runs
             for r in bench_shape(shape, m, skew, backends, limits, layouts, args.warmup, args.repeat)]
     targets = [target for row in rows for target in row.pop("targets")]
-    print(f"\nissue 13 item 2 targets (the fp8 row: issue 16 item 6's), median (min-max) of {args.repeat} "
+    print(f"\nEP=8 rank targets (and the fp8 row's), median (min-max) of {args.repeat} "
           "runs:")
     for target in targets:
         print(f"  {format_check(target)}  [{target['row']}]")

@@ -1,5 +1,5 @@
 """Every `torch._grouped_mm` call of one training step, ours (the DEFAULT layer) beside torch-native's, each
-replayed alone: why the same products take longer in our layer (issue 13).
+replayed alone: why the same products take longer in our layer.
 
     python -m bench.grouped_mm_calls                      # DeepSeek-V3 at EP=1, T=8192 (about 1 min)
     python -m bench.grouped_mm_calls --model qwen3-moe-30b-a3b

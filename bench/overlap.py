@@ -1,4 +1,4 @@
-"""Shared experts overlapped with the routed experts (issue 13, item 5), measured as the time a step saves.
+"""Shared experts overlapped with the routed experts, measured as the time a step saves.
 
     python -m bench.overlap                      # DeepSeek-V3 shapes (about a minute on an H200)
     python -m bench.overlap --experts 64 256     # which routed-expert counts to run (E=64: one EP=8 rank's

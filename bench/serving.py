@@ -8,7 +8,7 @@ bucket named: `dispatch(..., capacity=bucket)`, `check_expert_ids=False`), for s
 3. experts (grouped-GEMM SwiGLU over the dispatched rows, route weights applied);
 4. combine (`comm.combine(..., out=)`: each token's K rows summed into the caller's `[s, H]` tensor).
 
-Communication alone ("comm": dispatch + combine, what issue 14's targets bound) is recorded beside the step:
+Communication alone ("comm": dispatch + combine, what the serving targets bound) is recorded beside the step:
 in eager the sum of the two phases per repetition, in CUDA-graph replay a second graph holding only
 `dispatch` and `combine` (of a static expert-output tensor, as an engine's workspace). The record's `targets`
 say pass or miss (None where not measured: no graph): one rank (R = 1), s <= 128 tokens, dispatch + combine
@@ -71,10 +71,11 @@ PHASES = ("dispatch", "prefetch", "experts", "combine")
 """The eager phases in step order ("dispatch" includes the plan); "step" is their sum."""
 MIN_REPS = 5
 TARGET_COMM_MS = 0.040
-"""Issue 14: one rank's (R = 1) dispatch + combine in CUDA-graph replay for steps of <= `TARGET_TOKENS`."""
+"""Serving target: one rank's (R = 1) dispatch + combine in CUDA-graph replay for steps of <=
+`TARGET_TOKENS`."""
 TARGET_TOKENS = 128
 TARGET_DECODE_RATIO = 0.05
-"""Issue 14: a decode step's (s = 1) communication over the s = S step's, in CUDA-graph replay."""
+"""Serving target: a decode step's (s = 1) communication over the s = S step's, in CUDA-graph replay."""
 DEFAULT_TOKEN_PADDING = CommunicatorConfig.model_fields["token_padding"].default
 """What a serving user gets without choosing: the config's default (recorded in the record's `shape`)."""
 SPAWN_TIMEOUT_S = 3600.0
@@ -181,7 +182,7 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 
 
 def comm_targets(rows: list[dict], ranks: int) -> dict:
-    """Issue 14's targets from the rows' `comm` times (rows ascending in tokens, the last s = S); adds each
+    """The serving targets from the rows' `comm` times (rows ascending in tokens, the last s = S); adds each
     row's `comm["vs_full"]` (its comm median over the s = S one, per mode). `pass` is None where the
     target's measurement is missing (no CUDA graph; or R > 1 for the 40 us bound, which is one rank's)."""
     full = rows[-1]["comm"]

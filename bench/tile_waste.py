@@ -1,5 +1,5 @@
 """How many rows a grouped GEMM computes when it tiles M, against the routed rows it is given: the ceiling
-tile quantisation puts on an EP=1 layer's useful GEMM rate (issue 13, why the layer misses 0.75 of dense).
+tile quantisation puts on an EP=1 layer's useful GEMM rate (why the layer misses 0.75 of dense).
 
     python -m bench.tile_waste          # every packaged model at EP=1, uniform routing (CPU, a few seconds)
 

@@ -1,5 +1,5 @@
 """The pure logic of bench/gemm.py: the model shapes at EP=8, the `--preset ep8` rows, the segments, and
-issue 13 item 2's targets computed from a row's timings."""
+the EP=8 rank's targets computed from a row's timings."""
 
 import pytest
 import torch
@@ -91,7 +91,7 @@ def test_fp8_row_is_checked_against_issue_16s_targets():
     assert targets["block vs its GEMMs"]["pass"], "24 <= 1.08 * 22.5"
     assert {t["row"] for t in targets.values()} == {"deepseek-v3 rows=65536 skew=0.0 fp8 arena"}
     bf16 = {t["target"]: t for t in gemm_targets({**row, "backend": "auto"}, flops, dense, 10e-3)}
-    assert bf16["fwd of dense"]["bound"] == 0.92, "every other backend keeps issue 13's bounds"
+    assert bf16["fwd of dense"]["bound"] == 0.92, "every other backend keeps the bf16 bounds"
 
 
 def test_format_row_shows_each_ops_spread():

@@ -99,7 +99,7 @@ def comm_rows(graph_ms: dict[int, float | None]) -> list[dict]:
 
 
 def test_comm_targets_by_hand():
-    """Issue 14's targets: R = 1, s <= 128 within 40 us of graph replay; comm(s=1) <= 5% of comm(s=S)."""
+    """The serving targets: R = 1, s <= 128 within 40 us of graph replay; comm(s=1) <= 5% of comm(s=S)."""
     rows = comm_rows({1: 0.020, 2: 0.021, 128: 0.039, 256: 0.041, 512: 0.5})
     targets = comm_targets(rows, ranks=1)
     assert targets["comm_within_40us"] == {"bound_ms": 0.04, "tokens_up_to": 128, "ranks": 1,

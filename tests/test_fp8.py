@@ -814,7 +814,7 @@ def test_reference_row_cast_takes_zero_rows(k):
 @pytest.mark.gpu
 @needs_fp8
 def test_fp8_training_tracks_the_bf16_loss_curve():
-    """Issue 16 item 5: a student MoonEP layer (the teacher's router, its own experts) regressed onto a fixed
+    """A student MoonEP layer (the teacher's router, its own experts) regressed onto a fixed
     random teacher layer for 60 AdamW steps (fresh tokens every step, the same in every run; skew from the
     router's expert bias), in bf16 and in fp8: the fp8 run's loss stays within 10% of the bf16 run's at
     every step after the first 10 (e4m3 perturbs each GEMM by a few 2^-5, which moves the trajectory but not

@@ -1,4 +1,4 @@
-"""FP8 activations on the wire (issue 16 item 3, dispatch): `Buffer.dispatch(q_sh, ..., scales=scales_sh)`
+"""FP8 activations on the wire (dispatch): `Buffer.dispatch(q_sh, ..., scales=scales_sh)`
 moves e4m3 rows with their 1x128 fp32 scales (packed byte rows, `fp8.wire`), about half the bytes of
 bf16; combine stays bf16.
 

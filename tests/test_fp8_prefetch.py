@@ -1,4 +1,4 @@
-"""FP8 weights on the wire (issue 16 item 3, prefetch): `Buffer.prefetch_weight(..., scales=)`,
+"""FP8 weights on the wire (prefetch): `Buffer.prefetch_weight(..., scales=)`,
 `ExpertLayout.from_fused(..., scales=)` and `MoECommunicator.prefetch_weights` move FP8 experts (e4m3 bytes
 with one fp32 scale per 128x128 block) into the slots, half the bytes of bf16.
 

@@ -1,4 +1,4 @@
-"""FP8 experts with no bf16 master (issue 16 item 4, `MoEConfig.expert_weights="fp8"`, inference).
+"""FP8 experts with no bf16 master (`MoEConfig.expert_weights="fp8"`, inference).
 
 The contract: a layer whose home experts are e4m3 bytes + fp32 128x128 block scales holds exactly the bytes
 of the FP8 checkpoint it loaded (DeepSeek-V3's per-expert format or transformers' fused one, any EP size),

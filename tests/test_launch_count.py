@@ -1,4 +1,4 @@
-"""How many device ops one serving step launches (issue 14, item 2): a pinned upper bound.
+"""How many device ops one serving step launches: a pinned upper bound.
 
 A decode step moves a few KiB, so on the H200 its cost is the number of kernels it launches (2-3 us each,
 even replayed in a CUDA graph), not their bytes. This test lists, on the CPU, every device op one R = 1

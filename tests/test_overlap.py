@@ -357,7 +357,7 @@ def overlap_trace_job(world, out_dir: str) -> dict:
 
 @pytest.mark.gpu
 def test_profiler_trace_shows_the_overlap_in_processes_sharing_the_gpu(tmp_path):
-    """Issue 13 item 5's second trace: two processes, each a rank of one symmetric world on the same GPU
+    """Two processes, each a rank of one symmetric world on the same GPU
     (dispatch, prefetch and combine crossing ranks through peer memory): in each process's trace a
     shared-expert GEMM runs while a routed-step kernel runs on another stream, forward and backward."""
     from test_symmetric import spawn_symmetric

@@ -1,4 +1,4 @@
-"""A step's comm cost follows its tokens, not the Buffer's capacity (issue 14, item 2).
+"""A step's comm cost follows its tokens, not the Buffer's capacity.
 
 A Buffer's rows `[NvS, H]` are sized for its capacity S and its padded segments: `NvS = align_up(S*K +
 (tp-1)*(epn+B), tp)`, so with tp = 128 and many experts a decode step of one token owns tens of thousands of

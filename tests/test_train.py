@@ -74,7 +74,7 @@ def _fp8_trains_here() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _fp8_trains_here(), reason="needs DeepGEMM on a Hopper GPU (run on the H200)")
 def test_fp8_training_run_tracks_the_bf16_run():
-    """Issue 16 item 5 as a user runs it (`moonep-moe train --config small-transformer --precision fp8`):
+    """FP8 training as a user runs it (`moonep-moe train --config small-transformer --precision fp8`):
     the same model, data and seed trained 60 steps with bf16 and with fp8 experts on the GPU; the fp8 run's
     loss stays within 10% of the bf16 run's at every step after the 10th and both fall below half of the
     start (bf16 on the CPU: 4.90 -> 1.65). A sanity bound on the curve, as in test_fp8's layer-level
