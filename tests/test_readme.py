@@ -3,9 +3,10 @@
 A block's fence may carry tags after the language:
 - ```python            runs with `python` (CPU or GPU, whichever the machine has);
 - ```python gpu-only   needs a CUDA device: skipped elsewhere, with a reason naming the block;
-- ```python torchrun N runs as N processes under `torch.distributed.run --standalone` (gloo on the CPU);
-- ```python module PATH is the text of a module to add at PATH (docs/extending.md): it is compiled, not run,
-  since it only works once its registry line is in place.
+- ```python torchrun N runs as N processes under `torch.distributed.run --standalone` (gloo on the CPU; with
+  fewer than N GPUs the GPUs are hidden from it, since NCCL needs a GPU per process);
+- ```python module PATH is code to add at PATH, a new module or a class in one (docs/extending.md): it is
+  compiled, not run, since it only works in place, beside its registry row.
 
 Snippets are kept small (the tiny configs, a few tokens: seconds each on a 2-core CPU); the timeouts only stop
 a snippet that hangs. A block that raises, exits non-zero or times out fails its test, with its output.
@@ -87,6 +88,8 @@ def run_block(block: Block, workdir: Path) -> subprocess.CompletedProcess:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={block.processes}", str(script)]
         timeout = TIMEOUT_S["torchrun"]
+        if torch.cuda.device_count() < block.processes:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # NCCL refuses two ranks on one GPU: run the gloo path
     try:
         return subprocess.run(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=timeout)
@@ -106,8 +109,8 @@ def test_the_readme_has_python_blocks():
 def test_block_runs(block: Block, tmp_path: Path):
     if "module" in block.tags:
         compile(block.code, block.tags[1], "exec")  # a SyntaxError fails the test
-        pytest.skip(f"{block.name} is the module {block.tags[1]}: compiled, not run (it needs its registry "
-                    f"line)")
+        pytest.skip(f"{block.name} is code for {block.tags[1]}: compiled, not run (it works in place, beside "
+                    f"its registry row)")
     if "gpu-only" in block.tags and not torch.cuda.is_available():
         pytest.skip(f"{block.name} is marked gpu-only: it needs a CUDA device")
     result = run_block(block, tmp_path)
