@@ -38,6 +38,9 @@ from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDict
 from moonep_moe import run_ranks  # noqa: E402
 from moonep_moe.integrations.torchtitan import MoonEPTitanMoE, swap_moe_modules, titan_grads  # noqa: E402
 
+# torchtitan's router asks for fp32 autocast around its gate, which CPU autocast declines (with a warning)
+pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast, but the target dtype is not supported")
+
 BATCH, SEQ = 2, 16
 TOKENS = BATCH * SEQ
 TOL = 1e-5
@@ -71,14 +74,19 @@ def model_config(name: str, router: dict | None = None, shared: bool = True, bia
 
 def build(config, seed: int) -> torch.nn.Module:
     """The model of `config` initialised the torchtitan way after `torch.manual_seed(seed)`, each expert bias
-    drawn at random so that it moves selection."""
+    then drawn at random (`random_bias`)."""
     torch.manual_seed(seed)
     model = config.build()
     model.init_weights()
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, MoE) and module.expert_bias_E is not None:
-                module.expert_bias_E.normal_(0, 0.01)
+    return random_bias(model)
+
+
+@torch.no_grad()
+def random_bias(model: torch.nn.Module) -> torch.nn.Module:
+    """Every MoE module's expert bias drawn at random, so that it moves selection."""
+    for module in model.modules():
+        if isinstance(module, (MoE, MoonEPTitanMoE)) and module.expert_bias_E is not None:
+            module.expert_bias_E.normal_(0, 0.01)
     return model
 
 
@@ -130,19 +138,24 @@ def assert_close(got: dict, want: dict, what: str) -> None:
         assert err <= TOL, f"{what}: {name} differs, relative error {err:.2e} > {TOL:.0e}"
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A plain copy (a DTensor gathered whole: collective)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
 def is_expert(key: str) -> bool:
     return "inner_experts" in key
 
 
-def swapped_steps(original: torch.nn.Module, ranks: int, batches: list, **overrides) -> list[dict]:
+def swapped_steps(original: torch.nn.Module, ranks: int, batches: list) -> list[dict]:
     """Each rank's `step` on its batch, on its own copy of `original` swapped on `ranks` thread ranks (no
     world at one rank)."""
     copies = [copy.deepcopy(original) for _ in range(ranks)]
 
     def rank_fn(world) -> dict:
-        model = swap_moe_modules(copies[world.rank if world else 0], TOKENS, world, token_padding=8,
-                                 **overrides)
-        return step(model, *batches[world.rank if world else 0], titan_grads)
+        rank = world.rank if world else 0
+        model = swap_moe_modules(copies[rank], TOKENS, world, token_padding=8)
+        return step(model, *batches[rank], titan_grads)
 
     return [rank_fn(None)] if ranks == 1 else run_ranks(rank_fn, ranks)
 
@@ -173,7 +186,7 @@ def test_swapped_model_matches_original(case, ranks):
         assert_close(rest, rest_want, f"{case} EP={ranks} rank {rank}")
 
 
-def test_every_moe_module_is_swapped_and_runs_as_torchtitan_built_it():
+def test_every_moe_module_is_swapped_with_a_config_read_from_it():
     original = build(model_config("deepseek_v3"), seed=1)
     swapped = swap_moe_modules(copy.deepcopy(original), TOKENS)
     assert [n for n, m in swapped.named_modules() if isinstance(m, MoonEPTitanMoE)] == \
@@ -287,18 +300,22 @@ class NoLossMesh:
         return None
 
 
-def balanced_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> dict:
-    """Forward + backward, then torchtitan's optimizer with its balancing hook: the counts the hook read
-    and the expert biases it left."""
-    optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
-    register_moe_load_balancing_hook(optimizers, [model], NoLossMesh())
+def balanced_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor,
+                  parallel_dims=None, before_step: Callable = lambda: None) -> dict:
+    """Forward + backward, `before_step()`, then torchtitan's optimizer with its balancing hook
+    (`parallel_dims` default `NoLossMesh`): the gradients (whole), the counts the hook read and the
+    expert biases it left."""
+    optimizers = default_adamw(lr=1e-3, fused=False).build(model_parts=[model])
+    register_moe_load_balancing_hook(optimizers, [model], parallel_dims or NoLossMesh())
     model.train()
     loss_of(model, ids, labels)[1].backward()
+    before_step()
+    grads = {f"grad:{k}": full(v) for k, v in titan_grads(model).items()}
     moes = [m for m in model.modules() if isinstance(m, (MoE, MoonEPTitanMoE))]
     counts = [m.tokens_per_expert_E.clone() for m in moes]
     optimizers.step()
     assert all(not m.tokens_per_expert_E.any() for m in moes), "the hook zeroes the counts"
-    return {"counts": counts, "bias": [m.expert_bias_E.clone() for m in moes]}
+    return {"grads": grads, "counts": counts, "bias": [m.expert_bias_E.clone() for m in moes]}
 
 
 @pytest.mark.parametrize("ranks, checkpointed", [(2, False), (1, True)],
@@ -353,6 +370,10 @@ class ConvertedExperts(GroupedExperts):
     """What a low-precision converter swaps in: a subclass with its own GEMMs."""
 
 
+class OtherDispatcher:
+    """A token dispatcher of another `moe_comm_backend` (DeepEP's, HybridEP's: they build on CUDA only)."""
+
+
 @pytest.mark.parametrize("change, overrides, message", [
     (set_attrs(lambda m: m.router, num_expert_groups=4, num_limited_groups=2), None,
      "layers.1.moe.router: num_expert_groups=4 with score_func='softmax' is not supported"),
@@ -366,12 +387,14 @@ class ConvertedExperts(GroupedExperts):
      "layers.1.moe.shared_experts.w2: bias=True is not supported"),
     (set_attrs(lambda m: m.routed_experts.inner_experts, __class__=ConvertedExperts), None,
      "layers.1.moe.routed_experts.inner_experts: ConvertedExperts is not supported; expected GroupedExperts"),
+    (set_attrs(lambda m: m.routed_experts, token_dispatcher=OtherDispatcher()), None,
+     "layers.1.moe: moe_comm_backend with OtherDispatcher is not supported; expected 'standard'"),
     (set_attrs(lambda m: m.routed_experts.token_dispatcher, ep_mesh="mesh"), None,
      "layers.1.moe is already parallelized by torchtitan"),
     (lambda m: None, dict(router={"aux_loss_coeff": 0.01}),
      "router.aux_loss_coeff must stay 0 in a swapped torchtitan module"),
 ], ids=["softmax-groups", "groups-without-limit", "forced-balance", "gate-bias", "shared-bias", "converted",
-        "torchtitan-ep", "aux-loss"])
+        "comm-backend", "torchtitan-ep", "aux-loss"])
 def test_what_cannot_be_reproduced_is_refused_naming_the_argument(change, overrides, message):
     assert refused(change, overrides).startswith(message)
 
@@ -413,62 +436,62 @@ def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(torch.cat(parts) for parts in zip(*(batch(200 + g) for g in range(DP * EP)), strict=True))
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    """A plain copy (a DTensor gathered whole: collective)."""
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+def meta_swapped(world, tokens: int) -> torch.nn.Module:
+    """The flow of docs/torchtitan.md: DeepSeek-V3's debug model (3 layers) built on meta after
+    `torch.manual_seed(11)`, swapped on `world`, then `to_empty()` and torchtitan's `init_weights()`; the
+    expert biases drawn at random after."""
+    torch.manual_seed(11)
+    with torch.device("meta"):
+        model = model_config("deepseek_v3").build()
+    swap_moe_modules(model, tokens, world)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return random_bias(model)
 
 
 def fsdp_job(world) -> dict:
-    """One rank of DP x EP gloo processes: the swapped model on the ("dp", "ep") mesh's EP world, its blocks
-    and itself under FSDP2 (`data_parallel(..., "fsdp")`); its state dict (whole tensors), saved and loaded
-    back, then one step on its rows of the global batch: the reduced gradients (whole), and the expert
-    biases after torchtitan's optimizer with its balancing hook over the whole mesh."""
+    """One rank of DP x EP gloo processes: the swapped model (`meta_swapped`) on the ("dp", "ep") mesh's EP
+    world, its blocks and itself under FSDP2 (`data_parallel(..., "fsdp")`); its state dict (whole tensors),
+    saved and loaded back, then one step on its rows of the global batch: the reduced gradients (whole),
+    and the expert biases after torchtitan's optimizer with its balancing hook over the whole mesh."""
     from moonep_moe.parallel import data_parallel, mesh_dims, moe_mesh, reduce_expert_grads
 
     torch.set_num_threads(1)
     mesh = moe_mesh(DP, EP)
-    model = swap_moe_modules(build(model_config("deepseek_v3"), seed=11), TOKENS, mesh)
+    model = meta_swapped(mesh, TOKENS)
     model = data_parallel(model, mesh, "fsdp", blocks=list(model.layers.values()))
     state = {k: full(v) for k, v in model.state_dict().items()}
     model.load_state_dict(model.state_dict())
     reloaded = {k: full(v) for k, v in model.state_dict().items()}
     rank = mesh.get_rank()
     ids, labels = (t[rank * BATCH:(rank + 1) * BATCH] for t in global_batch())
-    optimizers = default_adamw(lr=1e-3, fused=False).build(model_parts=[model])
-    register_moe_load_balancing_hook(optimizers, [model], LossMesh(mesh_dims(mesh)["all"]))
-    model.train()
-    loss_of(model, ids, labels)[1].backward()
-    reduce_expert_grads(model, mesh)
-    grads = {f"grad:{k}": full(v) for k, v in titan_grads(model).items()}
-    optimizers.step()
-    bias = [m.expert_bias_E.clone() for m in model.modules() if isinstance(m, MoonEPTitanMoE)]
-    return {"state": state, "reloaded": reloaded, "grads": grads, "bias": bias}
+    result = balanced_step(model, ids, labels, LossMesh(mesh_dims(mesh)["all"]),
+                           before_step=lambda: reduce_expert_grads(model, mesh))
+    return {"state": state, "reloaded": reloaded, **result}
 
 
-def test_fsdp2_dp2_ep2_processes_have_the_gradients_and_bias_of_one_process_on_the_global_batch(tmp_path):
+def test_fsdp2_dp2_ep2_processes_have_the_state_gradients_and_bias_of_one_process_on_the_global_batch(
+        tmp_path):
     """torchtitan's own FSDP application (`parallelize_fn`) would shard the home experts (refused above):
     FSDP2 is `moonep_moe.parallel.data_parallel`'s, over all 4 ranks, with the home experts left out and
-    reduced over "dp" by `reduce_expert_grads`. Gradients within 1e-5 of one process's (fp32 sums in
-    another order); the biases exactly, as the hook's sums over the 4 ranks scale every count alike."""
+    reduced over "dp" by `reduce_expert_grads`. The reference is one process with the same swapped model
+    (built the same way, at EP 1) on the global batch: the same initial state (every tensor whole), the
+    gradients within 1e-5 (fp32 sums in another order), and the biases exactly, as the hook's sums over the
+    4 ranks scale every count alike."""
     from processes import spawn_ranks
     from test_collective import RUN_TIMEOUT_S, rank_main
 
-    original = build(model_config("deepseek_v3"), seed=11)
-    ref = reference(original)
-    ids, labels = global_batch()
-    want = step(ref, ids, labels)
-    want = {k: v for k, v in want.items() if k.startswith("grad:")}
-    optimizers = default_adamw(lr=1e-3).build(model_parts=[ref])
-    register_moe_load_balancing_hook(optimizers, [ref], NoLossMesh())
-    optimizers.step()
-    want_bias = [m.expert_bias_E for m in ref.modules() if isinstance(m, MoE)]
+    one = meta_swapped(None, DP * EP * TOKENS)
+    want_state = {k: v.clone() for k, v in one.state_dict().items()}
+    want = balanced_step(one, *global_batch())
     results = spawn_ranks(rank_main, fsdp_job, DP * EP, tmp_path, RUN_TIMEOUT_S)
     for rank, result in enumerate(results):
-        assert_close(result["grads"], want, f"DP {DP} x EP {EP}, rank {rank}")
+        assert_close(result["grads"], want["grads"], f"DP {DP} x EP {EP}, rank {rank}")
         for state in (result["state"], result["reloaded"]):
-            assert state.keys() == original.state_dict().keys()
-            assert all(torch.equal(state[k], v) for k, v in original.state_dict().items()), rank
-        assert all(torch.equal(got, bias) for got, bias in zip(result["bias"], want_bias, strict=True)), rank
+            assert list(state) == list(want_state)
+            assert all(torch.equal(state[k], v) for k, v in want_state.items()), rank
+        biases = zip(result["bias"], want["bias"], strict=True)
+        assert all(torch.equal(got, bias) for got, bias in biases), f"rank {rank}: expert bias"
 
 
 # -- training: torchtitan's loop components, 50 steps -------------------------------------------------------

@@ -186,8 +186,7 @@ class MoonEPTitanMoE(Module):
         """`[B, L, D] -> [B, L, D]`, in training counting the EP group's routes into `tokens_per_expert_E`
         (`_count_recompute` counts an activation-checkpointing recompute)."""
         recompute = self.training and recomputing()
-        if recompute:
-            self._recomputed = True
+        self._recomputed = recompute
         out_BLD = self.layer(x_BLD.to(self.layer.config.torch_dtype))
         if self.training and not recompute:
             with torch.no_grad():
@@ -213,8 +212,8 @@ class MoonEPTitanMoE(Module):
                              ("tensor_parallel_degree", parallel_dims.tp)):
             if degree > 1:
                 raise ValueError(f"{name}={degree} is not supported on a MoonEP MoE module: its experts are "
-                                 f"already spread over its EP world ({self.layer.world.size} ranks); set it "
-                                 "to 1")
+                                 f"already spread over its EP world (EP size {self.layer.world.size}); set "
+                                 "it to 1")
         super().parallelize(parallel_dims)
 
     # -- torchtitan's tensors ------------------------------------------------------------------------------
@@ -350,7 +349,8 @@ class MoonEPTitanMoE(Module):
         """A new tensor of `shape` in `part`'s torchtitan dtype, drawn by its initialiser from `generator`
         seeded by (the layer's init seed, `key`)."""
         generator.manual_seed(derived_seed(self.layer.init_seed, key))
-        drawn = torch.empty(shape, dtype=self.titan_dtypes[part.titan], device=self.layer.world.device)
+        device = self.layer.experts.gate_up.device
+        drawn = torch.empty(shape, dtype=self.titan_dtypes[part.titan], device=device)
         self.inits[part.titan](drawn)
         return drawn
 
