@@ -9,8 +9,9 @@ same batches: a fixed pool of random sequences, cycled, so the loss falls. Each 
 components: its loss (`cross_entropy_loss`, a sum over tokens, divided by the tokens), its AdamW
 (`default_adamw`, lr 8e-4 as its debug config), its warmup-stable-decay schedule (`LRSchedulersContainer`,
 as its debug config) and its aux-loss-free balancing hook (`register_moe_load_balancing_hook`). Attention is
-torchtitan's causal SDPA in both (its flex attention needs its trainer's block masks). The model trains in
-`--dtype`: torchtitan's experts compute in bf16 whatever it is (`GroupedExperts`), MoonEP's in that dtype.
+torchtitan's causal SDPA in both (its flex attention needs its trainer's block masks). The models are built
+in bf16 on the GPU, fp32 with `--smoke`: torchtitan's experts compute in bf16 either way (`GroupedExperts`),
+MoonEP's in the model's dtype; MoonEP's router weight stays fp32 (torchtitan computes its gate in fp32).
 
 Timed per step, after `--warmup` steps: the whole step (forward, backward, optimizer step) and the time
 inside the MoE modules (each module's forward, and its backward from its backward pre-hook to its backward
