@@ -164,8 +164,8 @@ class MoonEPTitanMoE(Module):
         self.inits = {part.titan: initialiser(block, part.titan) for part in self.parts
                       if part.titan != "expert_bias_E"}
         device = layer.experts.gate_up.device
-        self.register_buffer("tokens_per_expert_E", torch.zeros(layer.config.num_experts, device=device),
-                             persistent=False)
+        counts_E = torch.zeros(layer.config.num_experts, dtype=torch.float32, device=device)
+        self.register_buffer("tokens_per_expert_E", counts_E, persistent=False)
         self._recomputed = False
         self.register_state_dict_post_hook(MoonEPTitanMoE._save_titan)
         self.register_load_state_dict_pre_hook(MoonEPTitanMoE._load_titan)
