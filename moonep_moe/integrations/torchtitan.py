@@ -38,7 +38,8 @@ experts, expert bias), that keeps `MoE`'s contract:
 
 Data parallelism: `moonep_moe.parallel.data_parallel(model, mesh, "fsdp", blocks=...)` (FSDP2's
 `fully_shard` with the home experts left out) with the layers on `mesh`'s "ep" dimension, not torchtitan's
-`parallelize_fn`, whose FSDP would shard the home experts.
+`parallelize_fn`, whose FSDP would shard the home experts. So torchtitan's `Trainer` does not run a swapped
+model as it is: a loop of torchtitan's components does (docs/torchtitan.md, `bench/torchtitan_train.py`).
 
 Refused with a one-line ValueError naming the argument: a model already parallelized by torchtitan;
 `expert_parallel_degree` or `tensor_parallel_degree` > 1 in `parallelize`; torchtitan's FSDP application
