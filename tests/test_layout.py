@@ -19,7 +19,8 @@ LAYERS = (
     ("comm", "gemm"),
     ("config",),
     ("layers", "engine"),
-    ("parallel", "integrations"),
+    ("parallel",),
+    ("integrations",),
     ("__init__",),
     ("apps",),
 )

@@ -6,7 +6,9 @@ A block's fence may carry tags after the language:
 - ```python torchrun N runs as N processes under `torch.distributed.run --standalone` (gloo on the CPU; with
   fewer than N GPUs the GPUs are hidden from it, since NCCL needs a GPU per process);
 - ```python module PATH is code to add at PATH, a new module or a class in one (docs/extending.md): it is
-  compiled, not run, since it only works in place, beside its registry row.
+  compiled, not run, since it only works in place, beside its registry row;
+- ```python fragment   lines of a larger program that defines the names they use (docs/torchtitan.md's five
+  lines inside a training script): compiled, not run.
 
 Snippets are kept small (the tiny configs, a few tokens: seconds each on a 2-core CPU); the timeouts only stop
 a snippet that hangs. A block that raises, exits non-zero or times out fails its test, with its output.
@@ -66,9 +68,9 @@ def python_blocks(path: Path) -> list[Block]:
     blocks = []
     for match in FENCE.finditer(text):
         tags = tuple(match["tags"].split())
-        if tags and tags != ("gpu-only",) and not _tag_with_argument(tags):
+        if tags and tags not in (("gpu-only",), ("fragment",)) and not _tag_with_argument(tags):
             raise ValueError(f"{path.name}: unknown tags {' '.join(tags)!r} on a python block "
-                             f"(known: 'gpu-only', 'torchrun N', 'module PATH')")
+                             f"(known: 'gpu-only', 'fragment', 'torchrun N', 'module PATH')")
         line = text.count("\n", 0, match.start("code")) + 1
         blocks.append(Block(path, line, tags, match["code"]))
     return blocks
@@ -111,6 +113,9 @@ def test_block_runs(block: Block, tmp_path: Path):
         compile(block.code, block.tags[1], "exec")  # a SyntaxError fails the test
         pytest.skip(f"{block.name} is code for {block.tags[1]}: compiled, not run (it works in place, beside "
                     f"its registry row)")
+    if "fragment" in block.tags:
+        compile(block.code, block.name, "exec")  # a SyntaxError fails the test
+        pytest.skip(f"{block.name} is a fragment of a larger program: compiled, not run")
     if "gpu-only" in block.tags and not torch.cuda.is_available():
         pytest.skip(f"{block.name} is marked gpu-only: it needs a CUDA device")
     result = run_block(block, tmp_path)

@@ -502,6 +502,15 @@ class MoonEPMoELayer(nn.Module):
             if getattr(weight, "main_grad", None) is not None:
                 weight.main_grad.zero_()
 
+    @property
+    def last_expert_load(self) -> torch.Tensor | None:
+        """`[E]` int32: the routes the last forward sent to each expert, in the whole EP group (the gathered
+        histogram's sum), identical on every rank; None before the first forward. Unlike `expert_load`, an
+        activation-checkpointing recompute counts again: it is the last forward's plan, whichever it was.
+        The plan's own device tensor: no host sync, and a later forward makes a new plan."""
+        plan = None if self._state is None else self._state.last_plan
+        return None if plan is None else plan.expert_load
+
     def balance_stats(self) -> dict[str, torch.Tensor]:
         """The last step's balance, as device tensors (no host sync until you read them).
 
