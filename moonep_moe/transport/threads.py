@@ -7,11 +7,12 @@ no longer meet at a barrier, raise `RankFailedError` naming the ranks instead of
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, TypeVar
@@ -40,7 +41,10 @@ class ThreadGroup:
     - every barrier needs all R ranks, so a rank waiting while another has finished its work (`finish`) is a
       deadlock, raised at once with each rank's state ("rank 0 waits in barrier #8 (ThreadsWorld.all_gather
       <- Buffer.dispatch); rank 1 finished after 7 barriers");
-    - a wait longer than `BARRIER_TIMEOUT_S` (a peer stuck elsewhere) raises with the same list.
+    - a wait longer than `BARRIER_TIMEOUT_S` (a peer stuck elsewhere) raises with the same list;
+    - ranks that meet at a barrier while in different operations (rank 0 in `all_gather`, rank 1 in
+      `scatter_rows`) raise at once, naming the ranks and their operations, instead of pairing their
+      barriers and reading each other's board entries as their own.
     `reset()` makes the group usable again. `run_ranks` does all of it; with threads of your own, only the
     abort and the timeout apply (the group does not know when they finish, nor where they are).
     """
@@ -75,24 +79,32 @@ class ThreadGroup:
             """Barriers each rank has entered."""
             self._waiting = [False] * self.size
             self._finished = [False] * self.size
+            self._operations = ["barrier"] * self.size
+            """The operation each rank is in at its latest barrier (`ThreadsWorld`'s method name)."""
             self._board: list[Any] = [None] * self.size
             """One entry per rank: its tensor of an `all_gather`, its `(rank_n, row_n, values_n)` of a
             scatter."""
 
-    def wait(self, rank: int) -> None:
-        """Rank `rank` waits until every rank has called `wait` (one barrier).
+    def wait(self, rank: int, operation: str = "barrier") -> None:
+        """Rank `rank` waits until every rank has called `wait` (one barrier) for `operation` (the world's
+        operation that calls it: "all_gather", "scatter_rows", ..., "barrier" for a barrier of its own).
 
         Raises:
             RankFailedError when the group stopped: a rank failed (`abort`), a rank has finished while this
-            one waits (deadlock), or the wait lasted `BARRIER_TIMEOUT_S`.
+            one waits (deadlock), the ranks meet in different operations, or the wait lasted
+            `BARRIER_TIMEOUT_S`.
         """
         with self._turn:
             if self._stopped is not None:
                 raise RankFailedError(self._stopped)
             passed = self._passed
             self._entered[rank] += 1
+            self._operations[rank] = operation
             self._arrived += 1
             if self._arrived == self.size:
+                if len(set(self._operations)) > 1:
+                    self._stop(self._mismatch(passed + 1))
+                    raise RankFailedError(self._stopped)
                 self._arrived, self._passed = 0, passed + 1
                 self._waiting = [False] * self.size
                 self._turn.notify_all()
@@ -130,6 +142,16 @@ class ThreadGroup:
             self._stop(f"deadlock: every barrier needs all {self.size} ranks, and a rank that finished "
                        f"reaches none: {self._states()}")
 
+    def _mismatch(self, barrier: int) -> str:
+        """The message of ranks that met at barrier #`barrier` in different operations."""
+        ranks_by_operation: dict[str, list[int]] = {}
+        for rank, operation in enumerate(self._operations):
+            ranks_by_operation.setdefault(operation, []).append(rank)
+        where = "; ".join(f"{_ranks(ranks)} in {operation}"
+                          for operation, ranks in ranks_by_operation.items())
+        return (f"ranks met at barrier #{barrier} in different operations: {where} (every rank must call the "
+                "same collective operations in the same order)")
+
     def _states(self) -> str:
         """Each rank's state: finished, waiting at its n-th barrier, or running; where known (the threads of
         `run_ranks`), the innermost two functions of its thread outside the barrier."""
@@ -141,10 +163,15 @@ class ThreadGroup:
             if self._finished[rank]:
                 states.append(f"rank {rank} finished after {entered} barriers")
             elif self._waiting[rank]:
-                states.append(f"rank {rank} waits in barrier #{entered} ({where})")
+                states.append(f"rank {rank} waits in barrier #{entered} of {self._operations[rank]} "
+                              f"({where})")
             else:
                 states.append(f"rank {rank} runs {where} after {entered} barriers")
         return "; ".join(states)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 def _in_barrier(frame: FrameType) -> bool:
@@ -166,6 +193,9 @@ class ThreadsWorld(PeerWorld):
     globals: dict[Any, Any] = field(default_factory=dict)
     thread: int | None = None
     """Ident of the thread running this rank (set by `run_ranks`)."""
+    operation: str = "barrier"
+    """The operation this rank's barriers are part of ("barrier" outside the world's own operations): the
+    group checks that every rank meets each barrier in the same one."""
 
     @property
     def size(self) -> int:
@@ -188,31 +218,48 @@ class ThreadsWorld(PeerWorld):
             return  # one rank: its stream already orders its work (no sync, so a step can be graph-captured)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        self.group.wait(self.rank)
+        self.group.wait(self.rank, self.operation)
+
+    @contextlib.contextmanager
+    def _operating(self, operation: str) -> Iterator[None]:
+        """This rank's barriers inside the block belong to `operation` (what the group compares)."""
+        outer, self.operation = self.operation, operation
+        try:
+            yield
+        finally:
+            self.operation = outer
 
     def scatter_rows(self, target: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor,
                      values_n: torch.Tensor, *, capacity: int | None = None) -> None:
         """Receiver-side writes: every rank posts its `[n]` entries on the board, then writes the entries
         addressed to it into its own `target` (`place_rows`: fixed shapes, no write races, no host read).
         Costs R * n row writes per rank (the simulation's price for static shapes)."""
-        self.barrier()  # every rank is done with target's previous contents, and the board is free
-        self.group._board[self.rank] = (rank_n, row_n, values_n)
-        self.barrier()
-        local = target.local
-        for sender_n, sender_row_n, sender_values_n in self.group._board:
-            place_rows(local, torch.where(sender_n == self.rank, sender_row_n, -1),
-                       sender_values_n.to(local.dtype))
-        self.barrier()  # every rank has read the board (senders may reuse their values)
+        with self._operating("scatter_rows"):
+            self.barrier()  # every rank is done with target's previous contents, and the board is free
+            self.group._board[self.rank] = (rank_n, row_n, values_n)
+            self.barrier()
+            local = target.local
+            for sender_n, sender_row_n, sender_values_n in self.group._board:
+                place_rows(local, torch.where(sender_n == self.rank, sender_row_n, -1),
+                           sender_values_n.to(local.dtype))
+            self.barrier()  # every rank has read the board (senders may reuse their values)
+
+    def gather_rows(self, source: SymmetricTensor, rank_n: torch.Tensor, row_n: torch.Tensor, *,
+                    capacity: int | None = None) -> torch.Tensor:
+        """`PeerWorld.gather_rows`, its barriers marked as this operation's."""
+        with self._operating("gather_rows"):
+            return super().gather_rows(source, rank_n, row_n, capacity=capacity)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank posts its tensor on the board and stacks the board on its own stream. Returns once
         every rank's stack has run: a posted tensor may be freed and its memory reused on its owner's
         stream as soon as the call returns, whichever stream the next collective runs on."""
-        self.barrier()  # the board is free: every rank has read the previous gather
-        self.group._board[self.rank] = tensor
-        self.barrier()
-        gathered = torch.stack([t.to(tensor.device) for t in self.group._board])
-        self.barrier()  # every rank's stack has run (a barrier synchronises each rank's current stream)
+        with self._operating("all_gather"):
+            self.barrier()  # the board is free: every rank has read the previous gather
+            self.group._board[self.rank] = tensor
+            self.barrier()
+            gathered = torch.stack([t.to(tensor.device) for t in self.group._board])
+            self.barrier()  # every rank's stack has run (a barrier synchronises each rank's current stream)
         return gathered
 
     def symmetric(self, key: str, tensor: torch.Tensor) -> SymmetricTensor:
@@ -221,9 +268,10 @@ class ThreadsWorld(PeerWorld):
             if slots[self.rank] is not None:
                 raise ValueError(f"symmetric key {key!r} is already registered on rank {self.rank}")
             slots[self.rank] = tensor
-        self.barrier()
-        peers = tuple(self.group._registry[key])
-        self.barrier()  # every rank holds the peers before any may release (`release` drops the entry)
+        with self._operating("symmetric"):
+            self.barrier()
+            peers = tuple(self.group._registry[key])
+            self.barrier()  # every rank holds the peers before any may release (`release` drops the entry)
         first = peers[0]
         for r, t in enumerate(peers):
             if t.shape != first.shape or t.dtype != first.dtype:
