@@ -39,8 +39,8 @@ class ThreadGroup:
     longer meet raises `RankFailedError` on every waiting rank instead of hanging:
     - a rank that fails aborts the group (`abort(reason)`); its waiting peers raise with the reason;
     - every barrier needs all R ranks, so a rank waiting while another has finished its work (`finish`) is a
-      deadlock, raised at once with each rank's state ("rank 0 waits in barrier #8 (ThreadsWorld.all_gather
-      <- Buffer.dispatch); rank 1 finished after 7 barriers");
+      deadlock, raised at once with each rank's state ("rank 0 waits in barrier #8 of all_gather
+      (ThreadsWorld.all_gather <- Buffer._dispatch.<locals>.op); rank 1 finished after 7 barriers");
     - a wait longer than `BARRIER_TIMEOUT_S` (a peer stuck elsewhere) raises with the same list;
     - ranks that meet at a barrier while in different operations (rank 0 in `all_gather`, rank 1 in
       `scatter_rows`) raise at once, naming the ranks and their operations, instead of pairing their
