@@ -100,6 +100,32 @@ def dying_job(world: CollectiveWorld, dying: int) -> dict:
     return {"failure": None}
 
 
+SLOW_S = 5.0
+"""How long the slow rank of `slow_and_dying_job` computes before its next step: well past the 2 s after
+which a rank that neither reported nor showed a heartbeat counts as stopped."""
+
+
+def slow_and_dying_job(world: CollectiveWorld, **fail_fast_args) -> dict:
+    """One step on every rank; then rank 1 exits without raising while rank 2, alive, computes for `SLOW_S`
+    (in Python, holding the interpreter between switches) before its next step, and rank 0 goes straight
+    into its next step, whose collective fails when rank 1's connection closes."""
+    p = problem(world.size, dict(seed=6), dict(num_experts=30))  # E divisible by 3 ranks
+    layer = MoonEPMoELayer(p.cfg, world)
+    start = time.perf_counter()
+    try:
+        with fail_fast(**fail_fast_args):
+            layer(p.hidden[world.rank])
+            if world.rank == 1:
+                os._exit(1)
+            start = time.perf_counter()
+            while world.rank == 2 and time.perf_counter() < start + SLOW_S:
+                pass
+            layer(p.hidden[world.rank])
+    except RankFailedError as error:
+        return {"failure": (str(error), time.perf_counter() - start)}
+    return {"failure": None}
+
+
 def rank_main(job: Callable, rank: int, size: int, folder: str, init_method: str | None = None) -> None:
     """One spawned rank: join the gloo group (`init_method`, default a file store in `folder`), run
     `job(world)`, save its result or error."""
@@ -178,17 +204,38 @@ def test_failing_rank_stops_the_group_with_its_name(group_run):
         assert seconds < 10, f"rank {rank} took {seconds:.1f} s to learn of the failure"
 
 
+STOPPED = (r"rank 1 stopped without raising an error \(it exited or was killed: no report and no heartbeat "
+           r"for 2 s\)")
+WAITED = r" while rank [02] waited in torch\.distributed\.\w+ \(CollectiveWorld\.\w+ <- .*\)"
+
+
 def test_rank_that_dies_is_named_by_its_peers(tmp_path):
     """Three processes, so that two peers must agree on whom to blame (not on each other)."""
     results = spawn(functools.partial(dying_job, dying=1), 3, tmp_path, dying=(1,))
     (message, _), (other, _) = results[0]["failure"], results[2]["failure"]
     assert message == other, "every peer raises the same message"
-    assert re.fullmatch(r"rank 1 stopped without raising an error \(it exited, was killed, or is stuck: no "
-                        r"report within \d s\) while rank [02] waited in torch\.distributed\.\w+ "
-                        r"\(CollectiveWorld\.\w+ <- .*\)", message), message
+    assert re.fullmatch(STOPPED + WAITED, message), message
     for rank in (0, 2):
         seconds = results[rank]["failure"][1]
         assert seconds < 10, f"rank {rank} took {seconds:.1f} s to learn of the failure"
+
+
+@pytest.mark.parametrize(("fail_fast_args", "blamed"), [
+    ({}, ""),
+    ({"timeout_s": 1.0}, r"; rank 2 is alive \(its heartbeat runs\) but did not report within 2 s \(slow, or "
+                         r"stuck outside torch\.distributed\)"),
+], ids=["default-timeout", "timeout-1s"])
+def test_rank_that_is_slow_but_alive_is_not_named_as_stopped(tmp_path, fail_fast_args, blamed):
+    """Rank 1 dies while rank 2 is busy for `SLOW_S`: rank 0, whose collective fails at once, waits for the
+    live rank 2 to report (its heartbeat runs), and names only rank 1; given a timeout shorter than rank 2's
+    computation, it names rank 2 as alive but silent after at least the 2 s that tell the dead apart."""
+    job = functools.partial(slow_and_dying_job, **fail_fast_args)
+    results = spawn(job, 3, tmp_path, dying=(1,))
+    (message, seconds), (other, _) = results[0]["failure"], results[2]["failure"]
+    assert message == other, "every peer raises the same message"
+    assert re.fullmatch(STOPPED + blamed + WAITED, message), message
+    limit = 4 if blamed else SLOW_S + 5
+    assert seconds < limit, f"rank 0 took {seconds:.1f} s to learn of the failure"
 
 
 def test_rank_hosting_the_store_that_dies_is_named(tmp_path):

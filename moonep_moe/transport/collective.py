@@ -23,13 +23,15 @@ Launching: one process per rank (`torchrun`), `init_collective()` (or your own `
 timeout and `CollectiveWorld()`), and the rank's work inside `fail_fast()`, so that a rank that raises aborts
 the group: its peers raise `RankFailedError` naming it within about a second instead of hanging until the
 timeout. A rank that stops without raising (it crashed, was killed, or returned early and exited) is named
-by its peers too, within `REPORT_WAIT_S` of their collective failing.
+by its peers too, about `SILENCE_S` after their collective failed; a rank that is alive but slow (its
+heartbeat runs) is waited for, up to `fail_fast`'s `timeout_s`, and never named as stopped.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -46,9 +48,16 @@ from moonep_moe.transport.world import EPWorld, RankFailedError, SymmetricTensor
 DEFAULT_TIMEOUT_S = 300.0
 """Collectives that wait longer than this raise (the process-group timeout of `init_collective`)."""
 
-REPORT_WAIT_S = 2.0
-"""How long a rank whose collective failed waits for every peer to report to `fail_fast`: a peer that has not
-reported by then is named as the one that stopped (it exited, was killed, or is stuck)."""
+SILENCE_S = 2.0
+"""A peer that has neither reported to `fail_fast` nor shown a heartbeat for this long, while a rank whose
+collective failed waits, is named as the one that stopped (it exited or was killed)."""
+HEARTBEAT_S = 0.25
+"""How often a rank inside `fail_fast` looks for a failure announced in the store, and once there is one,
+shows that it is alive (well under `SILENCE_S`)."""
+LIVE_WAIT_S = 60.0
+"""`fail_fast`'s default `timeout_s`: how long a rank whose collective failed waits for a peer that is alive
+(its heartbeat runs) but has not reported. A slow peer reports as soon as it reaches a `torch.distributed`
+call, which fails at once once the group is aborted; one that never does is named as slow or stuck."""
 
 _MAX_DIMS = 8
 """Most dimensions of a symmetric tensor (its shape travels in a fixed-size signature)."""
@@ -267,23 +276,32 @@ def init_collective(backend: str | None = None, *, init_method: str | None = Non
 
 
 @contextmanager
-def fail_fast() -> Iterator[None]:
+def fail_fast(*, timeout_s: float = LIVE_WAIT_S) -> Iterator[None]:
     """Run a rank's body so that a failure anywhere stops every rank with an error naming the failed rank.
 
-    Nothing runs while the body succeeds. On an exception, the rank reports to the default group's store:
+    While the body runs, a heartbeat thread (`Heartbeat`) reads the default group's store every
+    `HEARTBEAT_S`, and once a failure is announced there, shows that this rank is alive. On an exception,
+    the rank reports to the store:
     1. a rank whose own code raised records `rank r failed: <error>` as the group's first failure (unless
        another rank's is there already) and aborts its process groups; its peers' pending and later
        collectives then fail at once (gloo: the connections close; NCCL: the communicators abort);
     2. a rank whose collective failed (a `torch.distributed` call raised: a peer aborted, exited or timed
-       out) aborts too, so that ranks waiting on it learn of the failure, then waits until the first
-       failure is recorded or every rank has reported, at most `REPORT_WAIT_S`. Ranks that never reported
-       stopped without raising (they crashed, were killed, or returned and exited while a peer still
-       waited; or they are stuck): it records `rank d stopped without raising an error ... while rank r
-       waited in torch.distributed.<op> (<caller>)` as the first failure.
+       out) announces the failure and aborts too, so that ranks waiting on it learn of it, then waits until
+       the first failure is recorded or every rank has reported. A peer that has neither reported nor shown
+       a heartbeat for `SILENCE_S` stopped without raising (it crashed, was killed, or returned and exited
+       while a peer still waited); a peer whose heartbeat runs is alive, and is waited for up to
+       `timeout_s` (at least `SILENCE_S`). It records as the first failure `rank d stopped without raising
+       an error ... while rank r waited in torch.distributed.<op> (<caller>)`, with `rank e is alive (its
+       heartbeat runs) but did not report within t s ...` for live peers still silent at the end.
     Every rank then raises `RankFailedError` with the first failure's message, from its own exception; the
     rank that failed first re-raises its own. A rank whose collective failed and which cannot reach the store
     names the store's host instead (rank 0, unless a launcher such as torchrun serves the store).
+
+    Args:
+        timeout_s: how long a rank whose collective failed waits for a live peer to report (`LIVE_WAIT_S`
+            by default); a slow peer reports as soon as it reaches a `torch.distributed` call.
     """
+    heartbeat = Heartbeat.start() if dist.is_initialized() else None
     try:
         yield
     except BaseException as error:
@@ -293,7 +311,7 @@ def fail_fast() -> Iterator[None]:
         own = failure_message(rank, error)
         collective = _collective_frame(error)
         try:
-            first = _record_failure(rank, own, collective)
+            first = _record_failure(rank, own, collective, timeout_s)
         except dist.DistError as unreachable:
             first = own if collective is None else (
                 "rank 0 (or the launcher serving the store) stopped: the process group's store is "
@@ -305,20 +323,61 @@ def fail_fast() -> Iterator[None]:
         if first != own:
             raise RankFailedError(first) from error
         raise
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
 
 
-def _record_failure(rank: int, own: str, collective: FrameType | None) -> str:
+def _failure_store() -> dist.Store:
+    return dist.PrefixStore("moonep/fail_fast", dist.distributed_c10d._get_default_store())
+
+
+class Heartbeat:
+    """This rank's sign of life for `fail_fast`: a daemon thread that checks the store for an announced
+    failure every `HEARTBEAT_S` and, once there is one, adds 1 to the store's `heartbeat/<rank>` each time.
+    Nothing is written while no rank has failed (a file store grows with every write). Stops when the store
+    becomes unreachable (its host stopped)."""
+
+    def __init__(self, store: dist.Store, rank: int):
+        self.store, self.rank = store, rank
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"moonep-heartbeat-{rank}", daemon=True)
+
+    @classmethod
+    def start(cls) -> Heartbeat:
+        heartbeat = cls(_failure_store(), dist.get_rank())
+        heartbeat._thread.start()
+        return heartbeat
+
+    def stop(self) -> None:
+        """Stop the thread; returns at once if it is held up in a store request (it is a daemon)."""
+        self._stopped.set()
+        self._thread.join(timeout=2 * HEARTBEAT_S)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.wait(HEARTBEAT_S):
+                if self.store.check(["failing"]):
+                    self.store.add(f"heartbeat/{self.rank}", 1)
+        except dist.DistError:
+            return  # the store's host stopped: nobody is left to read a heartbeat
+
+
+def _record_failure(rank: int, own: str, collective: FrameType | None, timeout_s: float) -> str:
     """Report rank `rank`'s failure (message `own`; `collective`: the frame of the `torch.distributed` call
     that raised it, if one did) to the default group's store and record the group's first failure
-    (`fail_fast`'s steps 1 and 2); returns the first failure's message."""
+    (`fail_fast`'s steps 1 and 2, waiting up to `timeout_s` for live peers); returns the first failure's
+    message."""
     size = dist.get_world_size()
-    store = dist.PrefixStore("moonep/fail_fast", dist.distributed_c10d._get_default_store())
+    store = _failure_store()
     store.set(f"reported/{rank}", "")
     store.add("reported", 1)
     if collective is None:  # recorded before the peers learn of it (the caller aborts)
         return store.compare_set("first", "", own).decode()
+    store.set("failing", "")  # live peers show their heartbeats from now on
     dist.distributed_c10d._abort_process_group()  # a consequence, most likely: ranks waiting on this one fail
-    return store.compare_set("first", "", _blame_silent(store, rank, size, collective) or own).decode()
+    blame = _blame_silent(store, rank, size, collective, timeout_s)
+    return store.compare_set("first", "", blame or own).decode()
 
 
 def _collective_frame(error: BaseException) -> FrameType | None:
@@ -336,20 +395,43 @@ def _module(frame: FrameType) -> str:
     return frame.f_globals.get("__name__", "")
 
 
-def _blame_silent(store: dist.Store, rank: int, size: int, collective: FrameType) -> str | None:
+def _blame_silent(store: dist.Store, rank: int, size: int, collective: FrameType,
+                  timeout_s: float) -> str | None:
     """After rank `rank`'s collective (`collective`, its frame) failed: wait until a first failure is recorded
-    or all `size` ranks have reported, at most `REPORT_WAIT_S`; then the message naming the ranks that never
-    reported, or None if there is a first failure or every rank reported."""
-    deadline = time.monotonic() + REPORT_WAIT_S
-    while not store.check(["first"]) and store.add("reported", 0) < size and time.monotonic() < deadline:
+    or all `size` ranks have reported, while a peer that has not reported still shows a heartbeat, at most
+    `max(timeout_s, SILENCE_S)`; then the message naming the peers that never reported (those silent for
+    `SILENCE_S` as stopped, the others as alive but silent), or None if there is a first failure or every
+    rank reported."""
+    start = time.monotonic()
+    beats: dict[int, tuple[int | None, float]] = {}
+    """Rank -> (its heartbeat count, when this rank saw it change; first: when this rank started waiting)."""
+    while True:
+        if store.check(["first"]):
+            return None
+        silent = [r for r in range(size) if not store.check([f"reported/{r}"])]
+        if not silent:
+            return None
+        now = time.monotonic()
+        for r in silent:
+            count = int(store.add(f"heartbeat/{r}", 0)) if store.check([f"heartbeat/{r}"]) else None
+            if r not in beats or beats[r][0] != count:
+                beats[r] = (count, start if r not in beats else now)
+        stopped = [r for r in silent if now - beats[r][1] >= SILENCE_S]
+        waited = now - start
+        if len(stopped) == len(silent) or waited >= max(timeout_s, SILENCE_S):
+            break
         time.sleep(0.02)
-    if store.check(["first"]):
-        return None
-    silent = [r for r in range(size) if not store.check([f"reported/{r}"])]
-    if not silent:
-        return None
-    who = f"rank {silent[0]}" if len(silent) == 1 else f"ranks {silent}"
+    alive = [r for r in silent if r not in stopped]
+    parts = [f"{_ranks(stopped)} stopped without raising an error (it exited or was killed: no report and no "
+             f"heartbeat for {SILENCE_S:g} s)"] if stopped else []
+    if alive:
+        verb = "is alive (its heartbeat runs)" if len(alive) == 1 else "are alive (their heartbeats run)"
+        parts.append(f"{_ranks(alive)} {verb} but did not report within {waited:.0f} s (slow, or stuck "
+                     "outside torch.distributed)")
     caller = call_site(collective, lambda frame: _module(frame).startswith("torch."))
-    return (f"{who} stopped without raising an error (it exited, was killed, or is stuck: no report within "
-            f"{REPORT_WAIT_S:g} s) while rank {rank} waited in torch.distributed.{collective.f_code.co_name} "
+    return (f"{'; '.join(parts)} while rank {rank} waited in torch.distributed.{collective.f_code.co_name} "
             f"({caller})")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
