@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -309,6 +310,26 @@ def layer_problem(size: int, name: str):
     return make_problem(make_config(size, **overrides), **args)
 
 
+def release_while_a_peer_reads(world: SymmetricWorld) -> dict:
+    """Every rank registers a tensor of its rank + 1; rank 1 reads rank 0's late (behind a long sleep on its
+    stream, or on the host on a CPU stand-in), then releases; rank 0 releases at once, then overwrites its
+    memory, as a new tensor placed there would. `release` must not return on rank 0 before rank 1's read,
+    queued before its own release, is done."""
+    key = "test/release"
+    tensor = world.symmetric(key, torch.full((4,), world.rank + 1.0, device=world.device))
+    seen = None
+    if world.rank == 1:
+        if world.device.type == "cuda":
+            torch.cuda._sleep(500_000_000)  # ~0.25 s on an H200
+        else:
+            time.sleep(0.5)
+        seen = tensor.peer(0).clone()
+    world.release(key)
+    if world.rank == 0:
+        tensor.local.fill_(-1.0)
+    return {} if seen is None else {"seen": seen.cpu()}
+
+
 def checks_job(world: SymmetricWorld) -> dict:
     """Every check of this module on one rank (see the module docstring)."""
     results: dict = {"all_gather": [world.all_gather(t.to(world.device)).cpu()
@@ -324,6 +345,7 @@ def checks_job(world: SymmetricWorld) -> dict:
     results["default_world"] = layer.world is world
     layer.destroy()
     results["errors"] = misuse(world)
+    results["release"] = release_while_a_peer_reads(world)
     return results
 
 
@@ -474,6 +496,11 @@ def test_misuse_raises_on_every_rank(group_run):
     assert_misuse_errors([res["errors"] for res in group_run[1]])
 
 
+@pytest.mark.gpu
+def test_release_waits_until_peers_are_done_with_the_memory(group_run):
+    assert group_run[1][1]["release"]["seen"].tolist() == [1.0] * 4
+
+
 # -- in this process ----------------------------------------------------------------------------------------
 
 
@@ -595,6 +622,13 @@ def stand_in_job(world: SymmetricWorld) -> dict:
                 buffer=buffer_step(world, "cpu"),
                 layer=rank_step(layer_problem(world.size, "fp32-skewed"), world, "cpu"),
                 errors=misuse(world))
+
+
+def test_release_waits_for_peers_on_a_cpu_stand_in(monkeypatch):
+    """`release` is collective: rank 0 releasing (then reusing its memory) at once while rank 1 still has to
+    read it through its mapping must wait for rank 1's release, which follows the read."""
+    results = run_stand_in(release_while_a_peer_reads, 2, monkeypatch)
+    assert results[1]["seen"].tolist() == [1.0] * 4
 
 
 @pytest.mark.parametrize("size", [2, 4])

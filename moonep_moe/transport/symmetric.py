@@ -179,8 +179,18 @@ class SymmetricWorld(PeerWorld):
         return SymmetricTensor(key, self.rank, peers)
 
     def release(self, key: str) -> None:
-        """Forget `key` (its handle, hence this process's mappings of the peers; `peers` of other ranks must
-        not be used afterwards). The local memory lives as long as the registered tensor."""
+        """Collective: forget `key` (its handle, hence this process's mappings of the peers; `peers` of other
+        ranks must not be used afterwards). The local memory lives as long as the registered tensor, and
+        may be reused as soon as this returns.
+
+        A barrier first, then a host wait for it: peers may still have kernels queued that read or write
+        this rank's memory through their mappings (and this rank kernels that use its mappings of theirs);
+        it returns once every rank's work queued before its `release` is done. A host sync: release
+        outside a step (`destroy()`), on every rank, in the same order."""
+        if key in self._handles:
+            self.barrier()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
         self._keys.discard(key)
         self._handles.pop(key, None)
         self._targets.pop(key, None)

@@ -99,7 +99,9 @@ class EPWorld(Protocol):
         ...
 
     def release(self, key: str) -> None:
-        """Forget this rank's registration of `key` (after `destroy()`)."""
+        """Forget this rank's registration of `key` (after `destroy()`). Collective where ranks map each
+        other's memory (symmetric memory: it returns once no rank's queued work can still use the key's
+        memory): every rank releases the same keys in the same order."""
         ...
 
 
