@@ -22,9 +22,10 @@ class CommEvent:
     event: torch.cuda.Event | None
 
     def wait(self) -> None:
-        """Make the current stream wait for the operation (returns at once on the host)."""
+        """Make the current stream of the operation's device (the event's: where its results live) wait for
+        the operation, whichever device is current (returns at once on the host)."""
         if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+            torch.cuda.current_stream(self.event.device).wait_event(self.event)
 
     def query(self) -> bool:
         """Whether the operation has finished on the device (True off CUDA). Does not block."""
