@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,8 @@ from moonep_moe.gemm.reference import ReferenceGroupedGemm
 from moonep_moe.gemm.registry import select_grouped_gemm
 from moonep_moe.gemm.torch_native import TorchGroupedGemm
 from moonep_moe.gemm.triton import TritonGroupedGemm
+from moonep_moe.transport.threads import run_ranks
+from moonep_moe.transport.world import RankFailedError
 
 CPU = torch.device("cpu")
 # Segment sizes: empty groups (first, middle, last), a 1-row group and large ones; 7 unused tail rows.
@@ -270,6 +273,7 @@ class WgradOnly(ReferenceGroupedGemm):
 
 SHAPES = GemmProblem(((N, K), (K, N)), rows_per_group=100)
 CONTEXT = "test-device|bf16"
+OPS_NAMES = ("fwd", "dgrad", "wgrad")
 
 
 def test_measured_choice_per_op_and_dispatch():
@@ -293,6 +297,37 @@ def test_measured_choice_per_op_and_dispatch():
     torch.testing.assert_close(got, want)
     home, _ = gemm.wgrad(dy_mn, x_mk, offsets_g(), (None, got[HOME:]), accumulate=False)  # "param" mode
     torch.testing.assert_close(home, want[:HOME])
+
+
+def test_ranks_whose_timings_disagree_run_rank_0s_choices():
+    """Timing noise can make ranks measure different winners; ranks that ran different backends would
+    compute the same experts differently. Every rank runs rank 0's choice of every primitive and shape;
+    each keeps its own measurement in its cache (a record of what it timed)."""
+    winners = [{"fwd": "torch", "dgrad": "reference", "wgrad": "reference"},
+               {"fwd": "reference", "dgrad": "torch", "wgrad": "torch"}]
+
+    def rank(world):
+        cache = ChoiceCache(None)
+        gemm = measure_grouped_gemm([TorchGroupedGemm(), ReferenceGroupedGemm()], SHAPES, CONTEXT,
+                                    FakeTimer(winners[world.rank]), cache, world=world)
+        return {key: g.name for key, g in gemm.chosen.items()}, sorted(cache._choices.values())
+
+    (chosen_0, cached_0), (chosen_1, cached_1) = run_ranks(rank, 2)
+    shapes = ((N, K), (K, N))
+    assert chosen_0 == chosen_1 == {(op, n, k): winners[0][op] for op in winners[0] for n, k in shapes}
+    assert [cached_0, cached_1] == [sorted(w[op] for op in w for _ in shapes) for w in winners]
+
+
+def test_a_rank_that_cannot_run_rank_0s_choice_raises_naming_it():
+    def rank(world):
+        backends = [TorchGroupedGemm(), ReferenceGroupedGemm()][:2 - world.rank]
+        measure_grouped_gemm(backends, SHAPES, CONTEXT, FakeTimer(dict.fromkeys(OPS_NAMES, "reference")),
+                             ChoiceCache(None), world=world)
+
+    message = (r"rank 1 failed: ValueError: rank 1: grouped_gemm='auto': rank 0 runs reference for fwd "
+               r"\d+x\d+, which this rank cannot run \(its candidates: torch\)")
+    with pytest.raises(RankFailedError, match=message):
+        run_ranks(rank, 2)
 
 
 def test_only_backends_computing_an_op_themselves_are_timed():
@@ -531,3 +566,32 @@ def test_gpu_torch_wgrad_fresh_home_and_triton_slots(sizes_g):
     assert home.dtype == torch.bfloat16 and home.shape == (home_groups, n, k)
     torch.testing.assert_close(home.float(), want[:home_groups], rtol=2e-2, atol=1e-1)
     torch.testing.assert_close(slots, want[home_groups:], rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_layer_ranks_agree_on_auto_when_their_timings_differ(monkeypatch):
+    """Two thread-ranks build a `grouped_gemm="auto"` layer, each timing for itself (no shared cache) with a
+    timer under which rank r finds backend r fastest: both run rank 0's choices."""
+    from test_layer import make_config
+
+    from moonep_moe.gemm import registry
+    from moonep_moe.layers.moe import MoonEPMoELayer
+
+    monkeypatch.setattr(registry, "default_choice_cache", lambda: ChoiceCache(None))
+
+    def rank_timer(device, dtype, grad_dtype, fresh_home_grads):
+        def timer(op, n, k, rows, groups, backends):
+            favourite = int(threading.current_thread().name.removeprefix("ep-rank-")) % len(backends)
+            return [1.0 if i == favourite else 2.0 for i in range(len(backends))]
+        return timer
+
+    monkeypatch.setattr(registry, "cuda_timer", rank_timer)
+    cfg = make_config(2, hidden_size=256, ffn_hidden_size=128, num_experts=8, max_tokens_per_rank=64,
+                      dtype="bfloat16", grouped_gemm="auto", router={"dtype": "float32"})
+
+    def rank(world):
+        layer = MoonEPMoELayer(cfg, world)
+        return layer._state.gemm.describe()
+
+    described = run_ranks(rank, 2, device="cuda")
+    assert described[0] == described[1], described

@@ -1,6 +1,8 @@
 """`grouped_gemm='auto'`: time every backend that can run, per primitive and weight shape, and keep the
 fastest (`MeasuredGroupedGemm`); the choices are cached in process and in a JSON file
-(`ChoiceCache`, `default_choice_cache`), so later processes read them instead of timing."""
+(`ChoiceCache`, `default_choice_cache`), so later processes read them instead of timing. The ranks of an EP
+group run rank 0's choices (`agreed_choices`): timing noise must not make ranks compute the same experts
+with different kernels."""
 
 import itertools
 import json
@@ -18,6 +20,7 @@ from torch import Tensor
 
 from moonep_moe.base.triton import triton_version
 from moonep_moe.gemm.base import OPS, GemmProblem, GroupedGemm
+from moonep_moe.transport.world import EPWorld
 
 logger = logging.getLogger(__name__)  # a child of "moonep_moe"
 
@@ -142,9 +145,12 @@ def timed_groups(problem: GemmProblem, cols: int, inner: int, rows: int) -> tupl
 
 
 def measure_grouped_gemm(backends: Sequence[GroupedGemm], problem: GemmProblem, context: str, timer: Timer,
-                         cache: ChoiceCache, align: int = 1) -> MeasuredGroupedGemm:
+                         cache: ChoiceCache, align: int = 1, world: EPWorld | None = None
+                         ) -> MeasuredGroupedGemm:
     """For every primitive and weight shape of ``problem``: the cached winner, or the fastest by ``timer`` of
-    the backends that compute that primitive themselves (then cached).
+    the backends that compute that primitive themselves (then cached); with a ``world`` of several ranks,
+    rank 0's choices on every rank (collective: ``agreed_choices``), while each rank's cache keeps what it
+    measured.
 
     Args:
         backends: the candidates; the first is also the fallback for shapes not measured.
@@ -157,13 +163,16 @@ def measure_grouped_gemm(backends: Sequence[GroupedGemm], problem: GemmProblem, 
             on a GPU).
         cache: where winners are looked up and stored.
         align: the segment alignment (``token_padding``); the timed rows per group are a multiple of it.
+        world: the EP group whose ranks must run the same backends (None: this process alone).
     """
     by_name = {gemm.name: gemm for gemm in backends}
+    shapes_nk = dict.fromkeys(problem.shapes_nk)
+    slots = [(op, cols, inner) for op, (cols, inner) in itertools.product(OPS, shapes_nk)]
     rows = rows_bucket(problem.rows_per_group, align)
     where = str(cache.path) if cache.path is not None else "this process only (MOONEP_MOE_CACHE=off)"
     chosen, timed = {}, 0
     with _MEASURE_LOCK:
-        for op, (cols, inner) in itertools.product(OPS, dict.fromkeys(problem.shapes_nk)):
+        for op, cols, inner in slots:
             rivals = [gemm for gemm in backends if op in gemm.ops]
             if not rivals:
                 continue
@@ -189,11 +198,54 @@ def measure_grouped_gemm(backends: Sequence[GroupedGemm], problem: GemmProblem, 
                 cache.put(key, name)
                 timed += 1
             chosen[(op, cols, inner)] = by_name[name]
+    if world is not None and world.size > 1:  # outside the lock: thread-ranks meet at the world's barriers
+        chosen = agreed_choices(chosen, backends, slots, world)
     gemm = MeasuredGroupedGemm(chosen, fallback=backends[0])
     logger.info("grouped_gemm=auto (%s, %d rows per group): %s; %d timed, the rest from the cache %s "
                 "(MOONEP_MOE_CACHE=<folder> moves it, =off disables it)", context, rows,
                 gemm.describe(), timed, where)
     return gemm
+
+
+NAME_BYTES = 32
+"""Bytes of a backend's name in `agreed_choices`' all-gather (names are shorter)."""
+
+
+Choices = dict[tuple[str, int, int], GroupedGemm]
+"""``(op, cols, inner) -> backend``: a measured choice per primitive and weight shape."""
+
+
+def agreed_choices(chosen: Choices, backends: Sequence[GroupedGemm], slots: Sequence[tuple[str, int, int]],
+                   world: EPWorld) -> Choices:
+    """Rank 0's ``chosen`` on every rank (collective): one all-gather of each rank's choice for every
+    ``(op, cols, inner)`` of ``slots`` (the same list on every rank) as the backend's name in
+    ``NAME_BYTES`` bytes, empty where it has none (the fallback, ``backends[0]``, runs it), read on the host
+    (construction time).
+
+    Raises:
+        ValueError naming the rank, the primitive and the backend where rank 0 chose one this rank lacks.
+    """
+    mine = torch.zeros(len(slots), NAME_BYTES, dtype=torch.uint8)
+    for i, slot in enumerate(slots):
+        if slot in chosen:
+            name = chosen[slot].name.encode()
+            mine[i, :len(name)] = torch.tensor(list(name[:NAME_BYTES]), dtype=torch.uint8)
+    first = world.all_gather(mine.to(world.device))[0].cpu()
+    by_name = {gemm.name: gemm for gemm in backends}
+    agreed = {}
+    for (op, cols, inner), name_b in zip(slots, first, strict=True):
+        name = bytes(name_b.tolist()).rstrip(b"\0").decode()
+        if not name:
+            continue
+        if name not in by_name:
+            raise ValueError(f"rank {world.rank}: grouped_gemm='auto': rank 0 runs {name} for {op} "
+                             f"{cols}x{inner}, which this rank cannot run (its candidates: "
+                             f"{', '.join(by_name)})")
+        agreed[(op, cols, inner)] = by_name[name]
+    if agreed != chosen:
+        logger.info("grouped_gemm=auto: rank %d runs rank 0's choices; it measured %s", world.rank,
+                    MeasuredGroupedGemm(chosen, backends[0]).describe())
+    return agreed
 
 
 def choice_context(device_name: str, dtype: torch.dtype) -> str:

@@ -24,6 +24,7 @@ from moonep_moe.gemm.autotune import choice_context, cuda_timer, default_choice_
 from moonep_moe.gemm.base import GemmProblem, GroupedGemm
 from moonep_moe.gemm.fp8 import Fp8GroupedGemm, ReferenceFp8Gemm
 from moonep_moe.gemm.reference import ReferenceGroupedGemm
+from moonep_moe.transport.world import EPWorld
 
 logger = logging.getLogger(__name__)  # a child of "moonep_moe"
 
@@ -75,7 +76,7 @@ GROUPED_GEMM_NAMES = ("auto", *BACKENDS)
 
 def select_grouped_gemm(
     name: str, device: torch.device, dtype: torch.dtype, k: int | None = None,
-    token_padding: int | None = None, problem: GemmProblem | None = None,
+    token_padding: int | None = None, problem: GemmProblem | None = None, world: EPWorld | None = None,
 ) -> GroupedGemm:
     """The one place a grouped-GEMM backend is chosen.
 
@@ -95,6 +96,8 @@ def select_grouped_gemm(
         token_padding: the segments' alignment (DeepGEMM needs a multiple of 128).
         problem: the shapes, typical rows, groups and wgrad mode to measure "auto" on (the expert block:
             ``GemmProblem(((2F, H), (H, F)), rows_per_group, grad_dtype, (epn, B), fresh_home_grads)``).
+        world: the EP group of the layer: where "auto" measures, every rank runs rank 0's choices
+            (collective; ``autotune.agreed_choices``).
 
     Raises:
         ValueError naming ``grouped_gemm`` for an unknown name, or a backend that cannot run here.
@@ -115,7 +118,7 @@ def select_grouped_gemm(
         context = choice_context(torch.cuda.get_device_name(device), dtype)
         timer = cuda_timer(device, dtype, problem.grad_dtype, problem.fresh_home_grads)
         gemm = measure_grouped_gemm([b.build() for b in runnable], problem, context, timer,
-                                    default_choice_cache(), align=token_padding or 1)
+                                    default_choice_cache(), align=token_padding or 1, world=world)
         logger.info("grouped_gemm=auto: the first forward + backward compiles the Triton (and DeepGEMM) "
                     "kernels it uses, once per shape; both keep them on disk for later processes")
         return gemm

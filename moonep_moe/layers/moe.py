@@ -344,7 +344,7 @@ class MoonEPMoELayer(nn.Module):
                               grad_dtype=grad_dtype, groups=(config.experts_per_rank, config.prefetch_slots),
                               fresh_home_grads=not main_grad)
         gemm = select_grouped_gemm(config.grouped_gemm, device, dtype, k=math.gcd(h, f),
-                                   token_padding=config.token_padding, problem=problem)
+                                   token_padding=config.token_padding, problem=problem, world=world)
         if config.precision == "fp8":  # fwd and dgrad in FP8; the backend selected above keeps wgrad
             gemm = fp8_grouped_gemm(gemm, device, dtype, config.token_padding, world.rank)
         self._state = ExpertsState(self.buffer, self.experts, gemm, main_grad, config.fp8_dispatch)
