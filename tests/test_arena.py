@@ -1,7 +1,15 @@
-"""The CUDA VMM arena: home experts and the shared slot pool as one tensor, without copies (GPU only)."""
+"""The CUDA VMM arena: home experts and the shared slot pool as one tensor, without copies (GPU), and the
+layer's home experts kept in their registered memory (what the arena joins and peers read) when their
+storage is swapped on the same device (CPU and GPU)."""
+
+import dataclasses
 
 import pytest
 import torch
+from test_layer import F64, build_layer, make_config, make_problem, run_dense
+from torch import nn
+
+from moonep_moe.transport.threads import run_ranks
 
 
 @pytest.mark.gpu
@@ -69,5 +77,101 @@ def test_layer_computes_on_the_arena_and_matches_dense():
     assert all(int(g["slots_used"].sum()) > 0 for g in got)
     assert all(g["arena"] for g in got)
     for g, w in zip(got, want, strict=True):
+        error = float((g["out"] - w["out"]).norm() / w["out"].norm())
+        assert error < 2e-2, error
+
+
+# -- storage swaps on the same device ----------------------------------------------------------------------
+
+
+def swapped_problem(p):
+    """`p` with new expert weights (representable in `p`'s dtype)."""
+    gen = torch.Generator().manual_seed(1234)
+
+    def new(t: torch.Tensor) -> torch.Tensor:
+        return (torch.randn(t.shape, generator=gen, dtype=F64) * t.std()).to(p.cfg.torch_dtype).double()
+
+    return dataclasses.replace(p, gate_up_e2fh=new(p.gate_up_e2fh), down_ehf=new(p.down_ehf))
+
+
+def layer_state_dict(p, layer, device: str) -> dict[str, torch.Tensor]:
+    """The problem's router and experts in `layer`'s checkpoint names (per expert) and dtypes."""
+    f, dtype = p.cfg.ffn_hidden_size, p.cfg.torch_dtype
+    router = layer.router
+    state = {"router.weight": p.router_weight_eh.to(device, router.weight.dtype),
+             "router.expert_bias": p.expert_bias_e.to(device, router.expert_bias.dtype)}
+    for e in range(p.cfg.num_experts):
+        for name, value in (("gate_proj", p.gate_up_e2fh[e, :f]), ("up_proj", p.gate_up_e2fh[e, f:]),
+                            ("down_proj", p.down_ehf[e])):
+            state[f"experts.{e}.{name}.weight"] = value.to(device, dtype)
+    return state
+
+
+def swap(layer, new, rank: int, how: str, device: str) -> None:
+    """Give `layer` the home experts of problem `new` on its device: `param.data = t`, a new Parameter set
+    in its place, or `load_state_dict(..., assign=True)`."""
+    if how == "load_state_dict-assign":
+        layer.load_state_dict(layer_state_dict(new, layer, device), assign=True)
+        return
+    epn = new.cfg.num_experts // new.cfg.ep_size
+    home = slice(rank * epn, (rank + 1) * epn)
+    for name, full in (("gate_up", new.gate_up_e2fh), ("down", new.down_ehf)):
+        value = full[home].to(device, new.cfg.torch_dtype).contiguous()
+        if how == "data":
+            getattr(layer.experts, name).data = value
+        else:
+            setattr(layer.experts, name, nn.Parameter(value))
+
+
+def run_swapped(p, how: str, device: str) -> list[dict]:
+    """Every rank builds its layer with `p`'s experts, swaps in new ones, then runs a forward: its output,
+    the slots used, and whether its compute view (the arena's, where there is one) equals the parameters."""
+    new = swapped_problem(p)
+
+    def rank_fn(world):
+        layer = build_layer(p, world)
+        swap(layer, new, world.rank, how, device)
+        with torch.no_grad():
+            out = layer(new.hidden[world.rank].to(device, p.cfg.torch_dtype))
+        views = [rows.compute is None or torch.equal(rows.compute[:param.shape[0]], param)
+                 for rows, param in zip(layer.experts.rows, (layer.experts.gate_up, layer.experts.down),
+                                        strict=True)]
+        used = layer.balance_stats()["slots_used"].cpu()
+        arena = all(rows.compute is not None for rows in layer.experts.rows)
+        layer.destroy()
+        return dict(out=out.cpu().double(), slots_used=used, views=all(views), arena=arena)
+
+    return run_ranks(rank_fn, p.cfg.ep_size, device=device), run_dense(new)[0]
+
+
+SWAPS = ["data", "parameter", "load_state_dict-assign"]
+
+
+@pytest.mark.parametrize("how", SWAPS)
+def test_swapped_home_experts_are_what_the_layer_and_its_peers_compute_with(how):
+    """Two thread-ranks with replicas in use: a new Parameter set in place of a home expert weight was
+    ignored (the GEMMs and the peers' prefetch read the registered one); every swap must be computed with."""
+    p = make_problem(make_config(2), seed=60, skew=100.0)
+    got, want = run_swapped(p, how, "cpu")
+    assert all(int(g["slots_used"].sum()) > 0 for g in got)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g["out"], w["out"], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", SWAPS)
+def test_arena_follows_a_same_device_storage_swap(how):
+    """Two thread-ranks on one GPU computing on the arena: after `param.data = t` (or a new Parameter, or an
+    assigning load) on the same device, the joined compute view must hold the new experts, and the output
+    match the float64 reference of the new experts within bf16 tolerance (the arena's view kept the old
+    experts)."""
+    cfg = make_config(2, hidden_size=1024, ffn_hidden_size=512, num_experts=8, max_tokens_per_rank=64,
+                      dtype="bfloat16", grouped_gemm="torch",
+                      router={"dtype": "float32", "expert_bias": True})
+    p = make_problem(cfg, seed=52, skew=100.0)
+    got, want = run_swapped(p, how, "cuda")
+    assert all(g["arena"] and int(g["slots_used"].sum()) > 0 for g in got)
+    for g, w in zip(got, want, strict=True):
+        assert g["views"], "the arena's compute view holds the parameters"
         error = float((g["out"] - w["out"]).norm() / w["out"].norm())
         assert error < 2e-2, error

@@ -156,6 +156,7 @@ def routed_step(layer: MoonEPMoELayer, hidden_sh: torch.Tensor, routing: RouterO
     state = layer._state
     route_weights_sk = routing.route_weights_tk.to(state.buffer.weight_dtype)
     experts = layer.experts
+    experts.follow_storage_swaps()  # before any peer reads them (prefetch) or a GEMM does
     frozen = not (torch.is_grad_enabled() and (experts.gate_up.requires_grad or experts.down.requires_grad))
     out_sh = MoonEPExperts.apply(hidden_sh.contiguous(), route_weights_sk, routing.topk_experts_tk,
                                  routing.tokens_per_expert_e, experts.gate_up, experts.down, state, frozen)

@@ -108,6 +108,9 @@ class HomeExperts(nn.Module):
         self.scale_rows: tuple[ExpertRows, ExpertRows] | None = None
         """FP8 experts: their block scales' rows `(gate_up, down)`, registered like `rows`; else None."""
         self.slot_grads: tuple[SymmetricTensor, SymmetricTensor] | None = None
+        self._registered: dict[str, torch.Tensor] = {}
+        """Name -> the memory `bind` registered for that parameter or buffer (an alias of it): what peers read
+        and the arena's `compute` view joins (`follow_storage_swaps`)."""
 
     def _shapes(self) -> tuple[tuple[str, tuple[int, int, int]], ...]:
         """`(name, [epn, out, in])` of the two stored projections."""
@@ -148,13 +151,42 @@ class HomeExperts(nn.Module):
         else:
             home.copy_(current.detach())
             current.data = home
-        return ExpertRows(self.world.symmetric(f"{self.name}/{name}", getattr(self, name)), slots, compute)
+        rows = ExpertRows(self.world.symmetric(f"{self.name}/{name}", getattr(self, name)), slots, compute)
+        self._registered[name] = getattr(self, name).detach()  # after `symmetric`, which may move it
+        return rows
 
     def release(self) -> None:
         """Forget this layer's registrations with its world (the shared pools stay); idempotent."""
         for rows in (self.rows or ()) + (self.scale_rows or ()):
             self.world.release(rows.home.key)
         self.rows = self.scale_rows = self.slot_grads = None
+        self._registered = {}
+
+    @torch.no_grad()
+    def follow_storage_swaps(self) -> None:
+        """Put back into its registered memory any home-expert weight whose storage was swapped on its device
+        since `bind` (`param.data = t`, a new Parameter or buffer set in its place): its values are copied
+        there and it is re-pointed at it (it no longer aliases `t`). That memory is what peers read (the
+        threads world holds the registered tensor, the symmetric world maps it) and what the arena's
+        `compute` view joins with the slots, so a swap left in place would run the experts' old values on
+        this rank's GEMMs or its peers' replicas. A move to another device goes through the layer's `.to()`
+        (which binds again). Not collective; a pointer compare per weight, a copy only after a swap.
+
+        Raises:
+            ValueError naming the weight and the rank where it now has another device, shape or dtype.
+        """
+        for name, memory in self._registered.items():
+            current = getattr(self, name)
+            if current.data_ptr() == memory.data_ptr() and current.stride() == memory.stride():
+                continue
+            if (current.device, current.shape, current.dtype) != (memory.device, memory.shape, memory.dtype):
+                raise ValueError(
+                    f"experts.{name} on rank {self.world.rank} was replaced by a {current.dtype} "
+                    f"{list(current.shape)} tensor on {current.device}; it must stay {memory.dtype} "
+                    f"{list(memory.shape)} on {memory.device} (move the layer with .to(), which binds it "
+                    "again)")
+            memory.copy_(current)
+            current.data = memory
 
     @property
     def scales(self) -> tuple[ExpertRows, None, ExpertRows] | None:
