@@ -461,19 +461,34 @@ def test_communicator_errors_name_its_arguments_and_the_rank():
     comm.destroy()
 
 
+OUTPUT_FIELDS = ("tokens_nvsh", "weights_nvs", "num_tokens_per_expert_g", "offsets_g", "expert_ids_g")
+
+
+def fill_with_another_step(comm: MoECommunicator) -> None:
+    """Run a step of other tokens and routing through `comm` as requests (which creates its comm stream), so
+    that the Buffer's rows and the comm stream's freed memory hold values unlike the step under test: a
+    read of that step's results that does not wait for them sees these."""
+    other = {k: v.cuda() for k, v in step_inputs(0, S, seed=1).items()}
+    out, handle = comm.dispatch_async(other["hidden"], other["topk"], other["weights"]).wait()
+    comm.combine_async(out.tokens_nvsh * out.weights_nvs[:, None], handle).wait()
+    torch.cuda.synchronize()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_async", [False, True])
 def test_communicator_results_are_final_on_the_callers_stream_while_the_comm_stream_is_busy(use_async):
     """`dispatch_async` / `combine_async` run each step on the Buffer's comm stream, `dispatch` / `combine`
     on the caller's stream. With the comm stream kept busy (a long sleep queued on it before each call),
     what the caller's stream reads at once (after `wait()`) must be the final result (it differed in 3 of 3
-    trials on the H200 when the calls, then all on the comm stream, returned without that wait)."""
+    trials on the H200 when the calls, then all on the comm stream, returned without that wait). The
+    Buffer's memory first holds another step's results (`fill_with_another_step`), so a `wait()` that does
+    not wait reads values unlike the final ones (after the same step, it read equal ones and passed)."""
     comm = MoECommunicator(comm_config(), world=single_world("cuda"))
     x = {k: v.cuda() for k, v in step_inputs(0, S).items()}
-    calm, handle = comm.dispatch_async(x["hidden"], x["topk"], x["weights"]).wait()  # creates the comm stream
-    calm = {f: getattr(calm, f).clone() for f in ("tokens_nvsh", "weights_nvs", "num_tokens_per_expert_g",
-                                                   "offsets_g", "expert_ids_g")}
-    comm.combine_async(calm["tokens_nvsh"] * calm["weights_nvs"][:, None], handle).wait()
+    want, handle = comm.dispatch(x["hidden"], x["topk"], x["weights"])
+    want = {f: getattr(want, f).clone() for f in OUTPUT_FIELDS}
+    comm.combine(want["tokens_nvsh"] * want["weights_nvs"][:, None], handle)
+    fill_with_another_step(comm)
     (comm_stream,) = comm_streams(comm.world)
 
     def busy(call):
@@ -483,8 +498,8 @@ def test_communicator_results_are_final_on_the_callers_stream_while_the_comm_str
 
     send = comm.dispatch_async if use_async else comm.dispatch
     out, handle = busy(lambda: send(x["hidden"], x["topk"], x["weights"]))
-    read = {f: getattr(out, f).clone() for f in calm}  # on the caller's stream, at once
-    for field, value in calm.items():
+    read = {f: getattr(out, f).clone() for f in want}  # on the caller's stream, at once
+    for field, value in want.items():
         assert torch.equal(read[field], value), field
     y_nvsh = out.tokens_nvsh * out.weights_nvs[:, None]
     gather = comm.combine_async if use_async else comm.combine
@@ -615,9 +630,7 @@ def test_async_request_returns_before_the_device_is_done():
     until the device is done, and `wait()` orders the caller's stream after them: the results are exact."""
     comm = MoECommunicator(comm_config(check_expert_ids=False), world=single_world("cuda"))
     x = {k: v.cuda() for k, v in step_inputs(0, S).items()}
-    out, handle = comm.dispatch_async(x["hidden"], x["topk"], x["weights"], capacity=S).wait()  # first use
-    comm.combine_async(out.tokens_nvsh, handle).wait()
-    torch.cuda.synchronize()
+    fill_with_another_step(comm)  # first use (compiles); a read that does not wait sees that step's rows
     torch.cuda._sleep(1_000_000_000)  # ~0.5 s on an H200, queued on the caller's stream
     start = time.perf_counter()
     torch.cuda.set_sync_debug_mode("error")
