@@ -85,13 +85,16 @@ def test_layer_computes_on_the_arena_and_matches_dense():
 
 
 def swapped_problem(p):
-    """`p` with new expert weights (representable in `p`'s dtype)."""
+    """`p` with new expert weights, and its tokens and weights representable in `p`'s dtype (what the layer
+    computes with, so that the float64 reference sees the same values)."""
     gen = torch.Generator().manual_seed(1234)
+    dtype = p.cfg.torch_dtype
 
     def new(t: torch.Tensor) -> torch.Tensor:
-        return (torch.randn(t.shape, generator=gen, dtype=F64) * t.std()).to(p.cfg.torch_dtype).double()
+        return (torch.randn(t.shape, generator=gen, dtype=F64) * t.std()).to(dtype).double()
 
-    return dataclasses.replace(p, gate_up_e2fh=new(p.gate_up_e2fh), down_ehf=new(p.down_ehf))
+    return dataclasses.replace(p, hidden=[h.to(dtype).double() for h in p.hidden],
+                               gate_up_e2fh=new(p.gate_up_e2fh), down_ehf=new(p.down_ehf))
 
 
 def layer_state_dict(p, layer, device: str) -> dict[str, torch.Tensor]:

@@ -587,7 +587,7 @@ def test_gpu_layer_ranks_agree_on_auto_when_their_timings_differ(monkeypatch):
 
     monkeypatch.setattr(registry, "cuda_timer", rank_timer)
     cfg = make_config(2, hidden_size=256, ffn_hidden_size=128, num_experts=8, max_tokens_per_rank=64,
-                      dtype="bfloat16", grouped_gemm="auto", router={"dtype": "float32"})
+                      token_padding=16, dtype="bfloat16", grouped_gemm="auto", router={"dtype": "float32"})
 
     def rank(world):
         layer = MoonEPMoELayer(cfg, world)
