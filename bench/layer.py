@@ -241,11 +241,23 @@ class TorchNativeMoE(nn.Module):
         token_n = order_n // self.top_k
         counts_e = torch.bincount(experts_tk.flatten(), minlength=self.gate_up.shape[0])
         offs_e = torch.cumsum(counts_e, 0).to(torch.int32)
-        x_nh = x_th[token_n]
-        gate_nf, up_nf = torch._grouped_mm(x_nh, self.gate_up.transpose(-2, -1), offs=offs_e).chunk(2, -1)
-        h_nf = F.silu(gate_nf) * up_nf * weights_tk.flatten()[order_n, None].to(x_th.dtype)
-        y_nh = torch._grouped_mm(h_nf, self.down.transpose(-2, -1), offs=offs_e)
+        y_nh = native_grouped_swiglu(x_th[token_n], weights_tk.flatten()[order_n], offs_e, self.gate_up,
+                                     self.down)
         return torch.zeros_like(x_th).index_add(0, token_n, y_nh)
+
+
+def native_grouped_swiglu(x_nh: torch.Tensor, weight_n: torch.Tensor, offs_e: torch.Tensor,
+                          gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The torch-native layer's experts on rows grouped by expert: `torch._grouped_mm` gate and up, SwiGLU
+    times the route weight, `torch._grouped_mm` down (autograd through all of it).
+
+    Args:
+        x_nh: `[n, H]` rows, expert by expert. weight_n: `[n]` their route weights. offs_e: `[E]` int32 end
+            offsets of the experts' rows. gate_up: `[E, 2H', H]`. down: `[E, H, H']`.
+    Returns `[n, H]` in the rows' dtype."""
+    gate_nf, up_nf = torch._grouped_mm(x_nh, gate_up.transpose(-2, -1), offs=offs_e).chunk(2, -1)
+    h_nf = F.silu(gate_nf) * up_nf * weight_n[:, None].to(x_nh.dtype)
+    return torch._grouped_mm(h_nf, down.transpose(-2, -1), offs=offs_e)
 
 
 def layer_weights(hidden: int, ffn: int, experts: int, seed: int = 0) -> dict[str, torch.Tensor]:
