@@ -506,8 +506,9 @@ class NativePlainEPRank:
     def routes(self) -> int:
         return len(self.recv_e)
 
-    def step(self) -> list[float]:
-        """One training step; returns its four all-to-all windows' seconds (after a sync)."""
+    def step(self) -> list[tuple]:
+        """One training step (queued on the device); returns its four all-to-all windows as (start, end)
+        stamps (`window_seconds` reads them once the step has completed)."""
         marks: list = []
 
         def all_to_all(arrive: torch.Tensor, staged: torch.Tensor, leave: torch.Tensor, index_m: torch.Tensor,
@@ -532,8 +533,7 @@ class NativePlainEPRank:
         y_nh.backward(self.recv_g)
         all_to_all(self.back, self.staged_back, self.leaf_x.grad, self.remote_recv_m, self.scratch_recv)
         torch.zeros_like(out_sh).index_add_(0, self.send_token_n, self.back)
-        sync(self.device)
-        return [seconds_between(a, b) for a, b in zip(marks[::2], marks[1::2], strict=True)]
+        return list(zip(marks[::2], marks[1::2], strict=True))
 
 
 def time_native(rank_step: NativePlainEPRank, link_s: list[float], reps: Repeats) -> dict:
@@ -546,7 +546,7 @@ def time_native(rank_step: NativePlainEPRank, link_s: list[float], reps: Repeats
         sync(rank_step.device)
         if i >= reps.warmup:
             totals.append(seconds_between(start, end))
-            nvlink.append(over_link(totals[-1], windows, link_s))
+            nvlink.append(over_link(totals[-1], [seconds_between(a, b) for a, b in windows], link_s))
     return {"local": spread(totals), "nvlink": spread(nvlink)}
 
 
@@ -585,6 +585,7 @@ def run_native(steps_off: list[GroupStep], maxvio: list[float], reps: Repeats, c
                 if record["compile_s"] is None:
                     start = time.perf_counter()
                     native.step()
+                    sync(device)
                     record["compile_s"] = time.perf_counter() - start
                 row["compiled"] = time_native(native, link_s, reps)
             except Exception as error:  # noqa: BLE001 - recorded; the eager layer stays the baseline
