@@ -35,8 +35,8 @@ from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa
 from torchtitan.models.common.moe import GroupedExperts, MoE  # noqa: E402
 from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter  # noqa: E402
 
-from moonep_moe import run_ranks  # noqa: E402
-from moonep_moe.integrations.torchtitan import MoonEPTitanMoE, swap_moe_modules, titan_grads  # noqa: E402
+from moonep_moe import run_ranks
+from moonep_moe.integrations.torchtitan import MoonEPTitanMoE, swap_moe_modules, titan_grads
 
 # torchtitan's router asks for fp32 autocast around its gate, which CPU autocast declines (with a warning)
 pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast, but the target dtype is not supported")
