@@ -3,7 +3,7 @@ same weights, same tokens, same run, and every speed also as a share of that run
 
     python -m bench.layer                   # DeepSeek-V3 layer at EP=1: T=8192, H=7168, H'=2048, E=256, K=8
     python -m bench.layer --profile         # and each row's GPU kernels of one step, grouped
-    python -m bench.layer --models all      # issue 13's whole table, DEFAULT rows (an H200: ~2-4 min)
+    python -m bench.layer --models all      # the whole model table, DEFAULT rows (an H200: ~2-4 min)
     python -m bench.layer --model qwen3-moe-30b-a3b   # any packaged model's shapes, all variants
     python -m bench.layer --tokens 4096 --experts 64
     python -m bench.layer --main-grad-backends auto triton torch deep_gemm --token-paddings 16 128  # the grid
@@ -12,7 +12,7 @@ same weights, same tokens, same run, and every speed also as a share of that run
                                             # slots the group's plan fills for it (maxvio 0)
     python -m bench.layer --ep-rank-of 8 --maxvio 20   # the same rank's groups at maxvio 20
     python -m bench.layer --device cpu --models all   # a one-step smoke run of every table, tiny H, H', T
-    python -m bench.layer --backends --main-grad-backends --fp8   # issue 16: the fp8 row beside DEFAULT
+    python -m bench.layer --backends --main-grad-backends --fp8   # the fp8 row beside DEFAULT
     python -m bench.layer --backends --main-grad-backends --fp8 --ep-rank-of 8   # and for one EP=8 rank
 
 --model NAME (alias --models): the shapes H, H', E, K and T (`max_tokens_per_rank`, 8192 for every packaged
@@ -20,14 +20,14 @@ model, which fits an H200 for each table below) come from `moonep_moe/configs/NA
 truth, `bench.common.model_shape`); --tokens, --hidden, --ffn, --experts and --top-k override them (the
 record then says so, and its name ends in `-custom`). Only the shapes are taken: both layers are the
 routed experts alone with a softmax router (no shared experts, no group-limited routing), as before.
---model all runs `ISSUE_TABLES`, issue 13's whole table: DeepSeek-V3 at EP=1 (item 1), one rank of EP=8
-for DeepSeek-V3 (32 + 32 groups) and Kimi-K2 (48 + 48) (item 2), Qwen3-MoE-30B-A3B and Mixtral-8x7B at
-EP=1 (item 3), each with both baselines and our DEFAULT row (variants only where --backends or
+--model all runs `MODEL_TABLES`, the whole model table: DeepSeek-V3 at EP=1, one rank of EP=8
+for DeepSeek-V3 (32 + 32 groups) and Kimi-K2 (48 + 48), Qwen3-MoE-30B-A3B and Mixtral-8x7B at
+EP=1, each with both baselines and our DEFAULT row (variants only where --backends or
 --main-grad-backends are given); one record per table. It is bounded by that: 5 tables x 3 layers, each
 step <= ~75 ms timed 2 x (3 + 10) times; the time goes to the five `torch.compile` baselines (~10 s each)
 and to first calls (Triton autotuning, DeepGEMM's JIT, `auto`'s GEMM measurement per shape).
 
---ep-rank-of R (issue 13, item 2): every layer computes what one rank of an EP group of R ranks computes
+--ep-rank-of R: every layer computes what one rank of an EP group of R ranks computes
 (`as_ep_rank`, `EP_RANK`: what it measures and leaves out, no peer traffic): the group's routing at
 --maxvio (default 0; bench.skew, the demo's generator) planned by the real planner (balance exact), and the
 rank hosting the most replicas (`ep_rank_plan`) taken with its routes per home expert and per slot, so only
@@ -35,13 +35,13 @@ the slots the plan fills are prefetched and reduced; torch-native runs the same 
 experts. (`bench.ep_group` times every rank of such a group, with its peers' traffic.) --device cpu: one
 step of ours per table on tiny shapes (`CPU_SMOKE`, the model's E and K kept), no timing (a smoke run).
 
-Targets (issue 13 item 1, `LAYER_TARGETS`), checked on the DEFAULT row of every table, from its numbers
+Targets (`LAYER_TARGETS`), checked on the DEFAULT row of every table, from its numbers
 (`layer_targets`, never set by hand): fwd+bwd useful rate >= 0.75 of dense, forward alone >= 0.85, peak
 memory <= 0.9x the baseline's; each printed as a PASS / MISS line with the median and the min-max of the
-runs, and recorded in `targets` with its `scope` (which item of the issue it is: item 1 for DeepSeek-V3 at
-EP=1, item 2 for the one-rank rows, for Qwen3 and Mixtral only where they stand against the same bounds).
+runs, and recorded in `targets` with its `scope` (the EP=1 layer's for DeepSeek-V3 at
+EP=1; for the one-rank rows, Qwen3 and Mixtral the same bounds, to say where they stand).
 
---fp8 (issue 16 item 6): an fp8 row right after the DEFAULT row, the DEFAULT config with `precision="fp8"`
+--fp8 (the fp8 layer): an fp8 row right after the DEFAULT row, the DEFAULT config with `precision="fp8"`
 and `token_padding=128` (`FP8_SETTINGS`: FP8 fwd and dgrad, bf16 wgrad, bf16 master weights), measured
 like every row and checked against `FP8_LAYER_TARGETS` (`fp8_layer_targets`): its fwd+bwd speed >= 1.6x
 the DEFAULT (bf16) row's, its fwd+bwd time <= 0.45x the baseline's (the faster torch-native bf16 layer),
@@ -730,23 +730,23 @@ class Table:
 
     @property
     def scope(self) -> str:
-        """Which of issue 13's targets the DEFAULT row's checks are (`LAYER_TARGETS` on every table)."""
+        """Which targets the DEFAULT row's checks are (`LAYER_TARGETS` on every table)."""
         if self.overrides:
-            return "custom shapes: the issue's bounds, for comparison only"
+            return "custom shapes: the EP=1 layer's bounds, for comparison only"
         if self.ep_rank_of is not None:
-            return f"issue 13 item 2 (one rank of EP={self.ep_rank_of}, whole layer): item 1's bounds"
+            return f"one rank of EP={self.ep_rank_of}, whole layer: the EP=1 layer's bounds"
         if self.model == "deepseek-v3":
-            return "issue 13 item 1"
-        return "issue 13 item 3: no target of its own; item 1's bounds, to say where it stands"
+            return "the EP=1 layer"
+        return "no target of its own: the EP=1 layer's bounds, to say where it stands"
 
 
 SHAPE_ARGS = ("tokens", "hidden", "ffn", "experts", "top_k")
 """The command line's shape options, each overriding the model's value where given."""
 
-ISSUE_TABLES = (("deepseek-v3", None), ("deepseek-v3", 8), ("kimi-k2", 8), ("qwen3-moe-30b-a3b", None),
+MODEL_TABLES = (("deepseek-v3", None), ("deepseek-v3", 8), ("kimi-k2", 8), ("qwen3-moe-30b-a3b", None),
                 ("mixtral-8x7b", None))
-"""`--model all`: issue 13's whole table, `(model, ep_rank_of)`: DeepSeek-V3 at EP=1 (item 1), one rank of
-EP=8 for DeepSeek-V3 and Kimi-K2 (item 2), Qwen3-MoE-30B-A3B and Mixtral-8x7B at EP=1 (item 3)."""
+"""`--model all`: the whole model table, `(model, ep_rank_of)`: DeepSeek-V3 at EP=1, one rank of
+EP=8 for DeepSeek-V3 and Kimi-K2, Qwen3-MoE-30B-A3B and Mixtral-8x7B at EP=1."""
 
 CPU_SMOKE = {"tokens": 64, "hidden": 64, "ffn": 32}
 """`--device cpu`: the model's E and K (and R), on these tiny T, H and H' unless given."""
@@ -768,7 +768,7 @@ def make_table(model: str, ep_rank_of: int | None, overrides: dict[str, int], ma
     return table
 
 
-LAYER_TARGETS = (  # (what, op, bound): issue 13 item 1, on the DEFAULT row
+LAYER_TARGETS = (  # (what, op, bound): the EP=1 layer, on the DEFAULT row
     ("fwd+bwd of dense", ">=", 0.75),
     ("fwd of dense", ">=", 0.85),
     ("peak vs baseline", "<=", 0.9),
@@ -794,7 +794,7 @@ FP8_VARIANTS = [FP8_SETTINGS, {**FP8_SETTINGS, FIXED: True}, {**FP8_SETTINGS, "f
 """--fp8's rows: the fp8 layer, the same with its weights fixed (as across a step's micro-batches), and the
 same dispatching its tokens as FP8 (`MoEConfig.fp8_dispatch`)."""
 
-FP8_LAYER_TARGETS = (  # (what, op, bound): issue 16 item 6, on the fp8 row
+FP8_LAYER_TARGETS = (  # (what, op, bound): on the fp8 row
     ("fp8 speed vs our bf16", ">=", 1.6),
     ("fp8 time vs torch-native bf16", "<=", 0.45),
     ("fp8 peak vs our bf16", "<=", 1.0),
@@ -802,9 +802,9 @@ FP8_LAYER_TARGETS = (  # (what, op, bound): issue 16 item 6, on the fp8 row
 
 
 def fp8_scope(row: dict) -> str:
-    """The scope an fp8 row's `fp8_layer_targets` are recorded under: the issue's item, and how the row
+    """The scope an fp8 row's `fp8_layer_targets` are recorded under: the fp8 layer, and how the row
     differs from the plain fp8 layer."""
-    return ("issue 16 item 6" + ", weights fixed over micro-batches" * row["fixed_expert_weights"]
+    return ("the fp8 layer" + ", weights fixed over micro-batches" * row["fixed_expert_weights"]
             + ", tokens dispatched as FP8" * row["fp8_dispatch"])
 
 
@@ -950,8 +950,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", "--models", default="deepseek-v3", choices=[*MODELS, "all"],
-                        help="the layer's shapes from moonep_moe/configs/<model>.yaml; all: issue 13's "
-                             "whole table (ISSUE_TABLES)")
+                        help="the layer's shapes from moonep_moe/configs/<model>.yaml; all: the whole "
+                             "whole table (MODEL_TABLES)")
     parser.add_argument("--tokens", type=int, default=None, help="S (default: the model's)")
     parser.add_argument("--hidden", type=int, default=None, help="H (default: the model's)")
     parser.add_argument("--ffn", type=int, default=None, help="H' (default: the model's)")
@@ -967,7 +967,7 @@ def main() -> None:
                         help="MoEConfig.token_padding values for every variant (default: the config's)")
     parser.add_argument("--fp8", action="store_true",
                         help="also the fp8 row (precision='fp8', token_padding=128) after DEFAULT, with "
-                             "issue 16's targets against it (FP8_LAYER_TARGETS)")
+                             "its targets against it (FP8_LAYER_TARGETS)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=10, help="timed runs per layer (the median of them)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
@@ -987,13 +987,13 @@ def main() -> None:
     if args.repeat < 5:
         parser.error(f"--repeat must be >= 5 (a median with a spread), got {args.repeat}")
     if args.model == "all" and args.ep_rank_of is not None:
-        parser.error("--ep-rank-of: --model all runs its own EP ranks (ISSUE_TABLES); give one --model")
+        parser.error("--ep-rank-of: --model all runs its own EP ranks (MODEL_TABLES); give one --model")
     if args.maxvio is not None and args.model != "all" and args.ep_rank_of is None:
         parser.error("--maxvio: it skews the group of --ep-rank-of's rank; give --ep-rank-of")
     given = {key: getattr(args, key) for key in SHAPE_ARGS if getattr(args, key) is not None}
     if args.device == "cpu":
         given = {**CPU_SMOKE, **given}
-    pairs = ISSUE_TABLES if args.model == "all" else ((args.model, args.ep_rank_of),)
+    pairs = MODEL_TABLES if args.model == "all" else ((args.model, args.ep_rank_of),)
     try:
         tables = [make_table(model, ep_rank_of, given, args.maxvio or 0.0) for model, ep_rank_of in pairs]
     except ValueError as error:
@@ -1007,7 +1007,7 @@ def main() -> None:
     limits = measure_limits()
     done = [(table, *run_table(table, variants, args, limits)) for table in tables]
     if len(done) > 1:
-        print("\nissue 13's table, every DEFAULT row (records: bench/results or --out):")
+        print("\nthe model table, every DEFAULT row (records: bench/results or --out):")
         for table, targets, path in done:
             print_targets(table.label, targets, args.repeat)
             print(f"  record: {path}")

@@ -12,8 +12,8 @@ from bench.layer import (
     FIXED,
     FP8_LAYER_TARGETS,
     FP8_SETTINGS,
-    ISSUE_TABLES,
     KERNEL_GROUPS,
+    MODEL_TABLES,
     fp8_layer_targets,
     kernel_group,
     layer_targets,
@@ -35,7 +35,7 @@ def test_routed_flops_count_three_projections_on_the_routed_rows():
     fwd = 3 * 2 * 8192 * 8 * 7168 * 2048
     assert routed_flops(8192, 8, 7168, 2048, backward=False) == fwd == 5_772_436_045_824
     assert routed_flops(8192, 8, 7168, 2048, backward=True) == 3 * fwd  # + dgrad + wgrad
-    # issue 13: torch-native's 50.1 ms fwd+bwd is 345 TFLOP/s of routed work
+    # torch-native's 50.1 ms fwd+bwd is 345 TFLOP/s of routed work
     assert routed_flops(8192, 8, 7168, 2048, backward=True) / 50.1e-3 / 1e12 == pytest.approx(345.6, abs=0.1)
 
 
@@ -339,7 +339,7 @@ def test_check_passes_on_the_median_and_keeps_the_spread():
 
 
 def test_model_shapes_come_from_the_packaged_configs():
-    # the issue's shapes: DeepSeek-V3 (7168, 2048, 256, 8), Qwen3-MoE-30B-A3B (2048, 768, 128, 8),
+    # the models' shapes: DeepSeek-V3 (7168, 2048, 256, 8), Qwen3-MoE-30B-A3B (2048, 768, 128, 8),
     # Mixtral-8x7B (4096, 14336, 8, 2), Kimi-K2 (DeepSeek-V3's experts, 384 of them); 8192 tokens, EP=8
     expected = {"deepseek-v3": (7168, 2048, 256, 8), "kimi-k2": (7168, 2048, 384, 8),
                 "qwen3-moe-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}
@@ -349,8 +349,8 @@ def test_model_shapes_come_from_the_packaged_configs():
                                       "tokens": 8192, "ep_size": 8}, model
 
 
-def test_issue_tables_are_the_issues_whole_table():
-    tables = [make_table(model, ep_rank_of, {}) for model, ep_rank_of in ISSUE_TABLES]
+def test_model_tables_are_the_whole_table():
+    tables = [make_table(model, ep_rank_of, {}) for model, ep_rank_of in MODEL_TABLES]
     shapes = [(t.label, t.shapes["num_experts"], t.shapes["top_k"], t.hidden, t.ffn, t.tokens)
               for t in tables]
     assert shapes == [("deepseek-v3 EP=1", 256, 8, 7168, 2048, 8192),
@@ -362,8 +362,9 @@ def test_issue_tables_are_the_issues_whole_table():
     assert [t.record_name for t in tables] == ["layer-deepseek-v3", "layer-deepseek-v3-ep8-rank",
                                                "layer-kimi-k2-ep8-rank", "layer-qwen3-moe-30b-a3b",
                                                "layer-mixtral-8x7b"], "one record per table, never the same"
-    assert [t.scope.split(" (")[0].split(":")[0] for t in tables] == [
-        "issue 13 item 1", "issue 13 item 2", "issue 13 item 2", "issue 13 item 3", "issue 13 item 3"]
+    assert [t.scope.split(":")[0] for t in tables] == [
+        "the EP=1 layer", "one rank of EP=8, whole layer", "one rank of EP=8, whole layer",
+        "no target of its own", "no target of its own"]
 
 
 def test_make_table_overrides_and_errors():
@@ -392,7 +393,7 @@ def test_layer_targets_from_the_default_row():
     row = {"layer": "moonep DEFAULT", "ms": 30.0, "ms_min": 28.0, "ms_max": 33.0, "fwd_ms": 10.0,
            "fwd_ms_min": 9.0, "fwd_ms_max": 12.0, "peak_gib": 40.0}
     baseline = {"layer": "torch-native compiled", "peak_gib": 44.0}
-    targets = {t["target"]: t for t in layer_targets(row, baseline, flops, dense, "issue 13 item 1")}
+    targets = {t["target"]: t for t in layer_targets(row, baseline, flops, dense, "the EP=1 layer")}
     assert list(targets) == ["fwd+bwd of dense", "fwd of dense", "peak vs baseline"]
     step = targets["fwd+bwd of dense"]
     assert (step["median"], step["min"], step["max"]) == pytest.approx((0.75, 0.75 * 30 / 33, 0.75 * 30 / 28))
@@ -404,7 +405,7 @@ def test_layer_targets_from_the_default_row():
     assert (peak["median"], peak["min"], peak["max"]) == pytest.approx((40 / 44,) * 3)
     assert not peak["pass"], "0.909 > 0.9"
     assert {(t["row"], t["baseline"], t["scope"]) for t in targets.values()} == {
-        ("moonep DEFAULT", "torch-native compiled", "issue 13 item 1")}
+        ("moonep DEFAULT", "torch-native compiled", "the EP=1 layer")}
 
 
 def test_table_variants_default_to_none_for_several_tables():
@@ -445,10 +446,10 @@ def test_weights_fixed_row_runs_the_fp8_config_inside_fixed_expert_weights(monke
     assert (default_fixed, plain, fixed) == (False, False, True)
     assert fixed_cfg == fp8_cfg and fixed_cfg.precision == "fp8" and name.endswith("weights fixed)")
     assert layer_bench.fp8_scope({"fixed_expert_weights": True, "fp8_dispatch": False}) == \
-        "issue 16 item 6, weights fixed over micro-batches"
-    assert layer_bench.fp8_scope({"fixed_expert_weights": False, "fp8_dispatch": False}) == "issue 16 item 6"
+        "the fp8 layer, weights fixed over micro-batches"
+    assert layer_bench.fp8_scope({"fixed_expert_weights": False, "fp8_dispatch": False}) == "the fp8 layer"
     assert layer_bench.fp8_scope({"fixed_expert_weights": False, "fp8_dispatch": True}) == \
-        "issue 16 item 6, tokens dispatched as FP8"
+        "the fp8 layer, tokens dispatched as FP8"
 
 
 def test_profile_covers_every_row_of_ours(monkeypatch):
@@ -474,7 +475,7 @@ def test_fp8_layer_targets_against_our_bf16_row_and_torch_native():
     fp8 = {"layer": "moonep fp8", "ms": 18.0, "ms_min": 17.0, "ms_max": 20.0, "peak_gib": 42.0}
     default = {"layer": "moonep DEFAULT", "ms": 30.0, "ms_min": 28.0, "ms_max": 33.0, "peak_gib": 40.0}
     baseline = {"layer": "torch-native compiled", "ms": 50.0, "ms_min": 48.0, "ms_max": 52.0, "peak_gib": 6.0}
-    targets = {t["target"]: t for t in fp8_layer_targets(fp8, default, baseline, "issue 16 item 6")}
+    targets = {t["target"]: t for t in fp8_layer_targets(fp8, default, baseline, "the fp8 layer")}
     assert [(t["target"], t["op"], t["bound"]) for t in targets.values()] == list(FP8_LAYER_TARGETS)
     assert [(op, bound) for _, op, bound in FP8_LAYER_TARGETS] == [(">=", 1.6), ("<=", 0.45), ("<=", 1.0)]
     speed = targets["fp8 speed vs our bf16"]
@@ -486,12 +487,12 @@ def test_fp8_layer_targets_against_our_bf16_row_and_torch_native():
     peak = targets["fp8 peak vs our bf16"]
     assert peak["median"] == pytest.approx(1.05) and not peak["pass"]
     assert {(t["row"], t["bf16_row"], t["baseline"], t["scope"]) for t in targets.values()} == {
-        ("moonep fp8", "moonep DEFAULT", "torch-native compiled", "issue 16 item 6")}
-    slow = fp8_layer_targets({**fp8, "ms": 19.0}, default, baseline, "issue 16 item 6")[0]
+        ("moonep fp8", "moonep DEFAULT", "torch-native compiled", "the fp8 layer")}
+    slow = fp8_layer_targets({**fp8, "ms": 19.0}, default, baseline, "the fp8 layer")[0]
     assert not slow["pass"], "30 / 19 = 1.58 < 1.6"
 
 
-def test_cpu_smoke_runs_every_table_of_the_issue(monkeypatch, capsys):
+def test_cpu_smoke_runs_every_model_table(monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["bench.layer", "--device", "cpu", "--models", "all", "--tokens", "32"])
     main()
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("cpu smoke")]
