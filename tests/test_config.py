@@ -279,6 +279,33 @@ def test_deep_gemm_needs_bfloat16():
         make(grouped_gemm="deep_gemm", dtype="float32")
 
 
+# --- values YAML would take silently: duplicate keys ----------------------------------------------------
+
+
+@pytest.mark.parametrize("text, key, lines", [
+    ("hidden_size: 8\ntop_k: 2\nnum_experts: 4\ntop_k: 1\n", "top_k", (2, 4)),
+    ("hidden_size: 8\nrouter:\n  n_group: 2\n  dtype: float32\n  n_group: 4\n", "n_group", (3, 5)),
+], ids=["top-level", "nested"])
+def test_duplicate_yaml_key_names_the_key_and_both_lines(tmp_path, text, key, lines):
+    """YAML lets the last of two equal keys win without a word; the loader refuses them instead."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}, line {lines[1]}, column ") and "\n" not in message
+    assert f"duplicate key {key!r} (first on line {lines[0]})" in message
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path):
+    """A key given beside a `<<` merge overrides the merged one, as YAML means: not a duplicate."""
+    path = tmp_path / "merge.yaml"
+    path.write_text("hidden_size: 8\nffn_hidden_size: 8\nnum_experts: 4\ntop_k: 1\nmax_tokens_per_rank: 4\n"
+                    "router:\n  <<: {n_group: 2, score_function: sigmoid}\n  n_group: 1\n")
+    router = load_config(path).router
+    assert (router.n_group, router.score_function) == (1, "sigmoid")
+
+
 # --- derived properties ---------------------------------------------------------------------------------
 
 
