@@ -177,6 +177,22 @@ def test_fp8_scales_of_the_wrong_shape_or_dtype_are_an_error_naming_the_key(layo
     assert f"{scales}: expected float32 {expected}" in load_errors(state)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_non_finite_fp8_scales_are_an_error_naming_the_key(layout, value):
+    """A NaN or infinite block scale would load as NaN or infinite weights (and NaN outputs): a load error,
+    as misshapen scales are."""
+    experts = fp8_experts(seed=6, quantiser="pow2")
+    if layout == "per_expert":
+        state, scales = per_expert_checkpoint(experts), "experts.3.gate_proj.weight_scale_inv"
+    else:
+        state, scales = fused_checkpoint(experts), "experts.down_proj_scale_inv"
+    state[scales] = state[scales].clone()
+    state[scales].view(-1)[-1] = value
+    message = load_errors(state)
+    assert f"{scales}: 1 of {state[scales].numel()} block scales are NaN or infinite" in message
+
+
 def test_fp8_scales_without_their_fp8_weight_are_an_error_naming_the_key():
     experts = fp8_experts(seed=5, quantiser="pow2")
     orphan = {**per_expert_checkpoint(experts), "experts.gate_up_proj_scale_inv": torch.ones(E, 4, 2)}
@@ -285,6 +301,17 @@ def test_swapped_fp8_deepseek_v3_matches_the_original_on_its_dequantised_weights
         want, got = reference(input_ids=ids, labels=ids), swapped(input_ids=ids, labels=ids)
     assert rel_err(got.logits, want.logits) <= HF_TOL[dtype]
     assert rel_err(got.loss, want.loss) <= HF_TOL[dtype]
+
+
+@pytest.mark.parametrize("name", ["experts.gate_up_proj_scale_inv",
+                                  "shared_experts.up_proj.weight_scale_inv"])
+def test_non_finite_fp8_scales_fail_at_the_swap_naming_the_key(name):
+    _, fp8 = quantised_deepseek_v3(torch.bfloat16)
+    with torch.no_grad():
+        fp8.model.layers[1].mlp.get_parameter(name).view(-1)[0] = float("nan")
+    with pytest.raises(ValueError, match=rf"DeepseekV3MoE.{name}: 1 of \d+ block scales are NaN or "
+                                         "infinite"):
+        swap_moe_blocks(fp8, BATCH * SEQ, token_padding=8)
 
 
 def test_fp8_experts_of_another_block_size_fail_at_the_swap():

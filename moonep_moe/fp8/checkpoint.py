@@ -1,6 +1,6 @@
 """FP8 weights in checkpoints: the DeepSeek-V3 format (`weight` e4m3 + `weight_scale_inv`, one fp32 scale per
 128x128 block) read back as dequantised weights (`checkpoint_weight`), with the scales' key
-(`SCALE_SUFFIX`) and layout checked."""
+(`SCALE_SUFFIX`), layout and values (finite) checked."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def checkpoint_scales(tensors: Mapping[str, torch.Tensor], key: str, parts: int 
     float32 ``block_scales_shape(weight.shape, parts)``; None for a weight that is not FP8.
 
     Raises:
-        ValueError naming the key: an FP8 weight without its scales, scales of another shape or dtype, or
-        scales beside a weight that is not FP8.
+        ValueError naming the key: an FP8 weight without its scales, scales of another shape or dtype, NaN or
+        infinite scales, or scales beside a weight that is not FP8.
     """
     weight, scale_key = tensors[key], key + SCALE_SUFFIX
     scales = tensors.get(scale_key)
@@ -37,6 +37,11 @@ def checkpoint_scales(tensors: Mapping[str, torch.Tensor], key: str, parts: int 
     if scales.dtype != torch.float32 or tuple(scales.shape) != expected:
         raise ValueError(f"{scale_key}: expected float32 {list(expected)} (one scale per 128x128 block of "
                          f"{key} {list(weight.shape)}), got {scales.dtype} {list(scales.shape)}")
+    bad = ~torch.isfinite(scales)
+    if bad.any():  # a host read: loading is not on a step's path
+        raise ValueError(f"{scale_key}: {int(bad.sum())} of {scales.numel()} block scales are NaN or "
+                         f"infinite (the first at index {bad.nonzero()[0].tolist()}); {key} would load as "
+                         f"NaN or infinite weights")
     return scales
 
 
