@@ -306,12 +306,14 @@ def test_swapped_fp8_deepseek_v3_matches_the_original_on_its_dequantised_weights
 @pytest.mark.parametrize("name", ["experts.gate_up_proj_scale_inv",
                                   "shared_experts.up_proj.weight_scale_inv"])
 def test_non_finite_fp8_scales_fail_at_the_swap_naming_the_key(name):
+    """Refused before any block is swapped: the first layer's block, which is fine, stays as it was."""
     _, fp8 = quantised_deepseek_v3(torch.bfloat16)
     with torch.no_grad():
         fp8.model.layers[1].mlp.get_parameter(name).view(-1)[0] = float("nan")
-    with pytest.raises(ValueError, match=rf"DeepseekV3MoE.{name}: 1 of \d+ block scales are NaN or "
-                                         "infinite"):
+    with pytest.raises(ValueError, match=rf"^model\.layers\.1\.mlp\.{name}: 1 of \d+ block scales are NaN "
+                                         "or infinite"):
         swap_moe_blocks(fp8, BATCH * SEQ, token_padding=8)
+    assert not any(isinstance(m, MoonEPBlock) for m in fp8.modules())
 
 
 def test_fp8_experts_of_another_block_size_fail_at_the_swap():

@@ -37,12 +37,18 @@ def checkpoint_scales(tensors: Mapping[str, torch.Tensor], key: str, parts: int 
     if scales.dtype != torch.float32 or tuple(scales.shape) != expected:
         raise ValueError(f"{scale_key}: expected float32 {list(expected)} (one scale per 128x128 block of "
                          f"{key} {list(weight.shape)}), got {scales.dtype} {list(scales.shape)}")
-    bad = ~torch.isfinite(scales)
-    if bad.any():  # a host read: loading is not on a step's path
-        raise ValueError(f"{scale_key}: {int(bad.sum())} of {scales.numel()} block scales are NaN or "
-                         f"infinite (the first at index {bad.nonzero()[0].tolist()}); {key} would load as "
-                         f"NaN or infinite weights")
+    check_finite_scales(scales, scale_key)
     return scales
+
+
+def check_finite_scales(scales: torch.Tensor, scale_key: str) -> None:
+    """Raise ValueError naming ``scale_key`` (a weight's key + ``SCALE_SUFFIX``) where its block scales hold
+    NaN or infinite values, which would dequantise to NaN or infinite weights. A host read (loading only)."""
+    bad = ~torch.isfinite(scales)
+    if bad.any():
+        raise ValueError(f"{scale_key}: {int(bad.sum())} of {scales.numel()} block scales are NaN or "
+                         f"infinite (the first at index {bad.nonzero()[0].tolist()}); "
+                         f"{scale_key.removesuffix(SCALE_SUFFIX)} would load as NaN or infinite weights")
 
 
 def checkpoint_weight(tensors: Mapping[str, torch.Tensor], key: str, parts: int = 1,
