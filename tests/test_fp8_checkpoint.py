@@ -21,7 +21,7 @@ import torch
 
 from moonep_moe.config import MoEConfig
 from moonep_moe.fp8.format import E4M3_MAX, FP8_DTYPE, quantise_blocks
-from moonep_moe.integrations.hf import MoonEPBlock, swap_moe_blocks
+from moonep_moe.integrations.hf import MoonEPBlock, hf_state_dict, swap_moe_blocks
 from moonep_moe.layers.moe import MoonEPMoELayer
 from moonep_moe.transport.threads import run_ranks
 
@@ -314,6 +314,37 @@ def test_non_finite_fp8_scales_fail_at_the_swap_naming_the_key(name):
                                          "or infinite"):
         swap_moe_blocks(fp8, BATCH * SEQ, token_padding=8)
     assert not any(isinstance(m, MoonEPBlock) for m in fp8.modules())
+
+
+def test_swap_dequantises_fp8_weights_in_bounded_chunks(monkeypatch):
+    """The swap never widens a whole FP8 weight to fp32 at once (DeepSeek-V3: one layer's experts, or even
+    one expert's gate_up, 117 MB in fp32): every dequantisation it asks for is at most
+    `DEQUANTISE_CHUNK_BYTES` of fp32 values (here 32 KiB: gate_up's parts [512, 32] go in row bands, down
+    [32, 512] in column bands), and the masters are the same bits as dequantising each whole tensor."""
+    import moonep_moe.fp8.checkpoint as checkpoint
+    from moonep_moe.fp8.format import dequantise_blocks
+
+    _, fp8 = quantised_deepseek_v3(torch.bfloat16, ffn=512)
+    whole = {}  # the whole-tensor dequantisation of every FP8 tensor, rounded to the bf16 masters
+    for name, module in fp8.named_modules():
+        for weight_name, weight in module.named_parameters(recurse=False):
+            if weight.dtype == FP8_DTYPE:
+                parts = 2 if weight_name == "gate_up_proj" else 1
+                scales = getattr(module, f"{weight_name}_scale_inv")
+                whole[f"{name}.{weight_name}"] = dequantise_blocks(weight, scales, torch.float32,
+                                                                   parts).bfloat16()
+    sizes = []
+
+    def recording(q, scales, dtype=torch.float64, parts=1):
+        sizes.append(q.numel() * dtype.itemsize)  # the bytes of the fp32 tensor it is asked to make
+        return dequantise_blocks(q, scales, dtype, parts)
+
+    monkeypatch.setattr(checkpoint, "DEQUANTISE_CHUNK_BYTES", 32 * 1024)
+    monkeypatch.setattr(checkpoint, "dequantise_blocks", recording)
+    swapped = swap_moe_blocks(fp8, BATCH * SEQ, token_padding=8)
+    assert sizes and max(sizes) <= 32 * 1024, f"largest fp32 temporary: {max(sizes)} bytes"
+    state = hf_state_dict(swapped)  # under the original names; at EP=1 every routed expert is home
+    assert len(whole) == 10 and all(torch.equal(state[name], value) for name, value in whole.items())
 
 
 def test_fp8_experts_of_another_block_size_fail_at_the_swap():

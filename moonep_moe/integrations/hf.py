@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from moonep_moe.config import MoEConfig
-from moonep_moe.fp8.checkpoint import SCALE_SUFFIX, check_finite_scales, checkpoint_weight
+from moonep_moe.fp8.checkpoint import SCALE_SUFFIX, check_finite_scales, copy_checkpoint_weight_
 from moonep_moe.fp8.format import BLOCK, FP8_DTYPE
 from moonep_moe.layers.moe import MoonEPMoELayer
 from moonep_moe.transport.threads import single_world
@@ -245,7 +245,9 @@ def _install_logits_hook(block: MoonEPBlock) -> None:
 @torch.no_grad()
 def _copy_weights(block: nn.Module, target: MoonEPBlock) -> None:
     """Copy the HF block's tensors into `target`: its home experts (`HomeExperts.load_fused`: into masters,
-    FP8 ones dequantised, or kept FP8 with `expert_weights="fp8"`), then the rest (FP8 ones dequantised)."""
+    FP8 ones dequantised, or kept FP8 with `expert_weights="fp8"`), then the rest (FP8 ones dequantised). FP8
+    weights are dequantised expert by expert, in bounded chunks (`copy_checkpoint_weight_`), never as one
+    fp32 copy of a whole block's experts."""
     source = dict(block.state_dict())
     errors: list[str] = []
     target.moe.experts.load_fused(source, EXPERT_KEYS, errors)
@@ -258,14 +260,13 @@ def _copy_weights(block: nn.Module, target: MoonEPBlock) -> None:
             continue  # an expert bias the overrides added (router.expert_bias) starts at zero
         if name not in source:
             raise ValueError(f"{target.hf_class}: expected a tensor named {name!r}, found {sorted(source)}")
+        if source[name].shape != view.shape:
+            raise ValueError(f"{target.hf_class}.{name}: expected shape {list(view.shape)}, "
+                             f"got {list(source[name].shape)}")
         try:
-            value = checkpoint_weight(source, name)
+            copy_checkpoint_weight_(view, source, name)
         except ValueError as error:
             raise ValueError(f"{target.hf_class}.{error}") from None
-        if value.shape != view.shape:
-            raise ValueError(f"{target.hf_class}.{name}: expected shape {list(view.shape)}, "
-                             f"got {list(value.shape)}")
-        view.copy_(value)
 
 
 def swap_moe_blocks(model: nn.Module, max_tokens_per_rank: int, world: EPWorld | None = None,
