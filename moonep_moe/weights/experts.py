@@ -25,7 +25,8 @@ FP8 checkpoints load too: DeepSeek-V3's released per-expert e4m3 `{e}.down_proj.
 `{e}.down_proj.weight_scale_inv` (one scale per 128x128 block), and transformers' fused FP8 experts
 `gate_up_proj` + `gate_up_proj_scale_inv` (gate's and up's scales stacked) and `down_proj` +
 `down_proj_scale_inv`: each weight times its block scales in fp32, as the format defines it, rounded to the
-parameters' dtype (`fp8.format.checkpoint_weight`). `state_dict()` holds the parameters, never FP8.
+parameters' dtype (`fp8.checkpoint.copy_checkpoint_weight_`, chunk by chunk: no fp32 copy of a whole
+expert). `state_dict()` holds the parameters, never FP8.
 
 FP8 experts with no master (`expert_weights="fp8"`, inference): `gate_up` and `down` are then e4m3 buffers
 (not parameters: nothing to train) beside fp32 block scales `gate_up_scale_inv [epn, 2F/128, ceil(H/128)]`
@@ -45,7 +46,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from moonep_moe.fp8.checkpoint import SCALE_SUFFIX, checkpoint_scales, checkpoint_weight
+from moonep_moe.fp8.checkpoint import SCALE_SUFFIX, checkpoint_scales, copy_checkpoint_weight_
 from moonep_moe.fp8.format import BLOCK, FP8_DTYPE, block_scales_shape, quantise_blocks
 from moonep_moe.transport.world import EPWorld, SymmetricTensor
 from moonep_moe.weights.pool import ExpertRows, allocate_home, slot_grad_pool, slot_pool, slot_scale_pool
@@ -225,13 +226,12 @@ class HomeExperts(nn.Module):
     def _store(self, kind: str, i: int, start: int, stop: int, state_dict, key: str, parts: int = 1,
                index=..., transposed: bool = False) -> None:
         """Expert i's rows [start, stop) of `kind` from `state_dict[key][index]` (transposed if so stored):
-        masters take the checkpoint's values (FP8 ones dequantised, `checkpoint_weight`); FP8 experts take an
-        FP8 weight's bytes and scales as stored, and quantise any other (`quantise_blocks`). Raises as
-        `checkpoint_scales`."""
+        masters take the checkpoint's values (FP8 ones dequantised in bounded chunks,
+        `copy_checkpoint_weight_`); FP8 experts take an FP8 weight's bytes and scales as stored, and quantise
+        any other (`quantise_blocks`). Raises as `checkpoint_scales`."""
         weight, scales = self._views(kind, i, start, stop)
         if scales is None:
-            value = checkpoint_weight(state_dict, key, parts, index)
-            weight.copy_(value.T if transposed else value)
+            copy_checkpoint_weight_(weight.T if transposed else weight, state_dict, key, parts, index)
             return
         stored_scales = checkpoint_scales(state_dict, key, parts)
         value = state_dict[key][index].to(weight.device)
