@@ -197,6 +197,26 @@ def test_ep_rank_groups_are_a_ranks_home_experts_and_as_many_slots():
             ep_rank_groups(experts, ranks)
 
 
+def assert_rank_equals_plain(rank, plain, epn: int, tokens: int, hidden: int) -> None:
+    """One EP rank's layer and a plain layer over its home experts and their copies give the same output and
+    input and router gradients, and each home expert's gradient is the sum of both copies' (float64)."""
+    import torch
+
+    x = torch.randn(tokens, hidden, dtype=torch.float64)
+    grad = torch.randn(tokens, hidden, dtype=torch.float64)
+    outs = []
+    for layer in (rank, plain):
+        x_th = x.clone().requires_grad_()
+        out = layer(x_th)
+        out.backward(grad)
+        outs.append((out, x_th.grad, layer.router.weight.grad))
+    for mine, ref in zip(*outs, strict=True):
+        torch.testing.assert_close(mine, ref)
+    for name in ("gate_up", "down"):
+        ref = getattr(plain.experts, name).grad
+        torch.testing.assert_close(getattr(rank.experts, name).grad, ref[:epn] + ref[epn:])
+
+
 def test_ep_rank_layer_equals_a_layer_whose_slot_experts_copy_the_home_ones():
     """`as_ep_rank`: epn home + epn slot groups of one rank, the slots holding experts 0..epn-1 (the
     prefetch stand-in), equal a plain layer over 2*epn experts whose experts epn+j copy experts j; the home
@@ -221,19 +241,7 @@ def test_ep_rank_layer_equals_a_layer_whose_slot_experts_copy_the_home_ones():
         plain.experts.down.copy_(rank.experts.down.repeat(2, 1, 1))
     assert isinstance(rank._state.buffer, RankOfEPBuffer)
     assert rank.experts.gate_up.shape[0] == epn and rank.experts.num_slots == epn
-    x = torch.randn(tokens, hidden, dtype=torch.float64)
-    grad = torch.randn(tokens, hidden, dtype=torch.float64)
-    outs = []
-    for layer in (rank, plain):
-        x_th = x.clone().requires_grad_()
-        out = layer(x_th)
-        out.backward(grad)
-        outs.append((out, x_th.grad, layer.router.weight.grad))
-    for mine, ref in zip(*outs, strict=True):
-        torch.testing.assert_close(mine, ref)
-    for name in ("gate_up", "down"):
-        ref = getattr(plain.experts, name).grad
-        torch.testing.assert_close(getattr(rank.experts, name).grad, ref[:epn] + ref[epn:])
+    assert_rank_equals_plain(rank, plain, epn, tokens, hidden)
     assert int(rank._state.last_plan.cu_seqlens[-1]) >= tokens * 3, "every route in the rank's groups"
 
 
@@ -296,19 +304,7 @@ def test_ep_rank_layer_with_a_plan_prefetches_and_reduces_only_its_slots():
         plain.experts.gate_up.copy_(rank.experts.gate_up.repeat(2, 1, 1))
         plain.experts.down.copy_(rank.experts.down.repeat(2, 1, 1))
     assert isinstance(rank._state.buffer, RankOfEPBuffer) and rank._state.buffer.used_j.tolist() == [1, 3]
-    x = torch.randn(tokens, hidden, dtype=torch.float64)
-    grad = torch.randn(tokens, hidden, dtype=torch.float64)
-    outs = []
-    for layer in (rank, plain):
-        x_th = x.clone().requires_grad_()
-        out = layer(x_th)
-        out.backward(grad)
-        outs.append((out, x_th.grad, layer.router.weight.grad))
-    for mine, ref in zip(*outs, strict=True):
-        torch.testing.assert_close(mine, ref)
-    for name in ("gate_up", "down"):
-        ref = getattr(plain.experts, name).grad
-        torch.testing.assert_close(getattr(rank.experts, name).grad, ref[:epn] + ref[epn:])
+    assert_rank_equals_plain(rank, plain, epn, tokens, hidden)
     slots = rank.experts.rows[0].slots.local
     assert slots[[0, 2]].abs().sum() == 0 and slots[[1, 3]].abs().sum() > 0, "only the used slots copied"
     ends = rank._state.last_plan.cu_seqlens
