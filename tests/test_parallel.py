@@ -8,7 +8,10 @@ every step's reduction (DDP / FSDP2 for the non-expert parameters, `reduce_exper
 experts), every gradient must equal a single-process run's on the same global batch (one rank, all E experts,
 every rank's tokens in one batch); so must the parameters after SGD steps and the expert bias moved by
 `update_expert_bias`. One case runs the MoE layer under activation checkpointing (its recompute in backward
-plans and exchanges again beside DDP's reductions).
+plans and exchanges again beside DDP's reductions). One zeroes with `zero_grad(set_to_none=False)` in
+"main_grad" mode, so the home experts keep a `.grad` that `reduce_expert_grads` must leave alone. Every case
+checks the layers' `expert_load` counts before `update_expert_bias`: each EP group's own (DDP must not
+broadcast them), summing over "dp" to the single-process counts.
 
 A home-expert gradient reduced over the wrong group ("ep", or every rank) or scaled by 1/dp instead of 1/W
 fails these checks (checked by breaking `reduce_expert_grads` on purpose). One spawned run per mesh carries
@@ -55,11 +58,13 @@ TOL = dict(rtol=1e-9, atol=1e-12)
 H, TOKENS, STEPS = 16, 12, 2
 """Hidden size, tokens per rank per step, optimizer steps per case."""
 
-# name: (strategy, expert_grad_dtype, micro-batches per step, the MoE layer under activation checkpointing)
+# name: (strategy, expert_grad_dtype, micro-batches per step, the MoE layer under activation checkpointing,
+#        zero_grad's set_to_none)
 CASES = {
-    "ddp": ("ddp", "param", 1, False),
-    "fsdp2-accumulate": ("fsdp", "param", 2, False),
-    "ddp-main_grad-accumulate-checkpointed": ("ddp", "main_grad", 2, True),
+    "ddp": ("ddp", "param", 1, False, True),
+    "fsdp2-accumulate": ("fsdp", "param", 2, False, True),
+    "ddp-main_grad-accumulate-checkpointed": ("ddp", "main_grad", 2, True, True),
+    "ddp-main_grad-grads-kept-as-zeros": ("ddp", "main_grad", 1, False, False),
 }
 
 
@@ -119,42 +124,45 @@ def snapshot(net: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
     return {n: full(t) for n, t in [*net.named_parameters(), *net.named_buffers()]}
 
 
-def optimizer_step(net: Net, optimizer: torch.optim.Optimizer) -> None:
+def optimizer_step(net: Net, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
     if net.moe.config.expert_grad_dtype == "main_grad":
         for p in expert_parameters(net):
             p.grad = p.main_grad.to(p.dtype)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=set_to_none)
     net.moe.zero_main_grad()
 
 
-def reference(ranks: int) -> tuple[list[dict], dict]:
-    """One process, one rank: every step on the whole global batch; the gradients of every step and the
-    final parameters and buffers."""
+def reference(ranks: int) -> tuple[list[dict], dict, list[torch.Tensor]]:
+    """One process, one rank: every step on the whole global batch; the gradients of every step, the final
+    parameters and buffers, and every step's expert loads."""
     net = build(make_config(1, ranks * TOKENS), single_world())
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    grads = []
+    grads, loads = [], []
     for step in range(STEPS):
         x, y = global_batch(step, ranks)
         nn.functional.mse_loss(net(x), y).backward()
         grads.append(snapshot(net, grads=True))
         optimizer_step(net, optimizer)
+        loads.append(net.moe.expert_load.clone())
         net.moe.update_expert_bias()
-    return grads, snapshot(net, grads=False)
+    return grads, snapshot(net, grads=False), loads
 
 
 # -- what runs in the spawned processes ---------------------------------------------------------------------
 
 
-def run_case(dp: int, ep: int, strategy: str, grad_mode: str, micro: int, checkpointed: bool) -> dict:
-    """This rank's gradients after each step's reduction and its final parameters, training `Net` on the
-    `(dp, ep)` mesh wrapped by `strategy`, with `micro` micro-batches per step."""
+def run_case(dp: int, ep: int, strategy: str, grad_mode: str, micro: int, checkpointed: bool,
+             set_to_none: bool) -> dict:
+    """This rank's gradients after each step's reduction, its expert loads before each bias update and its
+    final parameters, training `Net` on the `(dp, ep)` mesh wrapped by `strategy`, with `micro`
+    micro-batches per step."""
     mesh = moe_mesh(dp, ep)
     net = build(make_config(ep, TOKENS, grad_mode), ep_world(mesh), checkpointed)
     model = data_parallel(net, mesh, strategy, blocks=[net.moe] if strategy == "fsdp" else ())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     rank = mesh.get_rank()
-    grads = []
+    grads, loads = [], []
     for step in range(STEPS):
         x, y = (t[rank * TOKENS:(rank + 1) * TOKENS] for t in global_batch(step, dp * ep))
         for i, (x_m, y_m) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
@@ -168,21 +176,29 @@ def run_case(dp: int, ep: int, strategy: str, grad_mode: str, micro: int, checkp
                 (nn.functional.mse_loss(model(x_m), y_m) / micro).backward()
         reduce_expert_grads(model, mesh)
         grads.append(snapshot(net, grads=True))
-        optimizer_step(net, optimizer)
+        optimizer_step(net, optimizer, set_to_none)
+        loads.append(net.moe.expert_load.clone())
         update_expert_bias(model, mesh)
-    return {"grads": grads, "state": snapshot(net, grads=False), "ep_rank": mesh.get_local_rank("ep"),
+    return {"grads": grads, "state": snapshot(net, grads=False), "loads": loads,
+            "ep_rank": mesh.get_local_rank("ep"),
             "slots_used": int(net.moe.balance_stats()["slots_used"].sum())}
 
 
 def errors(dp: int, ep: int) -> dict[str, str]:
     """What the helpers raise: a strategy they do not know, a step without gradients, a layer built on
-    another EP group than the mesh's "ep" dimension (the WORLD group's: the "ep" group itself at dp 1)."""
+    another EP group than the mesh's "ep" dimension (the WORLD group's: the "ep" group itself at dp 1), and
+    where dp == ep one built on a group of the right size over other ranks (this rank's "dp" column)."""
     mesh, raised = moe_mesh(dp, ep), {}
     net = build(make_config(ep, TOKENS), ep_world(mesh))
     other = build(make_config(dp * ep, TOKENS), collective_world(None))
-    for name, call in (("strategy", lambda: data_parallel(net, mesh, "zero")),
-                       ("no grad", lambda: reduce_expert_grads(net, mesh)),
-                       ("other group", lambda: data_parallel(other, mesh))):
+    calls = [("strategy", lambda: data_parallel(net, mesh, "zero")),
+             ("no grad", lambda: reduce_expert_grads(net, mesh)),
+             ("other group", lambda: data_parallel(other, mesh))]
+    if dp == ep:
+        column = build(make_config(dp, TOKENS), collective_world(mesh["dp"].get_group()))
+        calls += [("other ranks", lambda: data_parallel(column, mesh)),
+                  ("other ranks, reduce", lambda: reduce_expert_grads(column, mesh))]
+    for name, call in calls:
         try:
             call()
         except ValueError as error:
@@ -215,7 +231,7 @@ def assert_matches(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], 
 @pytest.mark.parametrize("case", CASES)
 def test_every_gradient_and_step_equals_one_process_on_the_global_batch(mesh_run, case):
     (dp, ep), results = mesh_run
-    ref_grads, ref_state = reference(dp * ep)
+    ref_grads, ref_state, _ = reference(dp * ep)
     epn = 8 // ep
     for rank, result in enumerate(results):
         got = result[case]
@@ -225,6 +241,21 @@ def test_every_gradient_and_step_equals_one_process_on_the_global_batch(mesh_run
         assert_matches(got["state"], ref_state, got["ep_rank"], epn, f"{case}, rank {rank}, final state")
     if ep > 1:
         assert results[0][case]["slots_used"] > 0, "the skewed routing made no replicas"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_expert_loads_stay_each_ep_groups_own_and_sum_over_dp_to_one_process(mesh_run, case):
+    """Before each bias update, every rank holds its EP group's counts (the same on the group's ranks,
+    never another group's: DDP leaves `expert_load` out of its buffer broadcast, micro-batches included),
+    and the groups' counts sum over "dp" to the single-process counts of the global batch."""
+    (dp, ep), results = mesh_run
+    _, _, ref_loads = reference(dp * ep)
+    for step in range(STEPS):
+        group_loads = [results[d * ep][case]["loads"][step] for d in range(dp)]
+        for rank, result in enumerate(results):
+            assert torch.equal(result[case]["loads"][step], group_loads[rank // ep]), \
+                f"{case}, step {step}: rank {rank} holds other counts than its EP group's first rank"
+        assert torch.equal(sum(group_loads), ref_loads[step]), f"{case}, step {step}: {group_loads}"
 
 
 # -- the training command: torchrun, DP x EP ----------------------------------------------------------------
@@ -294,7 +325,13 @@ def test_helpers_refuse_misuse_naming_the_rank(mesh_run):
         if dp == 1:  # the WORLD group is the mesh's "ep" group
             assert "other group" not in raised
             continue
+        ep_ranks = [rank // 2 * 2, rank // 2 * 2 + 1]
         other = raised["other group"]
-        assert other.startswith("a MoonEPMoELayer of model was built on an EP world of 4 ranks that is not "
-                                "the mesh's 'ep' dimension"), other
-        assert f"on rank {rank}: build every layer with MoonEPMoELayer(config, ep_world(mesh))" in other
+        assert other == (f"a MoonEPMoELayer of model was built on an EP world of ranks [0, 1, 2, 3], not the "
+                         f"mesh's 'ep' dimension (ranks {ep_ranks}), on rank {rank}: build every layer with "
+                         "MoonEPMoELayer(config, ep_world(mesh))")
+        column = [rank % 2, rank % 2 + 2]  # the right size, the wrong experts: refused by both helpers
+        for name in ("other ranks", "other ranks, reduce"):
+            assert raised[name].startswith(f"a MoonEPMoELayer of model was built on an EP world of ranks "
+                                           f"{column}, not the mesh's 'ep' dimension (ranks {ep_ranks}), on "
+                                           f"rank {rank}"), raised[name]
