@@ -170,24 +170,28 @@ class HomeExperts(nn.Module):
         return tuple(Fp8Weights(rows.compute_weights(), scales.compute_weights())
                      for rows, scales in zip(self.rows, self.scale_rows, strict=True))
 
-    def new_grads(self, home: tuple[torch.Tensor, torch.Tensor] | None = None
-                  ) -> tuple[ExpertRows, ExpertRows]:
-        """This step's gradients of `(gate_up, down)` for `Buffer.reduce_grad`: home gradients `[epn, 2F, H]`
-        and `[epn, H, F]` beside the shared fp32 slot gradient pools. The home gradients are local to this
-        rank (peers only pull slot gradients).
+    def main_grads(self, trains: tuple[bool, bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """"main_grad" mode: the persistent `main_grad` of `gate_up` and `down` (`persistent_main_grad`),
+        which the weight-gradient GEMMs add into; None for a projection that `trains` says is frozen (none
+        is allocated for it)."""
+        return tuple(persistent_main_grad(weight, f"experts.{kind}", self.world.rank) if train else None
+                     for kind, weight, train in zip(("gate_up", "down"), (self.gate_up, self.down), trains,
+                                                    strict=True))
 
-        `home` ("param" mode): the fresh home gradients the weight-gradient GEMMs made in the parameters'
-        dtype, kept as they are, so autograd keeps them as `.grad` without a copy and nothing of the size
-        of the parameters stays allocated between steps. None ("main_grad" mode): each parameter's
-        persistent `main_grad` (`persistent_main_grad`), which the weight-gradient GEMMs add into."""
+    def new_grads(self, home: tuple[torch.Tensor | None, torch.Tensor | None]
+                  ) -> tuple[ExpertRows | None, ExpertRows | None]:
+        """This step's gradients of `(gate_up, down)` for `Buffer.reduce_grad`: each home gradient
+        (`[epn, 2F, H]`, `[epn, H, F]`) beside its shared fp32 slot-gradient pool; None where `home` is None
+        (a frozen projection). The home gradients are local to this rank (peers only pull slot gradients):
+        in "param" mode the fresh ones the weight-gradient GEMMs made in the parameters' dtype, kept as they
+        are, so autograd keeps them as `.grad` without a copy and nothing of the size of the parameters stays
+        allocated between steps; in "main_grad" mode the persistent `main_grads`."""
         world = self.world
-        weights = (self.gate_up, self.down)
         grads = []
-        for i, (kind, weight, slots) in enumerate(zip(("gate_up", "down"), weights, self.slot_grads,
-                                                      strict=True)):
-            grad = persistent_main_grad(weight, f"experts.{kind}", world.rank) if home is None else home[i]
+        for kind, grad, slots in zip(("gate_up", "down"), home, self.slot_grads, strict=True):
             peers = tuple(grad if r == world.rank else None for r in range(world.size))
-            grads.append(ExpertRows(SymmetricTensor(f"{self.name}/{kind}_grad", world.rank, peers), slots))
+            grads.append(None if grad is None else
+                         ExpertRows(SymmetricTensor(f"{self.name}/{kind}_grad", world.rank, peers), slots))
         return grads[0], grads[1]
 
     def reset_parameters(self) -> None:
@@ -335,3 +339,30 @@ def persistent_main_grad(weight: nn.Parameter, name: str, rank: int) -> torch.Te
                          f"{list(weight.shape)} on {weight.device}, got {grad.dtype} {list(grad.shape)} on "
                          f"{grad.device}")
     return grad
+
+
+def main_grad_added(weight: nn.Parameter) -> torch.Tensor | None:
+    """What autograd receives for `weight` ("main_grad" mode) once its gradient was added into `main_grad`:
+    None, or for a parameter that carries `grad_added_to_main_grad` (Megatron-Core's grad-buffer protocol:
+    its DDP puts the flag on every parameter whose `main_grad` is a view of its grad buffer) the flag set
+    True and a placeholder gradient of `weight`'s shape and dtype. The placeholder makes autograd run the
+    parameter's gradient accumulation, so the DDP's hook there fires (it marks the buffer's bucket ready)
+    and, seeing the flag, leaves `main_grad` alone and drops `.grad`. As in Megatron-Core the placeholder is
+    uninitialised unless `weight.zero_out_wgrad` asks for zeros: the gradient is `main_grad`, never `.grad`.
+    """
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    fill = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    return fill(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
+@torch.no_grad()
+def zero_main_grad_(weight: nn.Parameter) -> None:
+    """Zero `weight.main_grad` in place where it is allocated (a grad buffer holding it as a view sees the
+    zeros; a new tensor would leave the buffer holding the old sums), and clear `grad_added_to_main_grad`
+    where the parameter carries it, as Megatron-Core's DDP does when it zeroes its grad buffers."""
+    if getattr(weight, "main_grad", None) is not None:
+        weight.main_grad.zero_()
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = False
