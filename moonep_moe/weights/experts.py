@@ -83,16 +83,19 @@ class HomeExperts(nn.Module):
         seed: the layer's init seed (the same on every rank; see `reset_parameters`).
         fp8: keep the experts FP8 with no master (`MoEConfig.expert_weights="fp8"`): e4m3 buffers and their
             block scales instead of `dtype` parameters (see the module docstring).
+        allow_non_finite: load checkpoint weights that hold NaN or Inf as stored
+            (`MoEConfig.allow_non_finite_weights`); by default they are a load error.
 
     The weights start on meta, unallocated: the owner calls `bind(world)` once they are to live on a real
     device, then `reset_parameters()` (or loads a checkpoint).
     """
 
     def __init__(self, world: EPWorld, num_experts: int, hidden_size: int, ffn_hidden_size: int,
-                 num_slots: int, dtype: torch.dtype, name: str, seed: int, fp8: bool = False):
+                 num_slots: int, dtype: torch.dtype, name: str, seed: int, fp8: bool = False,
+                 allow_non_finite: bool = False):
         super().__init__()
         self.world, self.num_experts, self.num_slots = world, num_experts, num_slots
-        self.name, self.seed, self.fp8 = name, seed, fp8
+        self.name, self.seed, self.fp8, self.allow_non_finite = name, seed, fp8, allow_non_finite
         self.epn = num_experts // world.size
         self.first_expert = world.rank * self.epn
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
@@ -261,7 +264,7 @@ class HomeExperts(nn.Module):
         for key in ours.values():
             weight_key = key.removesuffix(SCALE_SUFFIX)
             if weight_key != key and weight_key not in state_dict:
-                error_msgs.append(f"{key}: block scales without their weight {weight_key}")
+                error_msgs.append(self._on_rank(f"{key}: block scales without their weight {weight_key}"))
         with torch.no_grad():
             if fused is not None:
                 self.load_fused(state_dict, [ours[n] for n in fused], error_msgs)
@@ -286,13 +289,17 @@ class HomeExperts(nn.Module):
             transposed = state_dict[key].dtype != FP8_DTYPE and expected[1] != expected[2] and \
                 shape == (e, expected[2], expected[1])
             if shape != expected and not transposed:
-                error_msgs.append(f"{key}: expected {list(expected)}, got {list(shape)}")
+                error_msgs.append(self._on_rank(f"{key}: expected {list(expected)}, got {list(shape)}"))
                 return
             try:
                 checkpoint_scales(state_dict, key, parts)
             except ValueError as error:
-                error_msgs.append(str(error))
+                error_msgs.append(self._on_rank(str(error)))
                 return
+            for expert in self.home_experts:
+                if (error := self._non_finite(state_dict[key][expert], key, expert)) is not None:
+                    error_msgs.append(error)
+                    return
             sources.append((key, kind, expected[1], parts, transposed))
         for key, kind, rows, parts, transposed in sources:
             for i, expert in enumerate(self.home_experts):
@@ -313,13 +320,31 @@ class HomeExperts(nn.Module):
                 try:
                     checkpoint_scales(state_dict, key)
                 except ValueError as error:
-                    error_msgs.append(str(error))
+                    error_msgs.append(self._on_rank(str(error)))
                     continue
                 expected = self._views(kind, i, start, stop)[0].shape
                 if state_dict[key].shape != expected:
-                    error_msgs.append(f"{key}: expected {list(expected)}, got {list(state_dict[key].shape)}")
+                    error_msgs.append(self._on_rank(f"{key}: expected {list(expected)}, got "
+                                                    f"{list(state_dict[key].shape)}"))
+                    continue
+                if (error := self._non_finite(state_dict[key], key, expert)) is not None:
+                    error_msgs.append(error)
                     continue
                 self._store(kind, i, start, stop, state_dict, key)
+
+    def _on_rank(self, message: str) -> str:
+        """A load error as reported: `message` and this rank (each rank loads its own home experts, so the
+        rank that found the error names it)."""
+        return f"{message} (rank {self.world.rank})"
+
+    def _non_finite(self, value: torch.Tensor, key: str, expert: int) -> str | None:
+        """The load error for expert `expert`'s weights `value` (the checkpoint's `key`, as stored) when they
+        hold NaN or Inf and `allow_non_finite` is off, else None. One host read: at load only."""
+        if self.allow_non_finite or bool(torch.isfinite(value.float() if value.dtype == FP8_DTYPE
+                                                        else value).all()):
+            return None
+        return (f"{key}: expert {expert}'s weights hold NaN or Inf (rank {self.world.rank}); "
+                "MoEConfig.allow_non_finite_weights=True loads them as stored")
 
 
 def persistent_main_grad(weight: nn.Parameter, name: str, rank: int) -> torch.Tensor:
