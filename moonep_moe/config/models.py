@@ -492,6 +492,17 @@ class MoEConfig(CommConfig):
             "grad raises; run under torch.no_grad() or torch.inference_mode()."
         ),
     )
+    allow_non_finite_weights: bool = Field(
+        False,
+        description=(
+            "Whether loading a checkpoint (`load_state_dict`, the transformers swap, the torchtitan adapter) "
+            "accepts routed-expert weights that hold NaN or Inf. Default False (recommended): such a weight "
+            "is a load error naming the key, the expert and the rank (one NaN expert makes every token "
+            "routed to it NaN, and its replicas carry the NaN to other ranks). True loads them as stored, "
+            "e.g. to inspect a diverged run. The check reads each loaded home-expert projection once (one "
+            "host sync each, at load only); the router and shared experts are loaded as torch loads them."
+        ),
+    )
     world: Literal[WORLD_NAMES] = Field(
         WORLD_NAMES[0],
         description=(
