@@ -3,14 +3,16 @@ same weights, same tokens, same run, and every speed also as a share of that run
 
     python -m bench.layer                   # DeepSeek-V3 layer at EP=1: T=8192, H=7168, H'=2048, E=256, K=8
     python -m bench.layer --profile         # and each row's GPU kernels of one step, grouped
-    python -m bench.layer --models all      # issue 13's whole table, DEFAULT rows (an H200: ~2-4 min)
+    python -m bench.layer --models all      # the whole model table, DEFAULT rows (an H200: ~2-4 min)
     python -m bench.layer --model qwen3-moe-30b-a3b   # any packaged model's shapes, all variants
     python -m bench.layer --tokens 4096 --experts 64
     python -m bench.layer --main-grad-backends auto triton torch deep_gemm --token-paddings 16 128  # the grid
     python -m bench.layer --backends --main-grad-backends --no-compile   # torch-native and the DEFAULT row
-    python -m bench.layer --ep-rank-of 8    # ONE rank of an EP=8 group: S*K routes, 32 home + 32 slot groups
+    python -m bench.layer --ep-rank-of 8    # ONE rank of an EP=8 group: S*K routes, its home groups and the
+                                            # slots the group's plan fills for it (maxvio 0)
+    python -m bench.layer --ep-rank-of 8 --maxvio 20   # the same rank's groups at maxvio 20
     python -m bench.layer --device cpu --models all   # a one-step smoke run of every table, tiny H, H', T
-    python -m bench.layer --backends --main-grad-backends --fp8   # issue 16: the fp8 row beside DEFAULT
+    python -m bench.layer --backends --main-grad-backends --fp8   # the fp8 row beside DEFAULT
     python -m bench.layer --backends --main-grad-backends --fp8 --ep-rank-of 8   # and for one EP=8 rank
 
 --model NAME (alias --models): the shapes H, H', E, K and T (`max_tokens_per_rank`, 8192 for every packaged
@@ -18,25 +20,28 @@ model, which fits an H200 for each table below) come from `moonep_moe/configs/NA
 truth, `bench.common.model_shape`); --tokens, --hidden, --ffn, --experts and --top-k override them (the
 record then says so, and its name ends in `-custom`). Only the shapes are taken: both layers are the
 routed experts alone with a softmax router (no shared experts, no group-limited routing), as before.
---model all runs `ISSUE_TABLES`, issue 13's whole table: DeepSeek-V3 at EP=1 (item 1), one rank of EP=8
-for DeepSeek-V3 (32 + 32 groups) and Kimi-K2 (48 + 48) (item 2), Qwen3-MoE-30B-A3B and Mixtral-8x7B at
-EP=1 (item 3), each with both baselines and our DEFAULT row (variants only where --backends or
+--model all runs `MODEL_TABLES`, the whole model table: DeepSeek-V3 at EP=1, one rank of EP=8
+for DeepSeek-V3 (32 + 32 groups) and Kimi-K2 (48 + 48), Qwen3-MoE-30B-A3B and Mixtral-8x7B at
+EP=1, each with both baselines and our DEFAULT row (variants only where --backends or
 --main-grad-backends are given); one record per table. It is bounded by that: 5 tables x 3 layers, each
 step <= ~75 ms timed 2 x (3 + 10) times; the time goes to the five `torch.compile` baselines (~10 s each)
 and to first calls (Triton autotuning, DeepGEMM's JIT, `auto`'s GEMM measurement per shape).
 
---ep-rank-of R (issue 13, item 2): every layer computes what one rank of an EP group of R ranks computes
-(`as_ep_rank`, `EP_RANK`: what it measures and leaves out, no peer traffic); torch-native runs the same
-routed work over epn + B experts. --device cpu: one step of ours per table on tiny shapes (`CPU_SMOKE`,
-the model's E and K kept), no timing (a smoke run).
+--ep-rank-of R: every layer computes what one rank of an EP group of R ranks computes
+(`as_ep_rank`, `EP_RANK`: what it measures and leaves out, no peer traffic): the group's routing at
+--maxvio (default 0; bench.skew, the demo's generator) planned by the real planner (balance exact), and the
+rank hosting the most replicas (`ep_rank_plan`) taken with its routes per home expert and per slot, so only
+the slots the plan fills are prefetched and reduced; torch-native runs the same S*K routes over epn + B
+experts. (`bench.ep_group` times every rank of such a group, with its peers' traffic.) --device cpu: one
+step of ours per table on tiny shapes (`CPU_SMOKE`, the model's E and K kept), no timing (a smoke run).
 
-Targets (issue 13 item 1, `LAYER_TARGETS`), checked on the DEFAULT row of every table, from its numbers
+Targets (`LAYER_TARGETS`), checked on the DEFAULT row of every table, from its numbers
 (`layer_targets`, never set by hand): fwd+bwd useful rate >= 0.75 of dense, forward alone >= 0.85, peak
 memory <= 0.9x the baseline's; each printed as a PASS / MISS line with the median and the min-max of the
-runs, and recorded in `targets` with its `scope` (which item of the issue it is: item 1 for DeepSeek-V3 at
-EP=1, item 2 for the one-rank rows, for Qwen3 and Mixtral only where they stand against the same bounds).
+runs, and recorded in `targets` with its `scope` (the EP=1 layer's for DeepSeek-V3 at
+EP=1; for the one-rank rows, Qwen3 and Mixtral the same bounds, to say where they stand).
 
---fp8 (issue 16 item 6): an fp8 row right after the DEFAULT row, the DEFAULT config with `precision="fp8"`
+--fp8 (the fp8 layer): an fp8 row right after the DEFAULT row, the DEFAULT config with `precision="fp8"`
 and `token_padding=128` (`FP8_SETTINGS`: FP8 fwd and dgrad, bf16 wgrad, bf16 master weights), measured
 like every row and checked against `FP8_LAYER_TARGETS` (`fp8_layer_targets`): its fwd+bwd speed >= 1.6x
 the DEFAULT (bf16) row's, its fwd+bwd time <= 0.45x the baseline's (the faster torch-native bf16 layer),
@@ -137,10 +142,14 @@ from bench.common import (
     timings,
     write_record,
 )
+from bench.skew import skewed_routing
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.function import ExpertsState
 from moonep_moe.layers.moe import MoonEPMoELayer, fixed_expert_weights
+from moonep_moe.layers.router import RouterOutput
+from moonep_moe.plan.device import plan_global_device
+from moonep_moe.plan.planner import expert_histogram
 from moonep_moe.transport.threads import single_world
 from moonep_moe.weights.experts import HomeExperts
 from moonep_moe.weights.pool import ExpertRows
@@ -241,11 +250,23 @@ class TorchNativeMoE(nn.Module):
         token_n = order_n // self.top_k
         counts_e = torch.bincount(experts_tk.flatten(), minlength=self.gate_up.shape[0])
         offs_e = torch.cumsum(counts_e, 0).to(torch.int32)
-        x_nh = x_th[token_n]
-        gate_nf, up_nf = torch._grouped_mm(x_nh, self.gate_up.transpose(-2, -1), offs=offs_e).chunk(2, -1)
-        h_nf = F.silu(gate_nf) * up_nf * weights_tk.flatten()[order_n, None].to(x_th.dtype)
-        y_nh = torch._grouped_mm(h_nf, self.down.transpose(-2, -1), offs=offs_e)
+        y_nh = native_grouped_swiglu(x_th[token_n], weights_tk.flatten()[order_n], offs_e, self.gate_up,
+                                     self.down)
         return torch.zeros_like(x_th).index_add(0, token_n, y_nh)
+
+
+def native_grouped_swiglu(x_nh: torch.Tensor, weight_n: torch.Tensor, offs_e: torch.Tensor,
+                          gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The torch-native layer's experts on rows grouped by expert: `torch._grouped_mm` gate and up, SwiGLU
+    times the route weight, `torch._grouped_mm` down (autograd through all of it).
+
+    Args:
+        x_nh: `[n, H]` rows, expert by expert. weight_n: `[n]` their route weights. offs_e: `[E]` int32 end
+            offsets of the experts' rows. gate_up: `[E, 2H', H]`. down: `[E, H, H']`.
+    Returns `[n, H]` in the rows' dtype."""
+    gate_nf, up_nf = torch._grouped_mm(x_nh, gate_up.transpose(-2, -1), offs=offs_e).chunk(2, -1)
+    h_nf = F.silu(gate_nf) * up_nf * weight_n[:, None].to(x_nh.dtype)
+    return torch._grouped_mm(h_nf, down.transpose(-2, -1), offs=offs_e)
 
 
 def layer_weights(hidden: int, ffn: int, experts: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -290,14 +311,18 @@ class RankOfEPBuffer:
     reads as `epn` home groups, then `epn` slot groups (`compute_offsets` with `E = epn`). The slots' weight
     traffic is stood in for by local copies of the same bytes: `prefetch_weight` copies the home experts into
     the slots (over NVLink in a real group, and from peers), `reduce_grad` adds the slot gradients into the
-    home gradients and clears the slots (in a real group the replicas' owners pull them). No peer traffic:
-    the group's histogram all-gather, remote rows and every wait on a peer are left out, and so is the
-    duplicate rows' expansion and pre-reduction (one rank's plans have none). Owns nothing.
+    home gradients and clears the slots (in a real group the replicas' owners pull them); with `used_slots`
+    (the slots a plan fills, `ep_rank_plan`) only those, else all of them. No peer traffic: the group's
+    histogram all-gather, remote rows and every wait on a peer are left out, and so is the duplicate rows'
+    expansion and pre-reduction (one rank's plans have none). Owns nothing.
     """
 
-    def __init__(self, inner: Buffer, epn: int):
+    def __init__(self, inner: Buffer, epn: int, used_slots: tuple[int, ...] | None = None):
         self.inner, self.epn, self.E = inner, epn, epn
         self.world, self.dtype, self.weight_dtype = inner.world, inner.dtype, inner.weight_dtype
+        slots = range(epn) if used_slots is None else used_slots
+        self.used_j = torch.tensor(list(slots), dtype=torch.int64, device=inner.world.device)
+        """The slots whose weights are copied in and whose gradients are added back."""
 
     def dispatch(self, *args, **kwargs):
         return self.inner.dispatch(*args, **kwargs)
@@ -310,28 +335,94 @@ class RankOfEPBuffer:
         """FP8 experts' block scales (`scales`: one `ExpertRows` per weight, or None) travel with them."""
         moved = [gate_up, down] + ([] if scales is None else [s for s in scales if s is not None])
         for rows in moved:
-            rows.slots.local.copy_(rows.home.local)
+            rows.slots.local.index_copy_(0, self.used_j, rows.home.local.index_select(0, self.used_j))
 
     @torch.no_grad()
     def reduce_grad(self, plan, gate_up: ExpertRows, up: None, down: ExpertRows) -> None:
         for grads in (gate_up, down):
-            grads.home.local.add_(grads.slots.local)
-            grads.slots.local.zero_()
+            home, slots = grads.home.local, grads.slots.local
+            summed = home.index_select(0, self.used_j) + slots.index_select(0, self.used_j)  # as add_ rounds
+            home.index_copy_(0, self.used_j, summed.to(home.dtype))
+            slots.index_fill_(0, self.used_j, 0)
 
 
-def as_ep_rank(layer: MoonEPMoELayer, epn: int) -> MoonEPMoELayer:
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank of an EP group of `ranks` ranks as the real planner (balance exact) plans it at a routing
+    skew: what the `--ep-rank-of` rows compute. Pure description."""
+
+    ranks: int
+    rank: int
+    home_routes: tuple[int, ...]
+    """`[epn]` routes of each home expert the rank computes."""
+    slot_routes: tuple[int, ...]
+    """`[B]` routes of the replica in each slot, 0 for an unused slot."""
+    maxvio: float
+    """The group's routing skew reached (the target is the table's)."""
+    sigma: float
+
+    @property
+    def epn(self) -> int:
+        return len(self.home_routes)
+
+    @property
+    def used_slots(self) -> tuple[int, ...]:
+        return tuple(j for j, routes in enumerate(self.slot_routes) if routes > 0)
+
+    def describe(self) -> dict:
+        """The record's `setup.ep_rank_plan`."""
+        return {"rank": self.rank, "maxvio_reached": self.maxvio, "sigma": self.sigma,
+                "slots_used": len(self.used_slots), "home_routes": list(self.home_routes),
+                "slot_routes": list(self.slot_routes)}
+
+
+def ep_rank_plan(experts: int, ranks: int, tokens: int, top_k: int, maxvio: float,
+                 device: torch.device | str, seed: int = 0) -> RankPlan:
+    """The group's routing at `maxvio` (`bench.skew.skewed_routing`: the demo's generator over R ranks of
+    `tokens` tokens), planned (`plan_global_device`, balance exact, B = epn), and the rank hosting the most
+    replicas (ties: the lowest): its routes per home expert and per slot."""
+    routing = skewed_routing(ranks, experts, top_k, tokens, maxvio, seed, device)
+    counts_re = torch.stack([expert_histogram(t, experts) for t in routing.topk])
+    epn = experts // ranks
+    plan = plan_global_device(counts_re, num_slots=epn, token_padding=1)
+    hosted_r = (plan.experts_to_copy_rb >= 0).sum(1).cpu()
+    rank = int(torch.argmax(hosted_r * ranks - torch.arange(ranks)))
+    alloc_e, table_b = plan.alloc_re[rank].cpu(), plan.experts_to_copy_rb[rank].cpu()
+    slot_routes = torch.where(table_b >= 0, alloc_e[table_b.clamp(min=0)], 0)
+    return RankPlan(ranks, rank, tuple(alloc_e[rank * epn:(rank + 1) * epn].tolist()),
+                    tuple(slot_routes.tolist()), routing.maxvio, routing.sigma)
+
+
+def planned_topk(plan: RankPlan, tokens: int, top_k: int) -> torch.Tensor:
+    """`[tokens, top_k]` int32 experts of a one-rank layer over `2 * epn` experts (home expert j is j, slot j
+    is `epn + j`) with the plan's routes per group: the experts' ids repeated by their routes, dealt k-major
+    (token s gets positions s, S + s, ...), so a token's K experts differ unless one has more than S routes.
+    Raises ValueError unless the plan's routes are `tokens * top_k` (exact balance, every route valid)."""
+    counts_g = torch.tensor(plan.home_routes + plan.slot_routes)
+    if int(counts_g.sum()) != tokens * top_k:
+        raise ValueError(f"planned_topk: the rank computes {int(counts_g.sum())} routes, not S*K = "
+                         f"{tokens * top_k}")
+    ids_n = torch.repeat_interleave(torch.arange(len(counts_g)), counts_g)
+    return ids_n.view(top_k, tokens).t().contiguous().to(torch.int32)
+
+
+def as_ep_rank(layer: MoonEPMoELayer, epn: int, plan: RankPlan | None = None) -> MoonEPMoELayer:
     """Bench-only: turn a one-rank layer over `2 * epn` experts into one that computes what ONE rank of an
     EP group computes with `epn` home experts and `B = epn` slots, in place. The layer keeps its router
     (over `2 * epn` experts), planner, row kernels and the grouped GEMM picked for `2 * epn` groups of S*K
     routes; its home experts become a `HomeExperts` of `epn` experts with `epn` slots (joined by the arena
     where it applies, as in a real group) holding its first `epn` experts' weights, and its Buffer is
     wrapped in `RankOfEPBuffer`. Slot j then holds expert j, so the layer equals one over `2 * epn` experts
-    whose experts `epn + j` are copies of experts j. Sets the layer's private `_state`: no hook in the
-    package."""
+    whose experts `epn + j` are copies of experts j. With `plan` (`ep_rank_plan`) the router's choice is
+    replaced by the plan's routes per group (`planned_topk`, a forward hook on the router: its scores and
+    their gradient stay) and only the slots the plan fills are prefetched and reduced. Sets the layer's
+    private `_state`: no hook in the package."""
     cfg, world = layer.config, layer.world
     if cfg.num_experts != 2 * epn or world.size != 1:
         raise ValueError(f"as_ep_rank needs a one-rank layer over 2 * epn = {2 * epn} experts, got "
                          f"num_experts={cfg.num_experts} on {world.size} ranks")
+    if plan is not None and plan.epn != epn:
+        raise ValueError(f"as_ep_rank: the plan's rank has {plan.epn} home experts, not epn = {epn}")
     whole = layer.experts
     rank = HomeExperts(world, epn, cfg.hidden_size, cfg.ffn_hidden_size, epn, cfg.torch_dtype,
                        name=f"{whole.name}/rank-of-ep", seed=layer.init_seed)
@@ -342,7 +433,19 @@ def as_ep_rank(layer: MoonEPMoELayer, epn: int) -> MoonEPMoELayer:
     whole.release()
     layer.experts = rank
     state = layer._state
-    layer._state = ExpertsState(RankOfEPBuffer(layer.buffer, epn), rank, state.gemm, state.main_grad)
+    used = None if plan is None else plan.used_slots
+    layer._state = ExpertsState(RankOfEPBuffer(layer.buffer, epn, used), rank, state.gemm, state.main_grad)
+    if plan is not None:
+        topk_sk = planned_topk(plan, cfg.max_tokens_per_rank, cfg.top_k).to(world.device)
+        counts_e = torch.bincount(topk_sk.flatten().long(), minlength=2 * epn).to(torch.int32)
+
+        def planned(router: nn.Module, args: tuple, routing: RouterOutput) -> RouterOutput:
+            if routing.topk_experts_tk.shape != topk_sk.shape:
+                raise ValueError(f"the --ep-rank-of layer routes S = {topk_sk.shape[0]} tokens, got "
+                                 f"{routing.topk_experts_tk.shape[0]}")
+            return routing._replace(topk_experts_tk=topk_sk, tokens_per_expert_e=counts_e)
+
+        layer.router.register_forward_hook(planned)
     return layer
 
 
@@ -466,8 +569,8 @@ class Bench:
 
 
 def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: dict | None,
-             ep_rank_epn: int | None = None, fixed: bool = False) -> dict | None:
-    """Our layer built from `cfg` with `layer_weights` (with `ep_rank_epn`: then made one EP rank's,
+             ep_rank: RankPlan | None = None, fixed: bool = False) -> dict | None:
+    """Our layer built from `cfg` with `layer_weights` (with `ep_rank`: then made that EP rank's,
     `as_ep_rank`), measured (`Bench.measure`; with `fixed`, inside `fixed_expert_weights`), released: its
     row, None (printed) where `cfg` cannot run here, a row with `error` where it ran out of memory. With
     `profiles`, its step profile is stored there under `name`."""
@@ -483,8 +586,8 @@ def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: d
            "fixed_expert_weights": fixed, "fp8_dispatch": cfg.fp8_dispatch}
     try:
         layer.load_state_dict(layer_weights(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts))
-        if ep_rank_epn is not None:
-            as_ep_rank(layer, ep_rank_epn)
+        if ep_rank is not None:
+            as_ep_rank(layer, ep_rank.epn, ep_rank)
         gemm = layer._state.gemm  # the backend of each primitive ("auto" picks per weight shape)
         row["gemm"] = gemm.describe() if hasattr(gemm, "describe") else gemm.name
         with fixed_expert_weights(layer) if fixed else contextlib.nullcontext():
@@ -500,10 +603,10 @@ def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: d
 
 
 def run_all_ours(bench: Bench, shapes: dict, variants: list[dict], profiles: dict | None,
-                 ep_rank_epn: int | None = None) -> Iterator[dict]:
+                 ep_rank: RankPlan | None = None) -> Iterator[dict]:
     """The DEFAULT row (`MoEConfig(**shapes)`), then one row per variant (`variant_settings`) whose config
     can be built and differs from every earlier row's, each profiled into `profiles` when given; with
-    `ep_rank_epn`, each layer made one EP rank's (`as_ep_rank`, names prefixed "EP rank")."""
+    `ep_rank`, each layer made that EP rank's (`as_ep_rank`, names prefixed "EP rank")."""
     seen = set()
     for settings in [{}] + variants:
         fixed = settings.get(FIXED, False)
@@ -520,13 +623,13 @@ def run_all_ours(bench: Bench, shapes: dict, variants: list[dict], profiles: dic
         if cfg.fp8_dispatch:
             what = f"{what}, fp8 dispatch"
         name = f"moonep DEFAULT ({what})" if not settings else f"moonep ({what})"
-        if ep_rank_epn is not None:
+        if ep_rank is not None:
             name = f"EP rank {name}"
         if (cfg.model_dump_json(), fixed) in seen:
             print(f"{name:46} the same config as an earlier row, not run again", flush=True)
             continue
         seen.add((cfg.model_dump_json(), fixed))
-        row = run_ours(cfg, name, not settings, bench, profiles, ep_rank_epn, fixed)
+        row = run_ours(cfg, name, not settings, bench, profiles, ep_rank, fixed)
         if row is not None:
             yield row
 
@@ -563,11 +666,13 @@ def run_native(bench: Bench, compile_too: bool, record: dict) -> list[dict]:
 
 
 EP_RANK = ("one rank of an EP group of ep_rank_of ranks (--ep-rank-of), in a one-rank world (bench.layer."
-           "as_ep_rank): the rank's S*K routes (its router over home_experts + slots experts)"
-           " through the real router, planner, row kernels, grouped GEMMs over home_experts home + slots "
-           "slot groups (slot j "
-           "holds home expert j; weights joined by the arena where it applies) and combine; prefetch and "
-           "reduce_grad stood in for by local copies of the same bytes. Left out: all peer traffic (the "
+           "as_ep_rank): the group's routing at maxvio (bench.skew) planned by the real planner (balance "
+           "exact), the rank hosting the most replicas (ep_rank_plan) with its S*K routes per home expert "
+           "and per slot as planned (the router runs, its choice replaced by the plan's, planned_topk) "
+           "through the real planner, row kernels, grouped GEMMs over home_experts home + slots slot "
+           "groups (slot j holds home expert j; weights joined by the arena where it applies) and combine; "
+           "prefetch and reduce_grad stood in for by local copies of the same bytes, for the slots the plan "
+           "fills only. Left out: all peer traffic (the "
            "histogram all-gather, rows to and from other ranks, weights and gradients over NVLink), every "
            "wait on a peer, and the duplicate rows' expansion and pre-reduction (a one-rank plan has no "
            "duplicates; with K = R = 8 about a third of a real rank's routes are); the torch-native rows run "
@@ -578,7 +683,8 @@ EP_RANK = ("one rank of an EP group of ep_rank_of ranks (--ep-rank-of), in a one
 @dataclass(frozen=True)
 class Table:
     """One table of the benchmark: a model's layer at EP=1, or (`ep_rank_of` R) ONE rank of an EP group of R
-    ranks over `experts` experts (`as_ep_rank`: epn = E / R home + epn slot groups). Pure description."""
+    ranks over `experts` experts (`as_ep_rank`: epn = E / R home + epn slot groups, of which the slots the
+    group's plan at `maxvio` fills, `ep_rank_plan`). Pure description."""
 
     model: str
     tokens: int
@@ -590,6 +696,8 @@ class Table:
     ep_rank_of: int | None = None
     overrides: tuple[tuple[str, int], ...] = ()
     """The shapes given on the command line instead of the model's, `(name, value)`."""
+    maxvio: float = 0.0
+    """For `ep_rank_of`: the group's routing skew whose plan gives the rank's groups."""
 
     @property
     def epn(self) -> int | None:
@@ -606,54 +714,61 @@ class Table:
     @property
     def label(self) -> str:
         where = "EP=1" if self.ep_rank_of is None else f"one rank of EP={self.ep_rank_of}"
+        if self.ep_rank_of is not None and self.maxvio:
+            where += f" at maxvio {self.maxvio:g}"
         given = "".join(f", {name}={value}" for name, value in self.overrides)
         return f"{self.model} {where}{given}"
 
     @property
     def record_name(self) -> str:
-        """`layer-<model>`, then `-ep<R>-rank` for one EP rank and `-custom` with overrides."""
+        """`layer-<model>`, then `-ep<R>-rank` for one EP rank (`-maxvio<m>` where not 0) and `-custom` with
+        overrides."""
         rank = "" if self.ep_rank_of is None else f"-ep{self.ep_rank_of}-rank"
+        if self.ep_rank_of is not None and self.maxvio:
+            rank += f"-maxvio{self.maxvio:g}"
         return f"layer-{self.model}{rank}{'-custom' if self.overrides else ''}"
 
     @property
     def scope(self) -> str:
-        """Which of issue 13's targets the DEFAULT row's checks are (`LAYER_TARGETS` on every table)."""
+        """Which targets the DEFAULT row's checks are (`LAYER_TARGETS` on every table)."""
         if self.overrides:
-            return "custom shapes: the issue's bounds, for comparison only"
+            return "custom shapes: the EP=1 layer's bounds, for comparison only"
         if self.ep_rank_of is not None:
-            return f"issue 13 item 2 (one rank of EP={self.ep_rank_of}, whole layer): item 1's bounds"
+            return f"one rank of EP={self.ep_rank_of}, whole layer: the EP=1 layer's bounds"
         if self.model == "deepseek-v3":
-            return "issue 13 item 1"
-        return "issue 13 item 3: no target of its own; item 1's bounds, to say where it stands"
+            return "the EP=1 layer"
+        return "no target of its own: the EP=1 layer's bounds, to say where it stands"
 
 
 SHAPE_ARGS = ("tokens", "hidden", "ffn", "experts", "top_k")
 """The command line's shape options, each overriding the model's value where given."""
 
-ISSUE_TABLES = (("deepseek-v3", None), ("deepseek-v3", 8), ("kimi-k2", 8), ("qwen3-moe-30b-a3b", None),
+MODEL_TABLES = (("deepseek-v3", None), ("deepseek-v3", 8), ("kimi-k2", 8), ("qwen3-moe-30b-a3b", None),
                 ("mixtral-8x7b", None))
-"""`--model all`: issue 13's whole table, `(model, ep_rank_of)`: DeepSeek-V3 at EP=1 (item 1), one rank of
-EP=8 for DeepSeek-V3 and Kimi-K2 (item 2), Qwen3-MoE-30B-A3B and Mixtral-8x7B at EP=1 (item 3)."""
+"""`--model all`: the whole model table, `(model, ep_rank_of)`: DeepSeek-V3 at EP=1, one rank of
+EP=8 for DeepSeek-V3 and Kimi-K2, Qwen3-MoE-30B-A3B and Mixtral-8x7B at EP=1."""
 
 CPU_SMOKE = {"tokens": 64, "hidden": 64, "ffn": 32}
 """`--device cpu`: the model's E and K (and R), on these tiny T, H and H' unless given."""
 
 
-def make_table(model: str, ep_rank_of: int | None, overrides: dict[str, int]) -> Table:
+def make_table(model: str, ep_rank_of: int | None, overrides: dict[str, int], maxvio: float = 0.0) -> Table:
     """The `Table` of a packaged model config (`bench.common.model_shape`), with `overrides` (SHAPE_ARGS
-    keys) in place of its shapes. Raises ValueError naming --ep-rank-of where R does not divide E."""
+    keys) in place of its shapes; `maxvio` for an EP rank's plan. Raises ValueError naming --ep-rank-of
+    where R does not divide E."""
     unknown = set(overrides) - set(SHAPE_ARGS)
     if unknown:
         raise ValueError(f"make_table: overrides must be among {SHAPE_ARGS}, got {sorted(unknown)}")
     shape = {key: model_shape(model)[key] for key in SHAPE_ARGS}
     table = Table(model, **{**shape, **overrides}, ep_rank_of=ep_rank_of,
-                  overrides=tuple((key, overrides[key]) for key in SHAPE_ARGS if key in overrides))
+                  overrides=tuple((key, overrides[key]) for key in SHAPE_ARGS if key in overrides),
+                  maxvio=maxvio if ep_rank_of is not None else 0.0)
     if ep_rank_of is not None:
         ep_rank_groups(table.experts, ep_rank_of)  # raises, naming --ep-rank-of, before any kernel runs
     return table
 
 
-LAYER_TARGETS = (  # (what, op, bound): issue 13 item 1, on the DEFAULT row
+LAYER_TARGETS = (  # (what, op, bound): the EP=1 layer, on the DEFAULT row
     ("fwd+bwd of dense", ">=", 0.75),
     ("fwd of dense", ">=", 0.85),
     ("peak vs baseline", "<=", 0.9),
@@ -679,7 +794,7 @@ FP8_VARIANTS = [FP8_SETTINGS, {**FP8_SETTINGS, FIXED: True}, {**FP8_SETTINGS, "f
 """--fp8's rows: the fp8 layer, the same with its weights fixed (as across a step's micro-batches), and the
 same dispatching its tokens as FP8 (`MoEConfig.fp8_dispatch`)."""
 
-FP8_LAYER_TARGETS = (  # (what, op, bound): issue 16 item 6, on the fp8 row
+FP8_LAYER_TARGETS = (  # (what, op, bound): on the fp8 row
     ("fp8 speed vs our bf16", ">=", 1.6),
     ("fp8 time vs torch-native bf16", "<=", 0.45),
     ("fp8 peak vs our bf16", "<=", 1.0),
@@ -687,9 +802,9 @@ FP8_LAYER_TARGETS = (  # (what, op, bound): issue 16 item 6, on the fp8 row
 
 
 def fp8_scope(row: dict) -> str:
-    """The scope an fp8 row's `fp8_layer_targets` are recorded under: the issue's item, and how the row
+    """The scope an fp8 row's `fp8_layer_targets` are recorded under: the fp8 layer, and how the row
     differs from the plain fp8 layer."""
-    return ("issue 16 item 6" + ", weights fixed over micro-batches" * row["fixed_expert_weights"]
+    return ("the fp8 layer" + ", weights fixed over micro-batches" * row["fixed_expert_weights"]
             + ", tokens dispatched as FP8" * row["fp8_dispatch"])
 
 
@@ -704,13 +819,21 @@ def fp8_layer_targets(fp8: dict, default: dict, baseline: dict, scope: str) -> l
                   bf16_row=default["layer"], scope=scope) for what, op, bound in FP8_LAYER_TARGETS]
 
 
+def table_rank_plan(table: Table, device: torch.device | str) -> RankPlan | None:
+    """The EP rank of an `ep_rank_of` table (`ep_rank_plan` at its maxvio, routed on `device`), else None."""
+    if table.ep_rank_of is None:
+        return None
+    return ep_rank_plan(table.experts, table.ep_rank_of, table.tokens, table.top_k, table.maxvio, device)
+
+
 def smoke(table: Table) -> None:
     """`--device cpu`: one training step of ours (the DEFAULT config; for an EP rank, made one by
-    `as_ep_rank`) on the CPU, printing the routes per compute group; no timing (CPU numbers mean nothing)."""
+    `as_ep_rank` with its plan) on the CPU, printing the routes per compute group; no timing (CPU numbers
+    mean nothing)."""
     epn = table.epn
     layer = MoonEPMoELayer(MoEConfig(**table.shapes), single_world("cpu"))
     if epn is not None:
-        as_ep_rank(layer, epn)
+        as_ep_rank(layer, epn, table_rank_plan(table, "cpu"))
     cfg = layer.config
     x_th = torch.randn(cfg.max_tokens_per_rank, cfg.hidden_size, dtype=cfg.torch_dtype, requires_grad=True)
     step(layer, x_th, torch.randn_like(x_th))
@@ -731,6 +854,7 @@ def run_table(table: Table, variants: list[dict], args: argparse.Namespace,
     record's path."""
     t, h, f, k = table.tokens, table.hidden, table.ffn, table.top_k
     shapes, epn = table.shapes, table.epn
+    rank_plan = table_rank_plan(table, "cuda")
     e = shapes["num_experts"]
     gen = torch.Generator(device="cuda").manual_seed(1)
     bench = Bench(x_th=torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(),
@@ -746,7 +870,8 @@ def run_table(table: Table, variants: list[dict], args: argparse.Namespace,
               "baseline": None, "baselines": {}, "compile_s": None, "targets": [], "fp8_targets": []}
     if epn is not None:
         record["setup"].update(ep_rank_of=table.ep_rank_of, group_experts=table.experts, home_experts=epn,
-                               slots=epn, ep_rank=EP_RANK)
+                               slots=epn, ep_rank=EP_RANK, maxvio=table.maxvio,
+                               ep_rank_plan=rank_plan.describe())
     if args.profile:
         record["profile"] = {}
     rows = []
@@ -771,7 +896,7 @@ def run_table(table: Table, variants: list[dict], args: argparse.Namespace,
     save()
 
     default = None
-    for row in run_all_ours(bench, shapes, variants, record.get("profile"), epn):
+    for row in run_all_ours(bench, shapes, variants, record.get("profile"), rank_plan):
         if "error" not in row:
             for tag, ref in refs.items():
                 if ref is not None:
@@ -825,8 +950,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", "--models", default="deepseek-v3", choices=[*MODELS, "all"],
-                        help="the layer's shapes from moonep_moe/configs/<model>.yaml; all: issue 13's "
-                             "whole table (ISSUE_TABLES)")
+                        help="the layer's shapes from moonep_moe/configs/<model>.yaml; all: the whole "
+                             "whole table (MODEL_TABLES)")
     parser.add_argument("--tokens", type=int, default=None, help="S (default: the model's)")
     parser.add_argument("--hidden", type=int, default=None, help="H (default: the model's)")
     parser.add_argument("--ffn", type=int, default=None, help="H' (default: the model's)")
@@ -842,7 +967,7 @@ def main() -> None:
                         help="MoEConfig.token_padding values for every variant (default: the config's)")
     parser.add_argument("--fp8", action="store_true",
                         help="also the fp8 row (precision='fp8', token_padding=128) after DEFAULT, with "
-                             "issue 16's targets against it (FP8_LAYER_TARGETS)")
+                             "its targets against it (FP8_LAYER_TARGETS)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=10, help="timed runs per layer (the median of them)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
@@ -850,7 +975,11 @@ def main() -> None:
                         help="also one step's GPU kernels of each of our rows and of torch-native, grouped")
     parser.add_argument("--ep-rank-of", type=int, default=None, metavar="R",
                         help="measure ONE rank of an EP group of R ranks over the model's experts instead "
-                             "(S=--tokens, epn home + epn slot groups; no peer traffic: see EP_RANK)")
+                             "(S=--tokens, epn home groups and the slots the group's plan fills; no peer "
+                             "traffic: see EP_RANK)")
+    parser.add_argument("--maxvio", type=float, default=None,
+                        help="with --ep-rank-of (or --model all's EP tables): the group's routing skew whose "
+                             "plan gives the rank its slots (default 0)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help=f"cpu: a smoke run of ours (one step, no timing) on {CPU_SMOKE} unless given")
     parser.add_argument("--out", default=None, help="folder of the JSON records (default bench/results)")
@@ -858,13 +987,15 @@ def main() -> None:
     if args.repeat < 5:
         parser.error(f"--repeat must be >= 5 (a median with a spread), got {args.repeat}")
     if args.model == "all" and args.ep_rank_of is not None:
-        parser.error("--ep-rank-of: --model all runs its own EP ranks (ISSUE_TABLES); give one --model")
+        parser.error("--ep-rank-of: --model all runs its own EP ranks (MODEL_TABLES); give one --model")
+    if args.maxvio is not None and args.model != "all" and args.ep_rank_of is None:
+        parser.error("--maxvio: it skews the group of --ep-rank-of's rank; give --ep-rank-of")
     given = {key: getattr(args, key) for key in SHAPE_ARGS if getattr(args, key) is not None}
     if args.device == "cpu":
         given = {**CPU_SMOKE, **given}
-    pairs = ISSUE_TABLES if args.model == "all" else ((args.model, args.ep_rank_of),)
+    pairs = MODEL_TABLES if args.model == "all" else ((args.model, args.ep_rank_of),)
     try:
-        tables = [make_table(model, ep_rank_of, given) for model, ep_rank_of in pairs]
+        tables = [make_table(model, ep_rank_of, given, args.maxvio or 0.0) for model, ep_rank_of in pairs]
     except ValueError as error:
         parser.error(str(error))
     if args.device == "cpu":
@@ -876,7 +1007,7 @@ def main() -> None:
     limits = measure_limits()
     done = [(table, *run_table(table, variants, args, limits)) for table in tables]
     if len(done) > 1:
-        print("\nissue 13's table, every DEFAULT row (records: bench/results or --out):")
+        print("\nthe model table, every DEFAULT row (records: bench/results or --out):")
         for table, targets, path in done:
             print_targets(table.label, targets, args.repeat)
             print(f"  record: {path}")

@@ -98,22 +98,32 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for layer in moe_layers(model) for p in (layer.experts.gate_up, layer.experts.down)]
 
 
+def world_ranks(world: EPWorld) -> list[int] | None:
+    """The global ranks of `world`, in EP-rank order: its process group's; this process alone for a one-rank
+    world without a process group (a threads world); None for thread-ranks of several (no mesh dimension)."""
+    group = getattr(world, "group", None)
+    if isinstance(group, dist.ProcessGroup):
+        return dist.get_process_group_ranks(group)
+    return [dist.get_rank()] if world.size == 1 else None
+
+
 def check_layers(model: nn.Module, mesh: DeviceMesh) -> list[MoonEPMoELayer]:
     """`model`'s MoonEP layers; raises (naming the rank) when one was built on another EP group than the
-    mesh's "ep" dimension (other ranks, or the same ranks in another order: a distinct group object over the
-    same ranks in the same order is the same EP group, and torch 2.11 builds the mesh's groups anew), or
-    when there is none."""
+    mesh's "ep" dimension, or when there is none. The groups are compared by their members in rank order,
+    not by size (a group of the right size over other ranks, e.g. a "dp" column, would add different
+    experts' gradients together) nor by object (torch 2.11 builds the mesh's groups anew, and a distinct
+    group object over the same ranks in the same order is the same EP group)."""
     layers, ep, rank = moe_layers(model), mesh_dims(mesh)[EP], dist.get_rank()
     if not layers:
         raise ValueError(f"model holds no MoonEPMoELayer (rank {rank})")
     ranks = dist.get_process_group_ranks(ep.get_group())
     for layer in layers:
-        world_group = getattr(layer.world, "group", None)
-        if layer.world.size != ep.size() or (world_group is not None
-                                              and dist.get_process_group_ranks(world_group) != ranks):
-            raise ValueError(f"a MoonEPMoELayer of model was built on an EP world of {layer.world.size} "
-                             f"ranks that is not the mesh's 'ep' dimension ({ep.size()} ranks), on rank "
-                             f"{rank}: build every layer with MoonEPMoELayer(config, ep_world(mesh))")
+        members = world_ranks(layer.world)
+        if members != ranks:
+            built = f"{layer.world.size} thread-ranks" if members is None else f"ranks {members}"
+            raise ValueError(f"a MoonEPMoELayer of model was built on an EP world of {built}, not the mesh's "
+                             f"'ep' dimension (ranks {ranks}), on rank {rank}: build every layer with "
+                             "MoonEPMoELayer(config, ep_world(mesh))")
     return layers
 
 
@@ -139,7 +149,10 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, strategy: Literal["ddp", "
 
     1. `sync_replicas`: the replicas start identical (home experts over "dp", the rest over all ranks).
     2. `"ddp"`: `DistributedDataParallel` over all W ranks, told to ignore the home experts and the layers'
-       `expert_load` counts (returns the DDP module). `"fsdp"`: `fully_shard` over all W ranks (the
+       `expert_load` counts, beside whatever `model._ddp_params_and_buffers_to_ignore` already names
+       (returns the DDP module). The counts are each EP group's own: DDP would otherwise broadcast rank 0's
+       at construction and, with its buffer sync on (`forward_sync_buffers` / `broadcast_buffers`, the
+       default), before every forward, micro-batches included. `"fsdp"`: `fully_shard` over all W ranks (the
        flattened mesh) of each of `blocks` (e.g. the transformer blocks), then of `model`, with the home
        experts as `ignored_params` (returns `model`, now an FSDP module).
     `kwargs` go to DDP / `fully_shard`. The home experts are reduced by `reduce_expert_grads` (the module
@@ -159,7 +172,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, strategy: Literal["ddp", "
         fully_shard(model, mesh=everyone, ignored_params=experts, **kwargs)
         return model
     names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
-    ignored = [names[id(t)] for t in [*experts, *(layer.expert_load for layer in layers)]]
+    ignored = [*getattr(model, "_ddp_params_and_buffers_to_ignore", ())]
+    ignored += [names[id(t)] for t in [*experts, *(layer.expert_load for layer in layers)]]
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     device = layers[0].world.device
     device_ids = [device.index] if device.type == "cuda" else None
@@ -170,8 +184,11 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, strategy: Literal["ddp", "
 @torch.no_grad()
 def reduce_expert_grads(model: nn.Module, mesh: DeviceMesh) -> None:
     """After the backward of the step's last micro-batch, before `optimizer.step()`: every home expert's
-    gradient (`.grad`, or `main_grad` with `expert_grad_dtype="main_grad"`) summed over "dp" and scaled by
-    1/W (the module docstring says why). Collective over "dp"; works on the wrapped or unwrapped model.
+    gradient summed over "dp" and scaled by 1/W (the module docstring says why). Collective over "dp"; works
+    on the wrapped or unwrapped model. Which gradient is the layer's mode's, whatever else the parameter
+    holds: `.grad` ("param"), or `main_grad` ("main_grad"), where a `.grad` may remain (a loop that sets it
+    from `main_grad` for a torch optimizer and zeroes with `zero_grad(set_to_none=False)`), stale and left
+    alone. Frozen home experts (`requires_grad=False`) are skipped.
 
     Raises:
         ValueError naming the parameter and rank when a trainable home expert has no gradient (call it
@@ -183,9 +200,9 @@ def reduce_expert_grads(model: nn.Module, mesh: DeviceMesh) -> None:
         main_grad = layer.config.expert_grad_dtype == "main_grad"
         for name in ("gate_up", "down"):
             weight = getattr(layer.experts, name)
-            grad = getattr(weight, "main_grad", None) if main_grad else weight.grad
             if not weight.requires_grad:
                 continue
+            grad = getattr(weight, "main_grad", None) if main_grad else weight.grad
             if grad is None:
                 raise ValueError(f"MoonEP layer {index} experts.{name} has no "
                                  f"{'main_grad' if main_grad else 'grad'} on rank {dist.get_rank()}: call "

@@ -12,8 +12,8 @@ from bench.layer import (
     FIXED,
     FP8_LAYER_TARGETS,
     FP8_SETTINGS,
-    ISSUE_TABLES,
     KERNEL_GROUPS,
+    MODEL_TABLES,
     fp8_layer_targets,
     kernel_group,
     layer_targets,
@@ -35,7 +35,7 @@ def test_routed_flops_count_three_projections_on_the_routed_rows():
     fwd = 3 * 2 * 8192 * 8 * 7168 * 2048
     assert routed_flops(8192, 8, 7168, 2048, backward=False) == fwd == 5_772_436_045_824
     assert routed_flops(8192, 8, 7168, 2048, backward=True) == 3 * fwd  # + dgrad + wgrad
-    # issue 13: torch-native's 50.1 ms fwd+bwd is 345 TFLOP/s of routed work
+    # torch-native's 50.1 ms fwd+bwd is 345 TFLOP/s of routed work
     assert routed_flops(8192, 8, 7168, 2048, backward=True) / 50.1e-3 / 1e12 == pytest.approx(345.6, abs=0.1)
 
 
@@ -197,6 +197,26 @@ def test_ep_rank_groups_are_a_ranks_home_experts_and_as_many_slots():
             ep_rank_groups(experts, ranks)
 
 
+def assert_rank_equals_plain(rank, plain, epn: int, tokens: int, hidden: int) -> None:
+    """One EP rank's layer and a plain layer over its home experts and their copies give the same output and
+    input and router gradients, and each home expert's gradient is the sum of both copies' (float64)."""
+    import torch
+
+    x = torch.randn(tokens, hidden, dtype=torch.float64)
+    grad = torch.randn(tokens, hidden, dtype=torch.float64)
+    outs = []
+    for layer in (rank, plain):
+        x_th = x.clone().requires_grad_()
+        out = layer(x_th)
+        out.backward(grad)
+        outs.append((out, x_th.grad, layer.router.weight.grad))
+    for mine, ref in zip(*outs, strict=True):
+        torch.testing.assert_close(mine, ref)
+    for name in ("gate_up", "down"):
+        ref = getattr(plain.experts, name).grad
+        torch.testing.assert_close(getattr(rank.experts, name).grad, ref[:epn] + ref[epn:])
+
+
 def test_ep_rank_layer_equals_a_layer_whose_slot_experts_copy_the_home_ones():
     """`as_ep_rank`: epn home + epn slot groups of one rank, the slots holding experts 0..epn-1 (the
     prefetch stand-in), equal a plain layer over 2*epn experts whose experts epn+j copy experts j; the home
@@ -221,20 +241,75 @@ def test_ep_rank_layer_equals_a_layer_whose_slot_experts_copy_the_home_ones():
         plain.experts.down.copy_(rank.experts.down.repeat(2, 1, 1))
     assert isinstance(rank._state.buffer, RankOfEPBuffer)
     assert rank.experts.gate_up.shape[0] == epn and rank.experts.num_slots == epn
-    x = torch.randn(tokens, hidden, dtype=torch.float64)
-    grad = torch.randn(tokens, hidden, dtype=torch.float64)
-    outs = []
-    for layer in (rank, plain):
-        x_th = x.clone().requires_grad_()
-        out = layer(x_th)
-        out.backward(grad)
-        outs.append((out, x_th.grad, layer.router.weight.grad))
-    for mine, ref in zip(*outs, strict=True):
-        torch.testing.assert_close(mine, ref)
-    for name in ("gate_up", "down"):
-        ref = getattr(plain.experts, name).grad
-        torch.testing.assert_close(getattr(rank.experts, name).grad, ref[:epn] + ref[epn:])
+    assert_rank_equals_plain(rank, plain, epn, tokens, hidden)
     assert int(rank._state.last_plan.cu_seqlens[-1]) >= tokens * 3, "every route in the rank's groups"
+
+
+def test_ep_rank_plan_is_the_busiest_rank_of_the_groups_real_plan():
+    """`ep_rank_plan`: the group's routing at a maxvio, planned by the real planner (exact), and the rank
+    hosting the most replicas, with its routes per home expert and per slot (S*K in all)."""
+    import torch
+
+    from bench.layer import ep_rank_plan, planned_topk
+    from bench.skew import skewed_routing
+    from moonep_moe.plan.planner import expert_histogram
+    from moonep_moe.plan.reference import plan_global
+
+    experts, ranks, tokens, top_k = 32, 4, 64, 4
+    plan = ep_rank_plan(experts, ranks, tokens, top_k, 5.0, "cpu")
+    routing = skewed_routing(ranks, experts, top_k, tokens, 5.0, 0, "cpu")
+    counts = torch.stack([expert_histogram(t, experts) for t in routing.topk]).tolist()
+    reference = plan_global(counts, experts // ranks, 1)
+    hosted = [sum(e >= 0 for e in row) for row in reference.experts_to_copy]
+    assert plan.rank == hosted.index(max(hosted)) and len(plan.used_slots) == max(hosted) > 0
+    epn = experts // ranks
+    assert list(plan.home_routes) == reference.alloc[plan.rank][plan.rank * epn:(plan.rank + 1) * epn]
+    assert list(plan.slot_routes) == [reference.alloc[plan.rank][e] if e >= 0 else 0
+                                      for e in reference.experts_to_copy[plan.rank]]
+    assert sum(plan.home_routes) + sum(plan.slot_routes) == tokens * top_k, "exact: S*K routes"
+    assert plan.maxvio == pytest.approx(routing.maxvio) and plan.maxvio > 4
+    topk = planned_topk(plan, tokens, top_k)
+    assert topk.shape == (tokens, top_k) and topk.dtype == torch.int32
+    assert torch.bincount(topk.flatten().long(), minlength=2 * epn).tolist() == list(
+        plan.home_routes + plan.slot_routes), "the plan's routes per group"
+    busy = max(plan.home_routes + plan.slot_routes) <= tokens
+    assert not busy or all(len(set(row)) == top_k for row in topk.tolist()), "a token's experts differ"
+    with pytest.raises(ValueError, match="not S\\*K"):
+        planned_topk(plan, tokens + 1, top_k)
+
+
+def test_ep_rank_layer_with_a_plan_prefetches_and_reduces_only_its_slots():
+    """`as_ep_rank` with a plan: the router's choice replaced by the plan's routes per group, only the used
+    slots copied and reduced; it equals a plain layer over 2*epn experts (experts epn+j copying experts j)
+    routed the same way, the home gradients being the sums of both copies'."""
+    import torch
+
+    from bench.layer import RankOfEPBuffer, RankPlan, as_ep_rank, planned_topk
+    from moonep_moe.config import MoEConfig
+    from moonep_moe.layers.moe import MoonEPMoELayer
+    from moonep_moe.transport.threads import single_world
+
+    epn, tokens, hidden, top_k = 4, 12, 16, 2
+    plan = RankPlan(ranks=2, rank=0, home_routes=(5, 6, 0, 4), slot_routes=(0, 3, 0, 6), maxvio=1.0,
+                    sigma=0.1)
+    cfg = MoEConfig(hidden_size=hidden, ffn_hidden_size=8, num_experts=2 * epn, top_k=top_k,
+                    max_tokens_per_rank=tokens, dtype="float64", token_padding=4, router={"dtype": "float64"})
+    torch.manual_seed(0)
+    rank = as_ep_rank(MoonEPMoELayer(cfg, single_world("cpu")), epn, plan)
+    plain = MoonEPMoELayer(cfg, single_world("cpu"))
+    topk = planned_topk(plan, tokens, top_k)
+    plain.router.register_forward_hook(lambda module, args, out: out._replace(topk_experts_tk=topk))
+    with torch.no_grad():
+        plain.router.weight.copy_(rank.router.weight)
+        plain.experts.gate_up.copy_(rank.experts.gate_up.repeat(2, 1, 1))
+        plain.experts.down.copy_(rank.experts.down.repeat(2, 1, 1))
+    assert isinstance(rank._state.buffer, RankOfEPBuffer) and rank._state.buffer.used_j.tolist() == [1, 3]
+    assert_rank_equals_plain(rank, plain, epn, tokens, hidden)
+    slots = rank.experts.rows[0].slots.local
+    assert slots[[0, 2]].abs().sum() == 0 and slots[[1, 3]].abs().sum() > 0, "only the used slots copied"
+    ends = rank._state.last_plan.cu_seqlens
+    routes = torch.diff(ends, prepend=ends.new_zeros(1))
+    assert (routes > 0).tolist() == [True, True, False, True, False, True, False, True], "the plan's groups"
 
 
 def test_ratio_of_spans_is_the_medians_ratio_with_every_pairing_of_runs():
@@ -260,7 +335,7 @@ def test_check_passes_on_the_median_and_keeps_the_spread():
 
 
 def test_model_shapes_come_from_the_packaged_configs():
-    # the issue's shapes: DeepSeek-V3 (7168, 2048, 256, 8), Qwen3-MoE-30B-A3B (2048, 768, 128, 8),
+    # the models' shapes: DeepSeek-V3 (7168, 2048, 256, 8), Qwen3-MoE-30B-A3B (2048, 768, 128, 8),
     # Mixtral-8x7B (4096, 14336, 8, 2), Kimi-K2 (DeepSeek-V3's experts, 384 of them); 8192 tokens, EP=8
     expected = {"deepseek-v3": (7168, 2048, 256, 8), "kimi-k2": (7168, 2048, 384, 8),
                 "qwen3-moe-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}
@@ -270,8 +345,8 @@ def test_model_shapes_come_from_the_packaged_configs():
                                       "tokens": 8192, "ep_size": 8}, model
 
 
-def test_issue_tables_are_the_issues_whole_table():
-    tables = [make_table(model, ep_rank_of, {}) for model, ep_rank_of in ISSUE_TABLES]
+def test_model_tables_are_the_whole_table():
+    tables = [make_table(model, ep_rank_of, {}) for model, ep_rank_of in MODEL_TABLES]
     shapes = [(t.label, t.shapes["num_experts"], t.shapes["top_k"], t.hidden, t.ffn, t.tokens)
               for t in tables]
     assert shapes == [("deepseek-v3 EP=1", 256, 8, 7168, 2048, 8192),
@@ -283,8 +358,9 @@ def test_issue_tables_are_the_issues_whole_table():
     assert [t.record_name for t in tables] == ["layer-deepseek-v3", "layer-deepseek-v3-ep8-rank",
                                                "layer-kimi-k2-ep8-rank", "layer-qwen3-moe-30b-a3b",
                                                "layer-mixtral-8x7b"], "one record per table, never the same"
-    assert [t.scope.split(" (")[0].split(":")[0] for t in tables] == [
-        "issue 13 item 1", "issue 13 item 2", "issue 13 item 2", "issue 13 item 3", "issue 13 item 3"]
+    assert [t.scope.split(":")[0] for t in tables] == [
+        "the EP=1 layer", "one rank of EP=8, whole layer", "one rank of EP=8, whole layer",
+        "no target of its own", "no target of its own"]
 
 
 def test_make_table_overrides_and_errors():
@@ -294,6 +370,10 @@ def test_make_table_overrides_and_errors():
     assert table.label == "deepseek-v3 EP=1, tokens=4096, experts=64"
     assert table.record_name == "layer-deepseek-v3-custom"
     assert table.scope.startswith("custom shapes")
+    skewed = make_table("deepseek-v3", 8, {}, 20.0)
+    assert (skewed.maxvio, skewed.label) == (20.0, "deepseek-v3 one rank of EP=8 at maxvio 20")
+    assert skewed.record_name == "layer-deepseek-v3-ep8-rank-maxvio20", "not the maxvio 0 record's name"
+    assert make_table("deepseek-v3", None, {}, 20.0).maxvio == 0.0, "no EP rank, no group to skew"
     with pytest.raises(ValueError, match="--ep-rank-of 3"):
         make_table("deepseek-v3", 3, {})
     with pytest.raises(ValueError, match="overrides must be among"):
@@ -309,7 +389,7 @@ def test_layer_targets_from_the_default_row():
     row = {"layer": "moonep DEFAULT", "ms": 30.0, "ms_min": 28.0, "ms_max": 33.0, "fwd_ms": 10.0,
            "fwd_ms_min": 9.0, "fwd_ms_max": 12.0, "peak_gib": 40.0}
     baseline = {"layer": "torch-native compiled", "peak_gib": 44.0}
-    targets = {t["target"]: t for t in layer_targets(row, baseline, flops, dense, "issue 13 item 1")}
+    targets = {t["target"]: t for t in layer_targets(row, baseline, flops, dense, "the EP=1 layer")}
     assert list(targets) == ["fwd+bwd of dense", "fwd of dense", "peak vs baseline"]
     step = targets["fwd+bwd of dense"]
     assert (step["median"], step["min"], step["max"]) == pytest.approx((0.75, 0.75 * 30 / 33, 0.75 * 30 / 28))
@@ -321,7 +401,7 @@ def test_layer_targets_from_the_default_row():
     assert (peak["median"], peak["min"], peak["max"]) == pytest.approx((40 / 44,) * 3)
     assert not peak["pass"], "0.909 > 0.9"
     assert {(t["row"], t["baseline"], t["scope"]) for t in targets.values()} == {
-        ("moonep DEFAULT", "torch-native compiled", "issue 13 item 1")}
+        ("moonep DEFAULT", "torch-native compiled", "the EP=1 layer")}
 
 
 def test_table_variants_default_to_none_for_several_tables():
@@ -362,10 +442,10 @@ def test_weights_fixed_row_runs_the_fp8_config_inside_fixed_expert_weights(monke
     assert (default_fixed, plain, fixed) == (False, False, True)
     assert fixed_cfg == fp8_cfg and fixed_cfg.precision == "fp8" and name.endswith("weights fixed)")
     assert layer_bench.fp8_scope({"fixed_expert_weights": True, "fp8_dispatch": False}) == \
-        "issue 16 item 6, weights fixed over micro-batches"
-    assert layer_bench.fp8_scope({"fixed_expert_weights": False, "fp8_dispatch": False}) == "issue 16 item 6"
+        "the fp8 layer, weights fixed over micro-batches"
+    assert layer_bench.fp8_scope({"fixed_expert_weights": False, "fp8_dispatch": False}) == "the fp8 layer"
     assert layer_bench.fp8_scope({"fixed_expert_weights": False, "fp8_dispatch": True}) == \
-        "issue 16 item 6, tokens dispatched as FP8"
+        "the fp8 layer, tokens dispatched as FP8"
 
 
 def test_profile_covers_every_row_of_ours(monkeypatch):
@@ -391,7 +471,7 @@ def test_fp8_layer_targets_against_our_bf16_row_and_torch_native():
     fp8 = {"layer": "moonep fp8", "ms": 18.0, "ms_min": 17.0, "ms_max": 20.0, "peak_gib": 42.0}
     default = {"layer": "moonep DEFAULT", "ms": 30.0, "ms_min": 28.0, "ms_max": 33.0, "peak_gib": 40.0}
     baseline = {"layer": "torch-native compiled", "ms": 50.0, "ms_min": 48.0, "ms_max": 52.0, "peak_gib": 6.0}
-    targets = {t["target"]: t for t in fp8_layer_targets(fp8, default, baseline, "issue 16 item 6")}
+    targets = {t["target"]: t for t in fp8_layer_targets(fp8, default, baseline, "the fp8 layer")}
     assert [(t["target"], t["op"], t["bound"]) for t in targets.values()] == list(FP8_LAYER_TARGETS)
     assert [(op, bound) for _, op, bound in FP8_LAYER_TARGETS] == [(">=", 1.6), ("<=", 0.45), ("<=", 1.0)]
     speed = targets["fp8 speed vs our bf16"]
@@ -403,12 +483,12 @@ def test_fp8_layer_targets_against_our_bf16_row_and_torch_native():
     peak = targets["fp8 peak vs our bf16"]
     assert peak["median"] == pytest.approx(1.05) and not peak["pass"]
     assert {(t["row"], t["bf16_row"], t["baseline"], t["scope"]) for t in targets.values()} == {
-        ("moonep fp8", "moonep DEFAULT", "torch-native compiled", "issue 16 item 6")}
-    slow = fp8_layer_targets({**fp8, "ms": 19.0}, default, baseline, "issue 16 item 6")[0]
+        ("moonep fp8", "moonep DEFAULT", "torch-native compiled", "the fp8 layer")}
+    slow = fp8_layer_targets({**fp8, "ms": 19.0}, default, baseline, "the fp8 layer")[0]
     assert not slow["pass"], "30 / 19 = 1.58 < 1.6"
 
 
-def test_cpu_smoke_runs_every_table_of_the_issue(monkeypatch, capsys):
+def test_cpu_smoke_runs_every_model_table(monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["bench.layer", "--device", "cpu", "--models", "all", "--tokens", "32"])
     main()
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("cpu smoke")]
@@ -428,6 +508,7 @@ def test_cpu_smoke_runs_every_table_of_the_issue(monkeypatch, capsys):
     (["--model", "all", "--ep-rank-of", "8"], "--model all runs its own EP ranks"),
     (["--model", "kimi-k2", "--ep-rank-of", "5"], "--ep-rank-of 5"),
     (["--repeat", "4"], "--repeat must be >= 5"),
+    (["--maxvio", "5"], "--maxvio: it skews the group of --ep-rank-of's rank"),
 ])
 def test_bad_command_lines_fail_before_any_work(monkeypatch, capsys, argv, message):
     monkeypatch.setattr("sys.argv", ["bench.layer", "--device", "cpu", *argv])

@@ -215,6 +215,21 @@ def test_user_errors_are_one_line_with_status_2_before_any_work(case, tmp_path, 
     assert not (tmp_path / "moonep-out").exists()  # nor is the demo's default output folder made
 
 
+@pytest.mark.parametrize("argv", [["demo", "--world", "collective"], ["train", "--dp", "2"]],
+                         ids=["demo-collective", "train-dp"])
+def test_process_ranks_outside_torchrun_say_to_use_torchrun(argv, monkeypatch, no_work, capsys):
+    """Ranks as processes need torchrun's environment; without it, say so (not torch's rendezvous error)."""
+    if argv[0] == "train":
+        pytest.importorskip("transformers")
+    for variable in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(variable, raising=False)
+    assert main(argv) == 2
+    given = " ".join(argv[1:])
+    assert error_line(capsys) == (f"moonep-moe: error: {given}: the ranks are processes; run it under "
+                                  f"torchrun, e.g. torchrun --nproc-per-node 4 -m moonep_moe.apps.cli "
+                                  f"{' '.join(argv)}\n")
+
+
 @needs_hf
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_precision_becomes_the_runs_moe_override(precision, monkeypatch, capsys):

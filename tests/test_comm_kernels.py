@@ -134,18 +134,26 @@ def prepare(step: Step, world, kernels: bool, **buffer_kwargs) -> dict:
         staging=symmetric("staging", torch.zeros(B, *DOWN_NK)))
 
 
+def filled(rows_nvsh: torch.Tensor, plan) -> torch.Tensor:
+    """The rows a copying dispatch defines, those up to `cu_seqlens[-1]`; the rest (unspecified) as zeros,
+    without a host read."""
+    inside_nvs = torch.arange(rows_nvsh.shape[0], device=rows_nvsh.device) < plan.cu_seqlens[-1]
+    return torch.where(inside_nvs[:, None], rows_nvsh, 0)
+
+
 def operate(state: dict) -> dict:
     """Every Buffer operation on one rank; returns everything they produce or leave behind (no host read,
     so it can run under `set_sync_debug_mode("error")`)."""
     buf, x = state["buf"], state["x"]
     out = {}
     rows, weights, cu, plan, _ = buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"])
-    out.update(rows=rows, weights=weights, cu=cu, dst=plan.dst, dup_groups=plan.dup_groups,
+    out.update(rows=filled(rows, plan), weights=weights, cu=cu, dst=plan.dst, dup_groups=plan.dup_groups,
                dup_loffs=plan.dup_loffs, dup_counts=plan.dup_counts, experts_to_copy=plan.experts_to_copy)
     out["combined"], out["no_values"], _ = buf.combine(plan, state["expert_out"])
     out["combined_again"], out["values_sk"], _ = buf.combine(plan, state["expert_out"], state["values"])
-    out["grad_rows"], out["grad_weights"], out["grad_cu"], _, _ = buf.dispatch(x["grad"], None, None, None,
-                                                                            plan=plan)
+    grad_rows, out["grad_weights"], out["grad_cu"], _, _ = buf.dispatch(x["grad"], None, None, None,
+                                                                         plan=plan)
+    out["grad_rows"] = filled(grad_rows, plan)
     # zero copy: the "expert" writes in place into the Buffer's own views
     rows, weights, _, plan, _ = buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"], zero_copy=True,
                                           router_weights_zero_copy=True)
@@ -162,8 +170,9 @@ def operate(state: dict) -> dict:
                home_grad1=state["grads"][1].home.local, full_grad=state["full"])
     rows.fill_(7)  # garbage in every row and weight: the next dispatch must zero its padding again
     weights.fill_(7)
-    out["over_garbage"], out["over_garbage_w"], *_ = buf.dispatch(x["hidden"], x["weights"], x["topk"],
-                                                                  x["tpe"])
+    over_garbage, out["over_garbage_w"], _, plan, _ = buf.dispatch(x["hidden"], x["weights"], x["topk"],
+                                                                   x["tpe"])
+    out["over_garbage"] = filled(over_garbage, plan)
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
 

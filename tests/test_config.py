@@ -1,12 +1,13 @@
 """The config contract: packaged YAMLs validate, each rule names its field, derived sizes follow DESIGN.md."""
 
 from pathlib import Path
+from typing import Annotated, get_args, get_origin
 
 import pydantic
 import pytest
 import torch
 
-from moonep_moe.apps.train import load_train_config
+from moonep_moe.apps.train import TrainSection, load_train_config
 from moonep_moe.base.sizes import align_up
 from moonep_moe.config import (
     CommConfig,
@@ -277,6 +278,84 @@ def test_deep_gemm_needs_bfloat16():
     make(grouped_gemm="deep_gemm", dtype="bfloat16")
     with pytest.raises(pydantic.ValidationError, match="dtype"):
         make(grouped_gemm="deep_gemm", dtype="float32")
+
+
+# --- values YAML and Python would take silently: duplicate keys, non-finite floats, bools for ints -------
+
+
+@pytest.mark.parametrize("text, key, lines", [
+    ("hidden_size: 8\ntop_k: 2\nnum_experts: 4\ntop_k: 1\n", "top_k", (2, 4)),
+    ("hidden_size: 8\nrouter:\n  n_group: 2\n  dtype: float32\n  n_group: 4\n", "n_group", (3, 5)),
+], ids=["top-level", "nested"])
+def test_duplicate_yaml_key_names_the_key_and_both_lines(tmp_path, text, key, lines):
+    """YAML lets the last of two equal keys win without a word; the loader refuses them instead."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}, line {lines[1]}, column ") and "\n" not in message
+    assert f"duplicate key {key!r} (first on line {lines[0]})" in message
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path):
+    """A key given beside a `<<` merge overrides the merged one, as YAML means: not a duplicate."""
+    path = tmp_path / "merge.yaml"
+    path.write_text("hidden_size: 8\nffn_hidden_size: 8\nnum_experts: 4\ntop_k: 1\nmax_tokens_per_rank: 4\n"
+                    "router:\n  <<: {n_group: 2, score_function: sigmoid}\n  n_group: 1\n")
+    router = load_config(path).router
+    assert (router.n_group, router.score_function) == (1, "sigmoid")
+
+
+CONFIG_MODELS = {  # every config model, with the fields that make it valid
+    RouterConfig: {}, SharedExpertConfig: {}, TrainSection: {}, MoEConfig: BASE,
+    CommConfig: {k: v for k, v in BASE.items() if k != "ffn_hidden_size"},
+    CommunicatorConfig: {k: v for k, v in BASE.items() if k != "ffn_hidden_size"},
+}
+
+
+def fields_of_type(kind: type) -> list[tuple[type, str]]:
+    """`(model, field)` for every field of every config model that takes `kind` (alone, optional, or
+    annotated with constraints)."""
+    def types(annotation) -> set:
+        if get_origin(annotation) is Annotated:
+            return types(get_args(annotation)[0])
+        args = get_args(annotation) if get_origin(annotation) is not None else ()
+        return set().union(*map(types, args)) if args else {annotation}
+
+    return [(model, name) for model in CONFIG_MODELS for name, info in model.model_fields.items()
+            if kind in types(info.annotation)]
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("model, field", fields_of_type(float), ids=lambda x: getattr(x, "__name__", x))
+def test_float_fields_refuse_non_finite_values(model, field, value):
+    with pytest.raises(pydantic.ValidationError, match=rf"{field}\n  Input should be a finite number"):
+        model(**{**CONFIG_MODELS[model], field: value})
+
+
+def test_non_finite_yaml_float_names_the_field(tmp_path):
+    path = tmp_path / "inf.yaml"
+    path.write_text("hidden_size: 8\nffn_hidden_size: 8\nnum_experts: 4\ntop_k: 1\nmax_tokens_per_rank: 4\n"
+                    "router:\n  aux_loss_coeff: .inf\n")
+    with pytest.raises(pydantic.ValidationError, match=r"router.aux_loss_coeff\n  Input should be a finite"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("model, field", fields_of_type(int), ids=lambda x: getattr(x, "__name__", x))
+def test_int_fields_refuse_bools(model, field):
+    """`True` is an int to Python and to pydantic's lax mode: `ep_size: true` would be 1."""
+    assert model(**CONFIG_MODELS[model])  # ints as YAML and Python give them
+    with pytest.raises(pydantic.ValidationError, match=rf"{field}\n  Input should be a valid integer"):
+        model(**{**CONFIG_MODELS[model], field: True})
+
+
+def test_yaml_bool_for_an_int_names_the_field(tmp_path):
+    path = tmp_path / "bool.yaml"
+    path.write_text("hidden_size: 8\nffn_hidden_size: 8\nnum_experts: 4\ntop_k: 1\nmax_tokens_per_rank: 4\n"
+                    "ep_size: true\n")
+    with pytest.raises(pydantic.ValidationError, match=r"ep_size\n  Input should be a valid integer"):
+        load_config(path)
 
 
 # --- derived properties ---------------------------------------------------------------------------------

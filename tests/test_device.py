@@ -54,6 +54,20 @@ def on_device(layer: MoonEPMoELayer) -> set[str]:
     return {str(t.device) for t in (*layer.parameters(), *layer.buffers())}
 
 
+def every_tensor(layer: MoonEPMoELayer) -> dict[str, torch.Tensor]:
+    """A copy of every parameter and buffer by name, the non-persistent ones (`expert_load`) too:
+    `state_dict()` leaves those out."""
+    return {name: t.detach().clone() for name, t in [*layer.named_parameters(), *layer.named_buffers()]}
+
+
+@torch.no_grad()
+def fill_with_garbage(layer: MoonEPMoELayer) -> None:
+    """What `to_empty()` may leave in memory, made certain: NaN in every float tensor, a huge count in every
+    integer one."""
+    for tensor in [*layer.parameters(), *layer.buffers()]:
+        tensor.fill_(float("nan") if tensor.is_floating_point() else 17 * 10**12)
+
+
 @pytest.fixture
 def set_default_device():
     yield torch.set_default_device
@@ -109,9 +123,11 @@ def test_meta_build_allocates_no_comm_memory_and_materialises_into_the_directly_
     assert not any(isinstance(key, tuple) and key[0] in ("slots", "slot_grads") for key in world.globals)
     layer.to_empty(device="cpu")
     assert {"buffer0/rows", "moe0/gate_up", "moe0/down"} <= set(keys)
+    fill_with_garbage(layer)
     layer.reset_parameters()
     assert on_device(layer) == {"cpu"}
-    assert_same(layer.state_dict(), direct.state_dict())
+    assert "expert_load" in every_tensor(layer) and "expert_load" not in layer.state_dict()
+    assert_same(every_tensor(layer), every_tensor(direct))
     assert_same(step(layer, tokens(4)), step(direct, tokens(4)))
 
 
@@ -120,15 +136,16 @@ def test_multi_rank_meta_build_materialises_on_the_worlds_device():
 
     def direct(world):
         layer = MoonEPMoELayer(cfg, world)
-        return layer.state_dict(), step(layer, tokens(5 + world.rank))
+        return every_tensor(layer), step(layer, tokens(5 + world.rank))
 
     def via_meta(world):
         with torch.device("meta"):
             layer = MoonEPMoELayer(cfg, world)
         assert layer.buffer is None
         layer.to_empty(device=world.device)
+        fill_with_garbage(layer)
         layer.reset_parameters()
-        return layer.state_dict(), step(layer, tokens(5 + world.rank))
+        return every_tensor(layer), step(layer, tokens(5 + world.rank))
 
     torch.manual_seed(6)
     want = run_ranks(direct, 2)

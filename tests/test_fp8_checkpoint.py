@@ -21,7 +21,7 @@ import torch
 
 from moonep_moe.config import MoEConfig
 from moonep_moe.fp8.format import E4M3_MAX, FP8_DTYPE, quantise_blocks
-from moonep_moe.integrations.hf import MoonEPBlock, swap_moe_blocks
+from moonep_moe.integrations.hf import MoonEPBlock, hf_state_dict, swap_moe_blocks
 from moonep_moe.layers.moe import MoonEPMoELayer
 from moonep_moe.transport.threads import run_ranks
 
@@ -177,6 +177,22 @@ def test_fp8_scales_of_the_wrong_shape_or_dtype_are_an_error_naming_the_key(layo
     assert f"{scales}: expected float32 {expected}" in load_errors(state)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_non_finite_fp8_scales_are_an_error_naming_the_key(layout, value):
+    """A NaN or infinite block scale would load as NaN or infinite weights (and NaN outputs): a load error,
+    as misshapen scales are."""
+    experts = fp8_experts(seed=6, quantiser="pow2")
+    if layout == "per_expert":
+        state, scales = per_expert_checkpoint(experts), "experts.3.gate_proj.weight_scale_inv"
+    else:
+        state, scales = fused_checkpoint(experts), "experts.down_proj_scale_inv"
+    state[scales] = state[scales].clone()
+    state[scales].view(-1)[-1] = value
+    message = load_errors(state)
+    assert f"{scales}: 1 of {state[scales].numel()} block scales are NaN or infinite" in message
+
+
 def test_fp8_scales_without_their_fp8_weight_are_an_error_naming_the_key():
     experts = fp8_experts(seed=5, quantiser="pow2")
     orphan = {**per_expert_checkpoint(experts), "experts.gate_up_proj_scale_inv": torch.ones(E, 4, 2)}
@@ -285,6 +301,50 @@ def test_swapped_fp8_deepseek_v3_matches_the_original_on_its_dequantised_weights
         want, got = reference(input_ids=ids, labels=ids), swapped(input_ids=ids, labels=ids)
     assert rel_err(got.logits, want.logits) <= HF_TOL[dtype]
     assert rel_err(got.loss, want.loss) <= HF_TOL[dtype]
+
+
+@pytest.mark.parametrize("name", ["experts.gate_up_proj_scale_inv",
+                                  "shared_experts.up_proj.weight_scale_inv"])
+def test_non_finite_fp8_scales_fail_at_the_swap_naming_the_key(name):
+    """Refused before any block is swapped: the first layer's block, which is fine, stays as it was."""
+    _, fp8 = quantised_deepseek_v3(torch.bfloat16)
+    with torch.no_grad():
+        fp8.model.layers[1].mlp.get_parameter(name).view(-1)[0] = float("nan")
+    with pytest.raises(ValueError, match=rf"^model\.layers\.1\.mlp\.{name}: 1 of \d+ block scales are NaN "
+                                         "or infinite"):
+        swap_moe_blocks(fp8, BATCH * SEQ, token_padding=8)
+    assert not any(isinstance(m, MoonEPBlock) for m in fp8.modules())
+
+
+def test_swap_dequantises_fp8_weights_in_bounded_chunks(monkeypatch):
+    """The swap never widens a whole FP8 weight to fp32 at once (DeepSeek-V3: one layer's experts, or even
+    one expert's gate_up, 117 MB in fp32): every dequantisation it asks for is at most
+    `DEQUANTISE_CHUNK_BYTES` of fp32 values (here 32 KiB: gate_up's parts [512, 32] go in row bands, down
+    [32, 512] in column bands), and the masters are the same bits as dequantising each whole tensor."""
+    import moonep_moe.fp8.checkpoint as checkpoint
+    from moonep_moe.fp8.format import dequantise_blocks
+
+    _, fp8 = quantised_deepseek_v3(torch.bfloat16, ffn=512)
+    whole = {}  # the whole-tensor dequantisation of every FP8 tensor, rounded to the bf16 masters
+    for name, module in fp8.named_modules():
+        for weight_name, weight in module.named_parameters(recurse=False):
+            if weight.dtype == FP8_DTYPE:
+                parts = 2 if weight_name == "gate_up_proj" else 1
+                scales = getattr(module, f"{weight_name}_scale_inv")
+                whole[f"{name}.{weight_name}"] = dequantise_blocks(weight, scales, torch.float32,
+                                                                   parts).bfloat16()
+    sizes = []
+
+    def recording(q, scales, dtype=torch.float64, parts=1):
+        sizes.append(q.numel() * dtype.itemsize)  # the bytes of the fp32 tensor it is asked to make
+        return dequantise_blocks(q, scales, dtype, parts)
+
+    monkeypatch.setattr(checkpoint, "DEQUANTISE_CHUNK_BYTES", 32 * 1024)
+    monkeypatch.setattr(checkpoint, "dequantise_blocks", recording)
+    swapped = swap_moe_blocks(fp8, BATCH * SEQ, token_padding=8)
+    assert sizes and max(sizes) <= 32 * 1024, f"largest fp32 temporary: {max(sizes)} bytes"
+    state = hf_state_dict(swapped)  # under the original names; at EP=1 every routed expert is home
+    assert len(whole) == 10 and all(torch.equal(state[name], value) for name, value in whole.items())
 
 
 def test_fp8_experts_of_another_block_size_fail_at_the_swap():

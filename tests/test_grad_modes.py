@@ -15,6 +15,7 @@ import pytest
 import torch
 from test_layer import TOL, build_layer, make_config, make_problem, run_dense
 
+from moonep_moe.comm.buffer import Buffer
 from moonep_moe.config import MoEConfig
 from moonep_moe.gemm import autotune
 from moonep_moe.layers import moe
@@ -146,6 +147,105 @@ def test_attached_main_grad_is_used_and_a_wrong_one_is_refused():
     with pytest.raises(ValueError, match=r"experts.down.main_grad on rank 0 must be a contiguous "
                                          r"torch.float64 tensor"):
         layer(p.hidden[0]).backward(p.grad_out[0])
+
+
+def megatron_grad_buffer(weights: tuple[torch.nn.Parameter, ...]) -> tuple[torch.Tensor, list]:
+    """Megatron-Core DDP's side of the protocol, by hand: every `main_grad` a view of one flat buffer, the
+    `grad_added_to_main_grad` flag on each parameter, and its hook after gradient accumulation (adds `.grad`
+    into `main_grad` unless the flag says the layer already did, then drops `.grad`). Returns the buffer and
+    the list the hook appends each parameter to when it fires."""
+    flat = torch.zeros(sum(w.numel() for w in weights), dtype=torch.float64)
+    fired, start = [], 0
+    for weight in weights:
+        weight.main_grad = flat[start:start + weight.numel()].view_as(weight)
+        weight.grad_added_to_main_grad = False
+        start += weight.numel()
+
+        def hook(param):
+            fired.append(param)
+            if param.grad is not None and not param.grad_added_to_main_grad:
+                param.main_grad.add_(param.grad)
+            param.grad = None
+
+        weight.register_post_accumulate_grad_hook(hook)
+    return flat, fired
+
+
+def test_main_grad_follows_megatrons_grad_buffer_protocol():
+    """Under a Megatron-style grad buffer (`megatron_grad_buffer`) the layer adds wgrad into the buffer, sets
+    `grad_added_to_main_grad` and hands autograd a placeholder, so the DDP hook fires once per parameter
+    (bucket readiness) and adds nothing twice; `zero_main_grad()` zeroes the buffer in place (the
+    parameters' `main_grad` stay its views) and clears the flags, so the next backward adds into the same
+    buffer."""
+    p = make_problem(make_config(1, expert_grad_dtype="main_grad"), seed=82)
+    problems = micro_batches(p, 2)
+    layer = build_layer(p, single_world())
+    weights = (layer.experts.gate_up, layer.experts.down)
+    flat, fired = megatron_grad_buffer(weights)
+    for step, q in enumerate(problems):
+        layer(q.hidden[0]).backward(q.grad_out[0])
+        assert sorted(map(id, fired)) == sorted(map(id, weights)), f"step {step}: fired {len(fired)} times"
+        assert all(w.grad_added_to_main_grad and w.grad is None for w in weights)
+        _, grad_gate_up, grad_down, _ = run_dense(q)
+        torch.testing.assert_close(flat, torch.cat([grad_gate_up.flatten(), grad_down.flatten()]), **TOL)
+        layer.zero_main_grad()
+        assert not flat.any() and not any(w.grad_added_to_main_grad for w in weights)
+        views = [flat.data_ptr(), flat[weights[0].numel():].data_ptr()]
+        assert [w.main_grad.data_ptr() for w in weights] == views
+        fired.clear()
+
+
+@pytest.mark.parametrize("mode", ["param", "main_grad"])
+@pytest.mark.parametrize("frozen", [("gate_up", "down"), ("down",)], ids=["both", "down"])
+def test_frozen_experts_get_no_weight_gradient_while_the_input_and_router_get_theirs(monkeypatch, mode,
+                                                                                     frozen):
+    """`requires_grad=False` on home-expert parameters (every rank alike; 2 ranks, skewed routing, so
+    replicas train on the peer): no wgrad GEMM and no `reduce_grad` for them, no `.grad` and no `main_grad`;
+    the input, the router and a trainable projection get the float64 reference's gradients."""
+    p = make_problem(make_config(2, expert_grad_dtype=mode), seed=83, skew=100.0)
+    reduced, reduce_grad = [], Buffer.reduce_grad
+
+    def reduce_spy(self, plan, gate, up, down, *args, **kwargs):
+        reduced.append((gate is not None, down is not None))
+        return reduce_grad(self, plan, gate, up, down, *args, **kwargs)
+
+    monkeypatch.setattr(Buffer, "reduce_grad", reduce_spy)
+
+    def rank_fn(world):
+        layer = build_layer(p, world)
+        for name in frozen:
+            getattr(layer.experts, name).requires_grad_(False)
+        gemm, wgrads = layer._state.gemm, []
+        wgrad = gemm.wgrad
+
+        def wgrad_spy(dy, x, offs_g, out, accumulate=True):
+            wgrads.append("gate_up" if x.shape[1] == p.cfg.hidden_size else "down")  # x: [rows, H or F]
+            return wgrad(dy, x, offs_g, out, accumulate)
+
+        gemm.wgrad = wgrad_spy
+        x = p.hidden[world.rank].clone().requires_grad_()
+        layer(x).backward(p.grad_out[world.rank])
+        result = dict(expert_grads(layer), x=x.grad, router=layer.router.weight.grad,
+                      slots_used=int(layer.balance_stats()["slots_used"].max()), wgrads=wgrads)
+        layer.destroy()
+        return result
+
+    got = run_ranks(rank_fn, 2)
+    dense, grad_gate_up, grad_down, _ = run_dense(p)
+    assert got[0]["slots_used"] > 0
+    reference = {"gate_up": grad_gate_up, "down": grad_down}
+    kind = "grad" if mode == "param" else "main_grad"
+    trained = [name for name in reference if name not in frozen]
+    for rank, g in enumerate(got):
+        torch.testing.assert_close(g["x"], dense[rank]["grad_x"], **TOL)
+        torch.testing.assert_close(g["router"], dense[rank]["grad_router"], **TOL)
+        assert sorted(g["wgrads"]) == sorted(trained), f"rank {rank}: wgrad GEMMs for {g['wgrads']}"
+        for name in frozen:
+            assert g[f"{name}.grad"] is None and g[f"{name}.main_grad"] is None, f"rank {rank}: {name}"
+        for name in trained:
+            home = slice(rank * 16, (rank + 1) * 16)
+            torch.testing.assert_close(g[f"{name}.{kind}"], reference[name][home], **TOL)
+    assert reduced == [("gate_up" in trained, "down" in trained)] * 2 if trained else reduced == []
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -8,7 +8,10 @@ every step's reduction (DDP / FSDP2 for the non-expert parameters, `reduce_exper
 experts), every gradient must equal a single-process run's on the same global batch (one rank, all E experts,
 every rank's tokens in one batch); so must the parameters after SGD steps and the expert bias moved by
 `update_expert_bias`. One case runs the MoE layer under activation checkpointing (its recompute in backward
-plans and exchanges again beside DDP's reductions).
+plans and exchanges again beside DDP's reductions). One zeroes with `zero_grad(set_to_none=False)` in
+"main_grad" mode, so the home experts keep a `.grad` that `reduce_expert_grads` must leave alone. Under
+DDP and FSDP2, with and without micro-batches, `expert_load` must count this EP group's forwards only (DDP
+must not broadcast it).
 
 A home-expert gradient reduced over the wrong group ("ep", or every rank) or scaled by 1/dp instead of 1/W
 fails these checks (checked by breaking `reduce_expert_grads` on purpose). One spawned run per mesh carries
@@ -55,11 +58,13 @@ TOL = dict(rtol=1e-9, atol=1e-12)
 H, TOKENS, STEPS = 16, 12, 2
 """Hidden size, tokens per rank per step, optimizer steps per case."""
 
-# name: (strategy, expert_grad_dtype, micro-batches per step, the MoE layer under activation checkpointing)
+# name: (strategy, expert_grad_dtype, micro-batches per step, the MoE layer under activation checkpointing,
+#        zero_grad's set_to_none)
 CASES = {
-    "ddp": ("ddp", "param", 1, False),
-    "fsdp2-accumulate": ("fsdp", "param", 2, False),
-    "ddp-main_grad-accumulate-checkpointed": ("ddp", "main_grad", 2, True),
+    "ddp": ("ddp", "param", 1, False, True),
+    "fsdp2-accumulate": ("fsdp", "param", 2, False, True),
+    "ddp-main_grad-accumulate-checkpointed": ("ddp", "main_grad", 2, True, True),
+    "ddp-main_grad-grads-kept-as-zeros": ("ddp", "main_grad", 1, False, False),
 }
 
 
@@ -119,12 +124,12 @@ def snapshot(net: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
     return {n: full(t) for n, t in [*net.named_parameters(), *net.named_buffers()]}
 
 
-def optimizer_step(net: Net, optimizer: torch.optim.Optimizer) -> None:
+def optimizer_step(net: Net, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
     if net.moe.config.expert_grad_dtype == "main_grad":
         for p in expert_parameters(net):
-            p.grad = p.main_grad.to(p.dtype)
+            p.grad = p.main_grad.to(p.dtype, copy=True)  # a copy, as for bf16 weights (float64 here)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=set_to_none)
     net.moe.zero_main_grad()
 
 
@@ -146,7 +151,8 @@ def reference(ranks: int) -> tuple[list[dict], dict]:
 # -- what runs in the spawned processes ---------------------------------------------------------------------
 
 
-def run_case(dp: int, ep: int, strategy: str, grad_mode: str, micro: int, checkpointed: bool) -> dict:
+def run_case(dp: int, ep: int, strategy: str, grad_mode: str, micro: int, checkpointed: bool,
+             set_to_none: bool) -> dict:
     """This rank's gradients after each step's reduction and its final parameters, training `Net` on the
     `(dp, ep)` mesh wrapped by `strategy`, with `micro` micro-batches per step."""
     mesh = moe_mesh(dp, ep)
@@ -168,7 +174,7 @@ def run_case(dp: int, ep: int, strategy: str, grad_mode: str, micro: int, checkp
                 (nn.functional.mse_loss(model(x_m), y_m) / micro).backward()
         reduce_expert_grads(model, mesh)
         grads.append(snapshot(net, grads=True))
-        optimizer_step(net, optimizer)
+        optimizer_step(net, optimizer, set_to_none)
         update_expert_bias(model, mesh)
     return {"grads": grads, "state": snapshot(net, grads=False), "ep_rank": mesh.get_local_rank("ep"),
             "slots_used": int(net.moe.balance_stats()["slots_used"].sum())}
@@ -176,13 +182,19 @@ def run_case(dp: int, ep: int, strategy: str, grad_mode: str, micro: int, checkp
 
 def errors(dp: int, ep: int) -> dict[str, str]:
     """What the helpers raise: a strategy they do not know, a step without gradients, a layer built on
-    another EP group than the mesh's "ep" dimension (the WORLD group's: the "ep" group itself at dp 1)."""
+    another EP group than the mesh's "ep" dimension (the WORLD group's: the "ep" group itself at dp 1), and
+    where dp == ep one built on a group of the right size over other ranks (this rank's "dp" column)."""
     mesh, raised = moe_mesh(dp, ep), {}
     net = build(make_config(ep, TOKENS), ep_world(mesh))
     other = build(make_config(dp * ep, TOKENS), collective_world(None))
-    for name, call in (("strategy", lambda: data_parallel(net, mesh, "zero")),
-                       ("no grad", lambda: reduce_expert_grads(net, mesh)),
-                       ("other group", lambda: data_parallel(other, mesh))):
+    calls = [("strategy", lambda: data_parallel(net, mesh, "zero")),
+             ("no grad", lambda: reduce_expert_grads(net, mesh)),
+             ("other group", lambda: data_parallel(other, mesh))]
+    if dp == ep:
+        column = build(make_config(dp, TOKENS), collective_world(mesh["dp"].get_group()))
+        calls += [("other ranks", lambda: data_parallel(column, mesh)),
+                  ("other ranks, reduce", lambda: reduce_expert_grads(column, mesh))]
+    for name, call in calls:
         try:
             call()
         except ValueError as error:
@@ -190,8 +202,33 @@ def errors(dp: int, ep: int) -> dict[str, str]:
     return raised
 
 
+LOAD_MODES = {"ddp": ("ddp", 1), "ddp-accumulate": ("ddp", 2), "fsdp2-accumulate": ("fsdp", 2)}
+"""name: (strategy, micro-batches per step) of `expert_load_counts`."""
+
+
+def expert_load_counts(dp: int, ep: int, strategy: str, micro: int) -> list[tuple[list, list]]:
+    """Per step (3, no bias update, so the counts accumulate across steps as they do without an expert bias
+    or between updates): this rank's `expert_load` and the sum of its EP group's counts of every forward so
+    far (`last_expert_load`, the plan's, which no wrapper sees)."""
+    mesh = moe_mesh(dp, ep)
+    net = build(make_config(ep, TOKENS), ep_world(mesh))
+    model = data_parallel(net, mesh, strategy, blocks=[net.moe] if strategy == "fsdp" else ())
+    rank, counted, steps = mesh.get_rank(), torch.zeros(8, dtype=torch.int64), []
+    for step in range(3):
+        x, y = (t[rank * TOKENS:(rank + 1) * TOKENS] for t in global_batch(step, dp * ep))
+        for i, (x_m, y_m) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
+            sync = model.no_sync() if strategy == "ddp" and i < micro - 1 else contextlib.nullcontext()
+            with sync:
+                nn.functional.mse_loss(model(x_m), y_m).backward()
+            counted += net.moe.last_expert_load
+        steps.append((net.moe.expert_load.tolist(), counted.tolist()))
+    return steps
+
+
 def cases_job(world, dp: int, ep: int) -> dict:
-    return {"errors": errors(dp, ep), **{name: run_case(dp, ep, *case) for name, case in CASES.items()}}
+    return {"errors": errors(dp, ep), "loads": {name: expert_load_counts(dp, ep, *mode)
+                                                for name, mode in LOAD_MODES.items()},
+            **{name: run_case(dp, ep, *case) for name, case in CASES.items()}}
 
 
 @pytest.fixture(scope="module", params=[(2, 2), (1, 4)], ids=["dp2xep2", "ep4"])
@@ -225,6 +262,19 @@ def test_every_gradient_and_step_equals_one_process_on_the_global_batch(mesh_run
         assert_matches(got["state"], ref_state, got["ep_rank"], epn, f"{case}, rank {rank}, final state")
     if ep > 1:
         assert results[0][case]["slots_used"] > 0, "the skewed routing made no replicas"
+
+
+@pytest.mark.parametrize("mode", LOAD_MODES)
+def test_expert_load_counts_this_ep_groups_forwards_under_every_wrapper(mesh_run, mode):
+    """`expert_load` is per EP group by meaning: under DDP (whose buffer sync would broadcast rank 0's at
+    the first forward after a synchronised backward) and FSDP2, with and without micro-batches, each rank
+    holds exactly its group's counts of every forward since the last reset."""
+    (dp, _), results = mesh_run
+    for rank, result in enumerate(results):
+        for step, (load, counted) in enumerate(result["loads"][mode]):
+            assert load == counted, f"{mode}, rank {rank}, step {step}: expert_load {load}, counted {counted}"
+    if dp > 1:  # the groups saw different tokens, so a broadcast would have shown
+        assert results[0]["loads"][mode][-1] != results[-1]["loads"][mode][-1]
 
 
 # -- the training command: torchrun, DP x EP ----------------------------------------------------------------
@@ -294,7 +344,13 @@ def test_helpers_refuse_misuse_naming_the_rank(mesh_run):
         if dp == 1:  # the WORLD group is the mesh's "ep" group
             assert "other group" not in raised
             continue
+        ep_ranks = [rank // 2 * 2, rank // 2 * 2 + 1]
         other = raised["other group"]
-        assert other.startswith("a MoonEPMoELayer of model was built on an EP world of 4 ranks that is not "
-                                "the mesh's 'ep' dimension"), other
-        assert f"on rank {rank}: build every layer with MoonEPMoELayer(config, ep_world(mesh))" in other
+        assert other == (f"a MoonEPMoELayer of model was built on an EP world of ranks [0, 1, 2, 3], not the "
+                         f"mesh's 'ep' dimension (ranks {ep_ranks}), on rank {rank}: build every layer with "
+                         "MoonEPMoELayer(config, ep_world(mesh))")
+        column = [rank % 2, rank % 2 + 2]  # the right size, the wrong experts: refused by both helpers
+        for name in ("other ranks", "other ranks, reduce"):
+            assert raised[name].startswith(f"a MoonEPMoELayer of model was built on an EP world of ranks "
+                                           f"{column}, not the mesh's 'ep' dimension (ranks {ep_ranks}), on "
+                                           f"rank {rank}"), raised[name]

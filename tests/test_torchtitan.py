@@ -35,8 +35,8 @@ from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa
 from torchtitan.models.common.moe import GroupedExperts, MoE  # noqa: E402
 from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter  # noqa: E402
 
-from moonep_moe import run_ranks  # noqa: E402
-from moonep_moe.integrations.torchtitan import MoonEPTitanMoE, swap_moe_modules, titan_grads  # noqa: E402
+from moonep_moe import run_ranks
+from moonep_moe.integrations.torchtitan import MoonEPTitanMoE, swap_moe_modules, titan_grads
 
 # torchtitan's router asks for fp32 autocast around its gate, which CPU autocast declines (with a warning)
 pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast, but the target dtype is not supported")
@@ -224,6 +224,22 @@ def test_state_dict_is_torchtitans_and_its_hf_adapter_round_trip_loads_into_the_
     missing = swapped.load_state_dict(partial, strict=False).missing_keys
     assert sorted(missing) == [f"layers.{i}.moe.{name}" for i in (1, 2)
                                for name in ("routed_experts.inner_experts.w2_EDF", "router.gate.weight")]
+
+
+def test_expert_tensors_of_another_count_are_a_load_error_naming_the_key_and_the_rank():
+    config = model_config("deepseek_v3")
+    copies = [build(config, seed=2) for _ in range(2)]
+
+    def rank_fn(world) -> tuple[str, str]:
+        model = swap_moe_modules(copies[world.rank], TOKENS, world)
+        state = model.state_dict()
+        key = next(k for k in state if is_expert(k))
+        with pytest.raises(RuntimeError) as error:
+            model.load_state_dict({**state, key: state[key][:3]})
+        return key, str(error.value)
+
+    for rank, (key, message) in enumerate(run_ranks(rank_fn, 2)):
+        assert f"{key}: expected 8 experts (the whole layer) or this rank's 4, got 3 (rank {rank})" in message
 
 
 def test_state_dict_at_ep2_holds_home_experts_and_whole_or_home_checkpoints_load():

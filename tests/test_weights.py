@@ -141,8 +141,63 @@ def test_missing_and_misshapen_experts_are_reported():
     result = layer.load_state_dict(state, strict=False)
     assert result.missing_keys == ["experts.3.up_proj.weight"]
     state["experts.3.up_proj.weight"] = torch.zeros(F + 1, H, dtype=F64)
-    with pytest.raises(RuntimeError, match=r"experts.3.up_proj.weight: expected \[6, 8\]"):
+    with pytest.raises(RuntimeError, match=r"experts.3.up_proj.weight: expected \[6, 8\], got \[7, 8\] "
+                                           r"\(rank 0\)"):
         layer.load_state_dict(state)
+
+
+def load_on_two_ranks(state: dict[str, torch.Tensor], **overrides) -> list[str | MoonEPMoELayer]:
+    """`state` loaded on each of 2 ranks (experts 0-7 on rank 0, 8-15 on rank 1): the rank's layer, or the
+    message its `load_state_dict` raised."""
+
+    def rank_fn(world):
+        layer = MoonEPMoELayer(config(2).model_copy(update=overrides), world)
+        try:
+            layer.load_state_dict(state)
+        except RuntimeError as error:
+            return str(error)
+        return layer
+
+    return run_ranks(rank_fn, 2)
+
+
+def test_a_misshapen_expert_is_reported_by_the_rank_that_loads_it():
+    state = per_expert(full_checkpoint(seed=5))
+    state["experts.9.down_proj.weight"] = torch.zeros(H, F + 1, dtype=F64)
+    loaded, message = load_on_two_ranks(state)
+    assert isinstance(loaded, MoonEPMoELayer)
+    assert "experts.9.down_proj.weight: expected [8, 6], got [8, 7] (rank 1)" in message
+
+
+NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf")}
+
+
+@pytest.mark.parametrize("layout, value", [(layout, value) for layout in ("per_expert", "fused")
+                                           for value in NON_FINITE] + [("per_expert_fp8", "nan")])
+def test_non_finite_expert_weights_are_refused_naming_the_key_the_expert_and_the_rank(layout, value):
+    """NaN or Inf in one expert's weights (expert 9: rank 1's) is a load error on the rank that loads it;
+    the other rank loads. FP8 weights (DeepSeek-V3's per-expert e4m3 + scales; e4m3 has NaN, no Inf) are
+    checked as stored."""
+    fused = full_checkpoint(seed=6)
+    fused["experts.down_proj"][9, 2, 3] = NON_FINITE[value]
+    state = per_expert(fused) if layout != "fused" else fused
+    key = "experts.down_proj" if layout == "fused" else "experts.9.down_proj.weight"
+    if layout == "per_expert_fp8":
+        state[key] = state[key].to(torch.float8_e4m3fn)
+        state[f"{key}_scale_inv"] = torch.ones(1, 1)
+    loaded, message = load_on_two_ranks(state)
+    assert isinstance(loaded, MoonEPMoELayer)
+    assert (f"{key}: expert 9's weights hold NaN or Inf (rank 1); MoEConfig.allow_non_finite_weights=True "
+            "loads them as stored") in message
+
+
+def test_non_finite_expert_weights_load_as_stored_when_allowed():
+    fused = full_checkpoint(seed=7)
+    fused["experts.gate_up_proj"][12, 0, 0] = float("nan")
+    fused["experts.down_proj"][9, 2, 3] = float("inf")
+    _, layer = load_on_two_ranks(fused, allow_non_finite_weights=True)
+    assert torch.isnan(layer.experts.gate_up[4, 0, 0]) and torch.isinf(layer.experts.down[1, 2, 3])
+    torch.testing.assert_close(layer.experts.down[0], fused["experts.down_proj"][8], **TOL)
 
 
 def test_layers_of_one_shape_share_one_slot_pool_that_optimizers_never_see():

@@ -128,6 +128,17 @@ def with_precision(cfg: TrainConfig, precision: str, device: str, config: str) -
     return cfg.with_moe(precision=precision)
 
 
+def torchrun_processes(given: str, command: str) -> int:
+    """The number of processes of the torchrun job this process is one of (torchrun's `WORLD_SIZE`). Outside
+    torchrun, refuses `given` (the flags that asked for ranks as processes), saying how to start `command`
+    under torchrun."""
+    size = int(os.environ.get("WORLD_SIZE", 0))
+    if not size:
+        raise UsageError(f"{given}: the ranks are processes; run it under torchrun, e.g. torchrun "
+                         f"--nproc-per-node 4 -m moonep_moe.apps.cli {command}")
+    return size
+
+
 def demo(args: argparse.Namespace) -> int:
     from moonep_moe.apps.demo import TOLERANCE, format_table, plot, run_demo
 
@@ -139,6 +150,7 @@ def demo(args: argparse.Namespace) -> int:
         if args.ranks is not None:
             raise UsageError(f"--ranks {args.ranks}: with --world collective the ranks are torchrun's "
                              "processes (torchrun --nproc-per-node)")
+        torchrun_processes("--world collective", "demo --world collective")
         from moonep_moe.transport.collective import fail_fast, init_collective
 
         world, guard = init_collective(), fail_fast()
@@ -179,10 +191,7 @@ def process_layout(args: argparse.Namespace) -> tuple[int, int] | None:
     for flag, value in (("--save", args.save), ("--resume", args.resume)):
         if value:
             raise UsageError(f"{flag} {value}: checkpoints need thread-ranks (train without --dp)")
-    size = int(os.environ.get("WORLD_SIZE", 0))
-    if not size:
-        raise UsageError(f"--dp {args.dp}: the ranks are processes; run it under torchrun, e.g. torchrun "
-                         f"--nproc-per-node 4 -m moonep_moe.apps.cli train --dp {args.dp}")
+    size = torchrun_processes(f"--dp {args.dp}", f"train --dp {args.dp}")
     if size % args.dp:
         raise UsageError(f"--dp {args.dp} does not divide the {size} processes (ep = processes / dp)")
     return args.dp, size // args.dp

@@ -37,11 +37,12 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field, StrictInt
 from torch import nn
 from tqdm import tqdm
 
 from moonep_moe.config import read_config_yaml
+from moonep_moe.config.models import CONFIG_RULES
 from moonep_moe.parallel import data_parallel, ep_world, moe_layers, moe_mesh, reduce_expert_grads
 from moonep_moe.transport.threads import run_ranks
 from moonep_moe.transport.world import EPWorld
@@ -52,16 +53,17 @@ __all__ = ["TrainConfig", "load_checkpoint", "load_train_config", "resumed_confi
 class TrainSection(BaseModel):
     """The `train:` section of a training YAML."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = CONFIG_RULES
 
-    ep_size: int = Field(2, ge=1, description="EP ranks (threads); 1 on a GPU.")
-    steps: int = Field(60, ge=0, description="Optimizer steps in total (a resumed run continues to it).")
+    ep_size: StrictInt = Field(2, ge=1, description="EP ranks (threads); 1 on a GPU.")
+    steps: StrictInt = Field(60, ge=0, description="Optimizer steps in total (a resumed run continues to "
+                             "it).")
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate (no schedule, no weight decay).")
-    batch_size: int = Field(8, ge=1, description="Sequences per rank per step. A resumed run keeps its "
-                            "checkpoint's global batch: this becomes that batch / ep_size.")
-    seq_len: int = Field(32, ge=2, description="Tokens per sequence.")
-    seed: int = Field(0, description="Seeds the model, the Markov chain and every batch.")
-    branching: int = Field(2, ge=1, description="Likely successors per token in the Markov chain.")
+    batch_size: StrictInt = Field(8, ge=1, description="Sequences per rank per step. A resumed run keeps "
+                                  "its checkpoint's global batch: this becomes that batch / ep_size.")
+    seq_len: StrictInt = Field(32, ge=2, description="Tokens per sequence.")
+    seed: StrictInt = Field(0, description="Seeds the model, the Markov chain and every batch.")
+    branching: StrictInt = Field(2, ge=1, description="Likely successors per token in the Markov chain.")
     skew: float = Field(0.0, ge=0, description="Selection bias added to the first top_k experts of every "
                         "layer (frozen): 0 = plain routing; large values send nearly every token there.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="The model's dtype: its parameters "
@@ -73,7 +75,7 @@ class TrainConfig(BaseModel):
     """A training run: `model` (transformers `Qwen3MoeConfig` fields), `moe` (`MoEConfig` overrides for every
     swapped block), `train`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = CONFIG_RULES
 
     model: dict[str, Any]
     moe: dict[str, Any] = Field(default_factory=dict)

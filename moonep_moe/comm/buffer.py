@@ -30,11 +30,10 @@ O(n + R*E); the row exchanges O(n*H) (each token row read once, written once per
 read back); the dup tables O(R*N + rows the plan fills) (one program: the duplicate pairs, then the filled
 rows in order; the reference sorts the pairs) plus zeroing the plan's int32 dup tables (16 bytes per row of
 NvS, inside the planner's launch); padding rows and duplicate rows
-O(rows the plan fills); combine's copy of a `hidden_nvsh` that is not the Buffer's own view O(rows the plan
-fills). What stays O(NvS*H): `dispatch(zero_copy=False)` returns a copy of all NvS rows (a tensor the
-caller owns, defined everywhere): steps of a few tokens should take the views (`zero_copy=True`, as the
-communicator does). The torch reference (`ReferenceExchange`) also pads, expands and pre-reduces over all
-NvS rows (fixed-shape torch, no host read).
+O(rows the plan fills); combine's copy of a `hidden_nvsh` that is not the Buffer's own view, and
+`dispatch(zero_copy=False)`'s copy of the rows (a `[NvS, H]` tensor the caller owns, its rows past
+`cu_seqlens[-1]` unspecified), O(rows the plan fills). The torch reference (`ReferenceExchange`) copies,
+pads, expands and pre-reduces over all NvS rows (fixed-shape torch, no host read).
 
 The Buffer keeps the API, the checks, the plans, the streams and the memory's lifetime; how rows cross ranks
 is its exchange (`comm.exchange`), chosen once at construction (`kernels`): the torch reference over the
@@ -298,7 +297,8 @@ class Buffer(ExpertTransfers):
                 `dispatch(grad_sh, plan=plan, async_finish=True)`): no planning, the returned `cu_seqlens`
                 is None, and `plan` becomes the plan the next operations take.
             zero_copy / router_weights_zero_copy: return the Buffer's persistent views instead of copies
-                (a copy is of all NvS rows, `O(NvS * H)` whatever the step's tokens: serving takes the views).
+                (the row kernels copy the rows the plan fills, the torch reference all NvS: serving takes the
+                views).
                 Until this step's `combine`, a dispatch of a new step (without a plan) raises: it would
                 overwrite the views (two in-flight steps cannot share one Buffer; give each its own).
                 Dispatches with a plan (backward) stay legal: forward dispatch -> combine -> backward
@@ -429,7 +429,7 @@ class Buffer(ExpertTransfers):
                 cu_seqlens = step_plan.cu_seqlens
             rows_sh = hidden_sh if scales is None else pack_rows(hidden_sh, scales)
             self._send_rows(exchange, step_plan, rows_sh, route_weights_sk, record_duplicates=plan is None)
-            rows_nvsh = self._received_rows(exchange, zero_copy)
+            rows_nvsh = self._received_rows(exchange, step_plan, zero_copy)
             weights_nvs = None
             if route_weights_sk is not None:
                 weights_nvs = self._weights.local if router_weights_zero_copy else self._weights.local.clone()
@@ -454,11 +454,12 @@ class Buffer(ExpertTransfers):
             exchange.record_duplicates(plan)
         exchange.fill_rows(plan)
 
-    def _received_rows(self, exchange: RowExchange, zero_copy: bool):
+    def _received_rows(self, exchange: RowExchange, plan: MoonEPCommPlan, zero_copy: bool):
         """The rows a dispatch through `exchange` left: the Buffer's `[NvS, H]` rows, or with the packed FP8
-        exchange the pair (e4m3 rows, scales) unpacked from them; views with `zero_copy`, else copies."""
+        exchange the pair (e4m3 rows, scales) unpacked from them; views with `zero_copy`, else copies (of
+        the rows the plan fills, where the exchange can bound the copy: the rest is unspecified)."""
         if exchange is self._exchange:
-            return self._rows.local if zero_copy else self._rows.local.clone()
+            return self._rows.local if zero_copy else exchange.filled_rows_copy(plan)
         packed_nvsh = exchange.memory.rows.local
         return unpack_rows(packed_nvsh, self.H) if zero_copy else unpacked_copies(packed_nvsh, self.H)
 

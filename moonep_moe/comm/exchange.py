@@ -108,6 +108,11 @@ class RowExchange(Protocol):
         rows."""
         ...
 
+    def filled_rows_copy(self, plan: MoonEPCommPlan) -> torch.Tensor:
+        """Local: a new `[NvS, H]` tensor holding this rank's rows up to `cu_seqlens[-1]` (read on the
+        device); the rows past it are unspecified. O(rows the plan fills) where the exchange can bound it."""
+        ...
+
     def combine(self, plan: MoonEPCommPlan, hidden_nvsh: torch.Tensor, zero_copy: bool, with_weights: bool,
                 out_sh: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Collective: each duplicate group of `hidden_nvsh [NvS, H]` (the Buffer's rows themselves with
@@ -184,6 +189,9 @@ class ReferenceExchange:
         plan.dup_loffs[:used].copy_(torch.where(dup_p, row_p, 0))
         plan.dup_counts.copy_(torch.stack([starts_p.sum(), dup_p.sum()]))
         pairs_p2.fill_(-1)
+
+    def filled_rows_copy(self, plan) -> torch.Tensor:
+        return self.memory.rows.local.clone()  # fixed-shape torch: all NvS rows
 
     def fill_rows(self, plan) -> None:
         rows_nvsh = self.memory.rows.local
@@ -273,6 +281,12 @@ class KernelExchange:
             return
         self.rows.record_duplicates(m.dup_pairs.local, m.dup_marks, plan.cu_seqlens[-1:], plan.dup_groups,
                                     plan.dup_loffs, plan.dup_counts, m.top_k)
+
+    def filled_rows_copy(self, plan) -> torch.Tensor:
+        m = self.memory
+        copy_nvsh = torch.empty_like(m.rows.local)
+        self.rows.copy_rows(copy_nvsh, m.rows.local, plan.cu_seqlens[-1:], m.num_sms)
+        return copy_nvsh
 
     def fill_rows(self, plan) -> None:
         m = self.memory

@@ -1,9 +1,11 @@
 """Config files: the YAML configs packaged with moonep-moe (`moonep_moe/configs`) and the user's own, read
-into the pydantic models with one-line errors naming the file, the line and the field."""
+into the pydantic models with one-line errors naming the file, the line and the field. A key given twice in
+one mapping is an error (`UniqueKeyLoader`), where YAML loaders let the last one win silently."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Hashable
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -22,6 +24,32 @@ demo``); ``"train"``, a training run with top-level ``model:`` / ``moe:`` / ``tr
 _KIND_NAMES = {"layer": "layer config", "train": "training config"}
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key given twice in one mapping, naming the key and both lines (the
+    YAML spec requires unique keys; PyYAML keeps the last value without a word). Keys brought in by a
+    ``<<`` merge may still be overridden, as YAML means them to be."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                continue  # the base class refuses it, with its own message
+            if key in first_lines:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {first_lines[key]}); give each key "
+                    f"once", key_node.start_mark)
+            first_lines[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def parse_yaml(text: str) -> Any:
+    """The YAML document in `text`, read with `UniqueKeyLoader` (safe tags only, keys unique)."""
+    return yaml.load(text, Loader=UniqueKeyLoader)
+
+
 def packaged_configs_folder() -> Traversable:
     """The packaged YAML configs' folder, ``moonep_moe/configs`` (the repo-root ``configs/`` links to it)."""
     return resources.files("moonep_moe") / "configs"
@@ -37,7 +65,7 @@ def available_configs(kind: ConfigKind = "layer") -> list[str]:
     training configs share the folder."""
     files = [p for p in packaged_configs_folder().iterdir() if p.name.endswith(".yaml")]
     return sorted(p.name.removesuffix(".yaml") for p in files
-                  if _config_kind(yaml.safe_load(p.read_text(encoding="utf-8")) or {}) == kind)
+                  if _config_kind(parse_yaml(p.read_text(encoding="utf-8")) or {}) == kind)
 
 
 def _is_bare_name(path_or_name: str) -> bool:
@@ -82,12 +110,12 @@ def read_config_yaml(path_or_name: str | os.PathLike,
 
     Raises:
         FileNotFoundError: unknown packaged name (the message lists those of ``kind``) or missing file.
-        ValueError (one line, naming the file): a YAML syntax error (with its line and column), not a
-            mapping, or a config of the other kind.
+        ValueError (one line, naming the file): a YAML syntax error or a key given twice (with its line and
+            column), not a mapping, or a config of the other kind.
     """
     text, source = _read_yaml_text(path_or_name, kind)
     try:
-        data = yaml.safe_load(text)
+        data = parse_yaml(text)
     except yaml.YAMLError as error:
         raise _yaml_syntax_error(source, error) from error
     if data is None:

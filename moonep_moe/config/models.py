@@ -9,7 +9,9 @@ K = ``top_k``, E = ``num_experts``, R = ``ep_size``, epn = E // R, B = prefetch 
 tp = ``token_padding``, NvS = dispatched-row capacity per rank (``MoEConfig.rows_per_rank``).
 
 Every error names the field and the expected value. Errors come out as ``pydantic.ValidationError``, a
-``ValueError`` subclass.
+``ValueError`` subclass. Values that YAML or Python would pass on silently are refused too: a bool for an
+int (``ep_size: true`` is not 1) and a non-finite float (``aux_loss_coeff: .inf``), in every model
+(`CONFIG_RULES`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from moonep_moe.base.sizes import (
     BLOCK_TOKEN_PADDING,
@@ -31,19 +33,23 @@ from moonep_moe.plan.policies import BALANCE_NAMES, BALANCE_POLICIES
 from moonep_moe.transport.registry import WORLD_NAMES
 
 __all__ = [
+    "CONFIG_RULES",
     "CommConfig",
     "MoEConfig",
     "RouterConfig",
     "SharedExpertConfig",
 ]
 
-_STRICT = ConfigDict(extra="forbid", frozen=True)
+CONFIG_RULES = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+"""What every config model enforces: unknown keys are refused, a validated config is frozen, and float fields
+take finite values only (a YAML ``.inf`` or ``.nan`` is refused, not stored). Int fields are declared
+``StrictInt``, so that a bool is refused where an int is meant; ints given as YAML or Python ints pass."""
 
 
 class RouterConfig(BaseModel):
     """How tokens pick their K experts: scores, top-k selection, load-balancing terms."""
 
-    model_config = _STRICT
+    model_config = CONFIG_RULES
 
     score_function: Literal["softmax", "sigmoid"] = Field(
         "softmax",
@@ -61,7 +67,7 @@ class RouterConfig(BaseModel):
             "model."
         ),
     )
-    n_group: int = Field(
+    n_group: StrictInt = Field(
         1,
         ge=1,
         description=(
@@ -70,7 +76,7 @@ class RouterConfig(BaseModel):
             "divide num_experts; DeepSeek-V3 uses 8 (one group per node)."
         ),
     )
-    topk_group: int = Field(
+    topk_group: StrictInt = Field(
         1,
         ge=1,
         description=(
@@ -139,9 +145,9 @@ class RouterConfig(BaseModel):
 class SharedExpertConfig(BaseModel):
     """Always-on experts that every token passes through, beside the K routed ones (not dispatched)."""
 
-    model_config = _STRICT
+    model_config = CONFIG_RULES
 
-    num_shared_experts: int = Field(
+    num_shared_experts: StrictInt = Field(
         0,
         ge=0,
         description=(
@@ -150,7 +156,7 @@ class SharedExpertConfig(BaseModel):
             "num_shared_experts * ffn_hidden_size, computed locally on every rank."
         ),
     )
-    ffn_hidden_size: int | None = Field(
+    ffn_hidden_size: StrictInt | None = Field(
         None,
         ge=1,
         description=(
@@ -177,14 +183,14 @@ class CommConfig(BaseModel):
     caller runs.
     """
 
-    model_config = _STRICT
+    model_config = CONFIG_RULES
 
-    hidden_size: int = Field(
+    hidden_size: StrictInt = Field(
         ...,
         ge=1,
         description="H: model hidden size (HF `hidden_size`). Required.",
     )
-    num_experts: int = Field(
+    num_experts: StrictInt = Field(
         ...,
         ge=1,
         description=(
@@ -192,14 +198,14 @@ class CommConfig(BaseModel):
             "`num_local_experts`). Required; must be divisible by ep_size."
         ),
     )
-    top_k: int = Field(
+    top_k: StrictInt = Field(
         ...,
         ge=1,
         description=(
             "K: routed experts per token (HF `num_experts_per_tok`). Required; 1 <= top_k <= num_experts."
         ),
     )
-    ep_size: int | None = Field(
+    ep_size: StrictInt | None = Field(
         None,
         ge=1,
         description=(
@@ -207,7 +213,7 @@ class CommConfig(BaseModel):
             "world's size, where a world is given (`MoECommunicator`); `MoEConfig` defaults it to 1."
         ),
     )
-    num_prefetch_slots: int | None = Field(
+    num_prefetch_slots: StrictInt | None = Field(
         None,
         ge=0,
         description=(
@@ -218,7 +224,7 @@ class CommConfig(BaseModel):
             "Must be in [0, num_experts - epn]."
         ),
     )
-    token_padding: int = Field(
+    token_padding: StrictInt = Field(
         TOKEN_PADDING,
         ge=1,
         description=(
@@ -231,7 +237,7 @@ class CommConfig(BaseModel):
             "~250 groups of 128 rows, mostly padding)."
         ),
     )
-    max_tokens_per_rank: int = Field(
+    max_tokens_per_rank: StrictInt = Field(
         ...,
         ge=1,
         description=(
@@ -348,7 +354,7 @@ class MoEConfig(CommConfig):
     """One MoE layer and its expert-parallel group: the comm fields (`CommConfig`, flat in YAML), the expert
     FFN size, router, shared experts, gradient mode and backends."""
 
-    ffn_hidden_size: int = Field(
+    ffn_hidden_size: StrictInt = Field(
         ...,
         ge=1,
         description=(
@@ -356,7 +362,7 @@ class MoEConfig(CommConfig):
             "`intermediate_size`). Required. A multiple of 128 keeps grouped GEMMs on their fast path."
         ),
     )
-    ep_size: int = Field(
+    ep_size: StrictInt = Field(
         1,
         ge=1,
         description=(
@@ -364,7 +370,7 @@ class MoEConfig(CommConfig):
             "epn = num_experts // ep_size home experts."
         ),
     )
-    token_padding: int = Field(
+    token_padding: StrictInt = Field(
         None,
         ge=1,
         validate_default=False,
@@ -484,6 +490,17 @@ class MoEConfig(CommConfig):
             "ffn_hidden_size a multiple of 128 (gate and up are one [2F, H] FP8 matrix whose blocks must not "
             "straddle them). Not trainable: a forward with grad enabled whose input or router requires "
             "grad raises; run under torch.no_grad() or torch.inference_mode()."
+        ),
+    )
+    allow_non_finite_weights: bool = Field(
+        False,
+        description=(
+            "Whether loading a checkpoint (`load_state_dict`, the transformers swap, the torchtitan adapter) "
+            "accepts routed-expert weights that hold NaN or Inf. Default False (recommended): such a weight "
+            "is a load error naming the key, the expert and the rank (one NaN expert makes every token "
+            "routed to it NaN, and its replicas carry the NaN to other ranks). True loads them as stored, "
+            "e.g. to inspect a diverged run. The check reads each loaded home-expert projection once (one "
+            "host sync each, at load only); the router and shared experts are loaded as torch loads them."
         ),
     )
     world: Literal[WORLD_NAMES] = Field(

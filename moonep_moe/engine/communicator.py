@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 import torch
-from pydantic import Field
+from pydantic import Field, StrictInt
 
 from moonep_moe.base.sizes import LAYOUT_NAMES, check_layout, default_slots
 from moonep_moe.comm.buffer import Buffer
@@ -77,18 +77,18 @@ class CommunicatorConfig(CommConfig):
     """What the communicator needs of a layer: the comm fields (`CommConfig`: H, E, K, S, R, B, tp, dtype;
     `ep_size` None takes the world's size, if given it must equal it) and the facade's own options."""
 
-    num_local_experts: int | None = Field(None, ge=1, description=(
+    num_local_experts: StrictInt | None = Field(None, ge=1, description=(
         "Explicit expert placement: home experts per rank. Default None = E / R, the only placement "
         "supported (contiguous blocks); another value raises."))
-    local_expert_start: int | None = Field(None, ge=0, description=(
+    local_expert_start: StrictInt | None = Field(None, ge=0, description=(
         "Explicit expert placement: this rank's first home expert. Default None = rank * E / R, the only "
         "placement supported; another value raises."))
     variable_tokens: bool = Field(True, description=(
         "Serve each step from a pool of power-of-two capacities (one extra all-gather of one int per "
         "step). False: one Buffer of capacity S for every step."))
-    min_capacity: int = Field(1, ge=1, description=(
+    min_capacity: StrictInt = Field(1, ge=1, description=(
         "Smallest pooled capacity (bounds how many Buffers the pool creates). Default 1."))
-    max_inflight_steps: int = Field(1, ge=1, description=(
+    max_inflight_steps: StrictInt = Field(1, ge=1, description=(
         "Steps of one capacity that may be dispatched and not yet combined at once; each gets its own Buffer "
         "(memory: that many Buffers per capacity used). Default 1; 2 for two-batch overlap."))
     check_expert_ids: bool = Field(True, description=(

@@ -2,8 +2,8 @@
 DeepSeek-V3 recipe and checkpoint format: `weight` e4m3 + `weight_scale_inv`), so `weight ~= q * scale` per
 block. The activation cast and the FP8 GEMMs are `moonep_moe.gemm.fp8`; this module holds what the comm
 core needs to move such weights (the format's constants, the scales' shape, byte views), the reference
-weight cast (`quantise_blocks`), what loading a checkpoint of that format needs (`checkpoint_weight`: the
-weights dequantised with their scales) and what a grouped GEMM takes of experts kept FP8 (`Fp8Weights`).
+weight cast (`quantise_blocks`) and its inverse (`dequantise_blocks`, with which `fp8.checkpoint` reads
+checkpoints of that format).
 
 Checkpoints keep an FP8 weight's scales under the weight's key plus `SCALE_SUFFIX`: DeepSeek-V3's released
 per-expert `...experts.{e}.down_proj.weight` + `...weight_scale_inv`, and transformers' fused FP8 experts

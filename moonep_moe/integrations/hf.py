@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from moonep_moe.config import MoEConfig
-from moonep_moe.fp8.checkpoint import SCALE_SUFFIX, checkpoint_weight
+from moonep_moe.fp8.checkpoint import SCALE_SUFFIX, check_finite_scales, copy_checkpoint_weight_
 from moonep_moe.fp8.format import BLOCK, FP8_DTYPE
 from moonep_moe.layers.moe import MoonEPMoELayer
 from moonep_moe.transport.threads import single_world
@@ -189,11 +189,13 @@ def _check_block(name: str, block: nn.Module, spec: BlockSpec) -> None:
                          f"terms?); expected exactly {sorted(expected)} (gate_up_proj [E, 2F, H], down_proj "
                          "[E, H, F])")
     for sub_name, sub in block.named_modules(prefix=name):
-        scaled = any(n.endswith(SCALE_SUFFIX) for n, _ in sub.named_parameters(recurse=False))
+        scales = {n: p for n, p in sub.named_parameters(recurse=False) if n.endswith(SCALE_SUFFIX)}
         block_size = getattr(sub, "block_size", None)
-        if scaled and (block_size is None or tuple(block_size) != (BLOCK, BLOCK)):
+        if scales and (block_size is None or tuple(block_size) != (BLOCK, BLOCK)):
             raise ValueError(f"{sub_name}: FP8 block_size={block_size} is not supported; expected "
                              f"({BLOCK}, {BLOCK}) (DeepSeek-V3's 128x128 blocks)")
+        for scale_name, value in scales.items():
+            check_finite_scales(value, f"{sub_name}.{scale_name}")
     act = getattr(experts.config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{name}: hidden_act={act!r} is not supported; expected 'silu' (SwiGLU experts)")
@@ -243,7 +245,9 @@ def _install_logits_hook(block: MoonEPBlock) -> None:
 @torch.no_grad()
 def _copy_weights(block: nn.Module, target: MoonEPBlock) -> None:
     """Copy the HF block's tensors into `target`: its home experts (`HomeExperts.load_fused`: into masters,
-    FP8 ones dequantised, or kept FP8 with `expert_weights="fp8"`), then the rest (FP8 ones dequantised)."""
+    FP8 ones dequantised, or kept FP8 with `expert_weights="fp8"`), then the rest (FP8 ones dequantised). FP8
+    weights are dequantised expert by expert, in bounded chunks (`copy_checkpoint_weight_`), never as one
+    fp32 copy of a whole block's experts."""
     source = dict(block.state_dict())
     errors: list[str] = []
     target.moe.experts.load_fused(source, EXPERT_KEYS, errors)
@@ -256,14 +260,13 @@ def _copy_weights(block: nn.Module, target: MoonEPBlock) -> None:
             continue  # an expert bias the overrides added (router.expert_bias) starts at zero
         if name not in source:
             raise ValueError(f"{target.hf_class}: expected a tensor named {name!r}, found {sorted(source)}")
+        if source[name].shape != view.shape:
+            raise ValueError(f"{target.hf_class}.{name}: expected shape {list(view.shape)}, "
+                             f"got {list(source[name].shape)}")
         try:
-            value = checkpoint_weight(source, name)
+            copy_checkpoint_weight_(view, source, name)
         except ValueError as error:
             raise ValueError(f"{target.hf_class}.{error}") from None
-        if value.shape != view.shape:
-            raise ValueError(f"{target.hf_class}.{name}: expected shape {list(view.shape)}, "
-                             f"got {list(value.shape)}")
-        view.copy_(value)
 
 
 def swap_moe_blocks(model: nn.Module, max_tokens_per_rank: int, world: EPWorld | None = None,
@@ -280,10 +283,10 @@ def swap_moe_blocks(model: nn.Module, max_tokens_per_rank: int, world: EPWorld |
             `router={"expert_bias_update_rate": 1e-3}`; `expert_weights="fp8"` keeps FP8 experts FP8 (no
             bf16 master; inference only; the model's expert FFN size must be a multiple of 128).
 
-    Raises:
-        ValueError: no supported block found, an MoE-like block of an unsupported class, or an unsupported
+    Raises (every block is checked before any is swapped, so `model` is left as it was):
+        ValueError: no supported block found, an MoE-like block of an unsupported class, an unsupported
             feature (expert bias terms, non-SiLU experts, FP8 blocks other than 128x128, router jitter, an
-            aux-loss override).
+            aux-loss override), an invalid config, or NaN or infinite FP8 block scales (naming the key).
     """
     device = next(model.parameters()).device
     world = world if world is not None else single_world(device)
@@ -296,9 +299,12 @@ def swap_moe_blocks(model: nn.Module, max_tokens_per_rank: int, world: EPWorld |
             raise ValueError(f"{name}: MoE block class {cls} is not supported; supported: {', '.join(SPECS)}")
     if not found:
         raise ValueError(f"no supported MoE block in {type(model).__name__}; supported: {', '.join(SPECS)}")
-    for name, block, spec in found:
+    configs = []
+    for name, block, spec in found:  # every block checked before any is swapped
         _check_block(name, block, spec)
-        cfg = block_config(block, spec, model.config, max_tokens_per_rank, world.size, config_overrides)
+        configs.append(block_config(block, spec, model.config, max_tokens_per_rank, world.size,
+                                    config_overrides))
+    for (name, block, spec), cfg in zip(found, configs, strict=True):
         swapped = MoonEPBlock(MoonEPMoELayer(cfg, world), spec, type(block).__name__)
         _copy_weights(block, swapped)
         _install_logits_hook(swapped)

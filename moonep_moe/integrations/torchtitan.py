@@ -283,7 +283,7 @@ class MoonEPTitanMoE(Module):
             value = value.to_local() if mine else value.full_tensor()
         if value.shape[0] not in (experts.num_experts, experts.epn):
             error_msgs.append(f"{key}: expected {experts.num_experts} experts (the whole layer) or this "
-                              f"rank's {experts.epn}, got {value.shape[0]}")
+                              f"rank's {experts.epn}, got {value.shape[0]} (rank {experts.world.rank})")
             return
         first = 0 if value.shape[0] == experts.num_experts else experts.first_expert
         for i in range(value.shape[0]):

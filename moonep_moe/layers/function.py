@@ -19,11 +19,16 @@ Backward reuses the forward plan (never plans again):
    grads).
 3. `combine(plan, dx, grad_w)`: input and route-weight gradients back to the tokens.
 4. `reduce_grad`: every replica's fp32 gradient added into its home expert's, slots cleared.
+A frozen projection (`requires_grad=False` on `experts.gate_up` or `experts.down`) gets no weight gradient:
+no wgrad GEMM, nothing in `reduce_grad`, no `main_grad` allocated; its weights still carry the input's and
+the route weights' gradients (dgrad). `reduce_grad` is collective, so freeze the same projections on every
+rank of the EP group (replicas of a rank's experts train on its peers).
 
 Home gradients (`MoEConfig.expert_grad_dtype`): "param" has the wgrad GEMM make them in the parameters' dtype
 (fp32 accumulation inside the GEMM; with `torch._grouped_mm` its own output, no copy) and hands them to
 autograd as `.grad`; "main_grad" adds wgrad straight into each parameter's persistent fp32 `main_grad` (the
-slot gradients are zero between steps, so adding into them is exact too) and hands autograd None.
+slot gradients are zero between steps, so adding into them is exact too) and hands autograd None (a
+placeholder for a parameter under Megatron-Core's grad-buffer protocol: `weights.experts.main_grad_added`).
 
 Under `torch.compile` the whole Function runs eagerly between compiled graphs (`moe.eager_routed_step`).
 """
@@ -38,7 +43,7 @@ from moonep_moe.comm.buffer import Buffer
 from moonep_moe.gemm.base import Fp8RowsGemm, GroupedGemm
 from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
 from moonep_moe.plan.types import MoonEPCommPlan
-from moonep_moe.weights.experts import HomeExperts
+from moonep_moe.weights.experts import HomeExperts, main_grad_added
 
 
 @dataclass
@@ -80,9 +85,9 @@ class MoonEPExperts(torch.autograd.Function):
         topk_experts_sk: `[s, K]` int experts, -1 = no route. tokens_per_expert: `[E]` int histogram.
         gate_up, down: the home expert parameters (`state.experts`), passed so autograd gives them grads.
         state: `ExpertsState`.
-        frozen: the experts get no gradient from this call (grad mode off, or their parameters frozen;
-            inside `forward` autograd has turned grad mode off, so the caller says): the GEMM backend may
-            keep what it derives from the weights (`GroupedGemm.fwd`).
+        frozen: `(gate_up, down)`: whether each gets no gradient from this call (grad mode off, or the
+            parameter frozen; inside `forward` autograd has turned grad mode off, so the caller says): the
+            GEMM backend may keep what it derives from those weights (`GroupedGemm.fwd`).
 
     With `MoEConfig.fp8_dispatch` the tokens are quantised before dispatch (`gemm.quantise_rows`) and travel
     as FP8 rows with their scales; the forward GEMM takes them as they arrive, backward keeps them (not a bf16
@@ -95,7 +100,7 @@ class MoonEPExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, gate_up, down,
-                state: ExpertsState, frozen: bool):
+                state: ExpertsState, frozen: tuple[bool, bool]):
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
         if state.fp8_dispatch:  # x_nvsh: the pair (e4m3 rows, their 1x128 scales), as the fwd GEMM takes it
             q_sh, scales_sh = gemm.quantise_rows(hidden_sh)
@@ -108,9 +113,9 @@ class MoonEPExperts(torch.autograd.Function):
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows, experts.scales)
         offs_g = compute_offsets(cu_seqlens, buffer.world.rank, buffer.epn, buffer.E)
         gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
-        ab_nv2f = gemm.fwd(x_nvsh, gate_up_w, offs_g, frozen)
+        ab_nv2f = gemm.fwd(x_nvsh, gate_up_w, offs_g, frozen[0])
         hw_nvf = swiglu_weighted(ab_nv2f, w_nvs, offs_g[-1:])
-        y_nvsh = gemm.fwd(hw_nvf, down_w, offs_g, frozen)
+        y_nvsh = gemm.fwd(hw_nvf, down_w, offs_g, frozen[1])
         out_sh, _, _ = buffer.combine(plan, y_nvsh)
         ctx.save_for_backward(*(x_nvsh if state.fp8_dispatch else (x_nvsh,)), ab_nv2f, w_nvs, offs_g)
         ctx.plan, ctx.state = plan, state
@@ -141,24 +146,30 @@ class MoonEPExperts(torch.autograd.Function):
         # both dgrads before the weight gradients exist: an fp8 backend's transposed FP8 weights live only
         # inside its dgrad call, so they never coexist with this step's home gradients
         dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_w, offs_g)
-        # "param": the GEMMs make this step's home gradients (None parts) and overwrite the slot gradients
-        # (no zeroing pass, no copy); "main_grad": they add into the persistent main_grad and the slot
-        # gradients (zero between steps)
-        add = state.main_grad
-        home = tuple(rows.home.local for rows in experts.new_grads()) if add else (None, None)
+        # the trainable projections only. "param": the GEMMs make this step's home gradients (None parts)
+        # and overwrite the slot gradients (no zeroing pass, no copy); "main_grad": they add into the
+        # persistent main_grad and the slot gradients (zero between steps)
+        add, trains = state.main_grad, ctx.needs_input_grad[4:6]
+        home = experts.main_grads(trains) if add else (None, None)
         gate_up_slots, down_slots = (pool.local for pool in experts.slot_grads)
-        down_home, _ = gemm.wgrad(dy_nvsh, hw_nvf, offs_g, (home[1], down_slots), add)
-        # FP8 rows (fp8_dispatch) dequantised exactly: the values the forward multiplied
-        x_nvsh = gemm.dequantise_rows(*x_parts, offs_g, buffer.dtype) if state.fp8_dispatch else x_parts[0]
-        gate_up_home, _ = gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (home[0], gate_up_slots), add)
-        gate_up_grads, down_grads = experts.new_grads((gate_up_home, down_home))
+        if trains[1]:
+            down_home, _ = gemm.wgrad(dy_nvsh, hw_nvf, offs_g, (home[1], down_slots), add)
+            home = (home[0], down_home)
+        if trains[0]:  # FP8 rows (fp8_dispatch) dequantised exactly: the values the forward multiplied
+            x_nvsh = (gemm.dequantise_rows(*x_parts, offs_g, buffer.dtype) if state.fp8_dispatch
+                      else x_parts[0])
+            gate_up_home, _ = gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (home[0], gate_up_slots), add)
+            home = (gate_up_home, home[1])
+        grads = experts.new_grads(home)
         grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs)
-        buffer.reduce_grad(plan, gate_up_grads, None, down_grads)
-        if state.main_grad:
-            return grad_hidden_sh, grad_route_weights_sk, None, None, None, None, None, None
-        # fresh tensors in the parameters' dtype: autograd keeps them as .grad without a copy
-        return (grad_hidden_sh, grad_route_weights_sk, None, None, gate_up_grads.home.local,
-                down_grads.home.local, None, None)
+        if any(trains):
+            buffer.reduce_grad(plan, grads[0], None, grads[1])
+        if add:
+            weight_grads = [main_grad_added(w) if train else None
+                            for w, train in zip((experts.gate_up, experts.down), trains, strict=True)]
+        else:  # fresh tensors in the parameters' dtype: autograd keeps them as .grad without a copy
+            weight_grads = [None if grad is None else grad.home.local for grad in grads]
+        return grad_hidden_sh, grad_route_weights_sk, None, None, *weight_grads, None, None
 
 
 COMPILE_BREAK_REASON = (

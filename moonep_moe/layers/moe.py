@@ -45,7 +45,7 @@ from moonep_moe.layers.router import RouterOutput, TopKRouter
 from moonep_moe.transport.registry import WORLDS, world_of_group
 from moonep_moe.transport.threads import single_world
 from moonep_moe.transport.world import EPWorld
-from moonep_moe.weights.experts import HomeExperts, seeded_uniform_
+from moonep_moe.weights.experts import HomeExperts, seeded_uniform_, zero_main_grad_
 
 
 class SharedExperts(nn.Module):
@@ -157,7 +157,7 @@ def routed_step(layer: MoonEPMoELayer, hidden_sh: torch.Tensor, routing: RouterO
     route_weights_sk = routing.route_weights_tk.to(state.buffer.weight_dtype)
     experts = layer.experts
     experts.follow_storage_swaps()  # before any peer reads them (prefetch) or a GEMM does
-    frozen = not (torch.is_grad_enabled() and (experts.gate_up.requires_grad or experts.down.requires_grad))
+    frozen = tuple(not (torch.is_grad_enabled() and w.requires_grad) for w in (experts.gate_up, experts.down))
     out_sh = MoonEPExperts.apply(hidden_sh.contiguous(), route_weights_sk, routing.topk_experts_tk,
                                  routing.tokens_per_expert_e, experts.gate_up, experts.down, state, frozen)
     if not recomputing():
@@ -294,7 +294,8 @@ class MoonEPMoELayer(nn.Module):
                 width = shared.num_shared_experts * (shared.ffn_hidden_size or f)
                 self.shared_experts = SharedExperts(h, width, shared.gate, dtype, torch.device("meta"))
         self.experts = HomeExperts(world, e, h, f, config.prefetch_slots, dtype, name=f"moe{next(serial)}",
-                                   seed=self.init_seed, fp8=config.expert_weights == "fp8")
+                                   seed=self.init_seed, fp8=config.expert_weights == "fp8",
+                                   allow_non_finite=config.allow_non_finite_weights)
         expert_load_e = torch.zeros(e, dtype=torch.int64, device=device)
         self.register_buffer("expert_load", expert_load_e, persistent=False)
         self.record_router_logits = False
@@ -495,13 +496,13 @@ class MoonEPMoELayer(nn.Module):
         self.router.update_expert_bias(self.expert_load)
         self.expert_load.zero_()
 
-    @torch.no_grad()
     def zero_main_grad(self) -> None:
-        """`expert_grad_dtype="main_grad"`: zero the home experts' persistent `main_grad` (where allocated),
-        e.g. after each optimizer step; the layer never zeroes it itself."""
+        """`expert_grad_dtype="main_grad"`: zero the home experts' persistent `main_grad` in place (where
+        allocated; a grad buffer that holds it as a view sees the zeros) and clear Megatron's
+        `grad_added_to_main_grad` flag where set (`zero_main_grad_`), e.g. after each optimizer step; the
+        layer never zeroes it itself."""
         for weight in (self.experts.gate_up, self.experts.down):
-            if getattr(weight, "main_grad", None) is not None:
-                weight.main_grad.zero_()
+            zero_main_grad_(weight)
 
     @property
     def last_expert_load(self) -> torch.Tensor | None:

@@ -25,7 +25,8 @@ FP8 checkpoints load too: DeepSeek-V3's released per-expert e4m3 `{e}.down_proj.
 `{e}.down_proj.weight_scale_inv` (one scale per 128x128 block), and transformers' fused FP8 experts
 `gate_up_proj` + `gate_up_proj_scale_inv` (gate's and up's scales stacked) and `down_proj` +
 `down_proj_scale_inv`: each weight times its block scales in fp32, as the format defines it, rounded to the
-parameters' dtype (`fp8.format.checkpoint_weight`). `state_dict()` holds the parameters, never FP8.
+parameters' dtype (`fp8.checkpoint.copy_checkpoint_weight_`, chunk by chunk: no fp32 copy of a whole
+expert). `state_dict()` holds the parameters, never FP8.
 
 FP8 experts with no master (`expert_weights="fp8"`, inference): `gate_up` and `down` are then e4m3 buffers
 (not parameters: nothing to train) beside fp32 block scales `gate_up_scale_inv [epn, 2F/128, ceil(H/128)]`
@@ -45,7 +46,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from moonep_moe.fp8.checkpoint import SCALE_SUFFIX, checkpoint_scales, checkpoint_weight
+from moonep_moe.fp8.checkpoint import SCALE_SUFFIX, checkpoint_scales, copy_checkpoint_weight_
 from moonep_moe.fp8.format import BLOCK, FP8_DTYPE, block_scales_shape, quantise_blocks
 from moonep_moe.transport.world import EPWorld, SymmetricTensor
 from moonep_moe.weights.pool import ExpertRows, allocate_home, slot_grad_pool, slot_pool, slot_scale_pool
@@ -83,16 +84,19 @@ class HomeExperts(nn.Module):
         seed: the layer's init seed (the same on every rank; see `reset_parameters`).
         fp8: keep the experts FP8 with no master (`MoEConfig.expert_weights="fp8"`): e4m3 buffers and their
             block scales instead of `dtype` parameters (see the module docstring).
+        allow_non_finite: load checkpoint weights that hold NaN or Inf as stored
+            (`MoEConfig.allow_non_finite_weights`); by default they are a load error.
 
     The weights start on meta, unallocated: the owner calls `bind(world)` once they are to live on a real
     device, then `reset_parameters()` (or loads a checkpoint).
     """
 
     def __init__(self, world: EPWorld, num_experts: int, hidden_size: int, ffn_hidden_size: int,
-                 num_slots: int, dtype: torch.dtype, name: str, seed: int, fp8: bool = False):
+                 num_slots: int, dtype: torch.dtype, name: str, seed: int, fp8: bool = False,
+                 allow_non_finite: bool = False):
         super().__init__()
         self.world, self.num_experts, self.num_slots = world, num_experts, num_slots
-        self.name, self.seed, self.fp8 = name, seed, fp8
+        self.name, self.seed, self.fp8, self.allow_non_finite = name, seed, fp8, allow_non_finite
         self.epn = num_experts // world.size
         self.first_expert = world.rank * self.epn
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
@@ -202,24 +206,28 @@ class HomeExperts(nn.Module):
         return tuple(Fp8Weights(rows.compute_weights(), scales.compute_weights())
                      for rows, scales in zip(self.rows, self.scale_rows, strict=True))
 
-    def new_grads(self, home: tuple[torch.Tensor, torch.Tensor] | None = None
-                  ) -> tuple[ExpertRows, ExpertRows]:
-        """This step's gradients of `(gate_up, down)` for `Buffer.reduce_grad`: home gradients `[epn, 2F, H]`
-        and `[epn, H, F]` beside the shared fp32 slot gradient pools. The home gradients are local to this
-        rank (peers only pull slot gradients).
+    def main_grads(self, trains: tuple[bool, bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """"main_grad" mode: the persistent `main_grad` of `gate_up` and `down` (`persistent_main_grad`),
+        which the weight-gradient GEMMs add into; None for a projection that `trains` says is frozen (none
+        is allocated for it)."""
+        return tuple(persistent_main_grad(weight, f"experts.{kind}", self.world.rank) if train else None
+                     for kind, weight, train in zip(("gate_up", "down"), (self.gate_up, self.down), trains,
+                                                    strict=True))
 
-        `home` ("param" mode): the fresh home gradients the weight-gradient GEMMs made in the parameters'
-        dtype, kept as they are, so autograd keeps them as `.grad` without a copy and nothing of the size
-        of the parameters stays allocated between steps. None ("main_grad" mode): each parameter's
-        persistent `main_grad` (`persistent_main_grad`), which the weight-gradient GEMMs add into."""
+    def new_grads(self, home: tuple[torch.Tensor | None, torch.Tensor | None]
+                  ) -> tuple[ExpertRows | None, ExpertRows | None]:
+        """This step's gradients of `(gate_up, down)` for `Buffer.reduce_grad`: each home gradient
+        (`[epn, 2F, H]`, `[epn, H, F]`) beside its shared fp32 slot-gradient pool; None where `home` is None
+        (a frozen projection). The home gradients are local to this rank (peers only pull slot gradients):
+        in "param" mode the fresh ones the weight-gradient GEMMs made in the parameters' dtype, kept as they
+        are, so autograd keeps them as `.grad` without a copy and nothing of the size of the parameters stays
+        allocated between steps; in "main_grad" mode the persistent `main_grads`."""
         world = self.world
-        weights = (self.gate_up, self.down)
         grads = []
-        for i, (kind, weight, slots) in enumerate(zip(("gate_up", "down"), weights, self.slot_grads,
-                                                      strict=True)):
-            grad = persistent_main_grad(weight, f"experts.{kind}", world.rank) if home is None else home[i]
+        for kind, grad, slots in zip(("gate_up", "down"), home, self.slot_grads, strict=True):
             peers = tuple(grad if r == world.rank else None for r in range(world.size))
-            grads.append(ExpertRows(SymmetricTensor(f"{self.name}/{kind}_grad", world.rank, peers), slots))
+            grads.append(None if grad is None else
+                         ExpertRows(SymmetricTensor(f"{self.name}/{kind}_grad", world.rank, peers), slots))
         return grads[0], grads[1]
 
     def reset_parameters(self) -> None:
@@ -257,13 +265,12 @@ class HomeExperts(nn.Module):
     def _store(self, kind: str, i: int, start: int, stop: int, state_dict, key: str, parts: int = 1,
                index=..., transposed: bool = False) -> None:
         """Expert i's rows [start, stop) of `kind` from `state_dict[key][index]` (transposed if so stored):
-        masters take the checkpoint's values (FP8 ones dequantised, `checkpoint_weight`); FP8 experts take an
-        FP8 weight's bytes and scales as stored, and quantise any other (`quantise_blocks`). Raises as
-        `checkpoint_scales`."""
+        masters take the checkpoint's values (FP8 ones dequantised in bounded chunks,
+        `copy_checkpoint_weight_`); FP8 experts take an FP8 weight's bytes and scales as stored, and quantise
+        any other (`quantise_blocks`). Raises as `checkpoint_scales`."""
         weight, scales = self._views(kind, i, start, stop)
         if scales is None:
-            value = checkpoint_weight(state_dict, key, parts, index)
-            weight.copy_(value.T if transposed else value)
+            copy_checkpoint_weight_(weight.T if transposed else weight, state_dict, key, parts, index)
             return
         stored_scales = checkpoint_scales(state_dict, key, parts)
         value = state_dict[key][index].to(weight.device)
@@ -289,7 +296,7 @@ class HomeExperts(nn.Module):
         for key in ours.values():
             weight_key = key.removesuffix(SCALE_SUFFIX)
             if weight_key != key and weight_key not in state_dict:
-                error_msgs.append(f"{key}: block scales without their weight {weight_key}")
+                error_msgs.append(self._on_rank(f"{key}: block scales without their weight {weight_key}"))
         with torch.no_grad():
             if fused is not None:
                 self.load_fused(state_dict, [ours[n] for n in fused], error_msgs)
@@ -314,13 +321,17 @@ class HomeExperts(nn.Module):
             transposed = state_dict[key].dtype != FP8_DTYPE and expected[1] != expected[2] and \
                 shape == (e, expected[2], expected[1])
             if shape != expected and not transposed:
-                error_msgs.append(f"{key}: expected {list(expected)}, got {list(shape)}")
+                error_msgs.append(self._on_rank(f"{key}: expected {list(expected)}, got {list(shape)}"))
                 return
             try:
                 checkpoint_scales(state_dict, key, parts)
             except ValueError as error:
-                error_msgs.append(str(error))
+                error_msgs.append(self._on_rank(str(error)))
                 return
+            for expert in self.home_experts:
+                if (error := self._non_finite(state_dict[key][expert], key, expert)) is not None:
+                    error_msgs.append(error)
+                    return
             sources.append((key, kind, expected[1], parts, transposed))
         for key, kind, rows, parts, transposed in sources:
             for i, expert in enumerate(self.home_experts):
@@ -341,13 +352,31 @@ class HomeExperts(nn.Module):
                 try:
                     checkpoint_scales(state_dict, key)
                 except ValueError as error:
-                    error_msgs.append(str(error))
+                    error_msgs.append(self._on_rank(str(error)))
                     continue
                 expected = self._views(kind, i, start, stop)[0].shape
                 if state_dict[key].shape != expected:
-                    error_msgs.append(f"{key}: expected {list(expected)}, got {list(state_dict[key].shape)}")
+                    error_msgs.append(self._on_rank(f"{key}: expected {list(expected)}, got "
+                                                    f"{list(state_dict[key].shape)}"))
+                    continue
+                if (error := self._non_finite(state_dict[key], key, expert)) is not None:
+                    error_msgs.append(error)
                     continue
                 self._store(kind, i, start, stop, state_dict, key)
+
+    def _on_rank(self, message: str) -> str:
+        """A load error as reported: `message` and this rank (each rank loads its own home experts, so the
+        rank that found the error names it)."""
+        return f"{message} (rank {self.world.rank})"
+
+    def _non_finite(self, value: torch.Tensor, key: str, expert: int) -> str | None:
+        """The load error for expert `expert`'s weights `value` (the checkpoint's `key`, as stored) when they
+        hold NaN or Inf and `allow_non_finite` is off, else None. One host read: at load only."""
+        if self.allow_non_finite or bool(torch.isfinite(value.float() if value.dtype == FP8_DTYPE
+                                                        else value).all()):
+            return None
+        return (f"{key}: expert {expert}'s weights hold NaN or Inf (rank {self.world.rank}); "
+                "MoEConfig.allow_non_finite_weights=True loads them as stored")
 
 
 def persistent_main_grad(weight: nn.Parameter, name: str, rank: int) -> torch.Tensor:
@@ -367,3 +396,30 @@ def persistent_main_grad(weight: nn.Parameter, name: str, rank: int) -> torch.Te
                          f"{list(weight.shape)} on {weight.device}, got {grad.dtype} {list(grad.shape)} on "
                          f"{grad.device}")
     return grad
+
+
+def main_grad_added(weight: nn.Parameter) -> torch.Tensor | None:
+    """What autograd receives for `weight` ("main_grad" mode) once its gradient was added into `main_grad`:
+    None, or for a parameter that carries `grad_added_to_main_grad` (Megatron-Core's grad-buffer protocol:
+    its DDP puts the flag on every parameter whose `main_grad` is a view of its grad buffer) the flag set
+    True and a placeholder gradient of `weight`'s shape and dtype. The placeholder makes autograd run the
+    parameter's gradient accumulation, so the DDP's hook there fires (it marks the buffer's bucket ready)
+    and, seeing the flag, leaves `main_grad` alone and drops `.grad`. As in Megatron-Core the placeholder is
+    uninitialised unless `weight.zero_out_wgrad` asks for zeros: the gradient is `main_grad`, never `.grad`.
+    """
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    fill = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    return fill(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
+@torch.no_grad()
+def zero_main_grad_(weight: nn.Parameter) -> None:
+    """Zero `weight.main_grad` in place where it is allocated (a grad buffer holding it as a view sees the
+    zeros; a new tensor would leave the buffer holding the old sums), and clear `grad_added_to_main_grad`
+    where the parameter carries it, as Megatron-Core's DDP does when it zeroes its grad buffers."""
+    if getattr(weight, "main_grad", None) is not None:
+        weight.main_grad.zero_()
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = False

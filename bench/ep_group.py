@@ -1,0 +1,871 @@
+"""An EP group's training step under routing skew, rank by rank, on one GPU: MoonEP's replication against
+plain EP, for the group's slowest rank.
+
+    python -m bench.ep_group                # DeepSeek-V3 R=8, Kimi-K2 R=8 and 16: about 5-6 min, an H200
+    python -m bench.ep_group --groups kimi-k2:16 --maxvio 0 20
+    python -m bench.ep_group --smoke        # CPU, tiny shapes, seconds: every code path, no timing
+
+For each group (`GROUPS`: the model's H, H', E and K from moonep_moe/configs/<model>.yaml, R ranks, S tokens
+per rank) and each routing skew (`MAXVIO`: the expert-level maxvio of the demo's generator over the whole
+group, `skewed_routing`):
+
+1. Plan the whole group once with the real planner (`bench.rank_replay.plan_group`: every rank's
+   `plan_routes`, as its dispatch computes it; the global part is the same on every rank), under each
+   policy (`POLICIES`: `balance` exact, cost_aware and off = plain EP).
+2. For each rank d, one after another on the same GPU: build the unchanged `MoonEPMoELayer` of rank d on a
+   `bench.rank_replay.ReplayWorld` and time its routed step (`moe.routed_step`: the layer's planner, row
+   kernels, prefetch, grouped GEMMs as the layer selects them, SwiGLU, combine, reduce_grad) forward and
+   backward on the routes the plan gives it, the router's choice given (the router is left out, the same
+   for every policy and for torch-native). The peers' writes into its Buffer are staged copies of their
+   real rows, their reads of its memory copies into scratch, both on a side stream in the windows of the
+   exchange calls where they happen (`bench.rank_replay`). Each rank's plan is checked against the group's.
+3. The link, per rank and exchange call (`link_bytes`): dispatch rows in and out (a row per token and
+   destination rank, route weights, duplicate pairs), combine rows, replica weights in (prefetch, forward
+   and backward) and out (the replicas of its experts that peers pull), replica gradients (fp32) in and
+   out. Timed two ways: `local`, the measured step with those bytes copied on one GPU (the side stream,
+   overlapped where a real group overlaps them: within the exchange call's window, with the rank's own
+   comm kernels); `nvlink`, that step with each exchange call stretched to the time NVLink takes for the
+   larger direction of its bytes at `NVLINK_BYTES_PER_S` (450 GB/s a direction: H200 NVLink's spec, not
+   measured) where the window was shorter. A window cannot hide link time under a GEMM: the layer runs its
+   exchange calls between its GEMMs, not beside them.
+4. The group's step is its slowest rank (the ranks meet in every exchange call): per repetition i the
+   maximum over ranks of their i-th step, then the median and min-max over repetitions.
+5. The baseline: torch-native plain EP (`NativePlainEPRank`: bench.layer's `torch._grouped_mm` experts,
+   eager and under `torch.compile` (dynamic shapes, compiled once per process), the faster one counts) on
+   the `off` plan's hottest rank, its four all-to-alls (a row per route, no deduplication) blocking, stood
+   in for and modelled the same way.
+6. For `exact`, every rank's expert block alone (`expert_block`: the six GEMMs and two SwiGLU calls of
+   `MoonEPExperts` on its rows), alternated with its steps: the time beyond it (planner, comm kernels,
+   copies, link time not hidden) is the step minus the block.
+
+Left out (`LEFT_OUT`): the peers' SMs, contention on real links, NVLink latency, the peers' skew in reaching
+a barrier, the histogram all-gather's latency, the router, shared experts. The link model assumes a window's
+two directions move at once, each at the spec rate.
+
+Budget on an H200 (the defaults): about 2,300 rank steps of 20-200 ms (most near 40 ms), 640 expert blocks,
+96 layer builds, 3 torch-native ranks x 4 skews x 2 and one compilation, three GEMM measurements of the
+layer's `auto`: about 5-6 minutes. Peak memory: a rank of Kimi-K2 R=16 under `off` (its Buffer sized for
+R*S*K routes, about 15 GB of rows, copied once in forward) with the peers' stand-in, about 110 GB.
+
+Targets (`TARGET_BOUNDS`, on the `nvlink` step; the same checks on the `local` step are recorded beside them),
+each with its median, min-max, bound and pass, as bench.layer records its targets:
+- `exact` at maxvio 20 within 1.05x of maxvio 0, per group;
+- `exact` at maxvio 20 at most 0.65x of torch-native plain EP's slowest rank, and at maxvio 0 at most 1.00x;
+- `cost_aware` never slower than the better of `exact` and `off`, at every maxvio;
+- `exact`: the time beyond the expert block (GEMMs and SwiGLU; the step minus `expert_block`) at most 5%
+  of the step, on every rank (the worst rank checked), at every maxvio.
+
+The record (`bench.common.write_record`, `bench/results/ep-group-<device>-<date>-<commit>.json`, rewritten
+after each group): `setup` (shapes, policies, maxvio, repetitions, link model and its source, `left_out`,
+`per_rank_step`), `targets`, `targets_local`, `results` (per group: `model`, `ranks`, shapes, `routing`
+(per maxvio: target, achieved, sigma), `policies` {policy: [per maxvio: `ranks` (per rank: routes, slots,
+replicas out, `bytes`, `link_ms` per exchange call, `local` and `nvlink` timings, `windows_ms`, and for
+exact `gemm`, `swiglu`, `beyond_share`), `slowest` (`local`, `nvlink`: the group's step; `rank`)]},
+`native` (per maxvio: the rank, its routes and bytes, `eager`, `compiled`, `baseline`), `compile_s`).
+Beside it a PNG of the slowest rank against maxvio (one panel per group) and `ep-group.md`, the table
+for the docs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from bench.common import (
+    RESULTS,
+    check,
+    cuda_kernels,
+    format_check,
+    measure_limits,
+    ratio,
+    seconds_between,
+    span,
+    spread,
+    stamp,
+    write_record,
+)
+from bench.layer import native_grouped_swiglu, print_profile, profile_summary
+from bench.rank_replay import (
+    PHASES,
+    GroupStep,
+    ReplayWorld,
+    StandIns,
+    group_step,
+    rank_inputs,
+    rank_traffic,
+    replay_layer,
+    replay_step,
+    replica_counts,
+    route_matrices,
+)
+from bench.skew import skewed_routing
+from moonep_moe.config import MoEConfig, load_config
+from moonep_moe.layers.function import compute_offsets
+from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
+
+GROUPS = (("deepseek-v3", 8), ("kimi-k2", 8), ("kimi-k2", 16))
+"""`(model, R)`: the groups run by default."""
+POLICIES = ("exact", "cost_aware", "off")
+MAXVIO = (0.0, 1.0, 5.0, 20.0)
+NVLINK_BYTES_PER_S = 450e9
+NVLINK_SOURCE = ("H200 NVLink: 900 GB/s bidirectional, 450 GB/s a direction (NVIDIA's spec figure, not "
+                 "measured here; DeepEP reports under 380 GB/s reached in practice)")
+LEFT_OUT = ("the peers' SMs (only the timed rank's kernels run), contention on real links and the NVSwitch, "
+            "NVLink latency and the peers' skew in reaching each barrier (a group's step may be longer than "
+            "its slowest rank's: each exchange call waits for the slowest rank of that call), the histogram "
+            "all-gather's latency, the router and shared experts (the same for every policy); the link "
+            "model assumes a window's two directions move at once, each at the spec rate")
+PER_RANK_STEP = ("bench.rank_replay: rank d's unchanged MoonEPMoELayer on a ReplayWorld (R ranks, only d "
+                 "runs), moe.routed_step forward + backward with the group's routing: the layer's planner "
+                 "(its dispatch plans from the group's histogram), row kernels, prefetch, grouped GEMM "
+                 "backend (as the layer selects it), SwiGLU, combine and reduce_grad on the rows the plan "
+                 "gives d; peers' memory: shared stand-ins for the Buffer's rows, route weights and "
+                 "duplicate pairs, d's own tensors for home experts and slot gradients; peers' writes into "
+                 "d's Buffer staged (their real rows) and their reads of d's memory as copies, on a side "
+                 "stream within each exchange call's window")
+SMOKE = {"tokens": 16, "hidden": 64, "ffn": 32}
+"""--smoke: per-rank tokens, H and H' (the models' E, K and R kept: maxvio 20 needs E > 21 K)."""
+SPREAD = "min-max over the repetitions; the group's step in repetition i is its slowest rank's i-th step"
+TARGET_BOUNDS = {"exact skew": 1.05, "exact vs native at skew": 0.65, "exact vs native balanced": 1.00,
+                 "cost_aware vs best": 1.00, "beyond expert block": 0.05}
+
+
+# -- the group ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Group:
+    """One group of the bench: a packaged model's shapes (`moonep_moe/configs/<model>.yaml`) at R ranks, with
+    `overrides` (MoEConfig fields) in place of its shapes. Pure description."""
+
+    model: str
+    ranks: int
+    overrides: tuple[tuple[str, int], ...] = ()
+
+    def config(self, policy: str) -> MoEConfig:
+        """The layer config of one rank under `policy`: the model's, routed experts only (no shared experts;
+        the router is not run: the routing is given)."""
+        return load_config(self.model, ep_size=self.ranks, balance=policy, **dict(self.overrides),
+                           shared_experts={"num_shared_experts": 0},
+                           router={"n_group": 1, "topk_group": 1, "expert_bias": False})
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} R={self.ranks}"
+
+
+def parse_group(text: str) -> tuple[str, int]:
+    """`"kimi-k2:16"` -> `("kimi-k2", 16)`."""
+    model, _, ranks = text.partition(":")
+    if not ranks.isdigit():
+        raise argparse.ArgumentTypeError(f"a group is MODEL:RANKS (e.g. kimi-k2:16), got {text!r}")
+    return model, int(ranks)
+
+
+def group_inputs(cfg: MoEConfig, seed: int, device: torch.device) -> tuple[list, list]:
+    """Every rank's tokens and output gradient `[S, H]` in the layer's dtype (drawn once per group)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shape = (cfg.max_tokens_per_rank, cfg.hidden_size)
+
+    def draw() -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device, dtype=cfg.torch_dtype)
+
+    return [draw() for _ in range(cfg.ep_size)], [draw() for _ in range(cfg.ep_size)]
+
+
+# -- the link ------------------------------------------------------------------------------------------------
+
+
+def link_bytes(step: GroupStep) -> list[list[tuple[int, int]]]:
+    """`[R][len(PHASES)]` (bytes in, bytes out) of each rank's link in each exchange call of one step:
+    dispatch rows (a row per token and remote destination rank; in the forward also a route weight per
+    remote route and a duplicate pair per remote duplicate route), prefetch (the experts it replicates in,
+    the replicas of its own experts out, forward and backward), combine (its tokens' rows computed
+    elsewhere in, the rows peers' tokens read out; in the backward also the route weights' gradients) and
+    reduce_grad (fp32 gradients of its experts' replicas in, of its own replicas out)."""
+    cfg = step.cfg
+    row = cfg.hidden_size * cfg.torch_dtype.itemsize
+    weight = torch.promote_types(cfg.torch_dtype, torch.float32).itemsize
+    params = 3 * cfg.hidden_size * cfg.ffn_hidden_size
+    expert, grads = params * cfg.torch_dtype.itemsize, params * weight
+    m = {name: t.fill_diagonal_(0) for name, t in route_matrices(step).items()}  # remote only
+    hosted, replicated = replica_counts(step)
+    out = []
+    for d in range(step.num_ranks):
+        sent = {name: int(t[d].sum()) for name, t in m.items()}
+        got = {name: int(t[:, d].sum()) for name, t in m.items()}
+        dispatch = (got["payload"] * row + got["routes"] * weight + got["duplicates"] * 8,
+                    sent["payload"] * row + sent["routes"] * weight + sent["duplicates"] * 8)
+        prefetch = (int(hosted[d]) * expert, int(replicated[d]) * expert)
+        combine = (sent["payload"] * row, got["payload"] * row)
+        out.append([dispatch, prefetch, combine, (got["payload"] * row, sent["payload"] * row), prefetch,
+                    (combine[0] + sent["routes"] * weight, combine[1] + got["routes"] * weight),
+                    (int(replicated[d]) * grads, int(hosted[d]) * grads)])
+    return out
+
+
+def native_link_bytes(step: GroupStep) -> list[list[tuple[int, int]]]:
+    """`[R][4]` (bytes in, bytes out) of each rank of torch-native plain EP in its four all-to-alls (forward
+    dispatch, forward combine, backward dispatch, backward combine): a row per remote route (no
+    deduplication), with its route weight forward and its weight's gradient back. `step`: the `off` plan."""
+    cfg = step.cfg
+    row = cfg.hidden_size * cfg.torch_dtype.itemsize
+    weight = torch.promote_types(cfg.torch_dtype, torch.float32).itemsize
+    routes = route_matrices(step)["routes"].fill_diagonal_(0)
+    out = []
+    for d in range(step.num_ranks):
+        sent, got = int(routes[d].sum()), int(routes[:, d].sum())
+        out.append([(got * (row + weight), sent * (row + weight)), (sent * row, got * row),
+                    (got * row, sent * row), (sent * (row + weight), got * (row + weight))])
+    return out
+
+
+def link_seconds(phases: list[tuple[int, int]]) -> list[float]:
+    """Each window's time on the link: the larger direction's bytes at `NVLINK_BYTES_PER_S`."""
+    return [max(pair) / NVLINK_BYTES_PER_S for pair in phases]
+
+
+def over_link(total_s: float, windows_s: list[float], link_s: list[float]) -> float:
+    """A step's time with each exchange window stretched to its link time where it was shorter."""
+    return total_s + sum(max(0.0, link - window) for window, link in zip(windows_s, link_s, strict=True))
+
+
+def bytes_summary(phases: list[tuple[int, int]]) -> dict[str, int]:
+    """One rank's step bytes by kind: dispatch and combine rows (forward + backward), replica weights,
+    replica gradients, each in and out."""
+    kinds = {"dispatch": (0, 3), "weights": (1, 4), "combine": (2, 5), "grads": (6,)}
+    return {f"{kind}_{way}": sum(phases[i][j] for i in index) for kind, index in kinds.items()
+            for j, way in enumerate(("in", "out"))}
+
+
+# -- one rank of ours ----------------------------------------------------------------------------------------
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def expert_block(layer: MoonEPMoELayer, cu_seqlens: torch.Tensor) -> tuple[float, float]:
+    """`(GEMM seconds, SwiGLU seconds)` of the expert block of one training step on this rank's rows alone:
+    the calls `MoonEPExperts` makes (fwd, SwiGLU, fwd; dgrad, SwiGLU backward, dgrad, two wgrads), on the
+    layer's GEMM backend, its weights (home experts and slots) and the segments of `cu_seqlens` (the rank's
+    plan), reading the Buffer's rows. The slot gradients it writes are zeroed after (untimed)."""
+    state, experts, buffer = layer._state, layer.experts, layer.buffer
+    gemm, device = state.gemm, layer.world.device
+    offs_g = compute_offsets(cu_seqlens, layer.world.rank, buffer.epn, buffer.E)
+    x_nvsh, w_nvs = buffer.hidden_nvsh_buffer_view, buffer.router_weight_buffer_view
+    gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
+    gate_up_slots, down_slots = (pool.local for pool in experts.slot_grads)
+    marks = [stamp(device)]
+
+    def timed(call: Callable[[], object]):
+        result = call()
+        marks.append(stamp(device))
+        return result
+
+    with torch.no_grad():
+        ab_nv2f = timed(lambda: gemm.fwd(x_nvsh, gate_up_w, offs_g))
+        hw_nvf = timed(lambda: swiglu_weighted(ab_nv2f, w_nvs, offs_g[-1:]))
+        timed(lambda: gemm.fwd(hw_nvf, down_w, offs_g))
+        u_nvf = timed(lambda: gemm.dgrad(x_nvsh, down_w, offs_g))
+        dab_nv2f, _, hw_nvf = timed(lambda: swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:]))
+        timed(lambda: gemm.dgrad(dab_nv2f, gate_up_w, offs_g))
+        timed(lambda: gemm.wgrad(x_nvsh, hw_nvf, offs_g, (None, down_slots), False))
+        timed(lambda: gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (None, gate_up_slots), False))
+    sync(device)
+    calls = [seconds_between(a, b) for a, b in zip(marks, marks[1:], strict=False)]
+    gate_up_slots.zero_()
+    down_slots.zero_()
+    swiglu = calls[1] + calls[4]
+    return sum(calls) - swiglu, swiglu
+
+
+def check_plan(layer: MoonEPMoELayer, step: GroupStep, rank: int) -> None:
+    """Raise unless the plan rank `rank`'s dispatch made equals the group's plan of that rank."""
+    made, want = layer._state.last_plan, step.plans[rank]
+    for name in ("dst", "cu_seqlens", "experts_to_copy", "compute_groups", "rank_load"):
+        if not torch.equal(getattr(made, name), getattr(want, name)):
+            raise RuntimeError(f"rank {rank}: its dispatch planned another {name} than the group's plan")
+
+
+@dataclass
+class Repeats:
+    """How many steps to run and time: `warmup` untimed, then `repeat` timed."""
+
+    warmup: int
+    repeat: int
+
+
+def time_rank(layer: MoonEPMoELayer, world: ReplayWorld, step: GroupStep, rank: int, reps: Repeats,
+              block: bool) -> dict:
+    """Rank `rank`'s training steps in the group `step`, its peers replayed (`bench.rank_replay`): `local`
+    and `nvlink` timings (`spread`), the median window of each exchange call, its routes, slots, replicas
+    and link bytes; with `block`, its expert block alone after each step (`expert_block`) and the share of
+    each step beyond it (`beyond_share`, per repetition on the nvlink step; `beyond_share_local`)."""
+    device = world.device
+    phases = link_bytes(step)[rank]
+    link_s = link_seconds(phases)
+    traffic = rank_traffic(step, rank, layer, world)
+    inputs = rank_inputs(step, rank)
+    totals, windows, blocks = [], [], []
+    for i in range(reps.warmup + reps.repeat):
+        start = stamp(device)
+        replay_step(layer, world, step, inputs, traffic)
+        end = stamp(device)
+        sync(device)
+        if i == 0:
+            check_plan(layer, step, rank)
+        if i < reps.warmup:
+            continue
+        totals.append(seconds_between(start, end))
+        # the torch reference exchange (the CPU's) has no barriers: no window, all link time unhidden
+        windows.append([seconds for _, seconds in world.window_seconds()] or [0.0] * len(PHASES))
+        if block:
+            blocks.append(expert_block(layer, step.plans[rank].cu_seqlens))
+    hosted, replicated = replica_counts(step)
+    nvlink = [over_link(t, w, link_s) for t, w in zip(totals, windows, strict=True)]
+    row = {"rank": rank, "routes": int(step.plans[0].rank_load[rank]), "home_routes":
+           int(step.plans[0].home_load[rank]), "slots_used": int(hosted[rank]), "replicas_out":
+           int(replicated[rank]), "bytes": bytes_summary(phases), "link_ms": [s * 1e3 for s in link_s],
+           "local": spread(totals), "nvlink": spread(nvlink),
+           "windows_ms": [statistics.median(w[i] for w in windows) * 1e3 for i in range(len(PHASES))]}
+    if block:
+        row["gemm"] = spread([g for g, _ in blocks])
+        row["swiglu"] = spread([s for _, s in blocks])
+        for key, steps in (("beyond_share", nvlink), ("beyond_share_local", totals)):
+            shares = [(t - g - s) / t for t, (g, s) in zip(steps, blocks, strict=True)]
+            row[key] = {"median": statistics.median(shares), "min": min(shares), "max": max(shares)}
+    return row
+
+
+def group_spread(ranks: list[dict], key: str) -> dict:
+    """The group's step from its ranks' timings under `key` ("local" or "nvlink"): per repetition i the
+    slowest rank's i-th step, as a `spread` (ms)."""
+    samples = zip(*(r[key]["ms_samples"] for r in ranks), strict=True)
+    return spread([max(values) / 1e3 for values in samples])
+
+
+def slowest(ranks: list[dict]) -> dict:
+    """`local` and `nvlink`: the group's step (`group_spread`); `rank`: the slowest rank (nvlink median)."""
+    worst = max(ranks, key=lambda r: (r["nvlink"]["ms"], -r["rank"]))
+    return {"local": group_spread(ranks, "local"), "nvlink": group_spread(ranks, "nvlink"),
+            "rank": worst["rank"]}
+
+
+def free_memory() -> None:
+    """Give a finished rank's device memory back before the next rank's layer is built (CUDA only)."""
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def run_policy(group: Group, policy: str, steps: list[GroupStep], maxvio: list[float], stand_ins: StandIns,
+               device: torch.device, reps: Repeats, profile: dict | None, say: Callable[[str], None]
+               ) -> list[dict]:
+    """Every rank of `group` under `policy`, one after another, at every routing of `steps` (one per maxvio
+    reached, `maxvio`): per maxvio `{"ranks": [time_rank per rank], "slowest": slowest(...)}`. With
+    `profile`, the kernels of one step of `exact`'s busiest rank at the last maxvio go there."""
+    cfg = steps[0].cfg
+    per_maxvio: list[list[dict]] = [[] for _ in steps]
+    for rank in range(group.ranks):
+        layer, world = replay_layer(cfg, rank, stand_ins, device)
+        for i, step in enumerate(steps):
+            row = time_rank(layer, world, step, rank, reps, block=policy == "exact")
+            per_maxvio[i].append(row)
+            say(rank_line(policy, maxvio[i], row, group.ranks))
+        if profile is not None and policy == "exact" and rank == busiest_rank(steps[-1]):
+            profile[f"{group.label} exact rank {rank}"] = profile_step(layer, world, steps[-1], rank)
+        layer.destroy()
+        del layer, world
+        free_memory()
+    return [{"ranks": ranks, "slowest": slowest(ranks)} for ranks in per_maxvio]
+
+
+def profile_step(layer: MoonEPMoELayer, world: ReplayWorld, step: GroupStep, rank: int) -> dict:
+    """The `profile_summary` (bench.layer) of one replayed step of `rank`: its kernels and copies, grouped."""
+    traffic, inputs = rank_traffic(step, rank, layer, world), rank_inputs(step, rank)
+    return profile_summary(cuda_kernels(lambda: replay_step(layer, world, step, inputs, traffic)))
+
+
+def busiest_rank(step: GroupStep) -> int:
+    """The rank hosting the most replicas (ties: the lowest)."""
+    hosted, _ = replica_counts(step)
+    return int(torch.argmax(hosted * step.num_ranks - torch.arange(step.num_ranks)))
+
+
+def rank_line(policy: str, maxvio: float, row: dict, ranks: int) -> str:
+    """One rank's progress line: its timings, routes, slots, replicas and link bytes."""
+    local, nvlink, b = row["local"], row["nvlink"], row["bytes"]
+    link_in = sum(v for k, v in b.items() if k.endswith("_in")) / 1e9
+    link_out = sum(v for k, v in b.items() if k.endswith("_out")) / 1e9
+    extra = ""
+    if "gemm" in row:
+        extra = f", GEMMs {row['gemm']['ms']:.2f} SwiGLU {row['swiglu']['ms']:.2f}, beyond " \
+                f"{row['beyond_share']['median']:.1%}"
+    return (f"  {policy:10} maxvio {maxvio:5.2f} rank {row['rank']:2d}/{ranks}: {local['ms']:8.2f} ms "
+            f"({local['ms_min']:.2f}-{local['ms_max']:.2f}) local, {nvlink['ms']:8.2f} nvlink; "
+            f"{row['routes']} routes, {row['slots_used']} slots, {row['replicas_out']} replicas out, "
+            f"link {link_in:.2f} GB in / {link_out:.2f} out{extra}")
+
+
+# -- torch-native plain EP -----------------------------------------------------------------------------------
+
+
+def native_ep_experts(x_nh: torch.Tensor, expert_n: torch.Tensor, weight_n: torch.Tensor,
+                      gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The expert side of one rank of torch-native plain EP: `[n, H]` rows it received (in arrival order),
+    their local experts `[n]` and route weights `[n]` -> `[n, H]`: sorted by expert, bench.layer's
+    `native_grouped_swiglu`, back to arrival order. A function of its weights (`gate_up [epn, 2H', H]`,
+    `down [epn, H, H']`), so one compilation serves every group."""
+    order_n = torch.argsort(expert_n, stable=True)
+    offs_e = torch.cumsum(torch.bincount(expert_n, minlength=gate_up.shape[0]), 0).to(torch.int32)
+    y_nh = native_grouped_swiglu(x_nh[order_n], weight_n[order_n], offs_e, gate_up, down)
+    return torch.zeros_like(y_nh).index_copy(0, order_n, y_nh)
+
+
+@functools.cache
+def compiled_native_ep_experts() -> Callable[..., torch.Tensor]:
+    """`native_ep_experts` under `torch.compile` (default mode, dynamic shapes: the rows a rank receives and
+    its experts change with the skew and the group), made once per process."""
+    return torch.compile(native_ep_experts, dynamic=True)
+
+
+class NativeEPExperts(nn.Module):
+    """One rank's home experts of torch-native plain EP (parameters) and the function that runs them on the
+    rows it received (`run`: `native_ep_experts`, or its compiled form)."""
+
+    def __init__(self, experts: int, hidden: int, ffn: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        kwargs = dict(dtype=dtype, device=device)
+        self.gate_up = nn.Parameter(torch.randn(experts, 2 * ffn, hidden, **kwargs) / hidden**0.5)
+        self.down = nn.Parameter(torch.randn(experts, hidden, ffn, **kwargs) / ffn**0.5)
+        self.run: Callable[..., torch.Tensor] = native_ep_experts
+
+    def forward(self, x_nh: torch.Tensor, expert_n: torch.Tensor, weight_n: torch.Tensor) -> torch.Tensor:
+        return self.run(x_nh, expert_n, weight_n, self.gate_up, self.down)
+
+
+class NativePlainEPRank:
+    """One rank of a torch-native plain-EP layer in the group `step` (its `off` plan: every route on its
+    expert's home rank), one training step at a time (`step()`). Owns its staged rows and buffers.
+
+    Its tokens' rows permuted into all-to-all order (by destination rank), the all-to-all (a row per route),
+    the experts on the rows it received (`experts`, eager or compiled), the all-to-all back and each token's
+    K rows summed (`index_add`); the backward the same way round (autograd through the experts). Each
+    all-to-all is stood in for by copies of its bytes on the rank's own stream (it blocks: the next op needs
+    it): the rows arriving (staged: the senders' real rows) copied in, the rows leaving read into scratch,
+    and recorded as a window for the link model."""
+
+    def __init__(self, step: GroupStep, rank: int, experts: nn.Module):
+        cfg = step.cfg
+        self.experts, self.rank, self.top_k = experts, rank, cfg.top_k
+        epn = cfg.experts_per_rank
+        device = step.hidden[rank].device
+        self.device = device
+        expert_n = step.topk[rank].reshape(-1).long()
+        dest_n = torch.where(expert_n >= 0, expert_n // epn, step.num_ranks)
+        order_n = torch.argsort(dest_n, stable=True)[:int((expert_n >= 0).sum())]
+        self.send_token_n = order_n // cfg.top_k
+        self.remote_send_m = (dest_n[order_n] != rank).nonzero().flatten()
+        parts: dict[str, list[torch.Tensor]] = {name: [] for name in ("x", "e", "w", "g", "remote")}
+        for r in range(step.num_ranks):
+            routes_n = step.topk[r].reshape(-1).long()
+            mine_n = (routes_n >= 0) & (routes_n // epn == rank)
+            token_n = mine_n.nonzero().flatten() // cfg.top_k
+            parts["x"].append(step.hidden[r].index_select(0, token_n))
+            parts["g"].append(step.grad_out[r].index_select(0, token_n))
+            parts["e"].append(routes_n[mine_n] - rank * epn)
+            parts["w"].append(step.weights[r].reshape(-1)[mine_n])
+            parts["remote"].append(torch.full_like(token_n, r != rank, dtype=torch.bool))
+        staged = {name: torch.cat(tensors) for name, tensors in parts.items()}
+        self.recv_e = staged["e"]
+        self.remote_recv_m = staged["remote"].nonzero().flatten()
+        self.staged_x, self.staged_w, self.staged_g = staged["x"], staged["w"], staged["g"]
+        self.staged_back = step.hidden[rank].index_select(0, self.send_token_n)
+        self.recv_x, self.recv_w = torch.empty_like(self.staged_x), torch.empty_like(self.staged_w)
+        self.recv_g, self.back = torch.empty_like(self.staged_g), torch.empty_like(self.staged_back)
+        self.leaf_x = self.recv_x.detach().requires_grad_()
+        self.leaf_w = self.recv_w.detach().requires_grad_()
+        hidden = self.staged_x.shape[1]
+        self.scratch_send = self.staged_x.new_empty((len(self.remote_send_m), hidden))
+        self.scratch_recv = self.staged_x.new_empty((len(self.remote_recv_m), hidden))
+        self.hidden_sh, self.grad_sh = step.hidden[rank], step.grad_out[rank]
+
+    @property
+    def routes(self) -> int:
+        return len(self.recv_e)
+
+    def step(self) -> list[tuple]:
+        """One training step (queued on the device); returns its four all-to-all windows as (start, end)
+        stamps (`window_seconds` reads them once the step has completed)."""
+        marks: list = []
+
+        def all_to_all(arrive: torch.Tensor, staged: torch.Tensor, leave: torch.Tensor, index_m: torch.Tensor,
+                       scratch: torch.Tensor) -> None:
+            marks.append(stamp(self.device))
+            with torch.no_grad():
+                arrive.copy_(staged)
+                torch.index_select(leave, 0, index_m, out=scratch)
+            marks.append(stamp(self.device))
+
+        self.experts.zero_grad(set_to_none=True)
+        self.leaf_x.grad = self.leaf_w.grad = None
+        send_nh = self.hidden_sh.index_select(0, self.send_token_n)
+        all_to_all(self.recv_x, self.staged_x, send_nh, self.remote_send_m, self.scratch_send)
+        with torch.no_grad():
+            self.recv_w.copy_(self.staged_w)
+        y_nh = self.experts(self.leaf_x, self.recv_e, self.leaf_w)
+        all_to_all(self.back, self.staged_back, y_nh.detach(), self.remote_recv_m, self.scratch_recv)
+        out_sh = torch.zeros_like(self.hidden_sh).index_add_(0, self.send_token_n, self.back)
+        grad_back = self.grad_sh.index_select(0, self.send_token_n)
+        all_to_all(self.recv_g, self.staged_g, grad_back, self.remote_send_m, self.scratch_send)
+        y_nh.backward(self.recv_g)
+        all_to_all(self.back, self.staged_back, self.leaf_x.grad, self.remote_recv_m, self.scratch_recv)
+        torch.zeros_like(out_sh).index_add_(0, self.send_token_n, self.back)
+        return list(zip(marks[::2], marks[1::2], strict=True))
+
+
+def time_native(rank_step: NativePlainEPRank, link_s: list[float], reps: Repeats) -> dict:
+    """`local` and `nvlink` timings of torch-native's rank (`spread`)."""
+    totals, nvlink = [], []
+    for i in range(reps.warmup + reps.repeat):
+        start = stamp(rank_step.device)
+        windows = rank_step.step()
+        end = stamp(rank_step.device)
+        sync(rank_step.device)
+        if i >= reps.warmup:
+            totals.append(seconds_between(start, end))
+            nvlink.append(over_link(totals[-1], [seconds_between(a, b) for a, b in windows], link_s))
+    return {"local": spread(totals), "nvlink": spread(nvlink)}
+
+
+def hottest_rank(step: GroupStep) -> int:
+    """The rank with the most routes under the step's plan (ties: the lowest)."""
+    load_r = step.plans[0].rank_load.long().cpu()
+    return int(torch.argmax(load_r * step.num_ranks - torch.arange(step.num_ranks)))
+
+
+def run_native(steps_off: list[GroupStep], maxvio: list[float], reps: Repeats, compile_too: bool,
+               record: dict, say: Callable[[str], None]) -> list[dict]:
+    """torch-native plain EP on the `off` plan's hottest rank at every maxvio (reached: `maxvio`), eager and
+    (with `compile_too`) compiled (`compiled_native_ep_experts`: the group's first compiled step, which
+    compiles where this process has not yet, is timed apart into `record["compile_s"]`; an error is
+    recorded as `record["compile_error"]` and eager counts). Per maxvio: the rank, its routes, bytes and
+    link time, `eager`, `compiled`, `baseline` (the faster, NVLink model)."""
+    cfg = steps_off[0].cfg
+    device = steps_off[0].hidden[0].device
+    experts = NativeEPExperts(cfg.experts_per_rank, cfg.hidden_size, cfg.ffn_hidden_size, cfg.torch_dtype,
+                              device)
+    record["compile_s"] = None
+    rows = []
+    for step, reached in zip(steps_off, maxvio, strict=True):
+        rank = hottest_rank(step)
+        phases = native_link_bytes(step)[rank]
+        link_s = link_seconds(phases)
+        native = NativePlainEPRank(step, rank, experts)
+        experts.run = native_ep_experts
+        row = {"rank": rank, "routes": native.routes, "link_ms": [s * 1e3 for s in link_s],
+               "bytes": {f"{kind}_{way}": phases[i][j] + phases[i + 2][j] for i, kind in
+                         enumerate(("dispatch", "combine")) for j, way in enumerate(("in", "out"))},
+               "eager": time_native(native, link_s, reps)}
+        if compile_too and "compile_error" not in record:
+            experts.run = compiled_native_ep_experts()
+            try:
+                if record["compile_s"] is None:
+                    start = time.perf_counter()
+                    native.step()
+                    sync(device)
+                    record["compile_s"] = time.perf_counter() - start
+                row["compiled"] = time_native(native, link_s, reps)
+            except Exception as error:  # noqa: BLE001 - recorded; the eager layer stays the baseline
+                record["compile_error"] = f"{type(error).__name__}: {error}"[:2000]
+                say(f"  torch.compile baseline failed, eager only: {record['compile_error'][:300]}")
+        row["baseline"] = min((k for k in ("eager", "compiled") if k in row),
+                              key=lambda k: row[k]["nvlink"]["ms"])
+        rows.append(row)
+        best = row[row["baseline"]]
+        say(f"  torch-native {row['baseline']:8} maxvio {reached:5.2f} rank {rank:2d}: "
+            f"{best['local']['ms']:8.2f} ms local, {best['nvlink']['ms']:8.2f} nvlink (eager "
+            f"{row['eager']['nvlink']['ms']:.2f}); {row['routes']} routes")
+        del native
+        free_memory()
+    return rows
+
+
+# -- targets, table, plot ------------------------------------------------------------------------------------
+
+
+def group_span(summary: dict, link: str) -> tuple[float, float, float]:
+    """The group's step (its slowest rank) of one policy and maxvio on `link`: `(median, min, max)` ms."""
+    return span(summary["slowest"][link])
+
+
+def native_span(row: dict, link: str) -> tuple[float, float, float]:
+    """torch-native's step (the faster of eager and compiled) at one maxvio on `link`."""
+    return span(row[row["baseline"]][link])
+
+
+def group_targets(table: dict, link: str) -> list[dict]:
+    """The targets of one group (module docstring) on its `link` timings ("nvlink" or "local"), each naming
+    the group, its maxvio where one applies, and `link`; a target whose rows were not run (a policy, or
+    maxvio 0 or 20) is left out."""
+    fields = dict(model=table["model"], ranks=table["ranks"], link=link)
+    targets, ours, native = table["maxvio_targets"], table["policies"], table.get("native")
+    balanced, skewed = (targets.index(v) if v in targets else None for v in (0.0, 20.0))
+    exact = ours.get("exact")
+    out = []
+    if exact is not None and balanced is not None and skewed is not None:
+        out.append(check("exact: maxvio 20 over maxvio 0",
+                         ratio(group_span(exact[skewed], link), group_span(exact[balanced], link)),
+                         "<=", TARGET_BOUNDS["exact skew"], **fields))
+    if exact is not None and native:
+        for i, key in ((skewed, "exact vs native at skew"), (balanced, "exact vs native balanced")):
+            if i is not None:
+                out.append(check("exact over torch-native plain EP",
+                                 ratio(group_span(exact[i], link), native_span(native[i], link)),
+                                 "<=", TARGET_BOUNDS[key], maxvio=targets[i], **fields))
+    if all(p in ours for p in POLICIES):
+        for i, maxvio in enumerate(targets):
+            better = min(("exact", "off"), key=lambda p: group_span(ours[p][i], link)[0])
+            value = ratio(group_span(ours["cost_aware"][i], link), group_span(ours[better][i], link))
+            out.append(check("cost_aware over the better of exact and off", value, "<=",
+                             TARGET_BOUNDS["cost_aware vs best"], maxvio=maxvio, better=better, **fields))
+    if exact is not None:
+        key = "beyond_share" if link == "nvlink" else "beyond_share_local"
+        for i, maxvio in enumerate(targets):
+            worst = max(exact[i]["ranks"], key=lambda r: (r[key]["median"], -r["rank"]))
+            share = worst[key]
+            out.append(check("exact: time beyond the expert block over the step, worst rank",
+                             (share["median"], share["min"], share["max"]), "<=",
+                             TARGET_BOUNDS["beyond expert block"], maxvio=maxvio, rank=worst["rank"],
+                             **fields))
+    return out
+
+
+def target_line(target: dict) -> str:
+    """`format_check` and where: the group and its maxvio."""
+    where = f"{target['model']} R={target['ranks']}"
+    if "maxvio" in target:
+        where += f", maxvio {target['maxvio']:g}"
+    return f"{format_check(target)} [{where}]"
+
+
+MD_HEADER = ("| group | maxvio (reached) | exact | cost_aware | off | torch-native | exact / torch-native |",
+             "|---|---|---|---|---|---|---|")
+
+
+def markdown(tables: list[dict], record_name: str, device: str) -> str:
+    """The docs' section: per group and maxvio the slowest rank's step (NVLink model, ms median) under each
+    policy and torch-native's, and exact over torch-native."""
+    intro = (f"`python -m bench.ep_group` on {device} (`bench/results/{record_name}`): one training step of "
+             "the routed experts (forward + backward, the router's choice given), every rank of the group "
+             "timed alone, one after another, with its peers' traffic replayed (`bench/rank_replay.py`), the "
+             f"link modelled at {NVLINK_BYTES_PER_S / 1e9:.0f} GB/s a direction (NVLink's spec figure). The "
+             "group's step is its slowest rank's, in ms (median). torch-native: plain EP with bench.layer's "
+             "`torch._grouped_mm` experts on the `off` plan's hottest rank, the faster of eager and "
+             "compiled.")
+    lines = ["### An EP group's step under routing skew, rank by rank on one GPU", "", intro, "", *MD_HEADER]
+    for table in tables:
+        native, exact = table.get("native"), table["policies"].get("exact")
+        for i, target in enumerate(table["maxvio_targets"]):
+            runs = [table["policies"].get(p) for p in POLICIES]
+            cells = [f"{group_span(r[i], 'nvlink')[0]:.2f}" if r else "-" for r in runs]
+            theirs = native_span(native[i], "nvlink")[0] if native else None
+            cells.append(f"{theirs:.2f}" if theirs else "-")
+            cells.append(f"{group_span(exact[i], 'nvlink')[0] / theirs:.2f}" if exact and theirs else "-")
+            reached = table["routing"][i]["maxvio"]
+            lines.append(f"| {table['model']} R={table['ranks']} | {target:g} ({reached:.2f}) | "
+                         f"{' | '.join(cells)} |")
+    lines += ["", f"Left out: {LEFT_OUT}.", ""]
+    return "\n".join(lines)
+
+
+COLORS = {"exact": "tab:blue", "cost_aware": "tab:green", "off": "tab:red", "torch-native": "tab:gray"}
+
+
+def plot(tables: list[dict], path: Path) -> None:
+    """The slowest rank's step against the reached maxvio (NVLink model solid, link as local copies dotted)
+    per policy and torch-native, one panel per group."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(tables), figsize=(5.2 * len(tables), 4.2), squeeze=False)
+    for ax, table in zip(axes[0], tables, strict=True):
+        skews = [r["maxvio"] for r in table["routing"]]
+        series = {p: [(group_span(s, "nvlink")[0], group_span(s, "local")[0]) for s in runs]
+                  for p, runs in table["policies"].items()}
+        if table.get("native"):
+            series["torch-native"] = [(native_span(r, "nvlink")[0], native_span(r, "local")[0])
+                                      for r in table["native"]]
+        for name, points in series.items():
+            ax.plot(skews, [p[0] for p in points], "-o", color=COLORS[name], label=name)
+            ax.plot(skews, [p[1] for p in points], ":", color=COLORS[name], alpha=0.6)
+        ax.set_xscale("symlog", linthresh=1.0)
+        ax.set_xlabel("routing skew: maxvio of the group's experts")
+        ax.set_ylabel("slowest rank's fwd+bwd step (ms)")
+        ax.set_title(f"{table['model']}, R={table['ranks']}, E={table['experts']}, S={table['tokens']}")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, title="solid: NVLink model; dotted: local copies", title_fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- one group ----------------------------------------------------------------------------------------------
+
+
+def run_group(group: Group, args: argparse.Namespace, device: torch.device, record: dict,
+              say: Callable[[str], None]) -> dict:
+    """Every policy's ranks and the torch-native baseline of one group (module docstring): its table."""
+    cfgs = {policy: group.config(policy) for policy in args.policies}
+    cfg = next(iter(cfgs.values()))
+    hidden, grads = group_inputs(cfg, args.seed, device)
+    weight_dtype = torch.promote_types(cfg.torch_dtype, torch.float32)
+    routings = []
+    for maxvio in args.maxvio:
+        routing = skewed_routing(group.ranks, cfg.num_experts, cfg.top_k, cfg.max_tokens_per_rank, maxvio,
+                                 args.seed, device)
+        routing.weights = [w.to(weight_dtype) for w in routing.weights]
+        routings.append(routing)
+        say(f"{group.label}: maxvio {maxvio:g}: reached {routing.maxvio:.2f} (sigma {routing.sigma:.4f})")
+    reached = [r.maxvio for r in routings]
+    steps = {policy: [group_step(c, r.topk, r.weights, hidden, grads) for r in routings]
+             for policy, c in cfgs.items()}
+    table = {"model": group.model, "ranks": group.ranks, "experts": cfg.num_experts,
+             "hidden": cfg.hidden_size, "ffn": cfg.ffn_hidden_size, "top_k": cfg.top_k,
+             "tokens": cfg.max_tokens_per_rank, "experts_per_rank": cfg.experts_per_rank,
+             "slots": cfg.prefetch_slots, "token_padding": cfg.token_padding, "dtype": cfg.dtype,
+             "maxvio_targets": list(args.maxvio),
+             "routing": [{"target": t, "maxvio": r.maxvio, "sigma": r.sigma}
+                         for t, r in zip(args.maxvio, routings, strict=True)],
+             "rows_per_rank": {p: c.rows_per_rank for p, c in cfgs.items()},
+             "replica_cost": {p: c.replica_cost for p, c in cfgs.items()}, "policies": {}}
+    reps = Repeats(args.warmup, args.repeat)
+    for policy in args.policies:
+        say(f"{group.label}, {policy}: {group.ranks} ranks x {len(args.maxvio)} maxvio, one after another")
+        runs = run_policy(group, policy, steps[policy], reached, StandIns(), device, reps,
+                          record.get("profile"), say)
+        table["policies"][policy] = runs
+        for maxvio, summary in zip(args.maxvio, runs, strict=True):
+            best = summary["slowest"]["nvlink"]
+            local = summary["slowest"]["local"]["ms"]
+            say(f"  {policy} maxvio {maxvio:g}: the group's step {best['ms']:.2f} ms nvlink "
+                f"({best['ms_min']:.2f}-{best['ms_max']:.2f}), {local:.2f} local; slowest rank "
+                f"{summary['slowest']['rank']}")
+    off = steps.get("off") or [group_step(group.config("off"), r.topk, r.weights, hidden, grads)
+                               for r in routings]
+    table["native"] = run_native(off, reached, reps, not args.no_compile, table, say)
+    return table
+
+
+def make_groups(pairs: list[tuple[str, int]], smoke: bool, tokens: int | None) -> list[Group]:
+    """The `Group` of each `(model, R)`, with the smoke shapes (`SMOKE`) and a --tokens override. Raises
+    ValueError (or FileNotFoundError) naming the group where its config does not validate."""
+    groups = []
+    for model, ranks in pairs:
+        overrides = {}
+        if smoke:
+            overrides = {"max_tokens_per_rank": SMOKE["tokens"], "hidden_size": SMOKE["hidden"],
+                         "ffn_hidden_size": SMOKE["ffn"]}
+        if tokens is not None:
+            overrides["max_tokens_per_rank"] = tokens
+        group = Group(model, ranks, tuple(overrides.items()))
+        try:
+            group.config("exact")
+        except (ValueError, FileNotFoundError) as error:
+            raise ValueError(f"--groups {model}:{ranks}: {str(error).splitlines()[0]}") from error
+        groups.append(group)
+    return groups
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", nargs="+", type=parse_group, default=list(GROUPS), metavar="MODEL:R",
+                        help="groups to run (default deepseek-v3:8 kimi-k2:8 kimi-k2:16)")
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    parser.add_argument("--maxvio", nargs="+", type=float, default=list(MAXVIO),
+                        help="routing skews (the group's expert maxvio), default 0 1 5 20")
+    parser.add_argument("--tokens", type=int, default=None, help="S per rank (default: the model's, 8192)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=5, help="timed steps per rank (>= 5; the median)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-compile", action="store_true", help="skip torch-native's torch.compile")
+    parser.add_argument("--profile", action="store_true",
+                        help="also one step's kernels of exact's busiest rank at the last maxvio, per group")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"CPU, tiny shapes ({SMOKE}), one step per rank: every code path, no timing")
+    parser.add_argument("--out", default=None,
+                        help="folder of the record, plot and table (default bench/results)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.warmup, args.repeat, args.no_compile, args.profile = 0, 1, True, False
+    elif args.repeat < 5:
+        parser.error(f"--repeat must be >= 5 (a median with its spread), got {args.repeat}")
+    elif not torch.cuda.is_available():
+        parser.error("bench.ep_group times a GPU: run it where CUDA is, or --smoke on the CPU")
+    try:
+        args.groups = make_groups(args.groups, args.smoke, args.tokens)
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.smoke:  # tiny ops: threads would only contend
+        torch.set_num_threads(1)
+    device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
+    out_dir = Path(args.out) if args.out else RESULTS
+    started = time.perf_counter()
+
+    def say(line: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f} s] {line}", flush=True)
+
+    limits = {} if args.smoke else measure_limits()
+    setup = {"groups": [g.label for g in args.groups], "policies": args.policies, "maxvio": args.maxvio,
+             "warmup": args.warmup, "repeat": args.repeat, "seed": args.seed, "smoke": args.smoke,
+             "link": {"bytes_per_s": NVLINK_BYTES_PER_S, "source": NVLINK_SOURCE}, "left_out": LEFT_OUT,
+             "per_rank_step": PER_RANK_STEP, "spread": SPREAD}
+    record = {"setup": setup,
+              "targets": [], "targets_local": []}
+    if args.profile:
+        record["profile"] = {}
+    name = "ep-group-smoke" if args.smoke else "ep-group"
+    tables: list[dict] = []
+    for group in args.groups:
+        tables.append(run_group(group, args, device, record, say))
+        record["targets"] = [t for table in tables for t in group_targets(table, "nvlink")]
+        record["targets_local"] = [t for table in tables for t in group_targets(table, "local")]
+        path = write_record(name, limits, tables, out_dir, ran_on=device, **record)
+    for label, summary in record.get("profile", {}).items():
+        print_profile(label, summary)
+    print(f"\ntargets, the link as the NVLink model (median (min-max) of {args.repeat} steps per rank):")
+    for target in record["targets"]:
+        print(f"  {target_line(target)}", flush=True)
+    local = record["targets_local"]
+    print(f"the same with the link as local copies: {sum(t['pass'] for t in local)} of {len(local)} pass "
+          "(the record's targets_local)")
+    table_md = markdown(tables, path.name, "cpu" if args.smoke else torch.cuda.get_device_name(device))
+    print("\n" + table_md, flush=True)
+    (out_dir / f"{name}.md").write_text(table_md)
+    plot(tables, path.with_suffix(".png"))
+    print(f"record: {path}\nplot: {path.with_suffix('.png')}\ntable: {out_dir / f'{name}.md'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

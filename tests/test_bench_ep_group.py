@@ -1,0 +1,204 @@
+"""bench/ep_group.py: the link's bytes, the group's step and its targets, the routing generator, the
+torch-native plain-EP rank, the CPU smoke run and the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_bench_rank_replay import E, F, H, K, R, S, config, skewed_inputs
+
+from bench.ep_group import (
+    POLICIES,
+    Group,
+    NativeEPExperts,
+    NativePlainEPRank,
+    Repeats,
+    group_spread,
+    group_targets,
+    link_bytes,
+    main,
+    native_link_bytes,
+    over_link,
+    slowest,
+)
+from bench.rank_replay import PHASES, group_step, route_matrices
+from bench.skew import skewed_routing
+from moonep_moe.config import MoEConfig
+
+
+def test_link_bytes_balance_between_senders_and_receivers():
+    inputs = skewed_inputs(seed=5)
+    row = H * 8  # float64 rows
+    for balance in POLICIES:
+        step = group_step(config(balance), inputs["topk"], inputs["weights"], inputs["hidden"],
+                          inputs["grad_out"])
+        phases = link_bytes(step)
+        assert len(phases) == R and all(len(p) == len(PHASES) for p in phases)
+        for i, phase in enumerate(PHASES):
+            into = sum(p[i][0] for p in phases)
+            out = sum(p[i][1] for p in phases)
+            assert into == out, f"{balance}: {phase}: what the ranks send is what they receive"
+        payload = route_matrices(step)["payload"].fill_diagonal_(0)
+        assert [p[3] for p in phases] == [(int(payload[:, d].sum()) * row, int(payload[d].sum()) * row)
+                                          for d in range(R)], "the backward dispatch: payload rows only"
+        if balance == "off":
+            assert all(p[1] == (0, 0) and p[6] == (0, 0) for p in phases), "plain EP moves no weights"
+    expert = 3 * H * F * 8
+    exact = link_bytes(group_step(config("exact"), inputs["topk"], inputs["weights"], inputs["hidden"],
+                                  inputs["grad_out"]))
+    assert sum(p[1][0] for p in exact) > 0 and all(p[1][0] % expert == 0 for p in exact)
+    assert all(p[6] == p[1][::-1] for p in exact), "float64: the replicas' gradients weigh what they do"
+
+
+def test_native_link_bytes_are_a_row_per_remote_route():
+    inputs = skewed_inputs()
+    step = group_step(config("off"), inputs["topk"], inputs["weights"], inputs["hidden"], inputs["grad_out"])
+    routes = route_matrices(step)["routes"].fill_diagonal_(0)
+    row, weight = H * 8, 8
+    for d, phases in enumerate(native_link_bytes(step)):
+        got, sent = int(routes[:, d].sum()), int(routes[d].sum())
+        assert phases == [(got * (row + weight), sent * (row + weight)), (sent * row, got * row),
+                          (got * row, sent * row), (sent * (row + weight), got * (row + weight))]
+
+
+def test_the_link_stretches_only_windows_shorter_than_it():
+    assert over_link(10.0, [1.0, 2.0, 0.5], [0.5, 3.0, 0.5]) == pytest.approx(11.0)
+    assert over_link(10.0, [1.0], [0.2]) == 10.0
+
+
+def ms_row(rank: int, samples: list[float], key: str = "nvlink") -> dict:
+    return {"rank": rank, key: {"ms": sorted(samples)[len(samples) // 2], "ms_samples": samples}}
+
+
+def test_the_groups_step_is_its_slowest_rank_per_repetition():
+    ranks = [{**ms_row(0, [10.0, 30.0, 10.0]), **ms_row(0, [1.0, 1.0, 1.0], "local")},
+             {**ms_row(1, [20.0, 20.0, 20.0]), **ms_row(1, [2.0, 2.0, 2.0], "local")}]
+    step = group_spread(ranks, "nvlink")
+    assert step["ms_samples"] == pytest.approx([20.0, 30.0, 20.0])
+    assert (step["ms"], step["ms_min"], step["ms_max"]) == pytest.approx((20.0, 20.0, 30.0))
+    assert slowest(ranks)["rank"] == 1, "by median"
+
+
+def summary(ms: float) -> dict:
+    times = {"ms": ms, "ms_min": ms * 0.9, "ms_max": ms * 1.1}
+    return {"slowest": {key: times for key in ("nvlink", "local")},
+            "ranks": [{"rank": 0, "beyond_share": {"median": 0.03, "min": 0.02, "max": 0.04},
+                       "beyond_share_local": {"median": 0.06, "min": 0.05, "max": 0.07}}]}
+
+
+def test_targets_of_a_group():
+    table = {"model": "m", "ranks": 8, "maxvio_targets": [0.0, 20.0],
+             "policies": {"exact": [summary(40.0), summary(41.0)],
+                          "cost_aware": [summary(45.0), summary(41.5)],
+                          "off": [summary(39.0), summary(120.0)]},
+             "native": [{"baseline": "compiled", "compiled": summary(38.0)["slowest"]},
+                        {"baseline": "eager", "eager": summary(100.0)["slowest"]}]}
+    targets = group_targets(table, "nvlink")
+    by_name = [(t["target"], t.get("maxvio"), round(t["median"], 4), t["pass"]) for t in targets]
+    assert by_name == [
+        ("exact: maxvio 20 over maxvio 0", None, round(41 / 40, 4), True),
+        ("exact over torch-native plain EP", 20.0, 0.41, True),
+        ("exact over torch-native plain EP", 0.0, round(40 / 38, 4), False),
+        ("cost_aware over the better of exact and off", 0.0, round(45 / 39, 4), False),
+        ("cost_aware over the better of exact and off", 20.0, round(41.5 / 41, 4), False),
+        ("exact: time beyond the expert block over the step, worst rank", 0.0, 0.03, True),
+        ("exact: time beyond the expert block over the step, worst rank", 20.0, 0.03, True)]
+    assert [t["better"] for t in targets if "better" in t] == ["off", "exact"]
+    assert all(t["link"] == "nvlink" and t["model"] == "m" and t["ranks"] == 8 for t in targets)
+    spread = targets[1]
+    assert (spread["min"], spread["max"]) == pytest.approx((41 * 0.9 / 110, 41 * 1.1 / 90))
+    local = group_targets(table, "local")
+    assert [t["pass"] for t in local][-2:] == [False, False], "the local copies' shares: 6% > 5%"
+    del table["native"], table["policies"]["off"]
+    beyond = "exact: time beyond the expert block over the step, worst rank"
+    left = [t["target"] for t in group_targets(table, "nvlink")]
+    assert left == ["exact: maxvio 20 over maxvio 0", beyond, beyond], "without torch-native and off"
+
+
+def test_skewed_routing_reaches_its_maxvio():
+    balanced = skewed_routing(4, 64, 4, 256, 0.0, seed=0, device="cpu")
+    assert balanced.sigma == 0.0 and balanced.maxvio < 1.0
+    skewed = skewed_routing(4, 64, 4, 256, 5.0, seed=0, device="cpu")
+    assert skewed.maxvio == pytest.approx(5.0, rel=0.1) and skewed.sigma > 0
+    again = skewed_routing(4, 64, 4, 256, 5.0, seed=0, device="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(skewed.topk, again.topk, strict=True)), "deterministic"
+    assert len(skewed.topk) == 4 and skewed.topk[0].shape == (256, 4) and skewed.topk[0].dtype == torch.int32
+
+
+def test_native_experts_are_each_rows_expert_in_arrival_order():
+    torch.manual_seed(0)
+    experts = NativeEPExperts(3, 32, 16, torch.float32, torch.device("cpu"))
+    x, e, w = torch.randn(20, 32), torch.randint(0, 3, (20,)), torch.rand(20)
+    with torch.no_grad():
+        got = experts(x, e, w)
+        for i in range(20):
+            gate, up = (experts.gate_up[e[i]] @ x[i]).chunk(2)
+            want = experts.down[e[i]] @ (torch.nn.functional.silu(gate) * up * w[i])
+            torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-5)
+
+
+def test_native_rank_receives_every_route_to_its_home_experts():
+    inputs = skewed_inputs()
+    cfg = MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, ep_size=R,
+                    max_tokens_per_rank=S, token_padding=4, dtype="float32", balance="off")
+    hidden = [x.float() for x in inputs["hidden"]]
+    step = group_step(cfg, inputs["topk"], [w.float() for w in inputs["weights"]], hidden,
+                      [g.float() for g in inputs["grad_out"]])
+    experts = NativeEPExperts(cfg.experts_per_rank, H, F, torch.float32, torch.device("cpu"))
+    for rank in range(R):
+        native = NativePlainEPRank(step, rank, experts)
+        assert native.routes == int(step.plans[0].home_load[rank]) == int(step.plans[0].rank_load[rank])
+        windows = native.step()
+        assert len(windows) == 4 and all(end >= start for start, end in windows)
+        assert native.leaf_x.grad.shape == (native.routes, H)
+        assert len(native.send_token_n) == S * K
+        assert int(native.remote_send_m.numel()) == int(route_matrices(step)["routes"][rank].sum()
+                                                        - route_matrices(step)["routes"][rank, rank])
+
+
+def test_smoke_run_writes_the_record_plot_and_table(tmp_path, capsys):
+    main(["--smoke", "--groups", "deepseek-v3:8", "--maxvio", "0", "20", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    [record_path] = tmp_path.glob("ep-group-smoke-cpu-*.json")
+    record = json.loads(record_path.read_text())
+    assert record_path.with_suffix(".png").exists() and (tmp_path / "ep-group-smoke.md").exists()
+    assert record["setup"]["link"]["bytes_per_s"] == 450e9 and "spec" in record["setup"]["link"]["source"]
+    assert "NVLink latency" in record["setup"]["left_out"]
+    [table] = record["results"]
+    assert (table["model"], table["ranks"], table["experts"], table["top_k"]) == ("deepseek-v3", 8, 256, 8)
+    assert [r["target"] for r in table["routing"]] == [0.0, 20.0]
+    for policy in POLICIES:
+        for run in table["policies"][policy]:
+            assert [r["rank"] for r in run["ranks"]] == list(range(8))
+            assert sum(r["routes"] for r in run["ranks"]) == 8 * 16 * 8, "the ranks' routes: the group's"
+            assert run["slowest"]["nvlink"]["ms"] >= max(r["nvlink"]["ms"] for r in run["ranks"]) * 0.999
+            assert all(set(r["bytes"]) == {f"{k}_{w}" for k in ("dispatch", "combine", "weights", "grads")
+                                           for w in ("in", "out")} for r in run["ranks"])
+    assert all("beyond_share" in r for run in table["policies"]["exact"] for r in run["ranks"])
+    assert [n["baseline"] for n in table["native"]] == ["eager", "eager"], "smoke: no torch.compile"
+    assert len(record["targets"]) == len(record["targets_local"]) == 1 + 2 + 2 + 2
+    assert {t["link"] for t in record["targets"]} == {"nvlink"}
+    assert "| deepseek-v3 R=8 | 20 (" in (tmp_path / "ep-group-smoke.md").read_text()
+    assert "PASS" in out or "MISS" in out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--repeat", "4"], "--repeat must be >= 5"),
+    (["--smoke", "--groups", "kimi-k2:5"], "--groups kimi-k2:5"),
+    (["--smoke", "--groups", "kimi-k2"], "a group is MODEL:RANKS"),
+])
+def test_bad_command_lines_fail_before_any_work(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_group_configs_keep_the_models_shapes_and_drop_shared_experts():
+    cfg = Group("kimi-k2", 16).config("cost_aware")
+    assert (cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts, cfg.top_k, cfg.ep_size) == (
+        7168, 2048, 384, 8, 16)
+    assert cfg.max_tokens_per_rank == 8192 and cfg.balance == "cost_aware"
+    assert cfg.shared_experts.num_shared_experts == 0 and cfg.prefetch_slots == 24
+    assert Repeats(1, 5).repeat == 5
