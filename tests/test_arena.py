@@ -152,8 +152,9 @@ SWAPS = ["data", "parameter", "load_state_dict-assign"]
 
 @pytest.mark.parametrize("how", SWAPS)
 def test_swapped_home_experts_are_what_the_layer_and_its_peers_compute_with(how):
-    """Two thread-ranks with replicas in use: a new Parameter set in place of a home expert weight was
-    ignored (the GEMMs and the peers' prefetch read the registered one); every swap must be computed with."""
+    """Two thread-ranks with replicas in use: whatever the swap, this rank's GEMMs and its peers' prefetch
+    compute with the new experts (a new Parameter set in place of a home expert weight is not the tensor
+    registered with the world, which both read)."""
     p = make_problem(make_config(2), seed=60, skew=100.0)
     got, want = run_swapped(p, how, "cpu")
     assert all(int(g["slots_used"].sum()) > 0 for g in got)
@@ -166,8 +167,8 @@ def test_swapped_home_experts_are_what_the_layer_and_its_peers_compute_with(how)
 def test_arena_follows_a_same_device_storage_swap(how):
     """Two thread-ranks on one GPU computing on the arena: after `param.data = t` (or a new Parameter, or an
     assigning load) on the same device, the joined compute view must hold the new experts, and the output
-    match the float64 reference of the new experts within bf16 tolerance (the arena's view kept the old
-    experts)."""
+    match the float64 reference of the new experts within bf16 tolerance (the view maps the registered
+    memory, not the swapped-in tensor)."""
     cfg = make_config(2, hidden_size=1024, ffn_hidden_size=512, num_experts=8, max_tokens_per_rank=64,
                       dtype="bfloat16", grouped_gemm="torch",
                       router={"dtype": "float32", "expert_bias": True})

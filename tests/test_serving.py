@@ -482,7 +482,8 @@ def test_communicator_results_are_final_on_the_callers_stream_while_the_comm_str
     what the caller's stream reads at once (after `wait()`) must be the final result (it differed in 3 of 3
     trials on the H200 when the calls, then all on the comm stream, returned without that wait). The
     Buffer's memory first holds another step's results (`fill_with_another_step`), so a `wait()` that does
-    not wait reads values unlike the final ones (after the same step, it read equal ones and passed)."""
+    not wait reads values unlike the final ones (the same step run before would leave equal values there,
+    which such a read would pass on)."""
     comm = MoECommunicator(comm_config(), world=single_world("cuda"))
     x = {k: v.cuda() for k, v in step_inputs(0, S).items()}
     want, handle = comm.dispatch(x["hidden"], x["topk"], x["weights"])
