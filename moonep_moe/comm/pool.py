@@ -38,7 +38,7 @@ def layer_buffer(world: EPWorld, S: int, H: int, K: int, E: int, B: int, *, toke
     key = ("layer_buffer", S, H, K, E, B, token_padding, dtype, replica_cost)
     shared = world.globals.get(key)
     if shared is None or shared[0].destroyed:
-        buffer = Buffer(S, H, K, E, world.size, B, token_padding=token_padding, world=world, dtype=dtype,
+        buffer = Buffer(S, H, K, E, world.size, B=B, token_padding=token_padding, world=world, dtype=dtype,
                         validate=False, replica_cost=replica_cost)
         shared = world.globals[key] = [buffer, 0]
     shared[1] += 1
