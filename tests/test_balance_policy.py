@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_layer import assert_matches_dense, make_config, make_problem
+from test_layer import assert_matches_dense, build_layer, make_config, make_problem
 from test_plan import (
     Scenario,
     assert_duplicates,
@@ -37,7 +37,7 @@ from moonep_moe.plan.planner import plan_routes
 from moonep_moe.plan.policies import NO_REPLICATION, replica_cost_routes
 from moonep_moe.plan.reference import balance_ranks, modelled_load, plan_global, split_quotas
 from moonep_moe.plan.triton import plan_routes_triton
-from moonep_moe.transport.threads import single_world
+from moonep_moe.transport.threads import run_ranks, single_world
 
 GLOBAL_FIELDS = ("experts_to_copy", "rank_load", "home_load", "expert_load", "slots_used")
 """Plan fields that are a function of the histogram only (identical on every rank)."""
@@ -289,6 +289,33 @@ def test_layer_policies_match_dense(balance, cheap, replicates):
         assert torch.equal(stats["rank_load"], stats["ep_rank_load"])
     else:
         assert int(stats["rank_load"].max()) < int(stats["ep_rank_load"].max())
+
+
+def test_layers_of_one_shape_plan_under_their_own_policy():
+    """Layers of one shape on one world share a Buffer (`MoEConfig.share_buffer`) only where they plan
+    alike: an 'off' layer built after an 'exact' one, and a 'cost_aware' one after both, each gets a Buffer
+    of its own policy, and the same skewed step (maxvio >= 10) replicates under 'exact' only."""
+    problems = {balance: make_problem(make_config(4, balance=balance), seed=14, skew=100.0)
+                for balance in ("exact", "off", "cost_aware")}
+
+    def fn(world):
+        layers = {balance: build_layer(p, world) for balance, p in problems.items()}
+        buffers = [layer.buffer for layer in layers.values()]
+        assert len({id(buffer) for buffer in buffers}) == 3, "one Buffer per policy"
+        stats = {}
+        for balance, layer in layers.items():
+            layer(problems[balance].hidden[world.rank])
+            stats[balance] = {k: v.clone() for k, v in layer.balance_stats().items()}
+            assert layer.buffer.replica_cost == problems[balance].cfg.replica_cost
+        for layer in layers.values():
+            layer.destroy()
+        return stats
+
+    for stats in run_ranks(fn, 4):
+        assert int(stats["exact"]["slots_used"].sum()) > 0
+        for balance in ("off", "cost_aware"):
+            assert int(stats[balance]["slots_used"].sum()) == 0, balance
+            assert torch.equal(stats[balance]["rank_load"], stats[balance]["ep_rank_load"]), balance
 
 
 def test_buffer_rejects_a_bad_replica_cost():

@@ -34,13 +34,17 @@ def layer_buffer(world: EPWorld, S: int, H: int, K: int, E: int, B: int, *, toke
     prefetch-slot pools: made by the first call (collective: every rank builds its layers in the same
     order), each call one more user; give each back with `release_layer_buffer`. Layers may share it because
     each routed step (a forward, or a backward) starts with its own dispatch and ends with its combine, and
-    a backward `dispatch(plan=...)` makes its layer's plan the Buffer's latest again."""
-    key = ("layer_buffer", S, H, K, E, B, token_padding, dtype, replica_cost)
+    a backward `dispatch(plan=...)` makes its layer's plan the Buffer's latest again.
+
+    The key is every argument the Buffer is built with, so layers share it only where their plans and rows
+    are the same: a layer of another balance policy (`replica_cost`) gets a Buffer of its own. A Buffer
+    destroyed directly (`buffer.destroy()`, not given back) is replaced, never handed out."""
+    args = dict(S=S, H=H, K=K, E=E, num_ep_ranks=world.size, B=B, token_padding=token_padding, dtype=dtype,
+                replica_cost=replica_cost)
+    key = ("layer_buffer", *args.items())
     shared = world.globals.get(key)
     if shared is None or shared[0].destroyed:
-        buffer = Buffer(S, H, K, E, world.size, B=B, token_padding=token_padding, world=world, dtype=dtype,
-                        validate=False, replica_cost=replica_cost)
-        shared = world.globals[key] = [buffer, 0]
+        shared = world.globals[key] = [Buffer(**args, world=world, validate=False), 0]
     shared[1] += 1
     return shared[0]
 
