@@ -8,6 +8,7 @@ tensors), and end to end through the layer against the dense reference.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import pytest
@@ -260,6 +261,22 @@ def test_config_policy_and_cost():
         load_config("deepseek-v3", balance="greedy")
     with pytest.raises(ValueError, match="link_bandwidth_gbs"):
         load_config("deepseek-v3", link_bandwidth_gbs=0)
+
+
+def test_replica_cost_rounds_up_and_counts_the_bytes_that_move():
+    """c is the GEMM routes one expert's transfer is worth, rounded up (8.5 routes: a replica must take 9);
+    its bytes are an element of the experts' weights as prefetch moves them: the layer's dtype (fp32 twice
+    bf16's, fp64 four times), and with `expert_weights: fp8` one e4m3 byte plus its share of a 128x128
+    block's fp32 scale (just over half of bf16's)."""
+    assert replica_cost_routes(2, link_bytes_per_s=1e12, gemm_flops_per_s=8.5e12) == 9
+    assert replica_cost_routes(2, link_bytes_per_s=1e12, gemm_flops_per_s=8e12) == 8
+    bf16 = load_config("deepseek-v3", ep_size=8, balance="cost_aware")
+    rate_over_link = bf16.gemm_tflops * 1e12 / (2 * bf16.link_bandwidth_gbs * 1e9)  # 862 routes a byte
+    for overrides, weight_bytes, cost in ((dict(), 2, 1724), (dict(dtype="float32"), 4, 3448),
+                                          (dict(dtype="float64"), 8, 6896),
+                                          (dict(expert_weights="fp8"), 1 + 4 / 128**2, 863)):
+        cfg = load_config("deepseek-v3", ep_size=8, balance="cost_aware", **overrides)
+        assert cfg.replica_cost == math.ceil(weight_bytes * rate_over_link) == cost, overrides
 
 
 def test_communicator_and_pool_take_the_policy():
