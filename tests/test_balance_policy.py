@@ -208,6 +208,26 @@ def test_fallback_to_plain_ep_when_the_hottest_rank_gets_no_faster():
         assert dev.alloc_re.tolist() == plan_global(counts_re, 2, 1, cost).alloc
 
 
+TIE_COUNTS_RE = [[5, 0, 5, 0, 13, 1], [5, 3, 3, 13, 0, 13], [1, 2, 5, 2, 0, 0]]
+"""R=3, E=6, B=2 at c = 5: a replica that gains nothing (the modelled hottest rank ties plain EP's)."""
+
+
+def test_fallback_on_a_tie_keeps_no_replica():
+    """The greedy moves 7 routes of expert 3 from rank 1 to rank 0 (7 > c = 5), which leaves rank 0 at 23
+    routes + one transfer = 28 in the model: the hottest rank of plain EP computes 28 too, so the replica
+    gains nothing and the plan is plain EP, on the host reference and the torch device planner alike (the
+    Triton planner: the "tie" fixed case below)."""
+    expert_load = [sum(col) for col in zip(*TIE_COUNTS_RE, strict=True)]
+    home = [16, 28, 27]
+    greedy = split_quotas(expert_load, balance_ranks(home, 5), 3, 2, 5)
+    assert greedy[0][3] == 7 and max(modelled_load(greedy, 5)) == max(home) == 28
+    ref = plan_global(TIE_COUNTS_RE, 2, 4, 5)
+    assert ref.experts_to_copy == [[-1, -1]] * 3
+    assert [sum(row) for row in ref.alloc] == home
+    dev = plan_global_device(torch.tensor(TIE_COUNTS_RE), 2, 4, 5)
+    assert dev.alloc_re.tolist() == ref.alloc and dev.experts_to_copy_rb.tolist() == ref.experts_to_copy
+
+
 # -- Triton == torch -----------------------------------------------------------------------------------------
 
 
@@ -224,13 +244,16 @@ def test_kernel_policy_plan_equals_torch_plan(sc, data):
 
 
 def _fixed_cases() -> dict[str, PolicyScenario]:
-    """The deterministic cases above as scenarios: decode (nothing pays), huge (everything pays), fallback."""
+    """The deterministic cases above as scenarios: decode (nothing pays), huge (everything pays), fallback,
+    the fallback's tie."""
     gen = torch.Generator().manual_seed(3)
     fallback = [topk_from_counts(torch.tensor(row), 30, 4, gen) for row in
                 ([30, 30, 30, 30, 0, 0], [0] * 6, [0] * 6)]
+    tie = [topk_from_counts(torch.tensor(row), 13, 4, gen) for row in TIE_COUNTS_RE]
     return dict(decode=with_cost(skewed_scenario(8, 32, 8, 4, 8, seed=0), 1724),
                 pays=with_cost(skewed_scenario(4, 4, 4, 256, 3, seed=1), 8),
                 fallback=with_cost(Scenario(3, 6, 4, 30, 2, 1, fallback), 9),
+                tie=with_cost(Scenario(3, 6, 4, 13, 2, 4, tie), 5),
                 off=with_cost(skewed_scenario(4, 4, 4, 64, 3, seed=2), NO_REPLICATION))
 
 
