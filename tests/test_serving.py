@@ -194,6 +194,49 @@ def test_pool_rejects_too_many_tokens():
         BufferPool(S, H, K, E, world=single_world(), dtype=F64, min_capacity=S + 1)
 
 
+def test_pool_never_hands_out_a_buffer_destroyed_directly():
+    """A Buffer of the pool destroyed by hand (`buffer.destroy()`, collectively) is dropped: the next step of
+    its capacity gets a new Buffer, which runs, and the pool's stats count only live Buffers."""
+    pool = BufferPool(S, H, K, E, world=single_world(), token_padding=TP, dtype=F64)
+    destroyed = pool.get(4)
+    destroyed.destroy()
+    buf = pool.get(4)
+    assert buf is not destroyed and not buf.destroyed
+    x = step_inputs(0, 4)
+    rows, weights_nvs, _, plan = run(buf, x)
+    assert torch.equal(buf.combine(plan, rows * weights_nvs[:, None])[0], expected_out(x))
+    assert pool.stats()["capacities"] == [4]
+    pool.destroy()
+
+
+def test_fixed_token_count_is_one_buffer_and_no_extra_gather():
+    """`variable_tokens=False`: one Buffer of capacity S serves every step, so the step reads no token
+    counts: one all-gather per step (the histogram the plan needs), where the pool of capacities adds one of
+    every rank's token count (a host read on a GPU)."""
+    steps = ((3, 0, 7, 1), (S, 2, 1, 1))
+
+    def fn(world):
+        gathers = []
+        gather = world.all_gather
+        world.all_gather = lambda tensor: gathers.append(tensor.shape) or gather(tensor)
+        counts = {}
+        for variable in (True, False):
+            comm = MoECommunicator(comm_config(variable_tokens=variable), world=world)
+            before = len(gathers)
+            for tokens_r in steps:
+                x = step_inputs(world.rank, tokens_r[world.rank])
+                out, handle = comm.dispatch(x["hidden"], x["topk"], x["weights"])
+                y_th = comm.combine(out.tokens_nvsh * out.weights_nvs[:, None], handle)
+                assert torch.equal(y_th, expected_out(x))
+            counts[variable] = (len(gathers) - before, comm.capacities, comm.stats()["capacities"])
+            comm.destroy()
+        return counts
+
+    for counts in run_ranks(fn, R):
+        assert counts[True][0] == 2 * len(steps)
+        assert counts[False] == (len(steps), [S], [S])
+
+
 # -- weight layout -----------------------------------------------------------------------------------------
 
 F = 6

@@ -85,7 +85,8 @@ class CommunicatorConfig(CommConfig):
         "placement supported; another value raises."))
     variable_tokens: bool = Field(True, description=(
         "Serve each step from a pool of power-of-two capacities (one extra all-gather of one int per "
-        "step). False: one Buffer of capacity S for every step."))
+        "step, read on the host). False: one Buffer of capacity S for every step, no token counts "
+        "gathered (and `min_capacity` unused)."))
     min_capacity: int = Field(1, ge=1, description=(
         "Smallest pooled capacity (bounds how many Buffers the pool creates). Default 1."))
     max_inflight_steps: int = Field(1, ge=1, description=(
