@@ -639,6 +639,32 @@ def test_guide_buffer_of_a_process_group():
         dist.destroy_process_group()
 
 
+@pytest.mark.gpu
+def test_guide_buffer_of_an_nccl_group_is_on_symmetric_memory():
+    """An NCCL group (one rank here) stands for MoonEP's setting, one NVLink domain: the Buffer built from
+    it lives on the group's `SymmetricWorld`, and the guide's steps equal the threads world's on the GPU."""
+    from moonep_moe.transport.symmetric import SymmetricWorld
+
+    case = Case(R=1, S=16, H=8, K=2, E=8, tp=4)
+    shape = dict(S=case.S, H=case.H, K=case.K, E=case.E, num_ep_ranks=1, token_padding=case.tp, dtype=F64)
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = {name: value.to(device) for name, value in case.inputs(0).items()}
+    threads = Buffer(**shape, world=single_world(device))
+    rows, weights_nvs, _, plan = dispatch(threads, x)
+    want_sh, _, _ = threads.combine(plan, rows * weights_nvs[:, None])
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        buf = Buffer(**shape, group=group)
+        assert isinstance(buf.world, SymmetricWorld) and buf.world is world_of_group("symmetric", group)
+        hidden_nvsh, route_weights_nvs, _, plan = dispatch(buf, x)
+        out_sh, _, event = buf.combine(plan, hidden_nvsh * route_weights_nvs[:, None])
+        assert torch.equal(out_sh, want_sh) and event is None
+        buf.destroy()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_guide_options_after_num_ep_ranks_are_keyword_only():
     """MoonEP's sixth positional argument is `num_sms`, this Buffer's was `B`: every option after
     `num_ep_ranks` is keyword-only, so a positional call raises instead of meaning something else."""
