@@ -235,7 +235,7 @@ def comm_step(world: ThreadsWorld, buffer: Buffer, hidden_sh: torch.Tensor, rout
     S, K, E = topk_sk.shape[0], topk_sk.shape[1], buffer.E
     tokens_per_expert = torch.zeros(E, dtype=torch.int64, device=world.device).scatter_add_(
         0, topk_sk.reshape(-1), torch.ones(S * K, dtype=torch.int64, device=world.device))
-    x_nvsh, _, _, plan, _ = buffer.dispatch(hidden_sh, route_weights_sk, topk_sk, tokens_per_expert)
+    x_nvsh, _, _, plan = buffer.dispatch(hidden_sh, route_weights_sk, topk_sk, tokens_per_expert)
     ops = {"plan": lambda: plan_routes(world.all_gather(tokens_per_expert), topk_sk, rank=world.rank,
                                        num_slots=buffer.B, token_padding=buffer.token_padding,
                                        rows_per_rank=buffer.NvS),

@@ -105,7 +105,7 @@ def buffer_ops(record, S: int, H: int, K: int, E: int) -> None:
     weights_sk = torch.rand(S, K, device="cuda")
     for kernels in (True, False):
         buf = Buffer(S, H, K, E, 1, world=world, validate=False, kernels=kernels)
-        *_, plan, _ = buf.dispatch(hidden_sh, weights_sk, topk_sk, tpe, zero_copy=True)
+        *_, plan = buf.dispatch(hidden_sh, weights_sk, topk_sk, tpe, zero_copy=True)
         tag = "kernels" if kernels else "reference"
         record(f"dispatch_{tag}", lambda buf=buf, plan=plan: buf.dispatch(
             hidden_sh, None, None, None, plan=plan, zero_copy=True), (S + S * K) * H * 2, capturable=kernels)

@@ -8,13 +8,14 @@ tensors), and end to end through the layer against the dense reference.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_layer import assert_matches_dense, make_config, make_problem
+from test_layer import assert_matches_dense, build_layer, make_config, make_problem
 from test_plan import (
     Scenario,
     assert_duplicates,
@@ -37,7 +38,7 @@ from moonep_moe.plan.planner import plan_routes
 from moonep_moe.plan.policies import NO_REPLICATION, replica_cost_routes
 from moonep_moe.plan.reference import balance_ranks, modelled_load, plan_global, split_quotas
 from moonep_moe.plan.triton import plan_routes_triton
-from moonep_moe.transport.threads import single_world
+from moonep_moe.transport.threads import run_ranks, single_world
 
 GLOBAL_FIELDS = ("experts_to_copy", "rank_load", "home_load", "expert_load", "slots_used")
 """Plan fields that are a function of the histogram only (identical on every rank)."""
@@ -207,6 +208,26 @@ def test_fallback_to_plain_ep_when_the_hottest_rank_gets_no_faster():
         assert dev.alloc_re.tolist() == plan_global(counts_re, 2, 1, cost).alloc
 
 
+TIE_COUNTS_RE = [[5, 0, 5, 0, 13, 1], [5, 3, 3, 13, 0, 13], [1, 2, 5, 2, 0, 0]]
+"""R=3, E=6, B=2 at c = 5: a replica that gains nothing (the modelled hottest rank ties plain EP's)."""
+
+
+def test_fallback_on_a_tie_keeps_no_replica():
+    """The greedy moves 7 routes of expert 3 from rank 1 to rank 0 (7 > c = 5), which leaves rank 0 at 23
+    routes + one transfer = 28 in the model: the hottest rank of plain EP computes 28 too, so the replica
+    gains nothing and the plan is plain EP, on the host reference and the torch device planner alike (the
+    Triton planner: the "tie" fixed case below)."""
+    expert_load = [sum(col) for col in zip(*TIE_COUNTS_RE, strict=True)]
+    home = [16, 28, 27]
+    greedy = split_quotas(expert_load, balance_ranks(home, 5), 3, 2, 5)
+    assert greedy[0][3] == 7 and max(modelled_load(greedy, 5)) == max(home) == 28
+    ref = plan_global(TIE_COUNTS_RE, 2, 4, 5)
+    assert ref.experts_to_copy == [[-1, -1]] * 3
+    assert [sum(row) for row in ref.alloc] == home
+    dev = plan_global_device(torch.tensor(TIE_COUNTS_RE), 2, 4, 5)
+    assert dev.alloc_re.tolist() == ref.alloc and dev.experts_to_copy_rb.tolist() == ref.experts_to_copy
+
+
 # -- Triton == torch -----------------------------------------------------------------------------------------
 
 
@@ -223,13 +244,16 @@ def test_kernel_policy_plan_equals_torch_plan(sc, data):
 
 
 def _fixed_cases() -> dict[str, PolicyScenario]:
-    """The deterministic cases above as scenarios: decode (nothing pays), huge (everything pays), fallback."""
+    """The deterministic cases above as scenarios: decode (nothing pays), huge (everything pays), fallback,
+    the fallback's tie."""
     gen = torch.Generator().manual_seed(3)
     fallback = [topk_from_counts(torch.tensor(row), 30, 4, gen) for row in
                 ([30, 30, 30, 30, 0, 0], [0] * 6, [0] * 6)]
+    tie = [topk_from_counts(torch.tensor(row), 13, 4, gen) for row in TIE_COUNTS_RE]
     return dict(decode=with_cost(skewed_scenario(8, 32, 8, 4, 8, seed=0), 1724),
                 pays=with_cost(skewed_scenario(4, 4, 4, 256, 3, seed=1), 8),
                 fallback=with_cost(Scenario(3, 6, 4, 30, 2, 1, fallback), 9),
+                tie=with_cost(Scenario(3, 6, 4, 13, 2, 4, tie), 5),
                 off=with_cost(skewed_scenario(4, 4, 4, 64, 3, seed=2), NO_REPLICATION))
 
 
@@ -262,6 +286,22 @@ def test_config_policy_and_cost():
         load_config("deepseek-v3", link_bandwidth_gbs=0)
 
 
+def test_replica_cost_rounds_up_and_counts_the_bytes_that_move():
+    """c is the GEMM routes one expert's transfer is worth, rounded up (8.5 routes: a replica must take 9);
+    its bytes are an element of the experts' weights as prefetch moves them: the layer's dtype (fp32 twice
+    bf16's, fp64 four times), and with `expert_weights: fp8` one e4m3 byte plus its share of a 128x128
+    block's fp32 scale (just over half of bf16's)."""
+    assert replica_cost_routes(2, link_bytes_per_s=1e12, gemm_flops_per_s=8.5e12) == 9
+    assert replica_cost_routes(2, link_bytes_per_s=1e12, gemm_flops_per_s=8e12) == 8
+    bf16 = load_config("deepseek-v3", ep_size=8, balance="cost_aware")
+    rate_over_link = bf16.gemm_tflops * 1e12 / (2 * bf16.link_bandwidth_gbs * 1e9)  # 862 routes a byte
+    for overrides, weight_bytes, cost in ((dict(), 2, 1724), (dict(dtype="float32"), 4, 3448),
+                                          (dict(dtype="float64"), 8, 6896),
+                                          (dict(expert_weights="fp8"), 1 + 4 / 128**2, 863)):
+        cfg = load_config("deepseek-v3", ep_size=8, balance="cost_aware", **overrides)
+        assert cfg.replica_cost == math.ceil(weight_bytes * rate_over_link) == cost, overrides
+
+
 def test_communicator_and_pool_take_the_policy():
     cfg = load_config("tiny-cpu", ep_size=1, balance="cost_aware")
     comm = MoECommunicator(cfg.comm, world=single_world())
@@ -289,6 +329,33 @@ def test_layer_policies_match_dense(balance, cheap, replicates):
         assert torch.equal(stats["rank_load"], stats["ep_rank_load"])
     else:
         assert int(stats["rank_load"].max()) < int(stats["ep_rank_load"].max())
+
+
+def test_layers_of_one_shape_plan_under_their_own_policy():
+    """Layers of one shape on one world share a Buffer (`MoEConfig.share_buffer`) only where they plan
+    alike: an 'off' layer built after an 'exact' one, and a 'cost_aware' one after both, each gets a Buffer
+    of its own policy, and the same skewed step (maxvio >= 10) replicates under 'exact' only."""
+    problems = {balance: make_problem(make_config(4, balance=balance), seed=14, skew=100.0)
+                for balance in ("exact", "off", "cost_aware")}
+
+    def fn(world):
+        layers = {balance: build_layer(p, world) for balance, p in problems.items()}
+        buffers = [layer.buffer for layer in layers.values()]
+        assert len({id(buffer) for buffer in buffers}) == 3, "one Buffer per policy"
+        stats = {}
+        for balance, layer in layers.items():
+            layer(problems[balance].hidden[world.rank])
+            stats[balance] = {k: v.clone() for k, v in layer.balance_stats().items()}
+            assert layer.buffer.replica_cost == problems[balance].cfg.replica_cost
+        for layer in layers.values():
+            layer.destroy()
+        return stats
+
+    for stats in run_ranks(fn, 4):
+        assert int(stats["exact"]["slots_used"].sum()) > 0
+        for balance in ("off", "cost_aware"):
+            assert int(stats[balance]["slots_used"].sum()) == 0, balance
+            assert torch.equal(stats[balance]["rank_load"], stats[balance]["ep_rank_load"]), balance
 
 
 def test_buffer_rejects_a_bad_replica_cost():

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.event import CommEvent
 from moonep_moe.plan.types import decode_dst
+from moonep_moe.transport.registry import world_of_group
 from moonep_moe.transport.threads import ThreadGroup, run_ranks, single_world
 from moonep_moe.transport.world import RankFailedError
 from moonep_moe.weights.pool import ExpertRows, slot_grad_pool, slot_pool
@@ -103,7 +105,7 @@ def roundtrip(case: Case, topk_dtype: torch.dtype = torch.int32) -> list[dict]:
     def fn(world):
         buf = case.buffer(world)
         x = case.inputs(world.rank, topk_dtype)
-        rows, weights_nvs, cu_seqlens, plan, _ = dispatch(buf, x)
+        rows, weights_nvs, cu_seqlens, plan = dispatch(buf, x)
         out = dict(rank=world.rank, x=x, plan=plan.clone(), rows=rows, weights_nvs=weights_nvs, cu=cu_seqlens)
         out["scaled"], _, _ = buf.combine(plan, rows * weights_nvs[:, None])
         tags = world.rank * 10_000 + torch.arange(buf.NvS, dtype=F64)  # also left in the padding weights
@@ -115,8 +117,8 @@ def roundtrip(case: Case, topk_dtype: torch.dtype = torch.int32) -> list[dict]:
         out["identity"], none, _ = buf.combine(plan, garbage)
         assert none is None
         x["grad"] = torch.randint(-8, 9, x["hidden"].shape, dtype=torch.int64).to(F64)
-        out["grad_rows"], out["grad_w"], out["grad_cu"], same, _ = buf.dispatch(x["grad"], None, None, None,
-                                                                             plan=plan)
+        out["grad_rows"], out["grad_w"], out["grad_cu"], same = buf.dispatch(x["grad"], None, None, None,
+                                                                          plan=plan)
         assert same is plan
         out["again"] = dispatch(buf, x)  # over the garbage left by the combines: padding is zero again
         return out
@@ -192,7 +194,7 @@ def test_duplicates_are_expanded():
         x = case.inputs(world.rank)
         x["topk"][0] = torch.tensor([3, 1, 0, 2], dtype=torch.int32)
         x["tpe"] = torch.bincount(x["topk"][x["topk"] >= 0].long(), minlength=case.E).int()
-        rows, weights_nvs, _, plan, _ = dispatch(buf, x)
+        rows, weights_nvs, _, plan = dispatch(buf, x)
         identity, _, _ = buf.combine(plan, rows)
         return dict(rank=world.rank, x=x, plan=plan, rows=rows, weights_nvs=weights_nvs, identity=identity)
 
@@ -226,14 +228,14 @@ def test_zero_copy_views():
     def fn(world):
         buf = case.buffer(world)
         x = case.inputs(world.rank)
-        rows, weights_nvs, _, plan, _ = dispatch(buf, x, zero_copy=True, router_weights_zero_copy=True)
+        rows, weights_nvs, _, plan = dispatch(buf, x, zero_copy=True, router_weights_zero_copy=True)
         assert rows.data_ptr() == buf.hidden_nvsh_buffer_view.data_ptr()
         assert weights_nvs.data_ptr() == buf.router_weight_buffer_view.data_ptr()
         with pytest.raises(ValueError, match="hidden_nvsh"):
             buf.combine(plan, rows.clone(), zero_copy=True)
         rows.mul_(weights_nvs[:, None])  # the "expert" writes its output in place
         out, _, _ = buf.combine(plan, buf.hidden_nvsh_buffer_view, zero_copy=True)
-        copied, _, _, _, _ = dispatch(buf, x)
+        copied, _, _, _ = dispatch(buf, x)
         assert copied.data_ptr() != buf.hidden_nvsh_buffer_view.data_ptr()
         return x, out
 
@@ -265,7 +267,7 @@ def test_prefetch_weight_fills_slots(R, position):
 
     def fn(world):
         buf = case.buffer(world)
-        _, _, _, plan, _ = dispatch(buf, case.inputs(world.rank))
+        _, _, _, plan = dispatch(buf, case.inputs(world.rank))
         gate_e, down_e = full_weights(case, GATE_NK, 1), full_weights(case, DOWN_NK, 2)
         epn, r, B = case.epn, world.rank, buf.B
         # replicated form [E+B, N, K]: rows E.. are the slots
@@ -300,7 +302,7 @@ def test_reduce_grad_sums_replicas_into_home(R, form, position):
 
     def fn(world):
         buf = case.buffer(world)
-        _, _, _, plan, _ = dispatch(buf, case.inputs(world.rank))
+        _, _, _, plan = dispatch(buf, case.inputs(world.rank))
         r, B, epn = world.rank, buf.B, case.epn
         gen = torch.Generator().manual_seed(7 + r)
         used = torch.tensor([e >= 0 for e in plan.experts_to_copy[r].tolist()], dtype=torch.bool)
@@ -410,7 +412,7 @@ def test_error_world_size_mismatch():
 def test_error_plan_from_another_buffer(one):
     buf, x = one
     other = ONE.buffer(buf.world)
-    rows, _, _, plan, _ = dispatch(other, x)
+    rows, _, _, plan = dispatch(other, x)
     with pytest.raises(ValueError, match="plan"):
         buf.combine(plan, rows)
     with pytest.raises(ValueError, match="plan"):
@@ -419,14 +421,14 @@ def test_error_plan_from_another_buffer(one):
 
 def test_error_combine_zero_copy_foreign_tensor(one):
     buf, x = one
-    rows, _, _, plan, _ = dispatch(buf, x)
+    rows, _, _, plan = dispatch(buf, x)
     with pytest.raises(ValueError, match="hidden_nvsh"):
         buf.combine(plan, rows, zero_copy=True)
 
 
 def test_use_after_destroy(one):
     buf, x = one
-    _, _, _, plan, _ = dispatch(buf, x)
+    _, _, _, plan = dispatch(buf, x)
     keys = list(buf.world.group._registry)
     assert keys
     buf.destroy()
@@ -447,7 +449,7 @@ def test_failed_call_leaves_buffer_usable():
 
     def exact_step(buf, world):
         x = case.inputs(world.rank)
-        rows, _, _, plan, _ = dispatch(buf, x)
+        rows, _, _, plan = dispatch(buf, x)
         out, _, _ = buf.combine(plan, rows)
         assert torch.equal(out, valid_sk(x).sum(1, keepdim=True) * x["hidden"])
 
@@ -486,14 +488,14 @@ def test_operations_refuse_a_plan_older_than_the_latest_dispatch():
     def fn(world):
         buf = case.buffer(world)
         x, y = case.inputs(world.rank), other.inputs(world.rank)
-        _, _, _, plan_a, _ = dispatch(buf, x)
-        rows_b, _, _, plan_b, _ = dispatch(buf, y)
+        _, _, _, plan_a = dispatch(buf, x)
+        rows_b, _, _, plan_b = dispatch(buf, y)
         with pytest.raises(ValueError, match=f"rank {world.rank}: plan is the plan of step 1 .* latest "
                                              "dispatch was step 2"):
             buf.combine(plan_a, rows_b)
         with pytest.raises(ValueError, match="plan of step 1"):
             buf.prefetch_weight(plan_a, None, None, None)
-        grad_rows, _, _, _, _ = buf.dispatch(x["hidden"], plan=plan_a)  # backward of step A
+        grad_rows, _, _, _ = buf.dispatch(x["hidden"], plan=plan_a)  # backward of step A
         out_a, _, _ = buf.combine(plan_a, grad_rows)
         with pytest.raises(ValueError, match="plan of step 2 .* latest dispatch was step 1"):
             buf.combine(plan_b, rows_b)
@@ -517,8 +519,8 @@ def test_tokens_per_expert_is_counted_from_the_ids():
         buf = case.buffer(world, validate=False)
         outs = []
         for tokens_per_expert in (wrong, None):
-            rows, weights_nvs, _, plan, _ = buf.dispatch(x["hidden"], x["weights"], x["topk"],
-                                                         tokens_per_expert)
+            rows, weights_nvs, _, plan = buf.dispatch(x["hidden"], x["weights"], x["topk"],
+                                                      tokens_per_expert)
             outs.append(buf.combine(plan, rows * weights_nvs[:, None])[0])
         return x, outs
 
@@ -535,7 +537,7 @@ def test_prefetch_weight_refuses_replicated_rows_that_are_not_the_experts():
 
     def fn(world):
         buf = case.buffer(world)
-        _, _, _, plan, _ = dispatch(buf, case.inputs(world.rank))
+        _, _, _, plan = dispatch(buf, case.inputs(world.rank))
         gate_e = full_weights(case, GATE_NK, 1)
         home = slice(world.rank * case.epn, (world.rank + 1) * case.epn)
         only_home = torch.zeros(case.E + buf.B, *GATE_NK, dtype=F64)
@@ -561,7 +563,7 @@ def test_guide_backward_dispatch_views_and_explicit_destroy():
     world = single_world()
     buf = case.buffer(world, explicitly_destroy=True)
     x = case.inputs(0)
-    rows, _, _, plan, _ = dispatch(buf, x)
+    rows, _, _, plan = dispatch(buf, x)
     buf.combine(plan, rows)
     grad, weights, cu_seqlens, same, event = buf.dispatch(x["hidden"], plan=plan, async_finish=True)
     event.wait()
@@ -576,29 +578,120 @@ def test_guide_backward_dispatch_views_and_explicit_destroy():
     assert not any(k in world.group._registry for k in keys), "released after the warning"
 
 
-def test_every_operation_returns_its_event_last():
-    """dispatch, combine, prefetch_weight and reduce_grad end their result with the operation's event: None
-    without `async_finish`, a `CommEvent` with it (finished off CUDA: its `event` is None, `query()` True)."""
+def test_guide_call_shapes():
+    """The guide's unpacking of every operation: a synchronous dispatch returns `(hidden_nvsh,
+    route_weights_nvs, cu_seqlens, plan)` and appends its event only with `async_finish`; combine returns
+    `(hidden_sh, route_weights_sk, event)`, the event None when synchronous; prefetch_weight and reduce_grad
+    return None synchronously and their event with `async_finish` (a `CommEvent`, finished off CUDA: its
+    `event` is None, `query()` True)."""
     case = Case(R=1, S=16, H=8, K=2, E=8, tp=4)
     world = single_world()
     buf = case.buffer(world)
     x = case.inputs(0)
     gate = ExpertRows(world.symmetric("test/event/gate", torch.zeros(case.epn, *GATE_NK, dtype=F64)),
                       slot_pool(world, (buf.B, *GATE_NK), F64))
-    for async_finish in (False, True):
-        events = []
-        *_, plan, event = dispatch(buf, x, async_finish=async_finish)
-        events.append(event)
-        *_, event = buf.combine(plan, torch.zeros(buf.NvS, case.H, dtype=F64), async_finish=async_finish)
-        events.append(event)
-        *_, plan, event = buf.dispatch(x["hidden"], plan=plan, async_finish=async_finish)
-        events.append(event)
-        events.append(buf.prefetch_weight(plan, gate, None, None, async_finish=async_finish))
-        events.append(buf.reduce_grad(plan, gate, None, None, async_finish=async_finish))
-        if async_finish:
-            assert all(isinstance(e, CommEvent) and e.event is None and e.query() for e in events), events
-        else:
-            assert events == [None] * 5
+    hidden_nvsh, route_weights_nvs, cu_seqlens, plan = dispatch(buf, x)
+    assert hidden_nvsh.shape == (buf.NvS, case.H) and route_weights_nvs.shape == (buf.NvS,)
+    assert cu_seqlens.shape == (case.E + buf.B,) and plan.step == 1
+    hidden_sh, route_weights_sk, event = buf.combine(plan, hidden_nvsh, route_weights_nvs)
+    assert hidden_sh.shape == (16, case.H) and route_weights_sk.shape == (16, case.K) and event is None
+    grad_nvsh, no_weights, no_cu_seqlens, same = buf.dispatch(x["hidden"], plan=plan)
+    assert same is plan and no_weights is None and no_cu_seqlens is None
+    assert buf.prefetch_weight(plan, gate, None, None) is None
+    assert buf.reduce_grad(plan, gate, None, None) is None
+    events = []
+    *_, plan, event = dispatch(buf, x, async_finish=True)
+    events.append(event)
+    *_, event = buf.combine(plan, torch.zeros(buf.NvS, case.H, dtype=F64), async_finish=True)
+    events.append(event)
+    *_, plan, event = buf.dispatch(x["hidden"], plan=plan, async_finish=True)
+    events.append(event)
+    events.append(buf.prefetch_weight(plan, gate, None, None, async_finish=True))
+    events.append(buf.reduce_grad(plan, gate, None, None, async_finish=True))
+    assert all(isinstance(e, CommEvent) and e.event is None and e.query() for e in events), events
+
+
+def test_guide_buffer_of_a_process_group():
+    """MoonEP builds its Buffer from a process group (`group=`, None: the default group): the world is
+    derived from it (gloo: the collective world `world_of_group` gives every layer of that group) and the
+    guide's steps run on it, equal to the same Buffer on the threads world. Without torch.distributed, or
+    with both a world and a group, one line says what to pass."""
+    case = Case(R=1, S=16, H=8, K=2, E=8, tp=4)
+    shape = dict(S=case.S, H=case.H, K=case.K, E=case.E, num_ep_ranks=1, token_padding=case.tp, dtype=F64)
+    with pytest.raises(ValueError, match="torch.distributed is not initialised.*pass world="):
+        Buffer(**shape)
+    with pytest.raises(ValueError, match="not both"):
+        Buffer(**shape, world=single_world(), group=object())
+    x = case.inputs(0)
+    threads = Buffer(**shape, world=single_world())
+    rows, weights_nvs, _, plan = dispatch(threads, x)
+    want_sh, _, _ = threads.combine(plan, rows * weights_nvs[:, None])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        buf = Buffer(**shape, group=group)
+        assert buf.world is world_of_group("collective", group)
+        hidden_nvsh, route_weights_nvs, cu_seqlens, plan = dispatch(buf, x)
+        out_sh, _, event = buf.combine(plan, hidden_nvsh * route_weights_nvs[:, None])
+        assert torch.equal(out_sh, want_sh) and event is None
+        buf.destroy()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_guide_buffer_of_an_nccl_group_is_on_symmetric_memory():
+    """An NCCL group (one rank here) stands for MoonEP's setting, one NVLink domain: the Buffer built from
+    it lives on the group's `SymmetricWorld`, and the guide's steps equal the threads world's on the GPU."""
+    from moonep_moe.transport.symmetric import SymmetricWorld
+
+    case = Case(R=1, S=16, H=8, K=2, E=8, tp=4)
+    shape = dict(S=case.S, H=case.H, K=case.K, E=case.E, num_ep_ranks=1, token_padding=case.tp, dtype=F64)
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = {name: value.to(device) for name, value in case.inputs(0).items()}
+    threads = Buffer(**shape, world=single_world(device))
+    rows, weights_nvs, _, plan = dispatch(threads, x)
+    want_sh, _, _ = threads.combine(plan, rows * weights_nvs[:, None])
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        buf = Buffer(**shape, group=group)
+        assert isinstance(buf.world, SymmetricWorld) and buf.world is world_of_group("symmetric", group)
+        hidden_nvsh, route_weights_nvs, _, plan = dispatch(buf, x)
+        out_sh, _, event = buf.combine(plan, hidden_nvsh * route_weights_nvs[:, None])
+        assert torch.equal(out_sh, want_sh) and event is None
+        buf.destroy()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_guide_options_after_num_ep_ranks_are_keyword_only():
+    """MoonEP's sixth positional argument is `num_sms`, this Buffer's was `B`: every option after
+    `num_ep_ranks` is keyword-only, so a positional call raises instead of meaning something else."""
+    with pytest.raises(TypeError, match="positional"):
+        Buffer(16, 8, 2, 8, 1, 32, world=single_world(), dtype=F64)
+
+
+def test_guide_reduce_buffer_form_is_named():
+    """The guide's `*_reduce_buffer` is a `[R, B, H, H']` view of every rank's reduce buffer, which a world
+    without one address space for all ranks cannot be given: passing it raises one line naming the form
+    taken here (this rank's `[B, N, K]` as a SymmetricTensor)."""
+    case = Case(R=2, S=16, H=8, K=2, E=8, tp=4, kind="skewed", invalid=0.0)
+
+    def fn(world):
+        buf = case.buffer(world)
+        _, _, _, plan = dispatch(buf, case.inputs(world.rank))
+        full = torch.zeros(case.E + buf.B, *GATE_NK, dtype=F64)
+        try:
+            buf.reduce_grad(plan, full, None, None, gate_reduce_buffer=torch.zeros(case.R, buf.B, *GATE_NK,
+                                                                                   dtype=F64))
+        except ValueError as error:
+            return str(error)
+        return None
+
+    for message in run_ranks(fn, case.R):
+        assert message is not None and "[B, N, K] SymmetricTensor" in message, message
+        assert "not MoonEP's [R, B, N, K] view" in message and "got a tensor [2, 4, 6, 4]" in message, message
 
 
 def test_buffer_takes_only_options_that_run():

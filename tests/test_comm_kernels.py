@@ -146,16 +146,15 @@ def operate(state: dict) -> dict:
     so it can run under `set_sync_debug_mode("error")`)."""
     buf, x = state["buf"], state["x"]
     out = {}
-    rows, weights, cu, plan, _ = buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"])
+    rows, weights, cu, plan = buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"])
     out.update(rows=filled(rows, plan), weights=weights, cu=cu, dst=plan.dst, dup_groups=plan.dup_groups,
                dup_loffs=plan.dup_loffs, dup_counts=plan.dup_counts, experts_to_copy=plan.experts_to_copy)
     out["combined"], out["no_values"], _ = buf.combine(plan, state["expert_out"])
     out["combined_again"], out["values_sk"], _ = buf.combine(plan, state["expert_out"], state["values"])
-    grad_rows, out["grad_weights"], out["grad_cu"], _, _ = buf.dispatch(x["grad"], None, None, None,
-                                                                         plan=plan)
+    grad_rows, out["grad_weights"], out["grad_cu"], _ = buf.dispatch(x["grad"], None, None, None, plan=plan)
     out["grad_rows"] = filled(grad_rows, plan)
     # zero copy: the "expert" writes in place into the Buffer's own views
-    rows, weights, _, plan, _ = buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"], zero_copy=True,
+    rows, weights, _, plan = buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"], zero_copy=True,
                                           router_weights_zero_copy=True)
     rows.mul_(2)
     weights.add_(1)
@@ -170,7 +169,7 @@ def operate(state: dict) -> dict:
                home_grad1=state["grads"][1].home.local, full_grad=state["full"])
     rows.fill_(7)  # garbage in every row and weight: the next dispatch must zero its padding again
     weights.fill_(7)
-    over_garbage, out["over_garbage_w"], _, plan, _ = buf.dispatch(x["hidden"], x["weights"], x["topk"],
+    over_garbage, out["over_garbage_w"], _, plan = buf.dispatch(x["hidden"], x["weights"], x["topk"],
                                                                    x["tpe"])
     out["over_garbage"] = filled(over_garbage, plan)
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
@@ -303,7 +302,7 @@ def test_cuda_async_finish_orders_on_the_comm_stream(kernels):
         sync = step.buffer(world, kernels)
         asyn = step.buffer(world, kernels, comm_stream_priority=-1)
         x = {k: v.cuda() for k, v in step.inputs(world.rank).items()}
-        rows, weights, _, plan, _ = sync.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"])
+        rows, weights, _, plan = sync.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"])
         out, _, _ = sync.combine(plan, rows)
         slow = torch.randn(4096, 4096, device="cuda")
         for _ in range(8):

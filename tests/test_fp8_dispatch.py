@@ -69,7 +69,7 @@ def fp8_job(world, case: Case, kernels: bool | None = None, zero_copy: bool = Fa
     tags_sh = tag_rows(case, rank).to(device)
     buf = Buffer(case.S, case.H, case.K, case.E, case.R, token_padding=case.tp, world=world, dtype=BF16,
                  kernels=kernels)
-    (q_nvsh, scales_nvsh), weights_nvs, cu_seqlens, plan, _ = buf.dispatch(
+    (q_nvsh, scales_nvsh), weights_nvs, cu_seqlens, plan = buf.dispatch(
         q_sh, weights_sk, x["topk"], x["tpe"], zero_copy=zero_copy, scales=given_scales)
     out = dict(q_sh=q_sh.view(U8).cpu(), scales_sh=scales_sh.cpu(), valid_sk=(x["topk"] >= 0).cpu(),
                q_nvsh=q_nvsh.view(U8).cpu().clone(), scales_nvsh=scales_nvsh.cpu().clone(),
@@ -81,7 +81,7 @@ def fp8_job(world, case: Case, kernels: bool | None = None, zero_copy: bool = Fa
     out["tags_nvsh"] = buf.dispatch(tags_sh, None, None, None, plan=plan)[0].cpu()
     again_nvsh, again_scales_nvsh = buf.dispatch(q_sh, None, None, None, plan=plan, scales=scales_sh)[0]
     out.update(again_nvsh=again_nvsh.view(U8).cpu(), again_scales_nvsh=again_scales_nvsh.cpu())
-    tags_nvsh, weights2_nvs, cu2, plan2, _ = buf.dispatch(tags_sh, weights_sk, x["topk"], x["tpe"])
+    tags_nvsh, weights2_nvs, cu2, plan2 = buf.dispatch(tags_sh, weights_sk, x["topk"], x["tpe"])
     out.update(fresh_tags_nvsh=tags_nvsh.cpu(), fresh_weights_nvs=weights2_nvs.cpu(), fresh_cu=cu2.cpu(),
                fresh_dst=plan2.dst.cpu())
     return out

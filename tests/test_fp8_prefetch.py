@@ -45,7 +45,7 @@ def prefetch_job(world, form: str = "expert_rows", kernels: bool | None = None) 
     case = Case(R=world.size, **CASE)
     device, r, epn = world.device, world.rank, case.epn
     buf = case.buffer(world, kernels=kernels)
-    _, _, _, plan, _ = dispatch(buf, {k: v.to(device) for k, v in case.inputs(r).items()})
+    _, _, _, plan = dispatch(buf, {k: v.to(device) for k, v in case.inputs(r).items()})
     out = {"experts_to_copy": plan.experts_to_copy[r].cpu()}
     bf16 = [w.to(device) for w in experts(case.E)]
     fp8 = [quantise_blocks(w) for w in bf16]
@@ -155,7 +155,7 @@ def one_rank_buffer():
     case = Case(R=1, **{**CASE, "kind": "uniform"})
     world = single_world()
     buf = case.buffer(world)
-    _, _, _, plan, _ = dispatch(buf, case.inputs(0))
+    _, _, _, plan = dispatch(buf, case.inputs(0))
     return buf, plan
 
 

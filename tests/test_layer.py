@@ -329,6 +329,23 @@ def test_layers_of_one_shape_on_one_world_share_one_buffer():
     assert buffer.destroyed
 
 
+def test_a_buffer_destroyed_directly_is_never_handed_to_a_new_layer():
+    """`layer.buffer.destroy()` by hand (not `layer.destroy()`, which gives the share back): a layer built
+    afterwards gets a new Buffer, not the destroyed one, and runs; the first layer can still give its share
+    back, which touches neither Buffer."""
+    world, x = single_world(), torch.randn(4, 16, dtype=F64)
+    first = MoonEPMoELayer(make_config(1), world)
+    destroyed = first.buffer
+    destroyed.destroy()
+    second = MoonEPMoELayer(make_config(1), world)
+    assert second.buffer is not destroyed and not second.buffer.destroyed
+    assert second(x).shape == x.shape
+    first.destroy()
+    assert not second.buffer.destroyed
+    second.destroy()
+    assert second.buffer.destroyed
+
+
 def test_failed_step_leaves_layer_usable():
     """A rejected step changes nothing: the next step gives exactly the dense reference's answer."""
     cfg = make_config(2)

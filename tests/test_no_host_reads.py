@@ -136,12 +136,12 @@ def buffer_step(world, case: Case, guarded_op: str | None) -> dict:
         return no_host_reads() if guarded_op in (op, None) else contextlib.nullcontext()
 
     with guard("dispatch"):
-        rows_nvsh, weights_nvs, _, plan, _ = buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"])
+        rows_nvsh, weights_nvs, _, plan = buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"])
     with guard("combine"):
         out_sh, _, _ = buf.combine(plan, rows_nvsh * weights_nvs[:, None])
         _, weights_sk, _ = buf.combine(plan, rows_nvsh, weights_nvs)
     with guard("dispatch-backward"):
-        grad_nvsh, _, _, _, _ = buf.dispatch(x["hidden"], None, None, None, plan=plan)
+        grad_nvsh, _, _, _ = buf.dispatch(x["hidden"], None, None, None, plan=plan)
     with guard("prefetch_weight"):
         buf.prefetch_weight(plan, rows[0], None, rows[1])
         buf.prefetch_weight(plan, replicated[0], None, replicated[1])
@@ -214,9 +214,9 @@ def test_cuda_one_rank_step_runs_under_sync_debug_error():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        rows_nvsh, weights_nvs, _, plan, _ = buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"])
+        rows_nvsh, weights_nvs, _, plan = buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"])
         out_sh, _, _ = buf.combine(plan, rows_nvsh * weights_nvs[:, None])
-        grad_nvsh, _, _, _, _ = buf.dispatch(x["hidden"], None, None, None, plan=plan)
+        grad_nvsh, _, _, _ = buf.dispatch(x["hidden"], None, None, None, plan=plan)
         _, weights_sk, _ = buf.combine(plan, grad_nvsh, weights_nvs)
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -71,7 +71,7 @@ def test_small_step_moves_only_its_routes():
         buf = Buffer(S, H, K, E, R, token_padding=TP, world=world, dtype=F64)
         buf.hidden_nvsh_buffer_view.fill_(77.0)  # sentinel: rows nobody may touch
         x = step_inputs(world.rank, TOKENS[world.rank])
-        rows, weights_nvs, cu_seqlens, plan, _ = run(buf, x, zero_copy=True)
+        rows, weights_nvs, cu_seqlens, plan = run(buf, x, zero_copy=True)
         used = int(cu_seqlens[-1])
         untouched = bool((rows[used:] == 77.0).all())
         out, _, _ = buf.combine(plan, rows * weights_nvs[:, None])
@@ -97,9 +97,9 @@ def test_padding_with_minus_one_keeps_the_plan_expert_zero_skews_it(pad_expert):
     def fn(world):
         buf = Buffer(S, H, K, E, R, token_padding=TP, world=world, dtype=F64)
         x = step_inputs(world.rank, TOKENS[world.rank], seed=1)
-        _, _, _, plan, _ = run(buf, x)
+        _, _, _, plan = run(buf, x)
         plain = plan.clone()
-        rows, weights_nvs, _, plan, _ = run(buf, pad(x, S, pad_expert))
+        rows, weights_nvs, _, plan = run(buf, pad(x, S, pad_expert))
         out, _, _ = buf.combine(plan, rows * weights_nvs[:, None])
         return plain, plan.clone(), out[: TOKENS[world.rank]], x
 
@@ -127,19 +127,19 @@ def test_two_inflight_zero_copy_steps_raise_and_training_order_stays_legal():
     world = single_world()
     buf = Buffer(S, H, K, E, 1, token_padding=TP, world=world, dtype=F64)
     x, y = step_inputs(0, 6), step_inputs(0, 9, seed=2)
-    rows, _, _, plan, _ = run(buf, x, zero_copy=True)
+    rows, _, _, plan = run(buf, x, zero_copy=True)
     with pytest.raises(RuntimeError, match="two in-flight steps cannot share one Buffer"):
         run(buf, y)
     assert torch.equal(rows, buf.hidden_nvsh_buffer_view), "the refused step wrote nothing"
     buf.combine(plan, rows, zero_copy=True)
     # training: forward dispatch -> combine -> backward dispatch(plan) -> combine -> next step
-    rows, _, _, plan, _ = run(buf, x, zero_copy=True)
+    rows, _, _, plan = run(buf, x, zero_copy=True)
     buf.combine(plan, rows.clone())
-    grad_rows, _, _, _, _ = buf.dispatch(x["hidden"], None, None, None, plan=plan)
+    grad_rows, _, _, _ = buf.dispatch(x["hidden"], None, None, None, plan=plan)
     buf.combine(plan, grad_rows, torch.zeros(buf.NvS, dtype=F64))
     run(buf, y, zero_copy=True)
     buf.end_step()  # the step failed before its combine: the next one may run
-    _, _, _, plan, _ = run(buf, x)
+    _, _, _, plan = run(buf, x)
     run(buf, y)  # copy-mode steps own their rows: not tracked
     buf.destroy()
 
@@ -161,7 +161,7 @@ def test_pool_capacity_is_the_group_max_and_buffers_are_lazy():
         for tokens_r in ((1, 0, 1, 1), (0, 3, 1, 2), (5, 1, 0, 0), (24, 1, 0, 3), (4, 4, 4, 4), (0, 0, 0, 0)):
             buf = pool.get(tokens_r[world.rank])
             x = step_inputs(world.rank, tokens_r[world.rank])
-            rows, weights_nvs, _, plan, _ = run(buf, x)
+            rows, weights_nvs, _, plan = run(buf, x)
             out, _, _ = buf.combine(plan, rows * weights_nvs[:, None])
             assert torch.equal(out, expected_out(x))
             seen.append(buf.S)
@@ -192,6 +192,49 @@ def test_pool_rejects_too_many_tokens():
         pool.get(S + 1)
     with pytest.raises(ValueError, match="min_capacity"):
         BufferPool(S, H, K, E, world=single_world(), dtype=F64, min_capacity=S + 1)
+
+
+def test_pool_never_hands_out_a_buffer_destroyed_directly():
+    """A Buffer of the pool destroyed by hand (`buffer.destroy()`, collectively) is dropped: the next step of
+    its capacity gets a new Buffer, which runs, and the pool's stats count only live Buffers."""
+    pool = BufferPool(S, H, K, E, world=single_world(), token_padding=TP, dtype=F64)
+    destroyed = pool.get(4)
+    destroyed.destroy()
+    buf = pool.get(4)
+    assert buf is not destroyed and not buf.destroyed
+    x = step_inputs(0, 4)
+    rows, weights_nvs, _, plan = run(buf, x)
+    assert torch.equal(buf.combine(plan, rows * weights_nvs[:, None])[0], expected_out(x))
+    assert pool.stats()["capacities"] == [4]
+    pool.destroy()
+
+
+def test_fixed_token_count_is_one_buffer_and_no_extra_gather():
+    """`variable_tokens=False`: one Buffer of capacity S serves every step, so the step reads no token
+    counts: one all-gather per step (the histogram the plan needs), where the pool of capacities adds one of
+    every rank's token count (a host read on a GPU)."""
+    steps = ((3, 0, 7, 1), (S, 2, 1, 1))
+
+    def fn(world):
+        gathers = []
+        gather = world.all_gather
+        world.all_gather = lambda tensor: gathers.append(tensor.shape) or gather(tensor)
+        counts = {}
+        for variable in (True, False):
+            comm = MoECommunicator(comm_config(variable_tokens=variable), world=world)
+            before = len(gathers)
+            for tokens_r in steps:
+                x = step_inputs(world.rank, tokens_r[world.rank])
+                out, handle = comm.dispatch(x["hidden"], x["topk"], x["weights"])
+                y_th = comm.combine(out.tokens_nvsh * out.weights_nvs[:, None], handle)
+                assert torch.equal(y_th, expected_out(x))
+            counts[variable] = (len(gathers) - before, comm.capacities, comm.stats()["capacities"])
+            comm.destroy()
+        return counts
+
+    for counts in run_ranks(fn, R):
+        assert counts[True][0] == 2 * len(steps)
+        assert counts[False] == (len(steps), [S], [S])
 
 
 # -- weight layout -----------------------------------------------------------------------------------------

@@ -272,7 +272,7 @@ def buffer_step(world, device: str) -> dict[str, torch.Tensor]:
     r, epn = world.rank, case.epn
     buf = case.buffer(world)
     x = {k: v.to(device) for k, v in case.inputs(r).items()}
-    rows_nvsh, weights_nvs, cu_seqlens, plan, _ = dispatch(buf, x)
+    rows_nvsh, weights_nvs, cu_seqlens, plan = dispatch(buf, x)
     out = dict(rows=rows_nvsh.clone(), weights=weights_nvs.clone(), cu_seqlens=cu_seqlens.clone(),
                dst=plan.dst.clone(), experts_to_copy=plan.experts_to_copy.clone())
     out["combined"], out["weights_sk"], _ = buf.combine(plan, rows_nvsh * weights_nvs[:, None], weights_nvs)

@@ -91,9 +91,9 @@ def test_no_torch_op_spans_the_rows(num_tokens):
         expert_out_nvsh = torch.randn(buf.NvS, buf.H)  # the experts' own output tensor, not the view
         sizes = _Sizes()
         with torch.no_grad(), sizes:
-            rows_nvsh, _, _, plan, _ = buf.dispatch(hidden_sh, weights_sk, topk_sk,
-                                                     expert_histogram(topk_sk, buf.E), zero_copy=True,
-                                                     router_weights_zero_copy=True)
+            rows_nvsh, _, _, plan = buf.dispatch(hidden_sh, weights_sk, topk_sk,
+                                                 expert_histogram(topk_sk, buf.E), zero_copy=True,
+                                                 router_weights_zero_copy=True)
             out_sh, _, _ = buf.combine(plan, expert_out_nvsh)
         dup_tables = plan.dup_groups.numel() + plan.dup_loffs.numel() + plan.dup_counts.numel()
         return dict(ops=sizes.ops, NvS=buf.NvS, dup_tables=dup_tables, duplicates=int(plan.dup_counts[1]))
@@ -117,8 +117,8 @@ def test_combine_leaves_rows_past_the_plan(kernels):
     def fn(world):
         buf = make_buffer(world, kernels)
         hidden_sh, weights_sk, topk_sk = routing(world.rank, 1, world.device)
-        _, _, cu_seqlens, plan, _ = buf.dispatch(hidden_sh, weights_sk, topk_sk, zero_copy=True,
-                                                 router_weights_zero_copy=True)
+        _, _, cu_seqlens, plan = buf.dispatch(hidden_sh, weights_sk, topk_sk, zero_copy=True,
+                                              router_weights_zero_copy=True)
         end = int(cu_seqlens[-1])
         view_nvsh = buf.hidden_nvsh_buffer_view
         view_nvsh[end:] = SENTINEL
@@ -145,8 +145,8 @@ def test_cuda_combine_leaves_rows_past_the_plan_and_equals_the_full_copy():
         buf = Buffer(**{**SHAPE, "num_ep_ranks": 1}, world=world, dtype=torch.float32, kernels=kernels,
                      validate=False)
         hidden_sh, weights_sk, topk_sk = routing(0, 3, world.device)
-        _, _, cu_seqlens, plan, _ = buf.dispatch(hidden_sh, weights_sk, topk_sk, zero_copy=True,
-                                                 router_weights_zero_copy=True)
+        _, _, cu_seqlens, plan = buf.dispatch(hidden_sh, weights_sk, topk_sk, zero_copy=True,
+                                              router_weights_zero_copy=True)
         end = int(cu_seqlens[-1])
         buf.hidden_nvsh_buffer_view[end:] = SENTINEL
         expert_out_nvsh = torch.randn(buf.NvS, buf.H, generator=torch.Generator().manual_seed(3)).to(device)

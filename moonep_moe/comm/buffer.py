@@ -42,8 +42,10 @@ memory is mapped), equal bit for bit. Both read the indices the Buffer builds (t
 the replica tables).
 
 `async_finish=True` queues an operation on this rank's comm stream (priority `comm_stream_priority`), after
-the caller's current stream's work; without it an operation runs on the current stream. Every operation
-returns its event last (`comm.event`): a `CommEvent` with `async_finish`, None without.
+the caller's current stream's work; without it an operation runs on the current stream. The results are
+MoonEP's: `dispatch` returns four items, and a fifth, its `CommEvent` (`comm.event`), with `async_finish`;
+`combine` always ends with its event (None without `async_finish`); `prefetch_weight` and `reduce_grad`
+return their event (None without `async_finish`).
 
 No host reads: every index the operations build has a shape fixed by the config (N routes, NvS rows, R*B
 slots); entries that are not needed are marked, never masked out (rank -1 in the exchanges, a zero
@@ -61,6 +63,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from moonep_moe.base.sizes import TOKEN_PADDING, check_layout, default_slots, rows_capacity
 from moonep_moe.comm.checks import _tensors, check_tensor
@@ -72,6 +75,7 @@ from moonep_moe.fp8.wire import pack_rows, packed_width, scale_columns, unpack_r
 from moonep_moe.plan.planner import expert_histogram, plan_one_rank, plan_routes
 from moonep_moe.plan.policies import NO_REPLICATION
 from moonep_moe.plan.types import MoonEPCommPlan
+from moonep_moe.transport.registry import world_of_process_group
 from moonep_moe.transport.world import EPWorld
 
 _buffer_ids = itertools.count()
@@ -86,10 +90,11 @@ DISPATCH_NAMES = ("hidden_sh", "route_weights_sk", "topk_experts_sk")
 class Buffer(ExpertTransfers):
     """The comm core of one EP group for one layer shape: plan, dispatch, combine, prefetch, reduce_grad.
 
-    Args:
+    Args (after `num_ep_ranks` keyword-only: MoonEP's positional order there is not this one's, so a
+    positional call raises instead of meaning something else):
         S: token capacity per rank (max_tokens_per_rank). A call may carry fewer tokens.
         H: hidden size. K: routed experts per token. E: experts in the group.
-        num_ep_ranks: R, must equal `world.size`; E % R == 0.
+        num_ep_ranks: R, must equal the world's size; E % R == 0.
         B: prefetch slots per rank, default `E / R` (training needs it; 0 when R == 1); B <= E - E / R.
         num_sms: SMs the row kernels' grid-stride loops size their grids for (default: the device's).
         comm_stream_priority: priority of the comm stream that `async_finish=True` operations run on
@@ -99,7 +104,10 @@ class Buffer(ExpertTransfers):
         explicitly_destroy: when True the caller must call `destroy()`: a Buffer garbage-collected without
             it warns (ResourceWarning, naming the Buffer and rank) and then releases its memory; when False
             the memory is released silently when the Buffer is garbage-collected.
-        world: the EP world (`moonep_moe.transport.world`).
+        world: the EP world (`moonep_moe.transport.world`), or None to derive it from `group`.
+        group: MoonEP's way to name the ranks, used where `world` is None: a process group (None: the
+            initialised default group), whose world `transport.registry.world_of_process_group` gives
+            (symmetric memory for NCCL, the collective world for gloo).
         dtype: dtype of the dispatched rows (bf16 in production; float64 for exact tests). Route weights
             are fp32 (float64 for float64 rows).
         validate: check in `dispatch` that every expert id is in [-1, E) (a ValueError naming the bad id)
@@ -120,11 +128,17 @@ class Buffer(ExpertTransfers):
             (`rows_capacity`).
     """
 
-    def __init__(self, S: int, H: int, K: int, E: int, num_ep_ranks: int, B: int | None = None,
+    def __init__(self, S: int, H: int, K: int, E: int, num_ep_ranks: int, *, B: int | None = None,
                  num_sms: int | None = None, token_padding: int = TOKEN_PADDING,
-                 comm_stream_priority: int = 0, explicitly_destroy: bool = False, *, world: EPWorld,
+                 group: dist.ProcessGroup | None = None, comm_stream_priority: int = 0,
+                 explicitly_destroy: bool = False, world: EPWorld | None = None,
                  dtype: torch.dtype = torch.bfloat16, validate: bool = True, kernels: bool | None = None,
                  replica_cost: int = 0):
+        if world is None:
+            world = world_of_process_group(group)
+        elif group is not None:
+            raise ValueError(f"rank {world.rank}: pass the EP world or the process group (group=, whose "
+                             "world is derived from it), not both")
         where = f"rank {world.rank}"
         if not isinstance(replica_cost, int) or not 0 <= replica_cost <= NO_REPLICATION:
             raise ValueError(f"{where}: replica_cost must be an int in [0, {NO_REPLICATION}], got "
@@ -318,8 +332,9 @@ class Buffer(ExpertTransfers):
         Buffer valid again (activation recomputation, pipeline schedules). Other plans raise.
 
         Returns:
-            `(hidden_nvsh [NvS, H], route_weights_nvs [NvS] or None, cu_seqlens [E+B] int32 or None, plan,
-            event)`, the event a `CommEvent` with `async_finish`, else None. Rows of padding are zero; rows
+            `(hidden_nvsh [NvS, H], route_weights_nvs [NvS] or None, cu_seqlens [E+B] int32 or None, plan)`,
+            and with `async_finish` a fifth item, the operation's `CommEvent` (MoonEP's convention: the
+            event is appended only to an asynchronous dispatch). Rows of padding are zero; rows
             past `cu_seqlens[-1]` are unspecified. Raises before any exchange if an argument is malformed.
             With `scales`, `hidden_nvsh` is the pair `(rows [NvS, H] e4m3, scales [NvS, ceil(H/128)] fp32)`
             (DeepEP's convention): with `zero_copy`, views of the packed rows (row strides
@@ -440,7 +455,7 @@ class Buffer(ExpertTransfers):
         self._steps, self._current_step = max(self._steps, step), step
         if plan is None and (zero_copy or router_weights_zero_copy):
             self._pending_views = result[3]
-        return (*result, event)
+        return (*result, event) if async_finish else result
 
     @staticmethod
     def _send_rows(exchange: RowExchange, plan: MoonEPCommPlan, rows_sh: torch.Tensor,
@@ -467,9 +482,8 @@ class Buffer(ExpertTransfers):
 
     @torch.no_grad()
     def combine(self, plan: MoonEPCommPlan, hidden_nvsh: torch.Tensor,
-                route_weights_nvs: torch.Tensor | None = None, zero_copy: bool = False,
-                async_finish: bool = False, *, out_sh: torch.Tensor | None = None,
-                arg_name: str = "hidden_nvsh"):
+                route_weights_nvs: torch.Tensor | None = None, async_finish: bool = False, *,
+                zero_copy: bool = False, out_sh: torch.Tensor | None = None, arg_name: str = "hidden_nvsh"):
         """Bring every route's row home and sum each token's K rows in fp32, in k order.
 
         Args:

@@ -1,9 +1,10 @@
 """`CommEvent`: the one object that owns the wait for a comm operation queued on a comm stream.
 
-Every comm call returns its event last, the same way: `Buffer.dispatch` -> `(..., plan, event)`,
-`Buffer.combine` -> `(hidden_sh, route_weights_sk, event)`, `Buffer.prefetch_weight` and
-`Buffer.reduce_grad` -> `event`. The event is None without `async_finish` (the operation ran on the caller's
-stream, nothing to wait for), a `CommEvent` with it. `MoECommunicator`'s requests wait through it too.
+Every comm call returns its event last, as MoonEP's Buffer does: `Buffer.dispatch` -> `(..., plan, event)`
+with `async_finish=True` (without it `(..., plan)`: no event item), `Buffer.combine` -> `(hidden_sh,
+route_weights_sk, event)`, `Buffer.prefetch_weight` and `Buffer.reduce_grad` -> `event`. The event is a
+`CommEvent` with `async_finish`, None without (the operation ran on the caller's stream, nothing to wait
+for). `MoECommunicator`'s requests wait through it too.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ tokens per rank. The pool serves each step from the smallest Buffer that fits it
    power of two >= the group's maximum (at least `min_capacity`, at most `max_tokens_per_rank`), so every
    rank picks the same Buffer without a broadcast. That gather is read on the host (a sync on a GPU); an
    engine that pads its batches to buckets (CUDA graphs) names the bucket instead: `get(num_tokens,
-   capacity=bucket)` reads nothing on the host (every rank must name the same bucket).
+   capacity=bucket)` reads nothing on the host (every rank must name the same bucket). With one capacity
+   (`min_capacity` reaching `max_tokens_per_rank`: the communicator's `variable_tokens=False`) nothing is
+   gathered either.
 2. `get(num_tokens)`: a Buffer of that capacity with no step in flight, created on first use (collective:
    every rank creates it in the same step, because every rank computed the same capacity and has the same
    steps in flight). Up to `max_inflight_steps` Buffers per capacity, so that many steps (two-batch overlap:
@@ -34,13 +36,17 @@ def layer_buffer(world: EPWorld, S: int, H: int, K: int, E: int, B: int, *, toke
     prefetch-slot pools: made by the first call (collective: every rank builds its layers in the same
     order), each call one more user; give each back with `release_layer_buffer`. Layers may share it because
     each routed step (a forward, or a backward) starts with its own dispatch and ends with its combine, and
-    a backward `dispatch(plan=...)` makes its layer's plan the Buffer's latest again."""
-    key = ("layer_buffer", S, H, K, E, B, token_padding, dtype, replica_cost)
+    a backward `dispatch(plan=...)` makes its layer's plan the Buffer's latest again.
+
+    The key is every argument the Buffer is built with, so layers share it only where their plans and rows
+    are the same: a layer of another balance policy (`replica_cost`) gets a Buffer of its own. A Buffer
+    destroyed directly (`buffer.destroy()`, not given back) is replaced, never handed out."""
+    args = dict(S=S, H=H, K=K, E=E, num_ep_ranks=world.size, B=B, token_padding=token_padding, dtype=dtype,
+                replica_cost=replica_cost)
+    key = ("layer_buffer", *args.items())
     shared = world.globals.get(key)
     if shared is None or shared[0].destroyed:
-        buffer = Buffer(S, H, K, E, world.size, B, token_padding=token_padding, world=world, dtype=dtype,
-                        validate=False, replica_cost=replica_cost)
-        shared = world.globals[key] = [buffer, 0]
+        shared = world.globals[key] = [Buffer(**args, world=world, validate=False), 0]
     shared[1] += 1
     return shared[0]
 
@@ -124,7 +130,7 @@ class BufferPool:
         Args:
             num_tokens: this rank's tokens in the step, at most the capacity.
             capacity: the bucket, one of `capacities`, the same on every rank (not checked: that would be a
-                host read). Required while a CUDA graph is being captured.
+                host read). Required while a CUDA graph is being captured, unless there is one bucket.
 
         Raises:
             RuntimeError: `max_inflight_steps` steps of this capacity are in flight already.
@@ -133,6 +139,7 @@ class BufferPool:
             raise RuntimeError(f"rank {self.world.rank}: this BufferPool was destroyed; create a new one")
         capacity = self._bucket(num_tokens, capacity)
         buffers = self._buffers.setdefault(capacity, [])
+        buffers[:] = [buffer for buffer in buffers if not buffer.destroyed]  # destroyed directly: dropped
         free = [buffer for buffer in buffers if buffer._pending_views is None]
         if free:
             return free[0]
@@ -152,8 +159,11 @@ class BufferPool:
 
     def _bucket(self, num_tokens: int, capacity: int | None) -> int:
         """The capacity serving the step: `capacity` checked against the buckets and `num_tokens` (host ints
-        only), or `capacity_for(num_tokens)` outside a CUDA graph's capture."""
+        only); where there is one bucket (`min_capacity` reaches `max_tokens_per_rank`), that one, read from
+        nothing; else `capacity_for(num_tokens)` outside a CUDA graph's capture."""
         rank = self.world.rank
+        if capacity is None and len(self.capacities) == 1:  # one Buffer serves every step: nothing to gather
+            capacity = self.max_tokens_per_rank
         if capacity is None:
             if self.world.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise ValueError(f"rank {rank}: capacity must be given while a CUDA graph is being captured "
@@ -169,7 +179,8 @@ class BufferPool:
     def stats(self) -> dict[str, object]:
         """`capacities` created (ascending, once per Buffer: `max_inflight_steps` Buffers of one capacity
         appear that many times), `rows_per_rank` (NvS) and `bytes` of each on this rank, and `total_bytes`."""
-        buffers = [buffer for capacity in sorted(self._buffers) for buffer in self._buffers[capacity]]
+        buffers = [buffer for capacity in sorted(self._buffers) for buffer in self._buffers[capacity]
+                   if not buffer.destroyed]
         nbytes = [buffer.nbytes for buffer in buffers]
         return dict(capacities=[buffer.S for buffer in buffers],
                     rows_per_rank=[buffer.NvS for buffer in buffers], bytes=nbytes, total_bytes=sum(nbytes))

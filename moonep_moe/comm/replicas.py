@@ -178,7 +178,10 @@ class ExpertTransfers:
                 self._check_full(grad, f"full_{name}_grad")
                 if not isinstance(staging, SymmetricTensor):
                     raise ValueError(f"rank {self.world.rank}: full_{name}_grad in the [E+B, ...] form needs "
-                                     f"{name}_reduce_buffer, a SymmetricTensor [B, N, K]")
+                                     f"{name}_reduce_buffer as this rank's [B, N, K] SymmetricTensor "
+                                     "(world.symmetric(key, tensor): the world reaches the peers' buffers), "
+                                     "not MoonEP's [R, B, N, K] view of every rank's; got "
+                                     f"{_described(staging)}")
                 check_tensor(staging.local, f"{name}_reduce_buffer", tuple(grad[self.E:].shape),
                        (grad.dtype, torch.float32, torch.float64), self.world.device, self.world.rank)
                 if not grad.is_contiguous():
@@ -209,3 +212,8 @@ class ExpertTransfers:
         table_rb = plan.experts_to_copy.long()
         mine_rb = (table_rb >= 0) & (table_rb // self.epn == self.world.rank)
         return mine_rb, table_rb.clamp(min=0) % self.epn
+
+
+def _described(value: Any) -> str:
+    """How an error names a given argument: a tensor by its shape, anything else by its type."""
+    return f"a tensor {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__

@@ -28,6 +28,7 @@ from moonep_moe.base.sizes import (
     default_slots,
     rows_capacity,
 )
+from moonep_moe.fp8.format import WEIGHT_BYTES as FP8_WEIGHT_BYTES
 from moonep_moe.gemm.registry import BACKENDS, GROUPED_GEMM_NAMES
 from moonep_moe.plan.policies import BALANCE_NAMES, BALANCE_POLICIES
 from moonep_moe.transport.registry import WORLD_NAMES
@@ -312,12 +313,18 @@ class CommConfig(BaseModel):
         return default_slots(self.num_experts, self._ranks())
 
     @property
+    def expert_weight_bytes(self) -> float:
+        """Bytes an element of an expert's weights takes when prefetch moves it: ``dtype``'s itemsize."""
+        return self.torch_dtype.itemsize
+
+    @property
     def replica_cost(self) -> int:
         """The planner's `replica_cost` for ``balance`` (`plan.policies`): 0 for 'exact', `NO_REPLICATION`
         for 'off', and for 'cost_aware' the GEMM routes whose (forward) time equals one expert's weight
-        transfer, `replica_cost_routes` (1724 for bf16 at the defaults)."""
+        transfer of `expert_weight_bytes` per element, `replica_cost_routes` (1724 for bf16 at the
+        defaults, 863 for FP8 experts)."""
         policy = BALANCE_POLICIES[self.balance]
-        return policy.replica_cost(self.torch_dtype.itemsize, self.link_bandwidth_gbs * 1e9,
+        return policy.replica_cost(self.expert_weight_bytes, self.link_bandwidth_gbs * 1e9,
                                    self.gemm_tflops * 1e12)
 
     @property
@@ -561,6 +568,12 @@ class MoEConfig(CommConfig):
         if self.grouped_gemm not in ("auto", "deep_gemm", "reference"):
             raise ValueError(f"expert_weights='fp8' runs on grouped_gemm 'auto' or 'deep_gemm' (the FP8 "
                              f"GEMMs) or 'reference' (any device), got {self.grouped_gemm!r}")
+
+    @property
+    def expert_weight_bytes(self) -> float:
+        """Bytes an element of an expert's weights takes when prefetch moves it: ``dtype``'s itemsize, or
+        with ``expert_weights='fp8'`` one e4m3 byte plus its share of its block's fp32 scale."""
+        return FP8_WEIGHT_BYTES if self.expert_weights == "fp8" else super().expert_weight_bytes
 
     @property
     def comm(self) -> CommConfig:

@@ -85,7 +85,8 @@ class CommunicatorConfig(CommConfig):
         "placement supported; another value raises."))
     variable_tokens: bool = Field(True, description=(
         "Serve each step from a pool of power-of-two capacities (one extra all-gather of one int per "
-        "step). False: one Buffer of capacity S for every step."))
+        "step, read on the host). False: one Buffer of capacity S for every step, no token counts "
+        "gathered (and `min_capacity` unused)."))
     min_capacity: StrictInt = Field(1, ge=1, description=(
         "Smallest pooled capacity (bounds how many Buffers the pool creates). Default 1."))
     max_inflight_steps: StrictInt = Field(1, ge=1, description=(
@@ -317,10 +318,10 @@ class MoECommunicator:
         weighted = weights_tk is not None
         if not weighted and isinstance(topk_ids_tk, torch.Tensor):
             weights_tk = torch.ones(topk_ids_tk.shape, dtype=buffer.weight_dtype, device=input_th.device)
-        *result, event = buffer.dispatch(input_th, weights_tk, topk_ids_tk, async_finish=async_finish,
-                                         zero_copy=True, router_weights_zero_copy=weighted, scales=scales,
-                                         arg_names=FACADE_DISPATCH_NAMES)
-        rows_nvsh, weights_nvs, _, plan = result
+        # `event`: [] on the caller's stream, [its CommEvent] with async_finish (the Buffer appends it)
+        rows_nvsh, weights_nvs, _, plan, *event = buffer.dispatch(
+            input_th, weights_tk, topk_ids_tk, async_finish=async_finish, zero_copy=True,
+            router_weights_zero_copy=weighted, scales=scales, arg_names=FACADE_DISPATCH_NAMES)
         tokens_nvsh, scales_nvsh = rows_nvsh if fp8 else (rows_nvsh, None)
         handle = DispatchHandle(self.id, buffer, plan, num_tokens)
 
@@ -328,7 +329,7 @@ class MoECommunicator:
             output = self._layout(tokens_nvsh, weights_nvs if weighted else None, plan, scales_nvsh)
             return output, handle
 
-        return CommRequest(finish, event) if async_finish else finish()
+        return CommRequest(finish, *event) if async_finish else finish()
 
     @staticmethod
     def _layout(tokens_nvsh, weights_nvs, plan: MoonEPCommPlan, scales_nvsh=None) -> DispatchOutput:
@@ -399,8 +400,8 @@ class MoECommunicator:
                     and expert_output_nvsh.data_ptr() == buffer.hidden_nvsh_buffer_view.data_ptr())
         # eagerly the sums go straight into `out` (no [t, H] copy); a request writes it after its wait
         into = out if out is not None and out.is_contiguous() and not async_finish else None
-        out_th, _, event = buffer.combine(handle._plan, expert_output_nvsh, None, in_place, async_finish,
-                                          out_sh=into, arg_name="expert_output_nvsh")
+        out_th, _, event = buffer.combine(handle._plan, expert_output_nvsh, None, async_finish,
+                                          zero_copy=in_place, out_sh=into, arg_name="expert_output_nvsh")
         handle._combined = True
 
         def finish() -> torch.Tensor:

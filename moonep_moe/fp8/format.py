@@ -32,6 +32,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 """The FP8 format of expert weights and activations (e4m3: 3 mantissa bits, largest finite 448)."""
 BLOCK = 128
 """Weights: one scale per ``BLOCK x BLOCK`` block; activations: one per row per ``BLOCK`` columns."""
+WEIGHT_BYTES = 1 + 4 / BLOCK**2
+"""Bytes an FP8 weight element takes with its share of its block's fp32 scale (what prefetch moves)."""
 E4M3_MAX = 448.0
 """The largest finite e4m3 value, ``1.75 * 2^8``."""
 MIN_AMAX = 2.0**-100

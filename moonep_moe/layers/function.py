@@ -104,11 +104,11 @@ class MoonEPExperts(torch.autograd.Function):
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
         if state.fp8_dispatch:  # x_nvsh: the pair (e4m3 rows, their 1x128 scales), as the fwd GEMM takes it
             q_sh, scales_sh = gemm.quantise_rows(hidden_sh)
-            x_nvsh, w_nvs, cu_seqlens, plan, _ = buffer.dispatch(q_sh, route_weights_sk, topk_experts_sk,
-                                                                 tokens_per_expert, scales=scales_sh)
+            x_nvsh, w_nvs, cu_seqlens, plan = buffer.dispatch(q_sh, route_weights_sk, topk_experts_sk,
+                                                              tokens_per_expert, scales=scales_sh)
         else:
-            x_nvsh, w_nvs, cu_seqlens, plan, _ = buffer.dispatch(hidden_sh, route_weights_sk,
-                                                                 topk_experts_sk, tokens_per_expert)
+            x_nvsh, w_nvs, cu_seqlens, plan = buffer.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
+                                                              tokens_per_expert)
         gate_up_rows, down_rows = experts.rows
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows, experts.scales)
         offs_g = compute_offsets(cu_seqlens, buffer.world.rank, buffer.epn, buffer.E)

@@ -332,7 +332,7 @@ class MoonEPMoELayer(nn.Module):
             self._buffer_share = weakref.finalize(self, release_layer_buffer, world, self.buffer)
             self._buffer_share.atexit = False  # no collective destroy while the interpreter exits
         else:
-            self.buffer = Buffer(config.max_tokens_per_rank, h, k, e, config.ep_size, config.prefetch_slots,
+            self.buffer = Buffer(config.max_tokens_per_rank, h, k, e, config.ep_size, B=config.prefetch_slots,
                                  world=world, validate=False, **shape)
         self._buffer_given_back = False
         if config.expert_weights == "fp8":  # FP8 GEMMs on the weights as stored; no weight gradients

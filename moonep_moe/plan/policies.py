@@ -23,16 +23,19 @@ NO_REPLICATION = 2**31 - 1
 the int32 plan fields keep below 2^31), so the plan is plain EP."""
 
 
-def replica_cost_routes(dtype_bytes: int, link_bytes_per_s: float, gemm_flops_per_s: float) -> int:
-    """c for `balance='cost_aware'`: GEMM routes whose time equals one expert's weight transfer (ceil, >= 1).
+def replica_cost_routes(weight_bytes: float, link_bytes_per_s: float, gemm_flops_per_s: float) -> int:
+    """c for `balance='cost_aware'`: GEMM routes whose time equals one expert's weight transfer, rounded up
+    (a replica must take more than c routes, so one worth 8.5 routes must take 9), at least 1.
 
-    Moving expert e takes `W_e / BW` with `W_e = 3 * H * H' * dtype_bytes` (gate, up, down); computing one
-    of its routes takes `2 * 3 * H * H' / rate` (forward). H * H' cancels: `c = dtype_bytes * rate / (2 *
-    BW)`, a function of the dtype, the link bandwidth and the GEMM rate only. Forward only (serving): in
-    training backward prefetches again and reduce_grad moves fp32 gradients, while the routes cost 3x the
-    FLOPs, so the break-even is `(2 * dtype_bytes + 4) / (3 * dtype_bytes)` times higher (4/3 for bf16).
+    Moving expert e takes `W_e / BW` with `W_e = 3 * H * H' * weight_bytes` (gate, up, down; `weight_bytes`
+    per element as prefetch moves them: the dtype's itemsize, or `fp8.format.WEIGHT_BYTES` for FP8 experts
+    with their block scales); computing one of its routes takes `2 * 3 * H * H' / rate` (forward). H * H'
+    cancels: `c = weight_bytes * rate / (2 * BW)`, a function of the bytes, the link bandwidth and the GEMM
+    rate only. Forward only (serving): in training backward prefetches again and reduce_grad moves fp32
+    gradients, while the routes cost 3x the FLOPs, so the break-even is `(2 * weight_bytes + 4) / (3 *
+    weight_bytes)` times higher (4/3 for bf16).
     """
-    return max(1, math.ceil(dtype_bytes * gemm_flops_per_s / (2 * link_bytes_per_s)))
+    return max(1, math.ceil(weight_bytes * gemm_flops_per_s / (2 * link_bytes_per_s)))
 
 
 class BalancePolicy:
@@ -42,8 +45,8 @@ class BalancePolicy:
     exact: ClassVar[bool] = False
     """Whether the balance invariant holds (rows sized for S*K routes); else best effort (R*S*K)."""
 
-    def replica_cost(self, dtype_bytes: int, link_bytes_per_s: float, gemm_flops_per_s: float) -> int:
-        """c for a layer whose weights have `dtype_bytes` per element, on this link and GEMM rate."""
+    def replica_cost(self, weight_bytes: float, link_bytes_per_s: float, gemm_flops_per_s: float) -> int:
+        """c for a layer whose expert weights move `weight_bytes` per element, on this link and GEMM rate."""
         raise NotImplementedError
 
 
@@ -51,21 +54,21 @@ class Exact(BalancePolicy):
     name = "exact"
     exact = True
 
-    def replica_cost(self, dtype_bytes: int, link_bytes_per_s: float, gemm_flops_per_s: float) -> int:
+    def replica_cost(self, weight_bytes: float, link_bytes_per_s: float, gemm_flops_per_s: float) -> int:
         return 0
 
 
 class CostAware(BalancePolicy):
     name = "cost_aware"
 
-    def replica_cost(self, dtype_bytes: int, link_bytes_per_s: float, gemm_flops_per_s: float) -> int:
-        return replica_cost_routes(dtype_bytes, link_bytes_per_s, gemm_flops_per_s)
+    def replica_cost(self, weight_bytes: float, link_bytes_per_s: float, gemm_flops_per_s: float) -> int:
+        return replica_cost_routes(weight_bytes, link_bytes_per_s, gemm_flops_per_s)
 
 
 class Off(BalancePolicy):
     name = "off"
 
-    def replica_cost(self, dtype_bytes: int, link_bytes_per_s: float, gemm_flops_per_s: float) -> int:
+    def replica_cost(self, weight_bytes: float, link_bytes_per_s: float, gemm_flops_per_s: float) -> int:
         return NO_REPLICATION
 
 

@@ -73,3 +73,21 @@ def world_of_group(name: str, group: dist.ProcessGroup | None = None, device: to
         raise ValueError(f"rank {rank}: world={name!r} is not a world of a process group; use one of "
                          f"{[k.name for k in WORLDS.values() if k.of_group is not None]}")
     return kind.of_group(group, device, exact_size)
+
+
+def world_of_process_group(group: dist.ProcessGroup | None = None) -> EPWorld:
+    """The world a process group stands for where only the group is given (MoonEP's `Buffer(...,
+    group=group)`; None: the initialised default group): symmetric memory for an NCCL group (one NVLink
+    domain, MoonEP's setting), the collective world for any other backend (gloo: the CPU). One per process
+    and group (`world_of_group`), so Buffers and layers built on the group share it.
+
+    Raises:
+        ValueError where torch.distributed is not initialised (there is no group to derive a world from).
+    """
+    if not dist.is_initialized():
+        raise ValueError("rank 0: group: torch.distributed is not initialised, so there is no process group "
+                         "to build the EP world of; initialise it (torchrun, then init_process_group or "
+                         "moonep_moe.transport.collective.init_collective) or pass world= (e.g. "
+                         "moonep_moe.run_ranks's thread ranks, or transport.threads.single_world())")
+    name = "symmetric" if "nccl" in str(dist.get_backend(group)) else "collective"
+    return world_of_group(name, group)
