@@ -112,7 +112,7 @@ def replayed_outputs(cfg: MoEConfig, step, inputs: dict, rank: int, kernels: boo
     if kernels:
         layer.buffer.destroy()
         layer.buffer = layer._state.buffer = Buffer(
-            S, H, K, E, cfg.ep_size, cfg.prefetch_slots, token_padding=cfg.token_padding, world=world,
+            S, H, K, E, cfg.ep_size, B=cfg.prefetch_slots, token_padding=cfg.token_padding, world=world,
             dtype=F64, validate=False, replica_cost=cfg.replica_cost, kernels=True)
     traffic = rank_traffic(step, rank, layer, world)
     if traffic_edit is not None:
