@@ -141,3 +141,24 @@ def test_unknown_tags_are_refused(tmp_path: Path):
     doc.write_text("```python gpu only\nprint(1)\n```\n")
     with pytest.raises(ValueError, match="unknown tags"):
         python_blocks(doc)
+
+
+README_MAX_BYTES = 15_000
+"""The README is for users: what the package is, how to install and use it, one results table; depth goes to
+docs/ and benchmark history to bench/results/."""
+
+
+def test_the_readme_stays_short():
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= README_MAX_BYTES, f"README.md is {size} bytes: move depth to docs/"
+
+
+def test_code_and_docs_say_what_they_do_not_which_ticket_asked():
+    """Code, docs, configs and tests name behaviour, never a tracker's issue numbers."""
+    pattern = re.compile(r"issue\s+\d", re.IGNORECASE)
+    paths = [ROOT / "README.md", ROOT / "DESIGN.md", *(ROOT / "docs").glob("*.md"),
+             *(ROOT / "moonep_moe").rglob("*.py"), *(ROOT / "moonep_moe" / "configs").glob("*.yaml"),
+             *(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py")]
+    found = [f"{path.relative_to(ROOT)}:{number}" for path in paths
+             for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, "issue numbers in: " + ", ".join(found)
