@@ -19,6 +19,7 @@ ranks' home experts, joined) the original's summed over the R batches. fp32 on t
 from __future__ import annotations
 
 import copy
+import threading
 import types
 from collections.abc import Callable
 
@@ -269,25 +270,33 @@ def test_state_dict_at_ep2_holds_home_experts_and_whole_or_home_checkpoints_load
 # -- built on meta, initialised the torchtitan way ----------------------------------------------------------
 
 
-def materialised(config, world) -> dict[str, torch.Tensor]:
-    """`config` built on meta, swapped on `world`, then `to_empty()` and torchtitan's `init_weights()`: the
-    MoE modules' state (after a forward, which must run)."""
+INIT_LOCK = threading.Lock()
+"""Thread ranks share torch's one default generator: each seeds and initialises under this lock, so that
+every rank draws what a process of its own would (initialising is local: no collective inside). Without it
+the ranks' draws for the shared experts and the rest interleave, differently from run to run."""
+
+
+def materialised(config, world, seed: int = 4) -> dict[str, torch.Tensor]:
+    """`config` built on meta, swapped on `world`, then `to_empty()` and torchtitan's `init_weights()` from
+    `seed`: the MoE modules' state (after a forward, which must run)."""
     with torch.device("meta"):
         model = config.build()
     swap_moe_modules(model, TOKENS, world)
     model.to_empty(device="cpu")
-    model.init_weights()
+    with INIT_LOCK:
+        torch.manual_seed(seed)
+        model.init_weights()
     with torch.no_grad():
         model(batch(8)[0])
     return {k: v.clone() for k, v in model.state_dict().items() if ".moe." in k}
 
 
 def test_a_meta_built_swapped_model_initialises_with_torchtitans_initialisers_the_same_at_every_ep_size():
-    """One MoE layer: thread ranks share one generator, so only a model's first layer draws the same init
-    seed at every EP size (separate processes draw the same seed for every layer)."""
+    """The MoE layer of a two-layer model, built on meta and initialised from one seed on one rank and on two
+    thread ranks: the same weights (experts split by rank, the rest on every rank)."""
     config = model_config("deepseek_v3")
     config.layers = config.layers[:2]
-    torch.manual_seed(4)
+    torch.manual_seed(4)  # the layer's init seed: drawn at construction, rank 0's draw on every rank
     one = materialised(config, None)
     torch.manual_seed(4)
     two = run_ranks(lambda world: materialised(config, world), 2)
