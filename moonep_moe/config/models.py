@@ -256,7 +256,7 @@ class CommConfig(BaseModel):
     balance: Literal[BALANCE_NAMES] = Field(
         BALANCE_NAMES[0],
         description=(
-            "Replication policy of the planner (`plan.reference`). Default 'exact' (training): with B >= epn "
+            "Replication policy of the planner (`plan.policies`). Default 'exact' (training): with B >= epn "
             "every rank computes T // R or T // R + 1 routes for any routing, replicating hot experts "
             "however few routes they take. 'cost_aware' (serving): an expert is replicated only where it "
             "takes more routes off its donor than the GEMM time of one weight transfer is worth "

@@ -553,14 +553,14 @@ def plan_routes_triton(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *
                        token_padding: int, rows_per_rank: int, owner: int | None = None,
                        replica_cost: int = 0, count_routes: bool = False,
                        **tuning: int | None) -> MoonEPCommPlan:
-    """`moonep_moe.plan.reference.plan_routes` in two Triton launches (equal to it bit for bit, no host read).
+    """`moonep_moe.plan.planner.plan_routes` in two Triton launches (equal to it bit for bit, no host read).
 
     Args:
         counts_re: `[R, E]` int32/int64, valid routes from each source rank to each expert; with
             `count_routes` (one rank, R = 1) the launch writes `topk_experts_sk`'s histogram into it instead.
         topk_experts_sk: `[s, K]` int32/int64, this rank's routed experts, -1 = no route.
         num_slots: B. token_padding: tp. rows_per_rank: NvS. replica_cost: the replication policy
-            (`plan.reference`; 0 = exact balance).
+            (`plan.policies`; 0 = exact balance).
         tuning: `prepare`'s launch-shape arguments (default: its defaults).
     """
     launch = prepare(counts_re, topk_experts_sk, rank=rank, num_slots=num_slots, token_padding=token_padding,

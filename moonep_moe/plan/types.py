@@ -1,7 +1,7 @@
 """`MoonEPCommPlan`, one rank's plan of one step, and the `dst` encoding every part of the comm core reads.
 
-A leaf module (it imports only torch): the torch planner (`plan.reference`), the Triton planner
-(`plan.triton`), the Buffer and the tests all depend on it, and it on none of them. Both planners build
+A leaf module (it imports only torch): the torch planners (`plan.reference`, `plan.device`), the Triton
+planner (`plan.triton`), the Buffer and the tests all depend on it, and it on none of them. The planners build
 their plan with the one constructor, `MoonEPCommPlan.empty`, and write its fields in place.
 
 Notation and suffixes: DESIGN.md, "Notation".
