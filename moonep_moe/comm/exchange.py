@@ -30,6 +30,7 @@ from typing import Protocol
 
 import torch
 
+from moonep_moe.base.triton import triton_missing_reason
 from moonep_moe.plan.types import MoonEPCommPlan, decode_dst
 from moonep_moe.transport.world import EPWorld, SymmetricTensor
 from moonep_moe.weights.pool import ExpertRows
@@ -349,12 +350,13 @@ def select_exchange(memory: RowMemory, kernels: bool | None) -> RowExchange:
         reasons.append("the world does not map every peer's memory")
     if dtype not in ROW_DTYPES:
         reasons.append(f"rows in {dtype} are not supported")
-    try:
+    rows, experts, interpreted = None, None, False
+    missing = triton_missing_reason()
+    if missing is not None:  # no Triton: the reference runs everywhere
+        reasons.append(missing)
+    else:
         from moonep_moe.base.interpreter import INTERPRETED as interpreted
         from moonep_moe.comm.kernels import experts, rows
-    except ImportError as error:  # no Triton: the reference runs everywhere
-        rows, experts, interpreted = None, None, False
-        reasons.append(f"Triton is not importable ({error})")
     if rows is not None and device.type != "cuda" and not (device.type == "cpu" and interpreted):
         reasons.append(f"{device} tensors: the kernels run on CUDA, or on the CPU in Triton's interpreter "
                        "(TRITON_INTERPRET=1)")

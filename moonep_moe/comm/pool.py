@@ -161,18 +161,18 @@ class BufferPool:
         """The capacity serving the step: `capacity` checked against the buckets and `num_tokens` (host ints
         only); where there is one bucket (`min_capacity` reaches `max_tokens_per_rank`), that one, read from
         nothing; else `capacity_for(num_tokens)` outside a CUDA graph's capture."""
-        rank = self.world.rank
-        if capacity is None and len(self.capacities) == 1:  # one Buffer serves every step: nothing to gather
-            capacity = self.max_tokens_per_rank
+        rank, buckets = self.world.rank, self.capacities
+        if capacity is None and len(buckets) == 1:  # one Buffer serves every step: nothing to gather
+            capacity = buckets[0]
         if capacity is None:
             if self.world.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise ValueError(f"rank {rank}: capacity must be given while a CUDA graph is being captured "
                                  "(choosing it from the group's token counts reads them on the host): pass "
-                                 f"the bucket, one of {self.capacities}")
+                                 f"the bucket, one of {buckets}")
             return self.capacity_for(num_tokens)
         self._check_tokens(num_tokens)
-        if capacity not in self.capacities or num_tokens > capacity:
-            raise ValueError(f"rank {rank}: capacity must be one of {self.capacities} and >= the step's "
+        if capacity not in buckets or num_tokens > capacity:
+            raise ValueError(f"rank {rank}: capacity must be one of {buckets} and >= the step's "
                              f"{num_tokens} tokens, got {capacity!r}")
         return capacity
 
