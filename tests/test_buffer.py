@@ -611,32 +611,44 @@ def test_guide_call_shapes():
     assert all(isinstance(e, CommEvent) and e.event is None and e.query() for e in events), events
 
 
-def test_guide_buffer_of_a_process_group():
-    """MoonEP builds its Buffer from a process group (`group=`, None: the default group): the world is
-    derived from it (gloo: the collective world `world_of_group` gives every layer of that group) and the
-    guide's steps run on it, equal to the same Buffer on the threads world. Without torch.distributed, or
-    with both a world and a group, one line says what to pass."""
-    case = Case(R=1, S=16, H=8, K=2, E=8, tp=4)
-    shape = dict(S=case.S, H=case.H, K=case.K, E=case.E, num_ep_ranks=1, token_padding=case.tp, dtype=F64)
-    with pytest.raises(ValueError, match="torch.distributed is not initialised.*pass world="):
-        Buffer(**shape)
-    with pytest.raises(ValueError, match="not both"):
-        Buffer(**shape, world=single_world(), group=object())
-    x = case.inputs(0)
-    threads = Buffer(**shape, world=single_world())
+GROUP_CASE = Case(R=1, S=16, H=8, K=2, E=8, tp=4)
+GROUP_SHAPE = dict(S=GROUP_CASE.S, H=GROUP_CASE.H, K=GROUP_CASE.K, E=GROUP_CASE.E, num_ep_ranks=1,
+                   token_padding=GROUP_CASE.tp, dtype=F64)
+
+
+def assert_buffer_of_a_group_runs_the_guide(backend: str, device: torch.device, world_name: str,
+                                            world_type: type) -> None:
+    """A Buffer built from a one-rank `backend` group lives on the group's world (`world_of_group`'s
+    `world_name`, a `world_type`), and the guide's dispatch and combine on it equal the threads world's."""
+    x = {name: value.to(device) for name, value in GROUP_CASE.inputs(0).items()}
+    threads = Buffer(**GROUP_SHAPE, world=single_world(device))
     rows, weights_nvs, _, plan = dispatch(threads, x)
     want_sh, _, _ = threads.combine(plan, rows * weights_nvs[:, None])
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         group = dist.new_group([0])
-        buf = Buffer(**shape, group=group)
-        assert buf.world is world_of_group("collective", group)
-        hidden_nvsh, route_weights_nvs, cu_seqlens, plan = dispatch(buf, x)
+        buf = Buffer(**GROUP_SHAPE, group=group)
+        assert isinstance(buf.world, world_type) and buf.world is world_of_group(world_name, group)
+        hidden_nvsh, route_weights_nvs, _, plan = dispatch(buf, x)
         out_sh, _, event = buf.combine(plan, hidden_nvsh * route_weights_nvs[:, None])
         assert torch.equal(out_sh, want_sh) and event is None
         buf.destroy()
     finally:
         dist.destroy_process_group()
+
+
+def test_guide_buffer_of_a_process_group():
+    """MoonEP builds its Buffer from a process group (`group=`, None: the default group): the world is
+    derived from it (gloo: the collective world `world_of_group` gives every layer of that group) and the
+    guide's steps run on it, equal to the same Buffer on the threads world. Without torch.distributed, or
+    with both a world and a group, one line says what to pass."""
+    from moonep_moe.transport.collective import CollectiveWorld
+
+    with pytest.raises(ValueError, match="torch.distributed is not initialised.*pass world="):
+        Buffer(**GROUP_SHAPE)
+    with pytest.raises(ValueError, match="not both"):
+        Buffer(**GROUP_SHAPE, world=single_world(), group=object())
+    assert_buffer_of_a_group_runs_the_guide("gloo", torch.device("cpu"), "collective", CollectiveWorld)
 
 
 @pytest.mark.gpu
@@ -645,24 +657,8 @@ def test_guide_buffer_of_an_nccl_group_is_on_symmetric_memory():
     it lives on the group's `SymmetricWorld`, and the guide's steps equal the threads world's on the GPU."""
     from moonep_moe.transport.symmetric import SymmetricWorld
 
-    case = Case(R=1, S=16, H=8, K=2, E=8, tp=4)
-    shape = dict(S=case.S, H=case.H, K=case.K, E=case.E, num_ep_ranks=1, token_padding=case.tp, dtype=F64)
     device = torch.device("cuda", torch.cuda.current_device())
-    x = {name: value.to(device) for name, value in case.inputs(0).items()}
-    threads = Buffer(**shape, world=single_world(device))
-    rows, weights_nvs, _, plan = dispatch(threads, x)
-    want_sh, _, _ = threads.combine(plan, rows * weights_nvs[:, None])
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        group = dist.new_group([0])
-        buf = Buffer(**shape, group=group)
-        assert isinstance(buf.world, SymmetricWorld) and buf.world is world_of_group("symmetric", group)
-        hidden_nvsh, route_weights_nvs, _, plan = dispatch(buf, x)
-        out_sh, _, event = buf.combine(plan, hidden_nvsh * route_weights_nvs[:, None])
-        assert torch.equal(out_sh, want_sh) and event is None
-        buf.destroy()
-    finally:
-        dist.destroy_process_group()
+    assert_buffer_of_a_group_runs_the_guide("nccl", device, "symmetric", SymmetricWorld)
 
 
 def test_guide_options_after_num_ep_ranks_are_keyword_only():
