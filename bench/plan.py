@@ -18,7 +18,9 @@ launch time):
 
 - `triton_global_s`: launch 1 (the global plan beside the token blocks' positions and histograms);
 - `triton_destinations_s`: launch 2 (every route's `dst`);
-- `triton_plan_s`: both launches (the planner's device time: what the 20 us target is about);
+- `triton_plan_s`: both launches (the planner's device time: what the 20 us target is about); one launch
+  when one rank's routes fit one token block (a decode step: `constants["FUSED"]`), and then
+  `triton_plan_unfused_s`, the same plan as two launches, its baseline;
 - `triton_plan_routes_s`: the whole `plan_routes_triton` (allocation + both launches), eager, host included;
 - `triton_sweep`: `triton_plan_s` of every launch shape in `--sweep` (the product of the values it lists for
   `prepare`'s tuning arguments), each plan checked field by field first; the package's defaults are set
@@ -160,6 +162,12 @@ def time_triton(counts_re: torch.Tensor, topk_sk: torch.Tensor, kwargs: dict,
                triton_plan_s=graph_timed(both(launch), repeat=iters),
                triton_plan_routes_s=measure(lambda: plan_routes_triton(counts_re, topk_sk, **kwargs)))
     row["triton_meets_20us"] = row["triton_plan_s"] <= 20e-6
+    if launch.constants["FUSED"]:  # the same launch as two: the fused program's baseline, checked first
+        unfused = prepare(counts_re, topk_sk, **kwargs)
+        unfused.constants["FUSED"] = False
+        both(unfused)()
+        check(unfused.plan, "unfused")
+        row["triton_plan_unfused_s"] = graph_timed(both(unfused), repeat=iters)
     row["triton_sweep"] = []
     for values in itertools.product(*sweep.values()):
         tuning = dict(zip(sweep, values, strict=True))

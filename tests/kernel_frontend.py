@@ -157,16 +157,18 @@ def comm_launches() -> None:
 
 
 def plan_launches() -> None:
-    """The planner's two launches: one rank counting its routes or given them, and two ranks."""
+    """The planner's launches: one rank as one fused program (a decode step) and as two launches, counting
+    its routes or given them, and two ranks."""
     global current
     from moonep_moe.plan import triton as plan
 
-    E, K, S = 16, 4, 40
-    for ranks, count in ((1, True), (1, False), (2, False)):
-        launch = plan.prepare(torch.zeros(ranks, E, dtype=torch.int64), torch.zeros(S, K, dtype=torch.int64),
-                              rank=0, num_slots=0 if ranks == 1 else E // ranks, token_padding=16,
-                              rows_per_rank=1024, count_routes=count)
-        current = f"plan R={ranks} count_routes={count}"
+    E, K = 16, 4
+    for ranks, tokens, count in ((1, 1, True), (1, 40, True), (1, 40, False), (2, 40, False)):
+        counts_re = torch.zeros(ranks, E, dtype=torch.int64)
+        launch = plan.prepare(counts_re, torch.zeros(tokens, K, dtype=torch.int64), rank=0,
+                              num_slots=0 if ranks == 1 else E // ranks, token_padding=16, rows_per_rank=1024,
+                              count_routes=count)
+        current = f"plan R={ranks} s={tokens} count_routes={count} fused={launch.constants['FUSED']}"
         launch.plan_group()
         launch.route_destinations()
 

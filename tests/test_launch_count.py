@@ -31,13 +31,15 @@ from moonep_moe.comm.exchange import select_exchange
 from moonep_moe.engine.communicator import MoECommunicator
 from moonep_moe.transport.threads import single_world
 
-MAX_DEVICE_OPS = 4
-"""Device ops of one R = 1 dispatch + combine on the kernel path: the planner's two launches (the first also
-counts the routes: one rank has no histogram to gather), send_routes, which also zeroes the padding rows
+MAX_DEVICE_OPS = 3
+"""Device ops of one R = 1 decode-sized dispatch + combine on the kernel path (its routes fit one planner
+token block): the planner's one launch (it counts the routes, plans and finds every route's row in one
+program; a larger step takes a second launch for the rows), send_routes, which also zeroes the padding rows
 (dispatch); gather_routes into `out` (combine). One rank's plans hold no duplicate routes, so
 record_duplicates, expand_duplicates, copy_rows and pre_reduce do not run (10 before that, 6 before the
-padding moved into send_routes, 5 before the planner counted the routes); before the fusion (a8777f7) it was
-80: 10 Triton launches, 5 pointer-table fills, 65 torch ops."""
+padding moved into send_routes, 5 before the planner counted the routes, 4 before one block's plan became
+one program); before the fusion (a8777f7) it was 80: 10 Triton launches, 5 pointer-table fills, 65 torch
+ops."""
 S, H, K, E, TP = 8, 32, 4, 16, 16
 
 

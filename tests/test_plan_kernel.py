@@ -159,7 +159,8 @@ def test_one_rank_plan_counts_its_routes(num_tokens, E, B, tp):
     """One rank (`plan_one_rank`): the planner's first launch counts the routes itself (no histogram launch)
     and writes the histogram it counted; the plan equals the torch planner's given `expert_histogram`.
     Skewed routing with dropped routes; E not a power of two; B > 0 slots, which one rank leaves unused; the
-    largest case counts in two loop steps; no tokens at all."""
+    largest case counts in two loop steps; no tokens at all; one fused program (up to 16 tokens) and two
+    launches."""
     K = 4
     gen = torch.Generator().manual_seed(num_tokens)
     skew_e = torch.exp(torch.randn(E, generator=gen, dtype=torch.float64) * 2)
@@ -171,6 +172,9 @@ def test_one_rank_plan_counts_its_routes(num_tokens, E, B, tp):
     counts_e = expert_histogram(topk_sk, E)
     expected = plan_routes(counts_e[None], topk_sk, rank=0, **kwargs)
     counts_re = torch.full((1, E), -7, dtype=torch.int64, device=KERNEL_DEVICE)
+    # one token block (SUB = 16 tokens at K = 4) is planned by one program, more take two launches
+    fused = prepare(counts_re, topk_sk.to(KERNEL_DEVICE), rank=0, count_routes=True, **kwargs).constants
+    assert fused["FUSED"] == (num_tokens <= 16)
     kernel = plan_routes_triton(counts_re, topk_sk.to(KERNEL_DEVICE), rank=0, count_routes=True, **kwargs)
     assert torch.equal(counts_re.cpu()[0], counts_e)
     assert_plans_equal(kernel, expected)

@@ -26,6 +26,9 @@ Launch 1, `_plan_kernel` (grid `nb + 1`), two kinds of program that run side by 
   `_one_rank_plan`: the same fields without the loops (nothing to balance), and with `count_routes` it
   counts the rank's routes itself (no histogram launch before it: one rank has nothing to gather).
 
+One rank whose routes fit one token block (a decode step: s <= SUB tokens) is planned in one program
+(`FUSED`): the block's positions, `_one_rank_plan`, then launch 2's work for that block, with no launch 2.
+
 Launch 2, `_destinations_kernel` (grid `nb`): block b adds the histograms of blocks `< b` to `before_e`,
 so every route gets its index in its expert's (source rank, token, k) order; its destination rank is the
 number of `ends_er[e, :]` at or below the index; duplicates (R > 1: a later k of the same token to the same
@@ -63,7 +66,7 @@ ZERO_CHUNK = tl.constexpr(1024)
 """Elements a block program zeroes per store of the dup tables."""
 BIG = tl.constexpr(2**31 - 1)
 _PLAN_CONSTANTS = ("R", "E", "B", "TP", "NVS", "K", "R_P", "W", "B_P", "DC", "K_P", "E_P", "TOK", "SUB",
-                   "G_P", "COUNT", "ROUTES")
+                   "G_P", "COUNT", "ROUTES", "FUSED", "SUB2", "NB_CHUNK")
 
 
 @triton.jit
@@ -344,11 +347,25 @@ def _plan_kernel(counts_ptr, counts_stride_r, counts_stride_e, topk_ptr, num_tok
                  R_P: tl.constexpr,
                  W: tl.constexpr, B_P: tl.constexpr, DC: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr,
                  TOK: tl.constexpr, SUB: tl.constexpr, G_P: tl.constexpr, COUNT: tl.constexpr,
-                 ROUTES: tl.constexpr):
-    """Launch 1: programs `< nb` are token blocks (`_block_positions`), the last one plans the group."""
+                 ROUTES: tl.constexpr, FUSED: tl.constexpr, SUB2: tl.constexpr, NB_CHUNK: tl.constexpr,
+                 NO_ROUTE_: tl.constexpr, dst_ptr):
+    """Launch 1: programs `< nb` are token blocks (`_block_positions`), the last one plans the group. `FUSED`
+    (one rank, one token block): one program runs the block, the plan and launch 2's destinations in turn,
+    each phase reading what the one before stored (a barrier between), and launch 2 does not run."""
     pid = tl.program_id(0)
     num_blocks = tl.num_programs(0) - 1
-    if pid == num_blocks and R == 1:
+    if FUSED:
+        _block_positions(topk_ptr, num_tokens, position_ptr, block_counts_ptr, dup_ptr, dup_numel, dup_share,
+                         0, E, K, K_P, E_P, TOK, SUB)
+        _one_rank_plan(counts_ptr, counts_stride_e, topk_ptr, num_tokens * K, received_ptr, before_ptr,
+                       ends_ptr, offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr,
+                       remote_stats_ptr, rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr,
+                       groups_ptr, E, B, TP, W, B_P, E_P, COUNT, ROUTES)
+        tl.debug_barrier()  # positions, tables and the zeroed remote_stats land before they are read
+        _block_destinations(0, topk_ptr, num_tokens, rank, position_ptr, block_counts_ptr, before_ptr,
+                            ends_ptr, offset_ptr, dst_ptr, remote_stats_ptr, R, E, K, NO_ROUTE_, R_P, K_P,
+                            E_P, TOK, SUB2, NB_CHUNK)
+    elif pid == num_blocks and R == 1:
         _one_rank_plan(counts_ptr, counts_stride_e, topk_ptr, num_tokens * K, received_ptr, before_ptr,
                        ends_ptr, offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr,
                        remote_stats_ptr, rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr,
@@ -366,12 +383,20 @@ def _plan_kernel(counts_ptr, counts_stride_r, counts_stride_e, topk_ptr, num_tok
 @triton.jit
 def _destinations_kernel(topk_ptr, num_tokens, rank, position_ptr, block_counts_ptr, before_ptr, ends_ptr,
                          offset_ptr, dst_ptr, remote_stats_ptr, R: tl.constexpr, E: tl.constexpr,
-                         K: tl.constexpr, NVS: tl.constexpr, NO_ROUTE_: tl.constexpr, R_P: tl.constexpr,
-                         K_P: tl.constexpr, E_P: tl.constexpr, TOK: tl.constexpr, SUB: tl.constexpr,
-                         NB_CHUNK: tl.constexpr):
-    """Launch 2: `dst` of block `program_id`'s routes, `SUB` tokens a step, and this block's share of
-    `remote_stats`."""
-    block = tl.program_id(0)
+                         K: tl.constexpr, NO_ROUTE_: tl.constexpr, R_P: tl.constexpr, K_P: tl.constexpr,
+                         E_P: tl.constexpr, TOK: tl.constexpr, SUB: tl.constexpr, NB_CHUNK: tl.constexpr):
+    """Launch 2: `dst` of block `program_id`'s routes (`_block_destinations`)."""
+    _block_destinations(tl.program_id(0), topk_ptr, num_tokens, rank, position_ptr, block_counts_ptr,
+                        before_ptr, ends_ptr, offset_ptr, dst_ptr, remote_stats_ptr, R, E, K, NO_ROUTE_, R_P,
+                        K_P, E_P, TOK, SUB, NB_CHUNK)
+
+
+@triton.jit
+def _block_destinations(block, topk_ptr, num_tokens, rank, position_ptr, block_counts_ptr, before_ptr,
+                        ends_ptr, offset_ptr, dst_ptr, remote_stats_ptr, R: tl.constexpr, E: tl.constexpr,
+                        K: tl.constexpr, NO_ROUTE_: tl.constexpr, R_P: tl.constexpr, K_P: tl.constexpr,
+                        E_P: tl.constexpr, TOK: tl.constexpr, SUB: tl.constexpr, NB_CHUNK: tl.constexpr):
+    """`dst` of block `block`'s routes, `SUB` tokens a step, and this block's share of `remote_stats`."""
     e_e = tl.arange(0, E_P)
     # Routes of each expert before this block: on earlier ranks, then in earlier blocks of this rank.
     first_e = tl.load(before_ptr + e_e, mask=e_e < E, other=0)
@@ -466,26 +491,30 @@ class PlanLaunch:
     offset_er: torch.Tensor
 
     def plan_group(self) -> None:
-        """Launch 1: the global plan (last program) beside the token blocks' positions and histograms."""
+        """Launch 1: the global plan (last program) beside the token blocks' positions and histograms; the
+        whole plan in one program when fused (`constants["FUSED"]`)."""
         c, plan = self.constants, self.plan
         dup_tables = plan.dup_tables
-        _plan_kernel[(self.num_blocks + 1,)](
+        _plan_kernel[(1 if c["FUSED"] else self.num_blocks + 1,)](
             self.counts_re, *self.counts_re.stride(), self.topk_sk, self.topk_sk.shape[0], self.rank,
             self.replica_cost, self.position_n, self.block_counts_be, dup_tables, dup_tables.numel(),
             self.dup_share, self.received_wr, self.before_e, self.ends_er, self.offset_er,
             plan.experts_to_copy, plan.cu_seqlens, plan.zero_fill_ranges, plan.remote_stats, plan.rank_load,
             plan.home_load, plan.expert_load, plan.slots_used, plan.compute_groups,
-            **{name: c[name] for name in _PLAN_CONSTANTS},
+            **{name: c[name] for name in _PLAN_CONSTANTS}, NO_ROUTE_=NO_ROUTE, dst_ptr=plan.dst,
             num_warps=c["plan_warps"])
 
     def route_destinations(self) -> None:
-        """Launch 2: `dst` of every route of this rank and `remote_stats` (after `plan_group`)."""
+        """Launch 2: `dst` of every route of this rank and `remote_stats` (after `plan_group`); nothing when
+        fused (launch 1 did it)."""
         c = self.constants
+        if c["FUSED"]:
+            return
         _destinations_kernel[(self.num_blocks,)](
             self.topk_sk, self.topk_sk.shape[0], self.rank, self.position_n, self.block_counts_be,
             self.before_e, self.ends_er, self.offset_er, self.plan.dst, self.plan.remote_stats, R=c["R"],
-            E=c["E"], K=c["K"], NVS=c["NVS"], NO_ROUTE_=NO_ROUTE, R_P=c["R_P"], K_P=c["K_P"], E_P=c["E_P"],
-            TOK=c["TOK"], SUB=c["SUB2"], NB_CHUNK=c["NB_CHUNK"], num_warps=c["destination_warps"])
+            E=c["E"], K=c["K"], NO_ROUTE_=NO_ROUTE, R_P=c["R_P"], K_P=c["K_P"], E_P=c["E_P"], TOK=c["TOK"],
+            SUB=c["SUB2"], NB_CHUNK=c["NB_CHUNK"], num_warps=c["destination_warps"])
 
 
 def _pow2(n: int) -> int:
@@ -523,6 +552,7 @@ def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int
     if routes_per_block is None:
         routes_per_block = min(ROUTES_PER_BLOCK, _pow2(triton.cdiv(num_tokens * K_P, BLOCKS)))
     TOK = max(SUB, routes_per_block // K_P)
+    num_blocks = max(1, triton.cdiv(num_tokens, TOK))
     threads, threads2 = 32 * plan_warps, 32 * destination_warps
     constants = dict(R=num_ranks, E=num_experts, B=num_slots, TP=token_padding, NVS=rows_per_rank, K=top_k,
                      R_P=R_P, W=W, B_P=_pow2(num_slots), G_P=_pow2(epn + num_slots),
@@ -530,9 +560,8 @@ def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int
                      TOK=TOK, SUB=SUB,
                      SUB2=min(TOK, max(1, 16 * threads2 // (R_P * K_P))),
                      NB_CHUNK=max(1, 32 * threads2 // E_P), COUNT=count_routes, ROUTES=HISTOGRAM_ROUTES,
-                     plan_warps=plan_warps,
+                     FUSED=num_ranks == 1 and num_blocks == 1, plan_warps=plan_warps,
                      destination_warps=destination_warps)
-    num_blocks = max(1, triton.cdiv(num_tokens, TOK))
     plan = MoonEPCommPlan.empty(num_tokens=num_tokens, top_k=top_k, num_ranks=num_ranks,
                                 num_experts=num_experts, num_slots=num_slots, rows_per_rank=rows_per_rank,
                                 rank=rank, device=device, owner=owner)
