@@ -354,15 +354,15 @@ def _plan_kernel(counts_ptr, counts_stride_r, counts_stride_e, topk_ptr, num_tok
     each phase reading what the one before stored (a barrier between), and launch 2 does not run."""
     pid = tl.program_id(0)
     num_blocks = tl.num_programs(0) - 1
-    if FUSED:
+    if FUSED:  # block `pid` (= 0): a literal 0 crashes Triton 3.6's coalescing pass (an LLVM assertion)
         _block_positions(topk_ptr, num_tokens, position_ptr, block_counts_ptr, dup_ptr, dup_numel, dup_share,
-                         0, E, K, K_P, E_P, TOK, SUB)
+                         pid, E, K, K_P, E_P, TOK, SUB)
         _one_rank_plan(counts_ptr, counts_stride_e, topk_ptr, num_tokens * K, received_ptr, before_ptr,
                        ends_ptr, offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr,
                        remote_stats_ptr, rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr,
                        groups_ptr, E, B, TP, W, B_P, E_P, COUNT, ROUTES)
         tl.debug_barrier()  # positions, tables and the zeroed remote_stats land before they are read
-        _block_destinations(0, topk_ptr, num_tokens, rank, position_ptr, block_counts_ptr, before_ptr,
+        _block_destinations(pid, topk_ptr, num_tokens, rank, position_ptr, block_counts_ptr, before_ptr,
                             ends_ptr, offset_ptr, dst_ptr, remote_stats_ptr, R, E, K, NO_ROUTE_, R_P, K_P,
                             E_P, TOK, SUB2, NB_CHUNK)
     elif pid == num_blocks and R == 1:
