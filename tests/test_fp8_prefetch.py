@@ -29,6 +29,8 @@ from moonep_moe.weights.pool import ExpertRows
 CASE = dict(S=16, H=8, K=2, E=8, tp=4, kind="skewed", invalid=0.0)
 SHAPES_NK = ((160, 136), (136, 160))
 """gate_up-like and down-like experts, each with tail blocks (160 = 128 + 32, 136 = 128 + 8)."""
+JUNK = 7.0
+"""What every slot (and slot scale) holds before the prefetch: exact in bf16 and e4m3."""
 
 
 def experts(E: int) -> list[torch.Tensor]:
@@ -54,17 +56,18 @@ def prefetch_job(world, form: str = "expert_rows", kernels: bool | None = None) 
     for kind, parts in given.items():
         weights, scales = [], []
         for p, (w, s) in enumerate(parts):
-            junk = torch.full((B, *w.shape[1:]), 7.0, device=device).to(w.dtype)
+            junk = torch.full((B, *w.shape[1:]), JUNK, device=device).to(w.dtype)
             if form == "replicated":
                 weights.append(torch.cat([w, junk]))
-                scales.append(None if s is None else torch.cat([s, torch.full((B, *s.shape[1:]), 7.0,
+                scales.append(None if s is None else torch.cat([s, torch.full((B, *s.shape[1:]), JUNK,
                                                                               device=device)]))
                 continue
             weights.append(ExpertRows(world.symmetric(f"{kind}{p}/home", w[r * epn:(r + 1) * epn].clone()),
                                       world.symmetric(f"{kind}{p}/slots", junk)))
             scales.append(None if s is None else ExpertRows(
                 world.symmetric(f"{kind}{p}/home_scales", s[r * epn:(r + 1) * epn].clone()),
-                world.symmetric(f"{kind}{p}/slot_scales", torch.full((B, *s.shape[1:]), 7.0, device=device))))
+                world.symmetric(f"{kind}{p}/slot_scales",
+                                torch.full((B, *s.shape[1:]), JUNK, device=device))))
         buf.prefetch_weight(plan, weights[0], None, weights[1], None if kind == "bf16" else
                             (scales[0], None, scales[1]))
         for p, (w, s) in enumerate(zip(weights, scales, strict=True)):
@@ -75,7 +78,9 @@ def prefetch_job(world, form: str = "expert_rows", kernels: bool | None = None) 
     return out
 
 
-def assert_fp8_slots_are_the_quantised_bf16_slots(results: list[dict]) -> None:
+def assert_fp8_slots_are_the_quantised_bf16_slots(results: list[dict], before: float = JUNK) -> None:
+    """Used slots hold the moved experts, FP8 ones the quantised bf16 ones; unused slots still hold `before`,
+    what every slot held before the prefetch."""
     used = 0
     for res in results:
         for p in range(len(SHAPES_NK)):
@@ -86,8 +91,11 @@ def assert_fp8_slots_are_the_quantised_bf16_slots(results: list[dict]) -> None:
                     used += 1
                     assert torch.equal(res[f"fp8{p}"][j], want_q[j].view(torch.uint8)), (p, j, expert)
                     assert torch.equal(res[f"scales{p}"][j], want_s[j]), (p, j, expert)
-                else:  # unused slots are zeroed, as in bf16 (their segments are empty)
-                    assert not res[f"fp8{p}"][j].any() and not res[f"scales{p}"][j].any()
+                else:  # unused slots are not written (their segments are empty)
+                    assert (res[f"bf16{p}"][j] == before).all(), (p, j)
+                    assert torch.equal(res[f"fp8{p}"][j], torch.full_like(res[f"bf16{p}"][j], before).to(
+                        FP8_DTYPE).view(torch.uint8)), (p, j)
+                    assert (res[f"scales{p}"][j] == before).all(), (p, j)
     assert used, "skewed routing must use slots"
 
 
@@ -145,7 +153,7 @@ def test_communicator_prefetches_an_fp8_layout_with_its_scales():
                 "scales0": fp8.gate_up_scales.slots.local.clone(),
                 "scales1": fp8.down_scales.slots.local.clone()}
 
-    assert_fp8_slots_are_the_quantised_bf16_slots(run_ranks(fn, 2))
+    assert_fp8_slots_are_the_quantised_bf16_slots(run_ranks(fn, 2), before=0.0)  # new slot pools are zero
 
 
 # -- errors, before anything moves --------------------------------------------------------------------------

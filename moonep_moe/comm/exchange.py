@@ -125,7 +125,7 @@ class RowExchange(Protocol):
 
     def copy_experts(self, weights: list[ExpertRows], expert_b: torch.Tensor) -> None:
         """Collective: slot j of each projection's slots gets home expert `expert_b[j]` (`[B]` int32) from
-        its home rank, zero where -1."""
+        its home rank; a slot marked -1 is not written."""
         ...
 
     def add_replicas(self, projections: list[tuple[torch.Tensor, SymmetricTensor]], mine_rb: torch.Tensor,
@@ -238,9 +238,11 @@ class ReferenceExchange:
         epn = m.experts_per_rank
         expert_b = expert_b.long()
         for weight in weights:
-            copies = m.world.gather_rows(weight.home, torch.where(expert_b >= 0, expert_b // epn, -1),
+            used_b = expert_b >= 0
+            copies = m.world.gather_rows(weight.home, torch.where(used_b, expert_b // epn, -1),
                                          expert_b.clamp(min=0) % epn, capacity=m.num_slots)
-            weight.slots.local.copy_(copies)
+            slots = weight.slots.local
+            slots.copy_(torch.where(used_b.view(-1, *[1] * (slots.dim() - 1)), copies, slots))
 
     def add_replicas(self, projections, mine_rb, home_rb) -> None:
         m = self.memory

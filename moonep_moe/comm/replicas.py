@@ -28,8 +28,10 @@ class ExpertTransfers:
         Each projection is either the replicated form `[E+B, N, K]` (every expert present on every rank, as
         vLLM's integration passes it: rows E+j are the slots) or an `ExpertRows` (home experts read from
         their rank + this rank's slot pool). A projection given as None is skipped (a fused gate_up passed
-        as the gate). Every slot is written (fixed shapes): slots marked -1 are zeroed, their segments are
-        empty. Collective: every rank calls it with the same forms.
+        as the gate). Only the used slots are written: a slot marked -1 keeps what it holds (zeros, or an
+        expert an earlier plan put there), never read, as its segment is empty; so a prefetch moves the bytes
+        of the replicas the plan makes, not of every slot. Collective: every rank calls it with the same
+        forms.
 
         FP8 weights (`float8_e4m3fn`, one fp32 scale per 128x128 block: `fp8.format`) move with their
         scales: `scales` is then `(gate_scales, up_scales, down_scales)`, one per weight in that weight's
@@ -62,7 +64,8 @@ class ExpertTransfers:
                     copies = weight.index_select(0, expert_b.long().clamp(min=0))
                     if validate:
                         self._check_replicated(weight, name, copies, expert_b)
-                    weight[self.E:].copy_(copies.masked_fill_(~used_b.view(-1, *[1] * (copies.dim() - 1)), 0))
+                    slots = weight[self.E:]
+                    slots.copy_(torch.where(used_b.view(-1, *[1] * (copies.dim() - 1)), copies, slots))
             expert_rows = [rows_as_bytes(w) for w in projections if isinstance(w, ExpertRows)]
             if expert_rows:
                 self._exchange.copy_experts(expert_rows, expert_b)

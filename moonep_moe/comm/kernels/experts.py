@@ -26,20 +26,21 @@ def _copy_experts_kernel(slots_ptr, experts_ptr, home_table, home_like, numel, e
     chunk = tl.program_id(0)
     slot = tl.program_id(1)
     expert = tl.load(experts_ptr + slot)
-    used = expert >= 0
-    expert = tl.maximum(expert, 0)
+    if expert < 0:
+        return  # an unused slot is not written: its group is empty, nothing reads it
     source = peer(home_table, expert // experts_per_rank, home_like) + (expert % experts_per_rank).to(
         tl.int64) * numel
     target = slots_ptr + slot.to(tl.int64) * numel
     for i in tl.range(ITERATIONS):
         offs = (chunk * ITERATIONS + i).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < numel
-        tl.store(target + offs, tl.load(source + offs, mask=both(inside, used), other=0.0), mask=inside)
+        tl.store(target + offs, tl.load(source + offs, mask=inside), mask=inside)
 
 
 def copy_experts(home: SymmetricTensor, slots_b: torch.Tensor, experts_b: torch.Tensor) -> None:
     """`slots_b[j] = home expert experts_b[j]` from its home rank (expert e lives on rank e // epn at
-    index e % epn of `home`), a zero row where `experts_b[j]` is -1 (peer reads; the caller barriers).
+    index e % epn of `home`); a slot whose `experts_b[j]` is -1 is not written (its programs exit at once),
+    so the launch moves the used slots' bytes only (peer reads; the caller barriers).
 
     Args:
         home: symmetric `[epn, *row]` home experts. slots_b: `[B, *row]` contiguous, same dtype.
