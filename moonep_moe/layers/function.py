@@ -14,10 +14,10 @@ Backward reuses the forward plan (never plans again):
 1. `dispatch(grad_out, plan=plan, zero_copy=True)` brings the gradient to the rows (used in place, no
    copy); `prefetch_weight` again (later layers overwrote the shared slot pool).
 2. down: `u = dy @ down` (dgrad); the fused SwiGLU backward gives `dab`, the route-weight gradient per row
-   and, recomputed in the same pass, `hw`; `dx = dab @ gate_up` (dgrad); then the weight gradients
-   `dW_down = dy^T hw` and `dW_gate_up = dab^T x` (wgrad into this step's home grads and the fp32 slot
-   grads).
-3. `combine(plan, dx, grad_w)`: input and route-weight gradients back to the tokens.
+   and, recomputed in the same pass, `hw`; `dx = dab @ gate_up` (dgrad); then `dW_down = dy^T hw` (wgrad
+   into this step's home grads and the fp32 slot grads), dy's last reader.
+3. `combine(plan, dx, grad_w)` on the comm stream (input and route-weight gradients back to the tokens)
+   beside `dW_gate_up = dab^T x` (wgrad) on the caller's: the exchange hides under the GEMM.
 4. `reduce_grad`: every replica's fp32 gradient added into its home expert's, slots cleared.
 A frozen projection (`requires_grad=False` on `experts.gate_up` or `experts.down`) gets no weight gradient:
 no wgrad GEMM, nothing in `reduce_grad`, no `main_grad` allocated; its weights still carry the input's and
@@ -129,14 +129,15 @@ class MoonEPExperts(torch.autograd.Function):
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
         gate_up_rows, down_rows = experts.rows
         # zero_copy: dy is the Buffer's own rows, not a [NvS, H] copy of them. They stay dy until this
-        # backward's combine, which runs after dy's last reader (the down wgrad) on this stream and is the
-        # first to overwrite them (pre_reduce, with dx): only dispatch and combine of this Buffer write its
-        # rows (prefetch and reduce_grad touch the slot pools), and peers write them only inside a dispatch
-        # (`scatter_rows` / `KernelExchange.send_routes` start with every rank's barrier, which this rank
-        # reaches only in its next dispatch; the collective world writes them on this rank's stream). The
-        # model's layers of this shape may share the Buffer (`MoEConfig.share_buffer`): no other layer's
-        # routed step runs between this dispatch and this combine. The forward's x_nvsh stays a copy: it is
-        # saved for backward, and combine(y) and the other layers' steps overwrite the rows.
+        # backward's combine, which is queued after dy's last reader (the down wgrad: the comm stream first
+        # waits for this stream's queued work) and is the first to overwrite them (with dx): only dispatch and
+        # combine of this Buffer write its rows (prefetch and reduce_grad touch the slot pools), and peers
+        # write them only inside a dispatch (`scatter_rows` / `KernelExchange.send_routes` start with every
+        # rank's barrier, which this rank reaches only in its next dispatch; the collective world writes them
+        # on this rank's stream). The model's layers of this shape may share the Buffer
+        # (`MoEConfig.share_buffer`): no other layer's routed step runs between this dispatch and this
+        # combine. The forward's x_nvsh stays a copy: it is saved for backward, and combine(y) and the other
+        # layers' steps overwrite the rows.
         dy_nvsh, *_ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None, plan=plan,
                                       zero_copy=True)
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
@@ -155,13 +156,18 @@ class MoonEPExperts(torch.autograd.Function):
         if trains[1]:
             down_home, _ = gemm.wgrad(dy_nvsh, hw_nvf, offs_g, (home[1], down_slots), add)
             home = (home[0], down_home)
+        # dy's last reader is behind: combine may overwrite the rows. It runs on the comm stream beside
+        # gate_up's weight gradient (which reads dab and x, not the rows), so its exchange hides under that
+        # GEMM; the results are the same bits either way (the same kernels on the same inputs).
+        grad_hidden_sh, grad_route_weights_sk, combined = buffer.combine(plan, dx_nvsh, grad_w_nvs,
+                                                                         async_finish=True)
         if trains[0]:  # FP8 rows (fp8_dispatch) dequantised exactly: the values the forward multiplied
             x_nvsh = (gemm.dequantise_rows(*x_parts, offs_g, buffer.dtype) if state.fp8_dispatch
                       else x_parts[0])
             gate_up_home, _ = gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (home[0], gate_up_slots), add)
             home = (gate_up_home, home[1])
+        combined.wait()
         grads = experts.new_grads(home)
-        grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs)
         if any(trains):
             buffer.reduce_grad(plan, grads[0], None, grads[1])
         if add:
