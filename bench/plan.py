@@ -31,6 +31,8 @@ CPU. Every device result is checked against the reference before timing.
 
     python -m bench.plan                                   # CPU, S=8192 K=8 E=384 R=8
     python -m bench.plan --device cuda                     # the 20 us target is on an H200
+    python -m bench.plan --device cuda --ranks 1 --experts 256 --tokens 1 2 4 8 16 --token-padding 16 \
+        --sweep '{}'                                       # decode steps: the fused one-program plan
 
 Writes `bench/results/plan-<device>-<date>-<commit>.json` (device, commit, command, rows per sigma).
 """
@@ -62,7 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ranks", type=int, default=8, help="R (default 8)")
     parser.add_argument("--experts", type=int, default=384, help="E (default 384)")
     parser.add_argument("--top-k", type=int, default=8, help="K (default 8)")
-    parser.add_argument("--tokens", type=int, default=8192, help="S tokens per rank (default 8192)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192],
+                        help="S tokens per rank, one row per value and sigma (default 8192)")
     parser.add_argument("--slots", type=int, default=None, help="B slots per rank (default E/R)")
     parser.add_argument("--token-padding", type=int, default=128, help="tp (default 128)")
     parser.add_argument("--sigmas", type=float, nargs="+", default=[0.0, 1.0, 3.0],
@@ -76,12 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def routing(args: argparse.Namespace, sigma: float,
+def routing(args: argparse.Namespace, tokens: int, sigma: float,
             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(counts_re [R, E] int64, topk_experts_sk [S, K] int64 of rank 0)` on `device`."""
+    """`(counts_re [R, E] int64, topk_experts_sk [S, K] int64 of rank 0)` on `device`, S = `tokens`."""
     gen = torch.Generator().manual_seed(0)
     popularity_e = torch.exp(torch.randn(args.experts, generator=gen, dtype=torch.float64) * sigma)
-    topk_rsk = [torch.multinomial(popularity_e.expand(args.tokens, -1), args.top_k, generator=gen)
+    topk_rsk = [torch.multinomial(popularity_e.expand(tokens, -1), args.top_k, generator=gen)
                 for _ in range(args.ranks)]
     counts_re = torch.stack([torch.zeros(args.experts, dtype=torch.int64).scatter_add_(
         0, topk_sk.reshape(-1), torch.ones(topk_sk.numel(), dtype=torch.int64)) for topk_sk in topk_rsk])
@@ -100,15 +103,16 @@ def wall_time(fn: Callable[[], object], warmup: int, repeat: int) -> float:
     return statistics.median(times)
 
 
-def time_plan(args: argparse.Namespace, sigma: float) -> dict[str, float]:
-    """One row: the routing's skew and the median time of each planner stage (module docstring)."""
+def time_plan(args: argparse.Namespace, tokens: int, sigma: float) -> dict[str, float]:
+    """One row: S = `tokens`, the routing's skew and the median time of each planner stage (module
+    docstring)."""
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     num_slots = default_slots(args.experts, args.ranks) if args.slots is None else args.slots
     tp = args.token_padding
-    NvS = rows_capacity(args.tokens, args.top_k, args.ranks, args.experts, num_slots, tp)
+    NvS = rows_capacity(tokens, args.top_k, args.ranks, args.experts, num_slots, tp)
     kwargs = dict(rank=0, num_slots=num_slots, token_padding=tp, rows_per_rank=NvS)
-    counts_re, topk_sk = routing(args, sigma, device)
+    counts_re, topk_sk = routing(args, tokens, sigma, device)
     ref = plan_global(counts_re.tolist(), num_slots, tp)
     glob = plan_global_device(counts_re, num_slots, tp)
     if glob.alloc_re.tolist() != ref.alloc or glob.cu_seqlens_rg.tolist() != ref.cu_seqlens:
@@ -118,7 +122,7 @@ def time_plan(args: argparse.Namespace, sigma: float) -> dict[str, float]:
         return timed(fn, args.warmup, args.iters) if cuda else wall_time(fn, args.warmup, args.iters)
 
     expert_load_e = counts_re.sum(0).double()
-    row = dict(R=args.ranks, E=args.experts, K=args.top_k, S=args.tokens, B=num_slots, tp=tp, NvS=NvS,
+    row = dict(R=args.ranks, E=args.experts, K=args.top_k, S=tokens, B=num_slots, tp=tp, NvS=NvS,
                sigma=sigma, maxvio=float(expert_load_e.max() / expert_load_e.mean() - 1),
                reference_global_s=measure(lambda: plan_global(counts_re.tolist(), num_slots, tp)),
                device_global_s=measure(lambda: plan_global_device(counts_re, num_slots, tp)),
@@ -181,8 +185,8 @@ def time_triton(counts_re: torch.Tensor, topk_sk: torch.Tensor, kwargs: dict,
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     rows = []
-    for sigma in args.sigmas:
-        rows.append(time_plan(args, sigma))
+    for tokens, sigma in itertools.product(args.tokens, args.sigmas):
+        rows.append(time_plan(args, tokens, sigma))
         print({k: f"{v * 1e6:.1f} us" if k.endswith("_s") else v for k, v in rows[-1].items()
                if k != "triton_sweep"})
         for shape in rows[-1].get("triton_sweep", []):

@@ -497,7 +497,10 @@ def replay_layer(cfg: MoEConfig, rank: int, stand_ins: StandIns, device: torch.d
                  ) -> tuple[MoonEPMoELayer, ReplayWorld]:
     """Rank `rank`'s `MoonEPMoELayer` built from `cfg` on a fresh `ReplayWorld` (its comm memory, experts
     and grouped GEMM as the layer makes them; experts initialised as the layer does)."""
-    world = ReplayWorld(rank, cfg.ep_size, torch.device(device), stand_ins)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # as the package's worlds: tensors report their index
+        device = torch.device("cuda", torch.cuda.current_device())
+    world = ReplayWorld(rank, cfg.ep_size, device, stand_ins)
     return MoonEPMoELayer(cfg, world), world
 
 
