@@ -357,6 +357,10 @@ def time_rank(layer: MoonEPMoELayer, world: ReplayWorld, step: GroupStep, rank: 
            int(step.plans[0].home_load[rank]), "slots_used": int(hosted[rank]), "replicas_out":
            int(replicated[rank]), "bytes": bytes_summary(phases), "link_ms": [s * 1e3 for s in link_s],
            "local": spread(totals), "nvlink": spread(nvlink),
+           # what the link added, measured, against what it adds where nothing runs beside a window
+           "link_added_ms": statistics.median(n - t for n, t in zip(nvlink, totals, strict=True)) * 1e3,
+           "link_added_blocking_ms": statistics.median(over_link(t, w, link_s) - t for t, w in
+                                                       zip(totals, windows, strict=True)) * 1e3,
            "windows_ms": [statistics.median(w[i] for w in windows) * 1e3 for i in range(len(PHASES))]}
     if block:
         row["gemm"] = spread([g for g, _ in blocks])

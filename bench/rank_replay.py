@@ -280,7 +280,10 @@ class ReplayWorld:
         self._link_s: list[float] | None = None
         cuda = self.device.type == "cuda"
         self._peer_stream = torch.cuda.Stream(self.device) if cuda else None
-        self._link_stream = torch.cuda.Stream(self.device) if cuda else None
+        # the link's wait takes one thread of one SM; at the highest priority it is placed before the row
+        # kernels, whose programs may hold every SM until they end (a wait queued behind them would start
+        # only then, and the link would follow the window instead of running beside it)
+        self._link_stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
 
     # -- the EPWorld protocol
 
