@@ -22,16 +22,16 @@ group, `skewed_routing`):
 3. The link, per rank and exchange call (`link_bytes`): dispatch rows in and out (a row per token and
    destination rank, route weights, duplicate pairs), combine rows, replica weights in (prefetch, forward
    and backward) and out (the replicas of its experts that peers pull), replica gradients (fp32) in and
-   out. Timed two ways, alternating step by step: `local`, the measured step with those bytes copied on
-   one GPU (the side stream, overlapped where a real group overlaps them: within the exchange call's
-   window, with the rank's own comm kernels); `nvlink`, the measured step with each exchange call's
-   traffic lasting at least the time NVLink takes for the larger direction of its bytes at
-   `NVLINK_BYTES_PER_S` (450 GB/s a direction: H200 NVLink's spec, not measured), run as a GPU-side wait
-   beside it (`bench.rank_replay`). A call between two GEMMs stretches the step by what the link adds to
-   its window; a call that runs beside a GEMM on the comm stream (backward's combine, beside gate_up's
-   weight gradient) only by what outlasts that GEMM. Torch-native's blocking all-to-alls and the CPU
-   smoke run add the link arithmetically instead (`over_link`), the same where nothing runs beside a
-   window.
+   out. Timed two ways: `local`, the measured step with those bytes copied on one GPU (the side stream,
+   overlapped where a real group overlaps them: within the exchange call's window, with the rank's own
+   comm kernels); `nvlink`, that step with each exchange call stretched to the time NVLink takes for the
+   larger direction of its bytes at `NVLINK_BYTES_PER_S` (450 GB/s a direction: H200 NVLink's spec, not
+   measured) where the window was shorter. Every window is charged as if it blocked the step, which is
+   conservative for backward's combine: it runs on the comm stream beside gate_up's weight gradient, where
+   a real link's time may hide under the GEMM. (A model that ran the link as GPU-side waits beside each
+   window, `torch.cuda._sleep` on a side stream, was tried on the H200 at 41a79be and added 0.2-2.9 ms more
+   per step (median 1.4 over 48 rank steps) than the blocking windows' own link time, under every policy:
+   biased, so not used.)
 4. The group's step is its slowest rank (the ranks meet in every exchange call): per repetition i the
    maximum over ranks of their i-th step, then the median and min-max over repetitions.
 5. The baseline: torch-native plain EP (`NativePlainEPRank`: bench.layer's `torch._grouped_mm` experts,
@@ -110,7 +110,6 @@ from bench.rank_replay import (
     replay_step,
     replica_counts,
     route_matrices,
-    sleep_cycles_per_second,
 )
 from bench.skew import skewed_routing
 from moonep_moe.config import MoEConfig, load_config
@@ -125,10 +124,6 @@ MAXVIO = (0.0, 1.0, 5.0, 20.0)
 NVLINK_BYTES_PER_S = 450e9
 NVLINK_SOURCE = ("H200 NVLink: 900 GB/s bidirectional, 450 GB/s a direction (NVIDIA's spec figure, not "
                  "measured here; DeepEP reports under 380 GB/s reached in practice)")
-LINK_RUN_AS = ("ours: each exchange call's peers' traffic lasts at least its link time, a GPU-side wait "
-               "(torch.cuda._sleep, its clock rate measured once: sleep_cycles_per_s) on a side stream that "
-               "the call's second barrier waits for, in steps alternating with the local ones; torch-native "
-               "(blocking all-to-alls): each window stretched to its link time arithmetically")
 LEFT_OUT = ("the peers' SMs (only the timed rank's kernels run), contention on real links and the NVSwitch, "
             "NVLink latency and the peers' skew in reaching each barrier (a group's step may be longer than "
             "its slowest rank's: each exchange call waits for the slowest rank of that call), the histogram "
@@ -245,8 +240,7 @@ def link_seconds(phases: list[tuple[int, int]]) -> list[float]:
 
 
 def over_link(total_s: float, windows_s: list[float], link_s: list[float]) -> float:
-    """A step's time with each exchange window stretched to its link time where it was shorter: the link
-    model where each window blocks the step (nothing runs beside it)."""
+    """A step's time with each exchange window stretched to its link time where it was shorter."""
     return total_s + sum(max(0.0, link - window) for window, link in zip(windows_s, link_s, strict=True))
 
 
@@ -328,39 +322,27 @@ def time_rank(layer: MoonEPMoELayer, world: ReplayWorld, step: GroupStep, rank: 
     link_s = link_seconds(phases)
     traffic = rank_traffic(step, rank, layer, world)
     inputs = rank_inputs(step, rank)
-
-    def timed(link: list[float] | None) -> tuple[float, list[float]]:
-        """One step's seconds and its windows' (the torch reference exchange, the CPU's, has no barriers:
-        no window, all link time unhidden)."""
+    totals, windows, blocks = [], [], []
+    for i in range(reps.warmup + reps.repeat):
         start = stamp(device)
-        replay_step(layer, world, step, inputs, traffic, link)
+        replay_step(layer, world, step, inputs, traffic)
         end = stamp(device)
         sync(device)
-        return (seconds_between(start, end),
-                [seconds for _, seconds in world.window_seconds()] or [0.0] * len(PHASES))
-
-    totals, windows, nvlink, blocks = [], [], [], []
-    for i in range(reps.warmup + reps.repeat):
-        total, window = timed(None)
         if i == 0:
             check_plan(layer, step, rank)
-        linked = timed(link_s)[0] if device.type == "cuda" else over_link(total, window, link_s)
         if i < reps.warmup:
             continue
-        totals.append(total)
-        windows.append(window)
-        nvlink.append(linked)
+        totals.append(seconds_between(start, end))
+        # the torch reference exchange (the CPU's) has no barriers: no window, all link time unhidden
+        windows.append([seconds for _, seconds in world.window_seconds()] or [0.0] * len(PHASES))
         if block:
             blocks.append(expert_block(layer, step.plans[rank].cu_seqlens))
     hosted, replicated = replica_counts(step)
+    nvlink = [over_link(t, w, link_s) for t, w in zip(totals, windows, strict=True)]
     row = {"rank": rank, "routes": int(step.plans[0].rank_load[rank]), "home_routes":
            int(step.plans[0].home_load[rank]), "slots_used": int(hosted[rank]), "replicas_out":
            int(replicated[rank]), "bytes": bytes_summary(phases), "link_ms": [s * 1e3 for s in link_s],
            "local": spread(totals), "nvlink": spread(nvlink),
-           # what the link added, measured, against what it adds where nothing runs beside a window
-           "link_added_ms": statistics.median(n - t for n, t in zip(nvlink, totals, strict=True)) * 1e3,
-           "link_added_blocking_ms": statistics.median(over_link(t, w, link_s) - t for t, w in
-                                                       zip(totals, windows, strict=True)) * 1e3,
            "windows_ms": [statistics.median(w[i] for w in windows) * 1e3 for i in range(len(PHASES))]}
     if block:
         row["gemm"] = spread([g for g, _ in blocks])
@@ -861,9 +843,7 @@ def main(argv: list[str] | None = None) -> None:
     limits = {} if args.smoke else measure_limits()
     setup = {"groups": [g.label for g in args.groups], "policies": args.policies, "maxvio": args.maxvio,
              "warmup": args.warmup, "repeat": args.repeat, "seed": args.seed, "smoke": args.smoke,
-             "link": {"bytes_per_s": NVLINK_BYTES_PER_S, "source": NVLINK_SOURCE, "run_as": LINK_RUN_AS,
-                      "sleep_cycles_per_s": None if args.smoke else sleep_cycles_per_second(device)},
-             "left_out": LEFT_OUT,
+             "link": {"bytes_per_s": NVLINK_BYTES_PER_S, "source": NVLINK_SOURCE}, "left_out": LEFT_OUT,
              "per_rank_step": PER_RANK_STEP, "spread": SPREAD}
     record = {"setup": setup,
               "targets": [], "targets_local": []}

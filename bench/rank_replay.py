@@ -26,8 +26,9 @@ gradients of its home experts pulled back. What the peers do is stood in for:
   (the layer's choice on the CPU) the staged writes land in the world's `scatter_rows`.
 - the histogram all-gather: every peer's histogram is posted beforehand (`ReplayWorld.posted`).
 
-Each exchange call is one window (`ReplayWorld.windows`: its phase and its start and end on d's stream), so
-a link model can stretch each window to the link's time for the bytes it moves (`bench.ep_group`).
+Each exchange call is one window (`ReplayWorld.windows`: its phase and its start and end on the stream it ran
+on: the caller's, or the comm stream for backward's combine, which runs beside a GEMM), so a link model can
+stretch each window to the link's time for the bytes it moves (`bench.ep_group`).
 
 Left out: the peers' SMs (their kernels never run here), contention on real links, NVLink latency and the
 peers' skew in reaching a barrier. A local copy moves bytes at HBM speed, not the link's.
@@ -36,8 +37,6 @@ peers' skew in reaching a barrier. A local copy moves bytes at HBM speed, not th
 from __future__ import annotations
 
 import contextlib
-import functools
-import statistics
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -214,23 +213,6 @@ class PeerTraffic:
 # -- the world -----------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def sleep_cycles_per_second(device: torch.device) -> float:
-    """Clock cycles per second of `torch.cuda._sleep` on `device`, measured once (the median of 5 waits of
-    2e7 cycles, about 10 ms each, between CUDA events, after one that wakes the clocks): what turns a link
-    time into a GPU-side wait."""
-    cycles, rates = 20_000_000, []
-    for _ in range(6):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.device(device):
-            start.record()
-            torch.cuda._sleep(cycles)
-            end.record()
-        end.synchronize()
-        rates.append(cycles / (start.elapsed_time(end) * 1e-3))
-    return statistics.median(rates[1:])
-
-
 class StandIns:
     """The peers' memory: one tensor per `STAND_IN_KINDS` entry, dtype and shape (as this rank's own: the
     Buffer views every peer's rows in other layouts too), shared by every peer and by every rank replayed
@@ -276,14 +258,8 @@ class ReplayWorld:
         self._call = 0
         self._start: Stamp | None = None
         self._scatters: Counter[str] = Counter()
-        self._peers_done: list[torch.cuda.Event] = []
-        self._link_s: list[float] | None = None
-        cuda = self.device.type == "cuda"
-        self._peer_stream = torch.cuda.Stream(self.device) if cuda else None
-        # the link's wait takes one thread of one SM; at the highest priority it is placed before the row
-        # kernels, whose programs may hold every SM until they end (a wait queued behind them would start
-        # only then, and the link would follow the window instead of running beside it)
-        self._link_stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
+        self._peers_done: torch.cuda.Event | None = None
+        self._peer_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # -- the EPWorld protocol
 
@@ -307,12 +283,10 @@ class ReplayWorld:
                                    f"{expected}: the layer's step no longer matches bench.rank_replay.PHASES")
             self._start = stamp(self.device)
             self._start_peers(self._traffic[self._call])
-            if self._link_s is not None:
-                self._start_link(self._link_s[self._call])
         else:
-            for done in self._peers_done:
-                torch.cuda.current_stream(self.device).wait_event(done)
-            self._peers_done = []
+            if self._peers_done is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._peers_done)
+                self._peers_done = None
             self.windows.append((PHASES[self._call], self._start, stamp(self.device)))
             self._start = None
             self._call += 1
@@ -373,38 +347,25 @@ class ReplayWorld:
         self._peer_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._peer_stream):
             run()
-            self._peers_done.append(torch.cuda.Event())
-            self._peers_done[-1].record(self._peer_stream)
-
-    def _start_link(self, seconds: float) -> None:
-        """The link of one exchange call: from this point of this rank's stream, a GPU-side wait of `seconds`
-        on the link stream, which the call's second barrier waits for (CUDA; nothing elsewhere)."""
-        if self._link_stream is None or seconds <= 0:
-            return
-        self._link_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._link_stream):
-            torch.cuda._sleep(int(seconds * sleep_cycles_per_second(self.device)))
-            self._peers_done.append(torch.cuda.Event())
-            self._peers_done[-1].record(self._link_stream)
+            self._peers_done = torch.cuda.Event()
+            self._peers_done.record(self._peer_stream)
 
     @contextlib.contextmanager
-    def step(self, traffic: list[PeerTraffic], reference_exchange: bool,
-             link_s: list[float] | None = None) -> Iterator[None]:
+    def step(self, traffic: list[PeerTraffic], reference_exchange: bool) -> Iterator[None]:
         """One training step of this rank with the peers' `traffic` (one per `PHASES` entry). With
         `reference_exchange` (the torch reference: no barriers, dispatches through `scatter_rows`) only the
-        peers' writes are replayed; with the row kernels every call's traffic runs in its window, and with
-        `link_s` (seconds per `PHASES` entry, CUDA) lasts at least that call's link time. Raises after the
-        step unless every exchange call (or every staged write) happened."""
-        if len(traffic) != len(PHASES) or (link_s is not None and len(link_s) != len(PHASES)):
-            raise ValueError(f"rank replay: traffic and link_s need one entry per phase ({len(PHASES)}), got "
-                             f"{len(traffic)} and {None if link_s is None else len(link_s)}")
-        self._traffic, self._link_s, self._call, self._start = traffic, link_s, 0, None
+        peers' writes are replayed; with the row kernels every call's traffic runs in its window. Raises
+        after the step unless every exchange call (or every staged write) happened."""
+        if len(traffic) != len(PHASES):
+            raise ValueError(f"rank replay: traffic needs one entry per phase ({len(PHASES)}), got "
+                             f"{len(traffic)}")
+        self._traffic, self._call, self._start = traffic, 0, None
         self._scatters.clear()
         self.windows = []
         try:
             yield
         finally:
-            self._traffic = self._link_s = None
+            self._traffic = None
         if reference_exchange:
             staged = Counter(kind for t in traffic if t.incoming is not None for kind in STAND_IN_KINDS
                              if getattr(t.incoming, kind) is not None)
@@ -508,11 +469,10 @@ def replay_layer(cfg: MoEConfig, rank: int, stand_ins: StandIns, device: torch.d
 
 
 def replay_step(layer: MoonEPMoELayer, world: ReplayWorld, step: GroupStep, inputs: RankInputs,
-                traffic: list[PeerTraffic], link_s: list[float] | None = None) -> torch.Tensor:
+                traffic: list[PeerTraffic]) -> torch.Tensor:
     """One training step of `layer` (rank `world.rank`'s) in the group `step`, its peers replayed: the
-    group's histogram posted, `traffic` in each exchange call's window, each lasting at least its `link_s`
-    entry where given (`ReplayWorld.step`)."""
+    group's histogram posted, `traffic` in each exchange call's window."""
     world.posted = step.counts_re
     reference = not layer.buffer.uses_kernels
-    with world.step(traffic, reference_exchange=reference, link_s=link_s):
+    with world.step(traffic, reference_exchange=reference):
         return train_step(layer, inputs)
