@@ -26,7 +26,7 @@ Launch 1, `_plan_kernel` (grid `nb + 1`), two kinds of program that run side by 
   `_one_rank_plan`: the same fields without the loops (nothing to balance), and with `count_routes` it
   counts the rank's routes itself (no histogram launch before it: one rank has nothing to gather).
 
-One rank whose routes fit one token block (a decode step: s <= SUB tokens) is planned in one program
+One rank whose routes fit one token block (a decode step: s <= TOK tokens) is planned in one program
 (`FUSED`): the block's positions, `_one_rank_plan`, then launch 2's work for that block, with no launch 2.
 
 Launch 2, `_destinations_kernel` (grid `nb`): block b adds the histograms of blocks `< b` to `before_e`,
