@@ -140,6 +140,13 @@ class RowExchange(Protocol):
         ...
 
 
+def write_used_slots(slots_b: torch.Tensor, copies_b: torch.Tensor, expert_b: torch.Tensor) -> None:
+    """`slots_b[j] = copies_b[j]` for every used slot (`expert_b [B] >= 0`); an unused slot keeps what it
+    holds (its group is empty: nothing reads it). The torch form of the copy kernel's rule."""
+    used_b = (expert_b >= 0).view(-1, *[1] * (slots_b.dim() - 1))
+    slots_b.copy_(torch.where(used_b, copies_b, slots_b))
+
+
 @dataclass(frozen=True)
 class ReferenceExchange:
     """`RowExchange` in torch over the world's `scatter_rows` / `gather_rows`: runs in every EP world."""
@@ -238,11 +245,9 @@ class ReferenceExchange:
         epn = m.experts_per_rank
         expert_b = expert_b.long()
         for weight in weights:
-            used_b = expert_b >= 0
-            copies = m.world.gather_rows(weight.home, torch.where(used_b, expert_b // epn, -1),
+            copies = m.world.gather_rows(weight.home, torch.where(expert_b >= 0, expert_b // epn, -1),
                                          expert_b.clamp(min=0) % epn, capacity=m.num_slots)
-            slots = weight.slots.local
-            slots.copy_(torch.where(used_b.view(-1, *[1] * (slots.dim() - 1)), copies, slots))
+            write_used_slots(weight.slots.local, copies, expert_b)
 
     def add_replicas(self, projections, mine_rb, home_rb) -> None:
         m = self.memory

@@ -9,6 +9,7 @@ import torch
 
 from moonep_moe.comm.checks import check_tensor, row_fingerprints
 from moonep_moe.comm.event import CommEvent
+from moonep_moe.comm.exchange import write_used_slots
 from moonep_moe.fp8.format import FP8_DTYPE, as_bytes, block_scales_shape
 from moonep_moe.plan.types import MoonEPCommPlan
 from moonep_moe.transport.world import SymmetricTensor
@@ -57,15 +58,13 @@ class ExpertTransfers:
 
         def op():
             expert_b = plan.experts_to_copy[rank]
-            used_b = expert_b >= 0
             for weight, name in named:  # the replicated form is local: every expert is on every rank
                 if not isinstance(weight, ExpertRows):
                     weight = as_bytes(weight)
                     copies = weight.index_select(0, expert_b.long().clamp(min=0))
                     if validate:
                         self._check_replicated(weight, name, copies, expert_b)
-                    slots = weight[self.E:]
-                    slots.copy_(torch.where(used_b.view(-1, *[1] * (copies.dim() - 1)), copies, slots))
+                    write_used_slots(weight[self.E:], copies, expert_b)
             expert_rows = [rows_as_bytes(w) for w in projections if isinstance(w, ExpertRows)]
             if expert_rows:
                 self._exchange.copy_experts(expert_rows, expert_b)
