@@ -53,7 +53,7 @@ from moonep_moe.layers.router import RouterOutput
 from moonep_moe.plan.planner import expert_histogram, plan_routes
 from moonep_moe.plan.types import MoonEPCommPlan, decode_dst
 from moonep_moe.transport.peer import place_rows, read_peer_rows
-from moonep_moe.transport.world import SymmetricTensor
+from moonep_moe.transport.world import SymmetricTensor, indexed_device
 
 PHASES = ("send_routes", "copy_experts", "combine", "send_routes", "copy_experts", "combine", "add_replicas")
 """The row exchange's calls in one training step of the layer, in order (forward dispatch, prefetch,
@@ -461,10 +461,7 @@ def replay_layer(cfg: MoEConfig, rank: int, stand_ins: StandIns, device: torch.d
                  ) -> tuple[MoonEPMoELayer, ReplayWorld]:
     """Rank `rank`'s `MoonEPMoELayer` built from `cfg` on a fresh `ReplayWorld` (its comm memory, experts
     and grouped GEMM as the layer makes them; experts initialised as the layer does)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # as the package's worlds: tensors report their index
-        device = torch.device("cuda", torch.cuda.current_device())
-    world = ReplayWorld(rank, cfg.ep_size, device, stand_ins)
+    world = ReplayWorld(rank, cfg.ep_size, indexed_device(device), stand_ins)
     return MoonEPMoELayer(cfg, world), world
 
 

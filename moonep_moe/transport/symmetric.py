@@ -48,7 +48,7 @@ from moonep_moe.transport.collective import (
     joined_group,
 )
 from moonep_moe.transport.peer import PeerWorld, write_peer_rows
-from moonep_moe.transport.world import BARRIER_TIMEOUT_S, SymmetricTensor, reinterpret_rows
+from moonep_moe.transport.world import BARRIER_TIMEOUT_S, SymmetricTensor, indexed_device, reinterpret_rows
 
 NO_MULTICAST_ENV = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0",
                     "NVSHMEM_DISABLE_NVLS": "1"}
@@ -231,7 +231,7 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"world='symmetric' needs a CUDA device, got device={device}")
-    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+    return indexed_device(device)
 
 
 def _peer_tensor(handle: Any, rank: int, memory: torch.Tensor) -> torch.Tensor:

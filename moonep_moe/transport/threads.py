@@ -26,6 +26,7 @@ from moonep_moe.transport.world import (
     SymmetricTensor,
     call_site,
     failure_message,
+    indexed_device,
 )
 
 T = TypeVar("T")
@@ -55,10 +56,7 @@ class ThreadGroup:
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         self.size = size
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())  # tensors report their index
-        self.device = device
+        self.device = indexed_device(device)
         self.uid = next(ThreadGroup._ids)
         self._turn = threading.Condition()
         """Guards the barrier's state below; waiting ranks sleep on it."""

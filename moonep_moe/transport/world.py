@@ -41,6 +41,15 @@ class RankFailedError(RuntimeError):
     is one, is the `__cause__`."""
 
 
+def indexed_device(device: torch.device | str) -> torch.device:
+    """`device` as a torch.device, a bare "cuda" given the current device's index: what a world holds, so
+    that it compares equal to its tensors' devices (they report their index)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def failure_message(rank: int, error: BaseException) -> str:
     """`rank r failed: <type>: <message>`: how every world reports a rank's exception."""
     return f"rank {rank} failed: {type(error).__name__}: {error}"
