@@ -41,7 +41,8 @@ The fp8 row (targets `FP8_TARGETS`: fwd and dgrad >= 1.7x the dense bf16 rate, w
 the block as for bf16) takes bf16 activations and bf16 weights as a training layer does, so its fwd and
 dgrad times include every cast a training step makes for them: the activations' (x and hw in fwd, dy and
 dab in dgrad, `cast_rows`) and the weights' (fwd: `q`; dgrad: the transposed `qt`; both on every call, as
-`Fp8WeightCache` does while the weights train). Each cast is also timed alone and recorded
+for the prefetch slots: the row's weights are plain tensors, which `Fp8WeightCache` does not keep, so this
+is one micro-batch per optimizer step). Each cast is also timed alone and recorded
 (`fwd_cast_ms`, `dgrad_cast_ms`: activations; `weight_cast_fwd_ms`, `weight_cast_dgrad_ms`: every group of
 both projections in one orientation), which says how much of each op is casting. The rates count the used
 rows' FLOPs as for bf16, against the same run's dense bf16 rate.

@@ -6,14 +6,16 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.common import MODELS, check, format_check, model_shape, ratio, spread, total
 from bench.layer import (
-    FIXED,
     FP8_LAYER_TARGETS,
     FP8_SETTINGS,
     KERNEL_GROUPS,
+    MICRO_BATCHES,
     MODEL_TABLES,
+    PER_STEP,
     fp8_layer_targets,
     kernel_group,
     layer_targets,
@@ -413,10 +415,11 @@ def test_table_variants_default_to_none_for_several_tables():
 
 
 def test_fp8_rows_come_right_after_default_with_precision_fp8_and_padding_128():
-    """The fp8 row, then the same config measured with its weights fixed (`FIXED`, not a config field), then
-    with its tokens dispatched as FP8."""
+    """The fp8 row, then the DEFAULT config and the fp8 one with `PER_STEP` micro-batches per optimizer step
+    (`MICRO_BATCHES`, not a config field), then the fp8 one with its tokens dispatched as FP8."""
     one = variant_settings(["auto", "triton", "torch", "deep_gemm"], ["auto"], [])
-    fp8_rows = [FP8_SETTINGS, {**FP8_SETTINGS, FIXED: True}, {**FP8_SETTINGS, "fp8_dispatch": True}]
+    fp8_rows = [FP8_SETTINGS, {MICRO_BATCHES: PER_STEP}, {**FP8_SETTINGS, MICRO_BATCHES: PER_STEP},
+                {**FP8_SETTINGS, "fp8_dispatch": True}]
     assert table_variants(None, None, [], tables=1, fp8=True) == [*fp8_rows, *one]
     assert table_variants([], [], [], tables=1, fp8=True) == fp8_rows, "--backends --main-grad-backends"
     assert table_variants(None, None, [], tables=5, fp8=True) == fp8_rows
@@ -427,24 +430,29 @@ def test_fp8_rows_come_right_after_default_with_precision_fp8_and_padding_128():
         "the DEFAULT config but for precision and padding"
 
 
-def test_weights_fixed_row_runs_the_fp8_config_inside_fixed_expert_weights(monkeypatch):
-    """`run_all_ours` strips `FIXED` from the config, runs that row with `fixed`, names it, and does not
-    take it for a repeat of the plain fp8 row."""
+def test_per_step_rows_run_their_config_with_micro_batches(monkeypatch):
+    """`run_all_ours` strips `MICRO_BATCHES` from the config and runs that row with it: the DEFAULT config
+    so is a DEFAULT row (the fp8 per-step row's bf16 reference), named for its micro-batches, and neither
+    is taken for a repeat of the one-micro-batch row of its config."""
     import bench.layer as layer_bench
 
     calls = []
-    monkeypatch.setattr(layer_bench, "run_ours", lambda cfg, name, default, bench, profiles, epn, fixed:
-                        calls.append((cfg, name, fixed)) or {"layer": name})
+    monkeypatch.setattr(layer_bench, "run_ours", lambda cfg, name, default, bench, profiles, epn, micro:
+                        calls.append((cfg, name, default, micro)) or {"layer": name})
     shapes = make_table("deepseek-v3", None, {}).shapes
-    rows = list(layer_bench.run_all_ours(None, shapes, [FP8_SETTINGS, {**FP8_SETTINGS, FIXED: True}], None))
-    assert len(rows) == 3
-    (_, _, default_fixed), (fp8_cfg, _, plain), (fixed_cfg, name, fixed) = calls
-    assert (default_fixed, plain, fixed) == (False, False, True)
-    assert fixed_cfg == fp8_cfg and fixed_cfg.precision == "fp8" and name.endswith("weights fixed)")
-    assert layer_bench.fp8_scope({"fixed_expert_weights": True, "fp8_dispatch": False}) == \
-        "the fp8 layer, weights fixed over micro-batches"
-    assert layer_bench.fp8_scope({"fixed_expert_weights": False, "fp8_dispatch": False}) == "the fp8 layer"
-    assert layer_bench.fp8_scope({"fixed_expert_weights": False, "fp8_dispatch": True}) == \
+    variants = [FP8_SETTINGS, {MICRO_BATCHES: PER_STEP}, {**FP8_SETTINGS, MICRO_BATCHES: PER_STEP}]
+    assert len(list(layer_bench.run_all_ours(None, shapes, variants, None))) == 4
+    (default_cfg, _, first, one), (fp8_cfg, _, fp8_default, fp8_one) = calls[:2]
+    (bf16_cfg, bf16_name, bf16_default, four), (fp8_step_cfg, fp8_name, fp8_step_default, fp8_four) = \
+        calls[2:]
+    assert (one, fp8_one, four, fp8_four) == (1, 1, PER_STEP, PER_STEP)
+    assert (first, fp8_default, bf16_default, fp8_step_default) == (True, False, True, False)
+    assert bf16_cfg == default_cfg and fp8_step_cfg == fp8_cfg and fp8_cfg.precision == "fp8"
+    assert bf16_name.startswith("moonep DEFAULT") and fp8_name.endswith(f"{PER_STEP} micro-batches)")
+    assert layer_bench.fp8_scope({MICRO_BATCHES: PER_STEP, "fp8_dispatch": False}) == \
+        f"the fp8 layer, {PER_STEP} micro-batches per optimizer step"
+    assert layer_bench.fp8_scope({MICRO_BATCHES: 1, "fp8_dispatch": False}) == "the fp8 layer"
+    assert layer_bench.fp8_scope({MICRO_BATCHES: 1, "fp8_dispatch": True}) == \
         "the fp8 layer, tokens dispatched as FP8"
 
 
@@ -454,15 +462,30 @@ def test_profile_covers_every_row_of_ours(monkeypatch):
     import bench.layer as layer_bench
 
     calls = []
-    monkeypatch.setattr(layer_bench, "run_ours", lambda cfg, name, default, bench, profiles, epn, fixed:
+    monkeypatch.setattr(layer_bench, "run_ours", lambda cfg, name, default, bench, profiles, epn, micro:
                         calls.append(profiles) or {"layer": name})
     shapes = make_table("deepseek-v3", None, {}).shapes
     for profiles in ({}, None):
         calls.clear()
-        rows = list(layer_bench.run_all_ours(None, shapes, [FP8_SETTINGS, {**FP8_SETTINGS, FIXED: True}],
+        rows = list(layer_bench.run_all_ours(None, shapes, [FP8_SETTINGS, {**FP8_SETTINGS, MICRO_BATCHES: 4}],
                                              profiles))
         assert len(rows) == len(calls) == 3
         assert all(seen is profiles for seen in calls)
+
+
+def test_step_accumulates_micro_batches_after_a_simulated_optimizer_step():
+    """`step`: every parameter's version moves first (as after an optimizer step), the gradients are fresh,
+    then N micro-batches accumulate: the gradients are N times one micro-batch's."""
+    import bench.layer as layer_bench
+
+    layer = torch.nn.Linear(4, 3)
+    x, grad = torch.randn(5, 4, requires_grad=True), torch.randn(5, 3)
+    layer_bench.step(layer, x, grad)
+    one = layer.weight.grad.clone()
+    versions = [p._version for p in layer.parameters()]
+    layer_bench.step(layer, x, grad, micro_batches=3)
+    assert [p._version for p in layer.parameters()] == [v + 1 for v in versions]
+    torch.testing.assert_close(layer.weight.grad, 3 * one)
 
 
 def test_fp8_layer_targets_against_our_bf16_row_and_torch_native():

@@ -254,63 +254,79 @@ class CountingCasts:
         monkeypatch.setattr(fp8_cast, "cast_blocks", counted)
 
 
-def test_weight_cache_casts_a_parameter_once_per_version(monkeypatch):
-    """Inference: the forward copy of a parameter is kept and cast again only when its version moves; the
-    transposed copy (dgrad, a backward-only need) is never kept."""
+def test_weight_cache_casts_a_parameter_once_per_version_in_each_orientation(monkeypatch):
+    """A parameter's forward and transposed copies are each cast once and kept; an in-place change (its
+    version moves) casts each again on its next use."""
     casts = CountingCasts(monkeypatch)
     home = torch.nn.Parameter(spread(2, 130, 260, seed=6).to(torch.bfloat16).to(KERNEL_DEVICE))
     cache = Fp8WeightCache()
-    for _ in range(3):
-        q, scales = cache.get((home,), transposed=False, keep=True)
-    assert [(q, qt) for _, q, qt in casts.calls] == [(True, False)], "the forward orientation, once"
+    for _ in range(3):  # micro-batches: forward, then backward
+        q, scales = cache.get((home,), transposed=False)
+        qt, scales_t = cache.get((home,), transposed=True)
+    assert [(q, qt) for _, q, qt in casts.calls] == [(True, False), (False, True)], "each orientation, once"
     want_q, want_scales = quantise_blocks(home.detach().cpu())
     assert torch.equal(bits(q.cpu()), bits(want_q)) and torch.equal(scales.cpu(), want_scales)
+    want_qt, want_scales_t = transpose_blocks(want_q, want_scales)
+    assert torch.equal(bits(qt.cpu()), bits(want_qt)) and torch.equal(scales_t.cpu(), want_scales_t)
     with torch.no_grad():
         home.mul_(-2)  # a load_state_dict or any in-place op: the version moves
-    q, scales = cache.get((home,), transposed=False, keep=True)
-    assert len(casts.calls) == 2
-    assert torch.equal(bits(q.cpu()), bits(quantise_blocks(home.cpu())[0]))
-    for _ in range(2):
-        qt, scales_t = cache.get((home,), transposed=True, keep=True)
-    assert [(q, qt) for _, q, qt in casts.calls[2:]] == [(False, True)] * 2, "transposed: cast every call"
-    want_qt, want_scales_t = transpose_blocks(*quantise_blocks(home.cpu()))
-    assert torch.equal(bits(qt.cpu()), bits(want_qt)) and torch.equal(scales_t.cpu(), want_scales_t)
-
-
-def test_weight_cache_keeps_nothing_while_training(monkeypatch):
-    """Training (not `keep`): every call casts the orientation asked for into fresh buffers (no copy
-    outlives its GEMM, so none adds to the step's peak beside the gradients)."""
-    casts = CountingCasts(monkeypatch)
-    home = torch.nn.Parameter(spread(2, 128, 256, seed=12).to(torch.bfloat16).to(KERNEL_DEVICE))
-    cache = Fp8WeightCache()
-    first, _ = cache.get((home,), transposed=False, keep=False)
-    second, scales = cache.get((home,), transposed=False, keep=False)
-    assert second.data_ptr() != first.data_ptr(), "a fresh buffer (a kept copy would come back)"
-    qt, _ = cache.get((home,), transposed=True, keep=False)
-    assert [(q, qt) for _, q, qt in casts.calls] == [(True, False), (True, False), (False, True)]
-    assert not any(cache._copies.values()), "nothing kept"
+    q, scales = cache.get((home,), transposed=False)
+    qt, scales_t = cache.get((home,), transposed=True)
+    assert [(q, qt) for _, q, qt in casts.calls[2:]] == [(True, False), (False, True)]
     want_q, want_scales = quantise_blocks(home.detach().cpu())
-    assert torch.equal(bits(second.cpu()), bits(want_q)) and torch.equal(scales.cpu(), want_scales)
+    assert torch.equal(bits(q.cpu()), bits(want_q)) and torch.equal(scales.cpu(), want_scales)
     assert torch.equal(bits(qt.cpu()), bits(transpose_blocks(want_q, want_scales)[0]))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_weight_cache_casts_again_after_every_optimizer_step(monkeypatch, fused):
+    """An optimizer step makes the kept copies stale, also where it leaves the parameter's version alone
+    (a fused AdamW writes the parameters without moving ``._version``): the next call casts the new values
+    (checked against a fresh cast, so a stale copy fails)."""
+    casts = CountingCasts(monkeypatch)
+    home = torch.nn.Parameter(spread(2, 128, 256, seed=16).to(torch.bfloat16))
+    optimizer = torch.optim.AdamW([home], lr=0.5, fused=fused, foreach=not fused)
+    cache = Fp8WeightCache()
+    for step in range(2):
+        q, scales = cache.get((home,), transposed=False)
+        assert torch.equal(bits(q), bits(quantise_blocks(home.detach())[0])), f"step {step}: a stale copy"
+        home.grad = spread(2, 128, 256, seed=17 + step).to(torch.bfloat16)
+        optimizer.step()
+    assert len(casts.calls) == 2, "one cast per optimizer step"
 
 
 def test_weight_cache_recasts_other_parts_every_call_into_one_joined_copy(monkeypatch):
     """(home parameter, slots): the slots (rewritten by every prefetch, without a version bump) are cast on
-    every call into the same joined buffer as the kept home groups."""
+    every call into the same joined buffer as the kept home groups, in each orientation."""
     casts = CountingCasts(monkeypatch)
     home = torch.nn.Parameter(spread(2, 128, 256, seed=7).to(torch.bfloat16).to(KERNEL_DEVICE))
     slots = spread(1, 128, 256, seed=8).to(torch.bfloat16).to(KERNEL_DEVICE)
     cache = Fp8WeightCache()
-    cache.get((home, slots), transposed=False, keep=True)
+    first, _ = cache.get((home, slots), transposed=False)
     slots.copy_(spread(1, 128, 256, seed=9))
-    q, scales = cache.get((home, slots), transposed=False, keep=True)
+    q, scales = cache.get((home, slots), transposed=False)
+    assert q.data_ptr() == first.data_ptr(), "the same joined copy"
     assert [(w is home, q, qt) for w, q, qt in casts.calls] == [
         (True, True, False), (False, True, False), (False, True, False)]
     want_q, want_scales = quantise_blocks(torch.cat([home.detach(), slots]).cpu())
     assert torch.equal(bits(q.cpu()), bits(want_q)) and torch.equal(scales.cpu(), want_scales)
-    qt, _ = cache.get((home, slots), transposed=True, keep=True)
+    qt, _ = cache.get((home, slots), transposed=True)
     assert [(w is home, q, qt) for w, q, qt in casts.calls[3:]] == [(True, False, True), (False, False, True)]
     assert torch.equal(bits(qt.cpu()), bits(transpose_blocks(want_q, want_scales)[0]))
+
+
+def test_weight_cache_keeps_nothing_without_parameters(monkeypatch):
+    """Weights that are no parameter (nothing says when they change) are cast on every call into fresh
+    buffers, and nothing is kept."""
+    casts = CountingCasts(monkeypatch)
+    weights = spread(2, 128, 256, seed=12).to(torch.bfloat16).to(KERNEL_DEVICE)
+    cache = Fp8WeightCache()
+    first, _ = cache.get((weights,), transposed=False)
+    second, scales = cache.get((weights,), transposed=False)
+    assert second.data_ptr() != first.data_ptr(), "a fresh buffer (a kept copy would come back)"
+    assert len(casts.calls) == 2 and not any(cache._copies.values()), "nothing kept"
+    want_q, want_scales = quantise_blocks(weights.cpu())
+    assert torch.equal(bits(second.cpu()), bits(want_q)) and torch.equal(scales.cpu(), want_scales)
 
 
 def test_weight_cache_rebuilds_for_another_sequence(monkeypatch):
@@ -319,46 +335,29 @@ def test_weight_cache_rebuilds_for_another_sequence(monkeypatch):
     home = torch.nn.Parameter(spread(1, 128, 128, seed=10).to(torch.bfloat16).to(KERNEL_DEVICE))
     slots = spread(2, 128, 128, seed=11).to(torch.bfloat16).to(KERNEL_DEVICE)
     cache = Fp8WeightCache()
-    assert cache.get((home,), transposed=False, keep=True)[0].shape[0] == 1
-    q, _ = cache.get((home, slots), transposed=False, keep=True)
+    assert cache.get((home,), transposed=False)[0].shape[0] == 1
+    q, _ = cache.get((home, slots), transposed=False)
     assert q.shape[0] == 3 and len(casts.calls) == 3, "home cast again into the new copy, then the slots"
 
 
-def test_weight_cache_fixed_keeps_both_orientations_until_released(monkeypatch):
-    """In a `fixed_expert_weights` block (``fixed`` > 0) a parameter's forward and transposed copies are
-    each cast once and kept while training (``keep`` False); other parts are cast on every call; a version
-    bump casts again; `release` drops everything and training keeps nothing again."""
+def test_weight_cache_release_drops_the_copies(monkeypatch):
+    """`release` drops every kept copy: the next call casts again."""
     casts = CountingCasts(monkeypatch)
-    home = torch.nn.Parameter(spread(2, 128, 256, seed=13).to(torch.bfloat16).to(KERNEL_DEVICE))
-    slots = spread(1, 128, 256, seed=14).to(torch.bfloat16).to(KERNEL_DEVICE)
+    home = torch.nn.Parameter(spread(1, 128, 128, seed=13).to(torch.bfloat16).to(KERNEL_DEVICE))
     cache = Fp8WeightCache()
-    cache.fixed = 1
-    for _ in range(3):  # micro-batches: forward, then backward
-        q, scales = cache.get((home, slots), transposed=False, keep=False)
-        qt, scales_t = cache.get((home, slots), transposed=True, keep=False)
-    assert [(w is home, q, qt) for w, q, qt in casts.calls] == [
-        (True, True, False), (False, True, False), (True, False, True), (False, False, True),
-        *[(False, True, False), (False, False, True)] * 2]
-    want_q, want_scales = quantise_blocks(torch.cat([home.detach(), slots]).cpu())
-    assert torch.equal(bits(q.cpu()), bits(want_q)) and torch.equal(scales.cpu(), want_scales)
-    want_qt, want_scales_t = transpose_blocks(want_q, want_scales)
-    assert torch.equal(bits(qt.cpu()), bits(want_qt)) and torch.equal(scales_t.cpu(), want_scales_t)
-    with torch.no_grad():
-        home.mul_(0.5)
-    cache.get((home, slots), transposed=True, keep=False)
-    assert [w is home for w, _, _ in casts.calls[-2:]] == [True, False], "a version bump casts again"
-    cache.fixed = 0
+    cache.get((home,), transposed=True)
     cache.release()
     assert not any(cache._copies.values())
-    first, _ = cache.get((home,), transposed=False, keep=False)
-    assert first.data_ptr() != cache.get((home,), transposed=False, keep=False)[0].data_ptr()
-    assert not any(cache._copies.values()), "training outside a block keeps nothing"
+    cache.get((home,), transposed=True)
+    assert len(casts.calls) == 2
 
 
-def test_fixed_expert_weights_casts_the_home_experts_once_per_block(monkeypatch):
-    """Gradient accumulation in an fp8 layer (the Triton FP8 GEMM; interpreted on the CPU): outside a
-    `fixed_expert_weights` block every micro-batch casts both home weights in both orientations (4 casts);
-    inside, the whole block does, and the gradients are the same bits; the block's end frees the copies."""
+def test_gradient_accumulation_casts_the_home_experts_once_per_optimizer_step(monkeypatch):
+    """Gradient accumulation in an fp8 layer (the Triton FP8 GEMM; interpreted on the CPU), with nothing
+    around it: the first micro-batch casts both home weights in both orientations, the others reuse them,
+    and the gradients are the bits of casting on every call; after an optimizer step the next micro-batches
+    use the new weights (the same bits as a fresh cast). A `fixed_expert_weights` block gives the same bits
+    and frees the copies at its end."""
     from moonep_moe import fixed_expert_weights
     from moonep_moe.transport.threads import single_world
 
@@ -368,26 +367,37 @@ def test_fixed_expert_weights_casts_the_home_experts_once_per_block(monkeypatch)
     home = (layer.experts.gate_up, layer.experts.down)
     gen = torch.Generator().manual_seed(15)
     xs = [torch.randn(48, BASE["hidden_size"], generator=gen).to(torch.bfloat16).to(KERNEL_DEVICE)
-          for _ in range(3)]
+          for _ in range(2)]
 
-    def accumulate() -> list[torch.Tensor]:
+    def accumulate(fresh: bool) -> list[torch.Tensor]:
+        """The step's micro-batches; `fresh`: every call casts (the copies dropped before each)."""
+        casts.calls.clear()
         layer.zero_grad(set_to_none=True)
         for x in xs:
+            if fresh:
+                gemm.weights.release()
             layer(x).float().square().sum().backward()
         return [weight.grad.clone() for weight in home]
 
     def home_casts() -> int:
         return sum(any(w is weight for weight in home) for w, _, _ in casts.calls)
 
-    plain = accumulate()
-    assert home_casts() == 4 * len(xs)
-    casts.calls.clear()
+    optimizer = torch.optim.SGD(home, lr=1e-2)
+    for step in range(2):
+        fresh = accumulate(fresh=True)
+        assert home_casts() == 4 * len(xs)
+        kept = accumulate(fresh=False)  # the copies the last micro-batch above made are current
+        assert home_casts() == 0, f"step {step}: no cast while the weights stay"
+        for got, want in zip(kept, fresh, strict=True):
+            assert torch.equal(got, want)
+        optimizer.step()
+    kept = accumulate(fresh=False)
+    assert home_casts() == 4, "gate_up and down, forward and transposed, once after the step"
     with fixed_expert_weights(layer):
-        fixed = accumulate()
-        assert home_casts() == 4, "gate_up and down, forward and transposed, once"
-        assert any(gemm.weights._copies.values())
+        fixed = accumulate(fresh=False)
+        assert home_casts() == 0 and any(gemm.weights._copies.values())
     assert not any(gemm.weights._copies.values()), "the block's end frees the copies"
-    for got, want in zip(fixed, plain, strict=True):
+    for got, want in zip(fixed, kept, strict=True):
         assert torch.equal(got, want)
 
 
@@ -405,7 +415,7 @@ def test_fixed_expert_weights_blocks_nest_and_leave_bf16_layers_alone(monkeypatc
     cache = fp8_layer._state.gemm.weights
     with fixed_expert_weights(model):
         with fixed_expert_weights(fp8_layer):
-            cache.get((fp8_layer.experts.down,), transposed=True, keep=False)
+            cache.get((fp8_layer.experts.down,), transposed=True)
             assert cache.fixed == 2
         assert cache.fixed == 1 and any(cache._copies.values()), "the outer block still keeps them"
     assert cache.fixed == 0 and not any(cache._copies.values())
@@ -414,33 +424,6 @@ def test_fixed_expert_weights_blocks_nest_and_leave_bf16_layers_alone(monkeypatc
         assert cache.fixed == 1
         raise RuntimeError("inside")
     assert cache.fixed == 0
-
-
-class FrozenSpy(TorchGroupedGemm):
-    """The torch backend, recording the `frozen` flag of every forward call."""
-
-    def __init__(self) -> None:
-        self.frozen: list[bool] = []
-
-    def fwd(self, x, weights, offs_g, frozen=False):
-        self.frozen.append(frozen)
-        return super().fwd(x, weights, offs_g, frozen)
-
-
-def test_layer_tells_the_backend_when_the_experts_get_no_gradient():
-    """`frozen` (what lets the FP8 backend keep its weight copies) is True exactly when the call gives the
-    experts no gradient: under no_grad, or with the experts' parameters frozen; False while they train."""
-    from moonep_moe.transport.threads import single_world
-
-    layer = MoonEPMoELayer(MoEConfig(**{**BASE, "dtype": "float32"}), single_world("cpu"))
-    spy = layer._state.gemm = FrozenSpy()
-    x = torch.randn(16, BASE["hidden_size"], requires_grad=True)
-    layer(x).sum().backward()
-    with torch.no_grad():
-        layer(x)
-    layer.experts.requires_grad_(False)
-    layer(x).sum().backward()
-    assert spy.frozen == [False, False, True, True, True, True]
 
 
 # -- config and construction --------------------------------------------------------------------------------
@@ -662,9 +645,10 @@ def test_fp8_backend_recasts_after_an_optimizer_step():
 
 @pytest.mark.gpu
 @needs_fp8
-def test_fixed_expert_weights_on_deep_gemm_gives_the_same_gradients():
-    """The real fp8 layer (DeepGEMM, compiled casts), skewed routing: three micro-batches accumulated inside
-    `fixed_expert_weights` give the bits they give outside it, and the block frees its copies."""
+def test_kept_fp8_copies_on_deep_gemm_give_the_gradients_of_fresh_casts():
+    """The real fp8 layer (DeepGEMM, compiled casts), skewed routing: three micro-batches accumulated with
+    the home weights' FP8 copies kept (cast by the first) give the bits of casting on every call, inside a
+    `fixed_expert_weights` block too, which frees its copies."""
     from moonep_moe import fixed_expert_weights
     from moonep_moe.transport.threads import single_world
 
@@ -677,16 +661,21 @@ def test_fixed_expert_weights_on_deep_gemm_gives_the_same_gradients():
     xs = [torch.randn(256, 256, device="cuda", generator=gen).bfloat16() for _ in range(3)]
     home = (layer.experts.gate_up, layer.experts.down)
 
-    def accumulate() -> list[torch.Tensor]:
+    def accumulate(fresh: bool) -> list[torch.Tensor]:
         layer.zero_grad(set_to_none=True)
         for x in xs:
+            if fresh:
+                layer._state.gemm.weights.release()
             layer(x).float().square().sum().backward()
         return [weight.grad.clone() for weight in home]
 
-    plain = accumulate()
+    plain = accumulate(fresh=True)
+    kept = accumulate(fresh=False)
     with fixed_expert_weights(layer):
-        fixed = accumulate()
+        fixed = accumulate(fresh=False)
     assert not any(layer._state.gemm.weights._copies.values())
+    for got, want in zip(kept, plain, strict=True):
+        assert torch.equal(got, want)
     for got, want in zip(fixed, plain, strict=True):
         assert torch.equal(got, want)
 

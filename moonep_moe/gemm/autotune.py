@@ -42,8 +42,8 @@ class MeasuredGroupedGemm:
     def _for(self, op: str, cols: int, inner: int) -> GroupedGemm:
         return self.chosen.get((op, cols, inner), self.fallback)
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor, frozen: bool = False) -> Tensor:
-        return self._for("fwd", *weights[0].shape[-2:]).fwd(x, weights, offs_g, frozen)
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        return self._for("fwd", *weights[0].shape[-2:]).fwd(x, weights, offs_g)
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         return self._for("dgrad", *weights[0].shape[-2:]).dgrad(dy, weights, offs_g)

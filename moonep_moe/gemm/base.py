@@ -58,11 +58,8 @@ class GroupedGemm(Protocol):
     False: always as the parts, so the home experts arrive as the parameters themselves (a backend that
     caches a transform of them per parameter version, e.g. the FP8 casts, can then recognise them)."""
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor, frozen: bool = False) -> Tensor:
-        """``y [rows, cols]`` with ``y[start:end] = x[start:end] @ w[g]^T`` for every group g. ``frozen``: the
-        weights get no gradient from this call (inference, or experts that do not train), so they stay as
-        they are until changed in place; a backend may keep what it derives from them (the FP8 copies)
-        across calls."""
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        """``y [rows, cols]`` with ``y[start:end] = x[start:end] @ w[g]^T`` for every group g."""
         ...
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:

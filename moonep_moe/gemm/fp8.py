@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from moonep_moe.fp8.format import (
@@ -82,13 +83,13 @@ FP8_KERNELS = ("deep_gemm", "triton")
 class _Fp8Copy:
     """One weights sequence's kept FP8 copy in one orientation, all its parts' groups joined: ``q [G, N, K]``
     (transposed: ``[G, K, N]``) and ``scales [G, ceil(N/128), Kb]``; ``shapes[i]``: part i's shape;
-    ``stamps[i]``: ``(version, data_ptr)`` of part i when it was last cast (None: not kept)."""
+    ``stamps[i]``: part i's `_stamp` when it was last cast (None: not kept)."""
 
     parts: list[weakref.ref]
     shapes: list[torch.Size]
     q: Tensor
     scales: Tensor
-    stamps: list[tuple[int, int] | None]
+    stamps: list[tuple[int, int, int] | None]
 
     def holds(self, weights: Sequence[Tensor]) -> bool:
         return len(weights) == len(self.parts) and all(
@@ -114,48 +115,66 @@ def _oriented(q: Tensor, scales: Tensor, transposed: bool) -> tuple[Tensor, Tens
     return (q, scales.transpose(1, 2)) if transposed else (q, scales)
 
 
+class OptimizerSteps:
+    """How many `torch.optim` optimizer steps this process has taken (any optimizer: torch's global step
+    post-hook, registered by the first `Fp8WeightCache`). A kept FP8 copy is stale after one: fused optimizers
+    (``AdamW(fused=True)``) write the parameters without moving their ``._version``, and Megatron-style
+    wrappers copy the new values in through ``.data`` after their inner step."""
+
+    count = 0
+    _hook = None
+
+    @classmethod
+    def watch(cls) -> None:
+        if cls._hook is None:
+            cls._hook = register_optimizer_step_post_hook(cls._stepped)
+
+    @classmethod
+    def _stepped(cls, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        cls.count += 1
+
+
+def _stamp(part: Tensor) -> tuple[int, int, int]:
+    """What changes when a parameter's values may have: its version, its storage, the optimizer steps."""
+    return part._version, part.data_ptr(), OptimizerSteps.count
+
+
 class Fp8WeightCache:
     """FP8 copies of grouped bf16 weights, cast by `kernels.fp8_cast.cast_blocks` straight into one joined
-    buffer per call (no ``torch.cat``), in the orientation asked for.
+    buffer per weights sequence and orientation (no ``torch.cat``).
 
-    Training (``keep`` False: a backward follows) casts every call into fresh buffers that die with the
-    GEMM: the optimizer changes the weights every step, so a kept copy would be reused by nothing but
-    micro-batches of one step, and keeping it across forward and backward would cost the layer more memory
-    than its bf16 weights' gradients (``q`` and ``qt`` are each half the weights' bytes; the transposed
-    ``qt`` for dgrad is made in backward only). So the fp8 layer's peak stays below the bf16 layer's; the
-    price is reading each bf16 weight twice a step (forward, backward), about 1.5x the bytes one cast of both
-    orientations would move.
+    The copy of every ``nn.Parameter`` part (the home experts: the layer passes them as the parameters
+    themselves) is kept, in each orientation asked for (the forward's ``q``; the transposed ``qt`` that
+    dgrad takes, asked for in backward only), and cast again only when the parameter may have changed: its
+    ``._version`` moved (any in-place torch op, ``load_state_dict``), its storage changed, or any
+    `torch.optim` optimizer stepped since (`OptimizerSteps`: fused optimizers move no version). So
+    gradient accumulation casts the home weights once per optimizer step, not once per micro-batch, and
+    inference once per weight version, with nothing for the caller to do. A write that bypasses all three
+    (``param.data.copy_`` outside an optimizer step) is not seen. Other parts, the prefetch slots
+    (rewritten by kernels with every plan) and the arena's joined view, are cast on every call into the
+    same joined copy. While a CUDA graph is being captured every part is cast in the call (the replay then
+    casts again: the cache is a host-side decision a replay cannot make).
 
-    Inference (``keep``) keeps the forward copy ``q`` of every ``nn.Parameter`` part and casts it
-    again only when its ``._version`` or storage changes (a ``load_state_dict``, any in-place torch op);
-    other parts, the prefetch slots (rewritten by kernels that do not bump ``._version``) and the arena's
-    joined view, are cast on every call into the same joined copy. Writes that bypass the version counter
-    (``param.data.copy_``) are not seen. While a CUDA graph is being captured every part is cast in the call
-    (the replay then casts again: the cache is a host-side decision a replay cannot make).
-
-    Micro-batches (``fixed``, set by `moonep_moe.fixed_expert_weights` while its caller promises the
-    weights do not change): both orientations of the parameters are kept as in inference, so gradient
-    accumulation casts them once per optimizer step instead of once per micro-batch, at the memory of both
-    copies (the bf16 weights' bytes) until `release`.
+    Memory: a training layer keeps both orientations, as many bytes as its bf16 weights (home experts and
+    slots joined); inference keeps the forward copy only. `release` drops them (the end of a
+    `moonep_moe.fixed_expert_weights` block does).
     """
 
     def __init__(self) -> None:
         from moonep_moe.fp8 import cast as fp8_cast
 
+        OptimizerSteps.watch()
         self._kernels = fp8_cast
         self._copies: dict[bool, WeakIdKeyDictionary] = {False: WeakIdKeyDictionary(),
                                                          True: WeakIdKeyDictionary()}
         self.fixed = 0
-        """Nesting depth of `moonep_moe.fixed_expert_weights` blocks: while > 0 every call keeps."""
+        """Nesting depth of `moonep_moe.fixed_expert_weights` blocks: the outermost one's end releases."""
 
-    def get(self, weights: Sequence[Tensor], transposed: bool, keep: bool) -> tuple[Tensor, Tensor]:
+    def get(self, weights: Sequence[Tensor], transposed: bool) -> tuple[Tensor, Tensor]:
         """``(q [G, N, K], scales [G, ceil(N/128), Kb])`` of ``weights`` (parts ``[g_i, N, K]`` whose groups
-        concatenate to G), or with ``transposed`` ``(qt [G, K, N], scales^T [G, Kb, ceil(N/128)])``.
-        ``keep``: inference (the caller's ``frozen``), where the forward copy of the parameters is kept; in a
-        ``fixed`` block both orientations are."""
+        concatenate to G), or with ``transposed`` ``(qt [G, K, N], scales^T [G, Kb, ceil(N/128)])``."""
         capturing = weights[0].is_cuda and torch.cuda.is_current_stream_capturing()
-        keep = self.fixed > 0 or (keep and not transposed)
-        kept = [keep and not capturing and isinstance(w, nn.Parameter) for w in weights]
+        kept = [not capturing and isinstance(w, nn.Parameter) for w in weights]
         if not any(kept):
             return self._cast(weights, transposed)
         copies = self._copies[transposed]
@@ -167,7 +186,7 @@ class Fp8WeightCache:
         start = 0
         for i, (part, keep) in enumerate(zip(weights, kept, strict=True)):
             stop = start + part.shape[0]
-            stamp = (part._version, part.data_ptr()) if keep else None
+            stamp = _stamp(part) if keep else None
             if stamp is None or stamp != copy.stamps[i]:
                 self._cast_part(part, copy.scales[start:stop], copy.q[start:stop], transposed)
                 copy.stamps[i] = stamp
@@ -197,7 +216,7 @@ class Fp8GroupedGemm:
     """FP8 fwd and dgrad on the segments' padded ends ``offs_g`` (read on the device, no host sync), taking
     bf16 activations and bf16 master weights as the other backends do and casting inside: the activations on
     every call (`kernels.fp8_cast.cast_rows`, one pass, rows past ``offs_g[-1]`` skipped), the weights through
-    `Fp8WeightCache` (on every call while training, kept per parameter version in inference). Outputs are
+    `Fp8WeightCache` (the home parameters' copies kept until they may have changed). Outputs are
     bf16. dgrad multiplies by the K-major transposed FP8 copy of each weight (sm90 takes FP8 operand B only
     K-major).
 
@@ -222,7 +241,7 @@ class Fp8GroupedGemm:
     """
 
     ops = ("fwd", "dgrad")
-    joined_weights = False  # the home parameters themselves, so inference keeps their FP8 copies per version
+    joined_weights = False  # the home parameters themselves, so their FP8 copies are kept per version
 
     def __init__(self, wgrad: GroupedGemm | None, kernel: str = "deep_gemm") -> None:
         from moonep_moe.fp8.cast import cast_rows, dequantise_rows
@@ -255,19 +274,19 @@ class Fp8GroupedGemm:
         multiplies under `MoEConfig.fp8_dispatch`."""
         return self._dequantise_rows(q_mk, scales_mk, offs_g, dtype)
 
-    def fwd(self, x: Tensor | tuple[Tensor, Tensor], weights: Sequence[Tensor] | Fp8Weights, offs_g: Tensor,
-            frozen: bool = False) -> Tensor:
+    def fwd(self, x: Tensor | tuple[Tensor, Tensor], weights: Sequence[Tensor] | Fp8Weights,
+            offs_g: Tensor) -> Tensor:
         """``x``: bf16 rows (cast here), or rows already FP8 as ``(q, scales)`` (`quantise_rows`' layout,
         e.g. as a dispatch returns them)."""
         if isinstance(weights, Fp8Weights):
             _check_groups(weights.q, offs_g, "weights")
             return self._gemm(x, *weights.joined(), offs_g)
         _check_groups(weights, offs_g, "weights")
-        return self._gemm(x, *self.weights.get(weights, transposed=False, keep=frozen), offs_g)
+        return self._gemm(x, *self.weights.get(weights, transposed=False), offs_g)
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         _check_groups(weights, offs_g, "weights")
-        return self._gemm(dy, *self.weights.get(weights, transposed=True, keep=False), offs_g)
+        return self._gemm(dy, *self.weights.get(weights, transposed=True), offs_g)
 
     def _gemm(self, a: Tensor | tuple[Tensor, Tensor], q_w: Tensor, scales_w: Tensor,
               offs_g: Tensor) -> Tensor:
@@ -314,8 +333,7 @@ class ReferenceFp8Gemm:
         """As `Fp8GroupedGemm.dequantise_rows`, with the reference (every row, any device)."""
         return dequantise_rows(q_mk, scales_mk, dtype)
 
-    def fwd(self, x: Tensor | tuple[Tensor, Tensor], weights: Fp8Weights, offs_g: Tensor,
-            frozen: bool = False) -> Tensor:
+    def fwd(self, x: Tensor | tuple[Tensor, Tensor], weights: Fp8Weights, offs_g: Tensor) -> Tensor:
         """``x``: rows as given, or FP8 ``(q, scales)`` rows, dequantised exactly into bf16 (the layer's
         dtype with FP8 experts) first."""
         if isinstance(x, tuple):

@@ -38,7 +38,7 @@ class ReferenceGroupedGemm:
     ops = OPS
     joined_weights = True
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor, frozen: bool = False) -> Tensor:
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         return _segment_matmul(x, weights, offs_g, transpose_w=True)
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:

@@ -35,7 +35,7 @@ class TorchGroupedGemm:
     ops = OPS
     joined_weights = True
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor, frozen: bool = False) -> Tensor:
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         _check_groups(weights, offs_g, "weights")
         return torch._grouped_mm(x, _cat_groups(weights).transpose(-2, -1), offs=offs_g)
 

@@ -31,8 +31,8 @@ class TritonGroupedGemm:
         self._wgrad = grouped_wgrad_triton
         self._torch = TorchGroupedGemm()
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor, frozen: bool = False) -> Tensor:
-        return self._torch.fwd(x, weights, offs_g, frozen)
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+        return self._torch.fwd(x, weights, offs_g)
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         return self._torch.dgrad(dy, weights, offs_g)

@@ -85,9 +85,6 @@ class MoonEPExperts(torch.autograd.Function):
         topk_experts_sk: `[s, K]` int experts, -1 = no route. tokens_per_expert: `[E]` int histogram.
         gate_up, down: the home expert parameters (`state.experts`), passed so autograd gives them grads.
         state: `ExpertsState`.
-        frozen: `(gate_up, down)`: whether each gets no gradient from this call (grad mode off, or the
-            parameter frozen; inside `forward` autograd has turned grad mode off, so the caller says): the
-            GEMM backend may keep what it derives from those weights (`GroupedGemm.fwd`).
 
     With `MoEConfig.fp8_dispatch` the tokens are quantised before dispatch (`gemm.quantise_rows`) and travel
     as FP8 rows with their scales; the forward GEMM takes them as they arrive, backward keeps them (not a bf16
@@ -100,7 +97,7 @@ class MoonEPExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, gate_up, down,
-                state: ExpertsState, frozen: tuple[bool, bool]):
+                state: ExpertsState):
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
         if state.fp8_dispatch:  # x_nvsh: the pair (e4m3 rows, their 1x128 scales), as the fwd GEMM takes it
             q_sh, scales_sh = gemm.quantise_rows(hidden_sh)
@@ -113,9 +110,9 @@ class MoonEPExperts(torch.autograd.Function):
         buffer.prefetch_weight(plan, gate_up_rows, None, down_rows, experts.scales)
         offs_g = compute_offsets(cu_seqlens, buffer.world.rank, buffer.epn, buffer.E)
         gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
-        ab_nv2f = gemm.fwd(x_nvsh, gate_up_w, offs_g, frozen[0])
+        ab_nv2f = gemm.fwd(x_nvsh, gate_up_w, offs_g)
         hw_nvf = swiglu_weighted(ab_nv2f, w_nvs, offs_g[-1:])
-        y_nvsh = gemm.fwd(hw_nvf, down_w, offs_g, frozen[1])
+        y_nvsh = gemm.fwd(hw_nvf, down_w, offs_g)
         out_sh, _, _ = buffer.combine(plan, y_nvsh)
         ctx.save_for_backward(*(x_nvsh if state.fp8_dispatch else (x_nvsh,)), ab_nv2f, w_nvs, offs_g)
         ctx.plan, ctx.state = plan, state
@@ -144,8 +141,8 @@ class MoonEPExperts(torch.autograd.Function):
         gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
         u_nvf = gemm.dgrad(dy_nvsh, down_w, offs_g)
         dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:])
-        # both dgrads before the weight gradients exist: an fp8 backend's transposed FP8 weights live only
-        # inside its dgrad call, so they never coexist with this step's home gradients
+        # both dgrads first: dx is ready when dy's last reader (the down wgrad) is done, so the combine that
+        # sends it back can start then
         dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_w, offs_g)
         # the trainable projections only. "param": the GEMMs make this step's home gradients (None parts)
         # and overwrite the slot gradients (no zeroing pass, no copy); "main_grad": they add into the
@@ -175,7 +172,7 @@ class MoonEPExperts(torch.autograd.Function):
                             for w, train in zip((experts.gate_up, experts.down), trains, strict=True)]
         else:  # fresh tensors in the parameters' dtype: autograd keeps them as .grad without a copy
             weight_grads = [None if grad is None else grad.home.local for grad in grads]
-        return grad_hidden_sh, grad_route_weights_sk, None, None, *weight_grads, None, None
+        return grad_hidden_sh, grad_route_weights_sk, None, None, *weight_grads, None
 
 
 COMPILE_BREAK_REASON = (

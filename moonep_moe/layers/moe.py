@@ -157,9 +157,8 @@ def routed_step(layer: MoonEPMoELayer, hidden_sh: torch.Tensor, routing: RouterO
     route_weights_sk = routing.route_weights_tk.to(state.buffer.weight_dtype)
     experts = layer.experts
     experts.follow_storage_swaps()  # before any peer reads them (prefetch) or a GEMM does
-    frozen = tuple(not (torch.is_grad_enabled() and w.requires_grad) for w in (experts.gate_up, experts.down))
     out_sh = MoonEPExperts.apply(hidden_sh.contiguous(), route_weights_sk, routing.topk_experts_tk,
-                                 routing.tokens_per_expert_e, experts.gate_up, experts.down, state, frozen)
+                                 routing.tokens_per_expert_e, experts.gate_up, experts.down, state)
     if not recomputing():
         with torch.no_grad():
             layer.expert_load += state.last_plan.expert_load
@@ -540,21 +539,20 @@ class MoonEPMoELayer(nn.Module):
 
 @contextlib.contextmanager
 def fixed_expert_weights(model: nn.Module) -> Iterator[None]:
-    """Gradient accumulation with `precision="fp8"`: the caller promises that no routed expert weight of
-    `model`'s MoonEP layers (the model itself may be one) changes inside the block. Run a step's
-    micro-batches inside and `optimizer.step()` after it::
+    """The FP8 weight copies of `model`'s `precision="fp8"` MoonEP layers (the model itself may be one) held
+    for the block only: freed when it ends. Run a step's micro-batches inside and `optimizer.step()` after it,
+    so the optimizer runs without them::
 
         with fixed_expert_weights(model):
             for micro_batch in micro_batches:
                 loss_fn(model(micro_batch)).backward()
         optimizer.step()
 
-    Each fp8 layer then casts its home experts' weights to FP8 once in the block, both orientations, and
-    reuses them for every micro-batch, instead of casting them on every call; the copies (as many bytes as
-    the bf16 home weights, per layer) are freed when the block ends. A weight changed in place inside the
-    block (its `._version` moves: any torch op, `load_state_dict`) is cast again; a write through `.data`
-    is not seen. The prefetched replicas change with every plan and are cast on every call. `bf16` layers
-    are unaffected. Blocks nest; the outermost one frees the copies.
+    Inside and outside a block, an fp8 layer casts its home experts' weights once per version, in each
+    orientation (`Fp8WeightCache`: again after an in-place change or any optimizer step), so gradient
+    accumulation needs no block to cast once per optimizer step; the copies, as many bytes as the bf16
+    home weights (with the slots) per layer, otherwise stay between steps. `bf16` layers are unaffected.
+    Blocks nest; the outermost one frees the copies.
     """
     caches = [layer._state.gemm.weights for layer in model.modules()
               if isinstance(layer, MoonEPMoELayer) and layer._state is not None
