@@ -284,13 +284,14 @@ def test_weight_cache_casts_again_after_every_optimizer_step(monkeypatch, fused)
     (a fused AdamW writes the parameters without moving ``._version``): the next call casts the new values
     (checked against a fresh cast, so a stale copy fails)."""
     casts = CountingCasts(monkeypatch)
-    home = torch.nn.Parameter(spread(2, 128, 256, seed=16).to(torch.bfloat16))
+    home = torch.nn.Parameter(spread(2, 128, 256, seed=16).to(torch.bfloat16).to(KERNEL_DEVICE))
     optimizer = torch.optim.AdamW([home], lr=0.5, fused=fused, foreach=not fused)
     cache = Fp8WeightCache()
     for step in range(2):
         q, scales = cache.get((home,), transposed=False)
-        assert torch.equal(bits(q), bits(quantise_blocks(home.detach())[0])), f"step {step}: a stale copy"
-        home.grad = spread(2, 128, 256, seed=17 + step).to(torch.bfloat16)
+        want_q = quantise_blocks(home.detach().cpu())[0]
+        assert torch.equal(bits(q.cpu()), bits(want_q)), f"step {step}: a stale copy"
+        home.grad = spread(2, 128, 256, seed=17 + step).to(torch.bfloat16).to(KERNEL_DEVICE)
         optimizer.step()
     assert len(casts.calls) == 2, "one cast per optimizer step"
 
