@@ -209,6 +209,10 @@ def fp8_launches() -> None:
         qt = torch.empty(2, 384, 256, dtype=torch.float8_e4m3fn) if orientation != "q" else None
         s = torch.empty(2, 2, 3, dtype=torch.float32)
         fp8_cast.cast_blocks(w, s, q, qt)
+    current = "cast_blocks, empty groups skipped"
+    fp8_cast.cast_blocks(torch.zeros(2, 256, 384, dtype=torch.bfloat16), torch.empty(2, 2, 3),
+                         torch.empty(2, 256, 384, dtype=torch.float8_e4m3fn),
+                         offs_g=torch.tensor([128, 128, 256], dtype=torch.int32), first_group=1)
     for dtype in (torch.bfloat16, torch.float32):
         current = f"dequantise_rows {TYPES[dtype]}"
         packed = torch.zeros(256, 320, dtype=torch.uint8)  # packed rows of H = 300: e4m3 bytes, then scales

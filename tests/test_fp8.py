@@ -220,6 +220,31 @@ def test_cast_blocks_matches_reference_bit_for_bit(g, n, k, num_warps):
         assert not buffer[0].float().any() and not buffer[-1].float().any(), "nothing outside the range"
 
 
+@pytest.mark.parametrize("first_group", [0, 2])
+def test_cast_blocks_skips_the_groups_of_empty_segments(first_group):
+    """With the GEMM's segment ends, a group whose segment is empty is not written (its blocks keep what
+    they held, a sentinel here); the others are cast bit for bit. `first_group`: where the weights' group 0
+    sits among the GEMM's groups (the slots after the home experts)."""
+    from moonep_moe.fp8.cast import cast_blocks
+
+    w = spread(4, 200, 300, seed=18).to(torch.bfloat16).to(KERNEL_DEVICE)
+    rows = [128] * first_group + [0, 128, 0, 256]  # the GEMM's groups: those before w's, then w's four
+    offs_g = torch.tensor(rows).cumsum(0).to(torch.int32).to(KERNEL_DEVICE)
+    q = torch.full((4, 200, 300), 0x11, dtype=torch.uint8, device=KERNEL_DEVICE).view(FP8_DTYPE)
+    qt = torch.full((4, 300, 200), 0x11, dtype=torch.uint8, device=KERNEL_DEVICE).view(FP8_DTYPE)
+    scales = torch.full((4, 2, 3), 7.0, device=KERNEL_DEVICE)
+    cast_blocks(w, scales, q, qt, offs_g=offs_g, first_group=first_group)
+    want_q, want_scales = quantise_blocks(w.cpu())
+    want_qt, _ = transpose_blocks(want_q, want_scales)
+    for g, used in enumerate(r > 0 for r in rows[first_group:]):
+        if used:
+            assert torch.equal(bits(q[g].cpu()), bits(want_q[g]))
+            assert torch.equal(bits(qt[g].cpu()), bits(want_qt[g]))
+            assert torch.equal(scales[g].cpu(), want_scales[g])
+        else:
+            assert (bits(q[g]) == 0x11).all() and (bits(qt[g]) == 0x11).all() and (scales[g] == 7.0).all()
+
+
 def test_cast_blocks_writes_one_orientation_when_asked():
     from moonep_moe.fp8.cast import cast_blocks
 
@@ -247,9 +272,9 @@ class CountingCasts:
         self.calls: list[tuple[torch.Tensor, bool, bool]] = []
         real = fp8_cast.cast_blocks
 
-        def counted(w, scales_out, q_out=None, qt_out=None):
+        def counted(w, scales_out, q_out=None, qt_out=None, **skip):
             self.calls.append((w, q_out is not None, qt_out is not None))
-            real(w, scales_out, q_out, qt_out)
+            real(w, scales_out, q_out, qt_out, **skip)
 
         monkeypatch.setattr(fp8_cast, "cast_blocks", counted)
 
@@ -314,6 +339,23 @@ def test_weight_cache_recasts_other_parts_every_call_into_one_joined_copy(monkey
     qt, _ = cache.get((home, slots), transposed=True)
     assert [(w is home, q, qt) for w, q, qt in casts.calls[3:]] == [(True, False, True), (False, False, True)]
     assert torch.equal(bits(qt.cpu()), bits(transpose_blocks(want_q, want_scales)[0]))
+
+
+def test_weight_cache_casts_only_the_slots_a_call_gives_rows(monkeypatch):
+    """Given the GEMM's segment ends, the slots (cast every call) are cast only where their segment has
+    rows: the kept home groups and the used slot are the fresh cast's bits, an unused slot keeps what it
+    held (no GEMM reads it)."""
+    home = torch.nn.Parameter(spread(2, 128, 256, seed=19).to(torch.bfloat16).to(KERNEL_DEVICE))
+    slots = spread(2, 128, 256, seed=20).to(torch.bfloat16).to(KERNEL_DEVICE)
+    cache = Fp8WeightCache()
+    first, _ = cache.get((home, slots), transposed=False)
+    before = bits(first[3].clone())
+    slots.copy_(spread(2, 128, 256, seed=21))
+    offs_g = torch.tensor([128, 128, 256, 256], dtype=torch.int32, device=KERNEL_DEVICE)  # home 1 empty too
+    q, scales = cache.get((home, slots), transposed=False, offs_g=offs_g)
+    want_q, want_scales = quantise_blocks(torch.cat([home.detach(), slots]).cpu())
+    assert torch.equal(bits(q[:3].cpu()), bits(want_q[:3])) and torch.equal(scales[:3].cpu(), want_scales[:3])
+    assert torch.equal(bits(q[3]), before), "the unused slot is not cast"
 
 
 def test_weight_cache_keeps_nothing_without_parameters(monkeypatch):

@@ -461,7 +461,8 @@ class MoEConfig(CommConfig):
             "master weights and gradients as with 'bf16'; fwd and dgrad run on FP8 grouped GEMMs (DeepGEMM's "
             "on sm90 where it is installed, else the package's Triton kernel, half DeepGEMM's speed) with "
             "e4m3 activations (1x128 tiles) and weights (128x128 blocks), cast by fused kernels (the home "
-            "weights once per version, so once per optimizer step under gradient accumulation); wgrad stays bf16 on the `grouped_gemm` backend. Needs "
+            "weights once per version, so once per optimizer step under gradient accumulation); wgrad "
+            "stays bf16 on the `grouped_gemm` backend. Needs "
             "dtype='bfloat16', token_padding a multiple of 128 (the default with 'fp8') and a CUDA GPU with "
             "FP8 tensor cores (sm89 or newer; tested on sm90) (`moonep_moe.gemm.fp8`)."
         ),

@@ -105,11 +105,17 @@ def _dequantise_rows_kernel(q_ptr, s_ptr, out_ptr, offs_ptr, last_group, rows, c
 
 
 @triton.jit
-def _cast_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, n, k, stride_g, stride_n, stride_k,
+def _cast_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, offs_ptr, first_group, n, k, stride_g, stride_n,
+                        stride_k,
                         MAX_EXP_FIELD: tl.constexpr, MAX_MANTISSA: tl.constexpr, MIN_AMAX: tl.constexpr,
                         HARDWARE_ROUNDING: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
-                        TILE: tl.constexpr):
+                        SKIP_EMPTY: tl.constexpr, TILE: tl.constexpr):
     g, n_block, k_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if SKIP_EMPTY:  # a group no row multiplies: nothing to write (its blocks keep what they hold)
+        at = first_group + g
+        start = tl.load(offs_ptr + at - 1, mask=at > 0, other=0)
+        if tl.load(offs_ptr + at) == start:
+            return
     g64 = g.to(tl.int64)
     rn = n_block * TILE + tl.arange(0, TILE)
     rk = k_block * TILE + tl.arange(0, TILE)
@@ -155,10 +161,15 @@ def cast_rows(x_mk: torch.Tensor, offs_g: torch.Tensor,
 
 
 def cast_blocks(w_gnk: torch.Tensor, scales_out: torch.Tensor, q_out: torch.Tensor | None = None,
-                qt_out: torch.Tensor | None = None, num_warps: int = BLOCKS_WARPS) -> None:
+                qt_out: torch.Tensor | None = None, num_warps: int = BLOCKS_WARPS,
+                offs_g: torch.Tensor | None = None, first_group: int = 0) -> None:
     """Weights `w [G, N, K]` (bf16 or fp32, any strides) -> 128x128-block scales into `scales_out [G,
     ceil(N/128), ceil(K/128)]` fp32 and, where given, the e4m3 blocks into `q_out [G, N, K]` and their
-    transpose into `qt_out [G, K, N]` (contiguous tensors, e.g. a group range of a larger buffer)."""
+    transpose into `qt_out [G, K, N]` (contiguous tensors, e.g. a group range of a larger buffer).
+
+    With `offs_g` (int32 segment ends of a grouped GEMM, on the device; `w`'s group i is the GEMM's group
+    `first_group + i`), the groups whose segment is empty are skipped, read on the device: no GEMM reads
+    their weights, and their part of the outputs keeps what it holds."""
     groups, n, k = w_gnk.shape
     grid = (groups, triton.cdiv(n, TILE), triton.cdiv(k, TILE))
     if q_out is None and qt_out is None:
@@ -171,9 +182,11 @@ def cast_blocks(w_gnk: torch.Tensor, scales_out: torch.Tensor, q_out: torch.Tens
     if groups and n and k:
         with launching():
             _cast_blocks_kernel[grid](w_gnk, q_out if q_out is not None else qt_out,
-                                      qt_out if qt_out is not None else q_out, scales_out, n, k,
+                                      qt_out if qt_out is not None else q_out, scales_out,
+                                      scales_out if offs_g is None else offs_g, first_group, n, k,
                                       *w_gnk.stride(), WRITE_Q=q_out is not None, WRITE_QT=qt_out is not None,
-                                      TILE=TILE, num_warps=num_warps, **_format_constants())
+                                      SKIP_EMPTY=offs_g is not None, TILE=TILE, num_warps=num_warps,
+                                      **_format_constants())
 
 
 def dequantise_rows(q_mk: torch.Tensor, scales_mk: torch.Tensor, offs_g: torch.Tensor,

@@ -152,8 +152,9 @@ class Fp8WeightCache:
     inference once per weight version, with nothing for the caller to do. A write that bypasses all three
     (``param.data.copy_`` outside an optimizer step) is not seen. Other parts, the prefetch slots
     (rewritten by kernels with every plan) and the arena's joined view, are cast on every call into the
-    same joined copy. While a CUDA graph is being captured every part is cast in the call (the replay then
-    casts again: the cache is a host-side decision a replay cannot make).
+    same joined copy, only their groups that the call's GEMM gives rows (``offs_g``, read on the device:
+    a plan fills few of its slots). While a CUDA graph is being captured every part is cast in the call
+    (the replay then casts again: the cache is a host-side decision a replay cannot make).
 
     Memory: a training layer keeps both orientations, as many bytes as its bf16 weights (home experts and
     slots joined); inference keeps the forward copy only. `release` drops them (the end of a
@@ -170,13 +171,16 @@ class Fp8WeightCache:
         self.fixed = 0
         """Nesting depth of `moonep_moe.fixed_expert_weights` blocks: the outermost one's end releases."""
 
-    def get(self, weights: Sequence[Tensor], transposed: bool) -> tuple[Tensor, Tensor]:
+    def get(self, weights: Sequence[Tensor], transposed: bool,
+            offs_g: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``(q [G, N, K], scales [G, ceil(N/128), Kb])`` of ``weights`` (parts ``[g_i, N, K]`` whose groups
-        concatenate to G), or with ``transposed`` ``(qt [G, K, N], scales^T [G, Kb, ceil(N/128)])``."""
+        concatenate to G), or with ``transposed`` ``(qt [G, K, N], scales^T [G, Kb, ceil(N/128)])``. With
+        ``offs_g`` (the GEMM's int32 ``[G]`` segment ends) the groups of parts not kept whose segment is
+        empty are left as they are (unspecified: no GEMM on ``offs_g`` reads them)."""
         capturing = weights[0].is_cuda and torch.cuda.is_current_stream_capturing()
         kept = [not capturing and isinstance(w, nn.Parameter) for w in weights]
         if not any(kept):
-            return self._cast(weights, transposed)
+            return self._cast(weights, transposed, offs_g)
         copies = self._copies[transposed]
         copy = copies.get(weights[0])
         if copy is None or not copy.holds(weights):
@@ -188,7 +192,8 @@ class Fp8WeightCache:
             stop = start + part.shape[0]
             stamp = _stamp(part) if keep else None
             if stamp is None or stamp != copy.stamps[i]:
-                self._cast_part(part, copy.scales[start:stop], copy.q[start:stop], transposed)
+                self._cast_part(part, copy.scales[start:stop], copy.q[start:stop], transposed,
+                                None if keep else offs_g, start)
                 copy.stamps[i] = stamp
             start = stop
         return _oriented(copy.q, copy.scales, transposed)
@@ -198,18 +203,22 @@ class Fp8WeightCache:
         for copies in self._copies.values():
             copies.clear()
 
-    def _cast(self, weights: Sequence[Tensor], transposed: bool) -> tuple[Tensor, Tensor]:
-        """Every part cast into fresh joined buffers, one orientation."""
+    def _cast(self, weights: Sequence[Tensor], transposed: bool,
+              offs_g: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Every part cast into fresh joined buffers, one orientation (with ``offs_g``: its groups with
+        rows)."""
         out, scales = _empty_copy(weights, transposed)
         start = 0
         for part in weights:
             stop = start + part.shape[0]
-            self._cast_part(part, scales[start:stop], out[start:stop], transposed)
+            self._cast_part(part, scales[start:stop], out[start:stop], transposed, offs_g, start)
             start = stop
         return _oriented(out, scales, transposed)
 
-    def _cast_part(self, part: Tensor, scales: Tensor, out: Tensor, transposed: bool) -> None:
-        self._kernels.cast_blocks(part, scales, None if transposed else out, out if transposed else None)
+    def _cast_part(self, part: Tensor, scales: Tensor, out: Tensor, transposed: bool,
+                   offs_g: Tensor | None = None, first_group: int = 0) -> None:
+        self._kernels.cast_blocks(part, scales, None if transposed else out, out if transposed else None,
+                                  offs_g=offs_g, first_group=first_group)
 
 
 class Fp8GroupedGemm:
@@ -282,11 +291,11 @@ class Fp8GroupedGemm:
             _check_groups(weights.q, offs_g, "weights")
             return self._gemm(x, *weights.joined(), offs_g)
         _check_groups(weights, offs_g, "weights")
-        return self._gemm(x, *self.weights.get(weights, transposed=False), offs_g)
+        return self._gemm(x, *self.weights.get(weights, transposed=False, offs_g=offs_g), offs_g)
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
         _check_groups(weights, offs_g, "weights")
-        return self._gemm(dy, *self.weights.get(weights, transposed=True), offs_g)
+        return self._gemm(dy, *self.weights.get(weights, transposed=True, offs_g=offs_g), offs_g)
 
     def _gemm(self, a: Tensor | tuple[Tensor, Tensor], q_w: Tensor, scales_w: Tensor,
               offs_g: Tensor) -> Tensor:
