@@ -362,11 +362,13 @@ def test_weight_cache_fixed_keeps_both_orientations_until_released(monkeypatch):
 def test_fixed_expert_weights_casts_the_home_experts_once_per_block(monkeypatch):
     """Gradient accumulation in an fp8 layer (the Triton FP8 GEMM; interpreted on the CPU): outside a
     `fixed_expert_weights` block every micro-batch casts both home weights in both orientations (4 casts);
-    inside, the whole block does, and the gradients are the same bits; the block's end frees the copies."""
+    inside, the whole block does, and the gradients are the same bits; the block's end frees the copies.
+    Four experts (BASE's eight, each a 128-row segment, only double the interpreted GEMMs and casts)."""
     from moonep_moe import fixed_expert_weights
     from moonep_moe.transport.threads import single_world
 
-    layer = MoonEPMoELayer(MoEConfig(**BASE, token_padding=128), single_world(KERNEL_DEVICE))
+    cfg = MoEConfig(**{**BASE, "num_experts": 4}, token_padding=128)
+    layer = MoonEPMoELayer(cfg, single_world(KERNEL_DEVICE))
     gemm = layer._state.gemm = Fp8GroupedGemm(layer._state.gemm, kernel="triton")
     casts = CountingCasts(monkeypatch)
     home = (layer.experts.gate_up, layer.experts.down)
@@ -768,7 +770,9 @@ def test_fp8_dispatch_keeps_fp8_rows_for_backward_instead_of_a_bf16_copy(dispatc
     from moonep_moe.transport.threads import single_world
 
     fp8_layer_here(monkeypatch, fp8_kernel)
-    shapes = {**BASE, "ffn_hidden_size": 384}  # no other saved [NvS, H]-shaped tensor (ab is [NvS, 2F])
+    # no other saved [NvS, H]-shaped tensor (ab is [NvS, 2F]); two experts: what is saved does not depend on
+    # how many there are, and each is a 128-row segment of interpreted FP8 GEMMs and casts
+    shapes = {**BASE, "ffn_hidden_size": 384, "num_experts": 2}
     layer = MoonEPMoELayer(MoEConfig(**shapes, precision="fp8", fp8_dispatch=dispatch),
                            single_world(KERNEL_DEVICE))
     rows, hidden = layer.config.rows_per_rank, layer.config.hidden_size
