@@ -746,17 +746,21 @@ def test_fp8_dispatch_changes_only_gate_ups_weight_gradient(R, fp8_kernel, monke
     the input, router and down gradients are the bits of the fp8 layer without it (the same rows, quantised
     the same way; R ranks, skewed routing, duplicates at R=2); gate_up's weight gradient, made from the
     dequantised rows instead of the bf16 ones, stays within the fp8 layer's 2^-3 of the float64 reference
-    (see `test_fp8_layer_tracks_the_float64_reference_like_the_bf16_layer`)."""
+    (see `test_fp8_layer_tracks_the_float64_reference_like_the_bf16_layer`). Four experts: each one a step
+    reaches is a 128-row segment of interpreted FP8 GEMMs and casts on the CPU, and at R=2 two per rank
+    still give replicas (checked)."""
     fp8_layer_here(monkeypatch, fp8_kernel)
     runs = {}
     for dispatch in (False, True):
-        cfg = make_config(R, hidden_size=256, ffn_hidden_size=128, num_experts=8, max_tokens_per_rank=64,
+        cfg = make_config(R, hidden_size=256, ffn_hidden_size=128, num_experts=4, max_tokens_per_rank=64,
                           token_padding=128, dtype="bfloat16", grouped_gemm="torch", precision="fp8",
                           fp8_dispatch=dispatch, router={"dtype": "float32", "expert_bias": True})
         p = make_problem(cfg, seed=43, skew=2.0)
         rounded = [t.bfloat16().double() for t in p.hidden + [p.gate_up_e2fh, p.down_ehf]]
         p.hidden, p.gate_up_e2fh, p.down_ehf = rounded[:-2], rounded[-2], rounded[-1]
         runs[dispatch] = run_moonep(p, KERNEL_DEVICE)
+    if R > 1:
+        assert any(bool((res["experts_to_copy"] >= 0).any()) for res in runs[True]), "skewed: replicas"
     for rank, (plain, fp8_rows) in enumerate(zip(runs[False], runs[True], strict=True)):
         for name in ("out", "grad_x", "grad_router", "grad_down"):
             assert torch.equal(fp8_rows[name], plain[name]), f"{name} on rank {rank}"
