@@ -112,9 +112,16 @@ def replicas_added(home: torch.Tensor, slots: list[torch.Tensor], experts_to_cop
     return out
 
 
-def test_combine_sums_in_k_order_and_duplicates_in_row_order():
+@pytest.fixture(scope="module")
+def order_step_paths() -> tuple[list[dict], list[dict], list[dict]]:
+    """`both_paths_with_inputs(ORDER_STEP)`, run once for the two order tests: each reads the same step's
+    inputs and results (combine's for one, reduce_grad's for the other) and changes none of them."""
+    return both_paths_with_inputs(ORDER_STEP)
+
+
+def test_combine_sums_in_k_order_and_duplicates_in_row_order(order_step_paths):
     step = ORDER_STEP
-    inputs, kernels, reference = both_paths_with_inputs(step)
+    inputs, kernels, reference = order_step_paths
     primaries = torch.stack([decode_dst(r["dst"], r["rows"].shape[0])[2].view(step.S, step.K).sum(1)
                              for r in reference])
     assert int(primaries.max()) >= 3, "some token must have three primary routes (order matters from 3 terms)"
@@ -140,9 +147,9 @@ def given_gradients(step: Step, given: dict, key: str, rank: int) -> tuple[torch
     return given["grads"][int(key[-1])]
 
 
-def test_reduce_grad_adds_replicas_in_slot_then_rank_order():
+def test_reduce_grad_adds_replicas_in_slot_then_rank_order(order_step_paths):
     step = ORDER_STEP
-    inputs, kernels, reference = both_paths_with_inputs(step)
+    inputs, kernels, reference = order_step_paths
     experts_to_copy = reference[0]["experts_to_copy"]
     replicas = [[(j, d) for d in range(step.R) for j in range(step.epn) if int(experts_to_copy[d, j]) == e]
                 for e in range(step.E)]

@@ -107,6 +107,7 @@ def step_ops(num_tokens: int, monkeypatch) -> list[str]:
 
 
 @pytest.mark.interpreter
+@pytest.mark.oldest_triton
 @pytest.mark.parametrize("num_tokens", [1, 8])
 def test_one_rank_step_launches_at_most_the_bound(num_tokens, monkeypatch):
     ops = step_ops(num_tokens, monkeypatch)
