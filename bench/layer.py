@@ -841,7 +841,7 @@ they may add 15%."""
 def fp8_scope(row: dict) -> str:
     """The scope an fp8 row's `fp8_layer_targets` are recorded under: the fp8 layer, and how the row
     differs from the plain fp8 layer."""
-    per_step = row.get(MICRO_BATCHES, 1)
+    per_step = row[MICRO_BATCHES]
     return ("the fp8 layer" + f", {per_step} micro-batches per optimizer step" * (per_step > 1)
             + ", tokens dispatched as FP8" * row["fp8_dispatch"])
 

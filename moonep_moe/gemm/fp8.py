@@ -216,7 +216,7 @@ class Fp8WeightCache:
         return _oriented(out, scales, transposed)
 
     def _cast_part(self, part: Tensor, scales: Tensor, out: Tensor, transposed: bool,
-                   offs_g: Tensor | None = None, first_group: int = 0) -> None:
+                   offs_g: Tensor | None, first_group: int) -> None:
         self._kernels.cast_blocks(part, scales, None if transposed else out, out if transposed else None,
                                   offs_g=offs_g, first_group=first_group)
 
