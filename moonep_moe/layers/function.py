@@ -26,9 +26,11 @@ rank of the EP group (replicas of a rank's experts train on its peers).
 
 Home gradients (`MoEConfig.expert_grad_dtype`): "param" has the wgrad GEMM make them in the parameters' dtype
 (fp32 accumulation inside the GEMM; with `torch._grouped_mm` its own output, no copy) and hands them to
-autograd as `.grad`; "main_grad" adds wgrad straight into each parameter's persistent fp32 `main_grad` (the
-slot gradients are zero between steps, so adding into them is exact too) and hands autograd None (a
-placeholder for a parameter under Megatron-Core's grad-buffer protocol: `weights.experts.main_grad_added`).
+autograd as `.grad`, or, where `.grad` already holds earlier micro-batches' gradients, add into it and hand
+it back (`accumulating_grads`: no second gradient-sized tensor, no separate add pass); "main_grad" adds wgrad
+straight into each parameter's persistent fp32 `main_grad` (the slot gradients are zero between steps, so
+adding into them is exact too) and hands autograd None (a placeholder for a parameter under Megatron-Core's
+grad-buffer protocol: `weights.experts.main_grad_added`).
 
 Under `torch.compile` the whole Function runs eagerly between compiled graphs (`moe.eager_routed_step`).
 """
@@ -145,13 +147,20 @@ class MoonEPExperts(torch.autograd.Function):
         # sends it back can start then
         dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_w, offs_g)
         # the trainable projections only. "param": the GEMMs make this step's home gradients (None parts)
-        # and overwrite the slot gradients (no zeroing pass, no copy); "main_grad": they add into the
-        # persistent main_grad and the slot gradients (zero between steps)
-        add, trains = state.main_grad, ctx.needs_input_grad[4:6]
-        home = experts.main_grads(trains) if add else (None, None)
+        # and overwrite the slot gradients (no zeroing pass, no copy), or, where autograd would add this
+        # step's gradient into a `.grad` (a later micro-batch), add into that `.grad` (`accumulating_grads`);
+        # "main_grad": they add into the persistent main_grad. Added into, the slot gradients are exact too
+        # (zero between steps: reduce_grad clears them)
+        main_grad, trains = state.main_grad, ctx.needs_input_grad[4:6]
+        if main_grad:
+            home = experts.main_grads(trains)
+        else:
+            home = accumulating_grads(ctx.next_functions[-2:], trains)  # gate_up's and down's edges: the
+            # last tensor arguments (an argument that is not a tensor, e.g. a None histogram, has no edge)
+        adds = tuple(main_grad or grad is not None for grad in home)
         gate_up_slots, down_slots = (pool.local for pool in experts.slot_grads)
         if trains[1]:
-            down_home, _ = gemm.wgrad(dy_nvsh, hw_nvf, offs_g, (home[1], down_slots), add)
+            down_home, _ = gemm.wgrad(dy_nvsh, hw_nvf, offs_g, (home[1], down_slots), adds[1])
             home = (home[0], down_home)
         # dy's last reader is behind: combine may overwrite the rows. It runs on the comm stream beside
         # gate_up's weight gradient (which reads dab and x, not the rows), so its exchange hides under that
@@ -161,18 +170,57 @@ class MoonEPExperts(torch.autograd.Function):
         if trains[0]:  # FP8 rows (fp8_dispatch) dequantised exactly: the values the forward multiplied
             x_nvsh = (gemm.dequantise_rows(*x_parts, offs_g, buffer.dtype) if state.fp8_dispatch
                       else x_parts[0])
-            gate_up_home, _ = gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (home[0], gate_up_slots), add)
+            gate_up_home, _ = gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (home[0], gate_up_slots), adds[0])
             home = (gate_up_home, home[1])
         combined.wait()
         grads = experts.new_grads(home)
         if any(trains):
             buffer.reduce_grad(plan, grads[0], None, grads[1])
-        if add:
+        if main_grad:
             weight_grads = [main_grad_added(w) if train else None
                             for w, train in zip((experts.gate_up, experts.down), trains, strict=True)]
-        else:  # fresh tensors in the parameters' dtype: autograd keeps them as .grad without a copy
+        else:  # in the parameters' dtype, held by no parameter: autograd keeps them as .grad without a copy
+            for (node, _), add in zip(ctx.next_functions[-2:], adds, strict=True):
+                if add:  # the accumulated .grad, handed back
+                    node.variable.grad = None
             weight_grads = [None if grad is None else grad.home.local for grad in grads]
         return grad_hidden_sh, grad_route_weights_sk, None, None, *weight_grads, None
+
+
+def accumulating_grads(edges: tuple, trains: tuple[bool, bool]) -> tuple[torch.Tensor | None, ...]:
+    """"param" mode: for each weight the Function takes (`edges`: its input edges, `ctx.next_functions`),
+    the `.grad` that this backward's gradient would be added into, for the weight-gradient GEMMs to add
+    into themselves; None where the GEMMs make a fresh gradient (the first micro-batch, a frozen weight).
+
+    Autograd adds a gradient into an existing `.grad` as a pass of its own (`grad += fresh`) after the GEMM
+    made `fresh`, a second tensor of the weights' size: with gradient accumulation, a read and a write of
+    every gradient more and their size in memory again. The GEMMs add into `.grad` instead (the Triton
+    wgrad in fp32, rounding once); the Function then clears `.grad` and hands autograd that same tensor,
+    which autograd keeps as `.grad` (no copy where nothing else holds it), running the weight's
+    post-accumulate hooks as usual. Only where the result is what autograd's own accumulation gives: the
+    weight is a leaf given as itself (the edge is its gradient accumulator), this backward runs that
+    accumulator (not `torch.autograd.grad`, for which `_will_engine_execute_node` raises on a leaf, nor a
+    `backward(inputs=)` without the weight), no graph of the gradients is built (`create_graph`), `.grad` is
+    dense with the weight's dtype, device and strides and is not part of a graph, and no hook on the weight
+    wants this micro-batch's gradient alone (`register_hook`)."""
+    if torch.is_grad_enabled():
+        return (None,) * len(trains)
+    return tuple(_accumulating_grad(node) if train else None for (node, _), train in zip(edges, trains,
+                                                                                           strict=True))
+
+
+def _accumulating_grad(node) -> torch.Tensor | None:
+    weight = getattr(node, "variable", None)
+    grad = None if weight is None else weight.grad
+    if (grad is None or type(node).__name__ != "AccumulateGrad" or weight._backward_hooks
+            or grad.layout != torch.strided or grad.requires_grad or grad.dtype != weight.dtype
+            or grad.device != weight.device or grad.stride() != weight.stride()):
+        return None
+    try:
+        runs = torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # a leaf under torch.autograd.grad: its gradient is returned, .grad left alone
+        return None
+    return grad if runs else None
 
 
 COMPILE_BREAK_REASON = (
