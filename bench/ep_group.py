@@ -64,7 +64,8 @@ after each group): `setup` (shapes, policies, maxvio, repetitions, link model an
 `per_rank_step`), `targets`, `targets_local`, `results` (per group: `model`, `ranks`, shapes, `routing`
 (per maxvio: target, achieved, sigma), `policies` {policy: [per maxvio: `ranks` (per rank: routes, slots,
 replicas out, `bytes`, `link_ms` per exchange call, `local` and `nvlink` timings, `windows_ms`, and for
-exact `gemm`, `swiglu`, `beyond_share`), `slowest` (`local`, `nvlink`: the group's step; `rank`)]},
+exact `gemm`, `swiglu`, `block_calls` (each call of the expert block, `BLOCK_CALLS`), `beyond_share`),
+`slowest` (`local`, `nvlink`: the group's step; `rank`)]},
 `native` (per maxvio: the rank, its routes and bytes, `eager`, `compiled`, `baseline`), `compile_s`).
 Beside it a PNG of the slowest rank against maxvio (one panel per group) and `ep-group.md`, the table
 for the docs.
@@ -260,11 +261,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def expert_block(layer: MoonEPMoELayer, cu_seqlens: torch.Tensor) -> tuple[float, float]:
-    """`(GEMM seconds, SwiGLU seconds)` of the expert block of one training step on this rank's rows alone:
-    the calls `MoonEPExperts` makes (fwd, SwiGLU, fwd; dgrad, SwiGLU backward, dgrad, two wgrads), on the
-    layer's GEMM backend, its weights (home experts and slots) and the segments of `cu_seqlens` (the rank's
-    plan), reading the Buffer's rows. The slot gradients it writes are zeroed after (untimed)."""
+BLOCK_CALLS = ("fwd gate_up", "swiglu", "fwd down", "dgrad down", "swiglu backward", "dgrad gate_up",
+               "wgrad down", "wgrad gate_up")
+"""The expert block's calls in one training step, in order (`expert_block`)."""
+
+
+def expert_block(layer: MoonEPMoELayer, cu_seqlens: torch.Tensor) -> list[float]:
+    """Seconds of each call of the expert block of one training step (`BLOCK_CALLS`) on this rank's rows
+    alone: the calls `MoonEPExperts` makes (fwd, SwiGLU, fwd; dgrad, SwiGLU backward, dgrad, two wgrads), on
+    the layer's GEMM backend, its weights (home experts and slots) and the segments of `cu_seqlens` (the
+    rank's plan), reading the Buffer's rows. The slot gradients it writes are zeroed after (untimed)."""
     state, experts, buffer = layer._state, layer.experts, layer.buffer
     gemm, device = state.gemm, layer.world.device
     offs_g = compute_offsets(cu_seqlens, layer.world.rank, buffer.epn, buffer.E)
@@ -288,11 +294,9 @@ def expert_block(layer: MoonEPMoELayer, cu_seqlens: torch.Tensor) -> tuple[float
         timed(lambda: gemm.wgrad(x_nvsh, hw_nvf, offs_g, (None, down_slots), False))
         timed(lambda: gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (None, gate_up_slots), False))
     sync(device)
-    calls = [seconds_between(a, b) for a, b in zip(marks, marks[1:], strict=False)]
     gate_up_slots.zero_()
     down_slots.zero_()
-    swiglu = calls[1] + calls[4]
-    return sum(calls) - swiglu, swiglu
+    return [seconds_between(a, b) for a, b in zip(marks, marks[1:], strict=False)]
 
 
 def check_plan(layer: MoonEPMoELayer, step: GroupStep, rank: int) -> None:
@@ -336,7 +340,9 @@ def time_rank(layer: MoonEPMoELayer, world: ReplayWorld, step: GroupStep, rank: 
         # the torch reference exchange (the CPU's) has no barriers: no window, all link time unhidden
         windows.append([seconds for _, seconds in world.window_seconds()] or [0.0] * len(PHASES))
         if block:
-            blocks.append(expert_block(layer, step.plans[rank].cu_seqlens))
+            calls = expert_block(layer, step.plans[rank].cu_seqlens)
+            swiglu = calls[BLOCK_CALLS.index("swiglu")] + calls[BLOCK_CALLS.index("swiglu backward")]
+            blocks.append((sum(calls) - swiglu, swiglu, calls))
     hosted, replicated = replica_counts(step)
     nvlink = [over_link(t, w, link_s) for t, w in zip(totals, windows, strict=True)]
     row = {"rank": rank, "routes": int(step.plans[0].rank_load[rank]), "home_routes":
@@ -345,10 +351,12 @@ def time_rank(layer: MoonEPMoELayer, world: ReplayWorld, step: GroupStep, rank: 
            "local": spread(totals), "nvlink": spread(nvlink),
            "windows_ms": [statistics.median(w[i] for w in windows) * 1e3 for i in range(len(PHASES))]}
     if block:
-        row["gemm"] = spread([g for g, _ in blocks])
-        row["swiglu"] = spread([s for _, s in blocks])
+        row["gemm"] = spread([g for g, _, _ in blocks])
+        row["swiglu"] = spread([s for _, s, _ in blocks])
+        row["block_calls"] = {name: spread([calls[i] for _, _, calls in blocks])
+                              for i, name in enumerate(BLOCK_CALLS)}
         for key, steps in (("beyond_share", nvlink), ("beyond_share_local", totals)):
-            shares = [(t - g - s) / t for t, (g, s) in zip(steps, blocks, strict=True)]
+            shares = [(t - g - s) / t for t, (g, s, _) in zip(steps, blocks, strict=True)]
             row[key] = {"median": statistics.median(shares), "min": min(shares), "max": max(shares)}
     return row
 
