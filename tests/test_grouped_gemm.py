@@ -1,6 +1,7 @@
 """Every grouped-GEMM backend against a float64 dense per-group matmul; the selection rules; measured
 selection ("auto") with an injected timer and its cache, in process and on file."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -254,14 +255,16 @@ def test_deep_gemm_matches_reference_on_128_aligned_segments(sizes_g):
 
 
 class FakeTimer:
-    """Injected timer: the backend named ``winners[op]`` takes 1 s, every other 2 s; records each call."""
+    """Injected timer: the backend named ``winners[op]`` takes 1 s, every other 2 s (``WGRAD_ADD`` as
+    "wgrad" unless named); records each call."""
 
     def __init__(self, winners: dict[str, str]):
         self.winners, self.calls = winners, []
 
     def __call__(self, op, n, k, rows, groups, backends):
         self.calls.append((op, n, k, rows, groups, tuple(gemm.name for gemm in backends)))
-        return [1.0 if gemm.name == self.winners[op] else 2.0 for gemm in backends]
+        winner = self.winners.get(op) or self.winners[op.split()[0]]
+        return [1.0 if gemm.name == winner else 2.0 for gemm in backends]
 
 
 class WgradOnly(ReferenceGroupedGemm):
@@ -402,10 +405,38 @@ def test_wgrad_is_timed_in_the_layers_mode_and_kept_per_mode(tmp_path):
         problem = GemmProblem(((N, K),), 100, torch.bfloat16, groups=(48, 16), fresh_home_grads=fresh)
         gemm = measure_grouped_gemm(backends, problem, CONTEXT, timer, ChoiceCache(path))
         assert gemm.chosen[("wgrad", N, K)].name == "torch"
-    assert [call[:5] for call in timer.calls if call[0] == "wgrad"] == [("wgrad", N, K, 128, (24, 8))] * 2
+    # the "param" problem times its adding form too, under the key the "main_grad" one then reads
+    assert [call[:5] for call in timer.calls if call[0].startswith("wgrad")] == [
+        ("wgrad", N, K, 128, (24, 8)), (autotune.WGRAD_ADD, N, K, 128, (24, 8))]
     keys = [key for key in json.loads(path.read_text()) if key != old_key and "|wgrad|" in key]
     assert sorted(key.removeprefix(f"{CONTEXT}|wgrad|") for key in keys) == [
         f"n={N}|k={K}|rows=128|groups=24+8|torch/reference|grad=bfloat16|{mode}" for mode in ("add", "fresh")]
+
+
+def test_param_mode_chooses_apart_the_wgrad_that_makes_home_gradients_and_the_one_adding_into_them():
+    """A "param" problem (the home gradients made by the backend) also times wgrad adding into given home
+    gradients (`WGRAD_ADD`, a later micro-batch's calls): each call goes to its own form's winner, both
+    computing the reference's gradients; a "main_grad" problem has no second form."""
+    timer = FakeTimer({"fwd": "torch", "dgrad": "torch", "wgrad": "torch", autotune.WGRAD_ADD: "recording"})
+    recording = Recording()
+    problem = GemmProblem(((N, K),), 100, torch.float32, groups=(HOME, len(SIZES_G) - HOME),
+                          fresh_home_grads=True)
+    gemm = measure_grouped_gemm([TorchGroupedGemm(), recording], problem, CONTEXT, timer, ChoiceCache(None))
+    assert gemm.chosen[("wgrad", N, K)].name == "torch"
+    assert gemm.chosen[(autotune.WGRAD_ADD, N, K)].name == "recording"
+    x_mk, dy_mn = random_inputs(torch.float32, (M, K), (M, N))
+    want = torch.zeros(len(SIZES_G), N, K)
+    ReferenceGroupedGemm().wgrad(dy_mn, x_mk, offsets_g(), [want], accumulate=False)
+    slots = torch.zeros(len(SIZES_G) - HOME, N, K)
+    home, _ = gemm.wgrad(dy_mn, x_mk, offsets_g(), (None, slots), accumulate=False)
+    assert recording.wgrad_calls == []
+    gemm.wgrad(dy_mn, x_mk, offsets_g(), (home, slots.zero_()), accumulate=True)
+    assert [accumulate for _, accumulate, _ in recording.wgrad_calls] == [True]
+    torch.testing.assert_close(home, 2 * want[:HOME])
+    torch.testing.assert_close(slots, want[HOME:])
+    main_grad = dataclasses.replace(problem, fresh_home_grads=False)
+    assert (autotune.WGRAD_ADD, N, K) not in measure_grouped_gemm(
+        [TorchGroupedGemm(), Recording()], main_grad, CONTEXT, timer, ChoiceCache(None)).chosen
 
 
 class Recording(ReferenceGroupedGemm):

@@ -25,10 +25,18 @@ from moonep_moe.transport.world import EPWorld
 logger = logging.getLogger(__name__)  # a child of "moonep_moe"
 
 
+WGRAD_ADD = "wgrad add"
+"""The choice, apart from "wgrad", for a wgrad that adds into given home gradients in a layer whose wgrad
+otherwise makes them ("param" mode from a step's second micro-batch on:
+`layers.function.accumulating_grads`): the fastest backend at making a gradient need not be the fastest
+at adding into one."""
+
+
 class MeasuredGroupedGemm:
     """Sends each call to the backend measured fastest for its primitive and weight shape ``[cols, inner]``
-    (built by ``measure_grouped_gemm``); shapes that were not measured go to ``fallback``. Pure dispatch: a
-    dict look-up per call, no host sync."""
+    (built by ``measure_grouped_gemm``; a wgrad given its home part goes to the ``WGRAD_ADD`` choice where
+    there is one); shapes that were not measured go to ``fallback``. Pure dispatch: a dict look-up per call,
+    no host sync."""
 
     name = "auto"
     ops = OPS
@@ -50,7 +58,9 @@ class MeasuredGroupedGemm:
 
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
               accumulate: bool = True) -> list[Tensor]:
-        return self._for("wgrad", dy.shape[-1], x.shape[-1]).wgrad(dy, x, offs_g, out, accumulate)
+        cols, inner = dy.shape[-1], x.shape[-1]
+        adding = self.chosen.get((WGRAD_ADD, cols, inner)) if out[0] is not None else None
+        return (adding or self._for("wgrad", cols, inner)).wgrad(dy, x, offs_g, out, accumulate)
 
     def describe(self) -> str:
         """``"fwd 4096x7168: deep_gemm, ..."``: each primitive and weight shape with its backend."""
@@ -63,7 +73,7 @@ class MeasuredGroupedGemm:
 
 Timer = Callable[[str, int, int, int, tuple[int, int], Sequence[GroupedGemm]], Sequence[float]]
 """``timer(op, cols, inner, rows_per_group, (home, slot) groups, backends)`` -> seconds of one ``op`` call
-per backend."""
+per backend (``op``: a primitive, or ``WGRAD_ADD``)."""
 
 
 class ChoiceCache:
@@ -157,8 +167,10 @@ def measure_grouped_gemm(backends: Sequence[GroupedGemm], problem: GemmProblem, 
         context: what else the speed depends on (device name, versions, dtype); part of every cache key,
             with the primitive, ``cols`` (``n=`` in the key), ``inner`` (``k=``), the timed rows per group,
             the timed ``(home, slot)`` groups (``groups=h+s``), the candidates' names and, for wgrad,
-            ``problem.grad_dtype`` where it is given and the mode (``fresh`` or ``add``). Keys without
-            ``groups=`` (before wgrad was timed in the layer's mode, on 8 groups) are never read again.
+            ``problem.grad_dtype`` where it is given and the mode (``fresh`` or ``add``; a problem of fresh
+            home gradients also times the ``add`` form, as ``WGRAD_ADD``: the calls that add into them).
+            Keys without ``groups=`` (before wgrad was timed in the layer's mode, on 8 groups) are never
+            read again.
         timer: ``timer(op, cols, inner, rows_per_group, groups, backends)`` -> seconds each (``cuda_timer``
             on a GPU).
         cache: where winners are looked up and stored.
@@ -167,12 +179,14 @@ def measure_grouped_gemm(backends: Sequence[GroupedGemm], problem: GemmProblem, 
     """
     by_name = {gemm.name: gemm for gemm in backends}
     shapes_nk = dict.fromkeys(problem.shapes_nk)
-    slots = [(op, cols, inner) for op, (cols, inner) in itertools.product(OPS, shapes_nk)]
+    forms = (*OPS, WGRAD_ADD) if problem.fresh_home_grads else OPS
+    slots = [(form, cols, inner) for form, (cols, inner) in itertools.product(forms, shapes_nk)]
     rows = rows_bucket(problem.rows_per_group, align)
     where = str(cache.path) if cache.path is not None else "this process only (MOONEP_MOE_CACHE=off)"
     chosen, timed = {}, 0
     with _MEASURE_LOCK:
-        for op, cols, inner in slots:
+        for form, cols, inner in slots:
+            op = form.split()[0]
             rivals = [gemm for gemm in backends if op in gemm.ops]
             if not rivals:
                 continue
@@ -182,22 +196,22 @@ def measure_grouped_gemm(backends: Sequence[GroupedGemm], problem: GemmProblem, 
             if op == "wgrad" and problem.grad_dtype is not None:
                 key += f"|grad={str(problem.grad_dtype).removeprefix('torch.')}"
             if op == "wgrad":
-                key += "|fresh" if problem.fresh_home_grads else "|add"
+                key += "|fresh" if problem.fresh_home_grads and form == op else "|add"
             name = cache.get(key) if len(rivals) > 1 else rivals[0].name
             if name not in by_name:
                 logger.info("grouped_gemm=auto: timing %s %s on [%d, %d] weights, %d + %d groups of %d rows "
                             "(%s), once: the winner is kept in %s", names, op, cols, inner, *groups, rows,
                             context, where)
                 start = time.perf_counter()
-                timings = list(zip(timer(op, cols, inner, rows, groups, rivals), names.split("/"),
+                timings = list(zip(timer(form, cols, inner, rows, groups, rivals), names.split("/"),
                                    strict=True))
                 name = min(timings)[1]
-                logger.info("grouped_gemm=auto: %s %dx%d -> %s (%s; timed in %.1f s)", op, cols, inner, name,
-                            ", ".join(f"{rival} {t * 1e3:.3f} ms" for t, rival in timings),
+                logger.info("grouped_gemm=auto: %s %dx%d -> %s (%s; timed in %.1f s)", form, cols, inner,
+                            name, ", ".join(f"{rival} {t * 1e3:.3f} ms" for t, rival in timings),
                             time.perf_counter() - start)
                 cache.put(key, name)
                 timed += 1
-            chosen[(op, cols, inner)] = by_name[name]
+            chosen[(form, cols, inner)] = by_name[name]
     if world is not None and world.size > 1:  # outside the lock: thread-ranks meet at the world's barriers
         chosen = agreed_choices(chosen, backends, slots, world)
     gemm = MeasuredGroupedGemm(chosen, fallback=backends[0])
@@ -276,16 +290,16 @@ def timed_calls(op: str, cols: int, inner: int, rows: int, groups: tuple[int, in
                 grad_dtype: torch.dtype, fresh_home_grads: bool) -> list[Callable[[], object]]:
     """One call of ``op`` per backend on ``home + slot`` groups of ``rows`` rows each. wgrad runs the way the
     layer runs it: with ``fresh_home_grads`` the home part None (made by the backend) and the fp32 (or
-    wider) slot gradients overwritten; else adding into home gradients of ``grad_dtype`` and the slot
-    gradients."""
+    wider) slot gradients overwritten; else, and for ``WGRAD_ADD``, adding into home gradients of
+    ``grad_dtype`` and the slot gradients."""
     home, slots = groups
     offs_g = torch.arange(1, home + slots + 1, dtype=torch.int32, device=device) * rows
     x = torch.randn((home + slots) * rows, inner, device=device, dtype=dtype)
     dy = torch.randn((home + slots) * rows, cols, device=device, dtype=dtype)
-    if op == "wgrad":
+    if op in ("wgrad", WGRAD_ADD):
         slot_dtype = torch.promote_types(dtype, torch.float32)
         slot_grads = torch.zeros(slots, cols, inner, device=device, dtype=slot_dtype)
-        if fresh_home_grads:
+        if fresh_home_grads and op == "wgrad":
             return [lambda g=gemm: g.wgrad(dy, x, offs_g, (None, slot_grads), accumulate=False)
                     for gemm in backends]
         home_grads = torch.zeros(home, cols, inner, device=device, dtype=grad_dtype)
