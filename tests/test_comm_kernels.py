@@ -240,6 +240,54 @@ def test_wide_rows_span_several_blocks():
     assert_equal(step, both_paths(step, KERNEL_DEVICE))
 
 
+@pytest.mark.oldest_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_slot_kernels_move_every_used_slot_whole_on_a_grid_smaller_than_their_accesses(dtype):
+    """copy_experts, clear_slots and add_replicas deal the used slots' (or home experts') accesses over a
+    grid sized for the device, not one program per access: slots of several accesses each, used ones between
+    unused ones, more accesses than programs (4 on the CPU, 8 per SM on a GPU). Each used slot must come out
+    whole, each unused one untouched (a sentinel), bit for bit."""
+    from moonep_moe.comm.kernels import experts
+    from moonep_moe.transport.world import SymmetricTensor
+
+    gen = torch.Generator().manual_seed(3)
+    block = experts.SLOT_BLOCK_BYTES // dtype.itemsize
+    numel = (3 if KERNEL_DEVICE == "cpu" else 300) * block + 5  # several accesses, the last one partial
+    ranks, epn, slots_used = 2, 3, [-1, 5, -1, -1, 2, 0]  # global experts; expert e lives on rank e // epn
+    home = [mixed((epn, numel), gen, 4).to(dtype).to(KERNEL_DEVICE) for _ in range(ranks)]
+    experts_b = torch.tensor(slots_used, dtype=torch.int32, device=KERNEL_DEVICE)
+    sentinel_b = mixed((len(slots_used), numel), gen, 0).to(dtype).to(KERNEL_DEVICE)
+
+    slots_b = sentinel_b.clone()
+    experts.copy_experts(SymmetricTensor("home", 0, tuple(home)), slots_b, experts_b)
+    for j, expert in enumerate(slots_used):
+        want = sentinel_b[j] if expert < 0 else home[expert // epn][expert % epn]
+        assert torch.equal(slots_b[j], want), f"copy_experts: slot {j} (expert {expert})"
+
+    cleared_b = sentinel_b.clone()
+    experts.clear_slots(cleared_b, experts_b)
+    for j, expert in enumerate(slots_used):
+        want = sentinel_b[j] if expert < 0 else torch.zeros_like(sentinel_b[j])
+        assert torch.equal(cleared_b[j], want), f"clear_slots: slot {j} (expert {expert})"
+
+    # replicas of rank 0's home experts: expert 2 in slot 4 of rank 1 and slot 1 of rank 0, expert 0 in slot
+    # 5 of rank 1; expert 1 has none (its gradient must stay untouched)
+    slots = [mixed((len(slots_used), numel), gen, 4).to(dtype).to(KERNEL_DEVICE) for _ in range(ranks)]
+    num_slots = len(slots_used)
+    sources_xr = torch.tensor([[1 * num_slots + 5, -1], [-1, -1], [0 * num_slots + 1, 1 * num_slots + 4]],
+                              dtype=torch.int32, device=KERNEL_DEVICE)
+    home_x = mixed((epn, numel), gen, 4).to(dtype).to(KERNEL_DEVICE)
+    want_x = home_x.clone()
+    for x, sources in enumerate(sources_xr.tolist()):  # each replica rounded to the home dtype, then added
+        for source in sources:
+            if source >= 0:
+                replica = slots[source // num_slots][source % num_slots].to(dtype)
+                want_x[x] = (want_x[x].float() + replica.float()).to(dtype)
+    experts.add_replicas(home_x, SymmetricTensor("slots", 0, tuple(slots)), sources_xr)
+    for x in range(epn):
+        assert torch.equal(home_x[x], want_x[x]), f"add_replicas: home expert {x}"
+
+
 # -- CPU: the interpreter ---------------------------------------------------------------------------------
 
 
