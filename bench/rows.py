@@ -6,8 +6,10 @@ here; bench/comm.py runs whole groups). Routing is uniform over E experts (each 
 
 - `send_routes` (dispatch's peer phase): reads S token rows, writes one row per (token, destination rank);
 - `gather_routes` (combine's peer phase): reads the same rows back, writes S rows (fp32 k-order sums);
-- `copy_experts` (prefetch, ExpertRows): B slots of a `[H, H']` bf16 projection from their home ranks;
-- `add_replicas` (reduce_grad): every home expert's fp32 gradient plus its replicas' (skewed routing);
+- `copy_experts` (prefetch, ExpertRows): the used slots of B of a `[H, H']` bf16 projection from their home
+  ranks, a skewed plan's and one slot alone (`_one_slot`: what a real plan fills on a rank);
+- `add_replicas` (reduce_grad): the fp32 gradients of the home experts with replicas plus their replicas'
+  (the same two plans);
 - `buffer_dispatch` / `buffer_combine`: whole one-rank Buffer operations, kernels vs the torch reference.
 
 Bandwidth = bytes read + written / time, as a fraction of `limits.copy_bytes_per_s` (a 4 GiB `copy_`). The
@@ -82,17 +84,24 @@ def weight_phases(record, S: int, H: int, K: int, E: int, R: int, B: int, nvs: i
     epn, row = E // R, (H, ffn)
     home = symmetric("home", [torch.randn(epn, *row, device="cuda").bfloat16() for _ in range(R)])
     slots_bx = torch.empty(B, *row, dtype=torch.bfloat16, device="cuda")
-    experts_b = plan.experts_to_copy[0]
-    used = int((experts_b >= 0).sum())  # used slots are read and written, unused ones only zero-filled
-    record("copy_experts", lambda: experts.copy_experts(home, slots_bx, experts_b),
-           (2 * used + B - used) * slots_bx[0].nbytes)
     grads = torch.zeros(epn, *row, device="cuda")
     slot_grads = symmetric("slot_grads", [torch.zeros(B, *row, device="cuda") for _ in range(R)])
-    table_rb = plan.experts_to_copy.long()
-    mine_rb, home_rb = (table_rb >= 0) & (table_rb // epn == 0), table_rb.clamp(min=0) % epn
-    sources_hr = replica_sources(mine_rb, home_rb, epn)
-    record("add_replicas", lambda: experts.add_replicas(grads, slot_grads, sources_hr),
-           (2 * epn + int(mine_rb.sum())) * grads[0].nbytes)
+    # this skewed plan's slots, and one slot alone: what a real plan of a group fills on a rank (one or two of
+    # its B slots), where the kernels' cost is what the unused slots and experts cost
+    one_rb = torch.full_like(plan.experts_to_copy, -1)
+    one_rb[0, B // 2], one_rb[1, B // 2] = epn, 0  # rank 1's first expert here, one of ours on rank 1
+    for tag, table_rb in (("", plan.experts_to_copy), ("_one_slot", one_rb)):
+        experts_b = table_rb[0]
+        used = int((experts_b >= 0).sum())  # only used slots are read and written
+        record(f"copy_experts{tag}", lambda experts_b=experts_b: experts.copy_experts(
+            home, slots_bx, experts_b), 2 * used * slots_bx[0].nbytes)
+        table_rb = table_rb.long()
+        mine_rb, home_rb = (table_rb >= 0) & (table_rb // epn == 0), table_rb.clamp(min=0) % epn
+        sources_hr = replica_sources(mine_rb, home_rb, epn)
+        homes = int((sources_hr[:, 0] >= 0).sum())  # home experts with replicas: read, written, replicas read
+        record(f"add_replicas{tag}", lambda sources_hr=sources_hr: experts.add_replicas(grads, slot_grads,
+                                                                                       sources_hr),
+               (2 * homes + int(mine_rb.sum())) * grads[0].nbytes)
 
 
 def buffer_ops(record, S: int, H: int, K: int, E: int) -> None:
