@@ -240,6 +240,64 @@ def test_wide_rows_span_several_blocks():
     assert_equal(step, both_paths(step, KERNEL_DEVICE))
 
 
+def received_duplicates(R: int, S: int, K: int, end: int, gen: torch.Generator) -> torch.Tensor:
+    """`[R*S*K, 2]` int32 duplicate pairs as `send_routes` leaves them on a rank whose plan fills `end` rows:
+    each (source rank, token) window, in random order, sends 0..K of its K routes to rows drawn at random
+    below `end` until they run out; its first one is the primary, each later one a pair (its row, the
+    primary's row) at its slot, the rest -1."""
+    pairs_p2 = torch.full((R * S * K, 2), -1, dtype=torch.int32)
+    free = torch.randperm(end, generator=gen).tolist()
+    for window in torch.randperm(R * S, generator=gen).tolist():
+        routes = int(torch.randint(0, K + 1, (), generator=gen))
+        ks = sorted(torch.randperm(K, generator=gen)[:min(routes, len(free))].tolist())
+        rows = [free.pop() for _ in ks]
+        for k, row in zip(ks[1:], rows[1:], strict=True):
+            pairs_p2[window * K + k] = torch.tensor([row, rows[0]])
+    return pairs_p2
+
+
+@pytest.mark.parametrize("constants", [None, (16, 8, 2)], ids=["default", "small"])
+def test_record_duplicates_over_several_pair_programs_and_row_blocks(constants, monkeypatch):
+    """`record_duplicates` with the pairs of several programs of its first launch (the last one partial),
+    the rows of several row blocks (the last one partial) and row blocks past the end (the plan fills fewer
+    rows than NvS); with small constants (`RECORD_SLOTS`, `RECORD_ROWS`, `RECORD_BLOCKS`) more blocks than
+    one step of the earlier blocks' sum. Its tables equal the reference's, bit for bit, and it leaves the
+    pairs all -1 and the marks all 0."""
+    from types import SimpleNamespace
+
+    from moonep_moe.comm.exchange import ReferenceExchange
+    from moonep_moe.comm.kernels import rows
+
+    if constants is not None:
+        for name, value in zip(("RECORD_SLOTS", "RECORD_ROWS", "RECORD_BLOCKS"), constants, strict=True):
+            monkeypatch.setattr(rows, name, value)
+    R, K = 4, 3
+    S = 2 * rows.RECORD_SLOTS // (R * K) + 1  # pairs for 3 programs
+    end = 4 * rows.RECORD_ROWS + 5  # rows for 5 blocks
+    nvs = end + 2 * rows.RECORD_ROWS + 3  # and 2 blocks past the end
+    pairs_p2 = received_duplicates(R, S, K, end, torch.Generator().manual_seed(11))
+
+    def tables(device):
+        int32 = dict(dtype=torch.int32, device=device)
+        return SimpleNamespace(rows_per_rank=nvs, dup_groups=torch.zeros(nvs, 3, **int32),
+                               dup_loffs=torch.zeros(nvs, **int32), dup_counts=torch.zeros(2, **int32))
+
+    want = tables("cpu")
+    ReferenceExchange(SimpleNamespace(dup_pairs=SimpleNamespace(local=pairs_p2.clone()))).record_duplicates(want)
+    got, got_pairs_p2 = tables(KERNEL_DEVICE), pairs_p2.to(KERNEL_DEVICE)
+    marks_nvs = torch.zeros(nvs, dtype=torch.int32, device=KERNEL_DEVICE)
+    end_1 = torch.tensor([end], dtype=torch.int32, device=KERNEL_DEVICE)
+    rows.record_duplicates(got_pairs_p2, marks_nvs, end_1, got.dup_groups, got.dup_loffs, got.dup_counts, K)
+    for name in ("dup_groups", "dup_loffs", "dup_counts"):
+        wrong = int((getattr(got, name).cpu() != getattr(want, name)).sum())
+        assert wrong == 0, f"{wrong} {name} values differ (kernel vs reference)"
+    assert bool((got_pairs_p2 == -1).all()), "every pair reset"
+    assert not bool(marks_nvs.any()), "every mark reset"
+    groups = int(want.dup_counts[0])
+    blocks = set((want.dup_groups[:groups, 0] // rows.RECORD_ROWS).tolist())
+    assert len(blocks) >= 4 and int(want.dup_counts[1]) > groups, "groups in most row blocks, some of 2+"
+
+
 @pytest.mark.oldest_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_slot_kernels_move_every_used_slot_whole_on_a_grid_smaller_than_their_accesses(dtype):

@@ -15,8 +15,8 @@ Both give the same bits (combine sums in fp32 in k order, duplicates in row orde
 order) and the same dup tables; tests/test_comm_kernels.py checks it. Neither owns memory or state: the
 Buffer owns its symmetric tensors and scratch (`RowMemory`), checks every argument and builds the indices
 both read (the plan, the replica tables) before calling them; each exchange turns the duplicate routes it
-received into the plan's dup tables (`record_duplicates`: a sort of the pairs in torch, one launch in the
-kernels). Every index has a shape fixed by the config; unneeded entries are
+received into the plan's dup tables (`record_duplicates`: a sort of the pairs in torch, three launches in
+the kernels). Every index has a shape fixed by the config; unneeded entries are
 marked (rank -1, a zero contribution, a self-copy), never masked out: no host read.
 
 Notation and suffixes: DESIGN.md, "Notation".

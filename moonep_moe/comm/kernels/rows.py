@@ -12,8 +12,9 @@ orders its phases, and builds every index both paths share (the plan's `dst`, du
   expert-grouped row there (primary routes); every route's weight; duplicates record their primary row.
   The programs past the tokens zero this rank's padding rows and their weights (local rows no route
   writes): one launch for both.
-- `record_duplicates`: after the barrier, local, one program: the received duplicate pairs become the
-  plan's dup tables (the pairs mark their primary rows, the rows the plan fills are scanned in order).
+- `record_duplicates`: after the barrier, local, three launches: the received duplicate pairs become the
+  plan's dup tables (the pairs mark their primary rows; the rows the plan fills, in blocks, count their
+  groups, then write them after the earlier blocks' ones).
 - `expand_duplicates`: after the barrier, local: primary rows are copied into their duplicate rows.
 
 Work follows the step's tokens, not the capacity: every kernel reads its counts (padding rows per group,
@@ -199,37 +200,81 @@ def send_routes(hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None, 
             PAD_TILE=min(16, triton.next_power_of_2(token_padding)), BLOCK_H=block, num_warps=warps)
 
 
-RECORD_SLOTS = 4096
-"""Duplicate pairs `record_duplicates` reads per step of its first loop."""
-RECORD_ROWS = 1024
-"""Rows `record_duplicates` scans per step of its second loop (x K_P pair slots in registers)."""
+RECORD_SLOTS = 2048
+"""Duplicate pairs one program of `record_duplicates`' first launch reads."""
+RECORD_ROWS = 256
+"""Rows one program of `record_duplicates`' second and third launches scans (x K_P pair slots in registers):
+a block of the rows the plan fills."""
+RECORD_BLOCKS = 1024
+"""Row blocks' counts the third launch sums per step, where it finds its block's first entries."""
 
 
 @triton.jit
-def _record_duplicates_kernel(pairs_ptr, num_pairs, marks_ptr, end_ptr, groups_ptr, loffs_ptr, counts_ptr,
-                              K: tl.constexpr, K_P: tl.constexpr, SLOTS: tl.constexpr, ROWS: tl.constexpr):
-    # 1. Each received duplicate marks its primary row with its window + 1: the K pair slots of its
-    # (source rank, token), where every duplicate of that token on this rank sits (one primary each).
-    for p0 in range(0, num_pairs, SLOTS):
-        pair = p0 + tl.arange(0, SLOTS)
-        primary = tl.load(pairs_ptr + 2 * pair + 1, mask=pair < num_pairs, other=-1)
-        tl.store(marks_ptr + primary, pair // K + 1, mask=primary >= 0)
-    tl.debug_barrier()  # every mark lands before the rows are scanned
-    # 2. The rows the plan fills, in row order: a marked row is the next group's primary; its window's
-    # duplicate rows, sorted, are the next entries of dup_loffs. Marks and pairs are reset behind.
+def _mark_primaries_kernel(pairs_ptr, num_pairs, marks_ptr, K: tl.constexpr, SLOTS: tl.constexpr):
+    # each received duplicate marks its primary row with its window + 1: the K pair slots of its (source
+    # rank, token), where every duplicate of that token on this rank sits (one primary each, so one window
+    # per marked row: the row blocks below touch disjoint windows)
+    pair = tl.program_id(0) * SLOTS + tl.arange(0, SLOTS)
+    primary = tl.load(pairs_ptr + 2 * pair.to(tl.int64) + 1, mask=pair < num_pairs, other=-1)
+    tl.store(marks_ptr + primary, pair // K + 1, mask=primary >= 0)
+
+
+@triton.jit
+def _row_block_windows(pairs_ptr, marks_ptr, end, block, K: tl.constexpr, K_P: tl.constexpr,
+                       ROWS: tl.constexpr):
+    """Row block `block` of the rows up to `end` -> (rows `[ROWS]`, marked `[ROWS]`, their windows' pair
+    slots `[ROWS, K_P]` int64, in a window `[ROWS, K_P]`, duplicate rows `[ROWS, K_P]` (-1: none), duplicates
+    per row `[ROWS]`)."""
+    row_c = block * ROWS + tl.arange(0, ROWS)
+    window_c = tl.load(marks_ptr + row_c, mask=row_c < end, other=0) - 1
+    marked_c = window_c >= 0
     j_1j = tl.arange(0, K_P)[None, :]
+    slot_cj = window_c.to(tl.int64)[:, None] * K + j_1j  # 2 * slot may pass 2^31
+    in_window_cj = both(marked_c[:, None], j_1j < K)
+    dup_cj = tl.load(pairs_ptr + 2 * slot_cj, mask=in_window_cj, other=-1)
+    return row_c, marked_c, slot_cj, in_window_cj, dup_cj, tl.sum((dup_cj >= 0).to(tl.int32), 1)
+
+
+@triton.jit
+def _count_duplicates_kernel(pairs_ptr, marks_ptr, end_ptr, block_counts_ptr, K: tl.constexpr,
+                             K_P: tl.constexpr, ROWS: tl.constexpr):
+    # per row block up to the end: its groups (marked rows) and duplicates; the blocks past it do nothing
+    block = tl.program_id(0)
+    end = tl.load(end_ptr)
+    if block * ROWS < end:
+        _, marked_c, _, _, _, count_c = _row_block_windows(pairs_ptr, marks_ptr, end, block, K, K_P, ROWS)
+        tl.store(block_counts_ptr + 2 * block, tl.sum(marked_c.to(tl.int32), 0))
+        tl.store(block_counts_ptr + 2 * block + 1, tl.sum(count_c, 0))
+
+
+@triton.jit
+def _blocks_total(block_counts_ptr, blocks, BLOCKS: tl.constexpr):
+    """(groups, duplicates) of row blocks 0 .. `blocks` - 1, as `_count_duplicates_kernel` counted them."""
     groups = tl.zeros([], tl.int32)
     duplicates = tl.zeros([], tl.int32)
-    for r0 in range(0, tl.load(end_ptr), ROWS):
-        row_c = r0 + tl.arange(0, ROWS)
-        window_c = tl.load(marks_ptr + row_c, mask=row_c < tl.load(end_ptr), other=0) - 1
-        marked_c = window_c >= 0
-        slot_cj = window_c[:, None] * K + j_1j
-        in_window_cj = both(marked_c[:, None], j_1j < K)
-        dup_cj = tl.load(pairs_ptr + 2 * slot_cj, mask=in_window_cj, other=-1)
-        count_c = tl.sum((dup_cj >= 0).to(tl.int32), 1)
+    for b0 in range(0, blocks, BLOCKS):
+        b = b0 + tl.arange(0, BLOCKS)
+        groups += tl.sum(tl.load(block_counts_ptr + 2 * b, mask=b < blocks, other=0), 0)
+        duplicates += tl.sum(tl.load(block_counts_ptr + 2 * b + 1, mask=b < blocks, other=0), 0)
+    return groups, duplicates
+
+
+@triton.jit
+def _record_duplicates_kernel(pairs_ptr, marks_ptr, end_ptr, block_counts_ptr, groups_ptr, loffs_ptr,
+                              counts_ptr, K: tl.constexpr, K_P: tl.constexpr, ROWS: tl.constexpr,
+                              BLOCKS: tl.constexpr):
+    # per row block up to the end, in row order: a marked row is the next group's primary; its window's
+    # duplicate rows, sorted, are the next entries of dup_loffs, after the earlier blocks' ones. Marks and
+    # pairs are reset behind.
+    block = tl.program_id(0)
+    end = tl.load(end_ptr)
+    if block * ROWS < end:
+        groups, duplicates = _blocks_total(block_counts_ptr, block, BLOCKS)
+        row_c, marked_c, slot_cj, in_window_cj, dup_cj, count_c = _row_block_windows(
+            pairs_ptr, marks_ptr, end, block, K, K_P, ROWS)
+        j_1j = tl.arange(0, K_P)[None, :]
         sorted_cj = tl.sort(tl.where(dup_cj >= 0, dup_cj, 2147483647), dim=1)
-        group_c = groups + tl.cumsum(marked_c.to(tl.int32), 0) - 1
+        group_c = (groups + tl.cumsum(marked_c.to(tl.int32), 0) - 1).to(tl.int64)  # 3 * group may pass 2^31
         first_c = duplicates + tl.cumsum(count_c, 0) - count_c
         tl.store(groups_ptr + 3 * group_c, row_c, mask=marked_c)
         tl.store(groups_ptr + 3 * group_c + 1, first_c, mask=marked_c)
@@ -239,29 +284,39 @@ def _record_duplicates_kernel(pairs_ptr, num_pairs, marks_ptr, end_ptr, groups_p
         tl.store(pairs_ptr + 2 * slot_cj, tl.full([ROWS, K_P], -1, tl.int32), mask=in_window_cj)
         tl.store(pairs_ptr + 2 * slot_cj + 1, tl.full([ROWS, K_P], -1, tl.int32), mask=in_window_cj)
         tl.store(marks_ptr + row_c, tl.zeros([ROWS], tl.int32), mask=marked_c)
-        groups += tl.sum(marked_c.to(tl.int32), 0)
-        duplicates += tl.sum(count_c, 0)
-    tl.store(counts_ptr, groups)
-    tl.store(counts_ptr + 1, duplicates)
+    if block == 0:  # the counts, every block's (zero without rows)
+        groups, duplicates = _blocks_total(block_counts_ptr, tl.cdiv(end, ROWS), BLOCKS)
+        tl.store(counts_ptr, groups)
+        tl.store(counts_ptr + 1, duplicates)
 
 
 def record_duplicates(pairs_p2: torch.Tensor, marks_nvs: torch.Tensor, end_1: torch.Tensor,
                       dup_groups: torch.Tensor, dup_loffs: torch.Tensor, dup_counts: torch.Tensor,
                       top_k: int) -> None:
-    """The plan's dup tables from this rank's received duplicate pairs, in one launch of one program, equal
-    to the torch reference's (`ReferenceExchange.record_duplicates`): groups in primary-row order, each
-    group's duplicate rows ascending. Work: the `R*S*K` pairs once, then the rows the plan fills (up to
-    `end_1[0]`, read on the device), never NvS. Resets the pairs it read to -1 and the marks to 0.
+    """The plan's dup tables from this rank's received duplicate pairs, in three launches, equal to the torch
+    reference's (`ReferenceExchange.record_duplicates`): groups in primary-row order, each group's duplicate
+    rows ascending. The pairs mark their primary rows (`RECORD_SLOTS` pairs a program); then the rows the plan
+    fills (up to `end_1[0]`, read on the device; never NvS) in blocks of `RECORD_ROWS`, a program each: each
+    block counts its groups and duplicates, then writes its entries after the earlier blocks' ones (it sums
+    their counts) and resets the pairs it read to -1 and its marks to 0; block 0 writes the counts. No host
+    read, capturable: the grids are sized for the static R*S*K and NvS (the blocks past the end do nothing),
+    the blocks' counts go to a `[cdiv(NvS, RECORD_ROWS), 2]` int32 scratch allocated here.
 
     Args:
         pairs_p2: `[R*S*K, 2]` int32 (row, primary row) of each received duplicate at its sender's slot, -1
             where none. marks_nvs: `[NvS]` int32 all zero (scratch). end_1: `[1]` int32, `cu_seqlens[-1:]`.
         dup_groups, dup_loffs, dup_counts: the plan's `[NvS, 3]`, `[NvS]`, `[2]` int32 tables, zero.
     """
+    num_pairs, num_rows = pairs_p2.shape[0], marks_nvs.shape[0]
+    blocks = max(triton.cdiv(num_rows, RECORD_ROWS), 1)
+    block_counts = torch.empty(blocks, 2, dtype=torch.int32, device=pairs_p2.device)
+    rows_launch = dict(K=top_k, K_P=triton.next_power_of_2(top_k), ROWS=RECORD_ROWS, num_warps=4)
     with launching():
-        _record_duplicates_kernel[(1,)](pairs_p2, pairs_p2.shape[0], marks_nvs, end_1, dup_groups, dup_loffs,
-                                        dup_counts, K=top_k, K_P=triton.next_power_of_2(top_k),
-                                        SLOTS=RECORD_SLOTS, ROWS=RECORD_ROWS, num_warps=8)
+        _mark_primaries_kernel[(max(triton.cdiv(num_pairs, RECORD_SLOTS), 1),)](
+            pairs_p2, num_pairs, marks_nvs, K=top_k, SLOTS=RECORD_SLOTS, num_warps=4)
+        _count_duplicates_kernel[(blocks,)](pairs_p2, marks_nvs, end_1, block_counts, **rows_launch)
+        _record_duplicates_kernel[(blocks,)](pairs_p2, marks_nvs, end_1, block_counts, dup_groups, dup_loffs,
+                                             dup_counts, BLOCKS=RECORD_BLOCKS, **rows_launch)
 
 
 @triton.jit
