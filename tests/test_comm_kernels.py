@@ -256,6 +256,7 @@ def received_duplicates(R: int, S: int, K: int, end: int, gen: torch.Generator) 
     return pairs_p2
 
 
+@pytest.mark.oldest_triton
 @pytest.mark.parametrize("constants", [None, (16, 8, 2)], ids=["default", "small"])
 def test_record_duplicates_over_several_pair_programs_and_row_blocks(constants, monkeypatch):
     """`record_duplicates` with the pairs of several programs of its first launch (the last one partial),
