@@ -37,6 +37,20 @@ def test_import_loads_neither_transformers_nor_triton():
     assert done.stdout.strip() == "[]"
 
 
+def test_a_layer_trained_without_torch_compile_never_imports_torch_dynamo():
+    """In a fresh interpreter: building a layer and a forward + backward leave torch._dynamo unimported
+    (importing it costs about what importing torch does); only a forward that torch.compile traces needs it
+    (`layers.compile_break`)."""
+    code = ("import sys, torch; from moonep_moe import MoonEPMoELayer, load_config; "
+            "layer = MoonEPMoELayer(load_config('tiny-cpu', ep_size=1)); "
+            "layer(torch.randn(8, layer.config.hidden_size)).sum().backward(); "
+            "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', "
+            "'moonep_moe.layers.compile_break'))))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_version_is_the_installed_and_the_pyproject_version():
     try:
         installed = importlib.metadata.version("moonep-moe")

@@ -1,7 +1,7 @@
 """`torch.compile` of a whole MoonEPMoELayer: compiled outputs and gradients equal eager ones.
 
 The routed experts (comm core and grouped GEMMs) run eagerly between the compiled graphs
-(`moonep_moe.layers.moe.eager_routed_step`); the router compiles, and so do the shared experts where they
+(`moonep_moe.layers.compile_break.run_eagerly`); the router compiles, and so do the shared experts where they
 do not overlap the routed experts (CPU, or `overlap_shared_experts=False`; on CUDA they run eagerly beside
 them by default). `fullgraph=True` cannot trace the experts and fails with one error that says why.
 """

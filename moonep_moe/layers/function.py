@@ -32,7 +32,7 @@ straight into each parameter's persistent fp32 `main_grad` (the slot gradients a
 adding into them is exact too) and hands autograd None (a placeholder for a parameter under Megatron-Core's
 grad-buffer protocol: `weights.experts.main_grad_added`).
 
-Under `torch.compile` the whole Function runs eagerly between compiled graphs (`moe.eager_routed_step`).
+Under `torch.compile` the whole Function runs eagerly between compiled graphs (`compile_break.run_eagerly`).
 """
 
 from __future__ import annotations

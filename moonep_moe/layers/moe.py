@@ -28,7 +28,7 @@ import hashlib
 import itertools
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +40,7 @@ from moonep_moe.config import MoEConfig
 from moonep_moe.gemm.base import GemmProblem
 from moonep_moe.gemm.fp8 import Fp8GroupedGemm
 from moonep_moe.gemm.registry import fp8_grouped_gemm, fp8_weights_gemm, select_grouped_gemm
-from moonep_moe.layers.function import COMPILE_BREAK_REASON, ExpertsState, MoonEPExperts
+from moonep_moe.layers.function import ExpertsState, MoonEPExperts
 from moonep_moe.layers.router import RouterOutput, TopKRouter
 from moonep_moe.transport.registry import WORLDS, world_of_group
 from moonep_moe.transport.threads import single_world
@@ -200,7 +200,7 @@ def overlapped_step(layer: MoonEPMoELayer, hidden_sh: torch.Tensor, routing: Rou
     experts' backward (a saved input); the shared output (the side stream's) on the current stream.
     In a CUDA graph the side stream forks from the capturing stream (1) and joins it (4; in backward,
     autograd joins its streams into the caller's). Under `torch.compile` this whole step runs eagerly
-    (`eager_routed_step`): the shared experts are not compiled then.
+    (`compile_break.run_eagerly`): the shared experts are not compiled then.
     """
     current = torch.cuda.current_stream(hidden_sh.device)
     side = shared_experts_stream(layer.world)
@@ -212,16 +212,6 @@ def overlapped_step(layer: MoonEPMoELayer, hidden_sh: torch.Tensor, routing: Rou
     current.wait_stream(side)
     shared_sh.record_stream(current)
     return out_sh + shared_sh
-
-
-@functools.cache
-def eager_routed_step(overlap: bool = False) -> Callable[..., torch.Tensor]:
-    """`routed_step` (`overlapped_step` with `overlap`) wrapped to run eagerly under `torch.compile`: the
-    graph breaks around it (`COMPILE_BREAK_REASON`, which is also what `fullgraph=True` raises with; the
-    recompute check cannot be traced either). Built on first use, outside any compiled region (the layer's
-    constructor): `torch.compiler.disable` imports torch._dynamo, which takes longer than importing torch
-    itself."""
-    return torch.compiler.disable(overlapped_step if overlap else routed_step, reason=COMPILE_BREAK_REASON)
 
 
 def world_on(world: EPWorld, device: torch.device) -> EPWorld:
@@ -301,8 +291,6 @@ class MoonEPMoELayer(nn.Module):
         """When True, `forward` keeps the router's logits `[T, E]` (with their autograd graph) in
         `last_router_logits_te` until the next call, so a wrapper can return them without routing twice."""
         self.last_router_logits_te: torch.Tensor | None = None
-        self._routed_step = eager_routed_step()  # built here, outside any compiled region
-        self._overlapped_step = eager_routed_step(overlap=True)
         self.buffer: Buffer | None = None
         self._buffer_given_back = False
         self._state: ExpertsState | None = None
@@ -479,10 +467,14 @@ class MoonEPMoELayer(nn.Module):
             raise ValueError(f"token_mask must be a bool tensor of shape {list(hidden_states.shape[:-1])}, "
                              f"got {token_mask.dtype} {list(token_mask.shape)}")
         routing = self.router(hidden_sh, None if token_mask is None else token_mask.reshape(-1))
-        if self.shared_experts is not None and cfg.overlap_shared_experts and hidden_sh.is_cuda:
-            out_sh = self._overlapped_step(self, hidden_sh, routing)
+        overlap = self.shared_experts is not None and cfg.overlap_shared_experts and hidden_sh.is_cuda
+        step = overlapped_step if overlap else routed_step
+        if torch.compiler.is_compiling():  # traced: the step runs eagerly between the compiled graphs
+            from moonep_moe.layers.compile_break import run_eagerly
+            out_sh = run_eagerly(step, self, hidden_sh, routing)
         else:
-            out_sh = self._routed_step(self, hidden_sh, routing)
+            out_sh = step(self, hidden_sh, routing)
+        if not overlap:
             if self.shared_experts is not None:
                 out_sh = out_sh + self.shared_experts(hidden_sh)
         out = out_sh.view(hidden_states.shape)
