@@ -42,7 +42,7 @@ from torch import nn
 from tqdm import tqdm
 
 from moonep_moe.config import read_config_yaml
-from moonep_moe.config.models import CONFIG_RULES
+from moonep_moe.config.rules import CONFIG_RULES
 from moonep_moe.parallel import data_parallel, ep_world, moe_layers, moe_mesh, reduce_expert_grads
 from moonep_moe.transport.threads import run_ranks
 from moonep_moe.transport.world import EPWorld

@@ -1,8 +1,9 @@
-"""Typed configuration: the pydantic models (`models`) and the YAML files that hold them (`files`)."""
+"""Typed configuration: the pydantic models (`models`, their comm part `comm`, the rules every model keeps:
+`rules`) and the YAML files that hold them (`files`)."""
 
+from moonep_moe.config.comm import CommConfig
 from moonep_moe.config.files import available_configs, load_config, packaged_configs_folder, read_config_yaml
 from moonep_moe.config.models import (
-    CommConfig,
     MoEConfig,
     RouterConfig,
     SharedExpertConfig,
