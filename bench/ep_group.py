@@ -12,13 +12,15 @@ group, `skewed_routing`):
 1. Plan the whole group once with the real planner (`bench.rank_replay.plan_group`: every rank's
    `plan_routes`, as its dispatch computes it; the global part is the same on every rank), under each
    policy (`POLICIES`: `balance` exact, cost_aware and off = plain EP).
-2. For each rank d, one after another on the same GPU: build the unchanged `MoonEPMoELayer` of rank d on a
-   `bench.rank_replay.ReplayWorld` and time its routed step (`moe.routed_step`: the layer's planner, row
-   kernels, prefetch, grouped GEMMs as the layer selects them, SwiGLU, combine, reduce_grad) forward and
-   backward on the routes the plan gives it, the router's choice given (the router is left out, the same
-   for every policy and for torch-native). The peers' writes into its Buffer are staged copies of their
-   real rows, their reads of its memory copies into scratch, both on a side stream in the windows of the
-   exchange calls where they happen (`bench.rank_replay`). Each rank's plan is checked against the group's.
+2. For each rank d, one after another on the same GPU, and for each rank policy after policy (so the arms a
+   target compares run seconds apart, not a policy's whole pass of minutes apart): build the unchanged
+   `MoonEPMoELayer` of rank d on a `bench.rank_replay.ReplayWorld` and time its routed step
+   (`moe.routed_step`: the layer's planner, row kernels, prefetch, grouped GEMMs as the layer selects them,
+   SwiGLU, combine, reduce_grad) forward and backward on the routes the plan gives it, the router's choice
+   given (the router is left out, the same for every policy and for torch-native). The peers' writes into
+   its Buffer are staged copies of their real rows, their reads of its memory copies into scratch, both on
+   a side stream in the windows of the exchange calls where they happen (`bench.rank_replay`). Each rank's
+   plan is checked against the group's.
 3. The link, per rank and exchange call (`link_bytes`): dispatch rows in and out (a row per token and
    destination rank, route weights, duplicate pairs), combine rows, replica weights in (prefetch, forward
    and backward) and out (the replicas of its experts that peers pull), replica gradients (fp32) in and
@@ -382,26 +384,31 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_policy(group: Group, policy: str, steps: list[GroupStep], maxvio: list[float], stand_ins: StandIns,
-               device: torch.device, reps: Repeats, profile: dict | None, say: Callable[[str], None]
-               ) -> list[dict]:
-    """Every rank of `group` under `policy`, one after another, at every routing of `steps` (one per maxvio
-    reached, `maxvio`): per maxvio `{"ranks": [time_rank per rank], "slowest": slowest(...)}`. With
-    `profile`, the kernels of one step of `exact`'s busiest rank at the last maxvio go there."""
-    cfg = steps[0].cfg
-    per_maxvio: list[list[dict]] = [[] for _ in steps]
+def run_ranks(group: Group, steps: dict[str, list[GroupStep]], maxvio: list[float], device: torch.device,
+              reps: Repeats, profile: dict | None, say: Callable[[str], None]) -> dict[str, list[dict]]:
+    """Every rank of `group` under every policy (`steps`: per policy, one group step per maxvio reached,
+    `maxvio`), rank by rank and, for each rank, policy after policy (the arms a target compares, measured
+    seconds apart rather than a policy's whole pass apart, so the GPU's drift in clocks and temperature over
+    minutes does not enter their ratios): per policy and maxvio `{"ranks": [time_rank per rank], "slowest":
+    slowest(...)}`. The peers' stand-ins are shared by the policies (keyed by shape). With `profile`, the
+    kernels of one step of `exact`'s busiest rank at the last maxvio go there."""
+    stand_ins = StandIns()
+    per_policy = {policy: [[] for _ in policy_steps] for policy, policy_steps in steps.items()}
     for rank in range(group.ranks):
-        layer, world = replay_layer(cfg, rank, stand_ins, device)
-        for i, step in enumerate(steps):
-            row = time_rank(layer, world, step, rank, reps, block=policy == "exact")
-            per_maxvio[i].append(row)
-            say(rank_line(policy, maxvio[i], row, group.ranks))
-        if profile is not None and policy == "exact" and rank == busiest_rank(steps[-1]):
-            profile[f"{group.label} exact rank {rank}"] = profile_step(layer, world, steps[-1], rank)
-        layer.destroy()
-        del layer, world
-        free_memory()
-    return [{"ranks": ranks, "slowest": slowest(ranks)} for ranks in per_maxvio]
+        for policy, policy_steps in steps.items():
+            layer, world = replay_layer(policy_steps[0].cfg, rank, stand_ins, device)
+            for i, step in enumerate(policy_steps):
+                row = time_rank(layer, world, step, rank, reps, block=policy == "exact")
+                per_policy[policy][i].append(row)
+                say(rank_line(policy, maxvio[i], row, group.ranks))
+            last = policy_steps[-1]
+            if profile is not None and policy == "exact" and rank == busiest_rank(last):
+                profile[f"{group.label} exact rank {rank}"] = profile_step(layer, world, last, rank)
+            layer.destroy()
+            del layer, world
+            free_memory()
+    return {policy: [{"ranks": ranks, "slowest": slowest(ranks)} for ranks in per_maxvio]
+            for policy, per_maxvio in per_policy.items()}
 
 
 def profile_step(layer: MoonEPMoELayer, world: ReplayWorld, step: GroupStep, rank: int) -> dict:
@@ -765,13 +772,12 @@ def run_group(group: Group, args: argparse.Namespace, device: torch.device, reco
              "routing": [{"target": t, "maxvio": r.maxvio, "sigma": r.sigma}
                          for t, r in zip(args.maxvio, routings, strict=True)],
              "rows_per_rank": {p: c.rows_per_rank for p, c in cfgs.items()},
-             "replica_cost": {p: c.replica_cost for p, c in cfgs.items()}, "policies": {}}
+             "replica_cost": {p: c.replica_cost for p, c in cfgs.items()}}
     reps = Repeats(args.warmup, args.repeat)
-    for policy in args.policies:
-        say(f"{group.label}, {policy}: {group.ranks} ranks x {len(args.maxvio)} maxvio, one after another")
-        runs = run_policy(group, policy, steps[policy], reached, StandIns(), device, reps,
-                          record.get("profile"), say)
-        table["policies"][policy] = runs
+    say(f"{group.label}: {group.ranks} ranks, each under {', '.join(args.policies)}, "
+        f"{len(args.maxvio)} maxvio each")
+    table["policies"] = run_ranks(group, steps, reached, device, reps, record.get("profile"), say)
+    for policy, runs in table["policies"].items():
         for maxvio, summary in zip(args.maxvio, runs, strict=True):
             best = summary["slowest"]["nvlink"]
             local = summary["slowest"]["local"]["ms"]
