@@ -405,18 +405,18 @@ def test_gradient_accumulation_casts_the_home_experts_once_per_optimizer_step(mo
     around it: the first micro-batch casts both home weights in both orientations, the others reuse them,
     and the gradients are the bits of casting on every call; after an optimizer step the next micro-batches
     use the new weights (the same bits as a fresh cast). A `fixed_expert_weights` block gives the same bits
-    and frees the copies at its end. Four experts (BASE's eight, each a 128-row segment, only double the
-    interpreted GEMMs and casts)."""
+    and frees the copies at its end. Two experts of one 128x128 block per projection half (more, each a
+    128-row segment, only multiply the interpreted GEMMs and casts)."""
     from moonep_moe import fixed_expert_weights
     from moonep_moe.transport.threads import single_world
 
-    cfg = MoEConfig(**{**BASE, "num_experts": 4}, token_padding=128)
+    cfg = MoEConfig(**{**BASE, "num_experts": 2, "hidden_size": 128}, token_padding=128)
     layer = MoonEPMoELayer(cfg, single_world(KERNEL_DEVICE))
     gemm = layer._state.gemm = Fp8GroupedGemm(layer._state.gemm, kernel="triton")
     casts = CountingCasts(monkeypatch)
     home = (layer.experts.gate_up, layer.experts.down)
     gen = torch.Generator().manual_seed(15)
-    xs = [torch.randn(48, BASE["hidden_size"], generator=gen).to(torch.bfloat16).to(KERNEL_DEVICE)
+    xs = [torch.randn(48, cfg.hidden_size, generator=gen).to(torch.bfloat16).to(KERNEL_DEVICE)
           for _ in range(2)]
 
     def accumulate(fresh: bool) -> list[torch.Tensor]:
