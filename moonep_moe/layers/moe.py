@@ -474,9 +474,8 @@ class MoonEPMoELayer(nn.Module):
             out_sh = run_eagerly(step, self, hidden_sh, routing)
         else:
             out_sh = step(self, hidden_sh, routing)
-        if not overlap:
-            if self.shared_experts is not None:
-                out_sh = out_sh + self.shared_experts(hidden_sh)
+        if not overlap and self.shared_experts is not None:
+            out_sh = out_sh + self.shared_experts(hidden_sh)
         out = out_sh.view(hidden_states.shape)
         return (out, routing.aux_loss) if routing.aux_loss is not None else out
 
