@@ -18,6 +18,17 @@ ALIGNMENT = 16
 """Bytes every peer base address must be a multiple of (what the kernels promise the compiler)."""
 
 
+def device_programs(capacity: int, device: torch.device, per_sm: int, num_sms: int | None = None) -> int:
+    """Programs of a grid-stride loop over at most `capacity` items: `per_sm` per SM of the CUDA device
+    (`num_sms` of them, default the device's), 4 on the CPU (Triton's interpreter), never more than the
+    items and at least one."""
+    if device.type == "cuda":
+        programs = per_sm * (num_sms or torch.cuda.get_device_properties(device).multi_processor_count)
+    else:
+        programs = 4
+    return max(1, min(capacity, programs))
+
+
 def pointer_table(tensor: SymmetricTensor) -> torch.Tensor:
     """`[R]` int64 on the tensor's device: every rank's base address of `tensor` (all peers mapped).
 

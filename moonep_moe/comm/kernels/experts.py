@@ -31,11 +31,8 @@ def _slot_launch(numel: int, itemsize: int, items: int, device: torch.device) ->
     once, cost more than the copy they surround."""
     block = min(triton.next_power_of_2(numel), SLOT_BLOCK_BYTES // itemsize)
     chunks = triton.cdiv(numel, block)
-    if device.type == "cuda":
-        per_wave = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        per_wave = 4
-    return max(1, min(items * chunks, per_wave)), block, chunks, max(1, min(8, block * itemsize // 1024))
+    programs = common.device_programs(items * chunks, device, PROGRAMS_PER_SM)
+    return programs, block, chunks, max(1, min(8, block * itemsize // 1024))
 
 
 @triton.jit

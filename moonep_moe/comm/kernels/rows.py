@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from moonep_moe.base.interpreter import launching
+from moonep_moe.comm.kernels import common
 from moonep_moe.comm.kernels.common import TL_DTYPES, base, both, narrow, pointer_tables, widen
 from moonep_moe.transport.world import SymmetricTensor
 
@@ -76,12 +77,7 @@ def _row_block(width: int, itemsize: int) -> tuple[int, int]:
 
 def _group_programs(capacity: int, device: torch.device, num_sms: int | None) -> tuple[int, int]:
     """(programs, iterations) of a grid-stride loop over at most `capacity` items counted on the device."""
-    if device.type == "cuda":
-        num_sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
-        programs = min(capacity, 4 * num_sms)
-    else:
-        programs = min(capacity, 4)
-    programs = max(programs, 1)
+    programs = common.device_programs(capacity, device, 4, num_sms)
     return programs, triton.cdiv(capacity, programs)
 
 
