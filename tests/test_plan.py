@@ -230,6 +230,9 @@ def assert_segments(sc: Scenario) -> None:
             hosted = g // sc.epn == d if g < sc.E else expert >= 0  # a home group or a used slot
             received = int((here & (rt["expert"] == expert)).sum()) if hosted else 0
             assert routes_end - start == received, f"group {g} on rank {d}: rows of routes"
+            if g >= sc.E and expert >= 0:  # a used slot has rows: wgrad writes its gradient, which
+                assert received > 0, f"slot {g - sc.E} on rank {d} holds expert {expert} without routes"
+                # reduce_grad reads; an unused slot's is neither written nor read
             if not hosted:
                 assert end == start, f"group {g} on rank {d} must be empty"
             if received == 0:

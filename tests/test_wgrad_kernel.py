@@ -64,6 +64,25 @@ def test_overwrite_writes_every_group(cuts, dtype):
 
 
 @pytest.mark.interpreter
+@pytest.mark.oldest_triton
+@pytest.mark.parametrize(("parts_of", "first_group"), [((5, 4), 0), ((4,), 5)],
+                         ids=["home+slots", "slots-only"])
+def test_overwrite_stores_nothing_into_unused_slots(parts_of, first_group):
+    """From `slot_groups_from` on, an empty group is an unused slot: its gradient keeps what it held (NaN
+    here: not one store), while the slots with rows are written and an empty home group gets zeros."""
+    dy_mn, x_mk = random_rows(SIZES_G, N, K, torch.bfloat16)
+    parts = [torch.full((groups, N, K), float("nan")) for groups in parts_of]
+    grouped_wgrad_triton(dy_mn, x_mk, offsets_g(SIZES_G), parts, accumulate=False, first_group=first_group,
+                         slot_groups_from=5)
+    got_gnk, want_gnk = torch.cat(parts), expected_gnk(dy_mn, x_mk, SIZES_G)[first_group:]
+    for i, (start, end) in enumerate(segments(SIZES_G)[first_group:]):
+        if start == end and first_group + i >= 5:
+            assert got_gnk[i].isnan().all(), f"unused slot group {first_group + i} must not be written"
+        else:
+            torch.testing.assert_close(got_gnk[i].double(), want_gnk[i], **FP32_TOL)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("cuts", [[], [5]], ids=["one", "home+slots"])
 def test_accumulate_adds_and_leaves_empty_groups_alone(cuts):
     dy_mn, x_mk = random_rows(SIZES_G, N, K, torch.bfloat16)

@@ -70,7 +70,9 @@ class GroupedGemm(Protocol):
               accumulate: bool = True) -> list[Tensor]:
         """Add ``dy[start:end]^T @ x[start:end]`` into group g of ``out`` (split like the weights); with
         ``accumulate=False`` overwrite instead (every group written, empty ones with zeros), which saves
-        zeroing the fp32 gradients and reading them back.
+        zeroing the fp32 gradients and reading them back. An empty group of the parts after the first (the
+        prefetch slots) is an unused slot: overwriting may leave it as it was (nothing reads an unused slot's
+        gradient; every slot a plan fills has rows).
 
         With ``accumulate=False`` the first part may be None: the backend makes it, a new
         ``[G - groups of the other parts, cols, inner]`` tensor in dy's dtype (fp32 accumulation inside),

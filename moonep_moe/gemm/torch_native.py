@@ -55,7 +55,8 @@ class TorchGroupedGemm:
             if dy.is_cuda:
                 from moonep_moe.gemm.kernels.wgrad import grouped_wgrad_triton
 
-                grouped_wgrad_triton(dy, x, offs_g, later, accumulate=False, first_group=fresh)
+                grouped_wgrad_triton(dy, x, offs_g, later, accumulate=False, first_group=fresh,
+                                     slot_groups_from=fresh)
             else:
                 _store_groups(torch._grouped_mm(dy.T, x, offs=offs_g)[fresh:], later, accumulate=False)
         return [made, *later]

@@ -40,7 +40,7 @@ class TritonGroupedGemm:
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
               accumulate: bool = True) -> list[Tensor]:
         parts = _wgrad_parts(dy, x, offs_g, out, accumulate)
-        self._wgrad(dy, x, offs_g, parts, accumulate)
+        self._wgrad(dy, x, offs_g, parts, accumulate, slot_groups_from=parts[0].shape[0])
         return parts
 
 

@@ -15,7 +15,8 @@ fp32 (``accumulate``).
 
 Grid: one program per (group, tile), 1D, group-major, tiles swizzled in bands of ``SWIZZLE`` tile rows so the
 programs running at once share both operands in L2. A group's rows are data (``offs_g`` on the device, no
-host read): an empty group's programs store zeros (overwrite) or exit (accumulate) at once.
+host read): an empty group's programs store zeros (overwrite) or exit (accumulate, and an unused prefetch
+slot's: ``zeroed_groups``) at once.
 
 Groups live in up to two output tensors per launch (home gradients, then the slot-gradient pool), passed as
 two base pointers and the first one's group count (the two may differ in dtype, e.g. bf16 home gradients and
@@ -61,10 +62,10 @@ def _configs() -> list[triton.Config]:
 
 @triton.autotune(configs=_configs(), key=["cols", "inner"], cache_results=True)
 @triton.jit
-def _grouped_wgrad_kernel(dy_ptr, x_ptr, offs_ptr, out0_ptr, out1_ptr, groups0, first_group, cols, inner,
-                          stride_dy, stride_x, stride_out0, stride_out1, ACCUMULATE: tl.constexpr,
-                          SWIZZLE: tl.constexpr, INTERPRET_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-                          BLOCK_INNER: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+def _grouped_wgrad_kernel(dy_ptr, x_ptr, offs_ptr, out0_ptr, out1_ptr, groups0, first_group, zeroed_groups,
+                          cols, inner, stride_dy, stride_x, stride_out0, stride_out1,
+                          ACCUMULATE: tl.constexpr, SWIZZLE: tl.constexpr, INTERPRET_ROWS: tl.constexpr,
+                          BLOCK_COLS: tl.constexpr, BLOCK_INNER: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     pid = tl.program_id(0)
     tiles_cols = tl.cdiv(cols, BLOCK_COLS)
     tiles_inner = tl.cdiv(inner, BLOCK_INNER)
@@ -81,9 +82,8 @@ def _grouped_wgrad_kernel(dy_ptr, x_ptr, offs_ptr, out0_ptr, out1_ptr, groups0, 
     end = tl.load(offs_ptr + segment)
     start = tl.load(offs_ptr + segment - 1, mask=segment > 0, other=0)
     count = end - start
-    if ACCUMULATE:
-        if count <= 0:
-            return
+    if (count <= 0) & (segment >= zeroed_groups):  # nothing to add, or an unused slot's gradient: no store
+        return
 
     col_ids = tile_col * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     inner_ids = tile_inner * BLOCK_INNER + tl.arange(0, BLOCK_INNER)
@@ -148,7 +148,7 @@ def _check(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor, out: Sequenc
 
 
 def grouped_wgrad_triton(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor, out: Sequence[torch.Tensor],
-                         accumulate: bool, first_group: int = 0) -> None:
+                         accumulate: bool, first_group: int = 0, slot_groups_from: int | None = None) -> None:
     """``out[g] (+)= dy[start:end]^T @ x[start:end]`` for every group g >= ``first_group``, accumulated in
     fp32.
 
@@ -158,11 +158,17 @@ def grouped_wgrad_triton(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor
         offs_g: int32 ``[G]`` group end offsets (device); rows at and past ``offs_g[-1]`` are never read.
         out: ``[g_i, cols, inner]`` parts (float32, bfloat16 or float16, each ``[cols, inner]`` matrix
             contiguous) whose groups concatenate to groups ``[first_group, G)`` (home gradients, then slots).
-        accumulate: add into ``out``; False overwrites every group (empty ones with zeros).
+        accumulate: add into ``out``; False overwrites every group (empty ones with zeros), except the
+            empty groups from ``slot_groups_from`` on.
         first_group: the groups before it are not computed (e.g. the slots alone, the home experts'
             gradients being made by another GEMM); their rows are never read.
+        slot_groups_from: the first prefetch-slot group (in ``offs_g``'s numbering): an empty slot group is
+            an unused slot, whose gradient nothing reads (every slot a plan fills has rows), so it is not
+            written, not even on overwrite: zeros the size of an fp32 gradient per unused slot would be
+            stored for nothing. None: no slot groups, every empty group is written with zeros on overwrite.
     """
     _check(dy, x, offs_g, out, first_group)
+    zeroed_groups = 0 if accumulate else offs_g.numel() if slot_groups_from is None else slot_groups_from
     for pair in (out[i:i + 2] for i in range(0, len(out), 2)):
         out0, out1 = pair[0], pair[-1]
         groups0 = out0.shape[0]
@@ -170,19 +176,21 @@ def grouped_wgrad_triton(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor
         if groups and accumulate:
             _tune_overwriting(dy, x, offs_g, out0, out1, first_group)
         if groups:
-            _launch(dy, x, offs_g, out0, out1, groups, groups0, first_group, accumulate)
+            _launch(dy, x, offs_g, out0, out1, groups, groups0, first_group, accumulate, zeroed_groups)
         first_group += groups
 
 
 def _launch(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor, out0: torch.Tensor, out1: torch.Tensor,
-            groups: int, groups0: int, first_group: int, accumulate: bool) -> None:
-    """One launch over groups `[first_group, first_group + groups)`, the first `groups0` in `out0`."""
+            groups: int, groups0: int, first_group: int, accumulate: bool, zeroed_groups: int) -> None:
+    """One launch over groups `[first_group, first_group + groups)`, the first `groups0` in `out0`; an empty
+    group is written (zeros) only below `zeroed_groups`."""
     cols, inner = dy.shape[1], x.shape[1]
     grid = lambda meta: (
         groups * triton.cdiv(cols, meta["BLOCK_COLS"]) * triton.cdiv(inner, meta["BLOCK_INNER"]),)
-    _grouped_wgrad_kernel[grid](dy, x, offs_g, out0, out1, groups0, first_group, cols, inner, dy.stride(0),
-                                x.stride(0), out0.stride(0), out1.stride(0), ACCUMULATE=accumulate,
-                                SWIZZLE=SWIZZLE, INTERPRET_ROWS=dy.shape[0] if INTERPRETED else 0)
+    _grouped_wgrad_kernel[grid](dy, x, offs_g, out0, out1, groups0, first_group, zeroed_groups, cols, inner,
+                                dy.stride(0), x.stride(0), out0.stride(0), out1.stride(0),
+                                ACCUMULATE=accumulate, SWIZZLE=SWIZZLE,
+                                INTERPRET_ROWS=dy.shape[0] if INTERPRETED else 0)
 
 
 _TUNING_GROUPS = 8
@@ -202,5 +210,5 @@ def _tune_overwriting(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor, o
     scratch1 = torch.empty((1, *matrix), dtype=out1.dtype, device=out1.device)
     groups = min(_TUNING_GROUPS, offs_g.numel() - first_group)
     _launch(dy, x, offs_g, scratch0, scratch1, groups, min(groups, _TUNING_GROUPS - 1), first_group,
-            accumulate=False)
+            accumulate=False, zeroed_groups=offs_g.numel())
     _TUNED.add(key)
