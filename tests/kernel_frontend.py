@@ -232,7 +232,7 @@ def wgrad_launches() -> None:
         common = dict(ACCUMULATE=accumulate, SWIZZLE=wgrad.SWIZZLE, INTERPRET_ROWS=0)
         current = f"grouped_wgrad accumulate={accumulate}"
         dy, x = torch.zeros(256, 64, dtype=torch.bfloat16), torch.zeros(256, 96, dtype=torch.bfloat16)
-        wgrad._grouped_wgrad_kernel.fn[(1,)](dy, x, offs, out0, out1, 1, 0, 64, 96, 64, 96, out0.stride(0),
+        wgrad._grouped_wgrad_kernel.fn[(1,)](dy, x, offs, out0, out1, 1, 0, 1, 64, 96, 64, 96, out0.stride(0),
                                              out1.stride(0), **common, **wgrad._configs()[0].kwargs)
 
 current = ""
