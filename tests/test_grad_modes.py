@@ -195,13 +195,16 @@ def test_main_grad_follows_megatrons_grad_buffer_protocol():
         fired.clear()
 
 
+@pytest.mark.parametrize("how", ["requires_grad=False", "backward(inputs=)"])
 @pytest.mark.parametrize("mode", ["param", "main_grad"])
 @pytest.mark.parametrize("frozen", [("gate_up", "down"), ("down",)], ids=["both", "down"])
 def test_frozen_experts_get_no_weight_gradient_while_the_input_and_router_get_theirs(monkeypatch, mode,
-                                                                                     frozen):
-    """`requires_grad=False` on home-expert parameters (every rank alike; 2 ranks, skewed routing, so
-    replicas train on the peer): no wgrad GEMM and no `reduce_grad` for them, no `.grad` and no `main_grad`;
-    the input, the router and a trainable projection get the float64 reference's gradients."""
+                                                                                     frozen, how):
+    """Home-expert parameters left out of the backward (every rank alike; 2 ranks, skewed routing, so
+    replicas train on the peer), by `requires_grad=False` or by a `backward(inputs=...)` without them (the
+    input-gradient half of a split backward): no wgrad GEMM and no `reduce_grad` for them, no `.grad` and
+    no `main_grad`; the input, the router and a trainable projection get the float64 reference's
+    gradients."""
     p = make_problem(make_config(2, expert_grad_dtype=mode), seed=83, skew=100.0)
     reduced, reduce_grad = [], Buffer.reduce_grad
 
@@ -213,8 +216,9 @@ def test_frozen_experts_get_no_weight_gradient_while_the_input_and_router_get_th
 
     def rank_fn(world):
         layer = build_layer(p, world)
-        for name in frozen:
-            getattr(layer.experts, name).requires_grad_(False)
+        if how == "requires_grad=False":
+            for name in frozen:
+                getattr(layer.experts, name).requires_grad_(False)
         gemm, wgrads = layer._state.gemm, []
         wgrad = gemm.wgrad
 
@@ -224,7 +228,11 @@ def test_frozen_experts_get_no_weight_gradient_while_the_input_and_router_get_th
 
         gemm.wgrad = wgrad_spy
         x = p.hidden[world.rank].clone().requires_grad_()
-        layer(x).backward(p.grad_out[world.rank])
+        wanted = None
+        if how == "backward(inputs=)":
+            wanted = [x, layer.router.weight] + [getattr(layer.experts, name)
+                                                 for name in ("gate_up", "down") if name not in frozen]
+        layer(x).backward(p.grad_out[world.rank], inputs=wanted)
         result = dict(expert_grads(layer), x=x.grad, router=layer.router.weight.grad,
                       slots_used=int(layer.balance_stats()["slots_used"].max()), wgrads=wgrads)
         layer.destroy()
@@ -388,10 +396,11 @@ def test_param_mode_adds_later_micro_batches_into_grad(R):
 
 @pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=x)", "register_hook"])
 def test_param_mode_leaves_grad_to_autograd_where_it_must_see_the_step_alone(how):
-    """Where autograd must not fold this micro-batch's gradient into `.grad` (`torch.autograd.grad`, a
-    `backward(inputs=)` without the weights) or a hook wants it alone (`register_hook` on the weight), the
-    GEMMs make a fresh gradient: `.grad` keeps the first step's values (or becomes the sum, with the hook
-    seeing only the second step's), and what is returned or seen is the second step's reference gradient."""
+    """Where autograd must not fold this micro-batch's gradient into `.grad` (`torch.autograd.grad`) or a
+    hook wants it alone (`register_hook` on the weight), the GEMMs make a fresh gradient: `.grad` keeps the
+    first step's values (or becomes the sum, with the hook seeing only the second step's), and what is
+    returned or seen is the second step's reference gradient. A `backward(inputs=)` without the weights runs
+    no weight-gradient GEMM at all and leaves `.grad` as it was."""
     p = make_problem(make_config(1), seed=85, skew=100.0)
     problems = micro_batches(p, 2)
 
@@ -418,10 +427,10 @@ def test_param_mode_leaves_grad_to_autograd_where_it_must_see_the_step_alone(how
     (got,) = run_ranks(run, 1)
     _, first_gate_up, first_down, _ = run_dense(problems[0])
     _, second_gate_up, second_down, _ = run_dense(problems[1])
-    assert got["calls"] == [(None, False)] * 2
-    if how == "backward(inputs=x)":
-        assert got["seen"] == []
+    if how == "backward(inputs=x)":  # no weight gradient wanted: no weight-gradient GEMM
+        assert got["calls"] == [] and got["seen"] == []
     else:
+        assert got["calls"] == [(None, False)] * 2
         assert len(got["seen"]) == 2
         torch.testing.assert_close(got["seen"][0], second_gate_up, **TOL)
         torch.testing.assert_close(got["seen"][1], second_down, **TOL)

@@ -151,7 +151,11 @@ class MoonEPExperts(torch.autograd.Function):
         # step's gradient into a `.grad` (a later micro-batch), add into that `.grad` (`accumulating_grads`);
         # "main_grad": they add into the persistent main_grad. Added into, the slot gradients are exact too
         # (zero between steps: reduce_grad clears them)
-        main_grad, trains = state.main_grad, ctx.needs_input_grad[4:6]
+        # the projections whose gradient this backward wants: trainable, and not left out of a
+        # `backward(inputs=...)` (the input-gradient half of a split backward runs no weight-gradient GEMM)
+        main_grad = state.main_grad
+        trains = tuple(needed and backward_runs(node) for needed, (node, _)
+                       in zip(ctx.needs_input_grad[4:6], ctx.next_functions[-2:], strict=True))
         if main_grad:
             home = experts.main_grads(trains)
         else:
@@ -185,6 +189,18 @@ class MoonEPExperts(torch.autograd.Function):
                     node.variable.grad = None
             weight_grads = [None if grad is None else grad.home.local for grad in grads]
         return grad_hidden_sh, grad_route_weights_sk, None, None, *weight_grads, None
+
+
+def backward_runs(node) -> bool:
+    """Whether the running backward executes `node` (an input's gradient edge): False where a
+    `backward(inputs=...)` leaves that input out; True where autograd cannot say (a leaf's gradient
+    accumulator under `torch.autograd.grad`, which returns the gradient: it is wanted)."""
+    if node is None:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return True
 
 
 def accumulating_grads(edges: tuple, trains: tuple[bool, bool]) -> tuple[torch.Tensor | None, ...]:
