@@ -90,7 +90,7 @@ def comm_launches() -> None:
     global current
     from moonep_moe.comm.kernels import experts, rows
     from moonep_moe.fp8 import wire as fp8_rows
-    from moonep_moe.plan import triton as plan
+    from moonep_moe.plan import histogram
 
     H, K, S, nvs = 64, 4, 8, 256
     dst_n = torch.zeros(S * K, dtype=torch.int32)
@@ -132,7 +132,7 @@ def comm_launches() -> None:
     rows.copy_rows(torch.zeros(nvs, H, dtype=torch.bfloat16), torch.zeros(nvs, H, dtype=torch.bfloat16),
                    torch.zeros(1, dtype=torch.int32), num_sms=4)
     current = "expert_histogram"
-    plan.expert_histogram_triton(torch.zeros(S, K, dtype=torch.int32), 12)
+    histogram.expert_histogram_triton(torch.zeros(S, K, dtype=torch.int32), 12)
     dup_groups, dup_loffs = torch.zeros(nvs, 3, **int32), torch.zeros(nvs, **int32)
     for dtype in (torch.bfloat16, torch.float32):
         current = f"expand_duplicates {dtype}"

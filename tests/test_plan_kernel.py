@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from test_plan import Scenario, histograms, scenarios, topk_from_counts
 
 from moonep_moe.base.sizes import default_slots, rows_capacity
+from moonep_moe.plan.histogram import HISTOGRAM_ROUTES, expert_histogram_triton
 from moonep_moe.plan.planner import expert_histogram, plan_one_rank, plan_routes
 from moonep_moe.plan.reference import plan_global
-from moonep_moe.plan.triton import HISTOGRAM_ROUTES, expert_histogram_triton, plan_routes_triton, prepare
+from moonep_moe.plan.triton import plan_routes_triton, prepare
 from moonep_moe.plan.types import MoonEPCommPlan
 
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

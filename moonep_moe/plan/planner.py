@@ -21,7 +21,7 @@ def expert_histogram(topk_experts_sk: torch.Tensor, num_experts: int) -> torch.T
     the ids' device with no host read (unlike `bincount`, whose length is read): on CUDA with Triton one
     launch (`expert_histogram_triton`), elsewhere a fixed-shape scatter-add."""
     if _use_triton(topk_experts_sk):
-        from moonep_moe.plan.triton import expert_histogram_triton
+        from moonep_moe.plan.histogram import expert_histogram_triton
 
         return expert_histogram_triton(topk_experts_sk, num_experts)
     ids_n = topk_experts_sk.reshape(-1).long()

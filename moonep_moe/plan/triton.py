@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moonep_moe.plan.histogram import HISTOGRAM_ROUTES, count_routes
 from moonep_moe.plan.types import NO_ROUTE, MoonEPCommPlan
 
 ROUTES_PER_BLOCK = 512
@@ -60,8 +61,6 @@ PLAN_WARPS = 8
 """Warps of launch 1 (the global program's loops reduce across them; `bench.plan` sweeps the choice)."""
 DESTINATION_WARPS = 8
 """Warps of launch 2 (`bench.plan` sweeps them)."""
-HISTOGRAM_ROUTES = 4096
-"""Routes a program counting a histogram (`expert_histogram_triton`, a one-rank plan) reads a loop step."""
 ZERO_CHUNK = tl.constexpr(1024)
 """Elements a block program zeroes per store of the dup tables."""
 BIG = tl.constexpr(2**31 - 1)
@@ -278,19 +277,6 @@ def _rank_segments(d0, routes_before_wg, home_alloc_wg, from_wg, rank, received_
 
 
 @triton.jit
-def _count_routes(topk_ptr, num_routes, E: tl.constexpr, E_P: tl.constexpr, ROUTES: tl.constexpr):
-    """`[E_P]` int32 valid routes per expert among the `num_routes` ids at `topk_ptr`, `ROUTES` a loop step
-    (ids outside [0, E) count nowhere)."""
-    counts_e = tl.zeros([E_P], tl.int32)
-    for r0 in range(0, num_routes, ROUTES):
-        route_c = r0 + tl.arange(0, ROUTES)
-        expert_c = tl.load(topk_ptr + route_c, mask=route_c < num_routes, other=-1).to(tl.int32)
-        valid_c = (expert_c >= 0) & (expert_c < E)
-        counts_e += tl.histogram(tl.where(valid_c, expert_c, 0), E_P, mask=valid_c)
-    return counts_e
-
-
-@triton.jit
 def _one_rank_plan(counts_ptr, counts_stride_e, topk_ptr, num_routes, received_ptr, before_ptr, ends_ptr,
                    offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr, remote_stats_ptr,
                    rank_load_ptr, home_load_ptr, expert_load_ptr, slots_used_ptr, groups_ptr, E: tl.constexpr,
@@ -302,7 +288,7 @@ def _one_rank_plan(counts_ptr, counts_stride_e, topk_ptr, num_routes, received_p
     e_e = tl.arange(0, E_P)
     expert_e = e_e < E
     if COUNT:
-        load_e = _count_routes(topk_ptr, num_routes, E, E_P, ROUTES)
+        load_e = count_routes(topk_ptr, num_routes, E, E_P, ROUTES)
         tl.store(counts_ptr + e_e * counts_stride_e, load_e.to(counts_ptr.dtype.element_ty), mask=expert_e)
     else:
         load_e = tl.load(counts_ptr + e_e * counts_stride_e, mask=expert_e, other=0).to(tl.int32)
@@ -440,25 +426,6 @@ def _block_destinations(block, topk_ptr, num_tokens, rank, position_ptr, block_c
         remote_primary += tl.sum((remote_c & ~duplicate_c).to(tl.int32), 0)
     tl.atomic_add(remote_stats_ptr, remote)
     tl.atomic_add(remote_stats_ptr + 1, remote_primary)
-
-
-@triton.jit
-def _plan_histogram_kernel(topk_ptr, num_routes, counts_ptr, E: tl.constexpr, E_P: tl.constexpr,
-                      ROUTES: tl.constexpr):
-    counts_e = _count_routes(topk_ptr, num_routes, E, E_P, ROUTES)
-    e_e = tl.arange(0, E_P)
-    tl.store(counts_ptr + e_e, counts_e.to(tl.int64), mask=e_e < E)
-
-
-def expert_histogram_triton(topk_experts_sk: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """`moonep_moe.plan.planner.expert_histogram` in one launch of one program (a serving step's routes fit
-    one or two loop steps): `[E]` int64 valid routes per expert of `topk_experts_sk [s, K]` (ids
-    outside [0, E) count nowhere)."""
-    topk_n = topk_experts_sk.contiguous().view(-1)
-    counts_e = torch.empty(num_experts, dtype=torch.int64, device=topk_n.device)
-    _plan_histogram_kernel[(1,)](topk_n, topk_n.numel(), counts_e, E=num_experts, E_P=_pow2(num_experts),
-                            ROUTES=HISTOGRAM_ROUTES, num_warps=4)
-    return counts_e
 
 
 @dataclass(frozen=True)
