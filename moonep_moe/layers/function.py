@@ -154,7 +154,7 @@ class MoonEPExperts(torch.autograd.Function):
         # the projections whose gradient this backward wants: trainable, and not left out of a
         # `backward(inputs=...)` (the input-gradient half of a split backward runs no weight-gradient GEMM)
         main_grad = state.main_grad
-        trains = tuple(needed and backward_runs(node) for needed, (node, _)
+        trains = tuple(needed and engine_runs(node) is not False for needed, (node, _)
                        in zip(ctx.needs_input_grad[4:6], ctx.next_functions[-2:], strict=True))
         if main_grad:
             home = experts.main_grads(trains)
@@ -191,16 +191,17 @@ class MoonEPExperts(torch.autograd.Function):
         return grad_hidden_sh, grad_route_weights_sk, None, None, *weight_grads, None
 
 
-def backward_runs(node) -> bool:
-    """Whether the running backward executes `node` (an input's gradient edge): False where a
-    `backward(inputs=...)` leaves that input out; True where autograd cannot say (a leaf's gradient
-    accumulator under `torch.autograd.grad`, which returns the gradient: it is wanted)."""
+def engine_runs(node) -> bool | None:
+    """Whether the running backward executes `node` (an input's gradient edge; None: no edge, so False):
+    False where a `backward(inputs=...)` leaves that input out; None where autograd cannot say (a leaf's
+    gradient accumulator under `torch.autograd.grad`, which returns the gradient instead of accumulating it:
+    the gradient is wanted, `.grad` is not added into)."""
     if node is None:
         return False
     try:
         return torch._C._will_engine_execute_node(node)
     except RuntimeError:
-        return True
+        return None
 
 
 def accumulating_grads(edges: tuple, trains: tuple[bool, bool]) -> tuple[torch.Tensor | None, ...]:
@@ -232,11 +233,7 @@ def _accumulating_grad(node) -> torch.Tensor | None:
             or grad.layout != torch.strided or grad.requires_grad or grad.dtype != weight.dtype
             or grad.device != weight.device or grad.stride() != weight.stride()):
         return None
-    try:
-        runs = torch._C._will_engine_execute_node(node)
-    except RuntimeError:  # a leaf under torch.autograd.grad: its gradient is returned, .grad left alone
-        return None
-    return grad if runs else None
+    return grad if engine_runs(node) else None  # None under torch.autograd.grad: .grad is left alone
 
 
 COMPILE_BREAK_REASON = (
