@@ -186,6 +186,31 @@ def measure_limits() -> dict[str, float]:
     return {"copy_bytes_per_s": 2 * 4 * 2**30 / copy_s, "dense_bf16_flops_per_s": 2 * 8192**3 / gemm_s}
 
 
+GPU_QUERY = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu")
+"""What `gpu_state` reads (nvidia-smi's names): SM and memory clocks (MHz), power (W), temperature (C)."""
+
+
+def gpu_state(device: torch.device) -> dict[str, object]:
+    """The GPU's clocks, power and temperature now (`GPU_QUERY`, through nvidia-smi) and the peak memory
+    allocated since the last reset (GB): logged beside timings, since a GPU at its power limit clocks down as
+    it heats up and a median depends on when it was taken. {} off CUDA; without nvidia-smi only the memory."""
+    if device.type != "cuda":
+        return {}
+    state: dict[str, object] = {"peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9}
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    try:
+        lines = subprocess.run(["nvidia-smi", f"--query-gpu=uuid,{','.join(GPU_QUERY)}",
+                                "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10,
+                               check=True).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return state
+    for line in lines:
+        fields = [field.strip() for field in line.split(",")]
+        if fields[0].removeprefix("GPU-") == uuid.removeprefix("GPU-"):
+            state.update(zip(GPU_QUERY, fields[1:], strict=False))
+    return state
+
+
 def commit() -> str:
     """The checked-out commit (`-dirty` with uncommitted changes); `MOONEP_COMMIT` where there is no git
     (a copied tree on a device machine)."""

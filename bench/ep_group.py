@@ -12,15 +12,19 @@ group, `skewed_routing`):
 1. Plan the whole group once with the real planner (`bench.rank_replay.plan_group`: every rank's
    `plan_routes`, as its dispatch computes it; the global part is the same on every rank), under each
    policy (`POLICIES`: `balance` exact, cost_aware and off = plain EP).
-2. For each rank d, one after another on the same GPU, and for each rank policy after policy (so the arms a
-   target compares run seconds apart, not a policy's whole pass of minutes apart): build the unchanged
-   `MoonEPMoELayer` of rank d on a `bench.rank_replay.ReplayWorld` and time its routed step
-   (`moe.routed_step`: the layer's planner, row kernels, prefetch, grouped GEMMs as the layer selects them,
-   SwiGLU, combine, reduce_grad) forward and backward on the routes the plan gives it, the router's choice
-   given (the router is left out, the same for every policy and for torch-native). The peers' writes into
-   its Buffer are staged copies of their real rows, their reads of its memory copies into scratch, both on
-   a side stream in the windows of the exchange calls where they happen (`bench.rank_replay`). Each rank's
-   plan is checked against the group's.
+2. For each rank d, one after another on the same GPU: build the unchanged `MoonEPMoELayer` of rank d on a
+   `bench.rank_replay.ReplayWorld` and time its routed step (`moe.routed_step`: the layer's planner, row
+   kernels, prefetch, grouped GEMMs as the layer selects them, SwiGLU, combine, reduce_grad) forward and
+   backward on the routes the plan gives it, the router's choice given (the router is left out, the same
+   for every policy and for torch-native). The peers' writes into its Buffer are staged copies of their
+   real rows, their reads of its memory copies into scratch, both on a side stream in the windows of the
+   exchange calls where they happen (`bench.rank_replay`). Each rank's plan is checked against the group's.
+   The arms a target compares alternate (`run_ranks`): a policy's maxvio arms step by step on one layer,
+   each round in another order, and the policies' segments (and torch-native's, on the ranks it runs on)
+   in one order for half the steps and in the mirrored order for the rest. An H200 running these GEMMs sits
+   at its power limit, where its clocks fall as it warms over seconds: run arm after arm (94186ea's record),
+   a rank's expert block read slower in each later maxvio arm, on every rank. The GPU's clocks, power,
+   temperature and peak memory after each rank's pass are in the record (`gpu`).
 3. The link, per rank and exchange call (`link_bytes`): dispatch rows in and out (a row per token and
    destination rank, route weights, duplicate pairs), combine rows, replica weights in (prefetch, forward
    and backward) and out (the replicas of its experts that peers pull), replica gradients (fp32) in and
@@ -39,7 +43,7 @@ group, `skewed_routing`):
 5. The baseline: torch-native plain EP (`NativePlainEPRank`: bench.layer's `torch._grouped_mm` experts,
    eager and under `torch.compile` (dynamic shapes, compiled once per process), the faster one counts) on
    the `off` plan's hottest rank, its four all-to-alls (a row per route, no deduplication) blocking, stood
-   in for and modelled the same way.
+   in for and modelled the same way, timed among that rank's arms.
 6. For `exact`, every rank's expert block alone (`expert_block`: the six GEMMs and two SwiGLU calls of
    `MoonEPExperts` on its rows), alternated with its steps: the time beyond it (planner, comm kernels,
    copies, link time not hidden) is the step minus the block.
@@ -48,10 +52,11 @@ Left out (`LEFT_OUT`): the peers' SMs, contention on real links, NVLink latency,
 a barrier, the histogram all-gather's latency, the router, shared experts. The link model assumes a window's
 two directions move at once, each at the spec rate.
 
-Budget on an H200 (the defaults): about 2,300 rank steps of 20-200 ms (most near 40 ms), 640 expert blocks,
-96 layer builds, 3 torch-native ranks x 4 skews x 2 and one compilation, three GEMM measurements of the
-layer's `auto`: about 5-6 minutes. Peak memory: a rank of Kimi-K2 R=16 under `off` (its Buffer sized for
-R*S*K routes, about 15 GB of rows, copied once in forward) with the peers' stand-in, about 110 GB.
+Budget on an H200 (the defaults): about 3,100 rank steps of 20-200 ms (most near 40 ms; 6 timed and 2
+warm-up steps per arm), 770 expert blocks, 192 layer builds, torch-native's 4 skews x 2 arms and one
+compilation, three GEMM measurements of the layer's `auto`: about 6-7 minutes. Peak memory: a rank of
+Kimi-K2 R=16 under `off` (its Buffer sized for R*S*K routes, about 15 GB of rows, copied once in forward)
+with the peers' stand-in, about 110 GB; one arm's staged peer traffic is held at a time.
 
 Targets (`TARGET_BOUNDS`, on the `nvlink` step; the same checks on the `local` step are recorded beside them),
 each with its median, min-max, bound and pass, as bench.layer records its targets:
@@ -68,7 +73,8 @@ after each group): `setup` (shapes, policies, maxvio, repetitions, link model an
 replicas out, `bytes`, `link_ms` per exchange call, `local` and `nvlink` timings, `windows_ms`, and for
 exact `gemm`, `swiglu`, `block_calls` (each call of the expert block, `BLOCK_CALLS`), `beyond_share`),
 `slowest` (`local`, `nvlink`: the group's step; `rank`)]},
-`native` (per maxvio: the rank, its routes and bytes, `eager`, `compiled`, `baseline`), `compile_s`).
+`native` (per maxvio: the rank, its routes and bytes, `eager`, `compiled`, `baseline`), `compile_s`,
+`gpu` (per rank and pass: `gpu_state`)).
 Beside it a PNG of the slowest rank against maxvio (one panel per group) and `ep-group.md`, the table
 for the docs.
 """
@@ -81,7 +87,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -92,6 +98,7 @@ from bench.common import (
     check,
     cuda_kernels,
     format_check,
+    gpu_state,
     measure_limits,
     ratio,
     seconds_between,
@@ -309,60 +316,6 @@ def check_plan(layer: MoonEPMoELayer, step: GroupStep, rank: int) -> None:
             raise RuntimeError(f"rank {rank}: its dispatch planned another {name} than the group's plan")
 
 
-@dataclass
-class Repeats:
-    """How many steps to run and time: `warmup` untimed, then `repeat` timed."""
-
-    warmup: int
-    repeat: int
-
-
-def time_rank(layer: MoonEPMoELayer, world: ReplayWorld, step: GroupStep, rank: int, reps: Repeats,
-              block: bool) -> dict:
-    """Rank `rank`'s training steps in the group `step`, its peers replayed (`bench.rank_replay`): `local`
-    and `nvlink` timings (`spread`), the median window of each exchange call, its routes, slots, replicas
-    and link bytes; with `block`, its expert block alone after each step (`expert_block`) and the share of
-    each step beyond it (`beyond_share`, per repetition on the nvlink step; `beyond_share_local`)."""
-    device = world.device
-    phases = link_bytes(step)[rank]
-    link_s = link_seconds(phases)
-    traffic = rank_traffic(step, rank, layer, world)
-    inputs = rank_inputs(step, rank)
-    totals, windows, blocks = [], [], []
-    for i in range(reps.warmup + reps.repeat):
-        start = stamp(device)
-        replay_step(layer, world, step, inputs, traffic)
-        end = stamp(device)
-        sync(device)
-        if i == 0:
-            check_plan(layer, step, rank)
-        if i < reps.warmup:
-            continue
-        totals.append(seconds_between(start, end))
-        # the torch reference exchange (the CPU's) has no barriers: no window, all link time unhidden
-        windows.append([seconds for _, seconds in world.window_seconds()] or [0.0] * len(PHASES))
-        if block:
-            calls = expert_block(layer, step.plans[rank].cu_seqlens)
-            swiglu = calls[BLOCK_CALLS.index("swiglu")] + calls[BLOCK_CALLS.index("swiglu backward")]
-            blocks.append((sum(calls) - swiglu, swiglu, calls))
-    hosted, replicated = replica_counts(step)
-    nvlink = [over_link(t, w, link_s) for t, w in zip(totals, windows, strict=True)]
-    row = {"rank": rank, "routes": int(step.plans[0].rank_load[rank]), "home_routes":
-           int(step.plans[0].home_load[rank]), "slots_used": int(hosted[rank]), "replicas_out":
-           int(replicated[rank]), "bytes": bytes_summary(phases), "link_ms": [s * 1e3 for s in link_s],
-           "local": spread(totals), "nvlink": spread(nvlink),
-           "windows_ms": [statistics.median(w[i] for w in windows) * 1e3 for i in range(len(PHASES))]}
-    if block:
-        row["gemm"] = spread([g for g, _, _ in blocks])
-        row["swiglu"] = spread([s for _, s, _ in blocks])
-        row["block_calls"] = {name: spread([calls[i] for _, _, calls in blocks])
-                              for i, name in enumerate(BLOCK_CALLS)}
-        for key, steps in (("beyond_share", nvlink), ("beyond_share_local", totals)):
-            shares = [(t - g - s) / t for t, (g, s, _) in zip(steps, blocks, strict=True)]
-            row[key] = {"median": statistics.median(shares), "min": min(shares), "max": max(shares)}
-    return row
-
-
 def group_spread(ranks: list[dict], key: str) -> dict:
     """The group's step from its ranks' timings under `key` ("local" or "nvlink"): per repetition i the
     slowest rank's i-th step, as a `spread` (ms)."""
@@ -384,36 +337,25 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_ranks(group: Group, steps: dict[str, list[GroupStep]], maxvio: list[float], device: torch.device,
-              reps: Repeats, profile: dict | None, say: Callable[[str], None]) -> dict[str, list[dict]]:
-    """Every rank of `group` under every policy (`steps`: per policy, one group step per maxvio reached,
-    `maxvio`), rank by rank and, for each rank, policy after policy (the arms a target compares, measured
-    seconds apart rather than a policy's whole pass apart, so the GPU's drift in clocks and temperature over
-    minutes does not enter their ratios): per policy and maxvio `{"ranks": [time_rank per rank], "slowest":
-    slowest(...)}`. The peers' stand-ins are shared by the policies (keyed by shape). With `profile`, the
-    kernels of one step of `exact`'s busiest rank at the last maxvio go there."""
-    stand_ins = StandIns()
-    per_policy = {policy: [[] for _ in policy_steps] for policy, policy_steps in steps.items()}
-    for rank in range(group.ranks):
-        for policy, policy_steps in steps.items():
-            layer, world = replay_layer(policy_steps[0].cfg, rank, stand_ins, device)
-            for i, step in enumerate(policy_steps):
-                row = time_rank(layer, world, step, rank, reps, block=policy == "exact")
-                per_policy[policy][i].append(row)
-                say(rank_line(policy, maxvio[i], row, group.ranks))
-            last = policy_steps[-1]
-            if profile is not None and policy == "exact" and rank == busiest_rank(last):
-                profile[f"{group.label} exact rank {rank}"] = profile_step(layer, world, last, rank)
-            layer.destroy()
-            del layer, world
-            free_memory()
-    return {policy: [{"ranks": ranks, "slowest": slowest(ranks)} for ranks in per_maxvio]
-            for policy, per_maxvio in per_policy.items()}
+@dataclass
+class Repeats:
+    """How many steps to run and time per arm: `warmup` untimed rounds in each pass, then `repeat` timed
+    steps over the two passes (`split`)."""
+
+    warmup: int
+    repeat: int
+
+    def split(self) -> tuple[int, int]:
+        """Timed rounds of the first and the mirrored second pass."""
+        return (self.repeat + 1) // 2, self.repeat // 2
 
 
 def profile_step(layer: MoonEPMoELayer, world: ReplayWorld, step: GroupStep, rank: int) -> dict:
-    """The `profile_summary` (bench.layer) of one replayed step of `rank`: its kernels and copies, grouped."""
+    """The `profile_summary` (bench.layer) of one replayed step of `rank`, after one untimed step: its kernels
+    and copies, grouped."""
     traffic, inputs = rank_traffic(step, rank, layer, world), rank_inputs(step, rank)
+    replay_step(layer, world, step, inputs, traffic)
+    sync(world.device)
     return profile_summary(cuda_kernels(lambda: replay_step(layer, world, step, inputs, traffic)))
 
 
@@ -555,71 +497,293 @@ class NativePlainEPRank:
         return list(zip(marks[::2], marks[1::2], strict=True))
 
 
-def time_native(rank_step: NativePlainEPRank, link_s: list[float], reps: Repeats) -> dict:
-    """`local` and `nvlink` timings of torch-native's rank (`spread`)."""
-    totals, nvlink = [], []
-    for i in range(reps.warmup + reps.repeat):
-        start = stamp(rank_step.device)
-        windows = rank_step.step()
-        end = stamp(rank_step.device)
-        sync(rank_step.device)
-        if i >= reps.warmup:
-            totals.append(seconds_between(start, end))
-            nvlink.append(over_link(totals[-1], [seconds_between(a, b) for a, b in windows], link_s))
-    return {"local": spread(totals), "nvlink": spread(nvlink)}
-
-
 def hottest_rank(step: GroupStep) -> int:
     """The rank with the most routes under the step's plan (ties: the lowest)."""
     load_r = step.plans[0].rank_load.long().cpu()
     return int(torch.argmax(load_r * step.num_ranks - torch.arange(step.num_ranks)))
 
 
-def run_native(steps_off: list[GroupStep], maxvio: list[float], reps: Repeats, compile_too: bool,
-               record: dict, say: Callable[[str], None]) -> list[dict]:
-    """torch-native plain EP on the `off` plan's hottest rank at every maxvio (reached: `maxvio`), eager and
-    (with `compile_too`) compiled (`compiled_native_ep_experts`: the group's first compiled step, which
-    compiles where this process has not yet, is timed apart into `record["compile_s"]`; an error is
-    recorded as `record["compile_error"]` and eager counts). Per maxvio: the rank, its routes, bytes and
-    link time, `eager`, `compiled`, `baseline` (the faster, NVLink model)."""
-    cfg = steps_off[0].cfg
-    device = steps_off[0].hidden[0].device
-    experts = NativeEPExperts(cfg.experts_per_rank, cfg.hidden_size, cfg.ffn_hidden_size, cfg.torch_dtype,
-                              device)
-    record["compile_s"] = None
-    rows = []
-    for step, reached in zip(steps_off, maxvio, strict=True):
-        rank = hottest_rank(step)
-        phases = native_link_bytes(step)[rank]
+# -- the run: every rank's arms, alternating -----------------------------------------------------------------
+
+
+@dataclass
+class Samples:
+    """One arm's timed steps, gathered over both passes: step seconds, each step's exchange windows (s) and,
+    for `exact`, its expert block (GEMM seconds, SwiGLU seconds, every call's seconds)."""
+
+    totals: list[float] = field(default_factory=list)
+    windows: list[list[float]] = field(default_factory=list)
+    blocks: list[tuple[float, float, list[float]]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class RankArm:
+    """One arm of one rank: its policy's layer at one maxvio (`step`). The layer and its world are attached
+    while the policy's segment is open (`open` / `close`)."""
+
+    step: GroupStep
+    rank: int
+    block: bool
+    samples: Samples = field(default_factory=Samples)
+    live: tuple | None = None
+    checked: bool = False
+
+    def open(self, layer: MoonEPMoELayer, world: ReplayWorld) -> None:
+        self.live = (layer, world)
+
+    def close(self) -> None:
+        self.live = None
+
+    def run(self, timed: bool) -> None:
+        """One replayed training step (`replay_step`), checked against the group's plan the first time; timed:
+        its seconds and windows, and with `block` the expert block alone right after it. The peers' traffic
+        is staged before the step, untimed, and dropped after it: one arm's staged rows in memory at a time
+        (a hot rank's under `off` take gigabytes beside its step's own)."""
+        layer, world = self.live
+        device = world.device
+        traffic, inputs = rank_traffic(self.step, self.rank, layer, world), rank_inputs(self.step, self.rank)
+        sync(device)
+        start = stamp(device)
+        replay_step(layer, world, self.step, inputs, traffic)
+        end = stamp(device)
+        sync(device)
+        del traffic
+        if not self.checked:
+            check_plan(layer, self.step, self.rank)
+            self.checked = True
+        if not timed:
+            return
+        self.samples.totals.append(seconds_between(start, end))
+        # the torch reference exchange (the CPU's) has no barriers: no window, all link time unhidden
+        self.samples.windows.append([seconds for _, seconds in world.window_seconds()] or [0.0] * len(PHASES))
+        if self.block:
+            calls = expert_block(layer, self.step.plans[self.rank].cu_seqlens)
+            swiglu = calls[BLOCK_CALLS.index("swiglu")] + calls[BLOCK_CALLS.index("swiglu backward")]
+            self.samples.blocks.append((sum(calls) - swiglu, swiglu, calls))
+
+    def row(self) -> dict:
+        """The rank's timings under this arm (`local` and `nvlink`, `spread`), the median window of each
+        exchange call, its routes, slots, replicas and link bytes; with `block`, the expert block's GEMMs,
+        SwiGLU and calls and the share of each step beyond the block (`beyond_share` on the nvlink step,
+        `beyond_share_local`)."""
+        step, rank, samples = self.step, self.rank, self.samples
+        phases = link_bytes(step)[rank]
         link_s = link_seconds(phases)
-        native = NativePlainEPRank(step, rank, experts)
-        experts.run = native_ep_experts
-        row = {"rank": rank, "routes": native.routes, "link_ms": [s * 1e3 for s in link_s],
-               "bytes": {f"{kind}_{way}": phases[i][j] + phases[i + 2][j] for i, kind in
-                         enumerate(("dispatch", "combine")) for j, way in enumerate(("in", "out"))},
-               "eager": time_native(native, link_s, reps)}
-        if compile_too and "compile_error" not in record:
-            experts.run = compiled_native_ep_experts()
-            try:
-                if record["compile_s"] is None:
-                    start = time.perf_counter()
-                    native.step()
-                    sync(device)
-                    record["compile_s"] = time.perf_counter() - start
-                row["compiled"] = time_native(native, link_s, reps)
-            except Exception as error:  # noqa: BLE001 - recorded; the eager layer stays the baseline
-                record["compile_error"] = f"{type(error).__name__}: {error}"[:2000]
-                say(f"  torch.compile baseline failed, eager only: {record['compile_error'][:300]}")
-        row["baseline"] = min((k for k in ("eager", "compiled") if k in row),
-                              key=lambda k: row[k]["nvlink"]["ms"])
-        rows.append(row)
-        best = row[row["baseline"]]
-        say(f"  torch-native {row['baseline']:8} maxvio {reached:5.2f} rank {rank:2d}: "
-            f"{best['local']['ms']:8.2f} ms local, {best['nvlink']['ms']:8.2f} nvlink (eager "
-            f"{row['eager']['nvlink']['ms']:.2f}); {row['routes']} routes")
-        del native
+        totals, windows, blocks = samples.totals, samples.windows, samples.blocks
+        hosted, replicated = replica_counts(step)
+        nvlink = [over_link(t, w, link_s) for t, w in zip(totals, windows, strict=True)]
+        row = {"rank": rank, "routes": int(step.plans[0].rank_load[rank]), "home_routes":
+               int(step.plans[0].home_load[rank]), "slots_used": int(hosted[rank]), "replicas_out":
+               int(replicated[rank]), "bytes": bytes_summary(phases), "link_ms": [s * 1e3 for s in link_s],
+               "local": spread(totals), "nvlink": spread(nvlink),
+               "windows_ms": [statistics.median(w[i] for w in windows) * 1e3 for i in range(len(PHASES))]}
+        if self.block:
+            row["gemm"] = spread([g for g, _, _ in blocks])
+            row["swiglu"] = spread([s for _, s, _ in blocks])
+            row["block_calls"] = {name: spread([calls[i] for _, _, calls in blocks])
+                                  for i, name in enumerate(BLOCK_CALLS)}
+            for key, steps in (("beyond_share", nvlink), ("beyond_share_local", totals)):
+                shares = [(t - g - s) / t for t, (g, s, _) in zip(steps, blocks, strict=True)]
+                row[key] = {"median": statistics.median(shares), "min": min(shares), "max": max(shares)}
+        return row
+
+
+@dataclass(eq=False)
+class NativeArm:
+    """torch-native plain EP on one maxvio's `off` plan, eager or compiled (`kind`), on the rank that plan
+    loads most (`hottest_rank`): its staged rank (`NativePlainEPRank`) is attached while the native segment
+    is open."""
+
+    step: GroupStep
+    rank: int
+    kind: str
+    samples: Samples = field(default_factory=Samples)
+    live: tuple | None = None
+
+    def open(self, native: NativePlainEPRank, run: Callable[..., torch.Tensor]) -> None:
+        self.live = (native, run)
+
+    def close(self) -> None:
+        self.live = None
+
+    def run(self, timed: bool) -> None:
+        native, run = self.live
+        native.experts.run = run
+        start = stamp(native.device)
+        windows = native.step()
+        end = stamp(native.device)
+        sync(native.device)
+        if timed:
+            self.samples.totals.append(seconds_between(start, end))
+            self.samples.windows.append([seconds_between(a, b) for a, b in windows])
+
+    def timings(self) -> dict:
+        """`local` and `nvlink` (`spread`)."""
+        link_s = link_seconds(native_link_bytes(self.step)[self.rank])
+        nvlink = [over_link(t, w, link_s) for t, w in zip(self.samples.totals, self.samples.windows,
+                                                          strict=True)]
+        return {"local": spread(self.samples.totals), "nvlink": spread(nvlink)}
+
+
+@dataclass(eq=False)
+class Segment:
+    """The arms of one rank that share what `open` builds (a policy's layer, or torch-native's experts),
+    timed round by round, each round in another order (`rounds`)."""
+
+    name: str
+    arms: list
+    open: Callable[[], None]
+    close: Callable[[], None]
+
+    def rounds(self, warmup: int, timed: int) -> None:
+        """`warmup` untimed rounds, then `timed` timed ones; round i runs the arms from the (i mod n)-th on,
+        so each arm takes every place in the order equally often."""
+        for i in range(warmup + timed):
+            shift = i % len(self.arms)
+            for arm in self.arms[shift:] + self.arms[:shift]:
+                arm.run(timed=i >= warmup)
+
+
+def run_ranks(group: Group, steps: dict[str, list[GroupStep]], off: list[GroupStep], maxvio: list[float],
+              device: torch.device, reps: Repeats, compile_too: bool, record: dict, profile: dict | None,
+              say: Callable[[str], None]) -> tuple[dict[str, list[dict]], list[dict], list[dict]]:
+    """Every rank of `group` under every policy (`steps`: per policy, one group step per maxvio reached,
+    `maxvio`) and torch-native plain EP (on `off`, the `off` policy's steps), timed as alternating arms.
+
+    Rank by rank, each rank's segments (one per policy: its layer, the maxvio arms interleaved round by
+    round; and torch-native's on the ranks it runs on) run in one order and then in the mirrored order
+    (`Repeats.split`), so the GPU's drift in clocks and temperature over seconds falls alike on every arm a
+    target compares (a policy's maxvio 0 and 20, the policies at one maxvio, exact and torch-native).
+
+    torch-native runs on the `off` plan's hottest rank of each maxvio (`hottest_rank`), eager and, with
+    `compile_too`, compiled (`compiled_native_ep_experts`; the first compiled step, which compiles where
+    this process has not yet, is timed apart into `record["compile_s"]`; an error is recorded as
+    `record["compile_error"]` and eager counts).
+
+    Returns `(policies, native, gpu)`: per policy and maxvio `{"ranks": [RankArm.row per rank], "slowest":
+    slowest(...)}`; per maxvio torch-native's rank, its routes, bytes and link time, `eager`, `compiled`
+    and `baseline` (the faster, NVLink model); and the GPU's state after each rank's pass (`gpu_state`).
+    The peers' stand-ins are shared by the policies (keyed by shape). With `profile`, the kernels of one
+    step of `exact`'s busiest rank at the last maxvio go there."""
+    stand_ins = StandIns()
+    arms = {policy: [[RankArm(step, rank, block=policy == "exact") for step in policy_steps]
+                     for rank in range(group.ranks)] for policy, policy_steps in steps.items()}
+    hot = [hottest_rank(step) for step in off]
+    native_arms = [[NativeArm(step, rank, kind) for kind in ("eager", "compiled")[:1 + compile_too]]
+                   for step, rank in zip(off, hot, strict=True)]
+    record["compile_s"] = None
+    gpu, rows = [], {policy: [] for policy in steps}  # rows: per policy, per rank, per maxvio
+    first, second = reps.split()
+    for rank in range(group.ranks):
+        segments = [policy_segment(policy, policy_steps[0].cfg, arms[policy][rank], rank, stand_ins, device)
+                    for policy, policy_steps in steps.items()]
+        mine = [i for i, r in enumerate(hot) if r == rank]
+        if mine:
+            segments.append(native_segment(off[0].cfg, [native_arms[i] for i in mine], device, record, say))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        for number, (order, timed) in enumerate(((segments, first), (segments[::-1], second))):
+            if timed == 0:
+                continue
+            for segment in order:
+                segment.open()
+                segment.rounds(reps.warmup, timed)
+                segment.close()
+            gpu.append({"rank": rank, "pass": number + 1, **gpu_state(device)})
+        for policy in steps:
+            rows[policy].append([arm.row() for arm in arms[policy][rank]])
+            for i, row in enumerate(rows[policy][-1]):
+                say(rank_line(policy, maxvio[i], row, group.ranks))
+        if profile is not None and "exact" in steps and rank == busiest_rank(steps["exact"][-1]):
+            layer, world = replay_layer(steps["exact"][-1].cfg, rank, stand_ins, device)
+            profile[f"{group.label} exact rank {rank}"] = profile_step(layer, world, steps["exact"][-1], rank)
+            layer.destroy()
+            del layer, world
+            free_memory()
+    policies = {policy: [{"ranks": list(ranks), "slowest": slowest(list(ranks))}
+                         for ranks in zip(*per_rank, strict=True)] for policy, per_rank in rows.items()}
+    native = [native_row(step, rank, pair, reached, say)
+              for step, rank, pair, reached in zip(off, hot, native_arms, maxvio, strict=True)]
+    return policies, native, gpu
+
+
+def policy_segment(policy: str, cfg: MoEConfig, arms: list[RankArm], rank: int, stand_ins: StandIns,
+                   device: torch.device) -> Segment:
+    """The segment of one rank under one policy: its layer built (`replay_layer`) and the maxvio arms
+    attached on `open`, destroyed on `close`."""
+    held: list = []
+
+    def open_() -> None:
+        layer, world = replay_layer(cfg, rank, stand_ins, device)
+        held[:] = [layer]
+        for arm in arms:
+            arm.open(layer, world)
+
+    def close() -> None:
+        for arm in arms:
+            arm.close()
+        held.pop().destroy()
         free_memory()
-    return rows
+
+    return Segment(policy, arms, open_, close)
+
+
+def native_segment(cfg: MoEConfig, pairs: list[list[NativeArm]], device: torch.device, record: dict,
+                   say: Callable[[str], None]) -> Segment:
+    """torch-native's segment on one rank: its experts (`NativeEPExperts`) and each arm's staged rank built
+    on `open` (the compilation, where it is still to be made, timed apart then), freed on `close`."""
+    arms = [arm for pair in pairs for arm in pair]
+
+    def open_() -> None:
+        experts = NativeEPExperts(cfg.experts_per_rank, cfg.hidden_size, cfg.ffn_hidden_size, cfg.torch_dtype,
+                                  device)
+        for pair in pairs:
+            native = NativePlainEPRank(pair[0].step, pair[0].rank, experts)
+            pair[0].open(native, native_ep_experts)
+            if len(pair) == 2 and "compile_error" not in record:
+                compiled = compiled_native_ep_experts()
+                if record["compile_s"] is None:
+                    try:
+                        experts.run = compiled
+                        start = time.perf_counter()
+                        native.step()
+                        sync(device)
+                        record["compile_s"] = time.perf_counter() - start
+                    except Exception as error:  # noqa: BLE001 - recorded; the eager layer stays the baseline
+                        record["compile_error"] = f"{type(error).__name__}: {error}"[:2000]
+                        say(f"  torch.compile baseline failed, eager only: {record['compile_error'][:300]}")
+                        continue
+                pair[1].open(native, compiled)
+        segment.arms = [arm for arm in arms if arm.live is not None]
+
+    def close() -> None:
+        for arm in arms:
+            arm.close()
+        free_memory()
+
+    segment = Segment("torch-native", arms, open_, close)
+    return segment
+
+
+def native_row(step: GroupStep, rank: int, pair: list[NativeArm], reached: float,
+               say: Callable[[str], None]) -> dict:
+    """torch-native's entry of one maxvio: its rank, routes, bytes and link time, `eager`, `compiled` (where
+    it ran) and `baseline` (the faster on the NVLink model)."""
+    phases = native_link_bytes(step)[rank]
+    row = {"rank": rank, "routes": int(step.plans[0].home_load[rank]),
+           "link_ms": [s * 1e3 for s in link_seconds(phases)],
+           "bytes": {f"{kind}_{way}": phases[i][j] + phases[i + 2][j] for i, kind in
+                     enumerate(("dispatch", "combine")) for j, way in enumerate(("in", "out"))}}
+    for arm in pair:
+        if arm.samples.totals:
+            row[arm.kind] = arm.timings()
+    row["baseline"] = min((k for k in ("eager", "compiled") if k in row),
+                          key=lambda k: row[k]["nvlink"]["ms"])
+    best = row[row["baseline"]]
+    say(f"  torch-native {row['baseline']:8} maxvio {reached:5.2f} rank {rank:2d}: "
+        f"{best['local']['ms']:8.2f} ms local, {best['nvlink']['ms']:8.2f} nvlink (eager "
+        f"{row['eager']['nvlink']['ms']:.2f}); {row['routes']} routes")
+    return row
 
 
 # -- targets, table, plot ------------------------------------------------------------------------------------
@@ -775,8 +939,11 @@ def run_group(group: Group, args: argparse.Namespace, device: torch.device, reco
              "replica_cost": {p: c.replica_cost for p, c in cfgs.items()}}
     reps = Repeats(args.warmup, args.repeat)
     say(f"{group.label}: {group.ranks} ranks, each under {', '.join(args.policies)}, "
-        f"{len(args.maxvio)} maxvio each")
-    table["policies"] = run_ranks(group, steps, reached, device, reps, record.get("profile"), say)
+        f"{len(args.maxvio)} maxvio each, and torch-native plain EP on the off plan's hottest ranks")
+    off = steps.get("off") or [group_step(group.config("off"), r.topk, r.weights, hidden, grads)
+                               for r in routings]
+    table["policies"], table["native"], table["gpu"] = run_ranks(
+        group, steps, off, reached, device, reps, not args.no_compile, table, record.get("profile"), say)
     for policy, runs in table["policies"].items():
         for maxvio, summary in zip(args.maxvio, runs, strict=True):
             best = summary["slowest"]["nvlink"]
@@ -784,9 +951,6 @@ def run_group(group: Group, args: argparse.Namespace, device: torch.device, reco
             say(f"  {policy} maxvio {maxvio:g}: the group's step {best['ms']:.2f} ms nvlink "
                 f"({best['ms_min']:.2f}-{best['ms_max']:.2f}), {local:.2f} local; slowest rank "
                 f"{summary['slowest']['rank']}")
-    off = steps.get("off") or [group_step(group.config("off"), r.topk, r.weights, hidden, grads)
-                               for r in routings]
-    table["native"] = run_native(off, reached, reps, not args.no_compile, table, say)
     return table
 
 
@@ -819,8 +983,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--maxvio", nargs="+", type=float, default=list(MAXVIO),
                         help="routing skews (the group's expert maxvio), default 0 1 5 20")
     parser.add_argument("--tokens", type=int, default=None, help="S per rank (default: the model's, 8192)")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeat", type=int, default=5, help="timed steps per rank (>= 5; the median)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds of a segment's arms per pass")
+    parser.add_argument("--repeat", type=int, default=6,
+                        help="timed steps per arm over the two mirrored passes (>= 5; the median)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-compile", action="store_true", help="skip torch-native's torch.compile")
     parser.add_argument("--profile", action="store_true",

@@ -15,6 +15,7 @@ from bench.ep_group import (
     NativeEPExperts,
     NativePlainEPRank,
     Repeats,
+    Segment,
     group_spread,
     group_targets,
     link_bytes,
@@ -181,6 +182,10 @@ def test_smoke_run_writes_the_record_plot_and_table(tmp_path, capsys):
     assert len(record["targets"]) == len(record["targets_local"]) == 1 + 2 + 2 + 2
     assert {t["link"] for t in record["targets"]} == {"nvlink"}
     assert "| deepseek-v3 R=8 | 20 (" in (tmp_path / "ep-group-smoke.md").read_text()
+    assert [(g["rank"], g["pass"]) for g in table["gpu"]] == [(r, 1) for r in range(8)], "smoke: one pass"
+    native_ranks = {n["rank"] for n in table["native"]}
+    assert all(all(len(r["local"]["ms_samples"]) == 1 for r in run["ranks"]) for runs in
+               table["policies"].values() for run in runs) and native_ranks <= set(range(8))
     assert "PASS" in out or "MISS" in out
 
 
@@ -202,3 +207,24 @@ def test_group_configs_keep_the_models_shapes_and_drop_shared_experts():
     assert cfg.max_tokens_per_rank == 8192 and cfg.balance == "cost_aware"
     assert cfg.shared_experts.num_shared_experts == 0 and cfg.prefetch_slots == 24
     assert Repeats(1, 5).repeat == 5
+
+
+class Arm:
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def run(self, timed: bool) -> None:
+        self.log.append((self.name, timed))
+
+
+def test_a_segments_arms_alternate_and_take_every_place_equally():
+    log: list = []
+    Segment("p", [Arm(a, log) for a in "abc"], lambda: None, lambda: None).rounds(warmup=1, timed=3)
+    assert log[:3] == [("a", False), ("b", False), ("c", False)], "one untimed round first"
+    rounds = ["".join(name for name, _ in log[i:i + 3]) for i in range(3, 12, 3)]
+    assert rounds == ["bca", "cab", "abc"] and all(timed for _, timed in log[3:])
+
+
+@pytest.mark.parametrize(("repeat", "split"), [(6, (3, 3)), (5, (3, 2)), (1, (1, 0))])
+def test_the_timed_steps_split_over_two_mirrored_passes(repeat, split):
+    assert Repeats(1, repeat).split() == split and sum(split) == repeat
