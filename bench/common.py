@@ -138,12 +138,42 @@ def seconds_between(start: Stamp, end: Stamp) -> float:
 def cuda_kernels(run: Callable[[], object]) -> list[tuple[str, float]]:
     """`[(name, ms)]`: every GPU kernel, copy and fill `run()` launches, one entry per launch
     (torch.profiler's CUDA activity; user annotations left out)."""
+    return [(name, end - start) for name, start, end in cuda_timeline(run)]
+
+
+def cuda_timeline(run: Callable[[], object]) -> list[tuple[str, float, float]]:
+    """`[(name, start_ms, end_ms)]`: `cuda_kernels` with each launch's start and end on the profiler's
+    clock (any stream)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    return [(event.name, event.time_range.elapsed_us() / 1e3) for event in prof.events()
+    return [(event.name, event.time_range.start / 1e3, event.time_range.end / 1e3) for event in prof.events()
             if event.device_type == torch.autograd.DeviceType.CUDA
             and not getattr(event, "is_user_annotation", False)]
+
+
+def idle_gaps(timeline: list[tuple[str, float, float]], top: int = 8) -> dict:
+    """Where a `cuda_timeline` leaves the GPU running nothing: `span_ms` (first start to last end), `busy_ms`
+    (the union of the launches' intervals over every stream), `idle_ms` (the rest) and the `top` longest
+    gaps (`ms`, the kernel that ended before it, `after`, and the one that started after it, `before`).
+    Under the profiler each launch costs the host a little more, so gaps read somewhat longer than in an
+    unprofiled run."""
+    if not timeline:
+        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": []}
+    ordered = sorted(timeline, key=lambda launch: launch[1])
+    busy, gaps = 0.0, []
+    current_name, current_start, current_end = ordered[0]
+    for name, start, end in ordered[1:]:
+        if start > current_end:
+            busy += current_end - current_start
+            gaps.append({"ms": start - current_end, "after": current_name, "before": name})
+            current_start = start
+        if end >= current_end:
+            current_name, current_end = name, end
+    busy += current_end - current_start
+    span = current_end - ordered[0][1]
+    gaps.sort(key=lambda gap: -gap["ms"])
+    return {"span_ms": span, "busy_ms": busy, "idle_ms": span - busy, "gaps": gaps[:top]}
 
 
 def captured_graph(step: Callable[[], object], runs: int = 2) -> torch.cuda.CUDAGraph:

@@ -96,9 +96,10 @@ from torch import nn
 from bench.common import (
     RESULTS,
     check,
-    cuda_kernels,
+    cuda_timeline,
     format_check,
     gpu_state,
+    idle_gaps,
     measure_limits,
     ratio,
     seconds_between,
@@ -352,11 +353,13 @@ class Repeats:
 
 def profile_step(layer: MoonEPMoELayer, world: ReplayWorld, step: GroupStep, rank: int) -> dict:
     """The `profile_summary` (bench.layer) of one replayed step of `rank`, after one untimed step: its kernels
-    and copies, grouped."""
+    and copies, grouped, and where the GPU idled in it (`timeline`: `idle_gaps`)."""
     traffic, inputs = rank_traffic(step, rank, layer, world), rank_inputs(step, rank)
     replay_step(layer, world, step, inputs, traffic)
     sync(world.device)
-    return profile_summary(cuda_kernels(lambda: replay_step(layer, world, step, inputs, traffic)))
+    timeline = cuda_timeline(lambda: replay_step(layer, world, step, inputs, traffic))
+    summary = profile_summary([(name, end - start) for name, start, end in timeline])
+    return {**summary, "timeline": idle_gaps(timeline)}
 
 
 def busiest_rank(step: GroupStep) -> int:
@@ -1037,6 +1040,10 @@ def main(argv: list[str] | None = None) -> None:
         path = write_record(name, limits, tables, out_dir, ran_on=device, **record)
     for label, summary in record.get("profile", {}).items():
         print_profile(label, summary)
+        idle = summary["timeline"]
+        gaps = "; ".join(f"{gap['ms']:.3f} ms after {gap['after'][:40]} before {gap['before'][:40]}"
+                         for gap in idle["gaps"])
+        print(f"  GPU idle {idle['idle_ms']:.2f} of {idle['span_ms']:.2f} ms; longest gaps: {gaps}")
     print(f"\ntargets, the link as the NVLink model (median (min-max) of {args.repeat} steps per rank):")
     for target in record["targets"]:
         print(f"  {target_line(target)}", flush=True)

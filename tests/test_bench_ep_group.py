@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_bench_rank_replay import E, F, H, K, R, S, config, skewed_inputs
 
+from bench.common import idle_gaps
 from bench.ep_group import (
     POLICIES,
     Group,
@@ -228,3 +229,11 @@ def test_a_segments_arms_alternate_and_take_every_place_equally():
 @pytest.mark.parametrize(("repeat", "split"), [(6, (3, 3)), (5, (3, 2)), (1, (1, 0))])
 def test_the_timed_steps_split_over_two_mirrored_passes(repeat, split):
     assert Repeats(1, repeat).split() == split and sum(split) == repeat
+
+
+def test_idle_gaps_are_the_time_no_launch_covers():
+    timeline = [("a", 0.0, 2.0), ("side", 1.0, 3.0), ("b", 4.0, 5.0), ("c", 5.0, 6.0), ("d", 8.5, 9.0)]
+    idle = idle_gaps(timeline, top=1)
+    assert (idle["span_ms"], idle["busy_ms"], idle["idle_ms"]) == (9.0, 5.5, 3.5)
+    assert idle["gaps"] == [{"ms": 2.5, "after": "c", "before": "d"}]
+    assert idle_gaps([])["idle_ms"] == 0.0
