@@ -74,7 +74,7 @@ replicas out, `bytes`, `link_ms` per exchange call, `local` and `nvlink` timings
 exact `gemm`, `swiglu`, `block_calls` (each call of the expert block, `BLOCK_CALLS`), `beyond_share`),
 `slowest` (`local`, `nvlink`: the group's step; `rank`)]},
 `native` (per maxvio: the rank, its routes and bytes, `eager`, `compiled`, `baseline`), `compile_s`,
-`gpu` (per rank and pass: `gpu_state`)).
+`gpu` (per rank and pass: `gpu_state`), `gemm` (per policy, the grouped GEMMs the layer chose)).
 Beside it a PNG of the slowest rank against maxvio (one panel per group) and `ep-group.md`, the table
 for the docs.
 """
@@ -678,8 +678,8 @@ def run_ranks(group: Group, steps: dict[str, list[GroupStep]], off: list[GroupSt
     gpu, rows = [], {policy: [] for policy in steps}  # rows: per policy, per rank, per maxvio
     first, second = reps.split()
     for rank in range(group.ranks):
-        segments = [policy_segment(policy, policy_steps[0].cfg, arms[policy][rank], rank, stand_ins, device)
-                    for policy, policy_steps in steps.items()]
+        segments = [policy_segment(policy, policy_steps[0].cfg, arms[policy][rank], rank, stand_ins, device,
+                                   record.setdefault("gemm", {})) for policy, policy_steps in steps.items()]
         mine = [i for i, r in enumerate(hot) if r == rank]
         if mine:
             segments.append(native_segment(off[0].cfg, [native_arms[i] for i in mine], device, record, say))
@@ -711,14 +711,17 @@ def run_ranks(group: Group, steps: dict[str, list[GroupStep]], off: list[GroupSt
 
 
 def policy_segment(policy: str, cfg: MoEConfig, arms: list[RankArm], rank: int, stand_ins: StandIns,
-                   device: torch.device) -> Segment:
+                   device: torch.device, chosen: dict[str, str]) -> Segment:
     """The segment of one rank under one policy: its layer built (`replay_layer`) and the maxvio arms
-    attached on `open`, destroyed on `close`."""
+    attached on `open`, destroyed on `close`. `chosen[policy]`: the grouped GEMMs the first layer of the
+    policy runs (`grouped_gemm: auto`'s choice per primitive and shape)."""
     held: list = []
 
     def open_() -> None:
         layer, world = replay_layer(cfg, rank, stand_ins, device)
         held[:] = [layer]
+        gemm = layer._state.gemm
+        chosen.setdefault(policy, gemm.describe() if hasattr(gemm, "describe") else gemm.name)
         for arm in arms:
             arm.open(layer, world)
 
