@@ -32,12 +32,13 @@ group, `skewed_routing`):
    overlapped where a real group overlaps them: within the exchange call's window, with the rank's own
    comm kernels); `nvlink`, that step with each exchange call stretched to the time NVLink takes for the
    larger direction of its bytes at `NVLINK_BYTES_PER_S` (450 GB/s a direction: H200 NVLink's spec, not
-   measured) where the window was shorter. Every window is charged as if it blocked the step, which is
-   conservative for backward's combine: it runs on the comm stream beside gate_up's weight gradient, where
-   a real link's time may hide under the GEMM. (A model that ran the link as GPU-side waits beside each
-   window, `torch.cuda._sleep` on a side stream, was tried on the H200 at 41a79be and added 0.2-2.9 ms more
-   per step (median 1.4 over 48 rank steps) than the blocking windows' own link time, under every policy:
-   biased, so not used.)
+   measured) where the window was shorter. Every window is charged as if it blocked the step, except
+   backward's combine (`BESIDE_GEMM`): it runs on the comm stream beside gate_up's weight gradient, and the
+   caller's stream waits for it only before reduce_grad, so its link time delays the step only where it
+   outlasts both its window and the time until reduce_grad began (`over_link`'s room). (A model that ran
+   the link as GPU-side waits beside each window, `torch.cuda._sleep` on a side stream, was tried on the
+   H200 at 41a79be and added 0.2-2.9 ms more per step (median 1.4 over 48 rank steps) than the blocking
+   windows' own link time, under every policy: biased, so not used.)
 4. The group's step is its slowest rank (the ranks meet in every exchange call): per repetition i the
    maximum over ranks of their i-th step, then the median and min-max over repetitions.
 5. The baseline: torch-native plain EP (`NativePlainEPRank`: bench.layer's `torch._grouped_mm` experts,
@@ -70,8 +71,9 @@ The record (`bench.common.write_record`, `bench/results/ep-group-<device>-<date>
 after each group): `setup` (shapes, policies, maxvio, repetitions, link model and its source, `left_out`,
 `per_rank_step`), `targets`, `targets_local`, `results` (per group: `model`, `ranks`, shapes, `routing`
 (per maxvio: target, achieved, sigma), `policies` {policy: [per maxvio: `ranks` (per rank: routes, slots,
-replicas out, `bytes`, `link_ms` per exchange call, `local` and `nvlink` timings, `windows_ms`, and for
-exact `gemm`, `swiglu`, `block_calls` (each call of the expert block, `BLOCK_CALLS`), `beyond_share`),
+replicas out, `bytes`, `link_ms` per exchange call, `local` and `nvlink` timings, `windows_ms`, `room_ms`
+(backward's combine's, `over_link`), and for exact `gemm`, `swiglu`, `block_calls` (each call of the
+expert block, `BLOCK_CALLS`), `beyond_share`),
 `slowest` (`local`, `nvlink`: the group's step; `rank`)]},
 `native` (per maxvio: the rank, its routes and bytes, `eager`, `compiled`, `baseline`), `compile_s`,
 `gpu` (per rank and pass: `gpu_state`), `gemm` (per policy, the grouped GEMMs the layer chose)).
@@ -250,9 +252,20 @@ def link_seconds(phases: list[tuple[int, int]]) -> list[float]:
     return [max(pair) / NVLINK_BYTES_PER_S for pair in phases]
 
 
-def over_link(total_s: float, windows_s: list[float], link_s: list[float]) -> float:
-    """A step's time with each exchange window stretched to its link time where it was shorter."""
-    return total_s + sum(max(0.0, link - window) for window, link in zip(windows_s, link_s, strict=True))
+BESIDE_GEMM = PHASES.index("add_replicas") - 1
+"""The exchange call that runs beside a GEMM: backward's combine, on the comm stream beside gate_up's weight
+gradient (`MoonEPExperts.backward`); the caller's stream waits for it only before reduce_grad."""
+
+
+def over_link(total_s: float, windows_s: list[float], link_s: list[float], room_s: list[float] | None = None
+              ) -> float:
+    """A step's time with each exchange window stretched to its link time where it was shorter. `room_s`:
+    per window, the time from its start until the caller's stream went on past it (0 for a window the step
+    waits on; `BESIDE_GEMM`'s: until reduce_grad began, the GEMM beside it done): a window's link time
+    delays the step only where it is longer than both the window and that room."""
+    room_s = room_s or [0.0] * len(windows_s)
+    return total_s + sum(max(0.0, link - max(window, room))
+                         for window, link, room in zip(windows_s, link_s, room_s, strict=True))
 
 
 def bytes_summary(phases: list[tuple[int, int]]) -> dict[str, int]:
@@ -516,6 +529,7 @@ class Samples:
 
     totals: list[float] = field(default_factory=list)
     windows: list[list[float]] = field(default_factory=list)
+    rooms: list[list[float]] = field(default_factory=list)
     blocks: list[tuple[float, float, list[float]]] = field(default_factory=list)
 
 
@@ -559,6 +573,11 @@ class RankArm:
         self.samples.totals.append(seconds_between(start, end))
         # the torch reference exchange (the CPU's) has no barriers: no window, all link time unhidden
         self.samples.windows.append([seconds for _, seconds in world.window_seconds()] or [0.0] * len(PHASES))
+        rooms = [0.0] * len(PHASES)
+        if len(world.windows) == len(PHASES):  # from backward's combine to reduce_grad, on either stream
+            marks = world.windows
+            rooms[BESIDE_GEMM] = seconds_between(marks[BESIDE_GEMM][1], marks[BESIDE_GEMM + 1][1])
+        self.samples.rooms.append(rooms)
         if self.block:
             calls = expert_block(layer, self.step.plans[self.rank].cu_seqlens)
             swiglu = calls[BLOCK_CALLS.index("swiglu")] + calls[BLOCK_CALLS.index("swiglu backward")]
@@ -574,12 +593,13 @@ class RankArm:
         link_s = link_seconds(phases)
         totals, windows, blocks = samples.totals, samples.windows, samples.blocks
         hosted, replicated = replica_counts(step)
-        nvlink = [over_link(t, w, link_s) for t, w in zip(totals, windows, strict=True)]
+        nvlink = [over_link(t, w, link_s, r) for t, w, r in zip(totals, windows, samples.rooms, strict=True)]
         row = {"rank": rank, "routes": int(step.plans[0].rank_load[rank]), "home_routes":
                int(step.plans[0].home_load[rank]), "slots_used": int(hosted[rank]), "replicas_out":
                int(replicated[rank]), "bytes": bytes_summary(phases), "link_ms": [s * 1e3 for s in link_s],
                "local": spread(totals), "nvlink": spread(nvlink),
-               "windows_ms": [statistics.median(w[i] for w in windows) * 1e3 for i in range(len(PHASES))]}
+               "windows_ms": [statistics.median(w[i] for w in windows) * 1e3 for i in range(len(PHASES))],
+               "room_ms": statistics.median(r[BESIDE_GEMM] for r in samples.rooms) * 1e3}
         if self.block:
             row["gemm"] = spread([g for g, _, _ in blocks])
             row["swiglu"] = spread([s for _, s, _ in blocks])
