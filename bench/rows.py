@@ -6,6 +6,9 @@ here; bench/comm.py runs whole groups). Routing is uniform over E experts (each 
 
 - `send_routes` (dispatch's peer phase): reads S token rows, writes one row per (token, destination rank);
 - `gather_routes` (combine's peer phase): reads the same rows back, writes S rows (fp32 k-order sums);
+- `pre_reduce_copy` (combine's local phase, expert outputs not in the Buffer's rows) against the two passes it
+  replaces, `copy_rows` then `pre_reduce_duplicates` (`two_pass_pre_reduce`), on rank 0's dup tables of the
+  same uniform routing (every rank routes like rank 0): each counts the bytes it moves;
 - `copy_experts` (prefetch, ExpertRows): the used slots of B of a `[H, H']` bf16 projection from their home
   ranks, a skewed plan's and one slot alone (`_one_slot`: what a real plan fills on a rank);
 - `add_replicas` (reduce_grad): the fp32 gradients of the home experts with replicas plus their replicas'
@@ -17,8 +20,8 @@ kernels' `seconds` are device time (`bench.common.graph_timed`: calls replayed i
 target's measure; `eager_seconds` times one eager call with events and so also counts the host's launch
 when it is longer than the GPU's queue (Triton's launcher: tens of microseconds). The whole Buffer
 operations on the torch reference are timed eagerly only (not capturable).
-`--row-block-bytes` times the peer phases once per largest row block (`rows.ROW_BLOCK_BYTES`); the other
-operations run with the package's setting.
+`--row-block-bytes` times the peer phases and combine's local phase once per largest row block
+(`rows.ROW_BLOCK_BYTES`); the other operations run with the package's setting.
 
     python -m bench.rows                       # S=8192 H=7168 K=8 E=384 R=8 H'=2048
     python -m bench.rows --row-block-bytes 4096 8192 16384
@@ -36,7 +39,7 @@ import torch
 from bench.common import graph_timed, measure_limits, timed, write_record
 from moonep_moe.base.sizes import default_slots, rows_capacity
 from moonep_moe.comm.buffer import Buffer
-from moonep_moe.comm.exchange import replica_sources
+from moonep_moe.comm.exchange import primary_rows, replica_sources
 from moonep_moe.comm.kernels import experts, rows
 from moonep_moe.plan.planner import plan_routes
 from moonep_moe.plan.types import decode_dst
@@ -75,6 +78,40 @@ def peer_phases(record, S: int, H: int, K: int, E: int, R: int, B: int, nvs: int
     out_sh = torch.empty(S, H, dtype=torch.bfloat16, device="cuda")
     record("gather_routes", lambda: rows.gather_routes(plan.dst, peers, None, out_sh, None, torch.float32),
            moved)
+
+
+def combine_rows(record, S: int, H: int, K: int, E: int, R: int, B: int, nvs: int) -> None:
+    """Combine's local phase on rank 0 of R (uniform routing, every rank routing like rank 0): the expert
+    outputs into the Buffer's rows, duplicate groups summed into their primaries, in one pass and in the two
+    it replaces."""
+    topk_sk, counts_re = routing(S, K, E, R, skewed=False)
+    kwargs = dict(num_slots=B, token_padding=128, rows_per_rank=nvs)
+    plan = plan_routes(counts_re, topk_sk, rank=0, **kwargs)
+    pairs_p2 = torch.full((R * S * K, 2), -1, dtype=torch.int32, device="cuda")  # what rank 0 receives
+    for rank in range(R):
+        dst_n = plan.dst if rank == 0 else plan_routes(counts_re, topk_sk, rank=rank, **kwargs).dst
+        dest_n, row_n, primary_n, valid_n = decode_dst(dst_n, nvs)
+        dup_n = valid_n & ~primary_n & (dest_n == 0)
+        pairs_n2 = torch.stack([row_n.int(), primary_rows(dst_n, nvs, K)], 1)
+        pairs_p2[rank * S * K:(rank + 1) * S * K] = torch.where(dup_n[:, None], pairs_n2, -1)
+    marks_nvs = torch.zeros(nvs, dtype=torch.int32, device="cuda")
+    end_1, tables = plan.cu_seqlens[-1:], (plan.dup_groups, plan.dup_loffs, plan.dup_counts)
+    rows.record_duplicates(pairs_p2, marks_nvs, end_1, *tables, K)
+    rows_nvsh = torch.zeros(nvs, H, dtype=torch.bfloat16, device="cuda")
+    expert_out_nvsh = torch.randn(nvs, H, device="cuda").bfloat16()
+    filled, (groups, duplicates) = int(end_1[0]), plan.dup_counts.tolist()
+    row_bytes = H * 2
+
+    def two_pass() -> None:
+        rows.copy_rows(rows_nvsh, expert_out_nvsh, end_1)
+        rows.pre_reduce_duplicates(rows_nvsh, *tables, K - 1, min(nvs // 2, R * S), torch.float32)
+
+    # two passes: every filled row read and written, then each group's rows read and its primary written;
+    # one pass: every filled row read, every row but the duplicates written
+    record("two_pass_pre_reduce", two_pass, (2 * filled + 2 * groups + duplicates) * row_bytes)
+    record("pre_reduce_copy", lambda: rows.pre_reduce_copy(rows_nvsh, expert_out_nvsh, marks_nvs, end_1,
+                                                           *tables, K - 1, torch.float32),
+           (2 * filled - duplicates) * row_bytes)
 
 
 def weight_phases(record, S: int, H: int, K: int, E: int, R: int, B: int, nvs: int, ffn: int) -> None:
@@ -153,6 +190,7 @@ def main() -> None:
     for block_bytes in args.row_block_bytes:
         rows.ROW_BLOCK_BYTES = block_bytes
         peer_phases(record, S, H, K, E, R, B, nvs)
+        combine_rows(record, S, H, K, E, R, B, nvs)
     rows.ROW_BLOCK_BYTES = default
     weight_phases(record, S, H, K, E, R, B, nvs, args.ffn)
     buffer_ops(record, S, H, K, E)

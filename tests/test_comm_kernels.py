@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from moonep_moe.comm.buffer import Buffer
+from moonep_moe.comm.exchange import ReferenceExchange
 from moonep_moe.transport.threads import run_ranks, single_world
 from moonep_moe.weights.pool import ExpertRows
 
@@ -240,20 +242,37 @@ def test_wide_rows_span_several_blocks():
     assert_equal(step, both_paths(step, KERNEL_DEVICE))
 
 
-def received_duplicates(R: int, S: int, K: int, end: int, gen: torch.Generator) -> torch.Tensor:
+def received_duplicates(R: int, S: int, K: int, end: int, gen: torch.Generator, every_route: bool = False
+                        ) -> torch.Tensor:
     """`[R*S*K, 2]` int32 duplicate pairs as `send_routes` leaves them on a rank whose plan fills `end` rows:
-    each (source rank, token) window, in random order, sends 0..K of its K routes to rows drawn at random
-    below `end` until they run out; its first one is the primary, each later one a pair (its row, the
-    primary's row) at its slot, the rest -1."""
+    each (source rank, token) window, in random order, sends 0..K of its K routes (all K with `every_route`:
+    skewed routing, each group K - 1 duplicates deep) to rows drawn at random below `end` until they run
+    out; its first one is the primary, each later one a pair (its row, the primary's row) at its slot, the
+    rest -1."""
     pairs_p2 = torch.full((R * S * K, 2), -1, dtype=torch.int32)
     free = torch.randperm(end, generator=gen).tolist()
     for window in torch.randperm(R * S, generator=gen).tolist():
-        routes = int(torch.randint(0, K + 1, (), generator=gen))
+        routes = K if every_route else int(torch.randint(0, K + 1, (), generator=gen))
         ks = sorted(torch.randperm(K, generator=gen)[:min(routes, len(free))].tolist())
         rows = [free.pop() for _ in ks]
         for k, row in zip(ks[1:], rows[1:], strict=True):
             pairs_p2[window * K + k] = torch.tensor([row, rows[0]])
     return pairs_p2
+
+
+def empty_dup_tables(nvs: int, device) -> SimpleNamespace:
+    """A plan's zero `[NvS, 3]`, `[NvS]`, `[2]` int32 dup tables (as the planner leaves them) on `device`."""
+    int32 = dict(dtype=torch.int32, device=device)
+    return SimpleNamespace(rows_per_rank=nvs, dup_groups=torch.zeros(nvs, 3, **int32),
+                           dup_loffs=torch.zeros(nvs, **int32), dup_counts=torch.zeros(2, **int32))
+
+
+def reference_dup_tables(pairs_p2: torch.Tensor, nvs: int) -> SimpleNamespace:
+    """The dup tables the torch reference builds (on the CPU) from received duplicate pairs `[R*S*K, 2]`."""
+    tables = empty_dup_tables(nvs, "cpu")
+    ReferenceExchange(SimpleNamespace(dup_pairs=SimpleNamespace(local=pairs_p2.clone()))).record_duplicates(
+        tables)
+    return tables
 
 
 @pytest.mark.oldest_triton
@@ -264,9 +283,6 @@ def test_record_duplicates_over_several_pair_programs_and_row_blocks(constants, 
     rows than NvS); with small constants (`RECORD_SLOTS`, `RECORD_ROWS`, `RECORD_BLOCKS`) more blocks than
     one step of the earlier blocks' sum. Its tables equal the reference's, bit for bit, and it leaves the
     pairs all -1 and the marks all 0."""
-    from types import SimpleNamespace
-
-    from moonep_moe.comm.exchange import ReferenceExchange
     from moonep_moe.comm.kernels import rows
 
     if constants is not None:
@@ -278,14 +294,8 @@ def test_record_duplicates_over_several_pair_programs_and_row_blocks(constants, 
     nvs = end + 2 * rows.RECORD_ROWS + 3  # and 2 blocks past the end
     pairs_p2 = received_duplicates(R, S, K, end, torch.Generator().manual_seed(11))
 
-    def tables(device):
-        int32 = dict(dtype=torch.int32, device=device)
-        return SimpleNamespace(rows_per_rank=nvs, dup_groups=torch.zeros(nvs, 3, **int32),
-                               dup_loffs=torch.zeros(nvs, **int32), dup_counts=torch.zeros(2, **int32))
-
-    want = tables("cpu")
-    ReferenceExchange(SimpleNamespace(dup_pairs=SimpleNamespace(local=pairs_p2.clone()))).record_duplicates(want)
-    got, got_pairs_p2 = tables(KERNEL_DEVICE), pairs_p2.to(KERNEL_DEVICE)
+    want = reference_dup_tables(pairs_p2, nvs)
+    got, got_pairs_p2 = empty_dup_tables(nvs, KERNEL_DEVICE), pairs_p2.to(KERNEL_DEVICE)
     marks_nvs = torch.zeros(nvs, dtype=torch.int32, device=KERNEL_DEVICE)
     end_1 = torch.tensor([end], dtype=torch.int32, device=KERNEL_DEVICE)
     rows.record_duplicates(got_pairs_p2, marks_nvs, end_1, got.dup_groups, got.dup_loffs, got.dup_counts, K)
@@ -297,6 +307,69 @@ def test_record_duplicates_over_several_pair_programs_and_row_blocks(constants, 
     groups = int(want.dup_counts[0])
     blocks = set((want.dup_groups[:groups, 0] // rows.RECORD_ROWS).tolist())
     assert len(blocks) >= 4 and int(want.dup_counts[1]) > groups, "groups in most row blocks, some of 2+"
+
+
+def bits(values: torch.Tensor) -> torch.Tensor:
+    """`values` as same-width integers: equal bit for bit (-0.0 is not +0.0)."""
+    return values.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()])
+
+
+@pytest.mark.oldest_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64],
+                         ids=["bf16", "fp16", "fp32", "fp64"])
+@pytest.mark.parametrize("structure", ["random", "every_route", "none"])
+def test_pre_reduce_copy_equals_the_copy_then_the_pre_reduction(dtype, structure, monkeypatch):
+    """Combine's one row pass (`pre_reduce_copy`) leaves every row combine reads (the non-duplicate rows
+    below the plan's end) bit for bit as `copy_rows` then `pre_reduce_duplicates` leave it, from expert
+    outputs of mixed magnitudes (fp32 sums that depend on their order), with a plain row and a whole group
+    of -0.0 (the sums start at +0.0); it writes no duplicate row and no row past the end, and leaves its
+    marks all 0. Rows in every row dtype, summed in fp32 (float64 for float64 rows); dup tables: random
+    groups, every group K - 1 duplicates deep (skewed routing), none; rows of several blocks (a small
+    `ROW_BLOCK_BYTES`, the last block partial), several rows per program in the interpreter."""
+    from moonep_moe.comm.kernels import rows
+
+    monkeypatch.setattr(rows, "ROW_BLOCK_BYTES", 64)
+    accumulate = torch.promote_types(dtype, torch.float32)  # the Buffer's: fp32, float64 for float64 rows
+    R, S, K, H, end = 2, 24, 4, 40, 220
+    nvs = end + 37
+    gen = torch.Generator().manual_seed(21)
+    pairs_p2 = (torch.full((R * S * K, 2), -1, dtype=torch.int32) if structure == "none" else
+                received_duplicates(R, S, K, end, gen, every_route=structure == "every_route"))
+    tables = reference_dup_tables(pairs_p2, nvs)
+    groups, duplicates = tables.dup_counts.tolist()
+    source_nvsh = mixed((nvs, H), gen, 8).to(dtype)
+    duplicate_v = torch.zeros(nvs, dtype=torch.bool)
+    duplicate_v[tables.dup_loffs[:duplicates].long()] = True
+    plain_v = ~duplicate_v
+    plain_v[tables.dup_groups[:groups, 0].long()] = False
+    plain_v[end:] = False
+    source_nvsh[int(plain_v.nonzero()[0])] = -0.0
+    if groups:
+        primary, first, count = tables.dup_groups[0].tolist()
+        source_nvsh[[primary, *tables.dup_loffs[first:first + count].tolist()]] = -0.0
+    sentinel_nvsh = mixed((nvs, H), gen, 0).to(dtype)
+    if structure == "every_route":
+        assert bool((tables.dup_groups[:groups, 2] == K - 1).all()) and groups > 10
+    elif structure == "random":
+        assert set(tables.dup_groups[:groups, 2].tolist()) == set(range(1, K)), "groups of every depth"
+
+    device = dict(device=KERNEL_DEVICE)
+    source, end_1 = source_nvsh.to(**device), torch.tensor([end], dtype=torch.int32, **device)
+    dup_tables = [t.to(**device) for t in (tables.dup_groups, tables.dup_loffs, tables.dup_counts)]
+    want_nvsh = sentinel_nvsh.to(**device, copy=True)
+    rows.copy_rows(want_nvsh, source, end_1)
+    rows.pre_reduce_duplicates(want_nvsh, *dup_tables, K - 1, min(nvs // 2, R * S), accumulate)
+    got_nvsh, marks_nvs = sentinel_nvsh.to(**device, copy=True), torch.zeros(nvs, dtype=torch.int32, **device)
+    rows.pre_reduce_copy(got_nvsh, source, marks_nvs, end_1, *dup_tables, K - 1, accumulate)
+
+    read_v = ~duplicate_v
+    read_v[end:] = False
+    got_nvsh, want_nvsh = got_nvsh.cpu(), want_nvsh.cpu()
+    wrong = int((bits(got_nvsh[read_v]) != bits(want_nvsh[read_v])).sum())
+    assert wrong == 0, f"{wrong} values of the rows combine reads differ from the two-pass result"
+    assert torch.equal(bits(got_nvsh[~read_v]), bits(sentinel_nvsh[~read_v])), "duplicates, rows past the end"
+    assert not bool(marks_nvs.any()), "every mark reset"
+    assert int(read_v.sum()) == end - duplicates
 
 
 @pytest.mark.oldest_triton
