@@ -70,11 +70,12 @@ def peer_phases(record, S: int, H: int, K: int, E: int, R: int, B: int, nvs: int
     weights_sk = torch.rand(S, K, device="cuda")
     peers = symmetric("rows", [torch.zeros(nvs, H, dtype=torch.bfloat16, device="cuda") for _ in range(R)])
     weights = symmetric("weights", [torch.zeros(nvs, device="cuda") for _ in range(R)])
-    sources = symmetric("sources", [torch.zeros(nvs, dtype=torch.int32, device="cuda") for _ in range(R)])
+    pairs = symmetric("dup_pairs", [torch.full((R * S * K, 2), -1, dtype=torch.int32, device="cuda")
+                                    for _ in range(R)])
     _, _, primary_n, valid_n = decode_dst(plan.dst, nvs)
     moved = (S + int((primary_n & valid_n).sum())) * H * 2  # token rows read + payload rows written
-    record("send_routes", lambda: rows.send_routes(hidden_sh, weights_sk, plan.dst, None, peers, weights,
-                                                   sources), moved)
+    record("send_routes", lambda: rows.send_routes(hidden_sh, weights_sk, plan.dst, False, peers, weights,
+                                                   pairs), moved)
     out_sh = torch.empty(S, H, dtype=torch.bfloat16, device="cuda")
     record("gather_routes", lambda: rows.gather_routes(plan.dst, peers, None, out_sh, None, torch.float32),
            moved)

@@ -134,9 +134,10 @@ def test_combine_leaves_rows_past_the_plan(kernels):
 
 @pytest.mark.gpu
 def test_cuda_combine_leaves_rows_past_the_plan_and_equals_the_full_copy():
-    """On the H200: the compiled `copy_rows` copies exactly the planned rows, and combine's result equals
-    the reference's run on the CPU from the same inputs (the CUDA reference's `index_add_` adds in no fixed
-    order, so it is not bit-reproducible: see tests/test_comm_kernels.py)."""
+    """On the H200: a one-rank combine reads the expert outputs where they are, leaves the Buffer's rows past
+    the plan's end untouched, and its result equals the reference's run on the CPU from the same inputs (the
+    CUDA reference's `index_add_` adds in no fixed order, so it is not bit-reproducible: see
+    tests/test_comm_kernels.py)."""
     from moonep_moe.transport.threads import single_world
 
     results = []
