@@ -21,10 +21,10 @@ group, `skewed_routing`):
    exchange calls where they happen (`bench.rank_replay`). Each rank's plan is checked against the group's.
    The arms a target compares alternate (`run_ranks`): a policy's maxvio arms step by step on one layer,
    each round in another order, and the policies' segments (and torch-native's, on the ranks it runs on)
-   in one order for half the steps and in the mirrored order for the rest. An H200 running these GEMMs sits
-   at its power limit, where its clocks fall as it warms over seconds: run arm after arm (94186ea's record),
-   a rank's expert block read slower in each later maxvio arm, on every rank. The GPU's clocks, power,
-   temperature and peak memory after each rank's pass are in the record (`gpu`).
+   in one order for half the steps and in the mirrored order for the rest, so whatever drifts over seconds
+   (clocks and temperature, at a power limit an H200 can reach under these GEMMs) falls alike on the arms
+   a target compares. The GPU's clocks, power, temperature and peak memory after each rank's pass are in
+   the record (`gpu`).
 3. The link, per rank and exchange call (`link_bytes`): dispatch rows in and out (a row per token and
    destination rank, route weights, duplicate pairs), combine rows, replica weights in (prefetch, forward
    and backward) and out (the replicas of its experts that peers pull), replica gradients (fp32) in and

@@ -17,7 +17,8 @@ Backward reuses the forward plan (never plans again):
    and, recomputed in the same pass, `hw`; `dx = dab @ gate_up` (dgrad); then `dW_down = dy^T hw` (wgrad
    into this step's home grads and the fp32 slot grads), dy's last reader.
 3. `combine(plan, dx, grad_w)` on the comm stream (input and route-weight gradients back to the tokens)
-   beside `dW_gate_up = dab^T x` (wgrad) on the caller's: the exchange hides under the GEMM.
+   beside `dW_gate_up = dab^T x` (wgrad) on the caller's: its link time can hide under the GEMM (on the
+   H200 its kernels find no free SM while torch's grouped GEMM runs, so they mostly follow it).
 4. `reduce_grad`: every replica's fp32 gradient added into its home expert's, slots cleared.
 A frozen projection (`requires_grad=False` on `experts.gate_up` or `experts.down`) gets no weight gradient:
 no wgrad GEMM, nothing in `reduce_grad`, no `main_grad` allocated; its weights still carry the input's and
@@ -167,8 +168,9 @@ class MoonEPExperts(torch.autograd.Function):
             down_home, _ = gemm.wgrad(dy_nvsh, hw_nvf, offs_g, (home[1], down_slots), adds[1])
             home = (home[0], down_home)
         # dy's last reader is behind: combine may overwrite the rows. It runs on the comm stream beside
-        # gate_up's weight gradient (which reads dab and x, not the rows), so its exchange hides under that
-        # GEMM; the results are the same bits either way (the same kernels on the same inputs).
+        # gate_up's weight gradient (which reads dab and x, not the rows), so its link time can hide under
+        # that GEMM (its kernels still need SMs the GEMM leaves); the results are the same bits either way
+        # (the same kernels on the same inputs).
         grad_hidden_sh, grad_route_weights_sk, combined = buffer.combine(plan, dx_nvsh, grad_w_nvs,
                                                                          async_finish=True)
         if trains[0]:  # FP8 rows (fp8_dispatch) dequantised exactly: the values the forward multiplied
