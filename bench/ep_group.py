@@ -76,7 +76,9 @@ replicas out, `bytes`, `link_ms` per exchange call, `local` and `nvlink` timings
 expert block, `BLOCK_CALLS`), `beyond_share`),
 `slowest` (`local`, `nvlink`: the group's step; `rank`)]},
 `native` (per maxvio: the rank, its routes and bytes, `eager`, `compiled`, `baseline`), `compile_s`,
-`gpu` (per rank and pass: `gpu_state`), `gemm` (per policy, the grouped GEMMs the layer chose)).
+`gpu` (per rank and pass: `gpu_state`), `gemm` (per policy, the grouped GEMMs the layer chose),
+`cost_aware_plan_as` (per maxvio, the policy whose plan cost_aware's equals on every rank, or None; its
+target names it as `same_plan_as`)).
 Beside it a PNG of the slowest rank against maxvio (one panel per group) and `ep-group.md`, the table
 for the docs.
 """
@@ -322,10 +324,21 @@ def expert_block(layer: MoonEPMoELayer, cu_seqlens: torch.Tensor) -> list[float]
     return [seconds_between(a, b) for a, b in zip(marks, marks[1:], strict=False)]
 
 
+PLAN_FIELDS = ("dst", "cu_seqlens", "experts_to_copy", "compute_groups", "rank_load")
+"""The plan fields that decide what a rank computes and moves."""
+
+
+def same_plans(a: GroupStep, b: GroupStep) -> bool:
+    """Whether two policies planned the same group step alike on every rank (`PLAN_FIELDS`): then they run
+    the same work, and their timings differ by the run's spread only."""
+    return all(torch.equal(getattr(x, name), getattr(y, name)) for x, y in zip(a.plans, b.plans, strict=True)
+               for name in PLAN_FIELDS)
+
+
 def check_plan(layer: MoonEPMoELayer, step: GroupStep, rank: int) -> None:
     """Raise unless the plan rank `rank`'s dispatch made equals the group's plan of that rank."""
     made, want = layer._state.last_plan, step.plans[rank]
-    for name in ("dst", "cu_seqlens", "experts_to_copy", "compute_groups", "rank_load"):
+    for name in PLAN_FIELDS:
         if not torch.equal(getattr(made, name), getattr(want, name)):
             raise RuntimeError(f"rank {rank}: its dispatch planned another {name} than the group's plan")
 
@@ -848,8 +861,10 @@ def group_targets(table: dict, link: str) -> list[dict]:
         for i, maxvio in enumerate(targets):
             better = min(("exact", "off"), key=lambda p: group_span(ours[p][i], link)[0])
             value = ratio(group_span(ours["cost_aware"][i], link), group_span(ours[better][i], link))
+            same = table.get("cost_aware_plan_as", [None] * len(targets))[i]
             out.append(check("cost_aware over the better of exact and off", value, "<=",
-                             TARGET_BOUNDS["cost_aware vs best"], maxvio=maxvio, better=better, **fields))
+                             TARGET_BOUNDS["cost_aware vs best"], maxvio=maxvio, better=better,
+                             same_plan_as=same, **fields))
     if exact is not None:
         key = "beyond_share" if link == "nvlink" else "beyond_share_local"
         for i, maxvio in enumerate(targets):
@@ -970,6 +985,9 @@ def run_group(group: Group, args: argparse.Namespace, device: torch.device, reco
                                for r in routings]
     table["policies"], table["native"], table["gpu"] = run_ranks(
         group, steps, off, reached, device, reps, not args.no_compile, table, record.get("profile"), say)
+    if "cost_aware" in steps:
+        table["cost_aware_plan_as"] = [next((p for p in ("exact", "off") if p in steps and same_plans(
+            steps["cost_aware"][i], steps[p][i])), None) for i in range(len(routings))]
     for policy, runs in table["policies"].items():
         for maxvio, summary in zip(args.maxvio, runs, strict=True):
             best = summary["slowest"]["nvlink"]

@@ -23,6 +23,7 @@ from bench.ep_group import (
     main,
     native_link_bytes,
     over_link,
+    same_plans,
     slowest,
 )
 from bench.rank_replay import PHASES, group_step, route_matrices
@@ -111,6 +112,10 @@ def test_targets_of_a_group():
         ("exact: time beyond the expert block over the step, worst rank", 0.0, 0.03, True),
         ("exact: time beyond the expert block over the step, worst rank", 20.0, 0.03, True)]
     assert [t["better"] for t in targets if "better" in t] == ["off", "exact"]
+    assert [t["same_plan_as"] for t in targets if "better" in t] == [None, None]
+    table["cost_aware_plan_as"] = ["off", None]
+    assert [t["same_plan_as"] for t in group_targets(table, "nvlink") if "better" in t] == ["off", None]
+    del table["cost_aware_plan_as"]
     assert all(t["link"] == "nvlink" and t["model"] == "m" and t["ranks"] == 8 for t in targets)
     spread = targets[1]
     assert (spread["min"], spread["max"]) == pytest.approx((41 * 0.9 / 110, 41 * 1.1 / 90))
@@ -190,6 +195,8 @@ def test_smoke_run_writes_the_record_plot_and_table(tmp_path, capsys):
     native_ranks = {n["rank"] for n in table["native"]}
     assert all(all(len(r["local"]["ms_samples"]) == 1 for r in run["ranks"]) for runs in
                table["policies"].values() for run in runs) and native_ranks <= set(range(8))
+    same = table["cost_aware_plan_as"]
+    assert len(same) == 2 and set(same) <= {"exact", "off", None}
     assert "PASS" in out or "MISS" in out
 
 
@@ -240,3 +247,15 @@ def test_idle_gaps_are_the_time_no_launch_covers():
     assert (idle["span_ms"], idle["busy_ms"], idle["idle_ms"]) == (9.0, 5.5, 3.5)
     assert idle["gaps"] == [{"ms": 2.5, "after": "c", "before": "d"}]
     assert idle_gaps([])["idle_ms"] == 0.0
+
+
+def test_same_plans_compares_every_rank_of_two_policies():
+    inputs = skewed_inputs(seed=1)
+
+    def step(balance: str):
+        return group_step(config(balance), inputs["topk"], inputs["weights"], inputs["hidden"],
+                          inputs["grad_out"])
+
+    exact, off = step("exact"), step("off")
+    assert same_plans(exact, step("exact")) and same_plans(off, step("off"))
+    assert not same_plans(exact, off), "skewed routing: exact replicates, off does not"
