@@ -1,7 +1,7 @@
 """An EP group's training step under routing skew, rank by rank, on one GPU: MoonEP's replication against
 plain EP, for the group's slowest rank.
 
-    python -m bench.ep_group                # DeepSeek-V3 R=8, Kimi-K2 R=8 and 16: about 5-6 min, an H200
+    python -m bench.ep_group                # DeepSeek-V3 R=8, Kimi-K2 R=8 and 16: about 7 min, an H200
     python -m bench.ep_group --groups kimi-k2:16 --maxvio 0 20
     python -m bench.ep_group --smoke        # CPU, tiny shapes, seconds: every code path, no timing
 
@@ -55,9 +55,10 @@ two directions move at once, each at the spec rate.
 
 Budget on an H200 (the defaults): about 3,100 rank steps of 20-200 ms (most near 40 ms; 6 timed and 2
 warm-up steps per arm), 770 expert blocks, 192 layer builds, torch-native's 4 skews x 2 arms and one
-compilation, three GEMM measurements of the layer's `auto`: about 6-7 minutes. Peak memory: a rank of
-Kimi-K2 R=16 under `off` (its Buffer sized for R*S*K routes, about 15 GB of rows, copied once in forward)
-with the peers' stand-in, about 110 GB; one arm's staged peer traffic is held at a time.
+compilation, three GEMM measurements of the layer's `auto`: about 7 minutes (436 s at 67706b4). Peak
+memory: a rank of Kimi-K2 R=16 under `off` (its Buffer sized for R*S*K routes, about 15 GB of rows, copied
+once in forward) with the peers' stand-in, 103 GB at 67706b4; one arm's staged peer traffic is held at a
+time.
 
 Targets (`TARGET_BOUNDS`, on the `nvlink` step; the same checks on the `local` step are recorded beside them),
 each with its median, min-max, bound and pass, as bench.layer records its targets:
