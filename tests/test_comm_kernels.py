@@ -330,7 +330,7 @@ def test_pre_reduce_copy_equals_the_copy_then_the_pre_reduction(dtype, structure
 
     monkeypatch.setattr(rows, "ROW_BLOCK_BYTES", 64)
     accumulate = torch.promote_types(dtype, torch.float32)  # the Buffer's: fp32, float64 for float64 rows
-    R, S, K, H, end = 2, 24, 4, 40, 220
+    R, S, K, H, end = 2, 12, 4, 40, 110
     nvs = end + 37
     gen = torch.Generator().manual_seed(21)
     pairs_p2 = (torch.full((R * S * K, 2), -1, dtype=torch.int32) if structure == "none" else
