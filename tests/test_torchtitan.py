@@ -380,7 +380,7 @@ def refused(change: Callable, overrides: dict | None = None) -> str:
     """The error of swapping a one-MoE-layer DeepSeek-V3 after `change(model's MoE)`."""
     config = model_config("deepseek_v3")
     config.layers = config.layers[:2]
-    model = config.build()
+    model = build(config, seed=0)  # initialised, so only `change` can make the swap refuse
     change(model.layers["1"].moe)
     with pytest.raises(ValueError) as error:
         swap_moe_modules(model, TOKENS, **(overrides or {}))
@@ -425,7 +425,8 @@ def test_what_cannot_be_reproduced_is_refused_naming_the_argument(change, overri
 
 
 def test_torchtitans_own_parallelisms_on_a_swapped_module_are_refused():
-    model = swap_moe_modules(model_config("deepseek_v3").build(), TOKENS)
+    # initialised: `build()` alone leaves torch.empty weights, whose garbage may hold NaN (refused)
+    model = swap_moe_modules(build(model_config("deepseek_v3"), seed=0), TOKENS)
     moe = model.layers["1"].moe
     for dims, name in ((types.SimpleNamespace(ep=2, tp=1), "expert_parallel_degree=2"),
                        (types.SimpleNamespace(ep=1, tp=2), "tensor_parallel_degree=2")):
