@@ -35,7 +35,10 @@ group, `skewed_routing`):
    measured) where the window was shorter. Every window is charged as if it blocked the step, except
    backward's combine (`BESIDE_GEMM`): it runs on the comm stream beside gate_up's weight gradient, and the
    caller's stream waits for it only before reduce_grad, so its link time delays the step only where it
-   outlasts both its window and the time until reduce_grad began (`over_link`'s room). (A model that ran
+   outlasts both its window and the time until reduce_grad began (`over_link`'s room), and the prefetch
+   (`OPEN_ENDED`, one barrier): the rank waits for the replicas it pulls in (charged whole), not for the
+   peers' pulls of its own experts, which run beside its GEMMs until the next call's first barrier, where
+   its window ends (`layer_link_seconds`). (A model that ran
    the link as GPU-side waits beside each window, `torch.cuda._sleep` on a side stream, was tried on the
    H200 at 41a79be and added 0.2-2.9 ms more per step (median 1.4 over 48 rank steps) than the blocking
    windows' own link time, under every policy: biased, so not used.)
@@ -72,7 +75,8 @@ The record (`bench.common.write_record`, `bench/results/ep-group-<device>-<date>
 after each group): `setup` (shapes, policies, maxvio, repetitions, link model and its source, `left_out`,
 `per_rank_step`), `targets`, `targets_local`, `results` (per group: `model`, `ranks`, shapes, `routing`
 (per maxvio: target, achieved, sigma), `policies` {policy: [per maxvio: `ranks` (per rank: routes, slots,
-replicas out, `bytes`, `link_ms` per exchange call, `local` and `nvlink` timings, `windows_ms`, `room_ms`
+replicas out, `bytes`, `link_ms` per exchange call (its larger direction; `waited_ms`: the part charged
+whole), `local` and `nvlink` timings, `windows_ms`, `room_ms`
 (backward's combine's, `over_link`), and for exact `gemm`, `swiglu`, `block_calls` (each call of the
 expert block, `BLOCK_CALLS`), `beyond_share`),
 `slowest` (`local`, `nvlink`: the group's step; `rank`)]},
@@ -115,6 +119,7 @@ from bench.common import (
 )
 from bench.layer import native_grouped_swiglu, print_profile, profile_summary
 from bench.rank_replay import (
+    OPEN_ENDED,
     PHASES,
     GroupStep,
     ReplayWorld,
@@ -255,20 +260,36 @@ def link_seconds(phases: list[tuple[int, int]]) -> list[float]:
     return [max(pair) / NVLINK_BYTES_PER_S for pair in phases]
 
 
+def layer_link_seconds(phases: list[tuple[int, int]]) -> tuple[list[float], list[float]]:
+    """`(waited, link)` per exchange call of our layer's step (`PHASES`), for `over_link`. A call between two
+    barriers waits for both directions: (0, `link_seconds`). A prefetch (`OPEN_ENDED`) waits for what it
+    pulls in (its slots' weights, which its GEMMs read: charged whole, as if no copy of its window moved them)
+    and not for its peers' pulls of its own experts (out), which may take until the next call's first
+    barrier, where its window ends."""
+    waited, link = [], []
+    for phase, (bytes_in, bytes_out) in zip(PHASES, phases, strict=True):
+        open_ended = phase in OPEN_ENDED
+        waited.append(bytes_in / NVLINK_BYTES_PER_S if open_ended else 0.0)
+        link.append((bytes_out if open_ended else max(bytes_in, bytes_out)) / NVLINK_BYTES_PER_S)
+    return waited, link
+
+
 BESIDE_GEMM = PHASES.index("add_replicas") - 1
 """The exchange call that runs beside a GEMM: backward's combine, on the comm stream beside gate_up's weight
 gradient (`MoonEPExperts.backward`); the caller's stream waits for it only before reduce_grad."""
 
 
-def over_link(total_s: float, windows_s: list[float], link_s: list[float], room_s: list[float] | None = None
-              ) -> float:
+def over_link(total_s: float, windows_s: list[float], link_s: list[float], room_s: list[float] | None = None,
+              waited_s: list[float] | None = None) -> float:
     """A step's time with each exchange window stretched to its link time where it was shorter. `room_s`:
     per window, the time from its start until the caller's stream went on past it (0 for a window the step
     waits on; `BESIDE_GEMM`'s: until reduce_grad began, the GEMM beside it done): a window's link time
-    delays the step only where it is longer than both the window and that room."""
+    delays the step only where it is longer than both the window and that room. `waited_s`: per window, link
+    time the step waits for whatever the window's length (`layer_link_seconds`), added whole."""
     room_s = room_s or [0.0] * len(windows_s)
-    return total_s + sum(max(0.0, link - max(window, room))
-                         for window, link, room in zip(windows_s, link_s, room_s, strict=True))
+    waited_s = waited_s or [0.0] * len(windows_s)
+    calls = zip(windows_s, link_s, room_s, waited_s, strict=True)
+    return total_s + sum(waited + max(0.0, link - max(window, room)) for window, link, room, waited in calls)
 
 
 def bytes_summary(phases: list[tuple[int, int]]) -> dict[str, int]:
@@ -604,13 +625,15 @@ class RankArm:
         `beyond_share_local`)."""
         step, rank, samples = self.step, self.rank, self.samples
         phases = link_bytes(step)[rank]
-        link_s = link_seconds(phases)
+        waited_s, link_s = layer_link_seconds(phases)
         totals, windows, blocks = samples.totals, samples.windows, samples.blocks
         hosted, replicated = replica_counts(step)
-        nvlink = [over_link(t, w, link_s, r) for t, w, r in zip(totals, windows, samples.rooms, strict=True)]
+        nvlink = [over_link(t, w, link_s, r, waited_s)
+                  for t, w, r in zip(totals, windows, samples.rooms, strict=True)]
         row = {"rank": rank, "routes": int(step.plans[0].rank_load[rank]), "home_routes":
                int(step.plans[0].home_load[rank]), "slots_used": int(hosted[rank]), "replicas_out":
-               int(replicated[rank]), "bytes": bytes_summary(phases), "link_ms": [s * 1e3 for s in link_s],
+               int(replicated[rank]), "bytes": bytes_summary(phases),
+               "link_ms": [s * 1e3 for s in link_seconds(phases)], "waited_ms": [s * 1e3 for s in waited_s],
                "local": spread(totals), "nvlink": spread(nvlink),
                "windows_ms": [statistics.median(w[i] for w in windows) * 1e3 for i in range(len(PHASES))],
                "room_ms": statistics.median(r[BESIDE_GEMM] for r in samples.rooms) * 1e3}

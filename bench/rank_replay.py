@@ -22,13 +22,16 @@ gradients of its home experts pulled back. What the peers do is stood in for:
   gradients in reduce_grad) as copies into scratch. On CUDA this traffic runs on a side stream (the peers'
   stream): it starts when d reaches an exchange call's first barrier and d waits for it at the call's second
   barrier, as the row kernels' barriers order a real group's phases; so it overlaps d's own kernels of that
-  window and nothing else, as it would. On the CPU it runs inline, and with the torch reference exchange
-  (the layer's choice on the CPU) the staged writes land in the world's `scatter_rows`.
+  window and nothing else, as it would. A prefetch has one barrier (`OPEN_ENDED`): the peers' reads of d's
+  experts run from it until the next call's first barrier, beside d's GEMMs. On the CPU it runs inline, and
+  with the torch reference exchange (the layer's choice on the CPU) the staged writes land in the world's
+  `scatter_rows`.
 - the histogram all-gather: every peer's histogram is posted beforehand (`ReplayWorld.posted`).
 
 Each exchange call is one window (`ReplayWorld.windows`: its phase and its start and end on the stream it ran
-on: the caller's, or the comm stream for backward's combine, which runs beside a GEMM), so a link model can
-stretch each window to the link's time for the bytes it moves (`bench.ep_group`).
+on: the caller's, or the comm stream for backward's combine, which runs beside a GEMM; a prefetch's ends at
+the next call's first barrier), so a link model can stretch each window to the link's time for the bytes it
+moves (`bench.ep_group`).
 
 Left out: the peers' SMs (their kernels never run here), contention on real links, NVLink latency and the
 peers' skew in reaching a barrier. A local copy moves bytes at HBM speed, not the link's.
@@ -59,6 +62,11 @@ PHASES = ("send_routes", "copy_experts", "combine", "send_routes", "copy_experts
 """The row exchange's calls in one training step of the layer, in order (forward dispatch, prefetch,
 combine; backward dispatch, prefetch, combine; reduce_grad): each is a window between two barriers of the
 row kernels' exchange (`comm.exchange.KernelExchange`)."""
+
+OPEN_ENDED = ("copy_experts",)
+"""The exchange calls with one barrier: the layer's prefetch (`prefetch_weight(wait_for_readers=False)`)
+goes on after it while the peers read this rank's home experts; the next call's first barrier orders those
+reads, so their traffic runs (and the call's window lasts) until then."""
 
 DISPATCHES = tuple(i for i, phase in enumerate(PHASES) if phase == "send_routes")
 """The forward and backward dispatch's indices in `PHASES`."""
@@ -257,6 +265,7 @@ class ReplayWorld:
         self._traffic: list[PeerTraffic] | None = None
         self._call = 0
         self._start: Stamp | None = None
+        self._open: tuple[str, Stamp] | None = None  # an `OPEN_ENDED` call's phase and start, until the next
         self._scatters: Counter[str] = Counter()
         self._peers_done: torch.cuda.Event | None = None
         self._peer_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -272,7 +281,8 @@ class ReplayWorld:
 
     def barrier(self) -> None:
         """Outside a step: nothing to order (only this rank runs). In a step: the first barrier of an exchange
-        call starts the peers' traffic of that call, the second waits for it (module docstring)."""
+        call starts the peers' traffic of that call, the second waits for it; an `OPEN_ENDED` call's traffic
+        is waited for at the next call's first barrier (module docstring)."""
         if self._traffic is None:
             return
         if self._start is None:
@@ -281,15 +291,30 @@ class ReplayWorld:
             if caller != expected:
                 raise RuntimeError(f"rank replay: exchange call {self._call} is {caller}, expected "
                                    f"{expected}: the layer's step no longer matches bench.rank_replay.PHASES")
+            self._close_open()
             self._start = stamp(self.device)
             self._start_peers(self._traffic[self._call])
+            if expected in OPEN_ENDED:
+                self._open, self._start = (expected, self._start), None
+                self._call += 1
         else:
-            if self._peers_done is not None:
-                torch.cuda.current_stream(self.device).wait_event(self._peers_done)
-                self._peers_done = None
+            self._wait_peers()
             self.windows.append((PHASES[self._call], self._start, stamp(self.device)))
             self._start = None
             self._call += 1
+
+    def _wait_peers(self) -> None:
+        if self._peers_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._peers_done)
+            self._peers_done = None
+
+    def _close_open(self) -> None:
+        """End the window of the `OPEN_ENDED` call before this one, if any, once its peers' reads are done."""
+        if self._open is not None:
+            self._wait_peers()
+            phase, start = self._open
+            self.windows.append((phase, start, stamp(self.device)))
+            self._open = None
 
     def symmetric(self, key: str, tensor: torch.Tensor) -> SymmetricTensor:
         if key in self._registered:
@@ -359,11 +384,12 @@ class ReplayWorld:
         if len(traffic) != len(PHASES):
             raise ValueError(f"rank replay: traffic needs one entry per phase ({len(PHASES)}), got "
                              f"{len(traffic)}")
-        self._traffic, self._call, self._start = traffic, 0, None
+        self._traffic, self._call, self._start, self._open = traffic, 0, None, None
         self._scatters.clear()
         self.windows = []
         try:
             yield
+            self._close_open()
         finally:
             self._traffic = None
         if reference_exchange:

@@ -11,6 +11,7 @@ from test_bench_rank_replay import E, F, H, K, R, S, config, skewed_inputs
 
 from bench.common import idle_gaps
 from bench.ep_group import (
+    NVLINK_BYTES_PER_S,
     POLICIES,
     Group,
     NativeEPExperts,
@@ -19,6 +20,7 @@ from bench.ep_group import (
     Segment,
     group_spread,
     group_targets,
+    layer_link_seconds,
     link_bytes,
     main,
     native_link_bytes,
@@ -72,6 +74,26 @@ def test_the_link_stretches_only_windows_shorter_than_it():
     # a window beside a GEMM: its link time is hidden up to the room before the step waits for it
     assert over_link(10.0, [1.0, 0.5], [2.0, 3.0], [0.0, 2.5]) == pytest.approx(11.5)
     assert over_link(10.0, [1.0, 0.5], [2.0, 2.0], [0.0, 2.5]) == pytest.approx(11.0)
+
+
+def test_a_prefetch_waits_for_the_replicas_it_pulls_not_for_its_peers_pulls():
+    """The prefetch's window (one barrier) lasts until the next call: its bytes in are charged whole, its
+    bytes out only beyond that window; every other call's larger direction beyond its window."""
+    rate = NVLINK_BYTES_PER_S
+    prefetches = [i for i, phase in enumerate(PHASES) if phase == "copy_experts"]
+    assert len(prefetches) == 2  # forward's and backward's
+    phases = [(int(rate * (0.25 if i in prefetches else 1.0)), int(rate * (3.0 if i in prefetches else 2.0)))
+              for i in range(len(PHASES))]
+    waited, link = layer_link_seconds(phases)
+    for i in range(len(PHASES)):
+        want = (0.25, 3.0) if i in prefetches else (0.0, 2.0)
+        assert (waited[i], link[i]) == pytest.approx(want), PHASES[i]
+    windows = [2.0] * len(PHASES)  # every other call as long as its link time: nothing added there
+    for i in prefetches:
+        windows[i] = 5.0  # through the GEMMs that follow it: the peers' pulls hide under them
+    assert over_link(10.0, windows, link, waited_s=waited) == pytest.approx(10.5)
+    windows[prefetches[0]] = 1.0
+    assert over_link(10.0, windows, link, waited_s=waited) == pytest.approx(12.5)
 
 
 def ms_row(rank: int, samples: list[float], key: str = "nvlink") -> dict:

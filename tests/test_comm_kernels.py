@@ -242,6 +242,42 @@ def test_wide_rows_span_several_blocks():
     assert_equal(step, both_paths(step, KERNEL_DEVICE))
 
 
+def test_a_prefetch_that_does_not_wait_for_its_readers_drops_only_the_closing_barrier():
+    """`prefetch_weight(wait_for_readers=False)` (the layer's: combine follows) makes one barrier, the one
+    before it reads its peers' experts, where the default makes a second after them; the slots get the same
+    bits (skewed routing: rank 1 replicates rank 0's experts). The combine after it is the call whose opening
+    barrier orders the peers' reads."""
+    step = Step(R=2, kind="skewed", seed=3)
+
+    def run(world) -> tuple[list[int], list[torch.Tensor]]:
+        state = prepare(step, world, kernels=True)
+        buf, x = state["buf"], state["x"]
+        _, _, _, plan = buf.dispatch(x["hidden"], x["weights"], x["topk"], x["tpe"])
+        gate, down = state["rows"]
+        barriers, slots = [], []
+        counted = world.barrier
+
+        def barrier() -> None:
+            barriers[-1] += 1
+            counted()
+
+        world.barrier = barrier
+        for wait in (True, False):
+            barriers.append(0)
+            gate.slots.local.fill_(7)
+            down.slots.local.fill_(7)
+            buf.prefetch_weight(plan, gate, None, down, wait_for_readers=wait)
+            slots.append(torch.cat([gate.slots.local.flatten(), down.slots.local.flatten()]).cpu())
+        barriers.append(0)
+        buf.combine(plan, state["expert_out"])
+        assert bool((plan.experts_to_copy[1] >= 0).any()), "the skewed plan replicates onto rank 1"
+        return barriers[:2], slots
+
+    for rank, (barriers, (waited, not_waited)) in enumerate(run_ranks(run, step.R, device=KERNEL_DEVICE)):
+        assert barriers == [2, 1], f"rank {rank}: barriers per prefetch {barriers}"
+        assert torch.equal(waited, not_waited), f"rank {rank}: the slots differ"
+
+
 def received_duplicates(R: int, S: int, K: int, end: int, gen: torch.Generator, every_route: bool = False
                         ) -> torch.Tensor:
     """`[R*S*K, 2]` int32 duplicate pairs as `send_routes` leaves them on a rank whose plan fills `end` rows:

@@ -9,7 +9,8 @@ One contract (`RowExchange`), two implementations, chosen once per Buffer by `se
 - `KernelExchange`, the Triton row kernels (`comm.kernels.rows`), where every peer's memory is mapped (the
   threads world on one GPU, the symmetric-memory world): kernels read and write peers' rows through pointer
   tables, and `world.barrier()` orders the phases where the reference's exchanges order them (before the
-  first access to peers' tensors, and after it).
+  first access to peers' tensors, and after it; a prefetch whose caller makes another collective call before
+  it writes its home experts may leave out the closing barrier: `copy_experts(wait_for_readers=False)`).
 
 Both give the same bits (combine sums in fp32 in k order, duplicates in row order, replicas in (slot, rank)
 order) and the same dup tables; tests/test_comm_kernels.py checks it. Neither owns memory or state: the
@@ -124,9 +125,12 @@ class RowExchange(Protocol):
         The Buffer's rows up to `cu_seqlens[-1]` may be overwritten (with R > 1 peers read them there)."""
         ...
 
-    def copy_experts(self, weights: list[ExpertRows], expert_b: torch.Tensor) -> None:
+    def copy_experts(self, weights: list[ExpertRows], expert_b: torch.Tensor, wait_for_readers: bool = True
+                     ) -> None:
         """Collective: slot j of each projection's slots gets home expert `expert_b[j]` (`[B]` int32) from
-        its home rank; a slot marked -1 is not written."""
+        its home rank; a slot marked -1 is not written. `wait_for_readers=False`: return once this rank's
+        own copies are queued, not when every peer is done reading this rank's home experts (the caller
+        writes them only after its next collective call, whose opening barrier orders those reads)."""
         ...
 
     def add_replicas(self, projections: list[tuple[torch.Tensor, SymmetricTensor]], mine_rb: torch.Tensor,
@@ -241,7 +245,7 @@ class ReferenceExchange:
             return sum_sh.to(rows_nvsh.dtype), weights_sk
         return out_sh.copy_(sum_sh), weights_sk
 
-    def copy_experts(self, weights, expert_b) -> None:
+    def copy_experts(self, weights, expert_b, wait_for_readers=True) -> None:
         m = self.memory
         epn = m.experts_per_rank
         expert_b = expert_b.long()
@@ -328,12 +332,13 @@ class KernelExchange:
         m.world.barrier()  # every rank is done reading this rank's rows
         return out_sh, weights_sk
 
-    def copy_experts(self, weights, expert_b) -> None:
+    def copy_experts(self, weights, expert_b, wait_for_readers=True) -> None:
         world = self.memory.world
         world.barrier()  # every rank's home weights are final
         for weight in weights:
             self.experts.copy_experts(weight.home, weight.slots.local, expert_b)
-        world.barrier()  # every rank is done reading this rank's home weights
+        if wait_for_readers:
+            world.barrier()  # every rank is done reading this rank's home weights
 
     def add_replicas(self, projections, mine_rb, home_rb) -> None:
         world = self.memory.world

@@ -23,7 +23,8 @@ class ExpertTransfers:
 
     @torch.no_grad()
     def prefetch_weight(self, plan: MoonEPCommPlan, full_gate_weight, full_up_weight, full_down_weight,
-                        scales=None, async_finish: bool = False) -> CommEvent | None:
+                        scales=None, async_finish: bool = False, wait_for_readers: bool = True
+                        ) -> CommEvent | None:
         """Copy each replicated expert's weights into this rank's slots: slot j gets `experts_to_copy[r, j]`.
 
         Each projection is either the replicated form `[E+B, N, K]` (every expert present on every rank, as
@@ -46,6 +47,14 @@ class ExpertTransfers:
         fingerprints, one all-gather, one host read) and a mismatch raises before any slot is written. A
         weight that holds only this rank's home experts must be passed as `ExpertRows`.
 
+        Peers read this rank's home experts (`ExpertRows`) while they prefetch. By default the call returns
+        when every rank is done reading (a closing barrier), so the caller may write its home experts right
+        after. `wait_for_readers=False` leaves that barrier out, so a rank whose experts are replicated
+        elsewhere goes on while its peers read them (its link's time to serve the replicas hides under what
+        it computes next): the caller must then make another collective call of this Buffer (dispatch,
+        prefetch, combine, reduce_grad: each opens with a barrier every rank reaches only after its own
+        reads) before it writes its home experts. The layer's step does: combine follows every prefetch.
+
         Returns the event: a `CommEvent` with `async_finish`, else None.
         """
         self._check_alive()
@@ -67,7 +76,7 @@ class ExpertTransfers:
                     write_used_slots(weight[self.E:], copies, expert_b)
             expert_rows = [rows_as_bytes(w) for w in projections if isinstance(w, ExpertRows)]
             if expert_rows:
-                self._exchange.copy_experts(expert_rows, expert_b)
+                self._exchange.copy_experts(expert_rows, expert_b, wait_for_readers)
 
         return self._launch(async_finish, op, (plan, *projections))[1]
 

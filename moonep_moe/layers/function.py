@@ -5,7 +5,8 @@ experts then slots).
 
 Forward, on every rank:
 1. `Buffer.dispatch`: plan from the gathered histogram, rows and route weights to their expert-grouped rows.
-2. `Buffer.prefetch_weight`: replicated experts' weights into this rank's slots.
+2. `Buffer.prefetch_weight`: replicated experts' weights into this rank's slots. It does not wait for the
+   peers reading this rank's experts (`wait_for_readers=False`): combine's barriers order those reads.
 3. `ab = x @ gate_up^T` (one grouped GEMM for gate and up), `hw = silu(a) * b * w` (the route weight applied
    per row), `y = hw @ down^T` (grouped GEMM).
 4. `Buffer.combine`: each token's K rows summed in fp32.
@@ -110,7 +111,9 @@ class MoonEPExperts(torch.autograd.Function):
             x_nvsh, w_nvs, cu_seqlens, plan = buffer.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
                                                               tokens_per_expert)
         gate_up_rows, down_rows = experts.rows
-        buffer.prefetch_weight(plan, gate_up_rows, None, down_rows, experts.scales)
+        # no closing barrier: this rank goes on while its peers read its replicated experts; combine's
+        # barriers order those reads before anything writes the home experts (the optimizer, after the step)
+        buffer.prefetch_weight(plan, gate_up_rows, None, down_rows, experts.scales, wait_for_readers=False)
         offs_g = compute_offsets(cu_seqlens, buffer.world.rank, buffer.epn, buffer.E)
         gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
         ab_nv2f = gemm.fwd(x_nvsh, gate_up_w, offs_g)
@@ -140,7 +143,7 @@ class MoonEPExperts(torch.autograd.Function):
         # layers' steps overwrite the rows.
         dy_nvsh, *_ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None, plan=plan,
                                       zero_copy=True)
-        buffer.prefetch_weight(plan, gate_up_rows, None, down_rows)
+        buffer.prefetch_weight(plan, gate_up_rows, None, down_rows, wait_for_readers=False)  # as forward
         gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
         u_nvf = gemm.dgrad(dy_nvsh, down_w, offs_g)
         dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:])
