@@ -337,8 +337,10 @@ class RankOfEPBuffer:
         return self.inner.combine(*args, **kwargs)
 
     @torch.no_grad()
-    def prefetch_weight(self, plan, gate_up: ExpertRows, up: None, down: ExpertRows, scales=None) -> None:
-        """FP8 experts' block scales (`scales`: one `ExpertRows` per weight, or None) travel with them."""
+    def prefetch_weight(self, plan, gate_up: ExpertRows, up: None, down: ExpertRows, scales=None,
+                        wait_for_readers: bool = True) -> None:
+        """FP8 experts' block scales (`scales`: one `ExpertRows` per weight, or None) travel with them. No
+        peer reads this rank's experts here: `wait_for_readers` changes nothing."""
         moved = [gate_up, down] + ([] if scales is None else [s for s in scales if s is not None])
         for rows in moved:
             rows.slots.local.index_copy_(0, self.used_j, rows.home.local.index_select(0, self.used_j))
