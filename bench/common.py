@@ -1,5 +1,6 @@
 """What every benchmark shares: the machine's measured limits, a CUDA-event timer and the spread of its
-repetitions, ratios of spreads and targets checked on them, the models' shapes, and the JSON record.
+repetitions, calls timed in turns (each after an L2 flush, if asked), ratios of spreads and targets checked
+on them, the models' shapes, and the JSON record.
 
 Every result file holds the device, the commit, the command line and the baselines measured in the same run
 (`limits`: device-to-device copy bandwidth and dense bf16 GEMM rate), so every speed can be stated as a ratio.
@@ -17,7 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -42,6 +43,54 @@ def timings(fn: Callable[[], object], warmup: int = 3, repeat: int = 10) -> list
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return times
+
+
+def alternated_timings(calls: Sequence[Callable[[], object]], repeat: int, warmup: int = 2,
+                       before: Sequence[Callable[[], object] | None] | None = None,
+                       device: torch.device | str = "cuda") -> list[list[float]]:
+    """Seconds of each of `calls` timed in turns, so that a drift of the GPU's clocks or temperature during
+    the run falls on every call alike: `warmup` untimed rounds, then `repeat` timed ones, each round running
+    every call once in rotated order (round r, warmup rounds counted, starts with call r mod n: A B, B A,
+    A B, ... for two), so no call always runs first. Before each run of call i, `before[i]()` runs untimed
+    (an L2 flush, the call that precedes it in its step; None: nothing); on CUDA only the call is inside
+    the events (one pair of events per run, then a sync), on the CPU the host clock times it.
+
+    Returns `[[seconds of round 0, round 1, ...] for each call]`; index r of every list is round r."""
+    before = list(before) if before is not None else [None] * len(calls)
+    if len(before) != len(calls):
+        raise ValueError(f"alternated_timings: {len(calls)} calls but {len(before)} befores")
+    device = torch.device(device)
+    times: list[list[float]] = [[] for _ in calls]
+    for r in range(warmup + repeat):
+        for i in ((r + j) % len(calls) for j in range(len(calls))):
+            if before[i] is not None:
+                before[i]()
+            start = stamp(device)
+            calls[i]()
+            end = stamp(device)
+            if isinstance(end, torch.cuda.Event):
+                end.synchronize()
+            if r >= warmup:
+                times[i].append(seconds_between(start, end))
+    return times
+
+
+def l2_flush(mib: int = 256, idle_ms: float = 0.0) -> Callable[[], None]:
+    """A function that empties the current GPU's L2 cache as DeepGEMM's benchmarks do: it writes zeros over
+    a `mib` MiB buffer (allocated once here; several times the H200's L2), so the next call reads its
+    operands from HBM, as a call amid a training step does. `idle_ms` > 0 first holds the GPU
+    in a device-side wait (`torch.cuda._sleep`, cycles at the H200's 1980 MHz top SM clock: longer at a lower
+    clock): an idle gap that lets clocks and power settle. For `alternated_timings`' `before`."""
+    buffer = torch.empty(mib * 2**20, dtype=torch.uint8, device="cuda") if mib > 0 else None
+    cycles = int(idle_ms * 1.98e6)
+
+    def flush() -> None:
+        if cycles > 0:
+            torch.cuda._sleep(cycles)
+        if buffer is not None:
+            buffer.zero_()
+
+    return flush
 
 
 def timed(fn: Callable[[], object], warmup: int = 3, repeat: int = 10) -> float:

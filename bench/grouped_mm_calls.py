@@ -1,71 +1,228 @@
-"""Every `torch._grouped_mm` call of one training step, ours (the DEFAULT layer) beside torch-native's, each
-replayed alone: why the same products take longer in our layer.
+"""Every `torch._grouped_mm` call of one training step, ours (the DEFAULT layer) beside torch-native's, as the
+step makes them (autograd's backward calls included), each pair timed alike: does a call take longer in our
+layer for its form (operands, strides, rows), or for what runs around it?
 
-    python -m bench.grouped_mm_calls                      # DeepSeek-V3 at EP=1, T=8192 (about 1 min)
+    python -m bench.grouped_mm_calls                      # DeepSeek-V3 at EP=1, T=8192 (about 1-2 min)
     python -m bench.grouped_mm_calls --model qwen3-moe-30b-a3b
+    python -m bench.grouped_mm_calls --repeat 30 --idle-ms 1   # more rounds, a 1 ms GPU wait before flushes
 
-First, one step of each layer under the profiler: every GEMM kernel in launch order with its device time
-(in the step, beside the other kernels). Then one step with `torch._grouped_mm` wrapped to keep its
-arguments (the tensors themselves, so a replay reads the same memory and layouts); each call is replayed
-`--repeat` times alone (CUDA events; median and min-max) with its operands' shapes, strides, alignment, the
-rows it covers (`offs[-1]`, ours with the token padding) and its rate over the run's dense bf16 rate.
-torch-native's backward calls `_grouped_mm` inside autograd (not through the wrapper): its two backward
-products per forward call are replayed in the form autograd uses, `grad @ b^T` and `a^T @ grad`. Each of
-our calls is also replayed with the weights operand copied to a fresh tensor of the same strides (rules out
-the arena's placement) and, for 3-D operands, in the other memory orientation (the same values; torch picks
-a CUTLASS layout per operand orientation); our 2-D wgrad (`dy^T @ x`) is also replayed as `x^T @ dy`.
+1. Profile: one step of each layer under the profiler, every GEMM kernel in launch order with its device time
+   in the step, beside the other kernels. The grouped ones (the kernel launched right after each
+   `prepare_grouped_gemm_data`) are matched in order to the recorded calls: each call's "profile ms".
+2. Recording: one more step of each layer under `GroupedMMRecorder`, a `TorchDispatchMode` that sees every
+   `aten._grouped_mm` call, the forward's and autograd's backward's alike, and keeps its operand tensors
+   themselves (a replay reads the same memory in the same layout), its other arguments and its output's
+   shape, strides and dtype. Each call gets a role, fwd / dgrad / wgrad x gate_up / down, from its operands'
+   dims (`call_role`); ours' and torch-native's calls of one role are paired (`match_roles`).
+3. Each pair timed in turns (`bench.common.alternated_timings`: ours, native; native, ours; ... for
+   `--repeat` rounds after 2 untimed), CUDA events around the call only, twice:
+   - alone: each call after an untimed L2 flush (a 256 MiB memset, `--flush-mib`) and, with `--idle-ms`,
+     a GPU-side wait before it: only the call's form decides its time;
+   - in step context: each call right after the grouped_mm call that precedes it in its own step (untimed,
+     no flush), e.g. native's wgrad after the dgrad that read the same `grad`, when autograd orders them so.
+     Only that one call is replayed before it, not the other kernels of the step between the two; a step's
+     first call has none of its own (it follows the other arm's call).
+   Per arm the median and min-max; per pair ours / native of each round, and their median and min-max;
+   `bench.common.gpu_state` (SM and memory clocks, power, temperature) at the start and end of each of the
+   two measurements, stored beside its medians.
+4. Every call also replayed back to back (`--repeat` runs after 3, no flush: the form of this bench's earlier
+   records), with variants: the 3-D operand copied to a fresh tensor of the same strides (placement) and in
+   its other memory orientation (torch picks a CUTLASS layout per operand orientation), a 2-D x 2-D wgrad
+   `dy^T @ x` as `x^T @ dy`.
 
-The record (`bench/results/grouped-mm-calls-<model>-...json`) holds every call with its variants.
+Printed: a table per role (ours and native: alone ms, in-step-context ms, profile ms, the call's form:
+shapes, strides, rows covered of the rows given, groups), then every call's back-to-back replay. The record
+(`bench/results/grouped-mm-calls-<model>-...json`) holds one row per role (`results`: both arms' forms and
+both measurements), every call's replay (`calls`), the profiles, the setup and the limits measured in the
+run (the dense bf16 rate gives each replay's `of_dense`); torch-native is the baseline of every ratio.
+
+Left out: the replays read the recorded tensors as they are after the step (a buffer of ours that the step
+reused afterwards holds other numbers than when the call ran: same memory and layout, other values); the
+step context is one preceding call, not the kernels between; clocks are left to the GPU (not locked), and
+logged instead; one step of T tokens at EP=1, routed by a random router (no skew).
 """
 
 from __future__ import annotations
 
 import argparse
-from contextlib import contextmanager
+import itertools
+import statistics
+from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.common import measure_limits, spread, timings, write_record
+from bench.common import (
+    alternated_timings,
+    gpu_state,
+    l2_flush,
+    measure_limits,
+    spread,
+    timings,
+    write_record,
+)
 from bench.layer import layer_weights, native_layer, step
 from moonep_moe import MoEConfig, MoonEPMoELayer
 from moonep_moe.config import load_config
 from moonep_moe.transport.threads import single_world
 
+ARMS = ("ours", "native")
+"""The two layers, in the order each round of a pair starts with (then rotated)."""
+LAYER_NAMES = {"ours": "ours DEFAULT", "native": "torch-native"}
 
-@contextmanager
-def recorded_grouped_mm(calls: list[dict]):
-    """`torch._grouped_mm` wrapped: every call's `(a, b, offs)` and output appended to `calls`."""
-    real = torch._grouped_mm
+ROLES = ("fwd gate_up", "fwd down", "dgrad down", "wgrad down", "dgrad gate_up", "wgrad gate_up")
+"""The grouped GEMMs of one step of either layer, in the step's data-flow order (autograd may run a
+projection's wgrad before or after its dgrad)."""
 
-    def wrapper(a, b, offs=None, **kwargs):
-        out = real(a, b, offs=offs, **kwargs)
-        calls.append({"a": a, "b": b, "offs": offs, "kwargs": kwargs, "out_shape": tuple(out.shape)})
+WARMUP_ROUNDS = 2
+"""Untimed rounds of each pair before the `--repeat` timed ones."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class GroupedMMRecorder(TorchDispatchMode):
+    """While active, appends to `calls` every `aten._grouped_mm` call (any overload), autograd's backward
+    calls included (the mode goes with the step into autograd's engine): `{"func": the overload, "a", "b":
+    the operand tensors themselves, "offs", "kwargs": the arguments after the operands that were given and
+    not None (offs, bias, out_dtype), "out": {"shape", "stride", "dtype"}}`. The operands are kept, not
+    copied, so `run_call` reads the same memory in the same layout (and keeps it alive)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[dict] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.overloadpacket == torch.ops.aten._grouped_mm:
+            names = [arg.name for arg in func._schema.arguments]
+            given = {**dict(zip(names, args, strict=False)), **kwargs}
+            a, b = given.pop(names[0]), given.pop(names[1])
+            self.calls.append({"func": func, "a": a, "b": b, "offs": given.get("offs"),
+                               "kwargs": {name: value for name, value in given.items() if value is not None},
+                               "out": {"shape": list(out.shape), "stride": list(out.stride()),
+                                       "dtype": dtype_name(out.dtype)}})
         return out
 
-    torch._grouped_mm = wrapper
-    try:
-        yield
-    finally:
-        torch._grouped_mm = real
+
+def run_call(call: dict) -> torch.Tensor:
+    """The recorded call made again: the same overload on the same tensors and arguments."""
+    return call["func"](call["a"], call["b"], **call["kwargs"])
+
+
+def call_role(call: dict, hidden: int, ffn: int) -> str:
+    """A call's place in the step (one of `ROLES`), from its operands' dims alone; the layers' weights are
+    gate_up `[E, 2H', H]` and down `[E, H, H']`. A 2-D x 3-D call `[M, K] x [G, K, N]` is a forward
+    (gate_up: K, N = H, 2H'; down: H', H) or a dgrad (down: H, H'; gate_up: 2H', H); a 2-D x 2-D call with
+    offs `[K, M] x [M, N]` (-> `[G, K, N]`) is a wgrad, of down where {K, N} = {H, H'} and of gate_up where
+    {K, N} = {H, 2H'}, in either operand order. Any other form is "other". Raises where H = H' or H = 2H':
+    there a forward and a dgrad have the same dims."""
+    if hidden in (ffn, 2 * ffn):
+        raise ValueError(f"call_role: H={hidden}, H'={ffn}: with H = H' or H = 2H' a forward and a dgrad "
+                         f"have the same operand dims")
+    a, b = call["a"], call["b"]
+    if a.dim() == 2 and b.dim() == 3 and a.shape[1] == b.shape[1]:
+        return {(hidden, 2 * ffn): "fwd gate_up", (ffn, hidden): "fwd down", (hidden, ffn): "dgrad down",
+                (2 * ffn, hidden): "dgrad gate_up"}.get(tuple(b.shape[1:]), "other")
+    if a.dim() == 2 and b.dim() == 2 and call["offs"] is not None and a.shape[1] == b.shape[0]:
+        dims = frozenset((a.shape[0], b.shape[1]))
+        return {frozenset((hidden, ffn)): "wgrad down",
+                frozenset((hidden, 2 * ffn)): "wgrad gate_up"}.get(dims, "other")
+    return "other"
+
+
+def match_roles(ours: list[str], native: list[str]) -> list[tuple[str, int | None, int | None]]:
+    """`(role, index of ours' call, index of native's call)`: for each of `ROLES` in order, the n-th call of
+    that role in `ours` (each layer's calls' roles, in call order) beside the n-th in `native` (None where
+    one layer has fewer); then the calls of any other role, each alone."""
+    pairs = []
+    for role in ROLES:
+        mine = [i for i, r in enumerate(ours) if r == role]
+        theirs = [j for j, r in enumerate(native) if r == role]
+        pairs += [(role, i, j) for i, j in itertools.zip_longest(mine, theirs)]
+    pairs += [(r, i, None) for i, r in enumerate(ours) if r not in ROLES]
+    pairs += [(r, None, j) for j, r in enumerate(native) if r not in ROLES]
+    return pairs
+
+
+def round_ratios(num_s: list[float], den_s: list[float]) -> dict[str, float | list[float]]:
+    """`num / den` of each round of two arms timed in turns (index r: round r): `median`, `min`, `max` and
+    `rounds` (each, in order). Pairing by round cancels a drift that both arms saw alike."""
+    if len(num_s) != len(den_s) or not num_s:
+        raise ValueError(f"round_ratios: needs equal, non-empty lists, got {len(num_s)} and {len(den_s)}")
+    ratios = [n / d for n, d in zip(num_s, den_s, strict=True)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "rounds": ratios}
+
+
+def grouped_kernel_ms(kernels: list[tuple[str, float]]) -> list[float]:
+    """The device ms of each grouped GEMM of a step's `[(kernel, ms)]` (launch order): the kernel launched
+    right after each `prepare_grouped_gemm_data` (`torch._grouped_mm` on CUDA launches that one, then its
+    CUTLASS kernel)."""
+    return [kernels[i + 1][1] for i, (name, _) in enumerate(kernels[:-1])
+            if "prepare_grouped_gemm_data" in name]
 
 
 def describe(t: torch.Tensor) -> dict:
-    return {"shape": list(t.shape), "stride": list(t.stride()), "dtype": str(t.dtype).removeprefix("torch."),
+    return {"shape": list(t.shape), "stride": list(t.stride()), "dtype": dtype_name(t.dtype),
             "align_bytes": t.data_ptr() & -t.data_ptr(), "contiguous": t.is_contiguous()}
 
 
 def call_flops(call: dict) -> int:
-    """2 * rows * N * K of the covered rows: fwd/dgrad `[M, K] x [G, K, N]`, wgrad `[N, M] x [M, K]`."""
-    a, b, rows = call["a"], call["b"], int(call["offs"][-1])
+    """2 * rows * N * K of the rows covered (`offs[-1]`): fwd/dgrad `[M, K] x [G, K, N]`, wgrad
+    `[K, M] x [M, N]`; without offs every row of a batched `[G, M, K] x [G, K, N]`."""
+    a, b, offs = call["a"], call["b"], call["offs"]
+    if offs is None:
+        return 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if a.dim() == 3 else 1)
+    rows = int(offs[-1])
     if a.dim() == 2 and b.dim() == 3:
         return 2 * rows * b.shape[-1] * b.shape[-2]
     return 2 * rows * a.shape[0] * b.shape[-1]
 
 
-def replay(call: dict, b: torch.Tensor | None = None, warmup: int = 3, repeat: int = 10) -> dict:
-    b = call["b"] if b is None else b
-    return spread(timings(lambda: torch._grouped_mm(call["a"], b, offs=call["offs"], **call["kwargs"]),
-                          warmup, repeat))
+def call_form(call: dict) -> dict:
+    """What a recorded call is: its overload, operands, rows covered (`offs_last`) of the rows given
+    (`rows`), groups, the other arguments, its output and its FLOPs."""
+    a, b, offs = call["a"], call["b"], call["offs"]
+    rows = a.shape[-1] if a.dim() == 2 and b.dim() == 2 else a.shape[-2]
+    others = {name: describe(value) if isinstance(value, torch.Tensor) else str(value)
+              for name, value in call["kwargs"].items() if name != "offs"}
+    return {"op": str(call["func"]), "a": describe(a), "b": describe(b),
+            "offs_last": None if offs is None else int(offs[-1]), "rows": rows,
+            "groups": None if offs is None else offs.numel(), "kwargs": others, "out": call["out"],
+            "flops": call_flops(call)}
+
+
+def format_form(form: dict) -> str:
+    def operand(d: dict) -> str:
+        return f"{d['shape']}/{d['stride']}"
+
+    rows = "" if form["offs_last"] is None else (f", rows {form['offs_last']} of {form['rows']}, "
+                                                  f"G {form['groups']}")
+    others = "".join(f", {name}={value}" for name, value in form["kwargs"].items())
+    return (f"{operand(form['a'])} x {operand(form['b'])} -> {operand(form['out'])} {form['out']['dtype']}"
+            f"{rows}{others}")
+
+
+def measure(calls: dict[str, dict], before: dict, repeat: int, device: torch.device) -> dict:
+    """The arms' calls (`{arm: call}`, one or two) timed in turns with `before` (`{arm: untimed callable or
+    None}`): `{arm: spread}`, `ratio` (ours / native per round, `round_ratios`) where both arms ran, and the
+    GPU's state before and after (`gpu_start`, `gpu_end`)."""
+    arms = list(calls)
+    start = gpu_state(device)
+    seconds = alternated_timings([lambda call=calls[arm]: run_call(call) for arm in arms], repeat,
+                                 WARMUP_ROUNDS, [before[arm] for arm in arms], device)
+    out: dict = {arm: spread(secs) for arm, secs in zip(arms, seconds, strict=True)}
+    if len(arms) == 2:
+        out["ratio"] = round_ratios(*seconds)
+    out["gpu_start"], out["gpu_end"] = start, gpu_state(device)
+    return out
+
+
+def replay(call: dict, repeat: int = 10) -> dict:
+    """One call back to back, `repeat` runs after 3 (`timings`): its `spread`."""
+    return spread(timings(lambda: run_call(call), 3, repeat))
 
 
 def other_orientation(t: torch.Tensor) -> torch.Tensor:
@@ -73,26 +230,35 @@ def other_orientation(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
-def native_backward_calls(call: dict) -> list[dict]:
-    """torch-native's backward products of one forward call `a [M, K] @ b [G, K, N]`: dgrad `grad [M, N] @
-    b^T` and wgrad `a^T [K, M] @ grad [M, N]` (-> `[G, K, N]`)."""
-    a, b, offs = call["a"], call["b"], call["offs"]
-    grad = torch.randn(call["out_shape"], device=a.device, dtype=a.dtype)
-    return [{"a": grad, "b": b.transpose(-2, -1), "offs": offs, "kwargs": {}, "out_shape": tuple(a.shape),
-             "form": "native dgrad"},
-            {"a": a.t(), "b": grad, "offs": offs, "kwargs": {}, "out_shape": (offs.numel(), *b.shape[1:]),
-             "form": "native wgrad"}]
-
-
 def variants(call: dict) -> dict[str, dict]:
-    """Changed replays of one of our calls: `{name: call}`."""
+    """Changed replays of one call: `{name: call}`."""
     a, b = call["a"], call["b"]
     out = {"b_fresh_copy": {**call, "b": b.clone(memory_format=torch.preserve_format)}}
     if b.dim() == 3:
         out["b_other_orientation"] = {**call, "b": other_orientation(b)}
-    else:  # wgrad dy^T @ x as x^T @ dy
+    elif a.dim() == 2:  # wgrad dy^T @ x as x^T @ dy
         out["swapped_operands"] = {**call, "a": b.t(), "b": a.t()}
     return out
+
+
+def replay_calls(name: str, recorded: dict, repeat: int, dense: float) -> list[dict]:
+    """Every call of one layer's step (`record_step`) replayed back to back (`replay`) and in its `variants`,
+    printed: one record row per call, with its form, role and rate over the dense bf16 rate (`dense`)."""
+    rows = []
+    for i, (call, role) in enumerate(zip(recorded["calls"], recorded["roles"], strict=True)):
+        row = {"layer": name, "call": i, "role": role, **call_form(call), **replay(call, repeat)}
+        row["of_dense"] = row["flops"] / (row["ms"] / 1e3) / dense
+        for variant, changed in variants(call).items():
+            timed = replay(changed, repeat)
+            row[variant] = {key: value for key, value in timed.items() if key != "ms_samples"}
+            row[variant]["a"], row[variant]["b"] = describe(changed["a"]), describe(changed["b"])
+            del changed
+        rows.append(row)
+        extra = "".join(f"  {v} {row[v]['ms']:.3f} ms" for v in ("b_fresh_copy", "b_other_orientation",
+                                                                 "swapped_operands") if v in row)
+        print(f"{name:13} #{i} {role:13} {format_ms(row)} {row['of_dense']:.2f} dense  {format_form(row)}"
+              f"{extra}", flush=True)
+    return rows
 
 
 def gemm_kernels(layer, x_th: torch.Tensor, grad_th: torch.Tensor) -> list[tuple[str, float]]:
@@ -103,13 +269,92 @@ def gemm_kernels(layer, x_th: torch.Tensor, grad_th: torch.Tensor) -> list[tuple
             if any(word in name.lower() for word in ("gemm", "cutlass", "sm90", "xmma"))]
 
 
+def record_step(name: str, layer, x_th: torch.Tensor, grad_th: torch.Tensor, hidden: int, ffn: int) -> dict:
+    """One layer, warmed up: its step's GEMM kernels (profiled, printed) and the grouped_mm calls of one more
+    step (`GroupedMMRecorder`), each with its role and, where the profile's grouped kernels match the calls
+    one for one, its profile ms. `{"calls", "roles", "profile_ms", "kernels", "note"}`."""
+    for _ in range(2):
+        step(layer, x_th, grad_th)
+    kernels = gemm_kernels(layer, x_th, grad_th)
+    print(f"{name}: {len(kernels)} GEMM kernels in one step, {sum(ms for _, ms in kernels):.2f} ms:")
+    for kernel, ms in kernels:
+        print(f"    {ms:7.3f} ms  {kernel[:120]}")
+    recorder = GroupedMMRecorder()
+    with recorder:
+        step(layer, x_th, grad_th)
+    torch.cuda.synchronize()
+    layer.zero_grad(set_to_none=True)  # the calls keep what they read; the gradients are not needed
+    calls = recorder.calls
+    in_step, note = grouped_kernel_ms(kernels), None
+    if len(in_step) != len(calls):
+        note = (f"the profile holds {len(in_step)} grouped GEMM kernels, the recording {len(calls)} calls: "
+                f"no profile ms per call")
+        print(f"{name}: {note}")
+        in_step = [None] * len(calls)
+    return {"calls": calls, "roles": [call_role(call, hidden, ffn) for call in calls], "profile_ms": in_step,
+            "kernels": [{"kernel": kernel, "ms": ms} for kernel, ms in kernels], "note": note}
+
+
+def format_ms(d: dict | None) -> str:
+    return "-" if d is None else f"{d['ms']:7.3f} ({d['ms_min']:.3f}-{d['ms_max']:.3f})"
+
+
+def format_ratio(d: dict | None) -> str:
+    return "-" if d is None else f"{d['median']:7.3f} ({d['min']:.3f}-{d['max']:.3f})"
+
+
+def format_gpu(start: dict, end: dict) -> str:
+    return ", ".join(f"{start.get(key, '?')}->{end.get(key, '?')} {unit}" for key, unit in
+                     (("clocks.sm", "MHz SM"), ("clocks.mem", "MHz mem"), ("power.draw", "W"),
+                      ("temperature.gpu", "C")))
+
+
+def print_role(row: dict) -> None:
+    """One role's table: per arm alone and in-step-context ms, profile ms and the call's form; ours / native;
+    the GPU's state over each measurement."""
+    print(f"\n{row['role']}\n  {'':12} {'alone, L2 flushed ms':26} {'in step context ms':26} {'after':18} "
+          f"{'profile ms':>10}  call")
+    for arm in ARMS:
+        if arm not in row:
+            continue
+        info = row[arm]
+        profile = "-" if info["profile_ms"] is None else f"{info['profile_ms']:.3f}"
+        print(f"  {arm:12} {format_ms(row['alone'].get(arm)):26} {format_ms(row['context'].get(arm)):26} "
+              f"{info['after'] or '-':18} {profile:>10}  #{info['call']} {format_form(info['form'])}")
+    if all(arm in row for arm in ARMS):
+        profiles = [row[arm]["profile_ms"] for arm in ARMS]
+        profile = "-" if None in profiles else f"{profiles[0] / profiles[1]:.3f}"
+        timed = " ".join(f"{format_ratio(row[what].get('ratio')):26}" for what in ("alone", "context"))
+        print(f"  {'ours/native':12} {timed} {'':18} {profile:>10}  (timed: median of rounds)")
+    for what in ("alone", "context"):
+        print(f"  GPU over {what}: {format_gpu(row[what]['gpu_start'], row[what]['gpu_end'])}")
+
+
+def make_layer(arm: str, t: int, h: int, f: int, e: int, k: int):
+    if arm == "native":
+        return native_layer(h, f, e, k)
+    layer = MoonEPMoELayer(MoEConfig(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=k,
+                                     max_tokens_per_rank=t), single_world("cuda"))
+    layer.load_state_dict(layer_weights(h, f, e))
+    return layer
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="deepseek-v3")
-    parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--repeat", type=int, default=10,
+                        help="timed rounds of each pair (and back-to-back runs of each call)")
+    parser.add_argument("--flush-mib", type=int, default=256, help="the L2 flush's memset (0: none)")
+    parser.add_argument("--idle-ms", type=float, default=0.0,
+                        help="a GPU-side wait before each flush (torch.cuda._sleep), default none")
+    parser.add_argument("--out", type=Path, default=None, help="result folder (default bench/results)")
     args = parser.parse_args()
+    if args.repeat < 3:
+        parser.error(f"--repeat must be >= 3, got {args.repeat}")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.grouped_mm_calls times CUDA kernels: it needs a GPU")
+    device = torch.device("cuda")
     limits = measure_limits()
     dense = limits["dense_bf16_flops_per_s"]
     base = load_config(args.model)
@@ -118,58 +363,49 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(1)
     x_th = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
     grad_th = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen)
-    rows, profiles = [], {}
-    for name in ("torch-native", "ours DEFAULT"):
-        if name == "torch-native":
-            layer = native_layer(h, f, e, k)
-        else:
-            layer = MoonEPMoELayer(MoEConfig(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=k,
-                                             max_tokens_per_rank=t), single_world("cuda"))
-            layer.load_state_dict(layer_weights(h, f, e))
-        for _ in range(2):
-            step(layer, x_th, grad_th)
-        kernels = gemm_kernels(layer, x_th, grad_th)
-        print(f"{name}: {len(kernels)} GEMM kernels in one step, {sum(ms for _, ms in kernels):.2f} ms:")
-        for kernel, ms in kernels:
-            print(f"    {ms:7.3f} ms  {kernel[:120]}")
-        profiles[name] = [{"kernel": kernel, "ms": ms} for kernel, ms in kernels]
-        calls: list[dict] = []
-        with recorded_grouped_mm(calls):
-            step(layer, x_th, grad_th)
-        torch.cuda.synchronize()
-        if name == "torch-native":
-            calls = [c for call in calls
-                     for c in ({**call, "form": "native fwd"}, *native_backward_calls(call))]
-        for i, call in enumerate(calls):
-            row = {"layer": name, "call": i, "form": call.get("form", "ours"), "a": describe(call["a"]),
-                   "b": describe(call["b"]), "offs_last": int(call["offs"][-1]),
-                   "groups": call["offs"].numel(),
-                   "out": list(call["out_shape"]), "flops": call_flops(call),
-                   **replay(call, repeat=args.repeat)}
-            row["of_dense"] = row["flops"] / (row["ms"] / 1e3) / dense
-            if name != "torch-native":
-                for variant, changed in variants(call).items():
-                    row[variant] = {key: value for key, value in replay(changed, repeat=args.repeat).items()
-                                    if key != "ms_samples"}
-                    row[variant]["a"], row[variant]["b"] = describe(changed["a"]), describe(changed["b"])
-                    del changed
+    layers, steps = {}, {}
+    for arm in ("native", "ours"):  # ours' weights live in its Buffer: it is destroyed after the replays
+        layers[arm] = make_layer(arm, t, h, f, e, k)
+        steps[arm] = record_step(LAYER_NAMES[arm], layers[arm], x_th, grad_th, h, f)
+        print(f"{LAYER_NAMES[arm]}: {len(steps[arm]['calls'])} grouped_mm calls recorded: "
+              f"{', '.join(steps[arm]['roles'])}", flush=True)
+    rows, calls_out = [], []
+    with torch.no_grad():
+        flush = l2_flush(args.flush_mib, args.idle_ms)
+        for role, *indices in match_roles(steps["ours"]["roles"], steps["native"]["roles"]):
+            index = {arm: i for arm, i in zip(ARMS, indices, strict=True) if i is not None}
+            calls = {arm: steps[arm]["calls"][i] for arm, i in index.items()}
+            before = {arm: (lambda prev=steps[arm]["calls"][i - 1]: run_call(prev)) if i > 0 else None
+                      for arm, i in index.items()}
+            row = {"role": role}
+            for arm, i in index.items():
+                row[arm] = {"call": i, "after": f"#{i - 1} {steps[arm]['roles'][i - 1]}" if i > 0 else None,
+                            "profile_ms": steps[arm]["profile_ms"][i], "form": call_form(calls[arm])}
+            row["alone"] = measure(calls, {arm: flush for arm in calls}, args.repeat, device)
+            row["context"] = measure(calls, before, args.repeat, device)
             rows.append(row)
-            extra = "".join(f"  {v} {row[v]['ms']:.3f} ms" for v in ("b_fresh_copy", "b_other_orientation",
-                                                                     "swapped_operands") if v in row)
-            print(f"{name:13} #{i} {row['form']:12} a{row['a']['shape']}{row['a']['stride']} "
-                  f"b{row['b']['shape']}{row['b']['stride']} rows {row['offs_last']:6} G {row['groups']:4}: "
-                  f"{row['ms']:.3f} ms ({row['ms_min']:.3f}-{row['ms_max']:.3f}) {row['of_dense']:.2f} dense"
-                  f"{extra}", flush=True)
-        if hasattr(layer, "destroy"):
-            layer.destroy()
-        del layer, calls
-        torch.cuda.empty_cache()
-    for name in ("torch-native", "ours DEFAULT"):
-        ms = sum(row["ms"] for row in rows if row["layer"] == name)
-        print(f"{name}: the grouped_mm calls of one step add up to {ms:.2f} ms")
-    path = write_record(f"grouped-mm-calls-{args.model}", limits, rows, args.out,
-                        profiles=profiles, setup={"model": args.model, "tokens": t, "hidden": h, "ffn": f,
-                                                  "experts": e, "top_k": k, "repeat": args.repeat})
+            print_role(row)
+        print("\nEach call back to back (no flush), with variants:")
+        for arm in ARMS:
+            calls_out += replay_calls(LAYER_NAMES[arm], steps[arm], args.repeat, dense)
+    for arm in ARMS:
+        alone = sum(row["alone"][arm]["ms"] for row in rows if arm in row)
+        back = sum(out["ms"] for out in calls_out if out["layer"] == LAYER_NAMES[arm])
+        profiled = steps[arm]["profile_ms"]
+        in_step = "-" if None in profiled else f"{sum(profiled):.2f}"
+        print(f"{LAYER_NAMES[arm]}: the grouped_mm calls of one step add up to {alone:.2f} ms alone (L2 "
+              f"flushed), {back:.2f} ms back to back, {in_step} ms in the profiled step")
+    if hasattr(layers["ours"], "destroy"):
+        layers["ours"].destroy()
+    path = write_record(
+        f"grouped-mm-calls-{args.model}", limits, rows, args.out, calls=calls_out,
+        baseline="torch-native (bench.layer.TorchNativeMoE, the same weights and tokens): every ratio is "
+                 "ours / native",
+        profiles={LAYER_NAMES[arm]: steps[arm]["kernels"] for arm in ARMS},
+        notes={LAYER_NAMES[arm]: steps[arm]["note"] for arm in ARMS if steps[arm]["note"]},
+        setup={"model": args.model, "tokens": t, "hidden": h, "ffn": f, "experts": e, "top_k": k,
+               "repeat": args.repeat, "warmup_rounds": WARMUP_ROUNDS, "flush_mib": args.flush_mib,
+               "idle_ms": args.idle_ms, "order": "rounds rotated: ours first in even rounds, native in odd"})
     print(path)
 
 

@@ -238,13 +238,14 @@ def variant_settings(backends: list[str], main_grad_backends: list[str],
 
 
 class TorchNativeMoE(nn.Module):
-    """A plain EP=1 MoE block: router -> sort by expert -> grouped GEMMs -> index_add back."""
+    """A plain EP=1 MoE block: router -> sort by expert -> grouped GEMMs -> index_add back. On CUDA for the
+    benchmarks; `device="cpu"` for tests (`torch._grouped_mm` runs bf16 there too). Weights uninitialised."""
 
-    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int):
+    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, device: torch.device | str = "cuda"):
         super().__init__()
-        kwargs = dict(device="cuda", dtype=torch.bfloat16)
+        kwargs = dict(device=device, dtype=torch.bfloat16)
         self.top_k = top_k
-        self.router = nn.Linear(hidden, experts, bias=False, device="cuda", dtype=torch.float32)
+        self.router = nn.Linear(hidden, experts, bias=False, device=device, dtype=torch.float32)
         self.gate_up = nn.Parameter(torch.empty(experts, 2 * ffn, hidden, **kwargs))
         self.down = nn.Parameter(torch.empty(experts, hidden, ffn, **kwargs))
 
