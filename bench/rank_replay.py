@@ -265,7 +265,7 @@ class ReplayWorld:
         self._traffic: list[PeerTraffic] | None = None
         self._call = 0
         self._start: Stamp | None = None
-        self._open: tuple[str, Stamp] | None = None  # an `OPEN_ENDED` call's phase and start, until the next
+        self._open: tuple[str, Stamp] | None = None  # an `OPEN_ENDED` call (phase, start) until the next call
         self._scatters: Counter[str] = Counter()
         self._peers_done: torch.cuda.Event | None = None
         self._peer_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
