@@ -63,7 +63,7 @@ from bench.common import (
 )
 from bench.layer import layer_weights, native_layer, step
 from moonep_moe import MoEConfig, MoonEPMoELayer
-from moonep_moe.config import load_config
+from moonep_moe.config import dtype_name, load_config
 from moonep_moe.transport.threads import single_world
 
 ARMS = ("ours", "native")
@@ -76,10 +76,6 @@ projection's wgrad before or after its dgrad)."""
 
 WARMUP_ROUNDS = 2
 """Untimed rounds of each pair before the `--repeat` timed ones."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class GroupedMMRecorder(TorchDispatchMode):

@@ -7,6 +7,7 @@ from moonep_moe.config.models import (
     MoEConfig,
     RouterConfig,
     SharedExpertConfig,
+    dtype_name,
     with_derived_defaults,
 )
 
@@ -16,6 +17,7 @@ __all__ = [
     "RouterConfig",
     "SharedExpertConfig",
     "available_configs",
+    "dtype_name",
     "load_config",
     "packaged_configs_folder",
     "read_config_yaml",

@@ -391,6 +391,12 @@ class MoEConfig(CommConfig):
         return CommConfig(**self.model_dump(include=set(CommConfig.model_fields)))
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name a config's `dtype` fields take for `dtype` (`torch.bfloat16` -> "bfloat16"): the inverse of
+    their `torch_dtype`."""
+    return str(dtype).removeprefix("torch.")
+
+
 def with_derived_defaults(fields: dict[str, Any]) -> dict[str, Any]:
     """`MoEConfig` fields (a partial set, as a YAML `moe:` section gives them) with the defaults that depend
     on other fields filled in: `precision` left out is 'fp8' with `expert_weights='fp8'`; `token_padding`

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moonep_moe.config import MoEConfig
+from moonep_moe.config import MoEConfig, dtype_name
 from moonep_moe.fp8.checkpoint import SCALE_SUFFIX, check_finite_scales, copy_checkpoint_weight_
 from moonep_moe.fp8.format import BLOCK, FP8_DTYPE
 from moonep_moe.layers.moe import MoonEPMoELayer
@@ -208,10 +208,6 @@ def _looks_like_moe(module: nn.Module) -> bool:
     return hasattr(module, "experts") and (hasattr(module, "gate") or hasattr(module, "router"))
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def block_config(block: nn.Module, spec: BlockSpec, hf_config: Any, max_tokens_per_rank: int, ep_size: int,
                  overrides: dict[str, Any]) -> MoEConfig:
     """The `MoEConfig` of one block: HF config fields, the experts' dtype, then `overrides` (nested dicts
@@ -219,11 +215,11 @@ def block_config(block: nn.Module, spec: BlockSpec, hf_config: Any, max_tokens_p
     dtype = block.experts.gate_up_proj.dtype
     if dtype == FP8_DTYPE:  # masters of the dequantised weights, as DeepSeek-V3 computes them
         dtype = torch.bfloat16
-    router_dtype = _dtype_name(block.gate.weight.dtype)
+    router_dtype = dtype_name(block.gate.weight.dtype)
     if spec.router_fp32 or dtype == torch.float16:  # no fp16 router: route in fp32 (HF routes in fp16)
         router_dtype = "float32"
     fields = dict(hidden_size=hf_config.hidden_size, top_k=hf_config.num_experts_per_tok, ep_size=ep_size,
-                  max_tokens_per_rank=max_tokens_per_rank, dtype=_dtype_name(dtype), grouped_gemm="auto",
+                  max_tokens_per_rank=max_tokens_per_rank, dtype=dtype_name(dtype), grouped_gemm="auto",
                   **spec.fields(hf_config))
     fields["router"] = {**fields["router"], "dtype": router_dtype}
     for key, value in overrides.items():

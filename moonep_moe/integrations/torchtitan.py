@@ -72,7 +72,7 @@ from torchtitan.protocols.module import Module
 
 # The public API (`moonep_moe`, `moonep_moe.parallel`) and two internal names, `recomputing` and
 # `derived_seed`: re-point those here when their modules move.
-from moonep_moe.config import MoEConfig
+from moonep_moe.config import MoEConfig, dtype_name
 from moonep_moe.layers.moe import MoonEPMoELayer, recomputing
 from moonep_moe.parallel import ep_world
 from moonep_moe.transport.world import EPWorld
@@ -416,10 +416,6 @@ def check_module(name: str, block: MoE) -> None:
                              "bias=False")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def module_config(block: MoE, max_tokens_per_rank: int, ep_size: int, overrides: dict[str, Any]) -> MoEConfig:
     """The `MoEConfig` of one torchtitan `MoE`: its shapes and router, its experts' dtype (the router in
     float32, as torchtitan computes the gate, float64 in a float64 model), then `overrides` (nested dicts
@@ -435,7 +431,7 @@ def module_config(block: MoE, max_tokens_per_rank: int, ep_size: int, overrides:
     if router.num_expert_groups is not None:
         router_fields.update(n_group=router.num_expert_groups, topk_group=router.num_limited_groups)
     fields: dict[str, Any] = dict(hidden_size=dim, ffn_hidden_size=ffn, num_experts=num_experts,
-                                  top_k=router.top_k, ep_size=ep_size, dtype=_dtype_name(w1_EFD.dtype),
+                                  top_k=router.top_k, ep_size=ep_size, dtype=dtype_name(w1_EFD.dtype),
                                   max_tokens_per_rank=max_tokens_per_rank, router=router_fields)
     shared = block.shared_experts
     if shared is not None:
