@@ -1,4 +1,5 @@
-"""TopKRouter against direct hand computations; group-limited routing as a property test."""
+"""TopKRouter against direct hand computations; group-limited routing as a property test; the router GEMM on
+bf16 tensor cores (SplitLinear) against float64 within fp32 bounds."""
 
 import math
 
@@ -8,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moonep_moe.config import RouterConfig
-from moonep_moe.layers.router import TopKRouter
+from moonep_moe.layers.router import SplitLinear, TopKRouter, split_bf16
 
 T, E, K = 11, 8, 3
 
@@ -222,3 +223,100 @@ def test_token_mask_routes_real_tokens_as_if_alone(score_function):
     assert torch.equal(masked.tokens_per_expert_e, alone.tokens_per_expert_e)
     torch.testing.assert_close(masked.aux_loss, alone.aux_loss, rtol=1e-12, atol=0)
     torch.testing.assert_close(masked_grad, alone_grad, rtol=1e-12, atol=1e-15)
+
+
+# -- the router's GEMMs on bf16 tensor cores (SplitLinear) ---------------------------------------------------
+
+def wide_fp32(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """fp32 values over a wide range of exponents and both signs, some zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.exp2(torch.randint(-60, 60, shape, generator=gen).float())
+    values = torch.randn(shape, generator=gen) * scale
+    return torch.where(torch.rand(shape, generator=gen) < 0.05, 0.0, values)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_three_bf16_terms_sum_to_the_fp32_value_exactly_and_two_within_2_pow_minus_16(seed):
+    t = wide_fp32((64, 96), seed)
+    terms = split_bf16(t, 3)
+    assert terms.dtype == torch.bfloat16 and terms.shape == (3, 64, 96)
+    assert torch.equal(terms.double().sum(0), t.double())  # each partial sum exact in float64
+    two = split_bf16(t, 2).double().sum(0)
+    assert ((two - t.double()).abs() <= t.double().abs() * 2**-16).all()
+    assert not torch.equal(two, t.double())  # two terms are not exact: the bound above is the one that holds
+
+
+def split_linear_inputs(seed: int, T: int = 48, H: int = 160, E: int = 24, device: str = "cpu"):
+    """bf16 hidden states `[T, H]`, an fp32 router weight `[E, H]` and an fp32 logits gradient `[T, E]`."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, H, generator=gen) * 3).to(torch.bfloat16).to(device)
+    w = (torch.randn(E, H, generator=gen) * H**-0.5).to(device)
+    return x, w, (torch.randn(T, E, generator=gen) / T).to(device)
+
+
+def split_linear_case(seed: int, T: int = 48, H: int = 160, E: int = 24, device: str = "cpu"):
+    """SplitLinear's logits and both gradients, each with float64's, sum |a||b| and the products summed."""
+    x, w, grad = split_linear_inputs(seed, T, H, E, device)
+    x, w = x.requires_grad_(), w.requires_grad_()
+    logits = SplitLinear.apply(x, w)
+    logits.backward(grad)
+    xd, wd, gd = x.detach().double(), w.detach().double(), grad.double()
+    return {"logits": (logits, xd @ wd.t(), xd.abs() @ wd.abs().t(), H),
+            "grad_weight": (w.grad, gd.t() @ xd, gd.abs().t() @ xd.abs(), T),
+            "grad_input": (x.grad, gd @ wd, gd.abs() @ wd.abs(), 3 * E)}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_split_linear_has_fp32_accuracy_with_the_input_gradient_rounded_once_to_bf16(seed):
+    """The logits and the weight gradient (fp32): every bf16 product exact, so only fp32 summation error,
+    at most about (K + 2) * 2**-24 of sum |a||b| over the K summed products (the classic bound of an fp32
+    dot product, plus the three terms' sum). The input gradient (bf16): the left-out terms
+    g1 w3 + g2 w2 + g3 w1 (|g2|, |w2| <= 2**-8 of g, w; |g3|, |w3| <= 2**-16) about 3 * 2**-16 of
+    sum |g||w|, then one bf16 rounding (2**-8 of the value); the bound takes twice that."""
+    case = split_linear_case(seed)
+    for name in ("logits", "grad_weight"):
+        value, ref, scale, k = case[name]
+        assert value.dtype == torch.float32, name
+        assert ((value.double() - ref).abs() <= (k + 2) * 2**-24 * scale).all(), name
+    value, ref, scale, _ = case["grad_input"]
+    assert value.dtype == torch.bfloat16
+    assert ((value.double() - ref).abs() <= 2**-8 * ref.abs() + 2**-13 * scale).all()
+
+
+def test_the_fp32_bound_fails_for_a_single_bf16_term():
+    """The bound above can fail: the same logits from the bf16 rounding of the weight alone miss it."""
+    x, w, _ = split_linear_inputs(0)
+    _, ref, scale, k = split_linear_case(0)["logits"]
+    one_term = x.float() @ w.to(torch.bfloat16).float().t()
+    assert not ((one_term.double() - ref).abs() <= (k + 2) * 2**-24 * scale).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bf16x3", [True, False])
+def test_a_cuda_router_over_bf16_states_uses_the_split_gemm_unless_configured_off(bf16x3):
+    """On CUDA with bf16 hidden states and an fp32 router: SplitLinear (tensor cores) by default, plain fp32
+    GEMMs with `bf16x3=False`; either way the logits within (H + 2) * 2**-22 of sum |x||w| of float64 (the
+    tensor cores' fp32 accumulation is coarser than round-to-nearest: 2**-22 per addition, not 2**-24)."""
+    H, E = 1024, 64
+    router = TopKRouter(RouterConfig(score_function="sigmoid", bf16x3=bf16x3), H, E, 4).cuda()
+    hidden = torch.randn(256, H, device="cuda").to(torch.bfloat16).requires_grad_()
+    out = router(hidden)
+    assert (type(out.logits_te.grad_fn).__name__ == "SplitLinearBackward") == bf16x3
+    xd, wd = hidden.detach().double(), router.weight.detach().double()
+    bound = (H + 2) * 2**-22 * (xd.abs() @ wd.abs().t())
+    assert ((out.logits_te.double() - xd @ wd.t()).abs() <= bound).all()
+    out.route_weights_tk.float().sum().backward()
+    assert router.weight.grad is not None and hidden.grad is not None and hidden.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(2))
+def test_split_linear_on_cuda_tensor_cores_within_their_accumulation_bound(seed):
+    """SplitLinear on the GPU (torch.mm with fp32 output): the CPU test's bounds with the tensor cores'
+    2**-22 per addition in place of 2**-24."""
+    case = split_linear_case(seed, T=512, H=1024, E=64, device="cuda")
+    for name in ("logits", "grad_weight"):
+        value, ref, scale, k = case[name]
+        assert ((value.double() - ref).abs() <= (k + 2) * 2**-22 * scale).all(), name
+    value, ref, scale, k = case["grad_input"]
+    assert ((value.double() - ref).abs() <= 2**-8 * ref.abs() + (2**-13 + k * 2**-22) * scale).all()

@@ -7,6 +7,10 @@ letter.
 The router is ordinary autograd: it receives its gradient through ``route_weights_tk`` (and the aux loss).
 Selection (which experts) is not differentiable; the optional expert bias (DeepSeek-V3's
 ``e_score_correction_bias``) shifts selection only, never the route weights.
+
+On CUDA an fp32 router over bf16 hidden states runs its three GEMMs on bf16 tensor cores with fp32 output
+(`SplitLinear`) instead of fp32 SIMT GEMMs (about 4x faster on the H200), to the same fp32 accuracy: the fp32
+weight is split exactly into three bf16 terms, and a product of two bf16 numbers is exact in fp32.
 """
 
 from typing import NamedTuple
@@ -18,7 +22,65 @@ from torch import Tensor, nn
 
 from moonep_moe.config import RouterConfig
 
-__all__ = ["RouterOutput", "TopKRouter"]
+__all__ = ["RouterOutput", "SplitLinear", "TopKRouter", "split_bf16"]
+
+
+def split_bf16(t: Tensor, terms: int) -> Tensor:
+    """``[terms, *t.shape]`` bf16 terms of fp32 ``t``, each the bf16 rounding of what the earlier ones leave.
+
+    Each remainder is exact in fp32 and each term takes the next 8 significant bits, so three terms sum to
+    ``t`` exactly (bf16 has fp32's exponent range; values within 2**-16 of fp32's smallest normal lose their
+    last bits) and two to within ``2**-16`` of ``|t|``.
+    """
+    parts, rest = [], t
+    for _ in range(terms):
+        parts.append(rest.to(torch.bfloat16))
+        rest = rest - parts[-1].float()
+    return torch.stack(parts)
+
+
+def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` of bf16 operands with fp32 accumulation and output: tensor cores on CUDA; elsewhere the
+    same arithmetic (exact products, fp32 sums) in fp32, as ``torch.mm(out_dtype=)`` is CUDA-only."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+class SplitLinear(torch.autograd.Function):
+    """``F.linear(x.float(), w)`` for bf16 ``x_th [T, H]`` and fp32 ``w_eh [E, H]`` (fp32 logits ``[T, E]``),
+    with every GEMM on bf16 operands and fp32 accumulation:
+
+    - forward: ``x @ [w1; w2; w3]^T`` (one GEMM of ``N = 3E``; ``w = w1 + w2 + w3`` exactly, `split_bf16`),
+      the three ``[T, E]`` column blocks summed;
+    - weight gradient (fp32): ``[g1; g2; g3] @ x`` (``M = 3E``, ``g`` split in three likewise), summed;
+    - input gradient (returned in bf16, ``x``'s dtype): ``[g1, g1, g2] @ [w1; w2; w1]`` (one GEMM of
+      ``K = 3E``): the terms below ``2**-16`` of the product left out, far under bf16's rounding.
+
+    Every product of two bf16 numbers is exact in fp32, so the logits and the weight gradient carry only fp32
+    summation error, as an fp32 GEMM's do (in another order); the input gradient rounds to bf16 once.
+    """
+
+    @staticmethod
+    def forward(ctx, x_th: Tensor, w_eh: Tensor) -> Tensor:
+        w_seh = split_bf16(w_eh, 3)
+        ctx.save_for_backward(x_th, w_seh)
+        y_ts = _mm_f32(x_th, w_seh.flatten(0, 1).t()).view(x_th.shape[0], 3, -1)
+        return y_ts[:, 0] + (y_ts[:, 1] + y_ts[:, 2])
+
+    @staticmethod
+    def backward(ctx, grad_te: Tensor):
+        x_th, w_seh = ctx.saved_tensors
+        grad_x = grad_w = None
+        g_ste = split_bf16(grad_te.float(), 3)
+        if ctx.needs_input_grad[0]:
+            g_tke = torch.stack((g_ste[0], g_ste[0], g_ste[1]), dim=1)  # [T, 3, E]
+            w_keh = torch.stack((w_seh[0], w_seh[1], w_seh[0]))  # [3, E, H]
+            grad_x = _mm_f32(g_tke.flatten(1), w_keh.flatten(0, 1)).to(x_th.dtype)
+        if ctx.needs_input_grad[1]:
+            gw_seh = _mm_f32(g_ste.transpose(1, 2).flatten(0, 1), x_th).view(w_seh.shape)
+            grad_w = gw_seh[0] + (gw_seh[1] + gw_seh[2])
+        return grad_x, grad_w
 
 
 class RouterOutput(NamedTuple):
@@ -43,7 +105,8 @@ class TopKRouter(nn.Module):
     """Owns the router weight ``[E, H]`` (nn.Linear(H, E, bias=False) layout) and the optional expert bias.
 
     Steps of ``forward``:
-    1. ``logits = hidden @ W^T`` in the router dtype.
+    1. ``logits = hidden @ W^T`` in the router dtype (`SplitLinear` for bf16 hidden states and an fp32
+       router on CUDA, unless ``RouterConfig.bf16x3`` is False).
     2. scores = softmax or sigmoid of the logits, in fp32 (float64 for a float64 router).
     3. Selection scores = scores + expert bias (when enabled). With ``n_group > 1`` each group is scored
        (sigmoid: sum of its top-2, DeepSeek-V3; softmax: its max, DeepSeek-V2), the ``topk_group`` best groups
@@ -79,7 +142,11 @@ class TopKRouter(nn.Module):
         route and are left out of the histogram and the aux loss.
         """
         cfg = self.config
-        logits_te = F.linear(hidden_th.to(self.weight.dtype), self.weight)
+        if (cfg.bf16x3 and hidden_th.is_cuda and hidden_th.dtype == torch.bfloat16
+                and self.weight.dtype == torch.float32):
+            logits_te = SplitLinear.apply(hidden_th, self.weight)
+        else:
+            logits_te = F.linear(hidden_th.to(self.weight.dtype), self.weight)
         logits_te_c = logits_te.to(torch.promote_types(logits_te.dtype, torch.float32))
         sigmoid = cfg.score_function == "sigmoid"
         scores_te = logits_te_c.sigmoid() if sigmoid else logits_te_c.softmax(dim=-1)
