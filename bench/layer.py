@@ -175,8 +175,8 @@ KERNEL_RULES = (
     # rows to and from expert order: moonep_moe.comm.kernels (plan, dispatch, combine, prefetch, reduce_grad),
     # the native layer's sort, gather and index_add (and their backward)
     ("comm core", r"_routes_kernel|_plan_|_destinations_kernel|_duplicates|_mark_primaries|_pre_reduce|"
-                  r"_copy_experts|_clear_slots|_add_replicas|deviceradixsort|index_elementwise|indexselect|"
-                  r"indexfunc|indexing_backward"),
+                  r"_copy_rows|_copy_experts|_clear_slots|_add_replicas|deviceradixsort|index_elementwise|"
+                  r"indexselect|indexfunc|indexing_backward"),
     # scores, top-k (its sort) and the route-weight gather / scatter, the expert histogram
     ("router", r"topk|softmax|sortkv|sortkeyvalue|scatter_gather|histogram"),
     # pointwise and reductions: torch's elementwise / reduce kernels, SwiGLU, inductor's fused kernels

@@ -6,9 +6,9 @@ here; bench/comm.py runs whole groups). Routing is uniform over E experts (each 
 
 - `send_routes` (dispatch's peer phase): reads S token rows, writes one row per (token, destination rank);
 - `gather_routes` (combine's peer phase): reads the same rows back, writes S rows (fp32 k-order sums);
-- `pre_reduce_copy` (combine's local phase, expert outputs not in the Buffer's rows) against the two passes it
-  replaces, `copy_rows` then `pre_reduce_duplicates` (`two_pass_pre_reduce`), on rank 0's dup tables of the
-  same uniform routing (every rank routes like rank 0): each counts the bytes it moves;
+- combine's local phase (expert outputs not in the Buffer's rows), `copy_rows` then `pre_reduce_duplicates`
+  (`two_pass_pre_reduce`), on rank 0's dup tables of the same uniform routing (every rank routes like rank
+  0), counting the bytes it moves;
 - `copy_experts` (prefetch, ExpertRows): the used slots of B of a `[H, H']` bf16 projection from their home
   ranks, a skewed plan's and one slot alone (`_one_slot`: what a real plan fills on a rank);
 - `add_replicas` (reduce_grad): the fp32 gradients of the home experts with replicas plus their replicas'
@@ -83,8 +83,7 @@ def peer_phases(record, S: int, H: int, K: int, E: int, R: int, B: int, nvs: int
 
 def combine_rows(record, S: int, H: int, K: int, E: int, R: int, B: int, nvs: int) -> None:
     """Combine's local phase on rank 0 of R (uniform routing, every rank routing like rank 0): the expert
-    outputs into the Buffer's rows, duplicate groups summed into their primaries, in one pass and in the two
-    it replaces."""
+    outputs into the Buffer's rows, then duplicate groups summed into their primaries."""
     topk_sk, counts_re = routing(S, K, E, R, skewed=False)
     kwargs = dict(num_slots=B, token_padding=128, rows_per_rank=nvs)
     plan = plan_routes(counts_re, topk_sk, rank=0, **kwargs)
@@ -107,12 +106,8 @@ def combine_rows(record, S: int, H: int, K: int, E: int, R: int, B: int, nvs: in
         rows.copy_rows(rows_nvsh, expert_out_nvsh, end_1)
         rows.pre_reduce_duplicates(rows_nvsh, *tables, K - 1, min(nvs // 2, R * S), torch.float32)
 
-    # two passes: every filled row read and written, then each group's rows read and its primary written;
-    # one pass: every filled row read, every row but the duplicates written
+    # every filled row read and written, then each group's rows read and its primary written
     record("two_pass_pre_reduce", two_pass, (2 * filled + 2 * groups + duplicates) * row_bytes)
-    record("pre_reduce_copy", lambda: rows.pre_reduce_copy(rows_nvsh, expert_out_nvsh, marks_nvs, end_1,
-                                                           *tables, K - 1, torch.float32),
-           (2 * filled - duplicates) * row_bytes)
 
 
 def weight_phases(record, S: int, H: int, K: int, E: int, R: int, B: int, nvs: int, ffn: int) -> None:

@@ -141,10 +141,6 @@ def comm_launches() -> None:
         current = f"pre_reduce_duplicates {dtype}"
         rows.pre_reduce_duplicates(torch.zeros(nvs, H, dtype=dtype), dup_groups, dup_loffs,
                                    torch.zeros(2, **int32), K - 1, 16, torch.float32, num_sms=4)
-        current = f"pre_reduce_copy {dtype}"
-        rows.pre_reduce_copy(torch.zeros(nvs, H, dtype=dtype), torch.zeros(nvs, H, dtype=dtype),
-                             torch.zeros(nvs, **int32), torch.zeros(1, **int32), dup_groups, dup_loffs,
-                             torch.zeros(2, **int32), K - 1, torch.float32, num_sms=4)
         for ranks in (1, 2):
             home = symmetric("home", [torch.zeros(3, 8, 16, dtype=dtype) for _ in range(ranks)])
             current = f"copy_experts {dtype} R={ranks}"

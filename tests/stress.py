@@ -51,8 +51,8 @@ ENTRY_POINTS = {
     "moonep_moe.engine.communicator": {"MoECommunicator": ("dispatch", "dispatch_async", "combine",
                                                     "combine_async", "prefetch_weights")},
     "moonep_moe.comm.kernels.rows": {None: ("send_routes", "record_duplicates",
-                                            "expand_duplicates", "copy_rows", "pre_reduce_copy",
-                                            "pre_reduce_duplicates", "gather_routes")},
+                                            "expand_duplicates", "copy_rows", "pre_reduce_duplicates",
+                                            "gather_routes")},
     "moonep_moe.comm.kernels.experts": {None: ("copy_experts", "add_replicas", "clear_slots")},
 }
 """module -> class (None: the module's functions) -> names wrapped. Modules that cannot be imported here

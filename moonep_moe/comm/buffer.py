@@ -22,8 +22,8 @@ Backward reuses the forward plan: `dispatch(grad_out_sh, plan=plan)` brings the 
 Memory: the Buffer owns three symmetric tensors (peers write and read them): the rows `[NvS, H]`, their
 route weights `[NvS]` and the duplicate pairs `[R*S*K, 2]` (a received duplicate route's row and its primary
 row, at the slot of the route that sent it); and one local `[NvS]` int32 scratch, zero between operations,
-the row kernels' marks while they build the dup tables and while combine writes the rows it reads from expert
-outputs (not counted in `nbytes`, which is the symmetric memory).
+the row kernels' marks while they build the dup tables (not counted in `nbytes`, which is the symmetric
+memory).
 
 Work per step (DESIGN.md's notation; s = this call's tokens, n = s*K routes, N = S*K the capacity's; the
 `comm.kernels.rows` path, which serving runs): the histogram, the all-gather (none with one rank) and the plan
@@ -31,9 +31,8 @@ O(n + R*E); the row exchanges O(n*H) (each token row read once, written once per
 read back); the dup tables O(R*N + rows the plan fills) (one program: the duplicate pairs, then the filled
 rows in order; the reference sorts the pairs) plus zeroing the plan's int32 dup tables (16 bytes per row of
 NvS, inside the planner's launch); padding rows and duplicate rows
-O(rows the plan fills); combine's pass over a `hidden_nvsh` that is not the Buffer's own view (each row
-read once; the primary rows written, a duplicate group's as its sum), and `dispatch(zero_copy=False)`'s
-copy of the rows (a `[NvS, H]` tensor the caller owns, its rows past
+O(rows the plan fills); combine's copy of a `hidden_nvsh` that is not the Buffer's own view, and
+`dispatch(zero_copy=False)`'s copy of the rows (a `[NvS, H]` tensor the caller owns, its rows past
 `cu_seqlens[-1]` unspecified), O(rows the plan fills). The torch reference (`ReferenceExchange`) copies,
 pads, expands and pre-reduces over all NvS rows (fixed-shape torch, no host read).
 

@@ -49,8 +49,7 @@ class RowMemory:
         float64 for float64 rows). dup_pairs: `[R*S*K, 2]` int32, at slot `source rank * S*K + route` a
         received duplicate route's (row, primary row), else -1 (one writer per slot; R*S*K, not NvS: its
         scan costs what the capacity's routes cost). dup_marks: `[NvS]` int32, local (not symmetric), zero
-        between operations: the row kernels' scratch while they build the dup tables (`record_duplicates`)
-        and while combine writes the rows it reads from expert outputs (`pre_reduce_copy`).
+        between operations: the row kernels' scratch while they build the dup tables (`record_duplicates`).
         max_tokens, top_k, experts_per_rank, num_slots, token_padding: S, K, epn, B, tp.
         num_sms: SMs the kernels' grid-stride loops size their grids for (None: the device's).
     """
@@ -311,13 +310,12 @@ class KernelExchange:
         rows = m.rows
         if not m.duplicates:  # one rank, every route primary: its row is read where the experts wrote it
             rows = hidden_nvsh.contiguous()
-        elif zero_copy:  # the experts wrote into the rows: each group summed into its primary there
+        else:  # the expert outputs in the rows (copied in unless the experts wrote there), then each
+            # duplicate group summed into its primary there
+            if not zero_copy:
+                self.rows.copy_rows(m.rows.local, hidden_nvsh.contiguous(), plan.cu_seqlens[-1:], m.num_sms)
             self.rows.pre_reduce_duplicates(m.rows.local, plan.dup_groups, plan.dup_loffs, plan.dup_counts,
                                             m.top_k - 1, m.max_dup_groups, m.weights.local.dtype, m.num_sms)
-        else:  # primaries (a group's sum, or the row) written from the expert outputs, duplicates skipped
-            self.rows.pre_reduce_copy(m.rows.local, hidden_nvsh.contiguous(), m.dup_marks,
-                                      plan.cu_seqlens[-1:], plan.dup_groups, plan.dup_loffs, plan.dup_counts,
-                                      m.top_k - 1, m.weights.local.dtype, m.num_sms)
         rows_nvsh, weights_nvs = m.rows.local, m.weights.local
         num_tokens = plan.dst.numel() // m.top_k
         if out_sh is None:

@@ -20,15 +20,11 @@ orders its phases, and builds every index both paths share (the plan's `dst`, du
 Work follows the step's tokens, not the capacity: every kernel reads its counts (padding rows per group,
 duplicate groups, rows the plan fills) on the device and loops over those only, so a CUDA graph captured for
 a capacity bucket and replayed with fewer tokens moves only their rows.
-- `pre_reduce_copy`: local, before combine's barrier, for expert outputs that are not the Buffer's own rows:
-  what combine reads written from them into the Buffer's rows, each output row read once (two launches:
-  the dup tables mark their rows, then one pass over the rows the plan fills, up to `cu_seqlens[-1]` read on
-  the device, copies each unmarked row, writes each duplicate group's sum into its primary row and skips
-  the duplicate rows, which nothing reads after it).
-- `pre_reduce_duplicates`: local, before combine's barrier, where the experts wrote into the Buffer's rows
-  (zero copy): each duplicate group summed into its primary row in place. Both sum in fp32, in row order
-  (the order of the reference's `index_add_`), so they give the same bits.
-- `copy_rows`: local, the rows the plan fills copied (a copying dispatch's rows, `filled_rows_copy`).
+- `pre_reduce_duplicates`: local, before combine's barrier: each duplicate group summed into its primary row
+  in place, in fp32 and row order (the order of the reference's `index_add_`), so the same bits. Where the
+  expert outputs are not the Buffer's own rows, `copy_rows` first copies them in (the rows the plan fills).
+- `copy_rows`: local, the rows the plan fills copied (a copying dispatch's rows, `filled_rows_copy`; combine's
+  expert outputs into the Buffer's rows).
 - `gather_routes`: per token its K rows pulled from their ranks and summed in fp32 in k order (the
   reference's order, so the result is identical bit for bit), and optionally every route's weight.
 - `copy_experts`: each prefetch slot gets its expert's rows from the home rank's weights.
@@ -38,7 +34,7 @@ a capacity bucket and replayed with fewer tokens moves only their rows.
 With one rank (R = 1) `send_routes` and `gather_routes` take the local tensors instead of pointer tables;
 its plans hold no duplicates (every route primary), so the exchange runs neither `record_duplicates`,
 `expand_duplicates` nor `pre_reduce_duplicates`, and `gather_routes` reads the expert outputs where they are
-(no `pre_reduce_copy`).
+(no `copy_rows`).
 
 Speed: rows are moved in blocks of up to `ROW_BLOCK_BYTES` per program (16-byte vector accesses: the peer
 base addresses are 16-byte aligned, asserted when a table is built, and told to the compiler), with grids of
@@ -371,7 +367,7 @@ def expand_duplicates(rows_nvsh: torch.Tensor, dup_groups: torch.Tensor, dup_lof
 
 
 @triton.jit
-def _pre_reduce_copy_kernel(target_ptr, source_ptr, end_ptr, H, BLOCK_H: tl.constexpr):
+def _copy_rows_kernel(target_ptr, source_ptr, end_ptr, H, BLOCK_H: tl.constexpr):
     block = tl.program_id(1)
     offs = block * BLOCK_H + tl.arange(0, BLOCK_H)
     inside = offs < H
@@ -396,7 +392,7 @@ def copy_rows(target_nvsh: torch.Tensor, source_nvsh: torch.Tensor, end_1: torch
     block, warps = _row_block(width, target_nvsh.element_size())
     programs, _ = _group_programs(num_rows, target_nvsh.device, num_sms)
     with launching():
-        _pre_reduce_copy_kernel[(programs, triton.cdiv(width, block))](
+        _copy_rows_kernel[(programs, triton.cdiv(width, block))](
             target_nvsh, source_nvsh, end_1, width, BLOCK_H=block, num_warps=warps)
 
 
@@ -448,88 +444,6 @@ def pre_reduce_duplicates(rows_nvsh: torch.Tensor, dup_groups: torch.Tensor, dup
     with launching():
         _pre_reduce_kernel[grid](rows_nvsh, dup_groups, dup_loffs, dup_counts, rows_nvsh.shape[1],
                                  ACC=TL_DTYPES[accumulate], MAX_DUPS=max_duplicates, **launch)
-
-
-MARK_ENTRIES = 1024
-"""Dup-table entries (groups and duplicate rows each) one program of `pre_reduce_copy`'s first launch
-marks."""
-
-
-@triton.jit
-def _pre_reduce_marks_kernel(marks_ptr, groups_ptr, loffs_ptr, counts_ptr, ENTRIES: tl.constexpr):
-    # each group marks its primary row with its index + 1, each duplicate row is marked -1: a row is in one
-    # group at most, so every mark has one writer
-    entry = tl.program_id(0) * ENTRIES + tl.arange(0, ENTRIES)
-    is_group = entry < tl.load(counts_ptr)
-    primary = tl.load(groups_ptr + 3 * entry.to(tl.int64), mask=is_group, other=0)
-    tl.store(marks_ptr + primary, entry + 1, mask=is_group)
-    is_dup = entry < tl.load(counts_ptr + 1)
-    duplicate = tl.load(loffs_ptr + entry, mask=is_dup, other=0)
-    tl.store(marks_ptr + duplicate, tl.full([ENTRIES], -1, tl.int32), mask=is_dup)
-
-
-@triton.jit
-def _pre_reduce_rows_kernel(target_ptr, source_ptr, marks_ptr, groups_ptr, loffs_ptr, end_ptr, H,
-                            ACC: tl.constexpr, MAX_DUPS: tl.constexpr, BLOCK_H: tl.constexpr,
-                            SUM_BLOCK_H: tl.constexpr):
-    # a grid-stride loop over the rows the plan fills, each row whole in one program (the one that reads and
-    # resets its mark): a group's primary gets its group's sum, an unmarked row is copied, a duplicate row is
-    # skipped
-    wide = tl.zeros([], tl.int64)  # row offsets in int64 (NvS * H may pass 2^31)
-    for row in tl.range(tl.program_id(0), tl.load(end_ptr), tl.num_programs(0)):
-        mark = tl.load(marks_ptr + row)
-        at = (row + wide) * H
-        if mark > 0:
-            _, first, count = _duplicate_group(groups_ptr, mark - 1)
-            for start in tl.range(0, H, SUM_BLOCK_H):
-                offs = start + tl.arange(0, SUM_BLOCK_H)
-                inside = offs < H
-                total = _group_sum(source_ptr, row + wide, first, count, loffs_ptr, offs, inside, H, ACC,
-                                   MAX_DUPS, SUM_BLOCK_H)
-                tl.store(target_ptr + at + offs, narrow(total, target_ptr.dtype.element_ty), mask=inside)
-        elif mark == 0:
-            for start in tl.range(0, H, BLOCK_H):
-                offs = start + tl.arange(0, BLOCK_H)
-                inside = offs < H
-                tl.store(target_ptr + at + offs, tl.load(source_ptr + at + offs, mask=inside), mask=inside)
-        tl.store(marks_ptr + row, 0, mask=mark != 0)
-
-
-def pre_reduce_copy(target_nvsh: torch.Tensor, source_nvsh: torch.Tensor, marks_nvs: torch.Tensor,
-                    end_1: torch.Tensor, dup_groups: torch.Tensor, dup_loffs: torch.Tensor,
-                    dup_counts: torch.Tensor, max_duplicates: int, accumulate: torch.dtype,
-                    num_sms: int | None = None) -> None:
-    """What `copy_rows` then `pre_reduce_duplicates` leave in the rows combine reads, reading each source row
-    once: the rows the plan fills (up to `end_1[0]`, read on the device) of `source_nvsh` into `target_nvsh`,
-    each primary row of a duplicate group as its group's sum from `source_nvsh` (`pre_reduce_duplicates`'
-    order and dtype: the same bits), each other row copied; duplicate rows and the rows past the end are not
-    written. Two launches, no host read: the dup tables mark their rows in `marks_nvs` (`MARK_ENTRIES`
-    entries a program), then a grid-stride loop over the filled rows (`copy_rows`' programs, each row whole
-    in one program: the one that reads its mark, then resets it to 0) copies a row in `copy_rows`' row
-    blocks and sums a group in blocks of at most 1024 elements (the group's unrolled loads then fit the
-    registers of the 4 programs an SM holds: 64 at H = 7168 in bf16 for sm90).
-
-    Args:
-        target_nvsh, source_nvsh: `[NvS, H]` contiguous, same dtype (the Buffer's rows, the expert outputs).
-        marks_nvs: `[NvS]` int32 all zero (scratch; all zero again after). end_1: `[1]` int32 on their
-            device, `cu_seqlens[-1:]`: every row of the dup tables lies below it.
-        dup_groups, dup_loffs, dup_counts: the plan's `[NvS, 3]`, `[NvS]`, `[2]` int32 dup tables.
-        max_duplicates: duplicates per group at most (K - 1). accumulate: the sums' dtype (fp32; float64 for
-            float64 rows).
-    """
-    num_rows, width = target_nvsh.shape
-    if num_rows == 0 or width == 0:
-        return
-    block, warps = _row_block(width, target_nvsh.element_size())
-    sum_block, _ = _row_block(width, 8)  # ROW_BLOCK_BYTES / 8 elements at most
-    programs, _ = _group_programs(num_rows, target_nvsh.device, num_sms)
-    with launching():
-        _pre_reduce_marks_kernel[(max(triton.cdiv(dup_loffs.shape[0], MARK_ENTRIES), 1),)](
-            marks_nvs, dup_groups, dup_loffs, dup_counts, ENTRIES=MARK_ENTRIES, num_warps=4)
-        _pre_reduce_rows_kernel[(programs,)](
-            target_nvsh, source_nvsh, marks_nvs, dup_groups, dup_loffs, end_1, width,
-            ACC=TL_DTYPES[accumulate], MAX_DUPS=max_duplicates, BLOCK_H=block, SUM_BLOCK_H=sum_block,
-            num_warps=warps)
 
 
 @triton.jit
