@@ -283,6 +283,17 @@ def test_split_linear_has_fp32_accuracy_with_the_input_gradient_rounded_once_to_
     assert ((value.double() - ref).abs() <= 2**-8 * ref.abs() + 2**-13 * scale).all()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_split_linear_takes_no_tokens(device):
+    """A rank with no tokens this step: empty logits, a zero weight gradient, an empty input gradient."""
+    x = torch.zeros(0, 16, dtype=torch.bfloat16, device=device, requires_grad=True)
+    w = torch.randn(4, 16, device=device, requires_grad=True)
+    logits = SplitLinear.apply(x, w)
+    logits.sum().backward()
+    assert logits.shape == (0, 4) and logits.dtype == torch.float32
+    assert torch.equal(w.grad, torch.zeros_like(w)) and x.grad.shape == (0, 16)
+
+
 def test_the_fp32_bound_fails_for_a_single_bf16_term():
     """The bound above can fail: the same logits from the bf16 rounding of the weight alone miss it."""
     x, w, _ = split_linear_inputs(0)

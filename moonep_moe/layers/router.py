@@ -65,7 +65,7 @@ class SplitLinear(torch.autograd.Function):
     def forward(ctx, x_th: Tensor, w_eh: Tensor) -> Tensor:
         w_seh = split_bf16(w_eh, 3)
         ctx.save_for_backward(x_th, w_seh)
-        y_ts = _mm_f32(x_th, w_seh.flatten(0, 1).t()).view(x_th.shape[0], 3, -1)
+        y_ts = _mm_f32(x_th, w_seh.flatten(0, 1).t()).view(x_th.shape[0], 3, w_eh.shape[0])
         return y_ts[:, 0] + (y_ts[:, 1] + y_ts[:, 2])
 
     @staticmethod
