@@ -6,9 +6,11 @@ layer for its form (operands, strides, rows), or for what runs around it?
     python -m bench.grouped_mm_calls --model qwen3-moe-30b-a3b
     python -m bench.grouped_mm_calls --repeat 30 --idle-ms 1   # more rounds, a 1 ms GPU wait before flushes
 
-1. Profile: one step of each layer under the profiler, every GEMM kernel in launch order with its device time
-   in the step, beside the other kernels. The grouped ones (the kernel launched right after each
-   `prepare_grouped_gemm_data`) are matched in order to the recorded calls: each call's "profile ms".
+1. Profile: `--profile-steps` steps (default 5) of each layer under the profiler, every GEMM kernel in launch
+   order with its device time in the step, beside the other kernels. The grouped ones (the kernel launched
+   right after each `prepare_grouped_gemm_data`) are matched in order to the recorded calls: each call's
+   "profile ms", the median over the steps with its min-max (one step's times move by several ms with the
+   clocks the work before it leaves; `profiled_call_ms`).
 2. Recording: one more step of each layer under `GroupedMMRecorder`, a `TorchDispatchMode` that sees every
    `aten._grouped_mm` call, the forward's and autograd's backward's alike, and keeps its operand tensors
    themselves (a replay reads the same memory in the same layout), its other arguments and its output's
@@ -152,6 +154,18 @@ def round_ratios(num_s: list[float], den_s: list[float]) -> dict[str, float | li
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "rounds": ratios}
 
 
+def profiled_call_ms(steps: list[list[tuple[str, float]]], num_calls: int) -> dict[str, list[float]] | None:
+    """Each grouped GEMM's device ms over several profiled steps (each `[(kernel, ms)]` in launch order):
+    `ms`, `ms_min`, `ms_max` per call (the median and min-max over the steps) and `step_ms`, each step's
+    grouped GEMMs summed. None where a step does not hold `num_calls` grouped GEMMs (no call matches)."""
+    per_step = [grouped_kernel_ms(kernels) for kernels in steps]
+    if not per_step or any(len(ms) != num_calls for ms in per_step):
+        return None
+    by_call = list(zip(*per_step, strict=True))
+    return {"ms": [statistics.median(ms) for ms in by_call], "ms_min": [min(ms) for ms in by_call],
+            "ms_max": [max(ms) for ms in by_call], "step_ms": [sum(ms) for ms in per_step]}
+
+
 def grouped_kernel_ms(kernels: list[tuple[str, float]]) -> list[float]:
     """The device ms of each grouped GEMM of a step's `[(kernel, ms)]` (launch order): the kernel launched
     right after each `prepare_grouped_gemm_data` (`torch._grouped_mm` on CUDA launches that one, then its
@@ -265,13 +279,17 @@ def gemm_kernels(layer, x_th: torch.Tensor, grad_th: torch.Tensor) -> list[tuple
             if any(word in name.lower() for word in ("gemm", "cutlass", "sm90", "xmma"))]
 
 
-def record_step(name: str, layer, x_th: torch.Tensor, grad_th: torch.Tensor, hidden: int, ffn: int) -> dict:
-    """One layer, warmed up: its step's GEMM kernels (profiled, printed) and the grouped_mm calls of one more
-    step (`GroupedMMRecorder`), each with its role and, where the profile's grouped kernels match the calls
-    one for one, its profile ms. `{"calls", "roles", "profile_ms", "kernels", "note"}`."""
+def record_step(name: str, layer, x_th: torch.Tensor, grad_th: torch.Tensor, hidden: int, ffn: int,
+                profile_steps: int) -> dict:
+    """One layer, warmed up: the GEMM kernels of `profile_steps` profiled steps (the first printed) and the
+    grouped_mm calls of one more step (`GroupedMMRecorder`), each with its role and, where every profiled
+    step's grouped kernels match the calls one for one, its profile ms (median, min-max over the steps:
+    `profiled_call_ms`). `{"calls", "roles", "profile_ms", "profile_ms_min", "profile_ms_max",
+    "profile_step_ms", "kernels", "note"}`."""
     for _ in range(2):
         step(layer, x_th, grad_th)
-    kernels = gemm_kernels(layer, x_th, grad_th)
+    profiled = [gemm_kernels(layer, x_th, grad_th) for _ in range(profile_steps)]
+    kernels = profiled[0]
     print(f"{name}: {len(kernels)} GEMM kernels in one step, {sum(ms for _, ms in kernels):.2f} ms:")
     for kernel, ms in kernels:
         print(f"    {ms:7.3f} ms  {kernel[:120]}")
@@ -281,13 +299,17 @@ def record_step(name: str, layer, x_th: torch.Tensor, grad_th: torch.Tensor, hid
     torch.cuda.synchronize()
     layer.zero_grad(set_to_none=True)  # the calls keep what they read; the gradients are not needed
     calls = recorder.calls
-    in_step, note = grouped_kernel_ms(kernels), None
-    if len(in_step) != len(calls):
-        note = (f"the profile holds {len(in_step)} grouped GEMM kernels, the recording {len(calls)} calls: "
+    in_step, note = profiled_call_ms(profiled, len(calls)), None
+    if in_step is None:
+        counts = sorted({len(grouped_kernel_ms(step_kernels)) for step_kernels in profiled})
+        note = (f"the profiled steps hold {counts} grouped GEMM kernels, the recording {len(calls)} calls: "
                 f"no profile ms per call")
         print(f"{name}: {note}")
-        in_step = [None] * len(calls)
-    return {"calls": calls, "roles": [call_role(call, hidden, ffn) for call in calls], "profile_ms": in_step,
+        in_step = {"ms": [None] * len(calls), "ms_min": [None] * len(calls), "ms_max": [None] * len(calls),
+                   "step_ms": []}
+    return {"calls": calls, "roles": [call_role(call, hidden, ffn) for call in calls],
+            "profile_ms": in_step["ms"], "profile_ms_min": in_step["ms_min"],
+            "profile_ms_max": in_step["ms_max"], "profile_step_ms": in_step["step_ms"],
             "kernels": [{"kernel": kernel, "ms": ms} for kernel, ms in kernels], "note": note}
 
 
@@ -309,19 +331,21 @@ def print_role(row: dict) -> None:
     """One role's table: per arm alone and in-step-context ms, profile ms and the call's form; ours / native;
     the GPU's state over each measurement."""
     print(f"\n{row['role']}\n  {'':12} {'alone, L2 flushed ms':26} {'in step context ms':26} {'after':18} "
-          f"{'profile ms':>10}  call")
+          f"{'profile ms (min-max)':>22}  call")
     for arm in ARMS:
         if arm not in row:
             continue
         info = row[arm]
-        profile = "-" if info["profile_ms"] is None else f"{info['profile_ms']:.3f}"
+        profile = ("-" if info["profile_ms"] is None else
+                   f"{info['profile_ms']:.3f} ({info['profile_ms_min']:.3f}-{info['profile_ms_max']:.3f})")
         print(f"  {arm:12} {format_ms(row['alone'].get(arm)):26} {format_ms(row['context'].get(arm)):26} "
-              f"{info['after'] or '-':18} {profile:>10}  #{info['call']} {format_form(info['form'])}")
+              f"{info['after'] or '-':18} {profile:>22}  #{info['call']} {format_form(info['form'])}")
     if all(arm in row for arm in ARMS):
         profiles = [row[arm]["profile_ms"] for arm in ARMS]
         profile = "-" if None in profiles else f"{profiles[0] / profiles[1]:.3f}"
         timed = " ".join(f"{format_ratio(row[what].get('ratio')):26}" for what in ("alone", "context"))
-        print(f"  {'ours/native':12} {timed} {'':18} {profile:>10}  (timed: median of rounds)")
+        print(f"  {'ours/native':12} {timed} {'':18} {profile:>22}  (timed: median of rounds; profile: of "
+              f"the medians)")
     for what in ("alone", "context"):
         print(f"  GPU over {what}: {format_gpu(row[what]['gpu_start'], row[what]['gpu_end'])}")
 
@@ -344,10 +368,14 @@ def main() -> None:
     parser.add_argument("--flush-mib", type=int, default=256, help="the L2 flush's memset (0: none)")
     parser.add_argument("--idle-ms", type=float, default=0.0,
                         help="a GPU-side wait before each flush (torch.cuda._sleep), default none")
+    parser.add_argument("--profile-steps", type=int, default=5,
+                        help="profiled steps per layer (each call's profile ms: their median, min-max)")
     parser.add_argument("--out", type=Path, default=None, help="result folder (default bench/results)")
     args = parser.parse_args()
     if args.repeat < 3:
         parser.error(f"--repeat must be >= 3, got {args.repeat}")
+    if args.profile_steps < 1:
+        parser.error(f"--profile-steps must be >= 1, got {args.profile_steps}")
     if not torch.cuda.is_available():
         raise SystemExit("bench.grouped_mm_calls times CUDA kernels: it needs a GPU")
     device = torch.device("cuda")
@@ -362,7 +390,7 @@ def main() -> None:
     layers, steps = {}, {}
     for arm in ("native", "ours"):  # ours' weights live in its Buffer: it is destroyed after the replays
         layers[arm] = make_layer(arm, t, h, f, e, k)
-        steps[arm] = record_step(LAYER_NAMES[arm], layers[arm], x_th, grad_th, h, f)
+        steps[arm] = record_step(LAYER_NAMES[arm], layers[arm], x_th, grad_th, h, f, args.profile_steps)
         print(f"{LAYER_NAMES[arm]}: {len(steps[arm]['calls'])} grouped_mm calls recorded: "
               f"{', '.join(steps[arm]['roles'])}", flush=True)
     rows, calls_out = [], []
@@ -376,7 +404,9 @@ def main() -> None:
             row = {"role": role}
             for arm, i in index.items():
                 row[arm] = {"call": i, "after": f"#{i - 1} {steps[arm]['roles'][i - 1]}" if i > 0 else None,
-                            "profile_ms": steps[arm]["profile_ms"][i], "form": call_form(calls[arm])}
+                            **{key: steps[arm][key][i] for key in ("profile_ms", "profile_ms_min",
+                                                                      "profile_ms_max")},
+                            "form": call_form(calls[arm])}
             row["alone"] = measure(calls, {arm: flush for arm in calls}, args.repeat, device)
             row["context"] = measure(calls, before, args.repeat, device)
             rows.append(row)
@@ -387,10 +417,11 @@ def main() -> None:
     for arm in ARMS:
         alone = sum(row["alone"][arm]["ms"] for row in rows if arm in row)
         back = sum(out["ms"] for out in calls_out if out["layer"] == LAYER_NAMES[arm])
-        profiled = steps[arm]["profile_ms"]
-        in_step = "-" if None in profiled else f"{sum(profiled):.2f}"
+        sums = steps[arm]["profile_step_ms"]
+        in_step = "-" if not sums else (f"{statistics.median(sums):.2f} ({min(sums):.2f}-{max(sums):.2f}) ms "
+                                        f"in {len(sums)} profiled steps")
         print(f"{LAYER_NAMES[arm]}: the grouped_mm calls of one step add up to {alone:.2f} ms alone (L2 "
-              f"flushed), {back:.2f} ms back to back, {in_step} ms in the profiled step")
+              f"flushed), {back:.2f} ms back to back, {in_step}")
     if hasattr(layers["ours"], "destroy"):
         layers["ours"].destroy()
     path = write_record(
@@ -401,7 +432,8 @@ def main() -> None:
         notes={LAYER_NAMES[arm]: steps[arm]["note"] for arm in ARMS if steps[arm]["note"]},
         setup={"model": args.model, "tokens": t, "hidden": h, "ffn": f, "experts": e, "top_k": k,
                "repeat": args.repeat, "warmup_rounds": WARMUP_ROUNDS, "flush_mib": args.flush_mib,
-               "idle_ms": args.idle_ms, "order": "rounds rotated: ours first in even rounds, native in odd"})
+               "idle_ms": args.idle_ms, "profile_steps": args.profile_steps,
+               "order": "rounds rotated: ours first in even rounds, native in odd"})
     print(path)
 
 

@@ -13,6 +13,7 @@ from bench.grouped_mm_calls import (
     grouped_kernel_ms,
     main,
     match_roles,
+    profiled_call_ms,
     round_ratios,
     run_call,
 )
@@ -175,6 +176,18 @@ def test_grouped_kernel_ms_takes_the_kernel_after_each_prepare():
                ("prepare_grouped_gemm_data", 0.002), ("cutlass grouped", 4.0)]
     assert grouped_kernel_ms(kernels) == [7.6, 4.0]
     assert grouped_kernel_ms([("prepare_grouped_gemm_data", 0.002)]) == []
+
+
+def test_profiled_call_ms_takes_each_calls_median_and_spread_over_the_steps():
+    def step(*ms):
+        return [entry for m in ms for entry in (("prepare_grouped_gemm_data", 0.002), ("cutlass", m))]
+
+    profiled = profiled_call_ms([step(7.0, 4.0), step(9.0, 4.5), step(8.0, 3.5)], num_calls=2)
+    assert profiled == {"ms": [8.0, 4.0], "ms_min": [7.0, 3.5], "ms_max": [9.0, 4.5],
+                        "step_ms": [11.0, 13.5, 11.5]}
+    assert profiled_call_ms([step(7.0, 4.0), step(9.0)], num_calls=2) is None  # a step missing a call
+    assert profiled_call_ms([step(7.0)], num_calls=2) is None
+    assert profiled_call_ms([], num_calls=2) is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no GPU")
