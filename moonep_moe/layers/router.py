@@ -32,10 +32,11 @@ def split_bf16(t: Tensor, terms: int) -> Tensor:
     ``t`` exactly (bf16 has fp32's exponent range; values within 2**-16 of fp32's smallest normal lose their
     last bits) and two to within ``2**-16`` of ``|t|``.
     """
-    parts, rest = [], t
-    for _ in range(terms):
-        parts.append(rest.to(torch.bfloat16))
+    parts = [t.to(torch.bfloat16)]
+    rest = t
+    for _ in range(terms - 1):
         rest = rest - parts[-1].float()
+        parts.append(rest.to(torch.bfloat16))
     return torch.stack(parts)
 
 
