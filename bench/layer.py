@@ -168,8 +168,9 @@ PEAK = ("the most memory allocated during one fwd+bwd step minus what was alloca
         "built (the inputs and the benchmark's weight copies excluded)")
 
 KERNEL_RULES = (
-    # fp32 GEMMs (cuBLAS SIMT / tf32 / nvjet sss kernels): the routers' (the experts' GEMMs are bf16)
-    ("router", r"sgemm|tf32|nvjet_(sm\d+_)?sss|f32f32_f32f32"),
+    # fp32 GEMMs (cuBLAS SIMT / tf32 / nvjet sss kernels) and bf16 GEMMs with fp32 output (nvjet tss: the
+    # bf16x3 router's): the routers' (the experts' GEMMs are CUTLASS, DeepGEMM or Triton kernels)
+    ("router", r"sgemm|tf32|nvjet_(sm\d+_)?(sss|tss)|f32f32_f32f32"),
     # cuBLAS, CUTLASS (torch._grouped_mm), DeepGEMM, the Triton wgrad, inductor's GEMM templates
     ("GEMMs", r"gemm|nvjet|cutlass|xmma|wgmma|gemv|grouped_mm|wgrad|splitkreduce|triton_tem_"),
     # rows to and from expert order: moonep_moe.comm.kernels (plan, dispatch, combine, prefetch, reduce_grad),

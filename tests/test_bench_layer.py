@@ -81,8 +81,9 @@ KERNELS = [
     ("void deep_gemm::sm90_m_grouped_bf16_gemm_contiguous_impl<128u, 7168u>(...)", "GEMMs"),
     ("_grouped_wgrad_kernel", "GEMMs"),
     ("triton_tem_fused_mm_0", "GEMMs"),
-    # fp32 GEMMs are the routers'
+    # fp32 GEMMs, and bf16 GEMMs with fp32 output (the bf16x3 router), are the routers'
     ("nvjet_sss_tf32_128x256_TNT", "router"),
+    ("nvjet_sm90_tss_256x128_64x4_1x2_h_bz_coopA_NNT", "router"),
     ("sm90_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize128x128x32_execute_segment_k_off_kernel", "router"),
     ("void cutlass::Kernel2<cutlass_80_simt_sgemm_128x32_8x5_nt_align1>(...)", "router"),
     # comm core: the package's kernels, the native layer's sort / gather / index_add
