@@ -35,7 +35,7 @@ def split_bf16(t: Tensor, terms: int) -> Tensor:
     parts = [t.to(torch.bfloat16)]
     rest = t
     for _ in range(terms - 1):
-        rest = rest - parts[-1].float()
+        rest = rest - parts[-1]  # in fp32 (type promotion), the bf16 term widened exactly: one kernel
         parts.append(rest.to(torch.bfloat16))
     return torch.stack(parts)
 
