@@ -75,8 +75,9 @@ def gemm_arms(x_th: torch.Tensor, w_eh: torch.Tensor, grad_te: torch.Tensor) -> 
 def router_step(name: str, x_th: torch.Tensor, weight_eh: torch.Tensor, bf16x3: bool):
     """The packaged model's `TopKRouter` (its weight set to `weight_eh`), forward plus backward of its route
     weights' sum."""
-    cfg = load_config(name).router.model_copy(update={"bf16x3": bf16x3})
-    router = TopKRouter(cfg, x_th.shape[1], weight_eh.shape[0], load_config(name).top_k).to(x_th.device)
+    config = load_config(name)
+    router_config = config.router.model_copy(update={"bf16x3": bf16x3})
+    router = TopKRouter(router_config, x_th.shape[1], weight_eh.shape[0], config.top_k).to(x_th.device)
     with torch.no_grad():
         router.weight.copy_(weight_eh)
     x = x_th.detach().requires_grad_()
