@@ -15,6 +15,7 @@ import functools
 import os
 import re
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -22,11 +23,19 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from processes import spawn_ranks
 from test_layer import TOL, make_config, make_problem, rank_step, run_dense, run_moonep
 
 from moonep_moe.layers.moe import MoonEPMoELayer
-from moonep_moe.transport.collective import CollectiveWorld, collective_world, fail_fast, init_collective
+from moonep_moe.transport.collective import (
+    HEARTBEAT_S,
+    CollectiveWorld,
+    Heartbeat,
+    collective_world,
+    fail_fast,
+    init_collective,
+)
 from moonep_moe.transport.world import RankFailedError
 
 COLLECTIVE_TIMEOUT_S = 30.0
@@ -250,6 +259,32 @@ def test_rank_hosting_the_store_that_dies_is_named(tmp_path):
 
 
 # -- in this process ----------------------------------------------------------------------------------------
+
+
+class SlowStore(dist.Store):
+    """A store whose `check` takes `seconds` (a loaded store host), recording when a request is in flight."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds, self.in_flight = seconds, threading.Event()
+
+    def check(self, keys: list[str]) -> bool:
+        self.in_flight.set()
+        time.sleep(self.seconds)
+        self.in_flight.clear()
+        return False
+
+
+def test_heartbeat_stop_waits_for_a_store_request_in_flight():
+    """A heartbeat thread still inside a store request when the interpreter exits aborts the process
+    ("terminate called without an active exception"), so `stop` returns only after the request, here one
+    that takes several heartbeat periods."""
+    store = SlowStore(seconds=8 * HEARTBEAT_S)
+    heartbeat = Heartbeat(store, rank=0)
+    heartbeat._thread.start()
+    assert store.in_flight.wait(timeout=10), "the heartbeat thread never asked the store"
+    heartbeat.stop()
+    assert not heartbeat._thread.is_alive() and not store.in_flight.is_set()
 
 
 def test_collective_world_needs_an_initialised_process_group():

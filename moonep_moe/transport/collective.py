@@ -33,6 +33,7 @@ import datetime
 import os
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -350,9 +351,17 @@ class Heartbeat:
         return heartbeat
 
     def stop(self) -> None:
-        """Stop the thread; returns at once if it is held up in a store request (it is a daemon)."""
+        """Stop the thread, waiting for a store request in flight to finish (it returns or raises within the
+        store's timeout): a thread still inside one when the interpreter exits aborts the process
+        ("terminate called without an active exception"). Warns if the thread is still running after the
+        store's timeout."""
         self._stopped.set()
-        self._thread.join(timeout=2 * HEARTBEAT_S)
+        timeout_s = self.store.timeout.total_seconds() + 2 * HEARTBEAT_S
+        self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            warnings.warn(f"rank {self.rank}: fail_fast's heartbeat thread is still inside a store request "
+                          f"after {timeout_s:.0f} s (the store's timeout); the process may abort at exit",
+                          RuntimeWarning, stacklevel=2)
 
     def _run(self) -> None:
         try:
