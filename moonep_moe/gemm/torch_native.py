@@ -23,8 +23,8 @@ class TorchGroupedGemm:
     any group, written straight into the fp32 slot gradients); elsewhere a call over all G groups gives
     them, which computes the first n groups a second time and holds a ``[G, cols, inner]`` temporary.
 
-    Known cost: a weights sequence of more than one tensor (home experts + slots) is joined with
-    ``torch.cat`` on every call, a copy of the weights; a later issue removes it.
+    A weights sequence of more than one tensor (home experts and slots apart: the arena cannot join them,
+    `moonep_moe.transport.arena`) is joined with ``torch.cat`` on every call, a copy of the weights.
 
     Limits (torch 2.13, found by experiment; ``select_grouped_gemm`` checks them): float32, bfloat16 and
     float16 on CPU, bfloat16 on CUDA; every operand's row stride (inner and cols) must be a multiple of 16
