@@ -8,7 +8,7 @@ sm90 it takes the per-group row counts twice: ``grouped_layout`` (int32 on the d
 scheduler walks) and ``ks``, a host list it asserts to have one entry per group, each a multiple of 128,
 summing to ``rows`` (the operands' TMA extent), and whose maximum picks the tile config. A list read from the
 device every step is a host sync; the question this bench answers is whether a fixed stand-in of the right
-count and sum (`standin_ks`: the rows dealt evenly in 128-row blocks) gives the same results.
+count and sum (`standin_sizes`: the rows dealt evenly in 128-row blocks) gives the same results.
 
 1. Correctness (`CASES`): skewed 128-aligned segments with empty groups, rows past the last group holding
    garbage, fp32 and bf16 outputs, ``c`` the output itself or another tensor: the stand-in's output against
@@ -31,10 +31,10 @@ import itertools
 import torch
 
 from bench.common import measure_limits, spread, timings, write_record
-from moonep_moe.gemm.deep_gemm import import_deep_gemm
+from moonep_moe.gemm.deep_gemm import K_ALIGN as ALIGN
+from moonep_moe.gemm.deep_gemm import import_deep_gemm, standin_sizes
 from moonep_moe.gemm.kernels.wgrad import grouped_wgrad_triton
 
-ALIGN = 128
 CASES = [  # (groups, m, n, rows per group before padding (0: empty), garbage rows past the last group)
     (8, 256, 384, [700, 0, 5, 129, 0, 2000, 1, 40], 0),
     (8, 256, 384, [0, 3000, 0, 0, 17, 128, 0, 0], 256),
@@ -42,12 +42,6 @@ CASES = [  # (groups, m, n, rows per group before padding (0: empty), garbage ro
 ]
 SHAPES = {"deepseek-v3": (32, 2048, 7168), "kimi-k2": (48, 2048, 7168)}  # (home groups, H', H)
 ROUTES = 65536
-
-
-def standin_ks(groups: int, rows: int) -> list[int]:
-    """`groups` multiples of `ALIGN` summing to `rows` (itself a multiple), the blocks dealt evenly."""
-    blocks, extra = divmod(rows // ALIGN, groups)
-    return [(blocks + (g < extra)) * ALIGN for g in range(groups)]
 
 
 def aligned_segments(sizes: list[int], tail: int, m: int, n: int) -> tuple[torch.Tensor, ...]:
@@ -80,7 +74,7 @@ def correctness(dg) -> list[dict]:
         true_ks = padded.tolist()
         true_ks[-1] += tail  # the host list must cover every row; the device's sizes leave the tail out
         outs = {}
-        for host, ks in (("true", true_ks), ("standin", standin_ks(groups, a.shape[0]))):
+        for host, ks in (("true", true_ks), ("standin", standin_sizes(groups, a.shape[0]))):
             d = c.clone()
             dg.k_grouped_bf16_gemm_tn_contiguous(a, b, d, ks, padded, d if alias else c.clone())
             outs[host] = d
@@ -103,7 +97,7 @@ def wgrad_arms(dg, a: torch.Tensor, b: torch.Tensor, padded_g: torch.Tensor) -> 
     offs_g = padded_g.cumsum(0).int()
     d32 = torch.zeros(groups, m, n, device="cuda")
     d16 = torch.zeros(groups, m, n, device="cuda", dtype=torch.bfloat16)
-    ks = standin_ks(groups, a.shape[0])
+    ks = standin_sizes(groups, a.shape[0])
     kgrouped = dg.k_grouped_bf16_gemm_tn_contiguous
     return {
         "torch_bf16": lambda: torch._grouped_mm(a.T, b, offs=offs_g),
@@ -154,7 +148,8 @@ def main() -> None:
     checks = correctness(dg)
     rows = speed(dg, limits, args.repeat)
     path = write_record("deep-gemm-wgrad", limits, rows, correctness=checks,
-                        setup={"align": ALIGN, "routes": ROUTES, "repeat": args.repeat, "ks": "standin_ks"})
+                        setup={"align": ALIGN, "routes": ROUTES, "repeat": args.repeat,
+                               "ks": "standin_sizes"})
     print(f"record: {path}")
 
 

@@ -52,7 +52,8 @@ accumulation, as FP8 training runs: each timed run is one optimizer step's micro
 per micro-batch; the fp8 layer casts its home weights in its first micro-batch and reuses the copies in
 the others, `Fp8WeightCache`; the kept copies count in its peak), the fp8 one checked against the bf16 one
 by `PER_STEP_FP8_TARGETS` (speed >= 1.4x; peak <= 1.5x at EP=1, <= 1.15x at one EP rank) under its own
-scope (`fp8_scope`); last, "tokens dispatched as FP8", the fp8 layer with `fp8_dispatch` (its tokens
+scope (`fp8_scope`), then the same with FP8 weight gradients (`fp8_wgrad`), in the default gradient mode
+and in `main_grad`; last, "tokens dispatched as FP8", the fp8 layer with `fp8_dispatch` (its tokens
 quantised before dispatch, the FP8 rows kept for backward), checked like the first fp8 row.
 
 Every timed run starts as after an optimizer step (`optimizer_stepped`: each parameter's version moves, no
@@ -613,7 +614,7 @@ def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: d
     kind = "default" if default else "fp8" if cfg.precision == "fp8" else "variant"
     row = {"layer": name, "config": kind, "backend": cfg.grouped_gemm, "precision": cfg.precision,
            "expert_grad_dtype": cfg.expert_grad_dtype, "token_padding": cfg.token_padding, "dtype": cfg.dtype,
-           "micro_batches": micro_batches, "fp8_dispatch": cfg.fp8_dispatch}
+           "micro_batches": micro_batches, "fp8_dispatch": cfg.fp8_dispatch, "fp8_wgrad": cfg.fp8_wgrad}
     try:
         layer.load_state_dict(layer_weights(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts))
         if ep_rank is not None:
@@ -823,11 +824,14 @@ MICRO_BATCHES = "micro_batches"
 (gradient accumulation; `step`), its time reported per micro-batch."""
 PER_STEP = 4
 """--fp8's micro-batches per optimizer step for its per-step rows (as FP8 training runs accumulate)."""
+FP8_WGRAD = {**FP8_SETTINGS, "fp8_wgrad": True, MICRO_BATCHES: PER_STEP}
 FP8_VARIANTS = [FP8_SETTINGS, {MICRO_BATCHES: PER_STEP}, {**FP8_SETTINGS, MICRO_BATCHES: PER_STEP},
+                FP8_WGRAD, {**FP8_WGRAD, "expert_grad_dtype": "main_grad"},
                 {**FP8_SETTINGS, "fp8_dispatch": True}]
 """--fp8's rows: the fp8 layer; our bf16 DEFAULT and the fp8 layer with `PER_STEP` micro-batches per
-optimizer step (the fp8 layer's weight casts paid once per step: `Fp8WeightCache`); the fp8 layer
-dispatching its tokens as FP8 (`MoEConfig.fp8_dispatch`)."""
+optimizer step (the fp8 layer's weight casts paid once per step: `Fp8WeightCache`), also with FP8 weight
+gradients (`MoEConfig.fp8_wgrad`), in the default gradient mode and in `main_grad` (where they add into the
+fp32 gradients directly); the fp8 layer dispatching its tokens as FP8 (`MoEConfig.fp8_dispatch`)."""
 
 FP8_LAYER_TARGETS = (  # (what, op, bound): on the fp8 row of one micro-batch per optimizer step
     ("fp8 speed vs our bf16", ">=", 1.6),
@@ -847,6 +851,8 @@ def fp8_scope(row: dict) -> str:
     differs from the plain fp8 layer."""
     per_step = row[MICRO_BATCHES]
     return ("the fp8 layer" + f", {per_step} micro-batches per optimizer step" * (per_step > 1)
+            + ", FP8 weight gradients" * row["fp8_wgrad"]
+            + f", expert_grad_dtype {row['expert_grad_dtype']}" * (row["expert_grad_dtype"] != "param")
             + ", tokens dispatched as FP8" * row["fp8_dispatch"])
 
 

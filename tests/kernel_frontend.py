@@ -195,7 +195,8 @@ def check_hardware_rounding(constexprs: dict, ptx: str) -> None:
 
 
 def fp8_launches() -> None:
-    """The FP8 casts: rows, and blocks in each orientation; rows back from FP8, from packed rows."""
+    """The FP8 casts: rows, blocks in each orientation, a weight gradient's operands (a later part of the
+    segments); rows back from FP8, from packed rows."""
     global current
     from moonep_moe.fp8 import cast as fp8_cast
 
@@ -214,6 +215,10 @@ def fp8_launches() -> None:
                          torch.empty(2, 256, 384, dtype=torch.float8_e4m3fn),
                          offs_g=torch.tensor([128, 128, 256], dtype=torch.int32), first_group=1)
     for dtype in (torch.bfloat16, torch.float32):
+        current = f"cast_columns {TYPES[dtype]}"
+        ends = torch.tensor([128, 128, 256], dtype=torch.int32)
+        fp8_cast.cast_columns(torch.zeros(300, 200, dtype=dtype), ends, 1, 3)
+    for dtype in (torch.bfloat16, torch.float32):
         current = f"dequantise_rows {TYPES[dtype]}"
         packed = torch.zeros(256, 320, dtype=torch.uint8)  # packed rows of H = 300: e4m3 bytes, then scales
         q, scales = packed[:, :300].view(torch.float8_e4m3fn), packed[:, 300:312].view(torch.float32)
@@ -222,7 +227,7 @@ def fp8_launches() -> None:
 
 def wgrad_launches() -> None:
     """The grouped wgrad kernel in the first of its autotuner's sm90 tiles (called through the autotuner's
-    kernel, `.fn`, which the recorder sees)."""
+    kernel, `.fn`, which the recorder sees), and the zeroing of an overwritten FP8 wgrad's groups."""
     global current
     from moonep_moe.gemm.kernels import wgrad
 
@@ -234,6 +239,8 @@ def wgrad_launches() -> None:
         dy, x = torch.zeros(256, 64, dtype=torch.bfloat16), torch.zeros(256, 96, dtype=torch.bfloat16)
         wgrad._grouped_wgrad_kernel.fn[(1,)](dy, x, offs, out0, out1, 1, 0, 1, 64, 96, 64, 96, out0.stride(0),
                                              out1.stride(0), **common, **wgrad._configs()[0].kwargs)
+    current = "zero_filled_groups"
+    wgrad.zero_filled_groups(torch.zeros(2, 64, 96), offs)
 
 current = ""
 

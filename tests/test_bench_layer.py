@@ -417,9 +417,12 @@ def test_table_variants_default_to_none_for_several_tables():
 
 def test_fp8_rows_come_right_after_default_with_precision_fp8_and_padding_128():
     """The fp8 row, then the DEFAULT config and the fp8 one with `PER_STEP` micro-batches per optimizer step
-    (`MICRO_BATCHES`, not a config field), then the fp8 one with its tokens dispatched as FP8."""
+    (`MICRO_BATCHES`, not a config field), the latter also with FP8 weight gradients (param and main_grad),
+    then the fp8 one with its tokens dispatched as FP8."""
     one = variant_settings(["auto", "triton", "torch", "deep_gemm"], ["auto"], [])
-    fp8_rows = [FP8_SETTINGS, {MICRO_BATCHES: PER_STEP}, {**FP8_SETTINGS, MICRO_BATCHES: PER_STEP},
+    per_step = {**FP8_SETTINGS, MICRO_BATCHES: PER_STEP}
+    fp8_rows = [FP8_SETTINGS, {MICRO_BATCHES: PER_STEP}, per_step, {**per_step, "fp8_wgrad": True},
+                {**per_step, "fp8_wgrad": True, "expert_grad_dtype": "main_grad"},
                 {**FP8_SETTINGS, "fp8_dispatch": True}]
     assert table_variants(None, None, [], tables=1, fp8=True) == [*fp8_rows, *one]
     assert table_variants([], [], [], tables=1, fp8=True) == fp8_rows, "--backends --main-grad-backends"
@@ -450,11 +453,13 @@ def test_per_step_rows_run_their_config_with_micro_batches(monkeypatch):
     assert (first, fp8_default, bf16_default, fp8_step_default) == (True, False, True, False)
     assert bf16_cfg == default_cfg and fp8_step_cfg == fp8_cfg and fp8_cfg.precision == "fp8"
     assert bf16_name.startswith("moonep DEFAULT") and fp8_name.endswith(f"{PER_STEP} micro-batches)")
-    assert layer_bench.fp8_scope({MICRO_BATCHES: PER_STEP, "fp8_dispatch": False}) == \
+    plain = {MICRO_BATCHES: 1, "fp8_dispatch": False, "fp8_wgrad": False, "expert_grad_dtype": "param"}
+    assert layer_bench.fp8_scope({**plain, MICRO_BATCHES: PER_STEP}) == \
         f"the fp8 layer, {PER_STEP} micro-batches per optimizer step"
-    assert layer_bench.fp8_scope({MICRO_BATCHES: 1, "fp8_dispatch": False}) == "the fp8 layer"
-    assert layer_bench.fp8_scope({MICRO_BATCHES: 1, "fp8_dispatch": True}) == \
-        "the fp8 layer, tokens dispatched as FP8"
+    assert layer_bench.fp8_scope(plain) == "the fp8 layer"
+    assert layer_bench.fp8_scope({**plain, "fp8_dispatch": True}) == "the fp8 layer, tokens dispatched as FP8"
+    assert layer_bench.fp8_scope({**plain, "fp8_wgrad": True, "expert_grad_dtype": "main_grad"}) == \
+        "the fp8 layer, FP8 weight gradients, expert_grad_dtype main_grad"
 
 
 def test_profile_covers_every_row_of_ours(monkeypatch):

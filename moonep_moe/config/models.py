@@ -284,7 +284,7 @@ class MoEConfig(CommConfig):
             "on sm90 where it is installed, else the package's Triton kernel, half DeepGEMM's speed) with "
             "e4m3 activations (1x128 tiles) and weights (128x128 blocks), cast by fused kernels (the home "
             "weights once per version, so once per optimizer step under gradient accumulation); wgrad "
-            "stays bf16 on the `grouped_gemm` backend. Needs "
+            "stays bf16 on the `grouped_gemm` backend unless `fp8_wgrad`. Needs "
             "dtype='bfloat16', token_padding a multiple of 128 (the default with 'fp8') and a CUDA GPU with "
             "FP8 tensor cores (sm89 or newer; tested on sm90) (`moonep_moe.gemm.fp8`)."
         ),
@@ -301,6 +301,18 @@ class MoEConfig(CommConfig):
             "exactly the values the forward multiplied, where it multiplies the bf16 rows without it. "
             "Default False: on one H200 at EP=1 it ran 0.98x plain fp8's step time, and its wire saving "
             "across GPUs is not yet measured. Needs precision='fp8'."
+        ),
+    )
+    fp8_wgrad: bool = Field(
+        False,
+        description=(
+            "With precision='fp8': the experts' weight gradients as FP8 GEMMs too (DeepGEMM's sm90 k-grouped "
+            "FP8 kernel, fp32 accumulation promoted every 128 rows): dy and x are cast per column per 128 "
+            "rows of their segment (e4m3, power-of-two fp32 scales), into an fp32 gradient (`main_grad`, "
+            "the slot gradients) or through an fp32 temporary of the gradient's size (bf16 `param` "
+            "gradients). Each operand's e4m3 rounding (2^-4 of a value) enters the gradient, as in "
+            "DeepSeek-V3's FP8 training. Default False (bf16 wgrad). Needs precision='fp8' and DeepGEMM on "
+            "an sm90 GPU."
         ),
     )
     expert_weights: Literal["bf16", "fp8"] = Field(
@@ -374,6 +386,10 @@ class MoEConfig(CommConfig):
                              f"got dtype={self.dtype!r}, token_padding={self.token_padding}")
         if self.fp8_dispatch and self.precision != "fp8":
             raise ValueError(f"fp8_dispatch=True needs precision='fp8', got precision={self.precision!r}")
+        if self.fp8_wgrad and (self.precision != "fp8" or self.expert_weights == "fp8"):
+            raise ValueError(f"fp8_wgrad=True needs precision='fp8' and trainable experts "
+                             f"(expert_weights='bf16'), got precision={self.precision!r}, "
+                             f"expert_weights={self.expert_weights!r}")
         if self.expert_weights == "fp8":
             self._check_fp8_weights()
         return self

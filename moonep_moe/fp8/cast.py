@@ -6,6 +6,9 @@ are `moonep_moe.gemm.fp8`; these kernels match the reference bit for bit, fp8 by
   and past `offs_g[-1]` (a device scalar: no host read) are skipped, their outputs left unwritten.
 - `cast_blocks`: weights, one pass per 128x128 block of `w [G, N, K]`: writes the scale and, as asked, the
   e4m3 block (`q [G, N, K]`) and its transpose (`qt [G, K, N]`, the K-major copy dgrad needs on sm90).
+- `cast_columns`: a weight gradient's operand (`dy` or `x` of `dW[g] = dy_g^T x_g`) for DeepGEMM's sm90
+  k-grouped FP8 GEMM, one pass: a range of the segments of `x [rows, C]`, each transposed to K-major
+  (`[C, k]` row by row), packed from the start of `q`, one scale per column per 128 rows.
 - `dequantise_rows`: `cast_rows` undone, one pass: reads e4m3 rows and their 1x128 scales (any strides: e.g.
   views of the packed rows a dispatch received) and writes `q * scale` in bf16 or fp32, exact in both (an
   e4m3 value has 4 significant bits, the scales are powers of two within the formats' exponent range). What
@@ -36,6 +39,8 @@ BLOCK_ROWS = 32
 """Rows per program of `cast_rows` (a divisor of 128, so no block straddles a segment's padded end)."""
 ROWS_WARPS = 4
 """Warps per `cast_rows` program (32 x 128 values: 32 a thread)."""
+COLUMNS_TILE = 64
+"""Columns per `cast_columns` program (128 rows x 64 columns: 64 values a thread at 4 warps)."""
 BLOCKS_WARPS = 8
 """Warps per `cast_blocks` program: its 128 x 128 block is held whole in registers between the amax and the
 rounding (64 fp32 values a thread at 8 warps, 128 at 4). `python -m bench.fp8_cast` times 4, 8 and 16."""
@@ -88,6 +93,34 @@ def _cast_rows_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, last_group, rows, cols, str
         q = _to_e4m3(x * inverse[:, None], q_ptr.dtype.element_ty, HARDWARE_ROUNDING)
         tl.store(q_ptr + row[:, None] * cols + col[None, :], q, mask=mask)
         tl.store(s_ptr + tile * stride_s + row, scale, mask=row < rows)
+
+
+@triton.jit
+def _cast_columns_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, first_group, last_group, rows, cols, stride_x,
+                         stride_s, MAX_EXP_FIELD: tl.constexpr, MAX_MANTISSA: tl.constexpr,
+                         MIN_AMAX: tl.constexpr, HARDWARE_ROUNDING: tl.constexpr, GROUPS_P: tl.constexpr,
+                         BLOCK: tl.constexpr, TILE: tl.constexpr):
+    # one 128-row block of one segment x TILE columns: its segment found from the ends on the device, the
+    # block's per-column scales, its e4m3 values stored transposed at the segment's K-major place
+    block, tile = tl.program_id(0), tl.program_id(1)
+    row0 = block * BLOCK
+    g_i = tl.arange(0, GROUPS_P)
+    ends = tl.load(offs_ptr + g_i, mask=g_i < last_group, other=2147483647)
+    group = tl.sum((ends <= row0).to(tl.int32), 0)  # the segment holding row0 (ends are ascending)
+    if group >= first_group and group < last_group:
+        base = tl.load(offs_ptr + first_group - 1, mask=first_group > 0, other=0)
+        start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0)
+        size = tl.load(offs_ptr + group) - start
+        row = row0 + tl.arange(0, BLOCK)
+        col = tile * TILE + tl.arange(0, TILE)
+        mask = (row < rows)[:, None] & (col < cols)[None, :]
+        x = tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + col[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        scale, inverse = _pow2_scale(tl.max(tl.abs(x), axis=0), MAX_EXP_FIELD, MAX_MANTISSA, MIN_AMAX)
+        q = _to_e4m3(x * inverse[None, :], q_ptr.dtype.element_ty, HARDWARE_ROUNDING)
+        at = (start - base).to(tl.int64) * cols + (row0 - start)  # the segment's [C, size] matrix, this block
+        tl.store(q_ptr + at + col.to(tl.int64)[None, :] * size + tl.arange(0, BLOCK)[:, None], q, mask=mask)
+        tl.store(s_ptr + ((row0 - base) // BLOCK).to(tl.int64) * stride_s + col, scale, mask=col < cols)
 
 
 @triton.jit
@@ -158,6 +191,36 @@ def cast_rows(x_mk: torch.Tensor, offs_g: torch.Tensor,
                                     x_mk.stride(0), stride_s, BLOCK=BLOCK_ROWS, TILE=TILE,
                                     num_warps=num_warps, **_format_constants())
     return q_mk, scales.as_strided((rows, tiles), (1, stride_s))
+
+
+def cast_columns(x_mk: torch.Tensor, offs_g: torch.Tensor, first_group: int, last_group: int,
+                 num_warps: int = ROWS_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight gradient's operand for DeepGEMM's sm90 k-grouped FP8 GEMM, `fp8.format.quantise_columns`'
+    layout and bytes: the segments `first_group <= g < last_group` of `x [rows, C]` (bf16 or fp32, rows
+    contiguous; `offs_g` int32 [G] segment ends on the device, each segment a multiple of 128 rows), packed
+    from row 0 of the part (the first segment's start subtracted, read on the device: no host read) ->
+    `(q [P * C] e4m3, scales [C, P / 128] fp32)` with `P = rows` rounded up to 128 (the part's capacity).
+    Each segment's `[C, k]` transpose is stored row by row at `q[s * C:]` (s: its first row within the
+    part); its scales, one power of two per column per 128 rows, are MN-major (`C` contiguous, stride
+    `tma_aligned_rows(C)` between row blocks: DeepGEMM's sm90 scale layout, taken without a copy). What lies
+    past the part's segments is unspecified."""
+    rows, cols = x_mk.shape
+    if x_mk.stride(1) != 1:
+        raise ValueError(f"x must have contiguous rows (stride(1) == 1), got strides {x_mk.stride()}")
+    if not 0 <= first_group <= last_group <= offs_g.numel():
+        raise ValueError(f"need 0 <= first_group <= last_group <= {offs_g.numel()} segments, got "
+                         f"{first_group} and {last_group}")
+    capacity, stride_s = triton.cdiv(rows, TILE) * TILE, tma_aligned_rows(cols)
+    q = torch.empty(capacity * cols, dtype=FP8_DTYPE, device=x_mk.device)
+    scales = torch.empty(capacity // TILE * stride_s, dtype=torch.float32, device=x_mk.device)
+    if rows and cols and last_group > first_group:
+        grid = (capacity // TILE, triton.cdiv(cols, COLUMNS_TILE))
+        with launching():
+            _cast_columns_kernel[grid](x_mk, q, scales, offs_g, first_group, last_group, rows, cols,
+                                       x_mk.stride(0), stride_s, GROUPS_P=triton.next_power_of_2(last_group),
+                                       BLOCK=TILE, TILE=COLUMNS_TILE, num_warps=num_warps,
+                                       **_format_constants())
+    return q, scales.as_strided((cols, capacity // TILE), (1, stride_s))
 
 
 def cast_blocks(w_gnk: torch.Tensor, scales_out: torch.Tensor, q_out: torch.Tensor | None = None,

@@ -147,3 +147,41 @@ def to_deep_gemm_row_scales(scales_mk: Tensor) -> Tensor:
     out = scales_mk.new_empty(tiles * tma_aligned_rows(rows)).as_strided(scales_mk.shape,
                                                                           (1, tma_aligned_rows(rows)))
     return out.copy_(scales_mk)
+
+
+def quantise_columns(x_mk: Tensor, sizes: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """Reference cast of a weight gradient's operand (``dy`` or ``x`` of ``dW[g] = dy_g^T x_g``) for
+    DeepGEMM's sm90 k-grouped FP8 GEMM: ``x [rows, C]`` whose first ``sum(sizes)`` rows are groups of
+    ``sizes`` rows back to back (each a multiple of 128) -> ``(q [rows * C] e4m3, scales [C, rows / 128]
+    fp32)``. Group g (rows ``[s, s + k)``) is stored transposed, K-major: ``q[s * C:(s + k) * C]`` is its
+    ``[C, k]`` matrix row by row; ``scales[:, s / 128:(s + k) / 128]`` hold one power-of-two scale
+    (`pow2_scales`) per column per 128 of its rows. What lies past the groups is zero. ``rows``: a multiple
+    of 128."""
+    rows, cols = x_mk.shape
+    if rows % BLOCK or any(size % BLOCK for size in sizes) or sum(sizes) > rows:
+        raise ValueError(f"rows ({rows}) and every group size ({list(sizes)}) must be multiples of {BLOCK}, "
+                         f"the groups within the rows")
+    q = torch.zeros(rows * cols, dtype=FP8_DTYPE, device=x_mk.device)
+    scales = torch.zeros(cols, rows // BLOCK, dtype=torch.float32, device=x_mk.device)
+    start = 0
+    for size in sizes:
+        blocks = x_mk[start:start + size].to(torch.float32).view(size // BLOCK, BLOCK, cols)
+        scales_bc = pow2_scales(blocks.abs().amax(1))
+        q_kc = (blocks / scales_bc[:, None]).to(FP8_DTYPE).view(size, cols)
+        as_bytes(q)[start * cols:(start + size) * cols] = as_bytes(q_kc.t().contiguous()).flatten()
+        scales[:, start // BLOCK:(start + size) // BLOCK] = scales_bc.t()
+        start += size
+    return q, scales
+
+
+def dequantise_columns(q: Tensor, scales_cb: Tensor, sizes: Sequence[int],
+                       dtype: torch.dtype = torch.float64) -> list[Tensor]:
+    """`quantise_columns` undone: each group's ``[k, C]`` rows as ``q * scale``, in ``dtype`` (exact: 4
+    significant bits times a power of two); ``scales_cb [C, rows / 128]`` of any strides."""
+    cols, start, groups = scales_cb.shape[0], 0, []
+    for size in sizes:
+        q_ck = q[start * cols:(start + size) * cols].view(cols, size)
+        full_ck = scales_cb[:, start // BLOCK:(start + size) // BLOCK].to(dtype).repeat_interleave(BLOCK, 1)
+        groups.append((q_ck.to(dtype) * full_ck).t())
+        start += size
+    return groups

@@ -27,13 +27,30 @@ def import_deep_gemm():
     return deep_gemm
 
 
+K_ALIGN = 128
+"""DeepGEMM's sm90 k-grouped kernels take segments of a multiple of this many rows."""
+
+
+def standin_sizes(groups: int, rows: int) -> list[int]:
+    """A host list for DeepGEMM's sm90 k-grouped kernels (bf16 and FP8) in place of the segment sizes, which
+    live on the device: `groups` multiples of `K_ALIGN` summing to `rows` (the operands' row capacity, itself
+    a multiple), the blocks dealt evenly. Those kernels read each segment's size from the device tensor
+    (their scheduler, and the FP8 kernel's per-segment TMA descriptors, rewritten on the device before each
+    segment's first load); the host list sets only the group count, the operands' extent (its sum), the
+    first descriptor before that rewrite and the config (its largest entry), so a list of the right count
+    and sum gives the true list's results, bit for bit (`bench.deep_gemm_wgrad`, the GPU tests)."""
+    blocks, extra = divmod(rows // K_ALIGN, groups)
+    return [(blocks + (g < extra)) * K_ALIGN for g in range(groups)]
+
+
 class DeepGemmGroupedGemm:
     """DeepGEMM on Hopper: fwd and dgrad through ``m_grouped_bf16_gemm_{nt,nn}_contiguous`` with
     ``use_psum_layout=True``, which takes the padded segment end offsets (``offs_g``) directly on the device:
     no host sync. Every segment must start at a multiple of 128 (``token_padding`` a multiple of 128).
 
-    The weight gradient runs on ``torch._grouped_mm``: DeepGEMM's k-grouped wgrad needs the segment sizes as a
-    host list (a device-to-host read per call), which the no-host-sync rule forbids. A weights sequence of
+    The weight gradient runs on ``torch._grouped_mm``: DeepGEMM's bf16 k-grouped wgrad runs without a host
+    read (`standin_sizes`), but on sm90 it only adds into its output, so a fresh gradient (the default
+    mode's) would first be zeroed (timed against the others: `bench.deep_gemm_wgrad`). A weights sequence of
     several non-empty parts is joined with ``torch.cat`` as in ``TorchGroupedGemm`` (pass one arena tensor to
     avoid the copy: ``ExpertRows.compute_weights``).
     """

@@ -43,14 +43,15 @@ from moonep_moe.fp8.format import (
     FP8_DTYPE,
     block_scales_shape,
     dequantise_blocks,
+    dequantise_columns,
     dequantise_rows,
     pow2_scales,
     quantise_blocks,
     quantise_rows,
     to_deep_gemm_row_scales,
 )
-from moonep_moe.gemm.base import GroupedGemm, _check_groups
-from moonep_moe.gemm.deep_gemm import import_deep_gemm
+from moonep_moe.gemm.base import GroupedGemm, _check_groups, _wgrad_parts
+from moonep_moe.gemm.deep_gemm import import_deep_gemm, standin_sizes
 from moonep_moe.gemm.reference import ReferenceGroupedGemm
 from moonep_moe.weights.quantised import Fp8Weights
 
@@ -60,10 +61,12 @@ __all__ = [
     "FP8_KERNELS",
     "Fp8GroupedGemm",
     "Fp8WeightCache",
+    "Fp8WeightGradient",
     "Fp8Weights",
     "ReferenceFp8Gemm",
     "dequantise_blocks",
     "dequantise_rows",
+    "k_grouped_fp8_reference",
     "pow2_scales",
     "quantise_blocks",
     "quantise_rows",
@@ -234,12 +237,10 @@ class Fp8GroupedGemm:
     package's Triton FP8 grouped GEMM (`kernels.fp8_gemm`: the same operands and scales, any GPU with FP8
     tensor cores), where DeepGEMM is not installed or the GPU is not sm90.
 
-    The weight gradient stays in bf16 on ``wgrad`` (the backend ``grouped_gemm`` selects): DeepGEMM's sm90
-    k-grouped FP8 wgrad takes the segment sizes as a host list (a device-to-host read per call, which the
-    no-host-sync rule forbids), and a Triton FP8 wgrad, measured on the H200, was slower than the bf16 one
-    and was removed (README, "Precision: bf16 or fp8"). Cost: wgrad is a third of the expert block's GEMM
-    FLOPs and runs at the bf16 rate, so at 1.6x on fwd and dgrad the GEMM time is at best
-    ``(2 / 1.6 + 1) / 3 = 0.75`` of bf16's (1.33x).
+    The weight gradient runs in bf16 on ``wgrad`` (the backend ``grouped_gemm`` selects), or with
+    ``fp8_wgrad`` as FP8 GEMMs too (`Fp8WeightGradient`: DeepGEMM's sm90 k-grouped FP8 kernel, ``kernel=
+    "deep_gemm"`` only). In bf16, wgrad is a third of the expert block's GEMM FLOPs at the bf16 rate, so at
+    1.6x on fwd and dgrad the GEMM time is at best ``(2 / 1.6 + 1) / 3 = 0.75`` of bf16's (1.33x).
 
     Experts kept FP8 (`MoEConfig.expert_weights="fp8"`) come to ``fwd`` as `Fp8Weights`: multiplied as they
     are (joined into one tensor only where they come in parts), no cast, no bf16 copy; such a layer has no
@@ -249,11 +250,15 @@ class Fp8GroupedGemm:
     (`fp8_unsupported_reason`).
     """
 
-    ops = ("fwd", "dgrad")
     joined_weights = False  # the home parameters themselves, so their FP8 copies are kept per version
 
-    def __init__(self, wgrad: GroupedGemm | None, kernel: str = "deep_gemm") -> None:
+    def __init__(self, wgrad: GroupedGemm | None, kernel: str = "deep_gemm", fp8_wgrad: bool = False) -> None:
         from moonep_moe.fp8.cast import cast_rows, dequantise_rows
+
+        if fp8_wgrad and (kernel != "deep_gemm" or wgrad is None):
+            raise ValueError(f"fp8_wgrad runs on DeepGEMM's sm90 k-grouped FP8 GEMM: it needs kernel="
+                             f"'deep_gemm' and trainable weights, got kernel={kernel!r}"
+                             + " and no weight gradients" * (wgrad is None))
 
         if kernel == "deep_gemm":
             self._kernel = functools.partial(import_deep_gemm().m_grouped_fp8_gemm_nt_contiguous,
@@ -267,7 +272,8 @@ class Fp8GroupedGemm:
         self.kernel = kernel
         self.name = "fp8" if kernel == "deep_gemm" else f"fp8_{kernel}"
         self._cast_rows, self._dequantise_rows = cast_rows, dequantise_rows
-        self._wgrad = wgrad
+        self._wgrad = Fp8WeightGradient() if fp8_wgrad else wgrad
+        self.ops = ("fwd", "dgrad", "wgrad") if fp8_wgrad else ("fwd", "dgrad")
         self.weights = Fp8WeightCache()
 
     def quantise_rows(self, x_sh: Tensor) -> tuple[Tensor, Tensor]:
@@ -316,6 +322,83 @@ class Fp8GroupedGemm:
         if self._wgrad is None:
             raise ValueError(FORWARD_ONLY)
         return self._wgrad.wgrad(dy, x, offs_g, out, accumulate)
+
+
+class Fp8WeightGradient:
+    """``dW[g] (+)= dy_g^T x_g`` as FP8 GEMMs: `GroupedGemm.wgrad`, what `Fp8GroupedGemm` runs with
+    ``fp8_wgrad``.
+
+    Each part of ``out`` (the home experts' gradients, then the slots') is one call over its range of
+    segments: both operands cast on the device (`fp8.cast.cast_columns`: each segment transposed to
+    K-major, one power-of-two scale per column per 128 rows, packed from the part's first row), then
+    DeepGEMM's sm90 ``k_grouped_fp8_gemm_nt_contiguous`` adds the products into an fp32 tensor, promoting
+    each 128-row step's tensor-core sum to fp32. It reads the segment sizes on the device; its host list is a
+    fixed stand-in (`deep_gemm.standin_sizes`), so there is no host read. fp32 parts (``main_grad``, the
+    slot gradients) are added into, or to overwrite, their groups with rows are zeroed first
+    (`zero_filled_groups`: unused slots stay as they are); other parts (a fresh or accumulated bf16 home
+    gradient) go through an fp32 temporary of their size, rounded once.
+
+    ``kernel``: the GEMM, called as DeepGEMM's (``kernel((q_a, scales_a), (q_b, scales_b), d, sizes_host,
+    sizes_g, c)``); the default imports DeepGEMM. Segments must be multiples of 128 rows (``token_padding``
+    128).
+    """
+
+    def __init__(self, kernel=None) -> None:
+        from moonep_moe.fp8.cast import cast_columns
+        from moonep_moe.gemm.kernels.wgrad import zero_filled_groups
+
+        self._kernel = kernel or import_deep_gemm().k_grouped_fp8_gemm_nt_contiguous
+        self._cast, self._zero = cast_columns, zero_filled_groups
+
+    def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
+              accumulate: bool = True) -> list[Tensor]:
+        parts = _wgrad_parts(dy, x, offs_g, out, accumulate)
+        first = 0
+        for i, part in enumerate(parts):
+            last = first + part.shape[0]
+            if part.shape[0]:
+                self._part(dy, x, offs_g, first, last, part, accumulate, slots=i > 0)
+            first = last
+        return parts
+
+    def _part(self, dy: Tensor, x: Tensor, offs_g: Tensor, first: int, last: int, out_gmn: Tensor,
+              accumulate: bool, slots: bool) -> None:
+        """Groups ``[first, last)`` of ``offs_g`` into ``out [last - first, cols, inner]``; ``slots``: the
+        prefetch slots', whose empty groups (unused slots) an overwrite leaves as they are."""
+        if out_gmn.dtype == torch.float32 and out_gmn.is_contiguous():
+            d_gmn = out_gmn
+            if not accumulate and slots:
+                self._zero(d_gmn, offs_g, first)
+            elif not accumulate:
+                d_gmn.zero_()
+        else:
+            d_gmn = (out_gmn.to(torch.float32, memory_format=torch.contiguous_format) if accumulate
+                     else torch.zeros(out_gmn.shape, device=out_gmn.device))
+        q_a, scales_a = self._cast(dy, offs_g, first, last)
+        q_b, scales_b = self._cast(x, offs_g, first, last)
+        start = offs_g[first - 1:first] if first else offs_g.new_zeros(1)
+        sizes_g = torch.diff(offs_g[first:last], prepend=start)
+        self._kernel((q_a, scales_a), (q_b, scales_b), d_gmn,
+                     standin_sizes(last - first, q_a.numel() // dy.shape[1]), sizes_g, d_gmn)
+        if d_gmn is not out_gmn:
+            out_gmn.copy_(d_gmn)
+
+
+def k_grouped_fp8_reference(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], d_gmn: Tensor,
+                            sizes_host: Sequence[int], sizes_g: Tensor, c_gmn: Tensor) -> None:
+    """DeepGEMM's ``k_grouped_fp8_gemm_nt_contiguous`` in torch, for tests and CPUs: ``d[g] = c[g] + A_g^T
+    B_g`` in fp32, ``A_g``, ``B_g`` the operands `cast_columns` wrote (``(q, scales)`` each), dequantised
+    exactly (`dequantise_columns`). Reads the segment sizes ``sizes_g`` on the host (a sync); like
+    DeepGEMM's it checks ``sizes_host`` only for its count and sum."""
+    (q_a, scales_a), (q_b, scales_b) = a, b
+    sizes = sizes_g.tolist()
+    if len(sizes_host) != len(sizes) or sum(sizes_host) * scales_a.shape[0] != q_a.numel():
+        raise ValueError(f"sizes_host must have one entry per group ({len(sizes)}) and sum to the operands' "
+                         f"rows ({q_a.numel() // scales_a.shape[0]}), got {list(sizes_host)}")
+    pairs = zip(dequantise_columns(q_a, scales_a, sizes, torch.float32),
+                dequantise_columns(q_b, scales_b, sizes, torch.float32), strict=True)
+    for g, (a_km, b_kn) in enumerate(pairs):
+        d_gmn[g] = c_gmn[g] + a_km.t() @ b_kn
 
 
 FORWARD_ONLY = "experts kept FP8 (expert_weights='fp8') run forward only: no master weights to train"

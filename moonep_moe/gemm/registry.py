@@ -148,19 +148,24 @@ def fp8_kernel(device: torch.device) -> str:
 
 
 def fp8_grouped_gemm(wgrad: GroupedGemm, device: torch.device, dtype: torch.dtype, token_padding: int | None,
-                     rank: int = 0) -> Fp8GroupedGemm:
-    """The FP8 backend of a ``precision="fp8"`` layer, its weight gradients on ``wgrad`` (bf16).
+                     rank: int = 0, fp8_wgrad: bool = False) -> Fp8GroupedGemm:
+    """The FP8 backend of a ``precision="fp8"`` layer, its weight gradients on ``wgrad`` (bf16), or with
+    ``fp8_wgrad`` as FP8 GEMMs on DeepGEMM.
 
     Raises:
-        ValueError naming ``precision`` (and the rank) when FP8 cannot run here.
+        ValueError naming ``precision`` or ``fp8_wgrad`` (and the rank) when FP8 cannot run here.
     """
     reason = fp8_unsupported_reason(device, dtype, token_padding)
     if reason is not None:
         raise ValueError(f"precision='fp8' cannot run here (rank {rank}): {reason}; use precision='bf16'")
     kernel = fp8_kernel(device)
+    if fp8_wgrad and kernel != "deep_gemm":
+        raise ValueError(f"fp8_wgrad=True cannot run here (rank {rank}): it needs DeepGEMM's sm90 FP8 "
+                         f"GEMMs, and the FP8 GEMM here is the {kernel!r} one (DeepGEMM not installed, or "
+                         "not an sm90 GPU); use fp8_wgrad=False")
     if kernel == "triton":
         _warn_triton_training()
-    return Fp8GroupedGemm(wgrad, kernel)
+    return Fp8GroupedGemm(wgrad, kernel, fp8_wgrad)
 
 
 @functools.cache

@@ -335,7 +335,7 @@ class MoonEPMoELayer(nn.Module):
         gemm = select_grouped_gemm(config.grouped_gemm, device, dtype, k=math.gcd(h, f),
                                    token_padding=config.token_padding, problem=problem, world=world)
         if config.precision == "fp8":  # fwd and dgrad in FP8; the backend selected above keeps wgrad
-            gemm = fp8_grouped_gemm(gemm, device, dtype, config.token_padding, world.rank)
+            gemm = fp8_grouped_gemm(gemm, device, dtype, config.token_padding, world.rank, config.fp8_wgrad)
         self._state = ExpertsState(self.buffer, self.experts, gemm, main_grad, config.fp8_dispatch)
 
     def _release_comm(self) -> None:

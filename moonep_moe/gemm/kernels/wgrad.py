@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moonep_moe.base.interpreter import INTERPRETED
+from moonep_moe.base.interpreter import INTERPRETED, launching
 
 SWIZZLE = 8
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -212,3 +212,34 @@ def _tune_overwriting(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor, o
     _launch(dy, x, offs_g, scratch0, scratch1, groups, min(groups, _TUNING_GROUPS - 1), first_group,
             accumulate=False, zeroed_groups=offs_g.numel())
     _TUNED.add(key)
+
+
+@triton.jit
+def _wgrad_zero_filled_kernel(out_ptr, offs_ptr, first_group, numel, BLOCK: tl.constexpr):
+    group, program = tl.program_id(0), tl.program_id(1)
+    at = first_group + group
+    start = tl.load(offs_ptr + at - 1, mask=at > 0, other=0)
+    if tl.load(offs_ptr + at) > start:  # an empty segment's matrix keeps what it holds
+        base = group.to(tl.int64) * numel
+        for chunk in tl.range(program * BLOCK, numel, tl.num_programs(1) * BLOCK):
+            i = chunk + tl.arange(0, BLOCK)
+            tl.store(out_ptr + base + i, tl.zeros([BLOCK], out_ptr.dtype.element_ty), mask=i < numel)
+
+
+ZERO_BLOCK = 2048
+"""Elements a `zero_filled_groups` program clears per step of its loop."""
+
+
+def zero_filled_groups(out_gmn: torch.Tensor, offs_g: torch.Tensor, first_group: int = 0) -> None:
+    """Zero the matrices of ``out [g, cols, inner]`` (contiguous; groups ``first_group..`` of ``offs_g``)
+    whose segment has rows, read on the device (no host read); the others keep what they hold. What an
+    overwrite of gradients costs where the GEMM can only add (DeepGEMM's sm90 k-grouped FP8 kernel): the
+    used prefetch slots are cleared, not the whole slot pool."""
+    groups, numel = out_gmn.shape[0], out_gmn[0].numel() if out_gmn.shape[0] else 0
+    if not out_gmn.is_contiguous():
+        raise ValueError(f"out must be contiguous, got strides {out_gmn.stride()}")
+    if groups and numel:
+        grid = (groups, min(triton.cdiv(numel, ZERO_BLOCK), 1024))
+        with launching():
+            _wgrad_zero_filled_kernel[grid](out_gmn, offs_g, first_group, numel, BLOCK=ZERO_BLOCK,
+                                            num_warps=4)
