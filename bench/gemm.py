@@ -34,8 +34,9 @@ Backends: torch, deep_gemm (fwd/dgrad; wgrad on torch), triton (wgrad on the Tri
 torch), auto (each op and shape on the backend measured fastest, as the layer's "auto" picks it; the
 picks are printed and recorded), fp8 (`moonep_moe.gemm.fp8.Fp8GroupedGemm`, what a `precision="fp8"`
 layer runs: fwd and dgrad on DeepGEMM's FP8 GEMMs where it runs, wgrad in bf16 on auto's pick) and
-fp8_triton (the same on the package's Triton FP8 GEMM, what runs where DeepGEMM cannot; not in the
-default list: `--backends auto fp8 fp8_triton`).
+fp8_wgrad (the same with `fp8_wgrad`: wgrad as FP8 GEMMs on DeepGEMM's k-grouped kernel, into the fp32
+gradients) and fp8_triton (the fp8 one on the package's Triton FP8 GEMM, what runs where DeepGEMM cannot);
+neither is in the default list: `--backends auto fp8 fp8_wgrad fp8_triton`.
 
 The fp8 row (targets `FP8_TARGETS`: fwd and dgrad >= 1.7x the dense bf16 rate, wgrad and
 the block as for bf16) takes bf16 activations and bf16 weights as a training layer does, so its fwd and
@@ -163,14 +164,16 @@ def fp32_grads(parts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
 
 def make_gemm(backend: str, k: int, problem: GemmProblem | None):
     """The grouped GEMM a layer with `grouped_gemm=backend` runs (bf16); "fp8": a `precision="fp8"` layer's
-    (FP8 fwd and dgrad on the kernel it picks, wgrad on auto's pick); "fp8_triton": the same on the Triton
-    FP8 GEMM, what runs where DeepGEMM cannot. Raises ValueError where it cannot run here."""
+    (FP8 fwd and dgrad on the kernel it picks, wgrad on auto's pick); "fp8_wgrad": the same with
+    `fp8_wgrad` (wgrad as FP8 GEMMs on DeepGEMM); "fp8_triton": the fp8 one on the Triton FP8 GEMM, what
+    runs where DeepGEMM cannot. Raises ValueError where it cannot run here."""
     cuda = torch.device("cuda")
     if not backend.startswith("fp8"):
         return select_grouped_gemm(backend, cuda, torch.bfloat16, k=k, token_padding=PAD, problem=problem)
     wgrad = select_grouped_gemm("auto", cuda, torch.bfloat16, k=k, token_padding=PAD, problem=problem)
-    gemm = fp8_grouped_gemm(wgrad, cuda, torch.bfloat16, PAD)
-    return gemm if backend == "fp8" else Fp8GroupedGemm(wgrad, kernel=backend.removeprefix("fp8_"))
+    if backend in ("fp8", "fp8_wgrad"):
+        return fp8_grouped_gemm(wgrad, cuda, torch.bfloat16, PAD, fp8_wgrad=backend == "fp8_wgrad")
+    return Fp8GroupedGemm(wgrad, kernel=backend.removeprefix("fp8_"))
 
 
 def unavailable(backend: str) -> str | None:

@@ -270,7 +270,7 @@ class Fp8GroupedGemm:
         else:
             raise ValueError(f"kernel must be one of {FP8_KERNELS}, got {kernel!r}")
         self.kernel = kernel
-        self.name = "fp8" if kernel == "deep_gemm" else f"fp8_{kernel}"
+        self.name = "fp8_wgrad" if fp8_wgrad else "fp8" if kernel == "deep_gemm" else f"fp8_{kernel}"
         self._cast_rows, self._dequantise_rows = cast_rows, dequantise_rows
         self._wgrad = Fp8WeightGradient() if fp8_wgrad else wgrad
         self.ops = ("fwd", "dgrad", "wgrad") if fp8_wgrad else ("fwd", "dgrad")
