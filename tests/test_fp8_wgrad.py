@@ -20,6 +20,7 @@ from test_plan_kernel import KERNEL_DEVICE
 
 from moonep_moe.config import MoEConfig
 from moonep_moe.fp8.format import BLOCK, dequantise_columns, quantise_columns
+from moonep_moe.gemm import fp8
 from moonep_moe.gemm.deep_gemm import K_ALIGN, standin_sizes
 from moonep_moe.gemm.fp8 import Fp8WeightGradient, k_grouped_fp8_reference
 
@@ -110,11 +111,15 @@ def reference_wgrad() -> Fp8WeightGradient:
     return Fp8WeightGradient(kernel=k_grouped_fp8_reference)
 
 
+@pytest.mark.parametrize("temporary", ["whole", "a group per call"])
 @pytest.mark.parametrize("case", list(SEGMENTS))
-def test_fp8_weight_gradient_parts_and_modes_within_the_format_bound(case):
+def test_fp8_weight_gradient_parts_and_modes_within_the_format_bound(case, temporary, monkeypatch):
     """Home gradients made fresh in bf16 (a None part), then added into (a bf16 `.grad`), and fp32 slot
     gradients overwritten: each within `wgrad_bound` of the float64 product of the bf16 operands; an empty
-    slot keeps what it held (an unused slot); the home part of an empty segment is zero when made fresh."""
+    slot keeps what it held (an unused slot); the home part of an empty segment is zero when made fresh.
+    The bf16 parts' fp32 temporaries whole, or one group at a time (as a large layer's are)."""
+    if temporary != "whole":
+        monkeypatch.setattr(fp8, "TEMPORARY_BYTES", 1)
     sizes, (cols, inner) = SEGMENTS[case], (96, 80)
     dev, gen = torch.device(KERNEL_DEVICE), torch.Generator().manual_seed(len(case))
     rows = sum(sizes) + 128

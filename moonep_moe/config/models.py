@@ -309,8 +309,8 @@ class MoEConfig(CommConfig):
             "With precision='fp8': the experts' weight gradients as FP8 GEMMs too (DeepGEMM's sm90 k-grouped "
             "FP8 kernel, fp32 accumulation promoted every 128 rows): dy and x are cast per column per 128 "
             "rows of their segment (e4m3, power-of-two fp32 scales), into an fp32 gradient (`main_grad`, "
-            "the slot gradients) or through an fp32 temporary of the gradient's size (bf16 `param` "
-            "gradients). Each operand's e4m3 rounding (2^-4 of a value) enters the gradient, as in "
+            "the slot gradients) or through fp32 temporaries of at most 1 GiB (bf16 `param` gradients). "
+            "Each operand's e4m3 rounding (2^-4 of a value) enters the gradient, as in "
             "DeepSeek-V3's FP8 training. Default False (bf16 wgrad). Needs precision='fp8' and DeepGEMM on "
             "an sm90 GPU."
         ),

@@ -324,6 +324,10 @@ class Fp8GroupedGemm:
         return self._wgrad.wgrad(dy, x, offs_g, out, accumulate)
 
 
+TEMPORARY_BYTES = 1 << 30
+"""The most `Fp8WeightGradient` allocates at once for an fp32 temporary of a gradient that is not fp32."""
+
+
 class Fp8WeightGradient:
     """``dW[g] (+)= dy_g^T x_g`` as FP8 GEMMs: `GroupedGemm.wgrad`, what `Fp8GroupedGemm` runs with
     ``fp8_wgrad``.
@@ -336,7 +340,7 @@ class Fp8WeightGradient:
     fixed stand-in (`deep_gemm.standin_sizes`), so there is no host read. fp32 parts (``main_grad``, the
     slot gradients) are added into, or to overwrite, their groups with rows are zeroed first
     (`zero_filled_groups`: unused slots stay as they are); other parts (a fresh or accumulated bf16 home
-    gradient) go through an fp32 temporary of their size, rounded once.
+    gradient) go through fp32 temporaries, a run of groups at a time (`TEMPORARY_BYTES`), rounded once.
 
     ``kernel``: the GEMM, called as DeepGEMM's (``kernel((q_a, scales_a), (q_b, scales_b), d, sizes_host,
     sizes_g, c)``); the default imports DeepGEMM. Segments must be multiples of 128 rows (``token_padding``
@@ -364,24 +368,34 @@ class Fp8WeightGradient:
     def _part(self, dy: Tensor, x: Tensor, offs_g: Tensor, first: int, last: int, out_gmn: Tensor,
               accumulate: bool, slots: bool) -> None:
         """Groups ``[first, last)`` of ``offs_g`` into ``out [last - first, cols, inner]``; ``slots``: the
-        prefetch slots', whose empty groups (unused slots) an overwrite leaves as they are."""
+        prefetch slots', whose empty groups (unused slots) an overwrite leaves as they are. A part that is
+        not contiguous fp32 goes through fp32 temporaries of at most `TEMPORARY_BYTES` (one call per run of
+        groups that fit: a DeepSeek-V3 layer's bf16 gate_up gradient at EP=1 would need 28 GiB at once)."""
         if out_gmn.dtype == torch.float32 and out_gmn.is_contiguous():
-            d_gmn = out_gmn
             if not accumulate and slots:
-                self._zero(d_gmn, offs_g, first)
+                self._zero(out_gmn, offs_g, first)
             elif not accumulate:
-                d_gmn.zero_()
-        else:
-            d_gmn = (out_gmn.to(torch.float32, memory_format=torch.contiguous_format) if accumulate
-                     else torch.zeros(out_gmn.shape, device=out_gmn.device))
+                out_gmn.zero_()
+            self._call(dy, x, offs_g, first, last, out_gmn)
+            return
+        per_call = max(1, TEMPORARY_BYTES // (out_gmn[0].numel() * 4))
+        for lo in range(first, last, per_call):
+            hi = min(lo + per_call, last)
+            out_part = out_gmn[lo - first:hi - first]
+            d_gmn = (out_part.to(torch.float32, memory_format=torch.contiguous_format) if accumulate
+                     else torch.zeros(out_part.shape, device=out_part.device))
+            self._call(dy, x, offs_g, lo, hi, d_gmn)
+            out_part.copy_(d_gmn)
+
+    def _call(self, dy: Tensor, x: Tensor, offs_g: Tensor, first: int, last: int, d_gmn: Tensor) -> None:
+        """``d [last - first, cols, inner]`` (contiguous fp32) += the FP8 products of segments
+        ``[first, last)``: both operands cast, one kernel call."""
         q_a, scales_a = self._cast(dy, offs_g, first, last)
         q_b, scales_b = self._cast(x, offs_g, first, last)
         start = offs_g[first - 1:first] if first else offs_g.new_zeros(1)
         sizes_g = torch.diff(offs_g[first:last], prepend=start)
         self._kernel((q_a, scales_a), (q_b, scales_b), d_gmn,
                      standin_sizes(last - first, q_a.numel() // dy.shape[1]), sizes_g, d_gmn)
-        if d_gmn is not out_gmn:
-            out_gmn.copy_(d_gmn)
 
 
 def k_grouped_fp8_reference(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], d_gmn: Tensor,
