@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.dense import dense_step
@@ -155,6 +157,39 @@ def test_invalid_routes_and_fewer_tokens_than_capacity(R):
     for g, mask in zip(got, p.masks, strict=True):
         assert torch.all(g["out"][~mask] == 0)
     assert int(got[0]["rank_load"].sum()) == R * (cfg.max_tokens_per_rank - 13 - 7) * cfg.top_k
+
+
+@settings(max_examples=16, deadline=None)
+@given(st.data())
+def test_any_valid_config_matches_dense(data):
+    """Drawn configs (R ranks of 1-5 experts each, K, capacity, padding, every balance policy, both score
+    functions, group-limited routing, the slots, the routed scale) and inputs (fewer tokens than capacity,
+    masked tokens, expert-bias skew): every rank's output, input and router gradients and every expert's
+    weight gradient equal the dense float64 reference's."""
+    R = data.draw(st.sampled_from([1, 2, 3, 4, 6]), "R")
+    E = R * data.draw(st.integers(1, 5), "epn")
+    K = data.draw(st.integers(1, min(E, 6)), "K")
+    groups = [g for g in range(1, E + 1) if E % g == 0]
+    n_group = data.draw(st.sampled_from(groups), "n_group")
+    topk_group = data.draw(st.integers(1, n_group), "topk_group")
+    if topk_group * (E // n_group) < K:
+        n_group = topk_group = 1
+    S = data.draw(st.integers(1, 40), "S")
+    router = dict(dtype="float64", expert_bias=True, n_group=n_group, topk_group=topk_group,
+                  score_function=data.draw(st.sampled_from(["softmax", "sigmoid"]), "score"),
+                  renormalize=data.draw(st.booleans(), "renormalize"),
+                  routed_scaling_factor=data.draw(st.sampled_from([1.0, 2.5]), "scale"))
+    fields = dict(num_experts=E, top_k=K, max_tokens_per_rank=S, router=router,
+                  token_padding=data.draw(st.sampled_from([1, 4, 8, 16]), "tp"),
+                  balance=data.draw(st.sampled_from(["exact", "cost_aware", "off"]), "balance"))
+    if R > 1:
+        fields["num_prefetch_slots"] = data.draw(st.sampled_from([0, 1, E // R]), "B")
+    tokens = data.draw(st.integers(1, S), "tokens")
+    padding = data.draw(st.integers(0, tokens), "padding")
+    problem = make_problem(make_config(R, **fields), seed=data.draw(st.integers(0, 2**16), "seed"),
+                           skew=data.draw(st.sampled_from([0.0, 3.0, 100.0]), "skew"), tokens=tokens,
+                           padding=padding)
+    assert_matches_dense(problem)
 
 
 @pytest.mark.gpu
