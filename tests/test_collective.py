@@ -11,6 +11,7 @@ module-scoped fixture; results come back through files. Every wait is bounded.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 import re
@@ -285,6 +286,21 @@ def test_heartbeat_stop_waits_for_a_store_request_in_flight():
     assert store.in_flight.wait(timeout=10), "the heartbeat thread never asked the store"
     heartbeat.stop()
     assert not heartbeat._thread.is_alive() and not store.in_flight.is_set()
+
+
+def test_heartbeat_stop_warns_when_a_store_request_outlasts_the_store_timeout():
+    """A store request stuck past the store's own timeout (a wedged store host) does not hold `stop` for
+    ever: it returns after the timeout and says the process may abort at exit."""
+    store = SlowStore(seconds=16 * HEARTBEAT_S)
+    store.set_timeout(datetime.timedelta(seconds=HEARTBEAT_S))
+    heartbeat = Heartbeat(store, rank=3)
+    heartbeat._thread.start()
+    assert store.in_flight.wait(timeout=10), "the heartbeat thread never asked the store"
+    started = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="rank 3: fail_fast's heartbeat thread is still inside a store"):
+        heartbeat.stop()
+    assert time.monotonic() - started < 8 * HEARTBEAT_S
+    heartbeat._thread.join()  # the slow request ends on its own (a Python sleep here)
 
 
 def test_collective_world_needs_an_initialised_process_group():
