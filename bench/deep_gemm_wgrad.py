@@ -31,7 +31,7 @@ import itertools
 import torch
 
 from bench.common import measure_limits, spread, timings, write_record
-from moonep_moe.gemm.deep_gemm import K_ALIGN as ALIGN
+from moonep_moe.base.sizes import BLOCK_TOKEN_PADDING as ALIGN
 from moonep_moe.gemm.deep_gemm import import_deep_gemm, standin_sizes
 from moonep_moe.gemm.kernels.wgrad import grouped_wgrad_triton
 

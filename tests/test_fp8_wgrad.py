@@ -18,10 +18,11 @@ import torch
 from test_fp8 import HALF_STEP, SUBNORMAL_HALF_STEP, bits, spread
 from test_plan_kernel import KERNEL_DEVICE
 
+from moonep_moe.base.sizes import BLOCK_TOKEN_PADDING
 from moonep_moe.config import MoEConfig
 from moonep_moe.fp8.format import BLOCK, dequantise_columns, quantise_columns
 from moonep_moe.gemm import fp8
-from moonep_moe.gemm.deep_gemm import K_ALIGN, standin_sizes
+from moonep_moe.gemm.deep_gemm import standin_sizes
 from moonep_moe.gemm.fp8 import Fp8WeightGradient, k_grouped_fp8_reference
 
 F64 = torch.float64
@@ -37,8 +38,9 @@ def ends_of(sizes: list[int], device=KERNEL_DEVICE) -> torch.Tensor:
 def test_standin_sizes_have_the_count_the_sum_and_the_alignment(groups, rows):
     sizes = standin_sizes(groups, rows)
     assert len(sizes) == groups and sum(sizes) == rows
-    assert all(size % K_ALIGN == 0 and size >= 0 for size in sizes)
-    assert max(sizes) - min(sizes) <= K_ALIGN  # dealt evenly: the largest (the config's input) near the mean
+    assert all(size % BLOCK_TOKEN_PADDING == 0 and size >= 0 for size in sizes)
+    assert max(sizes) - min(sizes) <= BLOCK_TOKEN_PADDING  # dealt evenly: the largest (the config's input)
+    # near the mean
 
 
 def test_quantise_columns_error_within_half_an_e4m3_step():

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from moonep_moe.base.sizes import BLOCK_TOKEN_PADDING
 from moonep_moe.gemm.base import _cat_groups, _check_groups
 from moonep_moe.gemm.torch_native import TorchGroupedGemm
 
@@ -27,20 +28,17 @@ def import_deep_gemm():
     return deep_gemm
 
 
-K_ALIGN = 128
-"""DeepGEMM's sm90 k-grouped kernels take segments of a multiple of this many rows."""
-
-
 def standin_sizes(groups: int, rows: int) -> list[int]:
     """A host list for DeepGEMM's sm90 k-grouped kernels (bf16 and FP8) in place of the segment sizes, which
-    live on the device: `groups` multiples of `K_ALIGN` summing to `rows` (the operands' row capacity, itself
-    a multiple), the blocks dealt evenly. Those kernels read each segment's size from the device tensor
-    (their scheduler, and the FP8 kernel's per-segment TMA descriptors, rewritten on the device before each
-    segment's first load); the host list sets only the group count, the operands' extent (its sum), the
-    first descriptor before that rewrite and the config (its largest entry), so a list of the right count
-    and sum gives the true list's results, bit for bit (`bench.deep_gemm_wgrad`, the GPU tests)."""
-    blocks, extra = divmod(rows // K_ALIGN, groups)
-    return [(blocks + (g < extra)) * K_ALIGN for g in range(groups)]
+    live on the device: `groups` multiples of `BLOCK_TOKEN_PADDING` (their segment alignment) summing to
+    `rows` (the operands' row capacity, itself a multiple), the blocks dealt evenly. Those kernels read each
+    segment's size from the device tensor (their scheduler, and the FP8 kernel's per-segment TMA
+    descriptors, rewritten on the device before each segment's first load); the host list sets only the
+    group count, the operands' extent (its sum), the first descriptor before that rewrite and the config
+    (its largest entry), so a list of the right count and sum gives the true list's results, bit for bit
+    (`bench.deep_gemm_wgrad`, the GPU tests)."""
+    blocks, extra = divmod(rows // BLOCK_TOKEN_PADDING, groups)
+    return [(blocks + (g < extra)) * BLOCK_TOKEN_PADDING for g in range(groups)]
 
 
 class DeepGemmGroupedGemm:
