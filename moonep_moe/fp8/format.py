@@ -164,12 +164,10 @@ def quantise_columns(x_mk: Tensor, sizes: Sequence[int]) -> tuple[Tensor, Tensor
     q = torch.zeros(rows * cols, dtype=FP8_DTYPE, device=x_mk.device)
     scales = torch.zeros(cols, rows // BLOCK, dtype=torch.float32, device=x_mk.device)
     start = 0
-    for size in sizes:
-        blocks = x_mk[start:start + size].to(torch.float32).view(size // BLOCK, BLOCK, cols)
-        scales_bc = pow2_scales(blocks.abs().amax(1))
-        q_kc = (blocks / scales_bc[:, None]).to(FP8_DTYPE).view(size, cols)
-        as_bytes(q)[start * cols:(start + size) * cols] = as_bytes(q_kc.t().contiguous()).flatten()
-        scales[:, start // BLOCK:(start + size) // BLOCK] = scales_bc.t()
+    for size in sizes:  # a group's transpose cast as rows: one scale per column per 128 of the group's rows
+        q_ck, scales_ck = quantise_rows(x_mk[start:start + size].t())
+        as_bytes(q)[start * cols:(start + size) * cols] = as_bytes(q_ck).flatten()
+        scales[:, start // BLOCK:(start + size) // BLOCK] = scales_ck
         start += size
     return q, scales
 
@@ -181,7 +179,6 @@ def dequantise_columns(q: Tensor, scales_cb: Tensor, sizes: Sequence[int],
     cols, start, groups = scales_cb.shape[0], 0, []
     for size in sizes:
         q_ck = q[start * cols:(start + size) * cols].view(cols, size)
-        full_ck = scales_cb[:, start // BLOCK:(start + size) // BLOCK].to(dtype).repeat_interleave(BLOCK, 1)
-        groups.append((q_ck.to(dtype) * full_ck).t())
+        groups.append(dequantise_rows(q_ck, scales_cb[:, start // BLOCK:(start + size) // BLOCK], dtype).t())
         start += size
     return groups
