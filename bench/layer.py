@@ -651,6 +651,8 @@ def run_all_ours(bench: Bench, shapes: dict, variants: list[dict], profiles: dic
             what = f"{cfg.precision}, {what}"
         if micro_batches > 1:
             what = f"{what}, {micro_batches} micro-batches"
+        if cfg.fp8_wgrad:
+            what = f"{what}, fp8 wgrad"
         if cfg.fp8_dispatch:
             what = f"{what}, fp8 dispatch"
         name = f"moonep DEFAULT ({what})" if not fields else f"moonep ({what})"
