@@ -826,14 +826,13 @@ MICRO_BATCHES = "micro_batches"
 (gradient accumulation; `step`), its time reported per micro-batch."""
 PER_STEP = 4
 """--fp8's micro-batches per optimizer step for its per-step rows (as FP8 training runs accumulate)."""
-FP8_WGRAD = {**FP8_SETTINGS, "fp8_wgrad": True, MICRO_BATCHES: PER_STEP}
+FP8_MAIN_GRAD = {**FP8_SETTINGS, "expert_grad_dtype": "main_grad", MICRO_BATCHES: PER_STEP}
 FP8_VARIANTS = [FP8_SETTINGS, {MICRO_BATCHES: PER_STEP}, {**FP8_SETTINGS, MICRO_BATCHES: PER_STEP},
-                FP8_WGRAD, {**FP8_WGRAD, "expert_grad_dtype": "main_grad"},
-                {**FP8_SETTINGS, "fp8_dispatch": True}]
+                FP8_MAIN_GRAD, {**FP8_MAIN_GRAD, "fp8_wgrad": True}, {**FP8_SETTINGS, "fp8_dispatch": True}]
 """--fp8's rows: the fp8 layer; our bf16 DEFAULT and the fp8 layer with `PER_STEP` micro-batches per
-optimizer step (the fp8 layer's weight casts paid once per step: `Fp8WeightCache`), also with FP8 weight
-gradients (`MoEConfig.fp8_wgrad`), in the default gradient mode and in `main_grad` (where they add into the
-fp32 gradients directly); the fp8 layer dispatching its tokens as FP8 (`MoEConfig.fp8_dispatch`)."""
+optimizer step (the fp8 layer's weight casts paid once per step: `Fp8WeightCache`), in the default gradient
+mode and in `main_grad`, there without and with FP8 weight gradients (`MoEConfig.fp8_wgrad`, which adds into
+the fp32 `main_grad`); the fp8 layer dispatching its tokens as FP8 (`MoEConfig.fp8_dispatch`)."""
 
 FP8_LAYER_TARGETS = (  # (what, op, bound): on the fp8 row of one micro-batch per optimizer step
     ("fp8 speed vs our bf16", ">=", 1.6),

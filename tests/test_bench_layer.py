@@ -417,13 +417,13 @@ def test_table_variants_default_to_none_for_several_tables():
 
 def test_fp8_rows_come_right_after_default_with_precision_fp8_and_padding_128():
     """The fp8 row, then the DEFAULT config and the fp8 one with `PER_STEP` micro-batches per optimizer step
-    (`MICRO_BATCHES`, not a config field), the latter also with FP8 weight gradients (param and main_grad),
-    then the fp8 one with its tokens dispatched as FP8."""
+    (`MICRO_BATCHES`, not a config field), the latter also in main_grad, without and with FP8 weight
+    gradients, then the fp8 one with its tokens dispatched as FP8."""
     one = variant_settings(["auto", "triton", "torch", "deep_gemm"], ["auto"], [])
     per_step = {**FP8_SETTINGS, MICRO_BATCHES: PER_STEP}
-    fp8_rows = [FP8_SETTINGS, {MICRO_BATCHES: PER_STEP}, per_step, {**per_step, "fp8_wgrad": True},
-                {**per_step, "fp8_wgrad": True, "expert_grad_dtype": "main_grad"},
-                {**FP8_SETTINGS, "fp8_dispatch": True}]
+    main_grad = {**per_step, "expert_grad_dtype": "main_grad"}
+    fp8_rows = [FP8_SETTINGS, {MICRO_BATCHES: PER_STEP}, per_step, main_grad,
+                {**main_grad, "fp8_wgrad": True}, {**FP8_SETTINGS, "fp8_dispatch": True}]
     assert table_variants(None, None, [], tables=1, fp8=True) == [*fp8_rows, *one]
     assert table_variants([], [], [], tables=1, fp8=True) == fp8_rows, "--backends --main-grad-backends"
     assert table_variants(None, None, [], tables=5, fp8=True) == fp8_rows
@@ -450,6 +450,12 @@ def test_per_step_rows_run_their_config_with_micro_batches(monkeypatch):
     (bf16_cfg, bf16_name, bf16_default, four), (fp8_step_cfg, fp8_name, fp8_step_default, fp8_four) = \
         calls[2:]
     assert (one, fp8_one, four, fp8_four) == (1, 1, PER_STEP, PER_STEP)
+    calls.clear()
+    list(layer_bench.run_all_ours(None, shapes, layer_bench.FP8_VARIANTS, None))
+    names = [name for _, name, _, _ in calls]
+    assert len(calls) == 1 + len(layer_bench.FP8_VARIANTS) and len(set(names)) == len(names), \
+        f"every fp8 row runs under a name of its own (profiles are keyed by it): {names}"
+    assert sum("fp8 wgrad" in name for name in names) == 1
     assert (first, fp8_default, bf16_default, fp8_step_default) == (True, False, True, False)
     assert bf16_cfg == default_cfg and fp8_step_cfg == fp8_cfg and fp8_cfg.precision == "fp8"
     assert bf16_name.startswith("moonep DEFAULT") and fp8_name.endswith(f"{PER_STEP} micro-batches)")

@@ -308,11 +308,14 @@ class MoEConfig(CommConfig):
         description=(
             "With precision='fp8': the experts' weight gradients as FP8 GEMMs too (DeepGEMM's sm90 k-grouped "
             "FP8 kernel, fp32 accumulation promoted every 128 rows): dy and x are cast per column per 128 "
-            "rows of their segment (e4m3, power-of-two fp32 scales), into an fp32 gradient (`main_grad`, "
-            "the slot gradients) or through fp32 temporaries of at most 1 GiB (bf16 `param` gradients). "
-            "Each operand's e4m3 rounding (2^-4 of a value) enters the gradient, as in "
-            "DeepSeek-V3's FP8 training. Default False (bf16 wgrad). Needs precision='fp8' and DeepGEMM on "
-            "an sm90 GPU."
+            "rows of their segment (e4m3, power-of-two fp32 scales), added into the fp32 gradients "
+            "(`main_grad`, the slot gradients). Each operand's e4m3 rounding (2^-4 of a value) enters the "
+            "gradient, as in DeepSeek-V3's FP8 training. It pays where each expert has many rows: on one "
+            "H200, at one DeepSeek-V3 EP=8 rank (about 2048 rows an expert) it was the fastest FP8 step, "
+            "at EP=1 (256 rows an expert, where the fp32 gradient traffic outweighs the GEMM) slower than "
+            "bf16 wgrad. Default False (bf16 wgrad). Needs precision='fp8', expert_grad_dtype='main_grad' "
+            "(into bf16 `param` gradients the kernel's fp32 sums need a temporary each way, which made the "
+            "step slower than bf16 wgrad) and DeepGEMM on an sm90 GPU."
         ),
     )
     expert_weights: Literal["bf16", "fp8"] = Field(
@@ -386,10 +389,13 @@ class MoEConfig(CommConfig):
                              f"got dtype={self.dtype!r}, token_padding={self.token_padding}")
         if self.fp8_dispatch and self.precision != "fp8":
             raise ValueError(f"fp8_dispatch=True needs precision='fp8', got precision={self.precision!r}")
-        if self.fp8_wgrad and (self.precision != "fp8" or self.expert_weights == "fp8"):
-            raise ValueError(f"fp8_wgrad=True needs precision='fp8' and trainable experts "
-                             f"(expert_weights='bf16'), got precision={self.precision!r}, "
-                             f"expert_weights={self.expert_weights!r}")
+        if self.fp8_wgrad and (self.precision != "fp8" or self.expert_weights == "fp8"
+                               or self.expert_grad_dtype != "main_grad"):
+            raise ValueError(f"fp8_wgrad=True needs precision='fp8', trainable experts "
+                             f"(expert_weights='bf16') and expert_grad_dtype='main_grad' (fp32 gradients it "
+                             f"adds into), got "
+                             f"precision={self.precision!r}, expert_weights={self.expert_weights!r}, "
+                             f"expert_grad_dtype={self.expert_grad_dtype!r}")
         if self.expert_weights == "fp8":
             self._check_fp8_weights()
         return self

@@ -324,10 +324,6 @@ class Fp8GroupedGemm:
         return self._wgrad.wgrad(dy, x, offs_g, out, accumulate)
 
 
-TEMPORARY_BYTES = 1 << 30
-"""The most `Fp8WeightGradient` allocates at once for an fp32 temporary of a gradient that is not fp32."""
-
-
 class Fp8WeightGradient:
     """``dW[g] (+)= dy_g^T x_g`` as FP8 GEMMs: `GroupedGemm.wgrad`, what `Fp8GroupedGemm` runs with
     ``fp8_wgrad``.
@@ -339,8 +335,9 @@ class Fp8WeightGradient:
     each 128-row step's tensor-core sum to fp32. It reads the segment sizes on the device; its host list is a
     fixed stand-in (`deep_gemm.standin_sizes`), so there is no host read. fp32 parts (``main_grad``, the
     slot gradients) are added into, or to overwrite, their groups with rows are zeroed first
-    (`zero_filled_groups`: unused slots stay as they are); other parts (a fresh or accumulated bf16 home
-    gradient) go through fp32 temporaries, a run of groups at a time (`TEMPORARY_BYTES`), rounded once.
+    (`zero_filled_groups`: unused slots stay as they are). Every part must be contiguous fp32 (ValueError
+    otherwise): the kernel adds its fp32 products into ``d`` with a TMA reduce, so a bf16 gradient would need
+    an fp32 temporary each way, which cost more than FP8 saved (`MoEConfig.fp8_wgrad` needs ``main_grad``).
 
     ``kernel``: the GEMM, called as DeepGEMM's (``kernel((q_a, scales_a), (q_b, scales_b), d, sizes_host,
     sizes_g, c)``); the default imports DeepGEMM. Segments must be multiples of 128 rows (``token_padding``
@@ -357,6 +354,11 @@ class Fp8WeightGradient:
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
               accumulate: bool = True) -> list[Tensor]:
         parts = _wgrad_parts(dy, x, offs_g, out, accumulate)
+        for i, part in enumerate(parts):
+            if part.dtype != torch.float32 or not part.is_contiguous():
+                raise ValueError(f"Fp8WeightGradient adds into contiguous fp32 gradients (main_grad, the "
+                                 f"slots'), got out[{i}] of dtype {part.dtype}"
+                                 + ("" if part.is_contiguous() else ", not contiguous"))
         first = 0
         for i, part in enumerate(parts):
             last = first + part.shape[0]
@@ -367,25 +369,13 @@ class Fp8WeightGradient:
 
     def _part(self, dy: Tensor, x: Tensor, offs_g: Tensor, first: int, last: int, out_gmn: Tensor,
               accumulate: bool, slots: bool) -> None:
-        """Groups ``[first, last)`` of ``offs_g`` into ``out [last - first, cols, inner]``; ``slots``: the
-        prefetch slots', whose empty groups (unused slots) an overwrite leaves as they are. A part that is
-        not contiguous fp32 goes through fp32 temporaries of at most `TEMPORARY_BYTES` (one call per run of
-        groups that fit: a DeepSeek-V3 layer's bf16 gate_up gradient at EP=1 would need 28 GiB at once)."""
-        if out_gmn.dtype == torch.float32 and out_gmn.is_contiguous():
-            if not accumulate and slots:
-                self._zero(out_gmn, offs_g, first)
-            elif not accumulate:
-                out_gmn.zero_()
-            self._call(dy, x, offs_g, first, last, out_gmn)
-            return
-        per_call = max(1, TEMPORARY_BYTES // (out_gmn[0].numel() * 4))
-        for lo in range(first, last, per_call):
-            hi = min(lo + per_call, last)
-            out_part = out_gmn[lo - first:hi - first]
-            d_gmn = (out_part.to(torch.float32, memory_format=torch.contiguous_format) if accumulate
-                     else torch.zeros(out_part.shape, device=out_part.device))
-            self._call(dy, x, offs_g, lo, hi, d_gmn)
-            out_part.copy_(d_gmn)
+        """Groups ``[first, last)`` of ``offs_g`` into the fp32 ``out [last - first, cols, inner]``;
+        ``slots``: the prefetch slots', whose empty groups (unused slots) an overwrite leaves as they are."""
+        if not accumulate and slots:
+            self._zero(out_gmn, offs_g, first)
+        elif not accumulate:
+            out_gmn.zero_()
+        self._call(dy, x, offs_g, first, last, out_gmn)
 
     def _call(self, dy: Tensor, x: Tensor, offs_g: Tensor, first: int, last: int, d_gmn: Tensor) -> None:
         """``d [last - first, cols, inner]`` (contiguous fp32) += the FP8 products of segments
