@@ -52,9 +52,10 @@ accumulation, as FP8 training runs: each timed run is one optimizer step's micro
 per micro-batch; the fp8 layer casts its home weights in its first micro-batch and reuses the copies in
 the others, `Fp8WeightCache`; the kept copies count in its peak), the fp8 one checked against the bf16 one
 by `PER_STEP_FP8_TARGETS` (speed >= 1.4x; peak <= 1.5x at EP=1, <= 1.15x at one EP rank) under its own
-scope (`fp8_scope`), then the same with FP8 weight gradients (`fp8_wgrad`), in the default gradient mode
-and in `main_grad`; last, "tokens dispatched as FP8", the fp8 layer with `fp8_dispatch` (its tokens
-quantised before dispatch, the FP8 rows kept for backward), checked like the first fp8 row.
+scope (`fp8_scope`), then the same in `main_grad`, without and with FP8 weight gradients (`fp8_wgrad`,
+which adds into the fp32 `main_grad` only); last, "tokens dispatched as FP8", the fp8 layer with
+`fp8_dispatch` (its tokens quantised before dispatch, the FP8 rows kept for backward), checked like the
+first fp8 row.
 
 Every timed run starts as after an optimizer step (`optimizer_stepped`: each parameter's version moves, no
 kernel runs), so an fp8 layer casts its weights in every run, as it would in training.
