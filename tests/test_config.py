@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moonep_moe.apps.train import TrainSection, load_train_config
-from moonep_moe.base.sizes import align_up
+from moonep_moe.base.sizes import align_up, cdiv, next_power_of_2
 from moonep_moe.config import (
     CommConfig,
     MoEConfig,
@@ -403,6 +403,18 @@ def test_torch_dtypes():
 
 def test_align_up():
     assert [align_up(x, 8) for x in (0, 1, 8, 9)] == [0, 8, 8, 16]
+
+
+def test_host_launch_maths_equal_tritons():
+    """`cdiv` and `next_power_of_2`, the launch maths the kernels' wrappers do on the host without a Triton
+    call, give Triton's values (`next_power_of_2` of 0 is 1, where Triton's is 0: a block of 0 elements
+    cannot launch)."""
+    triton = pytest.importorskip("triton")
+    for n in range(1, 3000):
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 128, 4096):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+    assert (cdiv(0, 7), next_power_of_2(0), next_power_of_2(2**40 + 1)) == (0, 1, 2**41)
 
 
 def test_token_padding_defaults_to_16_and_to_128_for_deep_gemm():

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from moonep_moe.base.interpreter import INTERPRETED, launching
+from moonep_moe.base.sizes import cdiv, next_power_of_2
 from moonep_moe.fp8.format import FP8_DTYPE, MAX_BITS, MIN_AMAX, TILE, tma_aligned_rows
 
 HARDWARE_ROUNDING = not INTERPRETED
@@ -181,11 +182,11 @@ def cast_rows(x_mk: torch.Tensor, offs_g: torch.Tensor,
     rows, cols = x_mk.shape
     if x_mk.stride(1) != 1:
         raise ValueError(f"x must have contiguous rows (stride(1) == 1), got strides {x_mk.stride()}")
-    tiles, stride_s = triton.cdiv(cols, TILE), tma_aligned_rows(rows)
+    tiles, stride_s = cdiv(cols, TILE), tma_aligned_rows(rows)
     q_mk = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x_mk.device)
     scales = torch.empty(tiles * stride_s, dtype=torch.float32, device=x_mk.device)
     if rows and cols:
-        grid = (triton.cdiv(rows, BLOCK_ROWS), tiles)
+        grid = (cdiv(rows, BLOCK_ROWS), tiles)
         with launching():
             _cast_rows_kernel[grid](x_mk, q_mk, scales, offs_g, offs_g.numel() - 1, rows, cols,
                                     x_mk.stride(0), stride_s, BLOCK=BLOCK_ROWS, TILE=TILE,
@@ -210,14 +211,14 @@ def cast_columns(x_mk: torch.Tensor, offs_g: torch.Tensor, first_group: int, las
     if not 0 <= first_group <= last_group <= offs_g.numel():
         raise ValueError(f"need 0 <= first_group <= last_group <= {offs_g.numel()} segments, got "
                          f"{first_group} and {last_group}")
-    capacity, stride_s = triton.cdiv(rows, TILE) * TILE, tma_aligned_rows(cols)
+    capacity, stride_s = cdiv(rows, TILE) * TILE, tma_aligned_rows(cols)
     q = torch.empty(capacity * cols, dtype=FP8_DTYPE, device=x_mk.device)
     scales = torch.empty(capacity // TILE * stride_s, dtype=torch.float32, device=x_mk.device)
     if rows and cols and last_group > first_group:
-        grid = (capacity // TILE, triton.cdiv(cols, COLUMNS_TILE))
+        grid = (capacity // TILE, cdiv(cols, COLUMNS_TILE))
         with launching():
             _cast_columns_kernel[grid](x_mk, q, scales, offs_g, first_group, last_group, rows, cols,
-                                       x_mk.stride(0), stride_s, GROUPS_P=triton.next_power_of_2(last_group),
+                                       x_mk.stride(0), stride_s, GROUPS_P=next_power_of_2(last_group),
                                        BLOCK=TILE, TILE=COLUMNS_TILE, num_warps=num_warps,
                                        **_format_constants())
     return q, scales.as_strided((cols, capacity // TILE), (1, stride_s))
@@ -234,7 +235,7 @@ def cast_blocks(w_gnk: torch.Tensor, scales_out: torch.Tensor, q_out: torch.Tens
     `first_group + i`), the groups whose segment is empty are skipped, read on the device: no GEMM reads
     their weights, and their part of the outputs keeps what it holds."""
     groups, n, k = w_gnk.shape
-    grid = (groups, triton.cdiv(n, TILE), triton.cdiv(k, TILE))
+    grid = (groups, cdiv(n, TILE), cdiv(k, TILE))
     if q_out is None and qt_out is None:
         raise ValueError("cast_blocks needs q_out, qt_out or both")
     for out, shape, name in ((scales_out, grid, "scales_out"), (q_out, (groups, n, k), "q_out"),
@@ -262,14 +263,14 @@ def dequantise_rows(q_mk: torch.Tensor, scales_mk: torch.Tensor, offs_g: torch.T
     if q_mk.dtype != FP8_DTYPE or q_mk.stride(1) != 1:
         raise ValueError(f"q must be {FP8_DTYPE} rows with contiguous columns (stride(1) == 1), got "
                          f"{q_mk.dtype} with strides {q_mk.stride()}")
-    tiles = triton.cdiv(cols, TILE)
+    tiles = cdiv(cols, TILE)
     if tuple(scales_mk.shape) != (rows, tiles) or scales_mk.dtype != torch.float32:
         raise ValueError(f"scales must be float32 [{rows}, {tiles}], got {scales_mk.dtype} "
                          f"{list(scales_mk.shape)}")
     x_mk = torch.empty(rows, cols, dtype=dtype, device=q_mk.device)
     if rows and cols:
         with launching():
-            _dequantise_rows_kernel[(triton.cdiv(rows, BLOCK_ROWS), tiles)](
+            _dequantise_rows_kernel[(cdiv(rows, BLOCK_ROWS), tiles)](
                 q_mk, scales_mk, x_mk, offs_g, offs_g.numel() - 1, rows, cols, q_mk.stride(0),
                 *scales_mk.stride(), BLOCK=BLOCK_ROWS, TILE=TILE, num_warps=num_warps)
     return x_mk

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moonep_moe.base.sizes import next_power_of_2
+
 HISTOGRAM_ROUTES = 4096
 """Routes a program counting a histogram (`expert_histogram_triton`, a one-rank plan) reads a loop step."""
 
@@ -39,6 +41,6 @@ def expert_histogram_triton(topk_experts_sk: torch.Tensor, num_experts: int) -> 
     topk_n = topk_experts_sk.contiguous().view(-1)
     counts_e = torch.empty(num_experts, dtype=torch.int64, device=topk_n.device)
     _plan_histogram_kernel[(1,)](topk_n, topk_n.numel(), counts_e, E=num_experts,
-                                 E_P=triton.next_power_of_2(max(num_experts, 1)), ROUTES=HISTOGRAM_ROUTES,
+                                 E_P=next_power_of_2(max(num_experts, 1)), ROUTES=HISTOGRAM_ROUTES,
                                  num_warps=4)
     return counts_e

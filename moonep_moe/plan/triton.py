@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moonep_moe.base.sizes import cdiv, next_power_of_2
 from moonep_moe.plan.histogram import HISTOGRAM_ROUTES, count_routes
 from moonep_moe.plan.types import NO_ROUTE, MoonEPCommPlan
 
@@ -484,10 +485,6 @@ class PlanLaunch:
             SUB=c["SUB2"], NB_CHUNK=c["NB_CHUNK"], num_warps=c["destination_warps"])
 
 
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(n, 1))
-
-
 def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int, num_slots: int,
             token_padding: int, rows_per_rank: int, owner: int | None = None, replica_cost: int = 0,
             routes_per_block: int | None = None,
@@ -513,16 +510,16 @@ def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int
         raise ValueError(f"count_routes: only a one-rank group's plan counts its own routes; counts_re "
                          f"has {num_ranks} ranks")
     epn = num_experts // num_ranks
-    R_P, K_P, E_P = _pow2(num_ranks), _pow2(top_k), _pow2(num_experts)
-    W = max(R_P, _pow2(epn))
+    R_P, K_P, E_P = next_power_of_2(num_ranks), next_power_of_2(top_k), next_power_of_2(num_experts)
+    W = max(R_P, next_power_of_2(epn))
     SUB = max(1, (32 if plan_warps < 4 else 64) // K_P)
     if routes_per_block is None:
-        routes_per_block = min(ROUTES_PER_BLOCK, _pow2(triton.cdiv(num_tokens * K_P, BLOCKS)))
+        routes_per_block = min(ROUTES_PER_BLOCK, next_power_of_2(cdiv(num_tokens * K_P, BLOCKS)))
     TOK = max(SUB, routes_per_block // K_P)
-    num_blocks = max(1, triton.cdiv(num_tokens, TOK))
+    num_blocks = max(1, cdiv(num_tokens, TOK))
     threads, threads2 = 32 * plan_warps, 32 * destination_warps
     constants = dict(R=num_ranks, E=num_experts, B=num_slots, TP=token_padding, NVS=rows_per_rank, K=top_k,
-                     R_P=R_P, W=W, B_P=_pow2(num_slots), G_P=_pow2(epn + num_slots),
+                     R_P=R_P, W=W, B_P=next_power_of_2(num_slots), G_P=next_power_of_2(epn + num_slots),
                      DC=min(R_P, segment_ranks or max(1, 16 * threads // (R_P * W))), K_P=K_P, E_P=E_P,
                      TOK=TOK, SUB=SUB,
                      SUB2=min(TOK, max(1, 16 * threads2 // (R_P * K_P))),
@@ -539,7 +536,7 @@ def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int
     scratch = torch.empty(sum(sizes), dtype=torch.int32, device=device)
     views = {name: part.view(shape)
              for (name, shape), part in zip(shapes.items(), scratch.split(sizes), strict=True)}
-    dup_share = triton.cdiv(triton.cdiv(plan.dup_tables.numel(), num_blocks), ZERO_CHUNK) * ZERO_CHUNK
+    dup_share = cdiv(cdiv(plan.dup_tables.numel(), num_blocks), ZERO_CHUNK) * ZERO_CHUNK
     return PlanLaunch(counts_re=counts_re.to(device), topk_sk=topk_experts_sk.contiguous(), rank=rank,
                       replica_cost=replica_cost, constants=constants, num_blocks=num_blocks,
                       dup_share=dup_share, plan=plan, **views)

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from moonep_moe.base.interpreter import launching
+from moonep_moe.base.sizes import cdiv, next_power_of_2
 from moonep_moe.comm.kernels import common
 from moonep_moe.comm.kernels.common import TL_DTYPES, both, narrow, peer, widen
 from moonep_moe.transport.world import SymmetricTensor
@@ -29,8 +30,8 @@ def _slot_launch(numel: int, itemsize: int, items: int, device: torch.device) ->
     program for each access of every unused item too (a DeepSeek-V3 rank's gate_up slot is 7168 accesses of
     8 KB, the rank has 32 slots and a plan fills one or two of them), and those programs, each exiting at
     once, cost more than the copy they surround."""
-    block = min(triton.next_power_of_2(numel), SLOT_BLOCK_BYTES // itemsize)
-    chunks = triton.cdiv(numel, block)
+    block = min(next_power_of_2(numel), SLOT_BLOCK_BYTES // itemsize)
+    chunks = cdiv(numel, block)
     programs = common.device_programs(items * chunks, device, PROGRAMS_PER_SM)
     return programs, block, chunks, max(1, min(8, block * itemsize // 1024))
 

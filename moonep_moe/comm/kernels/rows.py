@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from moonep_moe.base.interpreter import launching
+from moonep_moe.base.sizes import cdiv, next_power_of_2
 from moonep_moe.comm.kernels import common
 from moonep_moe.comm.kernels.common import TL_DTYPES, base, both, narrow, pointer_tables, widen
 from moonep_moe.transport.world import SymmetricTensor
@@ -70,7 +71,7 @@ def _row_block(width: int, itemsize: int) -> tuple[int, int]:
     """(elements per program, warps) for rows of `width` elements: `ROW_BLOCK_BYTES` blocks at most, halved
     when that divides the row exactly, 16 bytes per thread and access, at most 8 warps (larger blocks give
     each thread several accesses in flight)."""
-    block = min(triton.next_power_of_2(width), ROW_BLOCK_BYTES // itemsize)
+    block = min(next_power_of_2(width), ROW_BLOCK_BYTES // itemsize)
     if width % block and width % (block // 2) == 0 and block >= 512:
         block //= 2
     return block, max(1, min(8, block * itemsize // 512))
@@ -79,7 +80,7 @@ def _row_block(width: int, itemsize: int) -> tuple[int, int]:
 def _group_programs(capacity: int, device: torch.device, num_sms: int | None) -> tuple[int, int]:
     """(programs, iterations) of a grid-stride loop over at most `capacity` items counted on the device."""
     programs = common.device_programs(capacity, device, 4, num_sms)
-    return programs, triton.cdiv(capacity, programs)
+    return programs, cdiv(capacity, programs)
 
 
 # -- device helpers ------------------------------------------------------------------------------------------
@@ -189,12 +190,12 @@ def send_routes(hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor | None, 
     block, warps = _row_block(width, hidden_sh.element_size())
     tables, one_rank = pointer_tables(rows, weights, pairs)
     with launching():
-        _send_routes_kernel[(num_tokens + pad_groups, triton.cdiv(width, block))](
+        _send_routes_kernel[(num_tokens + pad_groups, cdiv(width, block))](
             hidden_sh, route_weights_sk if route_weights_sk is not None else hidden_sh, dst_n, *tables,
             rows.local, weights.local, pairs.local, zero_fill_g2 if pad_groups else dst_n, num_tokens, width,
             rows.local.shape[0], pairs_offset, K=dst_n.numel() // max(num_tokens, 1),
             WEIGHTS=route_weights_sk is not None, RECORD=bool(record), ONE_RANK=one_rank,
-            PAD_TILE=min(16, triton.next_power_of_2(token_padding)), BLOCK_H=block, num_warps=warps)
+            PAD_TILE=min(16, next_power_of_2(token_padding)), BLOCK_H=block, num_warps=warps)
 
 
 RECORD_SLOTS = 2048
@@ -305,11 +306,11 @@ def record_duplicates(pairs_p2: torch.Tensor, marks_nvs: torch.Tensor, end_1: to
         dup_groups, dup_loffs, dup_counts: the plan's `[NvS, 3]`, `[NvS]`, `[2]` int32 tables, zero.
     """
     num_pairs, num_rows = pairs_p2.shape[0], marks_nvs.shape[0]
-    blocks = max(triton.cdiv(num_rows, RECORD_ROWS), 1)
+    blocks = max(cdiv(num_rows, RECORD_ROWS), 1)
     block_counts = torch.empty(blocks, 2, dtype=torch.int32, device=pairs_p2.device)
-    rows_launch = dict(K=top_k, K_P=triton.next_power_of_2(top_k), ROWS=RECORD_ROWS, num_warps=4)
+    rows_launch = dict(K=top_k, K_P=next_power_of_2(top_k), ROWS=RECORD_ROWS, num_warps=4)
     with launching():
-        _mark_primaries_kernel[(max(triton.cdiv(num_pairs, RECORD_SLOTS), 1),)](
+        _mark_primaries_kernel[(max(cdiv(num_pairs, RECORD_SLOTS), 1),)](
             pairs_p2, num_pairs, marks_nvs, K=top_k, SLOTS=RECORD_SLOTS, num_warps=4)
         _count_duplicates_kernel[(blocks,)](pairs_p2, marks_nvs, end_1, block_counts, **rows_launch)
         _record_duplicates_kernel[(blocks,)](pairs_p2, marks_nvs, end_1, block_counts, dup_groups, dup_loffs,
@@ -346,7 +347,7 @@ def _duplicate_groups_launch(rows_nvsh: torch.Tensor, itemsize: int, max_groups:
     `max_groups` groups x row blocks sized for `itemsize`-byte elements."""
     block, warps = _row_block(rows_nvsh.shape[1], itemsize)
     programs, iterations = _group_programs(max_groups, rows_nvsh.device, num_sms)
-    return ((programs, triton.cdiv(rows_nvsh.shape[1], block)),
+    return ((programs, cdiv(rows_nvsh.shape[1], block)),
             dict(ITERATIONS=iterations, BLOCK_H=block, num_warps=warps))
 
 
@@ -392,7 +393,7 @@ def copy_rows(target_nvsh: torch.Tensor, source_nvsh: torch.Tensor, end_1: torch
     block, warps = _row_block(width, target_nvsh.element_size())
     programs, _ = _group_programs(num_rows, target_nvsh.device, num_sms)
     with launching():
-        _copy_rows_kernel[(programs, triton.cdiv(width, block))](
+        _copy_rows_kernel[(programs, cdiv(width, block))](
             target_nvsh, source_nvsh, end_1, width, BLOCK_H=block, num_warps=warps)
 
 
@@ -489,7 +490,7 @@ def gather_routes(dst_n: torch.Tensor, rows: SymmetricTensor | torch.Tensor, wei
     tables, one_rank = pointer_tables(rows, *([weights] if with_weights else []))
     rows_nvsh = tables[0] if one_rank else rows.local
     with launching():
-        _gather_routes_kernel[(num_tokens, triton.cdiv(width, block))](
+        _gather_routes_kernel[(num_tokens, cdiv(width, block))](
             out_sh, weights_out_sk if with_weights else out_sh, dst_n, tables[0], tables[-1], rows_nvsh,
             weights.local if with_weights else rows_nvsh, width, rows_nvsh.shape[0],
             ACC=TL_DTYPES[accumulate], K=dst_n.numel() // num_tokens, WEIGHTS=with_weights,

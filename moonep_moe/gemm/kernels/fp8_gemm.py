@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from moonep_moe.base.interpreter import INTERPRETED, launching
+from moonep_moe.base.sizes import cdiv, next_power_of_2
 from moonep_moe.fp8.format import BLOCK, FP8_DTYPE
 
 SWIZZLE = 8
@@ -109,9 +110,9 @@ def grouped_fp8_gemm(a: tuple[torch.Tensor, torch.Tensor], w: tuple[torch.Tensor
     if q_w.shape[2] != k or q_a.stride(1) != 1 or q_w.stride(2) != 1:
         raise ValueError(f"a [rows, k] and w [G, n, k] must share k with contiguous rows, got "
                          f"{list(q_a.shape)} and {list(q_w.shape)}")
-    kb = triton.cdiv(k, BLOCK)
-    if tuple(scales_a.shape) != (rows, kb) or tuple(scales_w.shape) != (groups, triton.cdiv(n, BLOCK), kb):
-        raise ValueError(f"scales must be [rows, {kb}] and [G, {triton.cdiv(n, BLOCK)}, {kb}], got "
+    kb = cdiv(k, BLOCK)
+    if tuple(scales_a.shape) != (rows, kb) or tuple(scales_w.shape) != (groups, cdiv(n, BLOCK), kb):
+        raise ValueError(f"scales must be [rows, {kb}] and [G, {cdiv(n, BLOCK)}, {kb}], got "
                          f"{list(scales_a.shape)} and {list(scales_w.shape)}")
     if out.dtype not in OUT_DTYPES or tuple(out.shape) != (rows, n) or out.stride(1) != 1:
         raise ValueError(f"out must be [{rows}, {n}] of {OUT_DTYPES} with contiguous rows, got {out.dtype} "
@@ -123,10 +124,10 @@ def grouped_fp8_gemm(a: tuple[torch.Tensor, torch.Tensor], w: tuple[torch.Tensor
         raise ValueError(f"BLOCK_M must divide 128 (a block must not straddle two segments), got {launch}")
     if not (rows and n and groups):
         return
-    grid = (triton.cdiv(rows, launch["BLOCK_M"]) * triton.cdiv(n, launch["BLOCK_N"]),)
+    grid = (cdiv(rows, launch["BLOCK_M"]) * cdiv(n, launch["BLOCK_N"]),)
     with launching():
         _grouped_fp8_gemm_kernel[grid](q_a, scales_a, q_w, scales_w, offs_g, out, groups, rows, n, k,
                                        q_a.stride(0), *scales_a.stride(), q_w.stride(0), q_w.stride(1),
                                        *scales_w.stride(), out.stride(0),
-                                       GROUPS_POW2=triton.next_power_of_2(groups), SWIZZLE=SWIZZLE,
+                                       GROUPS_POW2=next_power_of_2(groups), SWIZZLE=SWIZZLE,
                                        BLOCK_K=BLOCK, **launch)

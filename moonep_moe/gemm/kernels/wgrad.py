@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from moonep_moe.base.interpreter import INTERPRETED, launching
+from moonep_moe.base.sizes import cdiv
 
 SWIZZLE = 8
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -186,7 +187,7 @@ def _launch(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor, out0: torch
     group is written (zeros) only below `zeroed_groups`."""
     cols, inner = dy.shape[1], x.shape[1]
     grid = lambda meta: (
-        groups * triton.cdiv(cols, meta["BLOCK_COLS"]) * triton.cdiv(inner, meta["BLOCK_INNER"]),)
+        groups * cdiv(cols, meta["BLOCK_COLS"]) * cdiv(inner, meta["BLOCK_INNER"]),)
     _grouped_wgrad_kernel[grid](dy, x, offs_g, out0, out1, groups0, first_group, zeroed_groups, cols, inner,
                                 dy.stride(0), x.stride(0), out0.stride(0), out1.stride(0),
                                 ACCUMULATE=accumulate, SWIZZLE=SWIZZLE,
@@ -239,7 +240,7 @@ def zero_filled_groups(out_gmn: torch.Tensor, offs_g: torch.Tensor, first_group:
     if not out_gmn.is_contiguous():
         raise ValueError(f"out must be contiguous, got strides {out_gmn.stride()}")
     if groups and numel:
-        grid = (groups, min(triton.cdiv(numel, ZERO_BLOCK), 1024))
+        grid = (groups, min(cdiv(numel, ZERO_BLOCK), 1024))
         with launching():
             _wgrad_zero_filled_kernel[grid](out_gmn, offs_g, first_group, numel, BLOCK=ZERO_BLOCK,
                                             num_warps=4)

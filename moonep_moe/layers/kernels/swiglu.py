@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moonep_moe.base.sizes import next_power_of_2
+
 BLOCK_F = 512
 
 
@@ -64,7 +66,7 @@ def _swiglu_bwd_kernel(u_ptr, ab_ptr, w_ptr, dab_ptr, gw_ptr, hw_ptr, num_rows_p
 
 
 def _block(f: int) -> int:
-    return min(BLOCK_F, triton.next_power_of_2(f))
+    return min(BLOCK_F, next_power_of_2(f))
 
 
 def _num_rows(num_rows: torch.Tensor | None, rows: int, device: torch.device) -> torch.Tensor:
