@@ -108,7 +108,6 @@ from bench.common import (
     cuda_timeline,
     format_check,
     gpu_state,
-    idle_gaps,
     measure_limits,
     ratio,
     seconds_between,
@@ -117,7 +116,7 @@ from bench.common import (
     stamp,
     write_record,
 )
-from bench.layer import native_grouped_swiglu, print_profile, profile_summary
+from bench.layer import native_grouped_swiglu, print_profile, timeline_profile
 from bench.rank_replay import (
     OPEN_ENDED,
     PHASES,
@@ -400,14 +399,12 @@ class Repeats:
 
 
 def profile_step(layer: MoonEPMoELayer, world: ReplayWorld, step: GroupStep, rank: int) -> dict:
-    """The `profile_summary` (bench.layer) of one replayed step of `rank`, after one untimed step: its kernels
-    and copies, grouped, and where the GPU idled in it (`timeline`: `idle_gaps`)."""
+    """The `timeline_profile` (bench.layer) of one replayed step of `rank`, after one untimed step: its
+    kernels and copies, grouped, and where the GPU idled in it."""
     traffic, inputs = rank_traffic(step, rank, layer, world), rank_inputs(step, rank)
     replay_step(layer, world, step, inputs, traffic)
     sync(world.device)
-    timeline = cuda_timeline(lambda: replay_step(layer, world, step, inputs, traffic))
-    summary = profile_summary([(name, end - start) for name, start, end in timeline])
-    return {**summary, "timeline": idle_gaps(timeline)}
+    return timeline_profile(cuda_timeline(lambda: replay_step(layer, world, step, inputs, traffic)))
 
 
 def busiest_rank(step: GroupStep) -> int:
@@ -1105,10 +1102,6 @@ def main(argv: list[str] | None = None) -> None:
         path = write_record(name, limits, tables, out_dir, ran_on=device, **record)
     for label, summary in record.get("profile", {}).items():
         print_profile(label, summary)
-        idle = summary["timeline"]
-        gaps = "; ".join(f"{gap['ms']:.3f} ms after {gap['after'][:40]} before {gap['before'][:40]}"
-                         for gap in idle["gaps"])
-        print(f"  GPU idle {idle['idle_ms']:.2f} of {idle['span_ms']:.2f} ms; longest gaps: {gaps}")
     print(f"\ntargets, the link as the NVLink model (median (min-max) of {args.repeat} steps per rank):")
     for target in record["targets"]:
         print(f"  {target_line(target)}", flush=True)

@@ -92,7 +92,8 @@ runs after --warmup; the spread is min-max over those runs):
 --profile: one step's GPU kernels (and copies, fills) of each of our rows (DEFAULT, the variants asked for,
 the fp8 rows) and of `torch-native`, by total time, grouped by kernel name (`kernel_group`) into GEMMs, comm
 core, router, elementwise and other, with the time beyond the GEMMs (every other group's) and each group's
-share of it.
+share of it, and where the GPU ran nothing (idle time and the longest gaps, `timeline_profile`: a step timed
+from idle charges the host's launch latency before its first kernels).
 
 The JSON record, one per table (`bench.common.write_record`: `bench/results/<name>-<device>-<YYYYMMDD>-
 <commit>.json`, `<name>` = `Table.record_name`, e.g. `layer-deepseek-v3`, `layer-kimi-k2-ep8-rank`;
@@ -106,7 +107,8 @@ rewritten after every row so an interrupted run keeps what it measured): `benchm
 or `compile_error`; `targets` ([{target, median, min, max, op, bound, pass, row, baseline, scope}], empty
 when the DEFAULT row was not measured); `fp8_targets` (the same fields, with --fp8 where the fp8 and
 bf16 rows were both measured, else empty); `profile` (with --profile: per layer `total_ms`, `groups_ms`
-{group: ms}, `beyond_gemms_ms`, `kernels` [{name, group, calls, ms}], by time) and `results`, one row per
+{group: ms}, `beyond_gemms_ms`, `kernels` [{name, group, calls, ms}], by time, `timeline` {span_ms,
+busy_ms, idle_ms, gaps [{ms, after, before}]}) and `results`, one row per
 layer in the order run:
 - `layer`; `config`: "baseline", "default", "fp8" or "variant"; ours also `backend`, `precision`,
   `expert_grad_dtype`, `token_padding`, `dtype` (the resolved config) and `gemm` (the backend per
@@ -141,7 +143,9 @@ from bench.common import (
     MODELS,
     check,
     cuda_kernels,
+    cuda_timeline,
     format_check,
+    idle_gaps,
     measure_limits,
     model_shape,
     ratio,
@@ -504,12 +508,29 @@ def profile_lines(label: str, summary: dict) -> list[str]:
     return lines
 
 
+def timeline_profile(timeline: list[tuple[str, float, float]]) -> dict:
+    """The `profile_summary` of a `cuda_timeline` (bench.common), with where the GPU idled in it
+    (`"timeline"`: `idle_gaps`)."""
+    summary = profile_summary([(name, end - start) for name, start, end in timeline])
+    return {**summary, "timeline": idle_gaps(timeline)}
+
+
+def idle_line(idle: dict) -> str:
+    """An `idle_gaps` as one printed line: the GPU's idle time in the span and the longest gaps."""
+    gaps = "; ".join(f"{gap['ms']:.3f} ms after {gap['after'][:40]} before {gap['before'][:40]}"
+                     for gap in idle["gaps"])
+    return f"  GPU idle {idle['idle_ms']:.2f} of {idle['span_ms']:.2f} ms; longest gaps: {gaps}"
+
+
 def print_profile(label: str, summary: dict, top: int = 15) -> None:
-    """A `profile_summary` as two tables: the groups (`profile_lines`), then the `top` kernels by time."""
+    """A `profile_summary` as two tables: the groups (`profile_lines`), then the `top` kernels by time; for a
+    `timeline_profile`, where the GPU idled (`idle_line`)."""
     print("\n" + "\n".join(profile_lines(label, summary)))
     print(f"  {'group':12} {'ms':>8} {'calls':>5}  kernel")
     for kernel in summary["kernels"][:top]:
         print(f"  {kernel['group']:12} {kernel['ms']:8.2f} {kernel['calls']:5d}  {kernel['name'][:100]}")
+    if "timeline" in summary:
+        print(idle_line(summary["timeline"]))
     print(flush=True)
 
 
@@ -596,8 +617,9 @@ class Bench:
         return row
 
     def profile(self, layer: nn.Module, micro_batches: int = 1) -> dict:
-        """The `profile_summary` of one optimizer step's `step`."""
-        return profile_summary(step_kernels(layer, self.x_th, self.grad_th, micro_batches))
+        """The `timeline_profile` of one optimizer step's `step`: its kernels grouped, and where the GPU
+        idled (under the profiler each launch costs the host a little more: gaps read somewhat longer)."""
+        return timeline_profile(cuda_timeline(lambda: step(layer, self.x_th, self.grad_th, micro_batches)))
 
 
 def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: dict | None,

@@ -21,10 +21,12 @@ from bench.layer import (
     layer_targets,
     main,
     make_table,
+    print_profile,
     profile_lines,
     profile_summary,
     routed_flops,
     table_variants,
+    timeline_profile,
     variant_settings,
 )
 from moonep_moe.config import MoEConfig
@@ -172,6 +174,21 @@ def test_profile_summary_sums_calls_and_groups():
     ], "one entry per name, longest total first, ties by name"
     assert profile_summary([]) == {"total_ms": 0, "groups_ms": dict.fromkeys(KERNEL_GROUPS, 0),
                                    "beyond_gemms_ms": 0, "kernels": []}
+
+
+def test_timeline_profile_groups_the_launches_and_says_where_the_gpu_idled(capsys):
+    """A step's timeline (launches on two streams, overlapping) -> the kernels' summary of their durations
+    and the idle time no launch covers, its longest gap named by the kernels around it; printed as a line."""
+    timeline = [("_plan_kernel", 1.0, 1.5), ("_grouped_wgrad_kernel", 3.0, 9.0),
+                ("_send_routes_kernel", 4.0, 5.0), ("_swiglu_fwd_kernel", 9.25, 9.75)]
+    profile = timeline_profile(timeline)
+    assert profile["total_ms"] == 8.0 and profile["groups_ms"]["GEMMs"] == 6.0
+    idle = profile["timeline"]
+    assert (idle["span_ms"], idle["busy_ms"], idle["idle_ms"]) == (8.75, 7.0, 1.75)
+    assert idle["gaps"][0] == {"ms": 1.5, "after": "_plan_kernel", "before": "_grouped_wgrad_kernel"}
+    print_profile("ours", profile)
+    assert "GPU idle 1.75 of 8.75 ms; longest gaps: 1.500 ms after _plan_kernel before _grouped_wgrad" \
+        in capsys.readouterr().out
 
 
 def test_profile_lines_say_where_the_time_beyond_the_gemms_goes():
