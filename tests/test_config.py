@@ -405,6 +405,11 @@ def test_align_up():
     assert [align_up(x, 8) for x in (0, 1, 8, 9)] == [0, 8, 8, 16]
 
 
+def test_next_power_of_2():
+    assert [next_power_of_2(v) for v in (0, 1, 2, 3, 4, 5, 1023, 1024, 1025)] == [1, 1, 2, 4, 4, 8,
+                                                                                       1024, 1024, 2048]
+
+
 def test_host_launch_maths_equal_tritons():
     """`cdiv` and `next_power_of_2`, the launch maths the kernels' wrappers do on the host without a Triton
     call, give Triton's values (`next_power_of_2` of 0 is 1, where Triton's is 0: a block of 0 elements

@@ -10,8 +10,9 @@ import torch
 from stress import comm_streams
 
 from bench.common import captured_graph
+from moonep_moe.base.sizes import next_power_of_2
 from moonep_moe.comm.buffer import Buffer
-from moonep_moe.comm.pool import BufferPool, next_power_of_two
+from moonep_moe.comm.pool import BufferPool
 from moonep_moe.config import load_config
 from moonep_moe.engine.communicator import CommunicatorConfig, DispatchHandle, MoECommunicator
 from moonep_moe.engine.layout import ExpertLayout
@@ -145,11 +146,6 @@ def test_two_inflight_zero_copy_steps_raise_and_training_order_stays_legal():
 
 
 # -- the pool ----------------------------------------------------------------------------------------------
-
-
-def test_next_power_of_two():
-    assert [next_power_of_two(v) for v in (0, 1, 2, 3, 4, 5, 1023, 1024, 1025)] == [1, 1, 2, 4, 4, 8,
-                                                                                       1024, 1024, 2048]
 
 
 def test_pool_capacity_is_the_group_max_and_buffers_are_lazy():
@@ -383,7 +379,7 @@ def test_communicator_runs_an_engine_step_against_a_dense_reference(use_async):
             int((outputs[r][0][step][0]["topk"] >= 0).sum()) for r in range(R)), "every valid route once"
         for r in range(R):
             x, y_th, capacity, _ = outputs[r][0][step]
-            assert capacity == next_power_of_two(max(tokens_r))
+            assert capacity == next_power_of_2(max(tokens_r))
             torch.testing.assert_close(y_th, dense_moe(x, w13, w2), rtol=1e-12, atol=1e-9)
     assert outputs[0][1]["capacities"] == [2, 8, S]
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from moonep_moe.base.sizes import TOKEN_PADDING
+from moonep_moe.base.sizes import TOKEN_PADDING, next_power_of_2
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.transport.world import EPWorld
 
@@ -62,11 +62,6 @@ def release_layer_buffer(world: EPWorld, buffer: Buffer) -> None:
             return
     if not buffer.destroyed:  # a destroyed one was replaced (someone destroyed it directly): nothing to do
         raise ValueError(f"rank {world.rank}: Buffer {buffer.id} is not a layer Buffer of this world")
-
-
-def next_power_of_two(value: int) -> int:
-    """Smallest power of two >= `value` (1 for `value` <= 1)."""
-    return 1 << max(value - 1, 0).bit_length()
 
 
 class BufferPool:
@@ -108,7 +103,7 @@ class BufferPool:
     def capacities(self) -> list[int]:
         """Every capacity the pool may serve, ascending: the powers of two from `min_capacity`'s up to
         `max_tokens_per_rank` (exclusive), then `max_tokens_per_rank` (an engine's batch-size buckets)."""
-        smallest = next_power_of_two(self.min_capacity)
+        smallest = next_power_of_2(self.min_capacity)
         powers = [1 << i for i in range(smallest.bit_length() - 1, self.max_tokens_per_rank.bit_length())]
         return [c for c in powers if c < self.max_tokens_per_rank] + [self.max_tokens_per_rank]
 
@@ -121,7 +116,7 @@ class BufferPool:
         if self.world.size > 1:
             count = torch.tensor(num_tokens, dtype=torch.int64, device=self.world.device)
             group_max = int(self.world.all_gather(count).max())
-        return min(next_power_of_two(max(group_max, self.min_capacity)), self.max_tokens_per_rank)
+        return min(next_power_of_2(max(group_max, self.min_capacity)), self.max_tokens_per_rank)
 
     def get(self, num_tokens: int, capacity: int | None = None) -> Buffer:
         """Collective: a Buffer of `capacity` (None: `capacity_for(num_tokens)`) with no step in flight,

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from moonep_moe.base.interpreter import INTERPRETED, launching
-from moonep_moe.base.sizes import cdiv, next_power_of_2
+from moonep_moe.base.sizes import align_up, cdiv, next_power_of_2
 from moonep_moe.fp8.format import FP8_DTYPE, MAX_BITS, MIN_AMAX, TILE, tma_aligned_rows
 
 HARDWARE_ROUNDING = not INTERPRETED
@@ -211,7 +211,7 @@ def cast_columns(x_mk: torch.Tensor, offs_g: torch.Tensor, first_group: int, las
     if not 0 <= first_group <= last_group <= offs_g.numel():
         raise ValueError(f"need 0 <= first_group <= last_group <= {offs_g.numel()} segments, got "
                          f"{first_group} and {last_group}")
-    capacity, stride_s = cdiv(rows, TILE) * TILE, tma_aligned_rows(cols)
+    capacity, stride_s = align_up(rows, TILE), tma_aligned_rows(cols)
     q = torch.empty(capacity * cols, dtype=FP8_DTYPE, device=x_mk.device)
     scales = torch.empty(capacity // TILE * stride_s, dtype=torch.float32, device=x_mk.device)
     if rows and cols and last_group > first_group:

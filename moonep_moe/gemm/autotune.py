@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from moonep_moe.base.sizes import align_up, next_power_of_2
 from moonep_moe.base.triton import triton_version
 from moonep_moe.gemm.base import OPS, GemmProblem, GroupedGemm
 from moonep_moe.transport.world import EPWorld
@@ -129,8 +130,7 @@ def default_choice_cache() -> ChoiceCache:
 
 def rows_bucket(rows_per_group: int, align: int) -> int:
     """The rows per group timed for ``rows_per_group``: the next power of two, rounded up to ``align``."""
-    rows = 1 << max(rows_per_group - 1, 0).bit_length()
-    return -(-rows // align) * align
+    return align_up(next_power_of_2(rows_per_group), align)
 
 
 MAX_TIMED_GROUPS = 32

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moonep_moe.base.sizes import cdiv, next_power_of_2
+from moonep_moe.base.sizes import align_up, cdiv, next_power_of_2
 from moonep_moe.plan.histogram import HISTOGRAM_ROUTES, count_routes
 from moonep_moe.plan.types import NO_ROUTE, MoonEPCommPlan
 
@@ -536,7 +536,7 @@ def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int
     scratch = torch.empty(sum(sizes), dtype=torch.int32, device=device)
     views = {name: part.view(shape)
              for (name, shape), part in zip(shapes.items(), scratch.split(sizes), strict=True)}
-    dup_share = cdiv(cdiv(plan.dup_tables.numel(), num_blocks), ZERO_CHUNK) * ZERO_CHUNK
+    dup_share = align_up(cdiv(plan.dup_tables.numel(), num_blocks), ZERO_CHUNK)
     return PlanLaunch(counts_re=counts_re.to(device), topk_sk=topk_experts_sk.contiguous(), rank=rank,
                       replica_cost=replica_cost, constants=constants, num_blocks=num_blocks,
                       dup_share=dup_share, plan=plan, **views)
