@@ -12,6 +12,7 @@ median and recorded with the spread beside it (`check`).
 from __future__ import annotations
 
 import json
+import math
 import operator
 import os
 import statistics
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,6 +45,93 @@ def timings(fn: Callable[[], object], warmup: int = 3, repeat: int = 10) -> list
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return times
+
+
+SLEEP_CYCLES_PER_S = 1.98e9
+"""`torch.cuda._sleep` counts SM cycles: this many a second at the H200's top SM clock (1980 MHz); at a lower
+clock a wait lasts longer."""
+
+
+@dataclass
+class HostAhead:
+    """Runs timed on the GPU with the host ahead, as a layer runs inside a model.
+
+    Before each run the GPU is held in a device-side wait (`torch.cuda._sleep`) longer than the host took to
+    enqueue the slowest run so far (`margin` times that, at least `min_hold_s`), so the host has queued the
+    whole run before the GPU reaches it: the run's events then time its kernels and the waits between them,
+    not the host's launch latency. In a model the host enqueues a layer while the GPU works through the
+    layers before it, so a layer with no host sync inside runs like this as long as the host keeps up, which
+    `host_s` (each run's enqueue time on the host) shows. A run whose host took longer than its hold
+    (`held_s`) is `behind`: it may include launch latency (the next run holds longer). A run with a host
+    sync inside is timed as it runs: after the sync the GPU waits on the host. On the CPU nothing is held
+    and the host clock times the run.
+
+    Use: `start = ahead.start()`, the run, `end = ahead.end()`, then wait for `end`."""
+
+    device: torch.device
+    min_hold_s: float = 0.005
+    margin: float = 1.5
+    hold_s: float = 0.0
+    host_s: list[float] = field(default_factory=list)
+    held_s: list[float] = field(default_factory=list)
+    _enqueued: float = 0.0
+
+    def start(self) -> Stamp:
+        """The GPU idle and held (CUDA), then the run's start stamp; the host clock starts."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.hold_s = max(self.hold_s, self.min_hold_s)
+            torch.cuda._sleep(int(self.hold_s * SLEEP_CYCLES_PER_S))
+        start = stamp(self.device)
+        self._enqueued = time.perf_counter()
+        return start
+
+    def end(self) -> Stamp:
+        """The run's end stamp; its host enqueue time and hold kept, later holds lengthened to `margin`
+        times the slowest host so far."""
+        host = time.perf_counter() - self._enqueued
+        end = stamp(self.device)
+        self.host_s.append(host)
+        self.held_s.append(self.hold_s if self.device.type == "cuda" else math.inf)
+        self.hold_s = max(self.hold_s, self.margin * host)
+        return end
+
+    def forget(self) -> None:
+        """Drop the runs kept so far (warm-up runs); the hold they sized stays."""
+        self.host_s.clear()
+        self.held_s.clear()
+
+    @property
+    def behind(self) -> int:
+        """The kept runs whose host took longer than the GPU was held."""
+        return sum(host > held for host, held in zip(self.host_s, self.held_s, strict=True))
+
+    def describe(self) -> dict[str, float | int]:
+        """The record's view of the kept runs: the host's enqueue time (ms, median and max), the runs it fell
+        behind its hold, and the last hold (ms; 0 on the CPU)."""
+        ms = [s * 1e3 for s in self.host_s] or [0.0]
+        hold = self.hold_s * 1e3 if self.device.type == "cuda" else 0.0
+        return {"host_ms": statistics.median(ms), "host_ms_max": max(ms), "host_behind": self.behind,
+                "hold_ms": hold}
+
+
+def queued_timings(fn: Callable[[], object], warmup: int = 3, repeat: int = 10,
+                   device: torch.device | str = "cuda") -> tuple[list[float], HostAhead]:
+    """Seconds of each of `repeat` runs of `fn()` after `warmup`, each with the host ahead (`HostAhead`,
+    which the warm-up runs size and which is returned holding the timed runs' host times)."""
+    ahead = HostAhead(torch.device(device))
+    times = []
+    for i in range(warmup + repeat):
+        if i == warmup:
+            ahead.forget()
+        start = ahead.start()
+        fn()
+        end = ahead.end()
+        if isinstance(end, torch.cuda.Event):
+            end.synchronize()
+        if i >= warmup:
+            times.append(seconds_between(start, end))
+    return times, ahead
 
 
 def alternated_timings(calls: Sequence[Callable[[], object]], repeat: int, warmup: int = 2,

@@ -16,9 +16,12 @@ group, `skewed_routing`):
    `bench.rank_replay.ReplayWorld` and time its routed step (`moe.routed_step`: the layer's planner, row
    kernels, prefetch, grouped GEMMs as the layer selects them, SwiGLU, combine, reduce_grad) forward and
    backward on the routes the plan gives it, the router's choice given (the router is left out, the same
-   for every policy and for torch-native). The peers' writes into its Buffer are staged copies of their
-   real rows, their reads of its memory copies into scratch, both on a side stream in the windows of the
-   exchange calls where they happen (`bench.rank_replay`). Each rank's plan is checked against the group's.
+   for every policy and for torch-native), each step timed on the GPU with the host ahead
+   (`bench.common.HostAhead`: the GPU held in a device-side wait until the host has queued the step, as the
+   layers before it hold it in a model; the host's enqueue time is recorded, `host_ms`). The peers'
+   writes into its Buffer are staged copies of their real rows, their reads of its memory copies into
+   scratch, both on a side stream in the windows of the exchange calls where they happen
+   (`bench.rank_replay`). Each rank's plan is checked against the group's.
    The arms a target compares alternate (`run_ranks`): a policy's maxvio arms step by step on one layer,
    each round in another order, and the policies' segments (and torch-native's, on the ranks it runs on)
    in one order for half the steps and in the mirrored order for the rest, so whatever drifts over seconds
@@ -76,11 +79,13 @@ after each group): `setup` (shapes, policies, maxvio, repetitions, link model an
 `per_rank_step`), `targets`, `targets_local`, `results` (per group: `model`, `ranks`, shapes, `routing`
 (per maxvio: target, achieved, sigma), `policies` {policy: [per maxvio: `ranks` (per rank: routes, slots,
 replicas out, `bytes`, `link_ms` per exchange call (its larger direction; `waited_ms`: the part charged
-whole), `local` and `nvlink` timings, `windows_ms`, `room_ms`
+whole), `local` and `nvlink` timings, `host_ms` (the host's enqueue time of a step) and `host_behind`
+(timed steps whose host fell behind the GPU's hold), `windows_ms`, `room_ms`
 (backward's combine's, `over_link`), and for exact `gemm`, `swiglu`, `block_calls` (each call of the
 expert block, `BLOCK_CALLS`), `beyond_share`),
 `slowest` (`local`, `nvlink`: the group's step; `rank`)]},
-`native` (per maxvio: the rank, its routes and bytes, `eager`, `compiled`, `baseline`), `compile_s`,
+`native` (per maxvio: the rank, its routes and bytes, `eager`, `compiled` (each with `host_ms`,
+`host_behind`), `baseline`), `compile_s`,
 `gpu` (per rank and pass: `gpu_state`), `gemm` (per policy, the grouped GEMMs the layer chose),
 `cost_aware_plan_as` (per maxvio, the policy whose plan cost_aware's equals on every rank, or None; its
 target names it as `same_plan_as`)).
@@ -104,6 +109,7 @@ from torch import nn
 
 from bench.common import (
     RESULTS,
+    HostAhead,
     check,
     cuda_timeline,
     format_check,
@@ -560,9 +566,27 @@ class Samples:
     for `exact`, its expert block (GEMM seconds, SwiGLU seconds, every call's seconds)."""
 
     totals: list[float] = field(default_factory=list)
+    hosts: list[float] = field(default_factory=list)
+    """Each timed step's enqueue time on the host (s), as `totals`."""
+    behind: int = 0
+    """Timed steps whose host took longer than the GPU was held (`HostAhead`)."""
     windows: list[list[float]] = field(default_factory=list)
     rooms: list[list[float]] = field(default_factory=list)
     blocks: list[tuple[float, float, list[float]]] = field(default_factory=list)
+
+
+def host_fields(samples: Samples) -> dict[str, float | int]:
+    """A row's `host_ms` (the host's enqueue time of a step: median) and `host_behind` (timed steps whose host
+    fell behind the GPU's hold)."""
+    return {"host_ms": statistics.median(samples.hosts) * 1e3, "host_behind": samples.behind}
+
+
+def keep(samples: Samples, ahead: HostAhead, seconds: float) -> None:
+    """A timed step's seconds into `samples`, with its host enqueue time and whether the host fell behind
+    its hold (the last run `ahead` kept)."""
+    samples.totals.append(seconds)
+    samples.hosts.append(ahead.host_s[-1])
+    samples.behind += ahead.host_s[-1] > ahead.held_s[-1]
 
 
 @dataclass(eq=False)
@@ -576,6 +600,7 @@ class RankArm:
     samples: Samples = field(default_factory=Samples)
     live: tuple | None = None
     checked: bool = False
+    ahead: HostAhead | None = None
 
     def open(self, layer: MoonEPMoELayer, world: ReplayWorld) -> None:
         self.live = (layer, world)
@@ -591,10 +616,10 @@ class RankArm:
         layer, world = self.live
         device = world.device
         traffic, inputs = rank_traffic(self.step, self.rank, layer, world), rank_inputs(self.step, self.rank)
-        sync(device)
-        start = stamp(device)
+        self.ahead = self.ahead or HostAhead(device)
+        start = self.ahead.start()
         replay_step(layer, world, self.step, inputs, traffic)
-        end = stamp(device)
+        end = self.ahead.end()
         sync(device)
         del traffic
         if not self.checked:
@@ -602,7 +627,7 @@ class RankArm:
             self.checked = True
         if not timed:
             return
-        self.samples.totals.append(seconds_between(start, end))
+        keep(self.samples, self.ahead, seconds_between(start, end))
         # the torch reference exchange (the CPU's) has no barriers: no window, all link time unhidden
         self.samples.windows.append([seconds for _, seconds in world.window_seconds()] or [0.0] * len(PHASES))
         rooms = [0.0] * len(PHASES)
@@ -631,7 +656,7 @@ class RankArm:
                int(step.plans[0].home_load[rank]), "slots_used": int(hosted[rank]), "replicas_out":
                int(replicated[rank]), "bytes": bytes_summary(phases),
                "link_ms": [s * 1e3 for s in link_seconds(phases)], "waited_ms": [s * 1e3 for s in waited_s],
-               "local": spread(totals), "nvlink": spread(nvlink),
+               "local": spread(totals), "nvlink": spread(nvlink), **host_fields(samples),
                "windows_ms": [statistics.median(w[i] for w in windows) * 1e3 for i in range(len(PHASES))],
                "room_ms": statistics.median(r[BESIDE_GEMM] for r in samples.rooms) * 1e3}
         if self.block:
@@ -656,6 +681,7 @@ class NativeArm:
     kind: str
     samples: Samples = field(default_factory=Samples)
     live: tuple | None = None
+    ahead: HostAhead | None = None
 
     def open(self, native: NativePlainEPRank, run: Callable[..., torch.Tensor]) -> None:
         self.live = (native, run)
@@ -666,12 +692,13 @@ class NativeArm:
     def run(self, timed: bool) -> None:
         native, run = self.live
         native.experts.run = run
-        start = stamp(native.device)
+        self.ahead = self.ahead or HostAhead(native.device)
+        start = self.ahead.start()
         windows = native.step()
-        end = stamp(native.device)
+        end = self.ahead.end()
         sync(native.device)
         if timed:
-            self.samples.totals.append(seconds_between(start, end))
+            keep(self.samples, self.ahead, seconds_between(start, end))
             self.samples.windows.append([seconds_between(a, b) for a, b in windows])
 
     def timings(self) -> dict:
@@ -679,7 +706,7 @@ class NativeArm:
         link_s = link_seconds(native_link_bytes(self.step)[self.rank])
         nvlink = [over_link(t, w, link_s) for t, w in zip(self.samples.totals, self.samples.windows,
                                                           strict=True)]
-        return {"local": spread(self.samples.totals), "nvlink": spread(nvlink)}
+        return {"local": spread(self.samples.totals), "nvlink": spread(nvlink), **host_fields(self.samples)}
 
 
 @dataclass(eq=False)

@@ -10,9 +10,11 @@ import torch
 
 from bench.common import MODELS, check, format_check, model_shape, ratio, spread, total
 from bench.layer import (
+    EP_RANK_TARGETS,
     FP8_LAYER_TARGETS,
     FP8_SETTINGS,
     KERNEL_GROUPS,
+    LAYER_TARGETS,
     MICRO_BATCHES,
     MODEL_TABLES,
     PER_STEP,
@@ -379,8 +381,11 @@ def test_model_tables_are_the_whole_table():
                                                "layer-kimi-k2-ep8-rank", "layer-qwen3-moe-30b-a3b",
                                                "layer-mixtral-8x7b"], "one record per table, never the same"
     assert [t.scope.split(":")[0] for t in tables] == [
-        "the EP=1 layer", "one rank of EP=8, whole layer", "one rank of EP=8, whole layer",
-        "no target of its own", "no target of its own"]
+        "the EP=1 layer", "one rank of EP=8 with a real plan's slots, whole layer",
+        "one rank of EP=8 with a real plan's slots, whole layer", "no target of its own",
+        "no target of its own"]
+    assert [t.bounds for t in tables] == [LAYER_TARGETS, EP_RANK_TARGETS, EP_RANK_TARGETS, LAYER_TARGETS,
+                                          LAYER_TARGETS]
 
 
 def test_make_table_overrides_and_errors():
@@ -422,6 +427,24 @@ def test_layer_targets_from_the_default_row():
     assert not peak["pass"], "0.909 > 0.9"
     assert {(t["row"], t["baseline"], t["scope"]) for t in targets.values()} == {
         ("moonep DEFAULT", "torch-native compiled", "the EP=1 layer")}
+
+
+def test_ep_rank_targets_check_the_peak_against_the_compiled_layer_only_where_it_ran(capsys):
+    """One EP rank: 0.80 of dense, and the peak over torch-native compiled's (not the faster baseline's)."""
+    flops = {"fwd_bwd": routed_flops(8192, 8, 7168, 2048, backward=True),
+             "fwd": routed_flops(8192, 8, 7168, 2048, backward=False)}
+    dense = flops["fwd_bwd"] / 0.8 / 25e-3  # 25 ms is exactly 0.80 of dense
+    row = {"layer": "EP rank DEFAULT", "ms": 25.0, "ms_min": 24.0, "ms_max": 27.0, "fwd_ms": 9.0,
+           "fwd_ms_min": 8.0, "fwd_ms_max": 10.0, "peak_gib": 12.0}
+    eager, compiled = {"layer": "torch-native", "peak_gib": 13.0}, {"layer": "torch-native compiled",
+                                                                    "peak_gib": 11.0}
+    targets = layer_targets(row, eager, flops, dense, "one rank", EP_RANK_TARGETS, compiled)
+    assert [(t["target"], t["baseline"], t["pass"]) for t in targets] == [
+        ("fwd+bwd of dense", "torch-native", True), ("peak vs compiled", "torch-native compiled", False)]
+    assert targets[1]["median"] == pytest.approx(12 / 11)
+    alone = layer_targets(row, eager, flops, dense, "one rank", EP_RANK_TARGETS)
+    assert [t["target"] for t in alone] == ["fwd+bwd of dense"]
+    assert "'peak vs compiled' not checked: no torch-native compiled row" in capsys.readouterr().out
 
 
 def test_table_variants_default_to_none_for_several_tables():

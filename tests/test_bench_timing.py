@@ -1,0 +1,57 @@
+"""bench/common.py's timing with the host ahead (`HostAhead`, `queued_timings`): the GPU is held long enough
+for the host to queue each run, the hold follows the slowest host so far, and a run the host fell behind
+is counted; on the CPU the host clock times the run and nothing is held."""
+
+import time
+
+import pytest
+import torch
+
+import bench.common as common
+from bench.common import SLEEP_CYCLES_PER_S, HostAhead, queued_timings
+
+
+def test_cpu_runs_are_timed_by_the_host_clock_with_no_hold():
+    calls = []
+
+    def run():
+        calls.append(1)
+        time.sleep(0.002)
+
+    times, ahead = queued_timings(run, warmup=2, repeat=3, device="cpu")
+    assert len(calls) == 5 and len(times) == 3 and min(times) >= 0.002
+    assert len(ahead.host_s) == 3 and ahead.behind == 0
+    assert ahead.describe()["hold_ms"] == 0.0 and ahead.describe()["host_ms"] >= 2.0
+
+
+def test_the_hold_grows_past_the_slowest_host_and_counts_runs_it_fell_behind(monkeypatch):
+    slept, clock = [], iter(range(1000))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", slept.append)
+    monkeypatch.setattr(common, "stamp", lambda device: float(next(clock)))
+    ahead = HostAhead(torch.device("cuda"), min_hold_s=0.004, margin=2.0)
+    for host_s in (0.001, 0.010, 0.003):
+        ahead.start()
+        time.sleep(host_s)
+        ahead.end()
+    assert slept[0] == int(0.004 * SLEEP_CYCLES_PER_S)  # the first run: the minimum hold
+    assert slept[1] == slept[0]  # a 1 ms host stays inside it
+    assert slept[2] >= int(2 * 0.010 * SLEEP_CYCLES_PER_S)  # after a 10 ms host: twice that
+    assert ahead.behind == 1 and ahead.held_s[1] == 0.004
+    ahead.forget()
+    assert ahead.behind == 0 and ahead.host_s == [] and ahead.hold_s >= 0.02
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_queued_run_of_small_launches_skips_their_host_latency():
+    x = torch.zeros(16, device="cuda")
+
+    def launches():
+        for _ in range(400):
+            x.add_(1)
+
+    queued, ahead = queued_timings(launches, warmup=2, repeat=5)
+    synced = common.timings(launches, warmup=2, repeat=5)
+    assert ahead.behind == 0
+    # synced, the GPU waits on each launch's host latency; queued, it runs the kernels back to back
+    assert sorted(queued)[2] < 0.8 * sorted(synced)[2]
