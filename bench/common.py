@@ -62,14 +62,16 @@ class HostAhead:
     not the host's launch latency. In a model the host enqueues a layer while the GPU works through the
     layers before it, so a layer with no host sync inside runs like this as long as the host keeps up, which
     `host_s` (each run's enqueue time on the host) shows. A run whose host took longer than its hold
-    (`held_s`) is `behind`: it may include launch latency (the next run holds longer). A run with a host
-    sync inside is timed as it runs: after the sync the GPU waits on the host. On the CPU nothing is held
-    and the host clock times the run.
+    (`held_s`) is `behind`: it may include launch latency (the next run holds longer, up to `max_hold_s`).
+    A run with a host sync inside is timed as it runs: after the sync the GPU waits on the host, and the
+    host's time includes the hold and the GPU's work, so such runs are behind every hold and the hold stops
+    at `max_hold_s`. On the CPU nothing is held and the host clock times the run.
 
     Use: `start = ahead.start()`, the run, `end = ahead.end()`, then wait for `end`."""
 
     device: torch.device
     min_hold_s: float = 0.005
+    max_hold_s: float = 0.1
     margin: float = 1.5
     hold_s: float = 0.0
     host_s: list[float] = field(default_factory=list)
@@ -88,12 +90,12 @@ class HostAhead:
 
     def end(self) -> Stamp:
         """The run's end stamp; its host enqueue time and hold kept, later holds lengthened to `margin`
-        times the slowest host so far."""
+        times the slowest host so far (at most `max_hold_s`)."""
         host = time.perf_counter() - self._enqueued
         end = stamp(self.device)
         self.host_s.append(host)
         self.held_s.append(self.hold_s if self.device.type == "cuda" else math.inf)
-        self.hold_s = max(self.hold_s, self.margin * host)
+        self.hold_s = min(max(self.hold_s, self.margin * host), max(self.max_hold_s, self.hold_s))
         return end
 
     def forget(self) -> None:

@@ -42,6 +42,19 @@ def test_the_hold_grows_past_the_slowest_host_and_counts_runs_it_fell_behind(mon
     assert ahead.behind == 0 and ahead.host_s == [] and ahead.hold_s >= 0.02
 
 
+def test_a_run_with_a_host_sync_stops_the_hold_at_its_maximum(monkeypatch):
+    """A host sync makes the host wait out the hold and the GPU's work: the hold must not chase it."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(common, "stamp", lambda device: 0.0)
+    ahead = HostAhead(torch.device("cuda"), min_hold_s=0.004, max_hold_s=0.02, margin=2.0)
+    for _ in range(4):
+        ahead.start()
+        time.sleep(ahead.hold_s + 0.005)  # as a synced run: the hold, then the work
+        ahead.end()
+    assert ahead.hold_s == 0.02 and ahead.behind == 4
+
+
 @pytest.mark.gpu
 def test_on_the_gpu_a_queued_run_of_small_launches_skips_their_host_latency():
     x = torch.zeros(16, device="cuda")
