@@ -333,10 +333,12 @@ class RankOfEPBuffer:
     `inner` is a real one-rank `Buffer` over `2 * epn` experts: its dispatch and combine (the planner and the
     row kernels, all local) put the rank's S*K routes into `2 * epn` padded segments, which `MoonEPExperts`
     reads as `epn` home groups, then `epn` slot groups (`compute_offsets` with `E = epn`). The slots' weight
-    traffic is stood in for by local copies of the same bytes: `prefetch_weight` copies the home experts into
-    the slots (over NVLink in a real group, and from peers), `reduce_grad` adds the slot gradients into the
-    home gradients and clears the slots (in a real group the replicas' owners pull them); with `used_slots`
-    (the slots a plan fills, `ep_rank_plan`) only those, else all of them. No peer traffic: the group's
+    traffic is stood in for by local copies of the same bytes, one contiguous copy per slot and weight (as
+    the real `copy_experts` and `add_replicas` kernels move whole experts, near the copy rate):
+    `prefetch_weight` copies the home experts into the slots (over NVLink in a real group, and from peers),
+    `reduce_grad` adds the slot gradients into the home gradients and clears the slots (in a real group the
+    replicas' owners pull them); with `used_slots` (the slots a plan fills, `ep_rank_plan`) only those, else
+    all of them. No peer traffic: the group's
     histogram all-gather, remote rows and every wait on a peer are left out, and so is the duplicate rows'
     expansion and pre-reduction (one rank's plans have none). Owns nothing.
     """
@@ -344,8 +346,7 @@ class RankOfEPBuffer:
     def __init__(self, inner: Buffer, epn: int, used_slots: tuple[int, ...] | None = None):
         self.inner, self.epn, self.E = inner, epn, epn
         self.world, self.dtype, self.weight_dtype = inner.world, inner.dtype, inner.weight_dtype
-        slots = range(epn) if used_slots is None else used_slots
-        self.used_j = torch.tensor(list(slots), dtype=torch.int64, device=inner.world.device)
+        self.used_j = tuple(range(epn) if used_slots is None else used_slots)
         """The slots whose weights are copied in and whose gradients are added back."""
 
     def dispatch(self, *args, **kwargs):
@@ -361,15 +362,16 @@ class RankOfEPBuffer:
         peer reads this rank's experts here: `wait_for_readers` changes nothing."""
         moved = [gate_up, down] + ([] if scales is None else [s for s in scales if s is not None])
         for rows in moved:
-            rows.slots.local.index_copy_(0, self.used_j, rows.home.local.index_select(0, self.used_j))
+            for j in self.used_j:
+                rows.slots.local[j].copy_(rows.home.local[j])
 
     @torch.no_grad()
     def reduce_grad(self, plan, gate_up: ExpertRows, up: None, down: ExpertRows) -> None:
         for grads in (gate_up, down):
             home, slots = grads.home.local, grads.slots.local
-            summed = home.index_select(0, self.used_j) + slots.index_select(0, self.used_j)  # as add_ rounds
-            home.index_copy_(0, self.used_j, summed.to(home.dtype))
-            slots.index_fill_(0, self.used_j, 0)
+            for j in self.used_j:
+                home[j].add_(slots[j])  # in fp32, rounded once to the home gradient's dtype
+                slots[j].zero_()
 
 
 @dataclass(frozen=True)
