@@ -57,15 +57,16 @@ class HostAhead:
     """Runs timed on the GPU with the host ahead, as a layer runs inside a model.
 
     Before each run the GPU is held in a device-side wait (`torch.cuda._sleep`) longer than the host took to
-    enqueue the slowest run so far (`margin` times that, at least `min_hold_s`), so the host has queued the
-    whole run before the GPU reaches it: the run's events then time its kernels and the waits between them,
-    not the host's launch latency. In a model the host enqueues a layer while the GPU works through the
-    layers before it, so a layer with no host sync inside runs like this as long as the host keeps up, which
-    `host_s` (each run's enqueue time on the host) shows. A run whose host took longer than its hold
-    (`held_s`) is `behind`: it may include launch latency (the next run holds longer, up to `max_hold_s`).
-    A run with a host sync inside is timed as it runs: after the sync the GPU waits on the host, and the
-    host's time includes the hold and the GPU's work, so such runs are behind every hold and the hold stops
-    at `max_hold_s`. On the CPU nothing is held and the host clock times the run.
+    enqueue the slowest of the last `window` runs (`margin` times that, between `min_hold_s` and
+    `max_hold_s`: one slow run, a first call that compiles or autotunes, lengthens only the next few
+    holds), so the host has queued the whole run before the GPU reaches it: the run's events then time its
+    kernels and the waits between them, not the host's launch latency. In a model the host enqueues a layer
+    while the GPU works through the layers before it, so a layer with no host sync inside runs like this as
+    long as the host keeps up, which `host_s` (each run's enqueue time on the host) shows. A run whose host
+    took longer than its hold (`held_s`) is `behind`: it may include launch latency (the next run holds
+    longer). A run with a host sync inside is timed as it runs: after the sync the GPU waits on the host,
+    and the host's time includes the hold and the GPU's work, so such runs are behind every hold and the
+    hold stays at `max_hold_s`. On the CPU nothing is held and the host clock times the run.
 
     Use: `start = ahead.start()`, the run, `end = ahead.end()`, then wait for `end`."""
 
@@ -73,9 +74,11 @@ class HostAhead:
     min_hold_s: float = 0.005
     max_hold_s: float = 0.1
     margin: float = 1.5
+    window: int = 3
     hold_s: float = 0.0
     host_s: list[float] = field(default_factory=list)
     held_s: list[float] = field(default_factory=list)
+    _recent: list[float] = field(default_factory=list)
     _enqueued: float = 0.0
 
     def start(self) -> Stamp:
@@ -89,17 +92,18 @@ class HostAhead:
         return start
 
     def end(self) -> Stamp:
-        """The run's end stamp; its host enqueue time and hold kept, later holds lengthened to `margin`
-        times the slowest host so far (at most `max_hold_s`)."""
+        """The run's end stamp; its host enqueue time and hold kept, the next hold sized from the last
+        `window` runs."""
         host = time.perf_counter() - self._enqueued
         end = stamp(self.device)
         self.host_s.append(host)
         self.held_s.append(self.hold_s if self.device.type == "cuda" else math.inf)
-        self.hold_s = min(max(self.hold_s, self.margin * host), max(self.max_hold_s, self.hold_s))
+        self._recent = [*self._recent, host][-self.window:]
+        self.hold_s = min(max(self.margin * max(self._recent), self.min_hold_s), self.max_hold_s)
         return end
 
     def forget(self) -> None:
-        """Drop the runs kept so far (warm-up runs); the hold they sized stays."""
+        """Drop the runs kept so far (warm-up runs); the holds they sized stay."""
         self.host_s.clear()
         self.held_s.clear()
 

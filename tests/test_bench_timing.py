@@ -29,17 +29,19 @@ def test_the_hold_grows_past_the_slowest_host_and_counts_runs_it_fell_behind(mon
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "_sleep", slept.append)
     monkeypatch.setattr(common, "stamp", lambda device: float(next(clock)))
-    ahead = HostAhead(torch.device("cuda"), min_hold_s=0.004, margin=2.0)
-    for host_s in (0.001, 0.010, 0.003):
+    ahead = HostAhead(torch.device("cuda"), min_hold_s=0.004, margin=2.0, window=2)
+    for host_s in (0.001, 0.010, 0.001, 0.001, 0.001):
         ahead.start()
         time.sleep(host_s)
         ahead.end()
     assert slept[0] == int(0.004 * SLEEP_CYCLES_PER_S)  # the first run: the minimum hold
     assert slept[1] == slept[0]  # a 1 ms host stays inside it
     assert slept[2] >= int(2 * 0.010 * SLEEP_CYCLES_PER_S)  # after a 10 ms host: twice that
+    assert slept[3] >= int(2 * 0.010 * SLEEP_CYCLES_PER_S)  # still within the window of 2 runs
+    assert slept[4] < int(0.010 * SLEEP_CYCLES_PER_S), "the slow run left the window: the hold shrinks"
     assert ahead.behind == 1 and ahead.held_s[1] == 0.004
     ahead.forget()
-    assert ahead.behind == 0 and ahead.host_s == [] and ahead.hold_s >= 0.02
+    assert ahead.behind == 0 and ahead.host_s == [] and ahead.hold_s >= 0.004
 
 
 def test_a_run_with_a_host_sync_stops_the_hold_at_its_maximum(monkeypatch):
