@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from moonep_moe.config import load_config
+from moonep_moe.transport.arena import physical_bytes
 
 RESULTS = Path(os.environ.get("MOONEP_BENCH_OUT") or Path(__file__).resolve().parent / "results")
 """Where records go: bench/results, or $MOONEP_BENCH_OUT (e.g. a remote machine's output folder)."""
@@ -365,12 +366,14 @@ GPU_QUERY = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu")
 
 
 def gpu_state(device: torch.device) -> dict[str, object]:
-    """The GPU's clocks, power and temperature now (`GPU_QUERY`, through nvidia-smi) and the peak memory
-    allocated since the last reset (GB): logged beside timings, since a GPU at its power limit clocks down as
-    it heats up and a median depends on when it was taken. {} off CUDA; without nvidia-smi only the memory."""
+    """The GPU's clocks, power and temperature now (`GPU_QUERY`, through nvidia-smi), the peak memory the
+    caching allocator gave out since the last reset and the expert arena's memory beside it (GB): logged
+    beside timings, since a GPU at its power limit clocks down as it heats up and a median depends on when
+    it was taken. {} off CUDA; without nvidia-smi only the memory."""
     if device.type != "cuda":
         return {}
-    state: dict[str, object] = {"peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9}
+    state: dict[str, object] = {"peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+                                "arena_memory_gb": physical_bytes(device) / 1e9}
     uuid = str(torch.cuda.get_device_properties(device).uuid)
     try:
         lines = subprocess.run(["nvidia-smi", f"--query-gpu=uuid,{','.join(GPU_QUERY)}",

@@ -35,6 +35,25 @@ def test_joined_rows_alias_both_allocations():
 
 
 @pytest.mark.gpu
+def test_physical_bytes_count_the_arena_which_the_caching_allocator_does_not():
+    import gc
+
+    from moonep_moe.transport.arena import PhysicalRows, physical_bytes
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    gc.collect()
+    before, allocated = physical_bytes(device), torch.cuda.memory_allocated(device)
+    rows = PhysicalRows(3, (1024, 1024), torch.bfloat16, device)  # 6 MiB
+    assert physical_bytes(device) - before == 6 * 2**20 == rows.nbytes
+    assert physical_bytes("cuda") == physical_bytes(device), "the current device when no index is given"
+    assert torch.cuda.memory_allocated(device) == allocated, "outside the caching allocator"
+    del rows
+    gc.collect()
+    assert physical_bytes(device) == before
+    assert physical_bytes("cpu") == 0
+
+
+@pytest.mark.gpu
 def test_layer_arena_views_stay_coherent():
     """After a forward with replicas, the compute view still equals (home parameters, slot pool)."""
     from test_layer import build_layer, make_config, make_problem

@@ -14,6 +14,7 @@ the allocation granularity (2 MiB: true of the real models' expert shapes). `exp
 not otherwise, and callers fall back to separate tensors and a copy.
 
 Owns memory outside PyTorch's caching allocator: `PhysicalRows` and `ArenaView` free it when collected.
+`torch.cuda.memory_allocated` does not count it; `physical_bytes` does.
 """
 
 from __future__ import annotations
@@ -24,6 +25,26 @@ import weakref
 import torch
 
 _GRANULARITY: dict[int, int] = {}
+_PHYSICAL_BYTES: dict[int, int] = {}
+"""Bytes of the live `PhysicalRows` per device index."""
+
+
+def physical_bytes(device: torch.device | str) -> int:
+    """Bytes of device memory the arena holds on `device` now (every live `PhysicalRows`): memory that
+    `torch.cuda.memory_allocated` and `max_memory_allocated` leave out, constant between layer builds."""
+    device = torch.device(device)
+    if device.type != "cuda" or not _PHYSICAL_BYTES:
+        return 0
+    return _PHYSICAL_BYTES.get(_index(device), 0)
+
+
+def _index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def _released(device_index: int, nbytes: int, handle) -> None:
+    _PHYSICAL_BYTES[device_index] -= nbytes
+    _driver().cuMemRelease(handle)
 
 
 def _driver():
@@ -121,7 +142,9 @@ class PhysicalRows:
         self.rows, self.row_shape, self.dtype, self.device = rows, tuple(row_shape), dtype, device
         self.nbytes = rows * math.prod(row_shape) * dtype.itemsize
         self.handle = _check(cu.cuMemCreate(self.nbytes, _properties(device), 0))
-        weakref.finalize(self, cu.cuMemRelease, self.handle)
+        index = _index(device)
+        _PHYSICAL_BYTES[index] = _PHYSICAL_BYTES.get(index, 0) + self.nbytes
+        weakref.finalize(self, _released, index, self.nbytes, self.handle)
         mapping = _Mapping(device, [(self.handle, self.nbytes)])
         self.tensor = _as_tensor(mapping.pointer, (rows, *self.row_shape), dtype, device, mapping)
 
