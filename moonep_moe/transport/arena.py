@@ -42,9 +42,9 @@ def _index(device: torch.device) -> int:
     return torch.cuda.current_device() if device.index is None else device.index
 
 
-def _released(device_index: int, nbytes: int, handle) -> None:
+def _released(device_index: int, nbytes: int, release, handle) -> None:
     _PHYSICAL_BYTES[device_index] -= nbytes
-    _driver().cuMemRelease(handle)
+    release(handle)
 
 
 def _driver():
@@ -144,7 +144,7 @@ class PhysicalRows:
         self.handle = _check(cu.cuMemCreate(self.nbytes, _properties(device), 0))
         index = _index(device)
         _PHYSICAL_BYTES[index] = _PHYSICAL_BYTES.get(index, 0) + self.nbytes
-        weakref.finalize(self, _released, index, self.nbytes, self.handle)
+        weakref.finalize(self, _released, index, self.nbytes, cu.cuMemRelease, self.handle)
         mapping = _Mapping(device, [(self.handle, self.nbytes)])
         self.tensor = _as_tensor(mapping.pointer, (rows, *self.row_shape), dtype, device, mapping)
 
