@@ -56,11 +56,35 @@ def test_low_precision_input_keeps_dtypes(dtype):
     torch.testing.assert_close(hw_mf.double(), expected, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("programs", [7, 2**16])
+def test_fused_kernels_on_the_cpu_with_fewer_programs_than_rows(monkeypatch, programs):
+    """Triton's interpreter: with 7 programs each takes every 7th row below num_rows (the grid's cap, which
+    keeps a Buffer sized for R*S*K rows from launching a program per capacity row); the torch path's
+    values."""
+    from moonep_moe.layers.kernels import swiglu as kernels
+
+    monkeypatch.setattr(kernels, "ROW_PROGRAMS", programs)
+    ab_m2f, route_weights_m, u_mf = (t.float() for t in random_case(torch.float64))
+    num_rows = torch.tensor([29], dtype=torch.int32)
+    got_hw = kernels.swiglu_weighted_triton(ab_m2f, route_weights_m, num_rows)
+    got = kernels.swiglu_weighted_backward_triton(u_mf, ab_m2f, route_weights_m, num_rows)
+    want_hw = swiglu_weighted(ab_m2f, route_weights_m)
+    want = swiglu_weighted_backward(u_mf, ab_m2f, route_weights_m)
+    for g, w in zip((got_hw, *got), (want_hw, *want), strict=True):
+        torch.testing.assert_close(g[:29], w[:29], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("programs", [7, 2**16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ffn", [24, 2048, 1000])
-def test_fused_kernels_match_the_reference_and_skip_rows_past_num_rows(dtype, ffn):
-    """The CUDA path (Triton) against the torch path on the same inputs; rows >= num_rows untouched."""
+def test_fused_kernels_match_the_reference_and_skip_rows_past_num_rows(monkeypatch, dtype, ffn, programs):
+    """The CUDA path (Triton) against the torch path on the same inputs; rows >= num_rows untouched; with 7
+    programs each takes every 7th row."""
+    from moonep_moe.layers.kernels import swiglu as kernels
+
+    monkeypatch.setattr(kernels, "ROW_PROGRAMS", programs)
     ab_m2f = (3 * torch.randn(300, 2 * ffn, dtype=torch.float64)).to(dtype)
     route_weights_m = torch.rand(300, dtype=torch.float32)
     u_mf = torch.randn(300, ffn, dtype=torch.float64).to(dtype)

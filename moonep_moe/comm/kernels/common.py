@@ -1,4 +1,5 @@
-"""Triton helpers shared by the row and expert kernels: peer pointer tables, dtype widening."""
+"""Triton helpers shared by the row, expert and elementwise kernels: peer pointer tables, dtype widening,
+int64 offsets."""
 
 from __future__ import annotations
 
@@ -96,6 +97,13 @@ def both(a, b):
     """`a & b` for int1 masks of broadcastable shapes (a block and a scalar, a column and a row). Not `&`:
     Triton 3.9's interpreter broadcasts int1 into int32 blocks, which its loads and stores reject."""
     return tl.where(a, b, False)
+
+
+@triton.jit
+def as_int64(index):
+    """`index` as int64 (offsets past 2^31 elements); a loop counter is an int32 compiled and a Python int in
+    the interpreter, so this adds, not casts."""
+    return index + tl.zeros([], tl.int64)
 
 
 @triton.jit

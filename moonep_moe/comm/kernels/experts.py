@@ -11,7 +11,7 @@ import triton.language as tl
 from moonep_moe.base.interpreter import launching
 from moonep_moe.base.sizes import cdiv, next_power_of_2
 from moonep_moe.comm.kernels import common
-from moonep_moe.comm.kernels.common import TL_DTYPES, both, narrow, peer, widen
+from moonep_moe.comm.kernels.common import TL_DTYPES, as_int64, both, narrow, peer, widen
 from moonep_moe.transport.world import SymmetricTensor
 
 SLOT_BLOCK_BYTES = 8192
@@ -37,19 +37,12 @@ def _slot_launch(numel: int, itemsize: int, items: int, device: torch.device) ->
 
 
 @triton.jit
-def _wide(index):
-    """`index` as int64 (offsets past 2^31 elements); a loop counter is an int32 compiled and a Python int in
-    the interpreter, so this adds, not casts."""
-    return index + tl.zeros([], tl.int64)
-
-
-@triton.jit
 def _first_chunk(item, chunks):
     """The first of `item`'s accesses this program makes: the accesses of all items, counted item after
     item, are dealt to the programs in turn (access a to program a % programs), so the used items' accesses
     spread over every program whichever items are used."""
     programs = tl.num_programs(0)
-    dealt = (_wide(item) * chunks) % programs
+    dealt = (as_int64(item) * chunks) % programs
     return (tl.program_id(0) - dealt + programs) % programs
 
 
@@ -61,9 +54,9 @@ def _copy_experts_kernel(slots_ptr, experts_ptr, home_table, home_like, numel, n
         if expert >= 0:  # an unused slot is not written: its group is empty, nothing reads it
             source = peer(home_table, expert // experts_per_rank, home_like) + (expert % experts_per_rank).to(
                 tl.int64) * numel
-            target = slots_ptr + _wide(slot) * numel
+            target = slots_ptr + as_int64(slot) * numel
             for chunk in tl.range(_first_chunk(slot, chunks), chunks, tl.num_programs(0)):
-                offs = _wide(chunk) * BLOCK + tl.arange(0, BLOCK)
+                offs = as_int64(chunk) * BLOCK + tl.arange(0, BLOCK)
                 inside = offs < numel
                 tl.store(target + offs, tl.load(source + offs, mask=inside), mask=inside)
 
@@ -93,9 +86,9 @@ def _clear_slots_kernel(slots_ptr, experts_ptr, numel, num_slots, chunks, BLOCK:
     zeros = tl.zeros([BLOCK], dtype=slots_ptr.dtype.element_ty)
     for slot in range(num_slots):
         if tl.load(experts_ptr + slot) >= 0:  # an unused slot holds nothing to clear
-            target = slots_ptr + _wide(slot) * numel
+            target = slots_ptr + as_int64(slot) * numel
             for chunk in tl.range(_first_chunk(slot, chunks), chunks, tl.num_programs(0)):
-                offs = _wide(chunk) * BLOCK + tl.arange(0, BLOCK)
+                offs = as_int64(chunk) * BLOCK + tl.arange(0, BLOCK)
                 tl.store(target + offs, zeros, mask=offs < numel)
 
 
@@ -122,9 +115,9 @@ def _add_replicas_kernel(home_ptr, sources_ptr, slots_table, slots_like, numel, 
     HOME: tl.constexpr = home_ptr.dtype.element_ty
     for expert in range(num_home):
         if tl.load(sources_ptr + expert * MAX_REPLICAS) >= 0:  # no replica: no read, no write
-            target = home_ptr + _wide(expert) * numel
+            target = home_ptr + as_int64(expert) * numel
             for chunk in tl.range(_first_chunk(expert, chunks), chunks, tl.num_programs(0)):
-                offs = _wide(chunk) * BLOCK + tl.arange(0, BLOCK)
+                offs = as_int64(chunk) * BLOCK + tl.arange(0, BLOCK)
                 inside = offs < numel
                 total = widen(tl.load(target + offs, mask=inside), ACC)
                 for j in tl.static_range(MAX_REPLICAS):
