@@ -34,7 +34,7 @@ ROW_PROGRAMS = 2**16
 def _swiglu_fwd_kernel(ab_ptr, w_ptr, hw_ptr, num_rows_ptr, stride_ab, stride_hw, F: tl.constexpr,
                        BLOCK: tl.constexpr):
     num_rows = tl.load(num_rows_ptr)
-    for row32 in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+    for row32 in tl.range(tl.program_id(0), num_rows, tl.num_programs(0)):
         row = as_int64(row32)
         w = tl.load(w_ptr + row).to(tl.float32)
         for start in range(0, F, BLOCK):
@@ -50,7 +50,7 @@ def _swiglu_fwd_kernel(ab_ptr, w_ptr, hw_ptr, num_rows_ptr, stride_ab, stride_hw
 def _swiglu_bwd_kernel(u_ptr, ab_ptr, w_ptr, dab_ptr, gw_ptr, hw_ptr, num_rows_ptr, stride_u, stride_ab,
                        stride_dab, stride_hw, F: tl.constexpr, BLOCK: tl.constexpr):
     num_rows = tl.load(num_rows_ptr)
-    for row32 in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+    for row32 in tl.range(tl.program_id(0), num_rows, tl.num_programs(0)):
         row = as_int64(row32)
         w = tl.load(w_ptr + row).to(tl.float32)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
