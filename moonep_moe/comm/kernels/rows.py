@@ -56,7 +56,7 @@ import triton.language as tl
 from moonep_moe.base.interpreter import launching
 from moonep_moe.base.sizes import cdiv, next_power_of_2
 from moonep_moe.comm.kernels import common
-from moonep_moe.comm.kernels.common import TL_DTYPES, base, both, narrow, pointer_tables, widen
+from moonep_moe.comm.kernels.common import TL_DTYPES, as_int64, base, both, narrow, pointer_tables, widen
 from moonep_moe.transport.world import SymmetricTensor
 
 # -- host side: pointer tables, launch parameters ------------------------------------------------------------
@@ -372,9 +372,8 @@ def _copy_rows_kernel(target_ptr, source_ptr, end_ptr, H, BLOCK_H: tl.constexpr)
     block = tl.program_id(1)
     offs = block * BLOCK_H + tl.arange(0, BLOCK_H)
     inside = offs < H
-    wide = tl.zeros([], tl.int64)  # row offsets in int64 (NvS * H may pass 2^31)
     for row in tl.range(tl.program_id(0), tl.load(end_ptr), tl.num_programs(0)):  # rows the plan fills
-        at = (row + wide) * H + offs
+        at = as_int64(row) * H + offs  # NvS * H may pass 2^31
         tl.store(target_ptr + at, tl.load(source_ptr + at, mask=inside), mask=inside)
 
 
