@@ -880,11 +880,13 @@ def layer_targets(row: dict, baseline: dict, flops: dict[str, int], dense: float
     peaks_of = {"peak vs baseline": baseline, "peak vs compiled": compiled}
     targets = []
     for what, op, bound in bounds:
-        other = baseline if what in rates else peaks_of[what]
-        if other is None:
+        if what in rates:
+            value, other = rates[what], baseline
+        elif (other := peaks_of[what]) is not None:
+            value = ratio(row["peak_gib"], other["peak_gib"])
+        else:
             print(f"target {what!r} not checked: no torch-native compiled row in this run", flush=True)
             continue
-        value = rates[what] if what in rates else ratio(row["peak_gib"], other["peak_gib"])
         targets.append(check(what, value, op, bound, row=row["layer"], baseline=other["layer"], scope=scope))
     return targets
 
