@@ -373,7 +373,8 @@ class RankOfEPBuffer:
         for grads in (gate_up, down):
             home, slots = grads.home.local, grads.slots.local
             for j in self.used_j:
-                home[j].add_(slots[j])  # in fp32, rounded once to the home gradient's dtype
+                home[j].add_(slots[j])  # in fp32, rounded once to the home gradient's dtype (slots: fp32, or
+                # the home dtype where the gradients overwrote the slot weights)
                 slots[j].zero_()
 
 
@@ -456,7 +457,8 @@ def as_ep_rank(layer: MoonEPMoELayer, epn: int, plan: RankPlan | None = None) ->
         raise ValueError(f"as_ep_rank: the plan's rank has {plan.epn} home experts, not epn = {epn}")
     whole = layer.experts
     rank = HomeExperts(world, epn, cfg.hidden_size, cfg.ffn_hidden_size, epn, cfg.torch_dtype,
-                       name=f"{whole.name}/rank-of-ep", seed=layer.init_seed)
+                       name=f"{whole.name}/rank-of-ep", seed=layer.init_seed,
+                       grads_in_slots=whole.grads_in_slots)
     rank.bind(world)
     with torch.no_grad():
         rank.gate_up.copy_(whole.gate_up[:epn])

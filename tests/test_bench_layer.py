@@ -328,6 +328,9 @@ def test_ep_rank_layer_with_a_plan_prefetches_and_reduces_only_its_slots():
     assert isinstance(rank._state.buffer, RankOfEPBuffer) and rank._state.buffer.used_j == (1, 3)
     assert_rank_equals_plain(rank, plain, epn, tokens, hidden)
     slots = rank.experts.rows[0].slots.local
+    assert slots.abs().sum() == 0, "the used slots held their gradients, cleared by reduce_grad"
+    with torch.no_grad():
+        rank(torch.randn(tokens, hidden, dtype=torch.float64))
     assert slots[[0, 2]].abs().sum() == 0 and slots[[1, 3]].abs().sum() > 0, "only the used slots copied"
     ends = rank._state.last_plan.cu_seqlens
     routes = torch.diff(ends, prepend=ends.new_zeros(1))

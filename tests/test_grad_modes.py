@@ -394,6 +394,76 @@ def test_param_mode_adds_later_micro_batches_into_grad(R):
         assert sorted(g["fired"]) == sorted(first * 3)
 
 
+@pytest.mark.parametrize("mode", ["param", "main_grad"])
+def test_replica_gradients_overwrite_their_slots_in_param_mode_and_use_an_fp32_pool_in_main_grad(mode):
+    """"param": the replicas' gradients are written over their own slot weights (`grads_in_slots`), so no
+    slot-gradient pool is allocated (a DeepSeek-V3 rank's would be 5.25 GiB of fp32); "main_grad": a shared
+    fp32 pool. Both give the float64 reference's home gradients over two micro-batches with replicas, the
+    second adding into the first's (in "param" mode the used slots are cleared before the GEMM adds)."""
+    R = 4
+    p = make_problem(make_config(R, expert_grad_dtype=mode), seed=90, skew=100.0)
+    problems = micro_batches(p, 2)
+
+    def rank_fn(world):
+        layer = build_layer(p, world)
+        for q in problems:
+            layer(q.hidden[world.rank].clone().requires_grad_()).backward(q.grad_out[world.rank])
+        slots = [rows.slots for rows in layer.experts.rows]
+        pools = [key for key in world.globals if isinstance(key, tuple) and key[0] == "slot_grads"]
+        result = dict(expert_grads(layer), pools=pools,
+                      in_slots=[g is s for g, s in zip(layer.experts.slot_grads, slots, strict=True)],
+                      slots_used=int(layer.balance_stats()["slots_used"].max()))
+        layer.destroy()
+        return result
+
+    got = run_ranks(rank_fn, R)
+    grad_gate_up, grad_down, _ = summed_dense_grads(problems)
+    assert got[0]["slots_used"] > 0
+    assert_home_grads(got, "grad" if mode == "param" else "main_grad", grad_gate_up, grad_down, 32 // R)
+    for g in got:
+        if mode == "param":
+            assert g["in_slots"] == [True, True] and g["pools"] == []
+        else:
+            assert g["in_slots"] == [False, False] and len(g["pools"]) == 2
+
+
+@pytest.mark.gpu
+def test_gpu_replica_gradients_in_their_slots_over_two_micro_batches():
+    """bf16 on one GPU, two thread-ranks computing on the arena, skewed routing (replicas), "param" mode, the
+    Triton wgrad: after two micro-batches (the second clears the used slots on the device, then adds) the
+    home gradients equal the float64 reference's within bf16 tolerance, and no fp32 slot-gradient pool
+    exists."""
+    R = 2
+    cfg = make_config(R, hidden_size=1024, ffn_hidden_size=512, num_experts=8, max_tokens_per_rank=64,
+                      dtype="bfloat16", grouped_gemm="triton", token_padding=16,
+                      router={"dtype": "float32", "expert_bias": True})
+    p = make_problem(cfg, seed=91, skew=100.0)
+    problems = [dataclasses.replace(q, hidden=[h.bfloat16().double() for h in q.hidden],
+                                    gate_up_e2fh=p.gate_up_e2fh.bfloat16().double(),
+                                    down_ehf=p.down_ehf.bfloat16().double()) for q in micro_batches(p, 2)]
+
+    def rank_fn(world):
+        layer = build_layer(problems[0], world)
+        for q in problems:
+            x = q.hidden[world.rank].to("cuda", torch.bfloat16).requires_grad_()
+            layer(x).backward(q.grad_out[world.rank].to("cuda", torch.bfloat16))
+        pools = [key for key in world.globals if isinstance(key, tuple) and key[0] == "slot_grads"]
+        result = dict(expert_grads(layer), pools=pools, arena=layer.experts.rows[0].compute is not None,
+                      slots_used=int(layer.balance_stats()["slots_used"].max()))
+        layer.destroy()
+        return result
+
+    got = run_ranks(rank_fn, R, device="cuda")
+    grad_gate_up, grad_down, _ = summed_dense_grads(problems)
+    epn = cfg.num_experts // R
+    assert all(g["slots_used"] > 0 and g["pools"] == [] for g in got)
+    for rank, g in enumerate(got):
+        home = slice(rank * epn, (rank + 1) * epn)
+        for name, want in (("gate_up", grad_gate_up[home]), ("down", grad_down[home])):
+            error = float((g[f"{name}.grad"] - want).norm() / want.norm())
+            assert error < 2e-2, f"{name} on rank {rank}: relative error {error:.1e}"
+
+
 @pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=x)", "register_hook"])
 def test_param_mode_leaves_grad_to_autograd_where_it_must_see_the_step_alone(how):
     """Where autograd must not fold this micro-batch's gradient into `.grad` (`torch.autograd.grad`) or a

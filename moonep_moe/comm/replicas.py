@@ -165,11 +165,13 @@ class ExpertTransfers:
                     up_reduce_buffer: SymmetricTensor | None = None,
                     down_reduce_buffer: SymmetricTensor | None = None,
                     async_finish: bool = False) -> CommEvent | None:
-        """Add every replica's gradient into its home expert's gradient (fp32), then clear the slots.
+        """Add every replica's gradient into its home expert's gradient, then clear the slots.
 
-        Each projection's gradient is either an `ExpertRows` (home fp32 gradients + the symmetric slot-grad
-        pool) or the replicated form `[E+B, N, K]` fp32 with the slot gradients in rows E.., in which case
-        its `*_reduce_buffer` (a symmetric `[B, N, K]` fp32 tensor) stages them for the peers. None skips a
+        Each projection's gradient is either an `ExpertRows` (home gradients + the symmetric slot
+        gradients, fp32 or in the home gradients' dtype: each replica is rounded to the home dtype, and their
+        sum with the home gradient is made in fp32 and rounded once) or the replicated form `[E+B, N, K]`
+        fp32 with the slot gradients in rows E.., in which case its `*_reduce_buffer` (a symmetric
+        `[B, N, K]` fp32 tensor) stages them for the peers. None skips a
         projection. Collective: every rank must call it with the same projections. Replicas are added in
         (slot, rank) order, the same order on both implementations: deterministic.
 
@@ -184,7 +186,8 @@ class ExpertTransfers:
             if grad is None:
                 continue
             if isinstance(grad, ExpertRows):
-                self._check_rows(grad, f"full_{name}_grad", (torch.float32, torch.float64))
+                self._check_rows(grad, f"full_{name}_grad",
+                                 (grad.home.local.dtype, torch.float32, torch.float64))
             else:
                 self._check_full(grad, f"full_{name}_grad")
                 if not isinstance(staging, SymmetricTensor):

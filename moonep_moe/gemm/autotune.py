@@ -289,16 +289,15 @@ def timed_calls(op: str, cols: int, inner: int, rows: int, groups: tuple[int, in
                 backends: Sequence[GroupedGemm], device: torch.device, dtype: torch.dtype,
                 grad_dtype: torch.dtype, fresh_home_grads: bool) -> list[Callable[[], object]]:
     """One call of ``op`` per backend on ``home + slot`` groups of ``rows`` rows each. wgrad runs the way the
-    layer runs it: with ``fresh_home_grads`` the home part None (made by the backend) and the fp32 (or
-    wider) slot gradients overwritten; else, and for ``WGRAD_ADD``, adding into home gradients of
-    ``grad_dtype`` and the slot gradients."""
+    layer runs it: with ``fresh_home_grads`` the home part None (made by the backend) and the slot gradients
+    (of ``grad_dtype``, as the home ones) overwritten; else, and for ``WGRAD_ADD``, adding into home and slot
+    gradients of ``grad_dtype``."""
     home, slots = groups
     offs_g = torch.arange(1, home + slots + 1, dtype=torch.int32, device=device) * rows
     x = torch.randn((home + slots) * rows, inner, device=device, dtype=dtype)
     dy = torch.randn((home + slots) * rows, cols, device=device, dtype=dtype)
     if op in ("wgrad", WGRAD_ADD):
-        slot_dtype = torch.promote_types(dtype, torch.float32)
-        slot_grads = torch.zeros(slots, cols, inner, device=device, dtype=slot_dtype)
+        slot_grads = torch.zeros(slots, cols, inner, device=device, dtype=grad_dtype)
         if fresh_home_grads and op == "wgrad":
             return [lambda g=gemm: g.wgrad(dy, x, offs_g, (None, slot_grads), accumulate=False)
                     for gemm in backends]

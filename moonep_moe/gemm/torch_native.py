@@ -20,7 +20,7 @@ class TorchGroupedGemm:
     that call computes exactly the first n groups, and its output is the gradient (no copy). The later
     groups (prefetch slots, B > 0) start at a row known only on the device, which ``torch._grouped_mm``
     cannot skip to: on CUDA they go to the Triton wgrad (`moonep_moe.gemm.kernels.wgrad`, which starts at
-    any group, written straight into the fp32 slot gradients); elsewhere a call over all G groups gives
+    any group, written straight into the slot gradients); elsewhere a call over all G groups gives
     them, which computes the first n groups a second time and holds a ``[G, cols, inner]`` temporary.
 
     A weights sequence of more than one tensor (home experts and slots apart: the arena cannot join them,

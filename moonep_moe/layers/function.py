@@ -16,7 +16,7 @@ Backward reuses the forward plan (never plans again):
    copy); `prefetch_weight` again (later layers overwrote the shared slot pool).
 2. down: `u = dy @ down` (dgrad); the fused SwiGLU backward gives `dab`, the route-weight gradient per row
    and, recomputed in the same pass, `hw`; `dx = dab @ gate_up` (dgrad); then `dW_down = dy^T hw` (wgrad
-   into this step's home grads and the fp32 slot grads), dy's last reader.
+   into this step's home grads and the slot grads), dy's last reader.
 3. `combine(plan, dx, grad_w)` on the comm stream (input and route-weight gradients back to the tokens)
    beside `dW_gate_up = dab^T x` (wgrad) on the caller's: its link time can hide under the GEMM (on the
    H200 its kernels find no free SM while torch's grouped GEMM runs, so they mostly follow it).
@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moonep_moe.base.triton import triton_missing_reason
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.gemm.base import Fp8RowsGemm, GroupedGemm
 from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
@@ -147,6 +148,8 @@ class MoonEPExperts(torch.autograd.Function):
         gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
         u_nvf = gemm.dgrad(dy_nvsh, down_w, offs_g)
         dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:])
+        del u_nvf  # each activation freed after its last reader, not when backward returns: the memory
+        # goes to the gradients made later in this backward (the step's peak is at gate_up's wgrad)
         # both dgrads first: dx is ready when dy's last reader (the down wgrad) is done, so the combine that
         # sends it back can start then
         dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_w, offs_g)
@@ -154,7 +157,8 @@ class MoonEPExperts(torch.autograd.Function):
         # and overwrite the slot gradients (no zeroing pass, no copy), or, where autograd would add this
         # step's gradient into a `.grad` (a later micro-batch), add into that `.grad` (`accumulating_grads`);
         # "main_grad": they add into the persistent main_grad. Added into, the slot gradients are exact too
-        # (zero between steps: reduce_grad clears them)
+        # (the fp32 pool is zero between steps: reduce_grad clears it; slot gradients written over the slot
+        # weights, `grads_in_slots`, are cleared first: both dgrads, their weights' last readers, are behind)
         # the projections whose gradient this backward wants: trainable, and not left out of a
         # `backward(inputs=...)` (the input-gradient half of a split backward runs no weight-gradient GEMM)
         main_grad = state.main_grad
@@ -167,9 +171,14 @@ class MoonEPExperts(torch.autograd.Function):
             # last tensor arguments (an argument that is not a tensor, e.g. a None histogram, has no edge)
         adds = tuple(main_grad or grad is not None for grad in home)
         gate_up_slots, down_slots = (pool.local for pool in experts.slot_grads)
+        if experts.grads_in_slots:
+            for slots, add, train in zip((gate_up_slots, down_slots), adds, trains, strict=True):
+                if add and train:
+                    zero_filled_slots(slots, offs_g, buffer.epn)
         if trains[1]:
             down_home, _ = gemm.wgrad(dy_nvsh, hw_nvf, offs_g, (home[1], down_slots), adds[1])
             home = (home[0], down_home)
+        del hw_nvf
         # dy's last reader is behind: combine may overwrite the rows. It runs on the comm stream beside
         # gate_up's weight gradient (which reads dab and x, not the rows), so its link time can hide under
         # that GEMM (its kernels still need SMs the GEMM leaves); the results are the same bits either way
@@ -194,6 +203,19 @@ class MoonEPExperts(torch.autograd.Function):
                     node.variable.grad = None
             weight_grads = [None if grad is None else grad.home.local for grad in grads]
         return grad_hidden_sh, grad_route_weights_sk, None, None, *weight_grads, None
+
+
+def zero_filled_slots(slots_bmn: torch.Tensor, offs_g: torch.Tensor, epn: int) -> None:
+    """Zero the slots of `slots [B, out, in]` (contiguous) whose group in `offs_g` (`[epn + B]` ends of the
+    compute groups) has rows, without a host read; the unused ones keep what they hold. So a weight-gradient
+    GEMM that adds can write the gradients of slots that held weights (`HomeExperts.grads_in_slots`)."""
+    if slots_bmn.is_cuda and triton_missing_reason() is None:
+        from moonep_moe.gemm.kernels.wgrad import zero_filled_groups
+
+        zero_filled_groups(slots_bmn, offs_g, epn)
+        return
+    sizes_b = torch.diff(offs_g[epn - 1:] if epn else offs_g, prepend=None if epn else offs_g.new_zeros(1))
+    slots_bmn.masked_fill_((sizes_b > 0).view(-1, 1, 1), 0)
 
 
 def engine_runs(node) -> bool | None:

@@ -284,7 +284,8 @@ class MoonEPMoELayer(nn.Module):
                 self.shared_experts = SharedExperts(h, width, shared.gate, dtype, torch.device("meta"))
         self.experts = HomeExperts(world, e, h, f, config.prefetch_slots, dtype, name=f"moe{next(serial)}",
                                    seed=self.init_seed, fp8=config.expert_weights == "fp8",
-                                   allow_non_finite=config.allow_non_finite_weights)
+                                   allow_non_finite=config.allow_non_finite_weights,
+                                   grads_in_slots=config.expert_grad_dtype == "param")
         expert_load_e = torch.zeros(e, dtype=torch.int64, device=device)
         self.register_buffer("expert_load", expert_load_e, persistent=False)
         self.record_router_logits = False

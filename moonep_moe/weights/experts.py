@@ -8,8 +8,9 @@ parameters move (a one-rank layer's `.to()`, `to_empty()`): on the meta device n
 allocated. On CUDA, where `transport.arena` can, the home experts are mapped right before the shared slot
 pool, so the grouped GEMMs read home experts and slots as one tensor without copying them. The home experts'
 gradients are made fresh every step by the weight-gradient GEMMs (`new_grads` wraps them), or are each
-parameter's persistent fp32 `main_grad` (`MoEConfig.expert_grad_dtype="main_grad"`); the replicas' accumulate
-in the shared fp32 slot-gradient pools, which peers pull.
+parameter's persistent fp32 `main_grad` (`MoEConfig.expert_grad_dtype="main_grad"`). Peers pull the replicas'
+gradients from where the GEMMs write them: over the replicas' own slot weights in the parameters' dtype
+(`"param"`: `grads_in_slots`, no pool of their own), else into the shared fp32 slot-gradient pools.
 
 Initialisation (`reset_parameters`) draws each expert from a generator seeded with the layer's seed and
 the expert's GLOBAL id (`seeded_uniform_`), so the initial model is the same at every EP size.
@@ -86,6 +87,11 @@ class HomeExperts(nn.Module):
             block scales instead of `dtype` parameters (see the module docstring).
         allow_non_finite: load checkpoint weights that hold NaN or Inf as stored
             (`MoEConfig.allow_non_finite_weights`); by default they are a load error.
+        grads_in_slots: the replicas' weight gradients overwrite their own slot weights, in the parameters'
+            dtype (`MoEConfig.expert_grad_dtype="param"`): backward's last read of a slot's weights (dgrad)
+            comes before its weight gradient is written, and the next write into the pool (a prefetch)
+            after `Buffer.reduce_grad` has read it, so no slot-gradient pool is allocated. False: a shared
+            fp32 slot-gradient pool (`"main_grad"`, whose GEMMs add into it).
 
     The weights start on meta, unallocated: the owner calls `bind(world)` once they are to live on a real
     device, then `reset_parameters()` (or loads a checkpoint).
@@ -93,10 +99,11 @@ class HomeExperts(nn.Module):
 
     def __init__(self, world: EPWorld, num_experts: int, hidden_size: int, ffn_hidden_size: int,
                  num_slots: int, dtype: torch.dtype, name: str, seed: int, fp8: bool = False,
-                 allow_non_finite: bool = False):
+                 allow_non_finite: bool = False, grads_in_slots: bool = False):
         super().__init__()
         self.world, self.num_experts, self.num_slots = world, num_experts, num_slots
         self.name, self.seed, self.fp8, self.allow_non_finite = name, seed, fp8, allow_non_finite
+        self.grads_in_slots = grads_in_slots
         self.epn = num_experts // world.size
         self.first_expert = world.rank * self.epn
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
@@ -112,6 +119,8 @@ class HomeExperts(nn.Module):
         self.scale_rows: tuple[ExpertRows, ExpertRows] | None = None
         """FP8 experts: their block scales' rows `(gate_up, down)`, registered like `rows`; else None."""
         self.slot_grads: tuple[SymmetricTensor, SymmetricTensor] | None = None
+        """`(gate_up, down)` replica gradients `[B, out, in]`: the slot pools themselves (`grads_in_slots`) or
+        the shared fp32 slot-gradient pools; None while unbound and for FP8 experts."""
         self._registered: dict[str, torch.Tensor] = {}
         """Name -> the memory `bind` registered for that parameter or buffer (an alias of it): what peers read
         and the arena's `compute` view joins (`follow_storage_swaps`)."""
@@ -140,6 +149,8 @@ class HomeExperts(nn.Module):
         self.rows = (rows[0], rows[1])
         if self.fp8:
             self.scale_rows = (scale_rows[0], scale_rows[1])
+        elif self.grads_in_slots:
+            self.slot_grads = (rows[0].slots, rows[1].slots)
         else:
             self.slot_grads = (slot_grad_pool(world, rows[0].slots.local.shape, dtype),
                                slot_grad_pool(world, rows[1].slots.local.shape, dtype))
@@ -217,7 +228,7 @@ class HomeExperts(nn.Module):
     def new_grads(self, home: tuple[torch.Tensor | None, torch.Tensor | None]
                   ) -> tuple[ExpertRows | None, ExpertRows | None]:
         """This step's gradients of `(gate_up, down)` for `Buffer.reduce_grad`: each home gradient
-        (`[epn, 2F, H]`, `[epn, H, F]`) beside its shared fp32 slot-gradient pool; None where `home` is None
+        (`[epn, 2F, H]`, `[epn, H, F]`) beside its replicas' (`slot_grads`); None where `home` is None
         (a frozen projection). The home gradients are local to this rank (peers only pull slot gradients):
         in "param" mode the fresh ones the weight-gradient GEMMs made in the parameters' dtype, kept as they
         are, so autograd keeps them as `.grad` without a copy and nothing of the size of the parameters stays

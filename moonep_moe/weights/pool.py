@@ -5,8 +5,10 @@ for gate_up, `[H, F]` for down): rows [0, E) the group's experts, rows [E, E+B) 
 Physically (`ExpertRows`) a rank holds only its `epn` home experts (peers read them through the EP world) and
 B slots. Slots are shared by every layer of the same shape on this rank: `slot_pool` hands out one
 `[B, out, in]` tensor per (shape, dtype), and `slot_grad_pool` one fp32 gradient tensor, which peers pull in
-`Buffer.reduce_grad`. Neither is a parameter: optimizers, data-parallel grad reduction and checkpoints never
-see them. Because later layers overwrite the pool, backward prefetches again.
+`Buffer.reduce_grad` where the home gradients are fp32 (`main_grad`; otherwise the replicas' gradients
+overwrite the slot weights themselves: `HomeExperts.grads_in_slots`). Neither is a parameter: optimizers,
+data-parallel grad reduction and checkpoints never see them. Because later layers overwrite the pool, backward
+prefetches again.
 """
 
 from __future__ import annotations
