@@ -429,39 +429,58 @@ def test_replica_gradients_overwrite_their_slots_in_param_mode_and_use_an_fp32_p
 
 @pytest.mark.gpu
 def test_gpu_replica_gradients_in_their_slots_over_two_micro_batches():
-    """bf16 on one GPU, two thread-ranks computing on the arena, skewed routing (replicas), "param" mode, the
-    Triton wgrad: after two micro-batches (the second clears the used slots on the device, then adds) the
-    home gradients equal the float64 reference's within bf16 tolerance, and no fp32 slot-gradient pool
-    exists."""
-    R = 2
-    cfg = make_config(R, hidden_size=1024, ffn_hidden_size=512, num_experts=8, max_tokens_per_rank=64,
-                      dtype="bfloat16", grouped_gemm="triton", token_padding=16,
-                      router={"dtype": "float32", "expert_bias": True})
-    p = make_problem(cfg, seed=91, skew=100.0)
-    problems = [dataclasses.replace(q, hidden=[h.bfloat16().double() for h in q.hidden],
-                                    gate_up_e2fh=p.gate_up_e2fh.bfloat16().double(),
-                                    down_ehf=p.down_ehf.bfloat16().double()) for q in micro_batches(p, 2)]
+    """bf16 on one GPU (the threads world trains one rank per GPU): one EP rank whose slots a plan fills
+    (`bench.layer.as_ep_rank`: 4 home experts and 4 slots on the arena, slot j holding expert j, prefetch and
+    reduce_grad stood in for by local copies), "param" mode, the Triton wgrad, two micro-batches (the second
+    clears the used slots on the device, then adds). Its home gradients equal, within bf16 tolerance, a
+    float64 layer's on the CPU with no slots: 8 experts (expert 4 + j a copy of expert j) routed by the same
+    plan, each home gradient the sum of both copies'; and no fp32 slot-gradient pool exists."""
+    from bench.layer import RankPlan, as_ep_rank, planned_topk
 
-    def rank_fn(world):
-        layer = build_layer(problems[0], world)
-        for q in problems:
-            x = q.hidden[world.rank].to("cuda", torch.bfloat16).requires_grad_()
-            layer(x).backward(q.grad_out[world.rank].to("cuda", torch.bfloat16))
+    epn, tokens, hidden, ffn, top_k = 4, 64, 1024, 512, 2
+    plan = RankPlan(ranks=2, rank=0, home_routes=(40, 30, 0, 20), slot_routes=(0, 10, 0, 28), maxvio=1.0,
+                    sigma=0.1)
+    gen = torch.Generator().manual_seed(92)
+    home = [torch.randn(epn, *shape, generator=gen, dtype=torch.float64).div(shape[-1] ** 0.5)
+            .bfloat16().double()
+            for shape in ((2 * ffn, hidden), (hidden, ffn))]
+    state = {"router.weight": torch.randn(2 * epn, hidden, generator=gen, dtype=torch.float64) / hidden**0.5,
+             "experts.gate_up_proj": home[0].repeat(2, 1, 1), "experts.down_proj": home[1].repeat(2, 1, 1)}
+    # (x, grad_out) per micro-batch; gradients 2^-6 of the weights' scale, so that a slot gradient added onto
+    # its slot's weights instead of written over them would show far beyond bf16's error
+    steps = [[torch.randn(tokens, hidden, generator=gen, dtype=torch.float64).mul(scale).bfloat16().double()
+              for scale in (1.0, 2.0**-6)] for _ in range(2)]
+
+    def two_micro_batches(device: str, dtype: str, backend: str, rank: bool) -> tuple[dict, list]:
+        cfg = MoEConfig(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=2 * epn, top_k=top_k,
+                        max_tokens_per_rank=tokens, dtype=dtype, token_padding=16, grouped_gemm=backend,
+                        router={"dtype": "float32" if device == "cuda" else "float64"})
+        world = single_world(device)
+        layer = MoonEPMoELayer(cfg, world)
+        dtypes = {"router.weight": layer.router.weight.dtype}
+        layer.load_state_dict({k: v.to(device, dtypes.get(k, cfg.torch_dtype)) for k, v in state.items()})
+        if rank:
+            as_ep_rank(layer, epn, plan)
+        else:
+            topk = planned_topk(plan, tokens, top_k).to(device)
+            layer.router.register_forward_hook(lambda module, args, out: out._replace(topk_experts_tk=topk))
+        for x, grad_out in steps:
+            x = x.to(device, cfg.torch_dtype).requires_grad_()
+            layer(x).backward(grad_out.to(device, cfg.torch_dtype))
         pools = [key for key in world.globals if isinstance(key, tuple) and key[0] == "slot_grads"]
-        result = dict(expert_grads(layer), pools=pools, arena=layer.experts.rows[0].compute is not None,
-                      slots_used=int(layer.balance_stats()["slots_used"].max()))
+        grads = {name: getattr(layer.experts, name).grad.double().cpu() for name in ("gate_up", "down")}
+        if not rank:
+            grads = {name: grad[:epn] + grad[epn:] for name, grad in grads.items()}
+        assert not rank or layer.experts.rows[0].compute is not None, "the arena joins home and slots"
         layer.destroy()
-        return result
+        return grads, pools
 
-    got = run_ranks(rank_fn, R, device="cuda")
-    grad_gate_up, grad_down, _ = summed_dense_grads(problems)
-    epn = cfg.num_experts // R
-    assert all(g["slots_used"] > 0 and g["pools"] == [] for g in got)
-    for rank, g in enumerate(got):
-        home = slice(rank * epn, (rank + 1) * epn)
-        for name, want in (("gate_up", grad_gate_up[home]), ("down", grad_down[home])):
-            error = float((g[f"{name}.grad"] - want).norm() / want.norm())
-            assert error < 2e-2, f"{name} on rank {rank}: relative error {error:.1e}"
+    want, _ = two_micro_batches("cpu", "float64", "reference", rank=False)
+    got, pools = two_micro_batches("cuda", "bfloat16", "triton", rank=True)
+    assert pools == []
+    for name in ("gate_up", "down"):
+        error = float((got[name] - want[name]).norm() / want[name].norm())
+        assert error < 2e-2, f"{name}: relative error {error:.1e} against float64"
 
 
 @pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=x)", "register_hook"])
