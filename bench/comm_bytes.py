@@ -19,7 +19,9 @@ once; S*K route weights and duplicate sources; B expert rows):
 - combine (backward)  = (R-1) * [S*(8 + H*a) + S*K*(8 + 4)]         + the route-weight gradients
 - prefetch            = (R-1) * B*(8 + 3*H*H'*a)                    gate, up and down of an expert
 - prefetch, FP8       = (R-1) * B*(8 + 3*H*H' + 3*4*ceil(H/128)*ceil(H'/128))   e4m3 bytes and fp32 scales
-- reduce_grad         = (R-1) * B*(8 + 3*H*H'*4)                    fp32 slot gradients
+- reduce_grad         = (R-1) * B*(8 + 3*H*H'*g)                    slot gradients, g bytes each
+                        (`MoEConfig.replica_grad_dtype`: a with the default "param" gradients, written
+                        over the slot weights; 4, fp32, with "main_grad")
 
 Exact-size mode (`CollectiveWorld(exact_size=True)`: real rows only, plus 2R counts read on the host):
 with M remote payload rows, W remote route weights and D = W - M remote duplicate sources, the rows terms
@@ -69,11 +71,13 @@ class Shape:
     R: int
     B: int
     a: int
+    g: int
+    """Bytes of a slot gradient's element (`MoEConfig.replica_grad_dtype`)."""
 
     @classmethod
     def of(cls, cfg: MoEConfig, B: int) -> Shape:
         return cls(cfg.max_tokens_per_rank, cfg.top_k, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts,
-                   cfg.ep_size, B, cfg.torch_dtype.itemsize)
+                   cfg.ep_size, B, cfg.torch_dtype.itemsize, cfg.replica_grad_dtype.itemsize)
 
 
 def traffic(rows: float, weights: float, dups: float, slots: float,
@@ -90,7 +94,7 @@ def traffic(rows: float, weights: float, dups: float, slots: float,
             "combine": (rows * row, rows * row + weights * weight),
             "prefetch": (slots * (expert * s.a + INDEX),) * 2,
             "prefetch fp8": (slots * (expert_fp8 + INDEX),) * 2,
-            "reduce_grad": (0.0, slots * (expert * FP32 + INDEX))}
+            "reduce_grad": (0.0, slots * (expert * s.g + INDEX))}
 
 
 def bytes_per_rank(s: Shape) -> dict[str, dict[str, tuple[float, float]]]:

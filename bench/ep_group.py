@@ -222,12 +222,13 @@ def link_bytes(step: GroupStep) -> list[list[tuple[int, int]]]:
     remote route and a duplicate pair per remote duplicate route), prefetch (the experts it replicates in,
     the replicas of its own experts out, forward and backward), combine (its tokens' rows computed
     elsewhere in, the rows peers' tokens read out; in the backward also the route weights' gradients) and
-    reduce_grad (fp32 gradients of its experts' replicas in, of its own replicas out)."""
+    reduce_grad (the gradients of its experts' replicas in, of its own replicas out, in
+    `MoEConfig.replica_grad_dtype`)."""
     cfg = step.cfg
     row = cfg.hidden_size * cfg.torch_dtype.itemsize
     weight = torch.promote_types(cfg.torch_dtype, torch.float32).itemsize
     params = 3 * cfg.hidden_size * cfg.ffn_hidden_size
-    expert, grads = params * cfg.torch_dtype.itemsize, params * weight
+    expert, grads = params * cfg.torch_dtype.itemsize, params * cfg.replica_grad_dtype.itemsize
     m = {name: t.fill_diagonal_(0) for name, t in route_matrices(step).items()}  # remote only
     hosted, replicated = replica_counts(step)
     out = []

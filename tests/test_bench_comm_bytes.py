@@ -39,3 +39,13 @@ def test_table_has_the_fp8_columns_beside_bf16s():
     head = table().splitlines()[0].split(" | ")
     assert head[2:4] == ["dispatch (fwd+bwd)", "dispatch fp8 (fwd+bwd)"]
     assert head[5:7] == ["prefetch (fwd+bwd)", "prefetch fp8 (fwd+bwd)"]
+
+
+def test_reduce_grad_moves_the_slot_gradients_in_their_dtype():
+    """`param` gradients (the default) are written over the slot weights in the weights' dtype, so
+    reduce_grad moves as many bytes as a forward prefetch; `main_grad`'s fp32 pool twice as many (bf16)."""
+    for mode, factor in (("param", 1), ("main_grad", 2)):
+        cfg = load_config("deepseek-v3", expert_grad_dtype=mode)
+        static = bytes_per_rank(Shape.of(cfg, cfg.experts_per_rank))["static"]
+        peers, slots, expert = 7, 32, 3 * 7168 * 2048
+        assert static["reduce_grad"] == (0.0, peers * slots * (expert * 2 * factor + 8)), mode

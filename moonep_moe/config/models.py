@@ -420,6 +420,15 @@ class MoEConfig(CommConfig):
         return FP8_WEIGHT_BYTES if self.expert_weights == "fp8" else super().expert_weight_bytes
 
     @property
+    def replica_grad_dtype(self) -> torch.dtype:
+        """The dtype of the replicas' weight gradients, as backward keeps them and `reduce_grad` moves them:
+        the parameters' with ``expert_grad_dtype='param'`` (written over their slot weights), at least fp32
+        with 'main_grad' (a pool of their own, which the GEMMs add into)."""
+        if self.expert_grad_dtype == "param":
+            return self.torch_dtype
+        return torch.promote_types(self.torch_dtype, torch.float32)
+
+    @property
     def comm(self) -> CommConfig:
         """The comm part of this layer's config (E, K, R, B, S, H, tp, dtype), for the Buffer and
         `MoECommunicator`."""

@@ -31,9 +31,10 @@ def replica_cost_routes(weight_bytes: float, link_bytes_per_s: float, gemm_flops
     per element as prefetch moves them: the dtype's itemsize, or `fp8.format.WEIGHT_BYTES` for FP8 experts
     with their block scales); computing one of its routes takes `2 * 3 * H * H' / rate` (forward). H * H'
     cancels: `c = weight_bytes * rate / (2 * BW)`, a function of the bytes, the link bandwidth and the GEMM
-    rate only. Forward only (serving): in training backward prefetches again and reduce_grad moves fp32
-    gradients, while the routes cost 3x the FLOPs, so the break-even is `(2 * weight_bytes + 4) / (3 *
-    weight_bytes)` times higher (4/3 for bf16).
+    rate only. Forward only (serving): in training backward prefetches again and reduce_grad moves the
+    gradients (`MoEConfig.replica_grad_dtype`: g bytes), while the routes cost 3x the FLOPs, so the
+    break-even is `(2 * weight_bytes + g) / (3 * weight_bytes)` times this (1 for bf16 with "param"
+    gradients, 4/3 with "main_grad"'s fp32).
     """
     return max(1, math.ceil(weight_bytes * gemm_flops_per_s / (2 * link_bytes_per_s)))
 
