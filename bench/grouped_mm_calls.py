@@ -63,7 +63,7 @@ from bench.common import (
     timings,
     write_record,
 )
-from bench.layer import layer_weights, native_layer, step
+from bench.layer import native_layer, step, step_inputs, with_layer_weights
 from moonep_moe import MoEConfig, MoonEPMoELayer
 from moonep_moe.config import dtype_name, load_config
 from moonep_moe.transport.threads import single_world
@@ -353,10 +353,8 @@ def print_role(row: dict) -> None:
 def make_layer(arm: str, t: int, h: int, f: int, e: int, k: int):
     if arm == "native":
         return native_layer(h, f, e, k)
-    layer = MoonEPMoELayer(MoEConfig(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=k,
-                                     max_tokens_per_rank=t), single_world("cuda"))
-    layer.load_state_dict(layer_weights(h, f, e))
-    return layer
+    return with_layer_weights(MoonEPMoELayer(MoEConfig(hidden_size=h, ffn_hidden_size=f, num_experts=e,
+                                                       top_k=k, max_tokens_per_rank=t), single_world("cuda")))
 
 
 def main() -> None:
@@ -384,9 +382,7 @@ def main() -> None:
     base = load_config(args.model)
     t, h, f, e, k = (base.max_tokens_per_rank, base.hidden_size, base.ffn_hidden_size, base.num_experts,
                      base.top_k)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    x_th = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-    grad_th = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    x_th, grad_th = step_inputs(t, h)
     layers, steps = {}, {}
     for arm in ("native", "ours"):  # ours' weights live in its Buffer: it is destroyed after the replays
         layers[arm] = make_layer(arm, t, h, f, e, k)

@@ -482,6 +482,22 @@ def as_ep_rank(layer: MoonEPMoELayer, epn: int, plan: RankPlan | None = None) ->
     return layer
 
 
+def with_layer_weights(layer: MoonEPMoELayer, ep_rank: RankPlan | None = None) -> MoonEPMoELayer:
+    """`layer` holding `layer_weights` of its config's shapes and, with `ep_rank`, made that EP rank's
+    (`as_ep_rank`): what every table measures of ours."""
+    cfg = layer.config
+    layer.load_state_dict(layer_weights(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts))
+    return layer if ep_rank is None else as_ep_rank(layer, ep_rank.epn, ep_rank)
+
+
+def step_inputs(tokens: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(x_th, grad_th)`: the tokens `[tokens, hidden]` (requiring their gradient) and the output gradient
+    every layer of a table is measured with, bf16 on the GPU, drawn from seed 1 (the same every call)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x_th = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    return x_th, torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+
 def optimizer_stepped(layer: nn.Module) -> None:
     """What an optimizer step does to the layer as far as its caches can tell: every parameter's version
     moves (no kernel runs), so an fp8 layer casts its weights again on the next call."""
@@ -668,9 +684,7 @@ def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: d
            "expert_grad_dtype": cfg.expert_grad_dtype, "token_padding": cfg.token_padding, "dtype": cfg.dtype,
            "micro_batches": micro_batches, "fp8_dispatch": cfg.fp8_dispatch, "fp8_wgrad": cfg.fp8_wgrad}
     try:
-        layer.load_state_dict(layer_weights(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts))
-        if ep_rank is not None:
-            as_ep_rank(layer, ep_rank.epn, ep_rank)
+        with_layer_weights(layer, ep_rank)
         gemm = layer._state.gemm  # the backend of each primitive ("auto" picks per weight shape)
         row["gemm"] = gemm.describe() if hasattr(gemm, "describe") else gemm.name
         row.update(bench.measure(layer, before, micro_batches))
@@ -981,9 +995,8 @@ def run_table(table: Table, variants: list[dict], args: argparse.Namespace,
     shapes, epn = table.shapes, table.epn
     rank_plan = table_rank_plan(table, "cuda")
     e = shapes["num_experts"]
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    bench = Bench(x_th=torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(),
-                  grad_th=torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen),
+    x_th, grad_th = step_inputs(t, h)
+    bench = Bench(x_th=x_th, grad_th=grad_th,
                   shape=(h, f, e, k), dense=limits["dense_bf16_flops_per_s"], warmup=args.warmup,
                   repeat=args.repeat, flops={"fwd_bwd": routed_flops(t, k, h, f, backward=True),
                                              "fwd": routed_flops(t, k, h, f, backward=False)})

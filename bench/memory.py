@@ -26,13 +26,13 @@ import torch
 
 from bench.common import write_record
 from bench.layer import (
-    as_ep_rank,
     free_memory,
-    layer_weights,
     make_table,
     native_layer,
     step,
+    step_inputs,
     table_rank_plan,
+    with_layer_weights,
 )
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.moe import MoonEPMoELayer
@@ -136,16 +136,10 @@ def main() -> None:
     except ValueError as error:
         parser.error(str(error))
     shapes, plan = table.shapes, table_rank_plan(table, "cuda")
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    x_th = torch.randn(table.tokens, table.hidden, device="cuda", dtype=torch.bfloat16,
-                       generator=gen).requires_grad_()
-    grad_th = torch.randn(table.tokens, table.hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    x_th, grad_th = step_inputs(table.tokens, table.hidden)
 
     def ours() -> MoonEPMoELayer:
-        cfg = MoEConfig(**shapes)
-        layer = MoonEPMoELayer(cfg, single_world("cuda"))
-        layer.load_state_dict(layer_weights(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts))
-        return layer if plan is None else as_ep_rank(layer, table.epn, plan)
+        return with_layer_weights(MoonEPMoELayer(MoEConfig(**shapes), single_world("cuda")), plan)
 
     def native() -> torch.nn.Module:
         return native_layer(table.hidden, table.ffn, shapes["num_experts"], table.top_k)

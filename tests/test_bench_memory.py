@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from bench.memory import allocated_at, grouped, live_at_peak
 
@@ -53,9 +54,6 @@ def test_the_peak_is_taken_from_the_start_event_on_with_the_blocks_live_then():
 
 
 def test_cpu_run_names_the_missing_gpu():
-    pytest.importorskip("torch")
-    import torch
-
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the command would run")
     run = subprocess.run([sys.executable, "-m", "bench.memory"], capture_output=True, text=True)

@@ -171,9 +171,9 @@ class ExpertTransfers:
         gradients, fp32 or in the home gradients' dtype: each replica is rounded to the home dtype, and their
         sum with the home gradient is made in fp32 and rounded once) or the replicated form `[E+B, N, K]`
         fp32 with the slot gradients in rows E.., in which case its `*_reduce_buffer` (a symmetric
-        `[B, N, K]` fp32 tensor) stages them for the peers. None skips a
-        projection. Collective: every rank must call it with the same projections. Replicas are added in
-        (slot, rank) order, the same order on both implementations: deterministic.
+        `[B, N, K]` fp32 tensor) stages them for the peers. None skips a projection. Collective: every rank
+        must call it with the same projections. Replicas are added in (slot, rank) order, the same order on
+        both implementations: deterministic.
 
         Returns the event: a `CommEvent` with `async_finish`, else None.
         """

@@ -214,8 +214,8 @@ def zero_filled_slots(slots_bmn: torch.Tensor, offs_g: torch.Tensor, epn: int) -
 
         zero_filled_groups(slots_bmn, offs_g, epn)
         return
-    sizes_b = torch.diff(offs_g[epn - 1:] if epn else offs_g, prepend=None if epn else offs_g.new_zeros(1))
-    slots_bmn.masked_fill_((sizes_b > 0).view(-1, 1, 1), 0)
+    sizes_g = torch.diff(offs_g, prepend=offs_g.new_zeros(1))
+    slots_bmn.masked_fill_((sizes_g[epn:] > 0).view(-1, 1, 1), 0)
 
 
 def engine_runs(node) -> bool | None:
