@@ -4,6 +4,8 @@ table; on a GPU with real events (two GPUs: the current device another than the 
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import dataclass, field
 
 import pytest
@@ -45,6 +47,32 @@ def test_wait_is_queued_on_the_events_device_not_the_current_one(monkeypatch):
 def test_wait_without_an_event_does_nothing():
     CommEvent(None).wait()
     assert CommEvent(None).query()
+
+
+def test_inputs_are_held_until_the_wait_then_released(monkeypatch):
+    """The operation's inputs live as long as the event is not waited for (the comm stream may still read
+    them), and are released by `wait()`, after the caller's stream was ordered behind the operation."""
+    stream = FakeStream(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    held = torch.zeros(4)
+    alive = weakref.ref(held)
+    comm = CommEvent(FakeEvent(torch.device("cuda", 0)), (held,))
+    del held
+    gc.collect()
+    assert alive() is not None
+    comm.wait()
+    gc.collect()
+    assert alive() is None and len(stream.waited) == 1
+
+
+def test_an_event_dropped_without_its_wait_orders_the_callers_stream_first(monkeypatch):
+    stream = FakeStream(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    event = FakeEvent(torch.device("cuda", 0))
+    comm = CommEvent(event, (torch.zeros(4),))
+    del comm
+    gc.collect()
+    assert stream.waited == [event]
 
 
 @pytest.mark.gpu

@@ -207,8 +207,11 @@ class Buffer(ExpertTransfers):
     def _launch(self, async_finish: bool, op: Callable[[], Any], inputs: tuple
                 ) -> tuple[Any, CommEvent | None]:
         """`op()` on the current stream (event None), or with `async_finish` on the comm stream after the
-        current stream's queued work, returning its `CommEvent`. The comm stream holds on to `inputs` (their
-        memory is not reused before it is done with them) and the caller's stream to the results."""
+        current stream's queued work, returning its `CommEvent`. The event holds `inputs` until it is waited
+        for (their memory is not reused before the comm stream is done with them). The results are
+        allocated on the comm stream, which only this method queues work on, each time after the caller's
+        queued work: once the caller frees a result, no later comm operation reuses its memory before the
+        caller's reads of it."""
         if not async_finish:
             return op(), None
         if self.world.device.type != "cuda":
@@ -220,13 +223,7 @@ class Buffer(ExpertTransfers):
             result = op()
             event = torch.cuda.Event()
             event.record(stream)
-        for tensor in _tensors(inputs):
-            if tensor.device.type == "cuda":
-                tensor.record_stream(stream)
-        for tensor in _tensors(result):
-            if tensor.device.type == "cuda":
-                tensor.record_stream(caller)
-        return result, CommEvent(event)
+        return result, CommEvent(event, tuple(t for t in _tensors(inputs) if t.device.type == "cuda"))
 
     # -- lifetime -------------------------------------------------------------------------------------------
 
