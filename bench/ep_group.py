@@ -39,9 +39,12 @@ group, `skewed_routing`):
    backward's combine (`BESIDE_GEMM`): it runs on the comm stream beside gate_up's weight gradient, and the
    caller's stream waits for it only before reduce_grad, so its link time delays the step only where it
    outlasts both its window and the time until reduce_grad began (`over_link`'s room), and the prefetch
-   (`OPEN_ENDED`, one barrier): the rank waits for the replicas it pulls in (charged whole), not for the
-   peers' pulls of its own experts, which run beside its GEMMs until the next call's first barrier, where
-   its window ends (`layer_link_seconds`). (A model that ran
+   (`OPEN_ENDED`, one barrier), which runs on the comm stream beside the home experts' groups of the first
+   GEMM: the rank waits for the replicas it pulls in only where their link time outlasts the time from the
+   prefetch's start to the caller's wait for them (`prefetch_rooms`, measured in each step), and not for
+   the peers' pulls of its own experts, which run beside its GEMMs until the next call's first barrier,
+   where its window ends (`layer_link_seconds`). The prefetch kernel's SMs are held for its local copies'
+   time, not for the link's (`LEFT_OUT`). (A model that ran
    the link as GPU-side waits beside each window, `torch.cuda._sleep` on a side stream, was tried on the
    H200 at 41a79be and added 0.2-2.9 ms more per step (median 1.4 over 48 rank steps) than the blocking
    windows' own link time, under every policy: biased, so not used.)
@@ -110,6 +113,7 @@ from torch import nn
 from bench.common import (
     RESULTS,
     HostAhead,
+    Stamp,
     check,
     cuda_timeline,
     format_check,
@@ -154,7 +158,10 @@ LEFT_OUT = ("the peers' SMs (only the timed rank's kernels run), contention on r
             "NVLink latency and the peers' skew in reaching each barrier (a group's step may be longer than "
             "its slowest rank's: each exchange call waits for the slowest rank of that call), the histogram "
             "all-gather's latency, the router and shared experts (the same for every policy); the link "
-            "model assumes a window's two directions move at once, each at the spec rate")
+            "model assumes a window's two directions move at once, each at the spec rate; a prefetch's "
+            "kernel holds SMs for its local copies' time, where over NVLink it would hold them for the "
+            "link's (its link time beyond the home GEMM it runs beside is charged, not the SMs it would "
+            "keep from that GEMM)")
 PER_RANK_STEP = ("bench.rank_replay: rank d's unchanged MoonEPMoELayer on a ReplayWorld (R ranks, only d "
                  "runs), moe.routed_step forward + backward with the group's routing: the layer's planner "
                  "(its dispatch plans from the group's histogram), row kernels, prefetch, grouped GEMM "
@@ -269,9 +276,9 @@ def link_seconds(phases: list[tuple[int, int]]) -> list[float]:
 def layer_link_seconds(phases: list[tuple[int, int]]) -> tuple[list[float], list[float]]:
     """`(waited, link)` per exchange call of our layer's step (`PHASES`), for `over_link`. A call between two
     barriers waits for both directions: (0, `link_seconds`). A prefetch (`OPEN_ENDED`) waits for what it
-    pulls in (its slots' weights, which its GEMMs read: charged whole, as if no copy of its window moved them)
-    and not for its peers' pulls of its own experts (out), which may take until the next call's first
-    barrier, where its window ends."""
+    pulls in (its slots' weights, which the slot groups' GEMM reads), at the caller's wait after the home
+    groups' GEMM (`over_link`'s `hidden_s`), and not for its peers' pulls of its own experts (out), which may
+    take until the next call's first barrier, where its window ends."""
     waited, link = [], []
     for phase, (bytes_in, bytes_out) in zip(PHASES, phases, strict=True):
         open_ended = phase in OPEN_ENDED
@@ -280,22 +287,39 @@ def layer_link_seconds(phases: list[tuple[int, int]]) -> tuple[list[float], list
     return waited, link
 
 
+def prefetch_rooms(windows: list[tuple[str, Stamp, Stamp]], slot_waits: list[Stamp]) -> list[float]:
+    """Per exchange call (`PHASES`), the time a prefetch's incoming link time can hide under: from the
+    prefetch's start (on the comm stream) to the caller's wait for its replicas (after the home experts'
+    groups of the first GEMM); 0 for the other calls, and for a step without those stamps (the torch
+    reference exchange has no windows)."""
+    hidden = [0.0] * len(PHASES)
+    starts = [start for phase, start, _ in windows if phase in OPEN_ENDED]
+    if len(windows) == len(PHASES) and len(starts) == len(slot_waits):
+        for i, (start, waited) in zip((i for i, p in enumerate(PHASES) if p in OPEN_ENDED),
+                                      zip(starts, slot_waits, strict=True), strict=True):
+            hidden[i] = max(0.0, seconds_between(start, waited))
+    return hidden
+
+
 BESIDE_GEMM = PHASES.index("add_replicas") - 1
 """The exchange call that runs beside a GEMM: backward's combine, on the comm stream beside gate_up's weight
 gradient (`MoonEPExperts.backward`); the caller's stream waits for it only before reduce_grad."""
 
 
 def over_link(total_s: float, windows_s: list[float], link_s: list[float], room_s: list[float] | None = None,
-              waited_s: list[float] | None = None) -> float:
+              waited_s: list[float] | None = None, hidden_s: list[float] | None = None) -> float:
     """A step's time with each exchange window stretched to its link time where it was shorter. `room_s`:
     per window, the time from its start until the caller's stream went on past it (0 for a window the step
     waits on; `BESIDE_GEMM`'s: until reduce_grad began, the GEMM beside it done): a window's link time
     delays the step only where it is longer than both the window and that room. `waited_s`: per window, link
-    time the step waits for whatever the window's length (`layer_link_seconds`), added whole."""
+    time the step waits for whatever the window's length (`layer_link_seconds`), added where it is longer
+    than `hidden_s` (a prefetch's: the home groups' GEMM it ran beside, `prefetch_rooms`)."""
     room_s = room_s or [0.0] * len(windows_s)
     waited_s = waited_s or [0.0] * len(windows_s)
-    calls = zip(windows_s, link_s, room_s, waited_s, strict=True)
-    return total_s + sum(waited + max(0.0, link - max(window, room)) for window, link, room, waited in calls)
+    hidden_s = hidden_s or [0.0] * len(windows_s)
+    calls = zip(windows_s, link_s, room_s, waited_s, hidden_s, strict=True)
+    return total_s + sum(max(0.0, waited - hidden) + max(0.0, link - max(window, room))
+                         for window, link, room, waited, hidden in calls)
 
 
 def bytes_summary(phases: list[tuple[int, int]]) -> dict[str, int]:
@@ -338,10 +362,11 @@ def expert_block(layer: MoonEPMoELayer, cu_seqlens: torch.Tensor) -> list[float]
         return result
 
     with torch.no_grad():
-        ab_nv2f = timed(lambda: gemm.fwd(x_nvsh, gate_up_w, offs_g))
+        # the first GEMMs split as the layer splits them (home groups, then slots; nothing to wait for here)
+        ab_nv2f = timed(lambda: gemm.fwd(x_nvsh, gate_up_w, offs_g, state.slots_ready(None)))
         hw_nvf = timed(lambda: swiglu_weighted(ab_nv2f, w_nvs, offs_g[-1:]))
         timed(lambda: gemm.fwd(hw_nvf, down_w, offs_g))
-        u_nvf = timed(lambda: gemm.dgrad(x_nvsh, down_w, offs_g))
+        u_nvf = timed(lambda: gemm.dgrad(x_nvsh, down_w, offs_g, state.slots_ready(None)))
         dab_nv2f, _, hw_nvf = timed(lambda: swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:]))
         timed(lambda: gemm.dgrad(dab_nv2f, gate_up_w, offs_g))
         timed(lambda: gemm.wgrad(x_nvsh, hw_nvf, offs_g, (None, down_slots), False))
@@ -573,6 +598,9 @@ class Samples:
     """Timed steps whose host took longer than the GPU was held (`HostAhead`)."""
     windows: list[list[float]] = field(default_factory=list)
     rooms: list[list[float]] = field(default_factory=list)
+    hidden: list[list[float]] = field(default_factory=list)
+    """Per timed step and exchange call, the time a prefetch's incoming link time hides under
+    (`prefetch_rooms`)."""
     blocks: list[tuple[float, float, list[float]]] = field(default_factory=list)
 
 
@@ -636,6 +664,7 @@ class RankArm:
             marks = world.windows
             rooms[BESIDE_GEMM] = seconds_between(marks[BESIDE_GEMM][1], marks[BESIDE_GEMM + 1][1])
         self.samples.rooms.append(rooms)
+        self.samples.hidden.append(prefetch_rooms(world.windows, world.slot_waits))
         if self.block:
             calls = expert_block(layer, self.step.plans[self.rank].cu_seqlens)
             swiglu = calls[BLOCK_CALLS.index("swiglu")] + calls[BLOCK_CALLS.index("swiglu backward")]
@@ -651,15 +680,17 @@ class RankArm:
         waited_s, link_s = layer_link_seconds(phases)
         totals, windows, blocks = samples.totals, samples.windows, samples.blocks
         hosted, replicated = replica_counts(step)
-        nvlink = [over_link(t, w, link_s, r, waited_s)
-                  for t, w, r in zip(totals, windows, samples.rooms, strict=True)]
+        nvlink = [over_link(t, w, link_s, r, waited_s, h)
+                  for t, w, r, h in zip(totals, windows, samples.rooms, samples.hidden, strict=True)]
         row = {"rank": rank, "routes": int(step.plans[0].rank_load[rank]), "home_routes":
                int(step.plans[0].home_load[rank]), "slots_used": int(hosted[rank]), "replicas_out":
                int(replicated[rank]), "bytes": bytes_summary(phases),
                "link_ms": [s * 1e3 for s in link_seconds(phases)], "waited_ms": [s * 1e3 for s in waited_s],
                "local": spread(totals), "nvlink": spread(nvlink), **host_fields(samples),
                "windows_ms": [statistics.median(w[i] for w in windows) * 1e3 for i in range(len(PHASES))],
-               "room_ms": statistics.median(r[BESIDE_GEMM] for r in samples.rooms) * 1e3}
+               "room_ms": statistics.median(r[BESIDE_GEMM] for r in samples.rooms) * 1e3,
+               "prefetch_hidden_ms": [statistics.median(h[i] for h in samples.hidden) * 1e3
+                                      for i, phase in enumerate(PHASES) if phase in OPEN_ENDED]}
         if self.block:
             row["gemm"] = spread([g for g, _, _ in blocks])
             row["swiglu"] = spread([s for _, s, _ in blocks])

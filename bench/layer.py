@@ -360,13 +360,18 @@ class RankOfEPBuffer:
 
     @torch.no_grad()
     def prefetch_weight(self, plan, gate_up: ExpertRows, up: None, down: ExpertRows, scales=None,
-                        wait_for_readers: bool = True) -> None:
-        """FP8 experts' block scales (`scales`: one `ExpertRows` per weight, or None) travel with them. No
-        peer reads this rank's experts here: `wait_for_readers` changes nothing."""
+                        async_finish: bool = False, wait_for_readers: bool = True):
+        """FP8 experts' block scales (`scales`: one `ExpertRows` per weight, or None) travel with them. With
+        `async_finish` the copies run on the inner Buffer's comm stream, as the real prefetch does, and the
+        event is returned. No peer reads this rank's experts here: `wait_for_readers` changes nothing."""
         moved = [gate_up, down] + ([] if scales is None else [s for s in scales if s is not None])
-        for rows in moved:
-            for j in self.used_j:
-                rows.slots.local[j].copy_(rows.home.local[j])
+
+        def copies():
+            for rows in moved:
+                for j in self.used_j:
+                    rows.slots.local[j].copy_(rows.home.local[j])
+
+        return self.inner._launch(async_finish, copies, tuple(moved))[1]
 
     @torch.no_grad()
     def reduce_grad(self, plan, gate_up: ExpertRows, up: None, down: ExpertRows) -> None:

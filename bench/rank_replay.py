@@ -29,9 +29,11 @@ gradients of its home experts pulled back. What the peers do is stood in for:
 - the histogram all-gather: every peer's histogram is posted beforehand (`ReplayWorld.posted`).
 
 Each exchange call is one window (`ReplayWorld.windows`: its phase and its start and end on the stream it ran
-on: the caller's, or the comm stream for backward's combine, which runs beside a GEMM; a prefetch's ends at
-the next call's first barrier), so a link model can stretch each window to the link's time for the bytes it
-moves (`bench.ep_group`).
+on: the caller's, or the comm stream for a prefetch and backward's combine, which run beside a GEMM; a
+prefetch's ends at the next call's first barrier), so a link model can stretch each window to the link's time
+for the bytes it moves (`bench.ep_group`). Where the caller's stream waits for a prefetch's replicas (after
+the home experts' groups of the first GEMM: `SlotsReady.wait`) is stamped too (`ReplayWorld.slot_waits`):
+the time from the prefetch's start to that wait is what its link time can hide under.
 
 Left out: the peers' SMs (their kernels never run here), contention on real links, NVLink latency and the
 peers' skew in reaching a barrier. A local copy moves bytes at HBM speed, not the link's.
@@ -51,6 +53,7 @@ import torch
 from bench.common import Stamp, seconds_between, stamp
 from moonep_moe.comm.exchange import primary_rows
 from moonep_moe.config import MoEConfig
+from moonep_moe.gemm.base import SlotsReady
 from moonep_moe.layers.moe import MoonEPMoELayer, routed_step
 from moonep_moe.layers.router import RouterOutput
 from moonep_moe.plan.planner import expert_histogram, plan_routes
@@ -259,6 +262,9 @@ class ReplayWorld:
     windows: list[tuple[str, Stamp, Stamp]] = field(default_factory=list)
     """The last step's exchange calls: (phase, start, end) on the stream each ran on (CUDA events), or clock
     times."""
+    slot_waits: list[Stamp] = field(default_factory=list)
+    """The last step's waits for the prefetched replicas, one per prefetch, stamped on the caller's stream
+    right after the wait (so after the home groups' GEMM was queued)."""
 
     def __post_init__(self):
         self._registered: dict[str, torch.Tensor] = {}
@@ -386,12 +392,20 @@ class ReplayWorld:
                              f"{len(traffic)}")
         self._traffic, self._call, self._start, self._open = traffic, 0, None, None
         self._scatters.clear()
-        self.windows = []
+        self.windows, self.slot_waits = [], []
+        wait = SlotsReady.wait
+
+        def stamped_wait(ready: SlotsReady) -> None:
+            wait(ready)
+            self.slot_waits.append(stamp(self.device))
+
+        SlotsReady.wait = stamped_wait
         try:
             yield
             self._close_open()
         finally:
             self._traffic = None
+            SlotsReady.wait = wait
         if reference_exchange:
             staged = Counter(kind for t in traffic if t.incoming is not None for kind in STAND_IN_KINDS
                              if getattr(t.incoming, kind) is not None)

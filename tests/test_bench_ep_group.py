@@ -25,6 +25,7 @@ from bench.ep_group import (
     main,
     native_link_bytes,
     over_link,
+    prefetch_rooms,
     same_plans,
     slowest,
 )
@@ -94,6 +95,27 @@ def test_a_prefetch_waits_for_the_replicas_it_pulls_not_for_its_peers_pulls():
     assert over_link(10.0, windows, link, waited_s=waited) == pytest.approx(10.5)
     windows[prefetches[0]] = 1.0
     assert over_link(10.0, windows, link, waited_s=waited) == pytest.approx(12.5)
+
+
+def test_a_prefetchs_replicas_are_charged_only_beyond_the_home_gemm_they_arrive_beside():
+    """The replicas a prefetch pulls in delay the step only where their link time outlasts the time from the
+    prefetch's start to the caller's wait for them (the home groups' GEMM): `prefetch_rooms` measures it from
+    the step's stamps, `over_link` charges the rest."""
+    prefetches = [i for i, phase in enumerate(PHASES) if phase == "copy_experts"]
+    starts = {i: 1.0 + i for i in range(len(PHASES))}  # clock stamps (s): call i starts at 1 + i
+    windows = [(phase, starts[i], starts[i] + 0.5) for i, phase in enumerate(PHASES)]
+    waits = [starts[prefetches[0]] + 0.3, starts[prefetches[1]] + 0.1]
+    hidden = prefetch_rooms(windows, waits)
+    want = [0.0] * len(PHASES)
+    want[prefetches[0]], want[prefetches[1]] = 0.3, 0.1
+    assert hidden == pytest.approx(want)
+    waited = [0.0] * len(PHASES)
+    waited[prefetches[0]] = waited[prefetches[1]] = 0.2
+    zeros = [0.0] * len(PHASES)
+    # forward's 0.2 s of replicas hide under its 0.3 s; backward's outlast its 0.1 s by 0.1 s
+    assert over_link(10.0, zeros, zeros, waited_s=waited, hidden_s=hidden) == pytest.approx(10.1)
+    assert over_link(10.0, zeros, zeros, waited_s=waited) == pytest.approx(10.4)
+    assert prefetch_rooms(windows[:-1], waits) == zeros, "a step without every window: nothing hidden"
 
 
 def ms_row(rank: int, samples: list[float], key: str = "nvlink") -> dict:

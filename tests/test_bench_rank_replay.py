@@ -67,13 +67,13 @@ class RecordingGemm:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def fwd(self, x, weights, offs_g):
-        y = self.inner.fwd(x, weights, offs_g)
+    def fwd(self, x, weights, offs_g, slots_ready=None):
+        y = self.inner.fwd(x, weights, offs_g, slots_ready)
         self.outputs.append(("fwd", y[:int(offs_g[-1])].clone()))
         return y
 
-    def dgrad(self, dy, weights, offs_g):
-        dx = self.inner.dgrad(dy, weights, offs_g)
+    def dgrad(self, dy, weights, offs_g, slots_ready=None):
+        dx = self.inner.dgrad(dy, weights, offs_g, slots_ready)
         self.outputs.append(("dgrad", dx[:int(offs_g[-1])].clone()))
         return dx
 

@@ -541,9 +541,9 @@ def test_backward_uses_the_dispatched_gradient_rows_in_place(R):
         gemm, dy_ptrs = layer._state.gemm, []
         dgrad = gemm.dgrad
 
-        def dgrad_spy(dy, weights, offs_g):
+        def dgrad_spy(dy, weights, offs_g, slots_ready=None):
             dy_ptrs.append(dy.data_ptr())
-            return dgrad(dy, weights, offs_g)
+            return dgrad(dy, weights, offs_g, slots_ready)
 
         gemm.dgrad = dgrad_spy
         x = p.hidden[world.rank].clone().requires_grad_()

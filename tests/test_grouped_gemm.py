@@ -21,7 +21,7 @@ from moonep_moe.gemm.autotune import (
     measure_grouped_gemm,
     rows_bucket,
 )
-from moonep_moe.gemm.base import GemmProblem
+from moonep_moe.gemm.base import GemmProblem, SlotsReady
 from moonep_moe.gemm.reference import ReferenceGroupedGemm
 from moonep_moe.gemm.registry import select_grouped_gemm
 from moonep_moe.gemm.torch_native import TorchGroupedGemm
@@ -94,6 +94,53 @@ def test_fwd_and_dgrad_match_dense(gemm, dtype, split):
         x, dy, w = x_mk[start:end].double(), dy_mn[start:end].double(), w_gnk[g].double()
         torch.testing.assert_close(y_mn[start:end].double(), x @ w.T, **TOL[dtype])
         torch.testing.assert_close(dx_mk[start:end].double(), dy @ w, **TOL[dtype])
+
+
+class Arrival:
+    """A prefetch's event stand-in: the slots hold NaN until `wait()`, which copies their weights in (the
+    replicas arriving) and counts the waits."""
+
+    def __init__(self, slots: torch.Tensor, weights: torch.Tensor):
+        self.slots, self.weights, self.waits = slots, weights, 0
+
+    def wait(self) -> None:
+        self.slots.copy_(self.weights)
+        self.waits += 1
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one", "home+slots"])
+@pytest.mark.parametrize(("gemm", "dtype"), CASES, ids=IDS)
+def test_fwd_and_dgrad_read_the_slots_only_after_they_arrive(gemm, dtype, split):
+    """`slots_ready`: the slot groups' weights are NaN until the wait; every backend waits before it reads
+    a slot (the torch one after the home groups), so the results equal the dense matmuls."""
+    x_mk, dy_mn, w_gnk = random_inputs(dtype, (M, K), (M, N), (len(SIZES_G), N, K))
+    for op, a_mk, transpose in (("fwd", x_mk, True), ("dgrad", dy_mn, False)):
+        parts = weight_parts(w_gnk, split) if split else [w_gnk.clone()]
+        slots = parts[1] if split else parts[0][HOME:]
+        slots.fill_(float("nan"))
+        arrival = Arrival(slots, w_gnk[HOME:])
+        out = getattr(gemm, op)(a_mk, parts, offsets_g(), SlotsReady(HOME, arrival))
+        assert arrival.waits == 1
+        for g, (start, end) in enumerate(segments()):
+            w = w_gnk[g].double().T if transpose else w_gnk[g].double()
+            torch.testing.assert_close(out[start:end].double(), a_mk[start:end].double() @ w, **TOL[dtype])
+
+
+def test_torch_fwd_computes_the_home_groups_before_the_wait(monkeypatch):
+    """The torch backend splits: one `torch._grouped_mm` over the home groups is queued before the wait, the
+    slot groups after it (so the home experts' GEMM runs while the replicas arrive)."""
+    calls = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(("gemm", k["offs"].numel()))
+                        or grouped_mm(*a, **k))
+    x_mk, w_gnk = random_inputs(torch.float32, (M, K), (len(SIZES_G), N, K))
+
+    class Marking:
+        def wait(self):
+            calls.append(("wait", None))
+
+    TorchGroupedGemm().fwd(x_mk, [w_gnk], offsets_g(), SlotsReady(HOME, Marking()))
+    assert calls == [("gemm", HOME), ("wait", None)]
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one", "home+slots"])
@@ -518,7 +565,7 @@ def test_measured_selection_logs_what_it_times_what_it_chose_and_the_cache(caplo
 
 SECOND_PROCESS = """
 from moonep_moe.gemm.autotune import default_choice_cache, measure_grouped_gemm
-from moonep_moe.gemm.base import GemmProblem
+from moonep_moe.gemm.base import GemmProblem, SlotsReady
 from moonep_moe.gemm.reference import ReferenceGroupedGemm
 from moonep_moe.gemm.torch_native import TorchGroupedGemm
 calls = []

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from moonep_moe.base.sizes import align_up, next_power_of_2
 from moonep_moe.base.triton import triton_version
-from moonep_moe.gemm.base import OPS, GemmProblem, GroupedGemm
+from moonep_moe.gemm.base import OPS, GemmProblem, GroupedGemm, SlotsReady
 from moonep_moe.transport.world import EPWorld
 
 logger = logging.getLogger(__name__)  # a child of "moonep_moe"
@@ -51,11 +51,13 @@ class MeasuredGroupedGemm:
     def _for(self, op: str, cols: int, inner: int) -> GroupedGemm:
         return self.chosen.get((op, cols, inner), self.fallback)
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        return self._for("fwd", *weights[0].shape[-2:]).fwd(x, weights, offs_g)
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
+            slots_ready: SlotsReady | None = None) -> Tensor:
+        return self._for("fwd", *weights[0].shape[-2:]).fwd(x, weights, offs_g, slots_ready)
 
-    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        return self._for("dgrad", *weights[0].shape[-2:]).dgrad(dy, weights, offs_g)
+    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
+              slots_ready: SlotsReady | None = None) -> Tensor:
+        return self._for("dgrad", *weights[0].shape[-2:]).dgrad(dy, weights, offs_g, slots_ready)
 
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
               accumulate: bool = True) -> list[Tensor]:

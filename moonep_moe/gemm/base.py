@@ -21,6 +21,12 @@ Primitives (every backend implements all three, as pure functions of their argum
   fresh by the backend (the home experts' gradients in the layer's "param" mode: ``torch._grouped_mm``'s own
   output becomes them, no copy, no second full-size tensor).
 
+Weights arriving (the prefetch slots' replicas of other ranks' experts): ``fwd`` and ``dgrad`` take
+``slots_ready``, a `SlotsReady` that says from which group on the weights are slots and waits for them. A
+backend that can compute the home groups alone does so first and waits between (``torch``: the replicas'
+link time hides under the home experts' GEMM); the others wait first. Either way it waits before it reads a
+slot.
+
 Backends: ``reference`` (the oracle), ``torch`` (``torch._grouped_mm``), ``deep_gemm`` (fwd and dgrad) and
 ``triton`` (wgrad, `moonep_moe.gemm.kernels.wgrad`). ``select_grouped_gemm`` is the one place that picks;
 on CUDA its "auto" times the backends per primitive and weight shape once and caches the winners
@@ -38,12 +44,34 @@ from torch import Tensor
 
 __all__ = [
     "GemmProblem",
+    "SlotsReady",
     "GroupedGemm",
 ]
 
 logger = logging.getLogger(__name__)  # a child of "moonep_moe"
 
 OPS = ("fwd", "dgrad", "wgrad")
+
+
+@dataclass(frozen=True)
+class SlotsReady:
+    """Where the slots start among a call's groups, and the wait for their weights: the groups from
+    `home_groups` on hold prefetched replicas that may still be arriving until `wait()` (`event`: the
+    prefetch's `CommEvent`, None when they are there already)."""
+
+    home_groups: int
+    event: object | None = None
+
+    def wait(self) -> None:
+        """Order the caller's stream behind the prefetch (a device-side wait: the host goes on)."""
+        if self.event is not None:
+            self.event.wait()
+
+
+def wait_for(slots_ready: SlotsReady | None) -> None:
+    """What a backend that cannot split a call does first: wait for the slots' weights."""
+    if slots_ready is not None:
+        slots_ready.wait()
 
 
 class GroupedGemm(Protocol):
@@ -58,12 +86,16 @@ class GroupedGemm(Protocol):
     False: always as the parts, so the home experts arrive as the parameters themselves (a backend that
     caches a transform of them per parameter version, e.g. the FP8 casts, can then recognise them)."""
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        """``y [rows, cols]`` with ``y[start:end] = x[start:end] @ w[g]^T`` for every group g."""
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
+            slots_ready: SlotsReady | None = None) -> Tensor:
+        """``y [rows, cols]`` with ``y[start:end] = x[start:end] @ w[g]^T`` for every group g; the slots'
+        weights read only after ``slots_ready.wait()``."""
         ...
 
-    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        """``dx [rows, inner]`` with ``dx[start:end] = dy[start:end] @ w[g]`` for every group g."""
+    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
+              slots_ready: SlotsReady | None = None) -> Tensor:
+        """``dx [rows, inner]`` with ``dx[start:end] = dy[start:end] @ w[g]`` for every group g; the slots'
+        weights read only after ``slots_ready.wait()``."""
         ...
 
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],

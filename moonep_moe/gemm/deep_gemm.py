@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from moonep_moe.base.sizes import BLOCK_TOKEN_PADDING
-from moonep_moe.gemm.base import _cat_groups, _check_groups
+from moonep_moe.gemm.base import SlotsReady, _cat_groups, _check_groups, wait_for
 from moonep_moe.gemm.torch_native import TorchGroupedGemm
 
 
@@ -61,10 +61,14 @@ class DeepGemmGroupedGemm:
         self._deep_gemm = import_deep_gemm()
         self._torch = TorchGroupedGemm()
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
+            slots_ready: SlotsReady | None = None) -> Tensor:
+        wait_for(slots_ready)
         return self._psum(self._deep_gemm.m_grouped_bf16_gemm_nt_contiguous, x, weights, offs_g, dim=1)
 
-    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
+              slots_ready: SlotsReady | None = None) -> Tensor:
+        wait_for(slots_ready)
         # DeepGEMM's operand b, [G, K, N] in its own letters, is w as stored: [G, cols, inner]
         nn = self._deep_gemm.m_grouped_bf16_gemm_nn_contiguous
         return self._psum(nn, dy, weights, offs_g, dim=2)

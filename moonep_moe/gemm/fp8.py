@@ -50,7 +50,7 @@ from moonep_moe.fp8.format import (
     quantise_rows,
     to_deep_gemm_row_scales,
 )
-from moonep_moe.gemm.base import GroupedGemm, _check_groups, _wgrad_parts
+from moonep_moe.gemm.base import GroupedGemm, SlotsReady, _check_groups, _wgrad_parts, wait_for
 from moonep_moe.gemm.deep_gemm import import_deep_gemm, standin_sizes
 from moonep_moe.gemm.reference import ReferenceGroupedGemm
 from moonep_moe.weights.quantised import Fp8Weights
@@ -290,16 +290,19 @@ class Fp8GroupedGemm:
         return self._dequantise_rows(q_mk, scales_mk, offs_g, dtype)
 
     def fwd(self, x: Tensor | tuple[Tensor, Tensor], weights: Sequence[Tensor] | Fp8Weights,
-            offs_g: Tensor) -> Tensor:
+            offs_g: Tensor, slots_ready: SlotsReady | None = None) -> Tensor:
         """``x``: bf16 rows (cast here), or rows already FP8 as ``(q, scales)`` (`quantise_rows`' layout,
         e.g. as a dispatch returns them)."""
+        wait_for(slots_ready)
         if isinstance(weights, Fp8Weights):
             _check_groups(weights.q, offs_g, "weights")
             return self._gemm(x, *weights.joined(), offs_g)
         _check_groups(weights, offs_g, "weights")
         return self._gemm(x, *self.weights.get(weights, transposed=False, offs_g=offs_g), offs_g)
 
-    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
+              slots_ready: SlotsReady | None = None) -> Tensor:
+        wait_for(slots_ready)
         _check_groups(weights, offs_g, "weights")
         return self._gemm(dy, *self.weights.get(weights, transposed=True, offs_g=offs_g), offs_g)
 
@@ -429,16 +432,19 @@ class ReferenceFp8Gemm:
         """As `Fp8GroupedGemm.dequantise_rows`, with the reference (every row, any device)."""
         return dequantise_rows(q_mk, scales_mk, dtype)
 
-    def fwd(self, x: Tensor | tuple[Tensor, Tensor], weights: Fp8Weights, offs_g: Tensor) -> Tensor:
+    def fwd(self, x: Tensor | tuple[Tensor, Tensor], weights: Fp8Weights, offs_g: Tensor,
+            slots_ready: SlotsReady | None = None) -> Tensor:
         """``x``: rows as given, or FP8 ``(q, scales)`` rows, dequantised exactly into bf16 (the layer's
         dtype with FP8 experts) first."""
+        wait_for(slots_ready)
         if isinstance(x, tuple):
             x = dequantise_rows(*x, torch.bfloat16)
         dequantised = [dequantise_blocks(q, scales, torch.float32)
                        for q, scales in zip(weights.q, weights.scales, strict=True)]
         return ReferenceGroupedGemm().fwd(x, dequantised, offs_g)
 
-    def dgrad(self, dy: Tensor, weights: Fp8Weights, offs_g: Tensor) -> Tensor:
+    def dgrad(self, dy: Tensor, weights: Fp8Weights, offs_g: Tensor,
+              slots_ready: SlotsReady | None = None) -> Tensor:
         raise ValueError(FORWARD_ONLY)
 
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from moonep_moe.gemm.base import OPS, _check_groups, _store, _wgrad_parts
+from moonep_moe.gemm.base import OPS, SlotsReady, _check_groups, _store, _wgrad_parts, wait_for
 
 
 def _host_segments(offs_g: Tensor) -> list[tuple[int, int]]:
@@ -38,10 +38,14 @@ class ReferenceGroupedGemm:
     ops = OPS
     joined_weights = True
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
+            slots_ready: SlotsReady | None = None) -> Tensor:
+        wait_for(slots_ready)
         return _segment_matmul(x, weights, offs_g, transpose_w=True)
 
-    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
+    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
+              slots_ready: SlotsReady | None = None) -> Tensor:
+        wait_for(slots_ready)
         return _segment_matmul(dy, weights, offs_g, transpose_w=False)
 
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],

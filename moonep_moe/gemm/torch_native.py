@@ -5,7 +5,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from moonep_moe.gemm.base import OPS, _cat_groups, _check_groups, _fresh_groups, _store_groups
+from moonep_moe.base.triton import triton_missing_reason
+from moonep_moe.gemm.base import (
+    OPS,
+    SlotsReady,
+    _cat_groups,
+    _check_groups,
+    _fresh_groups,
+    _store_groups,
+    wait_for,
+)
 
 
 class TorchGroupedGemm:
@@ -23,6 +32,11 @@ class TorchGroupedGemm:
     any group, written straight into the slot gradients); elsewhere a call over all G groups gives
     them, which computes the first n groups a second time and holds a ``[G, cols, inner]`` temporary.
 
+    With ``slots_ready`` (the slots' weights still arriving) fwd and dgrad compute the home groups first,
+    ``torch._grouped_mm`` over ``offs_g[:home_groups]``, then wait, then the slot groups into the same output
+    (`groups_from`: on CUDA the Triton kernel `moonep_moe.gemm.kernels.groups_from`, which starts at a row
+    known only on the device; elsewhere a loop over the slot groups, reading their ends on the host).
+
     A weights sequence of more than one tensor (home experts and slots apart: the arena cannot join them,
     `moonep_moe.transport.arena`) is joined with ``torch.cat`` on every call, a copy of the weights.
 
@@ -35,13 +49,13 @@ class TorchGroupedGemm:
     ops = OPS
     joined_weights = True
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        _check_groups(weights, offs_g, "weights")
-        return torch._grouped_mm(x, _cat_groups(weights).transpose(-2, -1), offs=offs_g)
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
+            slots_ready: SlotsReady | None = None) -> Tensor:
+        return _home_then_slots(x, weights, offs_g, slots_ready, transposed=True)
 
-    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        _check_groups(weights, offs_g, "weights")
-        return torch._grouped_mm(dy, _cat_groups(weights), offs=offs_g)
+    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
+              slots_ready: SlotsReady | None = None) -> Tensor:
+        return _home_then_slots(dy, weights, offs_g, slots_ready, transposed=False)
 
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
               accumulate: bool = True) -> list[Tensor]:
@@ -60,6 +74,44 @@ class TorchGroupedGemm:
             else:
                 _store_groups(torch._grouped_mm(dy.T, x, offs=offs_g)[fresh:], later, accumulate=False)
         return [made, *later]
+
+
+def _home_then_slots(a: Tensor, weights: Sequence[Tensor], offs_g: Tensor, slots_ready: SlotsReady | None,
+                     transposed: bool) -> Tensor:
+    """``a[start:end] @ w[g]^T`` (``transposed``, fwd) or ``@ w[g]`` (dgrad) per group; with ``slots_ready``
+    the home groups before the wait and the slot groups after it."""
+    _check_groups(weights, offs_g, "weights")
+    home = 0 if slots_ready is None else slots_ready.home_groups
+    if not 0 < home < offs_g.numel() or (a.is_cuda and triton_missing_reason() is not None):
+        wait_for(slots_ready)
+        joined = _cat_groups(weights)
+        return torch._grouped_mm(a, joined.transpose(-2, -1) if transposed else joined, offs=offs_g)
+    if len(weights) == 2 and weights[0].shape[0] == home:
+        home_w, slots_w = weights
+    else:  # one joined tensor (the arena's), or parts split elsewhere
+        joined = _cat_groups(weights)
+        home_w, slots_w = joined[:home], joined[home:]
+    if transposed:
+        home_w, slots_w = home_w.transpose(-2, -1), slots_w.transpose(-2, -1)
+    out = torch._grouped_mm(a, home_w, offs=offs_g[:home])  # rows past the home groups' end are not written
+    slots_ready.wait()
+    groups_from(a, slots_w, offs_g, home, out)
+    return out
+
+
+def groups_from(a_mk: Tensor, b_gkn: Tensor, offs_g: Tensor, first: int, out_mn: Tensor) -> None:
+    """``out[start:end] = a[start:end] @ b[g - first]`` for the groups ``g >= first`` (`kernels.groups_from`'s
+    contract): the Triton kernel on CUDA, a loop over the groups elsewhere (host reads of their ends)."""
+    if a_mk.is_cuda:
+        from moonep_moe.gemm.kernels.groups_from import groups_from_gemm
+
+        groups_from_gemm(a_mk, b_gkn, offs_g, first, out_mn)
+        return
+    ends = offs_g.tolist()
+    for g in range(first, len(ends)):
+        start = ends[g - 1] if g else 0
+        if ends[g] > start:
+            out_mn[start:ends[g]] = (a_mk[start:ends[g]] @ b_gkn[g - first]).to(out_mn.dtype)
 
 
 _TORCH_DTYPES = {

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from moonep_moe.base.triton import triton_missing_reason
 from moonep_moe.gemm import torch_native
-from moonep_moe.gemm.base import _wgrad_parts
+from moonep_moe.gemm.base import SlotsReady, _wgrad_parts
 from moonep_moe.gemm.torch_native import TorchGroupedGemm
 
 
@@ -31,11 +31,13 @@ class TritonGroupedGemm:
         self._wgrad = grouped_wgrad_triton
         self._torch = TorchGroupedGemm()
 
-    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        return self._torch.fwd(x, weights, offs_g)
+    def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
+            slots_ready: SlotsReady | None = None) -> Tensor:
+        return self._torch.fwd(x, weights, offs_g, slots_ready)
 
-    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor) -> Tensor:
-        return self._torch.dgrad(dy, weights, offs_g)
+    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
+              slots_ready: SlotsReady | None = None) -> Tensor:
+        return self._torch.dgrad(dy, weights, offs_g, slots_ready)
 
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
               accumulate: bool = True) -> list[Tensor]:

@@ -5,17 +5,21 @@ experts then slots).
 
 Forward, on every rank:
 1. `Buffer.dispatch`: plan from the gathered histogram, rows and route weights to their expert-grouped rows.
-2. `Buffer.prefetch_weight`: replicated experts' weights into this rank's slots. It does not wait for the
-   peers reading this rank's experts (`wait_for_readers=False`): combine's barriers order those reads.
-3. `ab = x @ gate_up^T` (one grouped GEMM for gate and up), `hw = silu(a) * b * w` (the route weight applied
+2. `Buffer.prefetch_weight`: replicated experts' weights into this rank's slots, on the comm stream
+   (`async_finish`). It does not wait for the peers reading this rank's experts (`wait_for_readers=False`):
+   combine's barriers order those reads.
+3. `ab = x @ gate_up^T` (one grouped GEMM for gate and up; the home experts' groups first, then a device-side
+   wait for the prefetch, then the slots' groups: `SlotsReady`, so the replicas' link time hides under the
+   home experts' GEMM where the backend can split it), `hw = silu(a) * b * w` (the route weight applied
    per row), `y = hw @ down^T` (grouped GEMM).
 4. `Buffer.combine`: each token's K rows summed in fp32.
 
 Backward reuses the forward plan (never plans again):
 1. `dispatch(grad_out, plan=plan, zero_copy=True)` brings the gradient to the rows (used in place, no
-   copy); `prefetch_weight` again (later layers overwrote the shared slot pool).
-2. down: `u = dy @ down` (dgrad); the fused SwiGLU backward gives `dab`, the route-weight gradient per row
-   and, recomputed in the same pass, `hw`; `dx = dab @ gate_up` (dgrad); then `dW_down = dy^T hw` (wgrad
+   copy); `prefetch_weight` again on the comm stream (later layers overwrote the shared slot pool).
+2. down: `u = dy @ down` (dgrad, the home groups while the replicas arrive, as forward's first GEMM); the
+   fused SwiGLU backward gives `dab`, the route-weight gradient per row and, recomputed in the same pass,
+   `hw`; `dx = dab @ gate_up` (dgrad); then `dW_down = dy^T hw` (wgrad
    into this step's home grads and the slot grads), dy's last reader.
 3. `combine(plan, dx, grad_w)` on the comm stream (input and route-weight gradients back to the tokens)
    beside `dW_gate_up = dab^T x` (wgrad) on the caller's: its link time can hide under the GEMM (on the
@@ -45,7 +49,7 @@ import torch
 
 from moonep_moe.base.triton import triton_missing_reason
 from moonep_moe.comm.buffer import Buffer
-from moonep_moe.gemm.base import Fp8RowsGemm, GroupedGemm
+from moonep_moe.gemm.base import Fp8RowsGemm, GroupedGemm, SlotsReady
 from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
 from moonep_moe.plan.types import MoonEPCommPlan
 from moonep_moe.weights.experts import HomeExperts, main_grad_added
@@ -65,6 +69,13 @@ class ExpertsState:
     """`MoEConfig.fp8_dispatch`: the tokens are quantised by the GEMM backend, an `Fp8RowsGemm`, and
     dispatched as FP8."""
     last_plan: MoonEPCommPlan | None = None
+    prefetch_async: bool = True
+    """Whether prefetch runs on the comm stream beside the home experts' first GEMM (True) or on the caller's
+    stream before it. The same kernels on the same inputs either way: the same results, bit for bit."""
+
+    def slots_ready(self, event) -> SlotsReady:
+        """The first GEMM's `SlotsReady`: this rank's `epn` home groups, then the slots behind `event`."""
+        return SlotsReady(self.buffer.epn, event)
 
     def __post_init__(self) -> None:
         if self.fp8_dispatch and not isinstance(self.gemm, Fp8RowsGemm):
@@ -114,10 +125,11 @@ class MoonEPExperts(torch.autograd.Function):
         gate_up_rows, down_rows = experts.rows
         # no closing barrier: this rank goes on while its peers read its replicated experts; combine's
         # barriers order those reads before anything writes the home experts (the optimizer, after the step)
-        buffer.prefetch_weight(plan, gate_up_rows, None, down_rows, experts.scales, wait_for_readers=False)
+        prefetched = buffer.prefetch_weight(plan, gate_up_rows, None, down_rows, experts.scales,
+                                            async_finish=state.prefetch_async, wait_for_readers=False)
         offs_g = compute_offsets(cu_seqlens, buffer.world.rank, buffer.epn, buffer.E)
         gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
-        ab_nv2f = gemm.fwd(x_nvsh, gate_up_w, offs_g)
+        ab_nv2f = gemm.fwd(x_nvsh, gate_up_w, offs_g, state.slots_ready(prefetched))
         hw_nvf = swiglu_weighted(ab_nv2f, w_nvs, offs_g[-1:])
         y_nvsh = gemm.fwd(hw_nvf, down_w, offs_g)
         out_sh, _, _ = buffer.combine(plan, y_nvsh)
@@ -144,9 +156,10 @@ class MoonEPExperts(torch.autograd.Function):
         # layers' steps overwrite the rows.
         dy_nvsh, *_ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None, plan=plan,
                                       zero_copy=True)
-        buffer.prefetch_weight(plan, gate_up_rows, None, down_rows, wait_for_readers=False)  # as forward
+        prefetched = buffer.prefetch_weight(plan, gate_up_rows, None, down_rows,  # as forward
+                                            async_finish=state.prefetch_async, wait_for_readers=False)
         gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
-        u_nvf = gemm.dgrad(dy_nvsh, down_w, offs_g)
+        u_nvf = gemm.dgrad(dy_nvsh, down_w, offs_g, state.slots_ready(prefetched))
         dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:])
         del u_nvf  # each activation freed after its last reader, not when backward returns: the memory
         # goes to the gradients made later in this backward (the step's peak is at gate_up's wgrad)

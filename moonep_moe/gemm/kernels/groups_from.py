@@ -1,0 +1,125 @@
+"""Triton grouped GEMM over the groups from a given one on: ``out[start:end] = a[start:end] @ b[g - first]``
+for every group ``g >= first`` of ``offs_g``, accumulated in fp32, written in ``out``'s dtype. The groups
+before ``first`` are neither read nor written.
+
+Why a kernel: the layer's first GEMM of forward (gate_up) and of backward (down's dgrad) starts on the home
+experts while the replicas' weights are still arriving in the slots (`GroupedGemm`'s ``slots_ready``).
+``torch._grouped_mm`` computes the home groups alone (``offs=offs_g[:epn]``: rows past the last given end are
+ignored), but cannot start at a row known only on the device, where the slot groups begin. This kernel does,
+with no host read.
+
+Grid: persistent, a fixed number of programs (a few per SM) looping over the tiles of the rows from the first
+group's start to the last group's end, ``BLOCK_M`` rows by ``BLOCK_N`` columns each, column tiles of one row
+block next to each other so the programs running at once share the rows in L2. Groups need no alignment: a
+row block lying across group ends is computed once per group it meets, each row stored by its own group's
+pass. A program past the last tile exits at once, so an empty slot range (no replica) costs one launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moonep_moe.base.interpreter import INTERPRETED, launching
+from moonep_moe.base.sizes import next_power_of_2
+
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PROGRAMS_PER_SM = 2
+
+
+def tiles() -> dict:
+    """Launch shape. The interpreter gets small tiles so CPU tests cover several blocks and masked tails."""
+    if INTERPRETED:
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+
+
+@triton.jit
+def _groups_from_kernel(a_ptr, b_ptr, offs_ptr, out_ptr, first, groups, n, k,
+                        stride_am, stride_bg, stride_bk, stride_bn, stride_om,
+                        GROUPS_POW2: tl.constexpr, INTERPRET_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    group_ids = tl.arange(0, GROUPS_POW2)
+    ends = tl.load(offs_ptr + group_ids, mask=group_ids < groups, other=2147483647)
+    # ends of the earlier groups picked from the vector, not loaded under a mask (the interpreter takes no
+    # scalar masks)
+    start = tl.max(tl.where(group_ids < first, ends, 0), axis=0)
+    end = tl.max(tl.where(group_ids < groups, ends, 0), axis=0)
+    blocks_n = tl.cdiv(n, BLOCK_N)
+    num_tiles = tl.cdiv(tl.maximum(end - start, 0), BLOCK_M) * blocks_n
+    # INTERPRET_TILES is 0 when compiled. Triton's interpreter (3.6) cannot loop to a device value: there it
+    # bounds the tiles on the host and the tiles past num_tiles are masked out
+    for tile in range(tl.program_id(0), INTERPRET_TILES if INTERPRET_TILES else num_tiles,
+                      tl.num_programs(0)):
+        first_row = start + (tile // blocks_n) * BLOCK_M
+        cols = (tile % blocks_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        live_cols = cols < n  # a tile past num_tiles (the interpreter's) has no live row: first_row >= end
+        rows = first_row + tl.arange(0, BLOCK_M)
+        last_row = tl.minimum(first_row + BLOCK_M, end) - 1
+        group_lo = tl.sum((ends <= first_row).to(tl.int32), axis=0)
+        group_hi = tl.sum((ends <= last_row).to(tl.int32), axis=0)
+        # the interpreter visits every group, those outside [group_lo, group_hi] masked out
+        for group in range(0 if INTERPRET_TILES else group_lo,
+                           GROUPS_POW2 if INTERPRET_TILES else tl.minimum(group_hi, groups - 1) + 1):
+            meets = (group >= group_lo) & (group <= group_hi)  # group_hi < groups: last_row < the last end
+            group_start = tl.max(tl.where(group_ids < group, ends, 0), axis=0)
+            group_end = tl.where(meets, tl.sum(tl.where(group_ids == group, ends, 0), axis=0), 0)
+            live_rows = (rows >= group_start) & (rows < group_end)
+            a_rows = a_ptr + rows.to(tl.int64)[:, None] * stride_am
+            # a group the block does not meet (the interpreter's) reads a valid weight, stores no row
+            weight = tl.minimum(tl.maximum(group - first, 0), groups - first - 1)
+            b_group = b_ptr + weight.to(tl.int64) * stride_bg + cols.to(tl.int64)[None, :] * stride_bn
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for step in range(0, tl.cdiv(k, BLOCK_K)):
+                inner = step * BLOCK_K + tl.arange(0, BLOCK_K)
+                live_k = inner < k
+                a = tl.load(a_rows + inner[None, :], mask=live_rows[:, None] & live_k[None, :], other=0.0)
+                b = tl.load(b_group + inner.to(tl.int64)[:, None] * stride_bk,
+                            mask=live_k[:, None] & live_cols[None, :], other=0.0)
+                if INTERPRET_TILES:  # the interpreter's numpy cannot multiply bf16: widened (exact)
+                    a, b = a.to(tl.float32), b.to(tl.float32)
+                acc = tl.dot(a, b, acc)
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=live_rows[:, None] & live_cols[None, :])
+
+
+def groups_from_gemm(a_mk: torch.Tensor, b_gkn: torch.Tensor, offs_g: torch.Tensor, first: int,
+                     out_mn: torch.Tensor) -> None:
+    """``out[start:end] = a[start:end] @ b[g - first]`` for every group ``g >= first``; other rows untouched.
+
+    Args:
+        a_mk: ``[rows, k]`` bf16/fp16, contiguous rows.
+        b_gkn: ``[G - first, k, n]`` of a's dtype, any strides (a forward's ``w.transpose(-2, -1)`` of
+            ``w [G - first, n, k]``, or a dgrad's ``w`` itself).
+        offs_g: int32 ``[G]`` group ends on the device (no host read); groups need no alignment.
+        first: the first group computed; the rows before its start are not read or written.
+        out_mn: ``[rows, n]`` (bf16, fp16 or fp32) with contiguous rows.
+    """
+    rows, k = a_mk.shape
+    n = b_gkn.shape[2]
+    groups = offs_g.numel()
+    if a_mk.dtype not in (torch.bfloat16, torch.float16) or b_gkn.dtype != a_mk.dtype:
+        raise ValueError(f"a and b must both be bfloat16 or float16, got {a_mk.dtype} and {b_gkn.dtype}")
+    if a_mk.stride(1) != 1 or b_gkn.dim() != 3 or b_gkn.shape[1] != k:
+        raise ValueError(f"a [rows, k] with contiguous rows and b [G - first, k, n] must share k, got "
+                         f"{list(a_mk.shape)} strides {a_mk.stride()} and {list(b_gkn.shape)}")
+    if offs_g.dtype != torch.int32 or offs_g.dim() != 1 or b_gkn.shape[0] != groups - first or first < 0:
+        raise ValueError(f"offs_g must be int32 [G] with G - first ({groups} - {first}) = b's groups "
+                         f"({b_gkn.shape[0]}), got {offs_g.dtype} {list(offs_g.shape)}")
+    if out_mn.dtype not in OUT_DTYPES or tuple(out_mn.shape) != (rows, n) or out_mn.stride(1) != 1:
+        raise ValueError(f"out must be [{rows}, {n}] of {OUT_DTYPES} with contiguous rows, got "
+                         f"{out_mn.dtype} {list(out_mn.shape)}")
+    if not (rows and n and groups > first):
+        return
+    launch = tiles()
+    if INTERPRETED:
+        programs = 2
+        bound = triton.cdiv(rows, launch["BLOCK_M"]) * triton.cdiv(n, launch["BLOCK_N"])
+    else:
+        programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(a_mk.device).multi_processor_count
+        bound = 0
+    with launching():
+        _groups_from_kernel[(programs,)](a_mk, b_gkn, offs_g, out_mn, first, groups, n, k, a_mk.stride(0),
+                                         *b_gkn.stride(), out_mn.stride(0),
+                                         GROUPS_POW2=next_power_of_2(groups), INTERPRET_TILES=bound, **launch)

@@ -1,0 +1,84 @@
+"""The Triton GEMM over the groups from a given one on (the slot groups the layer computes once the replicas'
+weights have arrived) against a float64 reference, on random, skewed, empty and unaligned segments.
+
+Products of bf16 values are exact in fp32, so the kernel differs from float64 only by fp32 sums and the
+output's rounding: a row taken from the wrong group, a group's weight swapped, or a row of an earlier group
+written fails. Rows before the first computed group and past the last end hold a sentinel that must survive.
+On CPU the kernel runs in Triton's interpreter (small tiles: several tiles per group, row blocks across group
+ends, masked tails); the GPU cases use DeepSeek-V3's expert shapes.
+"""
+
+import pytest
+import torch
+
+from moonep_moe.gemm.kernels.groups_from import groups_from_gemm
+
+SENTINEL = 7.0
+SIZES_G = [3, 40, 0, 5, 0, 1, 37, 0, 18, 2]  # home groups, then slots: empty, 1-row, unaligned
+TAIL = 6
+
+
+def offsets(sizes_g: list[int], device) -> torch.Tensor:
+    return torch.tensor(sizes_g, dtype=torch.int32, device=device).cumsum(0).int()
+
+
+def expected(a_mk, b_gkn, sizes_g, first, out_mn) -> torch.Tensor:
+    want = out_mn.double().clone()
+    ends = torch.tensor(sizes_g).cumsum(0).tolist()
+    for g in range(first, len(sizes_g)):
+        start = ends[g - 1] if g else 0
+        want[start:ends[g]] = a_mk[start:ends[g]].double() @ b_gkn[g - first].double()
+    return want
+
+
+def run_case(sizes_g, first, n, k, device, transposed: bool, out_dtype=torch.bfloat16):
+    rows = sum(sizes_g) + TAIL
+    a_mk = torch.randn(rows, k, device=device).bfloat16()
+    groups = len(sizes_g) - first
+    if transposed:  # a forward: w [G, n, k] passed as its transpose
+        b_gkn = torch.randn(groups, n, k, device=device).bfloat16().transpose(-2, -1)
+    else:
+        b_gkn = torch.randn(groups, k, n, device=device).bfloat16()
+    out_mn = torch.full((rows, n), SENTINEL, device=device, dtype=out_dtype)
+    want = expected(a_mk, b_gkn, sizes_g, first, out_mn)
+    groups_from_gemm(a_mk, b_gkn, offsets(sizes_g, device), first, out_mn)
+    tol = 2 ** -7 if out_dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out_mn.double(), want, rtol=tol, atol=tol * k ** 0.5)
+    return out_mn
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("first", [0, 3, 6, 10], ids=["all", "from-3", "from-6", "none"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["dgrad", "fwd"])
+def test_groups_from_matches_the_reference_and_leaves_earlier_rows(first, transposed):
+    torch.manual_seed(first)
+    out = run_case(SIZES_G, first, n=40, k=48, device="cpu", transposed=transposed)
+    start = sum(SIZES_G[:first])
+    assert bool((out[:start] == SENTINEL).all()) and bool((out[-TAIL:] == SENTINEL).all())
+
+
+@pytest.mark.interpreter
+def test_groups_from_writes_fp32():
+    torch.manual_seed(1)
+    run_case(SIZES_G, 4, n=33, k=20, device="cpu", transposed=True, out_dtype=torch.float32)
+
+
+def test_groups_from_refuses_a_weight_count_that_does_not_match():
+    with pytest.raises(ValueError, match="G - first"):
+        rows = torch.zeros(4, 8, dtype=torch.bfloat16)
+        groups_from_gemm(rows, torch.zeros(3, 8, 8, dtype=torch.bfloat16),
+                         torch.tensor([1, 2, 3, 4], dtype=torch.int32), 2, rows.clone())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("skew", [0.0, 3.0], ids=["uniform", "skewed"])
+@pytest.mark.parametrize(("n", "k", "transposed"), [(4096, 7168, True), (7168, 2048, False)],
+                         ids=["gate_up-fwd", "down-dgrad"])
+def test_groups_from_on_deepseek_shapes(skew, n, k, transposed):
+    """32 home groups and 8 slots of one EP=8 rank (65536 routes), sizes uniform or skewed, some empty."""
+    torch.manual_seed(0)
+    weights = torch.rand(40, dtype=torch.float64) ** (1 + skew)
+    sizes = (weights / weights.sum() * 65536).long()
+    sizes[[33, 36]] = 0
+    out = run_case(sizes.tolist(), 32, n, k, "cuda", transposed)
+    assert bool((out[:int(sizes[:32].sum())] == SENTINEL).all())

@@ -1,0 +1,122 @@
+"""Prefetch beside the home experts' first GEMM (`ExpertsState.prefetch_async`, `gemm.base.SlotsReady`): the
+replicas' weights arrive on the comm stream while gate_up's forward GEMM (and down's dgrad in backward) runs
+over the home experts' groups; a device-side wait, then the slot groups.
+
+On one GPU, one EP rank whose slots a plan fills (`bench.layer.as_ep_rank`: its prefetch stands in local
+copies of the same bytes, on the Buffer's comm stream as the real one runs). The comm stream is held back
+(`torch.cuda._sleep`) and the slots are NaN before each prefetch, so a GEMM that read a slot before its
+weights arrived would show. Checked: output and every gradient bit-identical to the same layer prefetching on
+the caller's stream before the GEMM, and a profiler trace in which the home experts' GEMM runs while the
+copies are still to come and the slot groups' GEMM after them. The trace (`prefetch-overlap-{phase}.json`)
+is written under `$MOONEP_BENCH_OUT` when set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from moonep_moe.config import MoEConfig
+from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.transport.threads import single_world
+
+pytestmark = pytest.mark.gpu
+
+EPN, TOKENS, HIDDEN, FFN, TOP_K = 4, 2048, 2048, 1024, 4
+GEMM_KERNEL = re.compile(r"gemm|cutlass|nvjet|xmma", re.IGNORECASE)
+OURS = re.compile(r"wgrad|groups_from|swiglu", re.IGNORECASE)
+DELAY_CYCLES = 20_000_000  # ~10 ms at the H200's clock: far longer than the rank's GEMMs here
+
+
+def rank_layer(prefetch_async: bool) -> MoonEPMoELayer:
+    from bench.layer import RankPlan, as_ep_rank
+
+    routes = TOKENS * TOP_K
+    plan = RankPlan(ranks=2, rank=0, home_routes=(routes // 4, routes // 4, 0, routes // 8),
+                    slot_routes=(0, routes // 4, 0, routes // 8), maxvio=1.0, sigma=0.1)
+    cfg = MoEConfig(hidden_size=HIDDEN, ffn_hidden_size=FFN, num_experts=2 * EPN, top_k=TOP_K,
+                    max_tokens_per_rank=TOKENS, dtype="bfloat16", grouped_gemm="torch")
+    torch.manual_seed(0)
+    layer = as_ep_rank(MoonEPMoELayer(cfg, single_world("cuda")), EPN, plan)
+    layer._state.prefetch_async = prefetch_async
+    return layer
+
+
+def stale_slots_and_late_comm(layer: MoonEPMoELayer) -> None:
+    """Slots NaN (what a read before the prefetch's wait would see) and the comm stream busy for a while."""
+    for rows in layer.experts.rows:
+        rows.slots.local.fill_(float("nan"))
+    with torch.cuda.stream(layer._state.buffer.inner._comm_stream()):
+        torch.cuda._sleep(DELAY_CYCLES)
+
+
+def step(layer: MoonEPMoELayer) -> list[torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    grad = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+    stale_slots_and_late_comm(layer)
+    out = layer(x)
+    stale_slots_and_late_comm(layer)
+    out.backward(grad)
+    torch.cuda.synchronize()
+    return [out, x.grad, layer.experts.gate_up.grad, layer.experts.down.grad]
+
+
+def test_prefetch_beside_the_home_gemm_is_bit_identical_to_prefetch_before_it():
+    results = {}
+    for prefetch_async in (False, True):
+        layer = rank_layer(prefetch_async)
+        results[prefetch_async] = step(layer)
+        layer.destroy()
+    for name, serial, overlapped in zip(("out", "grad_x", "grad_gate_up", "grad_down"), results[False],
+                                        results[True], strict=True):
+        assert torch.isfinite(serial).all(), name
+        assert torch.equal(serial, overlapped), f"{name} differs with the prefetch beside the home GEMM"
+
+
+def device_events(trace: dict) -> list[dict]:
+    """Kernels and copies of a chrome trace: `name`, `stream`, `start`, `end` (us)."""
+    return [dict(name=e["name"], stream=e["args"]["stream"], start=e["ts"], end=e["ts"] + e["dur"])
+            for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")]
+
+
+def test_profiler_trace_shows_the_home_gemm_running_while_the_replicas_arrive(tmp_path):
+    """Forward and backward each: the first grouped GEMM over the home experts (`torch._grouped_mm`, CUTLASS)
+    starts before the slots' copies on the comm stream end, and the slot groups' GEMM (`groups_from`) starts
+    after them."""
+    layer = rank_layer(prefetch_async=True)
+    step(layer)  # kernels built, pools allocated
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    out_dir = Path(os.environ.get("MOONEP_BENCH_OUT") or tmp_path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = None
+    for phase in ("forward", "backward"):
+        stale_slots_and_late_comm(layer)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            if phase == "forward":
+                out = layer(x)
+            else:
+                out.backward(torch.ones_like(out))
+            torch.cuda.synchronize()
+        path = out_dir / f"prefetch-overlap-{phase}.json"
+        prof.export_chrome_trace(str(path))
+        events = device_events(json.loads(path.read_text()))
+        home = [e for e in events if GEMM_KERNEL.search(e["name"]) and not OURS.search(e["name"])]
+        slots = [e for e in events if "groups_from" in e["name"]]
+        # the stand-in prefetch's copies: on another stream than the GEMMs'
+        gemm_streams = {e["stream"] for e in slots}
+        copies = [e for e in events if "Memcpy" in e["name"] and e["stream"] not in gemm_streams]
+        assert copies and home and slots, f"{phase}: copies, home GEMM or slot GEMM missing in {path}"
+        arrived = max(e["end"] for e in copies)
+        first_home = min(home, key=lambda e: e["start"])
+        assert first_home["start"] < arrived, f"{phase}: the home GEMM waited for the replicas ({path})"
+        assert min(e["start"] for e in slots) >= arrived, f"{phase}: slot GEMM before the replicas ({path})"
+        print(f"{phase}: the home GEMM started {arrived - first_home['start']:.0f} us before the replicas "
+              "arrived")
+    layer.destroy()
