@@ -85,7 +85,7 @@ def _groups_from_kernel(a_ptr, b_ptr, offs_ptr, out_ptr, first, groups, n, k,
 
 
 def groups_from_gemm(a_mk: torch.Tensor, b_gkn: torch.Tensor, offs_g: torch.Tensor, first: int,
-                     out_mn: torch.Tensor) -> None:
+                     out_mn: torch.Tensor, launch: dict | None = None) -> None:
     """``out[start:end] = a[start:end] @ b[g - first]`` for every group ``g >= first``; other rows untouched.
 
     Args:
@@ -95,6 +95,8 @@ def groups_from_gemm(a_mk: torch.Tensor, b_gkn: torch.Tensor, offs_g: torch.Tens
         offs_g: int32 ``[G]`` group ends on the device (no host read); groups need no alignment.
         first: the first group computed; the rows before its start are not read or written.
         out_mn: ``[rows, n]`` (bf16, fp16 or fp32) with contiguous rows.
+        launch: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages`` instead of `tiles` (a
+            bench's sweep).
     """
     rows, k = a_mk.shape
     n = b_gkn.shape[2]
@@ -112,7 +114,7 @@ def groups_from_gemm(a_mk: torch.Tensor, b_gkn: torch.Tensor, offs_g: torch.Tens
                          f"{out_mn.dtype} {list(out_mn.shape)}")
     if not (rows and n and groups > first):
         return
-    launch = tiles()
+    launch = tiles() if launch is None else launch
     if INTERPRETED:
         programs = 2
         bound = triton.cdiv(rows, launch["BLOCK_M"]) * triton.cdiv(n, launch["BLOCK_N"])
