@@ -143,6 +143,7 @@ from bench.rank_replay import (
 )
 from bench.skew import skewed_routing
 from moonep_moe.config import MoEConfig, load_config
+from moonep_moe.gemm.base import SlotsReady
 from moonep_moe.layers.function import compute_offsets
 from moonep_moe.layers.moe import MoonEPMoELayer
 from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
@@ -362,11 +363,12 @@ def expert_block(layer: MoonEPMoELayer, cu_seqlens: torch.Tensor) -> list[float]
         return result
 
     with torch.no_grad():
-        # the first GEMMs split as the layer splits them (home groups, then slots; nothing to wait for here)
-        ab_nv2f = timed(lambda: gemm.fwd(x_nvsh, gate_up_w, offs_g, state.slots_ready(None)))
+        # the first GEMMs split where the layer splits them (home groups, then slots; nothing to wait for)
+        slots_ready = SlotsReady(buffer.epn) if state.overlap_prefetch else None
+        ab_nv2f = timed(lambda: gemm.fwd(x_nvsh, gate_up_w, offs_g, slots_ready))
         hw_nvf = timed(lambda: swiglu_weighted(ab_nv2f, w_nvs, offs_g[-1:]))
         timed(lambda: gemm.fwd(hw_nvf, down_w, offs_g))
-        u_nvf = timed(lambda: gemm.dgrad(x_nvsh, down_w, offs_g, state.slots_ready(None)))
+        u_nvf = timed(lambda: gemm.dgrad(x_nvsh, down_w, offs_g, slots_ready))
         dab_nv2f, _, hw_nvf = timed(lambda: swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:]))
         timed(lambda: gemm.dgrad(dab_nv2f, gate_up_w, offs_g))
         timed(lambda: gemm.wgrad(x_nvsh, hw_nvf, offs_g, (None, down_slots), False))
@@ -1035,7 +1037,8 @@ def plot(tables: list[dict], path: Path) -> None:
 def run_group(group: Group, args: argparse.Namespace, device: torch.device, record: dict,
               say: Callable[[str], None]) -> dict:
     """Every policy's ranks and the torch-native baseline of one group (module docstring): its table."""
-    cfgs = {policy: group.config(policy) for policy in args.policies}
+    cfgs = {policy: group.config(policy).model_copy(update={"overlap_prefetch": args.overlap_prefetch})
+            for policy in args.policies}
     cfg = next(iter(cfgs.values()))
     hidden, grads = group_inputs(cfg, args.seed, device)
     weight_dtype = torch.promote_types(cfg.torch_dtype, torch.float32)
@@ -1114,6 +1117,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-compile", action="store_true", help="skip torch-native's torch.compile")
     parser.add_argument("--profile", action="store_true",
                         help="also one step's kernels of exact's busiest rank at the last maxvio, per group")
+    parser.add_argument("--overlap-prefetch", action="store_true",
+                        help="our layers with MoEConfig.overlap_prefetch (record: ep-group-overlap-...)")
     parser.add_argument("--smoke", action="store_true",
                         help=f"CPU, tiny shapes ({SMOKE}), one step per rank: every code path, no timing")
     parser.add_argument("--out", default=None,
@@ -1147,12 +1152,12 @@ def main(argv: list[str] | None = None) -> None:
     setup = {"groups": [g.label for g in args.groups], "policies": args.policies, "maxvio": args.maxvio,
              "warmup": args.warmup, "repeat": args.repeat, "seed": args.seed, "smoke": args.smoke,
              "link": {"bytes_per_s": NVLINK_BYTES_PER_S, "source": NVLINK_SOURCE}, "left_out": LEFT_OUT,
-             "per_rank_step": PER_RANK_STEP, "spread": SPREAD}
+             "per_rank_step": PER_RANK_STEP, "spread": SPREAD, "overlap_prefetch": args.overlap_prefetch}
     record = {"setup": setup,
               "targets": [], "targets_local": []}
     if args.profile:
         record["profile"] = {}
-    name = "ep-group-smoke" if args.smoke else "ep-group"
+    name = ("ep-group-smoke" if args.smoke else "ep-group") + ("-overlap" if args.overlap_prefetch else "")
     tables: list[dict] = []
     for group in args.groups:
         tables.append(run_group(group, args, device, record, say))

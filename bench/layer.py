@@ -472,7 +472,8 @@ def as_ep_rank(layer: MoonEPMoELayer, epn: int, plan: RankPlan | None = None) ->
     layer.experts = rank
     state = layer._state
     used = None if plan is None else plan.used_slots
-    layer._state = ExpertsState(RankOfEPBuffer(layer.buffer, epn, used), rank, state.gemm, state.main_grad)
+    layer._state = ExpertsState(RankOfEPBuffer(layer.buffer, epn, used), rank, state.gemm, state.main_grad,
+                                overlap_prefetch=state.overlap_prefetch)
     if plan is not None:
         topk_sk = planned_topk(plan, cfg.max_tokens_per_rank, cfg.top_k).to(world.device)
         counts_e = torch.bincount(topk_sk.flatten().long(), minlength=2 * epn).to(torch.int32)

@@ -244,6 +244,20 @@ def test_smoke_run_writes_the_record_plot_and_table(tmp_path, capsys):
     assert "PASS" in out or "MISS" in out
 
 
+def test_smoke_run_with_the_prefetch_overlapped_records_it(tmp_path):
+    """`--overlap-prefetch`: our layers split their first GEMMs (the torch backend's home groups, the wait,
+    the slot groups): every code path runs, the record says so and each rank's row carries the time its
+    prefetches hid under."""
+    main(["--smoke", "--groups", "deepseek-v3:8", "--maxvio", "20", "--policies", "exact", "--out",
+          str(tmp_path), "--overlap-prefetch"])
+    [record_path] = tmp_path.glob("ep-group-smoke-overlap-cpu-*.json")
+    record = json.loads(record_path.read_text())
+    assert record["setup"]["overlap_prefetch"] is True
+    [run] = record["results"][0]["policies"]["exact"]
+    assert all(len(r["prefetch_hidden_ms"]) == 2 for r in run["ranks"])
+    assert sum(r["slots_used"] for r in run["ranks"]) > 0, "maxvio 20: the plan fills slots"
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--repeat", "4"], "--repeat must be >= 5"),
     (["--smoke", "--groups", "kimi-k2:5"], "--groups kimi-k2:5"),

@@ -5,19 +5,19 @@ experts then slots).
 
 Forward, on every rank:
 1. `Buffer.dispatch`: plan from the gathered histogram, rows and route weights to their expert-grouped rows.
-2. `Buffer.prefetch_weight`: replicated experts' weights into this rank's slots, on the comm stream
-   (`async_finish`). It does not wait for the peers reading this rank's experts (`wait_for_readers=False`):
-   combine's barriers order those reads.
-3. `ab = x @ gate_up^T` (one grouped GEMM for gate and up; the home experts' groups first, then a device-side
-   wait for the prefetch, then the slots' groups: `SlotsReady`, so the replicas' link time hides under the
-   home experts' GEMM where the backend can split it), `hw = silu(a) * b * w` (the route weight applied
-   per row), `y = hw @ down^T` (grouped GEMM).
+2. `Buffer.prefetch_weight`: replicated experts' weights into this rank's slots (with
+   `MoEConfig.overlap_prefetch` on the comm stream). It does not wait for the peers reading this rank's
+   experts (`wait_for_readers=False`): combine's barriers order those reads.
+3. `ab = x @ gate_up^T` (one grouped GEMM for gate and up; with `overlap_prefetch` the home experts' groups
+   first, then a device-side wait for the prefetch, then the slots' groups: `SlotsReady`, so the replicas'
+   link time hides under the home experts' GEMM where the backend can split it), `hw = silu(a) * b * w`
+   (the route weight applied per row), `y = hw @ down^T` (grouped GEMM).
 4. `Buffer.combine`: each token's K rows summed in fp32.
 
 Backward reuses the forward plan (never plans again):
 1. `dispatch(grad_out, plan=plan, zero_copy=True)` brings the gradient to the rows (used in place, no
-   copy); `prefetch_weight` again on the comm stream (later layers overwrote the shared slot pool).
-2. down: `u = dy @ down` (dgrad, the home groups while the replicas arrive, as forward's first GEMM); the
+   copy); `prefetch_weight` again (later layers overwrote the shared slot pool).
+2. down: `u = dy @ down` (dgrad; with `overlap_prefetch` split as forward's first GEMM); the
    fused SwiGLU backward gives `dab`, the route-weight gradient per row and, recomputed in the same pass,
    `hw`; `dx = dab @ gate_up` (dgrad); then `dW_down = dy^T hw` (wgrad
    into this step's home grads and the slot grads), dy's last reader.
@@ -69,13 +69,18 @@ class ExpertsState:
     """`MoEConfig.fp8_dispatch`: the tokens are quantised by the GEMM backend, an `Fp8RowsGemm`, and
     dispatched as FP8."""
     last_plan: MoonEPCommPlan | None = None
-    prefetch_async: bool = True
-    """Whether prefetch runs on the comm stream beside the home experts' first GEMM (True) or on the caller's
-    stream before it. The same kernels on the same inputs either way: the same results, bit for bit."""
+    overlap_prefetch: bool = False
+    """`MoEConfig.overlap_prefetch`: prefetch on the comm stream beside the home experts' groups of the first
+    GEMM, which then waits and computes the slot groups (`SlotsReady`); else prefetch on the caller's stream,
+    then one GEMM over every group."""
 
-    def slots_ready(self, event) -> SlotsReady:
-        """The first GEMM's `SlotsReady`: this rank's `epn` home groups, then the slots behind `event`."""
-        return SlotsReady(self.buffer.epn, event)
+    def prefetch(self, plan: MoonEPCommPlan, *scales) -> SlotsReady | None:
+        """This step's prefetch of the replicas' weights (FP8 `scales` with them, forward), and the first
+        GEMM's `SlotsReady` (None without overlap)."""
+        gate_up_rows, down_rows = self.experts.rows
+        event = self.buffer.prefetch_weight(plan, gate_up_rows, None, down_rows, *scales,
+                                            async_finish=self.overlap_prefetch, wait_for_readers=False)
+        return SlotsReady(self.buffer.epn, event) if self.overlap_prefetch else None
 
     def __post_init__(self) -> None:
         if self.fp8_dispatch and not isinstance(self.gemm, Fp8RowsGemm):
@@ -122,14 +127,12 @@ class MoonEPExperts(torch.autograd.Function):
         else:
             x_nvsh, w_nvs, cu_seqlens, plan = buffer.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
                                                               tokens_per_expert)
-        gate_up_rows, down_rows = experts.rows
         # no closing barrier: this rank goes on while its peers read its replicated experts; combine's
         # barriers order those reads before anything writes the home experts (the optimizer, after the step)
-        prefetched = buffer.prefetch_weight(plan, gate_up_rows, None, down_rows, experts.scales,
-                                            async_finish=state.prefetch_async, wait_for_readers=False)
+        slots_ready = state.prefetch(plan, experts.scales)
         offs_g = compute_offsets(cu_seqlens, buffer.world.rank, buffer.epn, buffer.E)
         gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
-        ab_nv2f = gemm.fwd(x_nvsh, gate_up_w, offs_g, state.slots_ready(prefetched))
+        ab_nv2f = gemm.fwd(x_nvsh, gate_up_w, offs_g, slots_ready)
         hw_nvf = swiglu_weighted(ab_nv2f, w_nvs, offs_g[-1:])
         y_nvsh = gemm.fwd(hw_nvf, down_w, offs_g)
         out_sh, _, _ = buffer.combine(plan, y_nvsh)
@@ -143,7 +146,6 @@ class MoonEPExperts(torch.autograd.Function):
         *x_parts, ab_nv2f, w_nvs, offs_g = ctx.saved_tensors
         plan, state = ctx.plan, ctx.state
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
-        gate_up_rows, down_rows = experts.rows
         # zero_copy: dy is the Buffer's own rows, not a [NvS, H] copy of them. They stay dy until this
         # backward's combine, which is queued after dy's last reader (the down wgrad: the comm stream first
         # waits for this stream's queued work) and is the first to overwrite them (with dx): only dispatch and
@@ -156,10 +158,9 @@ class MoonEPExperts(torch.autograd.Function):
         # layers' steps overwrite the rows.
         dy_nvsh, *_ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None, plan=plan,
                                       zero_copy=True)
-        prefetched = buffer.prefetch_weight(plan, gate_up_rows, None, down_rows,  # as forward
-                                            async_finish=state.prefetch_async, wait_for_readers=False)
+        slots_ready = state.prefetch(plan)  # as forward
         gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
-        u_nvf = gemm.dgrad(dy_nvsh, down_w, offs_g, state.slots_ready(prefetched))
+        u_nvf = gemm.dgrad(dy_nvsh, down_w, offs_g, slots_ready)
         dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:])
         del u_nvf  # each activation freed after its last reader, not when backward returns: the memory
         # goes to the gradients made later in this backward (the step's peak is at gate_up's wgrad)

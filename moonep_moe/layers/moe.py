@@ -325,7 +325,8 @@ class MoonEPMoELayer(nn.Module):
         self._buffer_given_back = False
         if config.expert_weights == "fp8":  # FP8 GEMMs on the weights as stored; no weight gradients
             gemm = fp8_weights_gemm(config.grouped_gemm, device, dtype, config.token_padding, world.rank)
-            self._state = ExpertsState(self.buffer, self.experts, gemm, fp8_dispatch=config.fp8_dispatch)
+            self._state = ExpertsState(self.buffer, self.experts, gemm, fp8_dispatch=config.fp8_dispatch,
+                                       overlap_prefetch=config.overlap_prefetch)
             return
         main_grad = config.expert_grad_dtype == "main_grad"
         grad_dtype = torch.promote_types(dtype, torch.float32) if main_grad else dtype
@@ -337,7 +338,8 @@ class MoonEPMoELayer(nn.Module):
                                    token_padding=config.token_padding, problem=problem, world=world)
         if config.precision == "fp8":  # fwd and dgrad in FP8; the backend selected above keeps wgrad
             gemm = fp8_grouped_gemm(gemm, device, dtype, config.token_padding, world.rank, config.fp8_wgrad)
-        self._state = ExpertsState(self.buffer, self.experts, gemm, main_grad, config.fp8_dispatch)
+        self._state = ExpertsState(self.buffer, self.experts, gemm, main_grad, config.fp8_dispatch,
+                                   overlap_prefetch=config.overlap_prefetch)
 
     def _release_comm(self) -> None:
         """Give the comm memory back to the world (the Buffer's and the home experts' registrations)."""
