@@ -260,7 +260,7 @@ class MoEConfig(CommConfig):
             "slot groups (a Triton GEMM that starts at a row known only on the device; the torch backends). "
             "Takes the replicas' link time off the step where the home GEMM outlasts it. Default False: on "
             "the H200 the slot groups' Triton GEMM runs at about 0.7 of torch._grouped_mm's rate, which at "
-            "high routing skew (many slot rows) costs more than the link time saved (docs/performance.md). "
+            "high routing skew (many slot rows) costs more than the link time saved (docs/gpu.md). "
             "Bit-identical to prefetching on the caller's stream before the same split GEMM."
         ),
     )
