@@ -6,7 +6,8 @@ The interpreter runs a kernel as Python, so code that the compiler rejects can p
 every one-rank dispatch on the H200 ("cannot cast fp32[] to pointer<bf16>") while the interpreter ran it; the
 one-program decode plan passed the interpreter and Triton 3.9 and crashed Triton 3.6's TritonGPU coalescing
 pass (an LLVM assertion) on the H200. Here every launcher of the comm row kernels, the planner, the
-histogram, the SwiGLU and the FP8 casts, and the grouped wgrad kernel (one autotuner tile), is called on
+histogram, the SwiGLU and the FP8 casts, the grouped wgrad kernel (one autotuner tile) and the slot groups'
+GEMM, is called on
 small CPU tensors, in each variant it has (one rank or several, with and without route weights, bf16 and
 fp32 rows, FP8 dispatch's packed uint8 rows, the FP8 casts' orientations), with the kernels' `[grid]` launch
 replaced by a recorder; each recorded launch (its real argument types, constexpr values and warps) is then
@@ -242,6 +243,23 @@ def wgrad_launches() -> None:
     current = "zero_filled_groups"
     wgrad.zero_filled_groups(torch.zeros(2, 64, 96), offs)
 
+def groups_from_launches() -> None:
+    """The slot groups' GEMM at its sm90 launch shape: bf16 and fp32 outputs (a forward's transposed weights
+    and a dgrad's differ in stride values only)."""
+    global current
+    from moonep_moe.base.sizes import next_power_of_2
+    from moonep_moe.gemm.kernels import groups_from
+
+    offs = torch.tensor([128, 200, 256], dtype=torch.int32)
+    a, b = torch.zeros(256, 96, dtype=torch.bfloat16), torch.zeros(2, 96, 64, dtype=torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float32):
+        current = f"groups_from out {TYPES[dtype]}"
+        out = torch.zeros(256, 64, dtype=dtype)
+        groups_from._groups_from_kernel[(1,)](a, b, offs, out, 1, 3, 64, 96, a.stride(0), *b.stride(),
+                                              out.stride(0), GROUPS_POW2=next_power_of_2(3),
+                                              INTERPRET_TILES=0, **groups_from.tiles())
+
+
 current = ""
 
 
@@ -252,6 +270,7 @@ def main() -> int:
     swiglu_launches()
     fp8_launches()
     wgrad_launches()
+    groups_from_launches()
     failed = 0
     for what, kernel, args, kwargs in launches:
         try:
