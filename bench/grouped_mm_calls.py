@@ -105,6 +105,15 @@ class GroupedMMRecorder(TorchDispatchMode):
         return out
 
 
+def step_calls(layer, x_th: torch.Tensor, grad_th: torch.Tensor) -> list[dict]:
+    """The `GroupedMMRecorder` calls of one `bench.layer.step` of `layer`, in call order (its gradients left
+    as the step made them)."""
+    recorder = GroupedMMRecorder()
+    with recorder:
+        step(layer, x_th, grad_th)
+    return recorder.calls
+
+
 def run_call(call: dict) -> torch.Tensor:
     """The recorded call made again: the same overload on the same tensors and arguments."""
     return call["func"](call["a"], call["b"], **call["kwargs"])
@@ -167,11 +176,16 @@ def profiled_call_ms(steps: list[list[tuple[str, float]]], num_calls: int) -> di
 
 
 def grouped_kernel_ms(kernels: list[tuple[str, float]]) -> list[float]:
-    """The device ms of each grouped GEMM of a step's `[(kernel, ms)]` (launch order): the kernel launched
-    right after each `prepare_grouped_gemm_data` (`torch._grouped_mm` on CUDA launches that one, then its
-    CUTLASS kernel)."""
-    return [kernels[i + 1][1] for i, (name, _) in enumerate(kernels[:-1])
-            if "prepare_grouped_gemm_data" in name]
+    """The device ms of each grouped GEMM of a step's `[(kernel, ms)]` (launch order)
+    (`grouped_kernel_positions`)."""
+    return [kernels[i][1] for i in grouped_kernel_positions(kernels)]
+
+
+def grouped_kernel_positions(kernels: list[tuple[str, float]]) -> list[int]:
+    """Where each grouped GEMM is in a step's `[(kernel, ms)]` (launch order): the kernel launched right after
+    each `prepare_grouped_gemm_data` (`torch._grouped_mm` on CUDA launches that one, then its CUTLASS
+    kernel)."""
+    return [i + 1 for i, (name, _) in enumerate(kernels[:-1]) if "prepare_grouped_gemm_data" in name]
 
 
 def describe(t: torch.Tensor) -> dict:
@@ -293,12 +307,9 @@ def record_step(name: str, layer, x_th: torch.Tensor, grad_th: torch.Tensor, hid
     print(f"{name}: {len(kernels)} GEMM kernels in one step, {sum(ms for _, ms in kernels):.2f} ms:")
     for kernel, ms in kernels:
         print(f"    {ms:7.3f} ms  {kernel[:120]}")
-    recorder = GroupedMMRecorder()
-    with recorder:
-        step(layer, x_th, grad_th)
+    calls = step_calls(layer, x_th, grad_th)
     torch.cuda.synchronize()
     layer.zero_grad(set_to_none=True)  # the calls keep what they read; the gradients are not needed
-    calls = recorder.calls
     in_step, note = profiled_call_ms(profiled, len(calls)), None
     if in_step is None:
         counts = sorted({len(grouped_kernel_ms(step_kernels)) for step_kernels in profiled})

@@ -296,24 +296,26 @@ def native_grouped_swiglu(x_nh: torch.Tensor, weight_n: torch.Tensor, offs_e: to
     return torch._grouped_mm(h_nf, down.transpose(-2, -1), offs=offs_e)
 
 
-def layer_weights(hidden: int, ffn: int, experts: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Both layers' weights under our checkpoint names, drawn on the GPU from `seed` (the same every call):
-    `router.weight` fp32 `[E, H]`, `experts.gate_up_proj` bf16 `[E, 2H', H]`, `experts.down_proj` bf16
-    `[E, H, H']`, each normal with variance 1 / fan-in."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+def layer_weights(hidden: int, ffn: int, experts: int, seed: int = 0,
+                  device: torch.device | str = "cuda") -> dict[str, torch.Tensor]:
+    """Both layers' weights under our checkpoint names, drawn on `device` (the GPU; "cpu" for smoke runs and
+    tests) from `seed` (the same every call): `router.weight` fp32 `[E, H]`, `experts.gate_up_proj` bf16
+    `[E, 2H', H]`, `experts.down_proj` bf16 `[E, H, H']`, each normal with variance 1 / fan-in."""
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def draw(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen).div_(math.sqrt(shape[-1]))
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen).div_(math.sqrt(shape[-1]))
 
     return {"router.weight": draw(experts, hidden, dtype=torch.float32),
             "experts.gate_up_proj": draw(experts, 2 * ffn, hidden, dtype=torch.bfloat16),
             "experts.down_proj": draw(experts, hidden, ffn, dtype=torch.bfloat16)}
 
 
-def native_layer(hidden: int, ffn: int, experts: int, top_k: int) -> TorchNativeMoE:
-    """The torch-native layer with `layer_weights`."""
-    layer = TorchNativeMoE(hidden, ffn, experts, top_k)
-    weights = layer_weights(hidden, ffn, experts)
+def native_layer(hidden: int, ffn: int, experts: int, top_k: int,
+                 device: torch.device | str = "cuda") -> TorchNativeMoE:
+    """The torch-native layer on `device` with `layer_weights`."""
+    layer = TorchNativeMoE(hidden, ffn, experts, top_k, device)
+    weights = layer_weights(hidden, ffn, experts, device=device)
     with torch.no_grad():
         layer.router.weight.copy_(weights["router.weight"])
         layer.gate_up.copy_(weights["experts.gate_up_proj"])
@@ -492,16 +494,19 @@ def with_layer_weights(layer: MoonEPMoELayer, ep_rank: RankPlan | None = None) -
     """`layer` holding `layer_weights` of its config's shapes and, with `ep_rank`, made that EP rank's
     (`as_ep_rank`): what every table measures of ours."""
     cfg = layer.config
-    layer.load_state_dict(layer_weights(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts))
+    layer.load_state_dict(layer_weights(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts,
+                                        device=layer.world.device))
     return layer if ep_rank is None else as_ep_rank(layer, ep_rank.epn, ep_rank)
 
 
-def step_inputs(tokens: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+def step_inputs(tokens: int, hidden: int,
+                device: torch.device | str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
     """`(x_th, grad_th)`: the tokens `[tokens, hidden]` (requiring their gradient) and the output gradient
-    every layer of a table is measured with, bf16 on the GPU, drawn from seed 1 (the same every call)."""
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    x_th = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-    return x_th, torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    every layer of a table is measured with, bf16 on `device` (the GPU; "cpu" for smoke runs), drawn from
+    seed 1 (the same every call)."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    x_th = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
+    return x_th, torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=gen)
 
 
 def optimizer_stepped(layer: nn.Module) -> None:

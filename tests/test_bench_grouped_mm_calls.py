@@ -16,6 +16,7 @@ from bench.grouped_mm_calls import (
     profiled_call_ms,
     round_ratios,
     run_call,
+    step_calls,
 )
 from bench.layer import TorchNativeMoE, step
 from moonep_moe import MoEConfig, MoonEPMoELayer
@@ -41,11 +42,7 @@ def tokens(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def recorded(layer) -> list[dict]:
-    x_th, grad_th = tokens()
-    recorder = GroupedMMRecorder()
-    with recorder:
-        step(layer, x_th, grad_th)
-    return recorder.calls
+    return step_calls(layer, *tokens())
 
 
 def test_recorder_sees_the_native_layers_forward_and_backward_calls():
