@@ -182,10 +182,22 @@ def grouped_kernel_ms(kernels: list[tuple[str, float]]) -> list[float]:
 
 
 def grouped_kernel_positions(kernels: list[tuple[str, float]]) -> list[int]:
-    """Where each grouped GEMM is in a step's `[(kernel, ms)]` (launch order): the kernel launched right after
+    """Where each grouped GEMM is in a step's `[(kernel, ms)]` (by start): the first CUTLASS kernel after
     each `prepare_grouped_gemm_data` (`torch._grouped_mm` on CUDA launches that one, then its CUTLASS
-    kernel)."""
-    return [i + 1 for i, (name, _) in enumerate(kernels[:-1]) if "prepare_grouped_gemm_data" in name]
+    kernel; a kernel of another stream, e.g. backward's combine beside the weight gradient, may start
+    between the two)."""
+    positions = []
+    for i, (name, _) in enumerate(kernels):
+        if PREPARE in name:
+            at = next((j for j in range(i + 1, len(kernels))
+                       if "cutlass" in kernels[j][0] and PREPARE not in kernels[j][0]), None)
+            if at is not None:
+                positions.append(at)
+    return positions
+
+
+PREPARE = "prepare_grouped_gemm_data"
+"""The setup kernel `torch._grouped_mm` launches before its CUTLASS kernel."""
 
 
 def describe(t: torch.Tensor) -> dict:

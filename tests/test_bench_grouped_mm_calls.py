@@ -173,6 +173,10 @@ def test_grouped_kernel_ms_takes_the_kernel_after_each_prepare():
                ("prepare_grouped_gemm_data", 0.002), ("cutlass grouped", 4.0)]
     assert grouped_kernel_ms(kernels) == [7.6, 4.0]
     assert grouped_kernel_ms([("prepare_grouped_gemm_data", 0.002)]) == []
+    # a kernel of another stream (backward's combine beside the weight gradient) starting between the two
+    beside = [("prepare_grouped_gemm_data<cutlass::bfloat16_t>", 0.002), ("_gather_routes_kernel", 0.26),
+              ("cutlass::device_kernel<GemmUniversal<GroupProblemShape..>>", 8.7)]
+    assert grouped_kernel_ms(beside) == [8.7]
 
 
 def test_profiled_call_ms_takes_each_calls_median_and_spread_over_the_steps():
