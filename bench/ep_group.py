@@ -294,11 +294,10 @@ def prefetch_rooms(windows: list[tuple[str, Stamp, Stamp]], slot_waits: list[Sta
     groups of the first GEMM); 0 for the other calls, and for a step without those stamps (the torch
     reference exchange has no windows)."""
     hidden = [0.0] * len(PHASES)
-    starts = [start for phase, start, _ in windows if phase in OPEN_ENDED]
-    if len(windows) == len(PHASES) and len(starts) == len(slot_waits):
-        for i, (start, waited) in zip((i for i, p in enumerate(PHASES) if p in OPEN_ENDED),
-                                      zip(starts, slot_waits, strict=True), strict=True):
-            hidden[i] = max(0.0, seconds_between(start, waited))
+    prefetches = [i for i, phase in enumerate(PHASES) if phase in OPEN_ENDED]
+    if len(windows) == len(PHASES) and len(slot_waits) == len(prefetches):  # windows[i]: PHASES[i]'s
+        for i, waited in zip(prefetches, slot_waits, strict=True):
+            hidden[i] = max(0.0, seconds_between(windows[i][1], waited))
     return hidden
 
 

@@ -127,6 +127,12 @@ class Fp8RowsGemm(GroupedGemm, Protocol):
         ...
 
 
+def host_segments(offs_g: Tensor) -> list[tuple[int, int]]:
+    """``[(start, end)]`` per group. Reads ``offs_g`` on the host (a sync on GPU)."""
+    ends = offs_g.tolist()
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
 def _check_groups(parts: Sequence[Tensor], offs_g: Tensor, arg: str) -> None:
     """Shape-only check (no host sync) that ``parts`` holds one ``[cols, inner]`` matrix per segment."""
     num_groups = sum(part.shape[0] for part in parts)

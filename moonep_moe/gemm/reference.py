@@ -6,13 +6,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from moonep_moe.gemm.base import OPS, SlotsReady, _check_groups, _store, _wgrad_parts, wait_for
-
-
-def _host_segments(offs_g: Tensor) -> list[tuple[int, int]]:
-    """``[(start, end)]`` per group. Reads ``offs_g`` on the host (a sync on GPU)."""
-    ends = offs_g.tolist()
-    return list(zip([0, *ends[:-1]], ends, strict=True))
+from moonep_moe.gemm.base import OPS, SlotsReady, _check_groups, _store, _wgrad_parts, host_segments, wait_for
 
 
 def _segment_matmul(a: Tensor, weights: Sequence[Tensor], offs_g: Tensor, transpose_w: bool) -> Tensor:
@@ -21,7 +15,7 @@ def _segment_matmul(a: Tensor, weights: Sequence[Tensor], offs_g: Tensor, transp
     compute = torch.promote_types(a.dtype, torch.float32)
     ws = [w.T if transpose_w else w for part in weights for w in part.unbind(0)]
     out = a.new_zeros(a.shape[0], ws[0].shape[1])
-    for (start, end), w in zip(_host_segments(offs_g), ws, strict=True):
+    for (start, end), w in zip(host_segments(offs_g), ws, strict=True):
         out[start:end] = (a[start:end].to(compute) @ w.to(compute)).to(a.dtype)
     return out
 
@@ -53,6 +47,6 @@ class ReferenceGroupedGemm:
         parts = _wgrad_parts(dy, x, offs_g, out, accumulate)
         compute = torch.promote_types(x.dtype, torch.float32)
         group_outs = [group_out for part in parts for group_out in part.unbind(0)]
-        for (start, end), group_out in zip(_host_segments(offs_g), group_outs, strict=True):
+        for (start, end), group_out in zip(host_segments(offs_g), group_outs, strict=True):
             _store(group_out, dy[start:end].to(compute).T @ x[start:end].to(compute), accumulate)
         return parts

@@ -13,6 +13,7 @@ from moonep_moe.gemm.base import (
     _check_groups,
     _fresh_groups,
     _store_groups,
+    host_segments,
     wait_for,
 )
 
@@ -107,11 +108,8 @@ def groups_from(a_mk: Tensor, b_gkn: Tensor, offs_g: Tensor, first: int, out_mn:
 
         groups_from_gemm(a_mk, b_gkn, offs_g, first, out_mn)
         return
-    ends = offs_g.tolist()
-    for g in range(first, len(ends)):
-        start = ends[g - 1] if g else 0
-        if ends[g] > start:
-            out_mn[start:ends[g]] = (a_mk[start:ends[g]] @ b_gkn[g - first]).to(out_mn.dtype)
+    for (start, end), b_kn in zip(host_segments(offs_g)[first:], b_gkn, strict=True):
+        out_mn[start:end] = (a_mk[start:end] @ b_kn).to(out_mn.dtype)
 
 
 _TORCH_DTYPES = {
