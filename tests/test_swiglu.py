@@ -98,3 +98,49 @@ def test_fused_kernels_match_the_reference_and_skip_rows_past_num_rows(monkeypat
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     for g, w in zip((got_hw, *got), (want_hw, *want), strict=True):
         torch.testing.assert_close(g[:257].cpu(), w[:257], **tol)
+
+
+def over_ab_case(backward, u_mf, ab_m2f, route_weights_m, num_rows=None):
+    """`backward` with `over_ab` on a copy of `ab`, against it without: the same three results, dab in the
+    copy's own memory."""
+    want = backward(u_mf, ab_m2f, route_weights_m, num_rows)
+    ab_copy = ab_m2f.clone()
+    got = backward(u_mf, ab_copy, route_weights_m, num_rows, over_ab=True)
+    assert got[0].data_ptr() == ab_copy.data_ptr()
+    return got, want
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_backward_over_ab_gives_the_same_results_in_ab(dtype):
+    ab_m2f, route_weights_m, u_mf = random_case(dtype)
+    got, want = over_ab_case(swiglu_weighted_backward, u_mf, ab_m2f, route_weights_m.to(
+        torch.float64 if dtype == torch.float64 else torch.float32))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.interpreter
+def test_fused_backward_over_ab_on_the_cpu(monkeypatch):
+    """Triton's interpreter, several column blocks a row (BLOCK_F 8 < F): each block's a and b are read before
+    dab is stored over them, so the results equal those written into a new tensor, bit for bit."""
+    from moonep_moe.layers.kernels import swiglu as kernels
+
+    monkeypatch.setattr(kernels, "BLOCK_F", 8)
+    ab_m2f, route_weights_m, u_mf = (t.float() for t in random_case(torch.float64))
+    num_rows = torch.tensor([29], dtype=torch.int32)
+    got, want = over_ab_case(kernels.swiglu_weighted_backward_triton, u_mf, ab_m2f, route_weights_m,
+                             num_rows)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g[:29], w[:29], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ffn", [24, 2048, 1000])
+def test_fused_backward_over_ab_matches_a_new_tensor(ffn):
+    ab_m2f = (3 * torch.randn(300, 2 * ffn, device="cuda")).bfloat16()
+    route_weights_m = torch.rand(300, device="cuda")
+    u_mf = torch.randn(300, ffn, device="cuda").bfloat16()
+    num_rows = torch.tensor([257], dtype=torch.int32, device="cuda")
+    got, want = over_ab_case(swiglu_weighted_backward, u_mf, ab_m2f, route_weights_m, num_rows)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g[:257], w[:257], rtol=0, atol=0)

@@ -144,6 +144,12 @@ class MoonEPExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out_sh):
         *x_parts, ab_nv2f, w_nvs, offs_g = ctx.saved_tensors
+        # Unless the graph is kept for another backward (`retain_graph`), autograd's saved copies are dropped
+        # now, as a compiled graph's backward does: each activation is freed after its last reader below, not
+        # when backward returns, and SwiGLU's backward writes dab over ab (ab's only reader)
+        once = not graph_kept()
+        if once:
+            ctx.maybe_clear_saved_tensors()
         plan, state = ctx.plan, ctx.state
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
         # zero_copy: dy is the Buffer's own rows, not a [NvS, H] copy of them. They stay dy until this
@@ -161,18 +167,23 @@ class MoonEPExperts(torch.autograd.Function):
         slots_ready = state.prefetch(plan)  # as forward
         gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
         u_nvf = gemm.dgrad(dy_nvsh, down_w, offs_g, slots_ready)
-        dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:])
-        del u_nvf  # each activation freed after its last reader, not when backward returns: the memory
-        # goes to the gradients made later in this backward (the step's peak is at gate_up's wgrad)
-        # both dgrads first: dx is ready when dy's last reader (the down wgrad) is done, so the combine that
-        # sends it back can start then
-        dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_w, offs_g)
+        dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:],
+                                                                over_ab=once)
+        del u_nvf, ab_nv2f  # each activation freed after its last reader, not when backward returns: the
+        # memory goes to the gradients made later in this backward (the step's peak is at gate_up's wgrad)
+        # With peers, both dgrads first: dx is ready when dy's last reader (the down wgrad) is done, so the
+        # combine that sends it back can start then and hide its link time under gate_up's wgrad. One rank
+        # has no link time to hide (and its plan fills no slot): gate_up's wgrad runs before its dgrad, so
+        # x, whose last reader it is, is freed before dx is made in the same amount of memory
+        one_rank = buffer.world.size == 1
+        dx_nvsh = None if one_rank else gemm.dgrad(dab_nv2f, gate_up_w, offs_g)
         # the trainable projections only. "param": the GEMMs make this step's home gradients (None parts)
         # and overwrite the slot gradients (no zeroing pass, no copy), or, where autograd would add this
         # step's gradient into a `.grad` (a later micro-batch), add into that `.grad` (`accumulating_grads`);
         # "main_grad": they add into the persistent main_grad. Added into, the slot gradients are exact too
         # (the fp32 pool is zero between steps: reduce_grad clears it; slot gradients written over the slot
-        # weights, `grads_in_slots`, are cleared first: both dgrads, their weights' last readers, are behind)
+        # weights, `grads_in_slots`, are cleared first: both dgrads, their weights' last readers, are behind,
+        # or, on one rank, no slot is filled)
         # the projections whose gradient this backward wants: trainable, and not left out of a
         # `backward(inputs=...)` (the input-gradient half of a split backward runs no weight-gradient GEMM)
         main_grad = state.main_grad
@@ -193,17 +204,29 @@ class MoonEPExperts(torch.autograd.Function):
             down_home, _ = gemm.wgrad(dy_nvsh, hw_nvf, offs_g, (home[1], down_slots), adds[1])
             home = (home[0], down_home)
         del hw_nvf
+
+        def gate_up_wgrad(home):
+            if not trains[0]:
+                return home
+            # FP8 rows (fp8_dispatch) dequantised exactly: the values the forward multiplied
+            x_nvsh = (gemm.dequantise_rows(*x_parts, offs_g, buffer.dtype) if state.fp8_dispatch
+                      else x_parts[0])
+            gate_up_home, _ = gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (home[0], gate_up_slots), adds[0])
+            return gate_up_home, home[1]
+
+        if one_rank:
+            home = gate_up_wgrad(home)
+            x_parts.clear()
+            dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_w, offs_g)
+            del dab_nv2f
         # dy's last reader is behind: combine may overwrite the rows. It runs on the comm stream beside
         # gate_up's weight gradient (which reads dab and x, not the rows), so its link time can hide under
         # that GEMM (its kernels still need SMs the GEMM leaves); the results are the same bits either way
         # (the same kernels on the same inputs).
         grad_hidden_sh, grad_route_weights_sk, combined = buffer.combine(plan, dx_nvsh, grad_w_nvs,
                                                                          async_finish=True)
-        if trains[0]:  # FP8 rows (fp8_dispatch) dequantised exactly: the values the forward multiplied
-            x_nvsh = (gemm.dequantise_rows(*x_parts, offs_g, buffer.dtype) if state.fp8_dispatch
-                      else x_parts[0])
-            gate_up_home, _ = gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (home[0], gate_up_slots), adds[0])
-            home = (gate_up_home, home[1])
+        if not one_rank:
+            home = gate_up_wgrad(home)
         combined.wait()
         grads = experts.new_grads(home)
         if any(trains):
@@ -217,6 +240,13 @@ class MoonEPExperts(torch.autograd.Function):
                     node.variable.grad = None
             weight_grads = [None if grad is None else grad.home.local for grad in grads]
         return grad_hidden_sh, grad_route_weights_sk, None, None, *weight_grads, None
+
+
+def graph_kept() -> bool:
+    """Whether the running backward keeps the graph for another one (`retain_graph=True`, or
+    `create_graph`), so saved activations must stay intact; True where this torch cannot say."""
+    kept = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if kept is None else kept()
 
 
 def zero_filled_slots(slots_bmn: torch.Tensor, offs_g: torch.Tensor, epn: int) -> None:

@@ -53,16 +53,21 @@ def swiglu_weighted(ab_nv2f: Tensor, route_weights_nvs: Tensor, num_rows: Tensor
 
 
 def swiglu_weighted_backward(u_nvf: Tensor, ab_nv2f: Tensor, route_weights_nvs: Tensor,
-                             num_rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                             num_rows: Tensor | None = None, over_ab: bool = False
+                             ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of ``swiglu_weighted`` given ``u_nvf``, the gradient w.r.t. its output ``hw_nvf``.
 
     Args:
         u_nvf: [NvS, F] gradient w.r.t. ``hw_nvf``.
         ab_nv2f: [NvS, 2F] the forward input.
         route_weights_nvs: [NvS] the forward route weights.
+        over_ab: write ``dab`` over ``ab_nv2f`` (returned as ``dab_nv2f``) instead of into a new tensor, for a
+            caller that never reads ``ab`` again: one ``[NvS, 2F]`` tensor less while both would be alive.
+            Each element of ``dab`` depends on ``ab``'s elements of its own row and column pair only, which
+            the fused kernel reads before it writes them.
 
     Returns:
-        dab_nv2f: [NvS, 2F] in ``ab_nv2f.dtype``.
+        dab_nv2f: [NvS, 2F] in ``ab_nv2f.dtype`` (``ab_nv2f`` itself with ``over_ab``).
         grad_route_weights_nvs: [NvS] in ``route_weights_nvs.dtype``, reduced in fp32 (or float64).
         hw_nvf: [NvS, F] the forward output, recomputed in the same pass (the down projection's wgrad needs
             it).
@@ -70,7 +75,7 @@ def swiglu_weighted_backward(u_nvf: Tensor, ab_nv2f: Tensor, route_weights_nvs: 
     if _use_triton(ab_nv2f):
         from moonep_moe.layers.kernels.swiglu import swiglu_weighted_backward_triton
 
-        return swiglu_weighted_backward_triton(u_nvf, ab_nv2f, route_weights_nvs, num_rows)
+        return swiglu_weighted_backward_triton(u_nvf, ab_nv2f, route_weights_nvs, num_rows, over_ab)
     compute = _compute_dtype(ab_nv2f.dtype)
     a_nvf, b_nvf = ab_nv2f.to(compute).chunk(2, dim=-1)
     u_nvf = u_nvf.to(compute)
@@ -81,5 +86,7 @@ def swiglu_weighted_backward(u_nvf: Tensor, ab_nv2f: Tensor, route_weights_nvs: 
     da_nvf = dh_nvf * b_nvf * sig_nvf * (1 + a_nvf * (1 - sig_nvf))
     dab_nv2f = torch.cat([da_nvf, dh_nvf * silu_nvf], dim=-1)
     hw_nvf = silu_nvf * b_nvf * route_weights_nvs.to(compute)[:, None]
+    if over_ab:
+        dab_nv2f = ab_nv2f.copy_(dab_nv2f)
     return (dab_nv2f.to(ab_nv2f.dtype), grad_route_weights_nvs.to(route_weights_nvs.dtype),
             hw_nvf.to(ab_nv2f.dtype))

@@ -95,12 +95,13 @@ def swiglu_weighted_triton(ab_nv2f: torch.Tensor, route_weights_nvs: torch.Tenso
 
 
 def swiglu_weighted_backward_triton(u_nvf: torch.Tensor, ab_nv2f: torch.Tensor,
-                                    route_weights_nvs: torch.Tensor, num_rows: torch.Tensor | None = None
-                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                    route_weights_nvs: torch.Tensor, num_rows: torch.Tensor | None = None,
+                                    over_ab: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> `(dab [NvS, 2F], grad_route_weights [NvS] in w's dtype, hw [NvS, F])`; rows >= `num_rows`
-    unwritten."""
+    unwritten; `over_ab`: dab written over `ab_nv2f` (each program loads its row's columns of a and b before
+    it stores dab's there)."""
     rows, f = ab_nv2f.shape[0], ab_nv2f.shape[1] // 2
-    dab_nv2f = torch.empty_like(ab_nv2f)
+    dab_nv2f = ab_nv2f if over_ab else torch.empty_like(ab_nv2f)
     hw_nvf = ab_nv2f.new_empty(rows, f)
     gw_nvs = torch.empty_like(route_weights_nvs)
     if rows:
