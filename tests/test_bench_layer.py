@@ -16,6 +16,7 @@ from bench.layer import (
     KERNEL_GROUPS,
     LAYER_TARGETS,
     MICRO_BATCHES,
+    MODEL_LAYER_TARGETS,
     MODEL_TABLES,
     PER_STEP,
     fp8_layer_targets,
@@ -385,10 +386,12 @@ def test_model_tables_are_the_whole_table():
                                                "layer-mixtral-8x7b"], "one record per table, never the same"
     assert [t.scope.split(":")[0] for t in tables] == [
         "the EP=1 layer", "one rank of EP=8 with a real plan's slots, whole layer",
-        "one rank of EP=8 with a real plan's slots, whole layer", "no target of its own",
-        "no target of its own"]
-    assert [t.bounds for t in tables] == [LAYER_TARGETS, EP_RANK_TARGETS, EP_RANK_TARGETS, LAYER_TARGETS,
-                                          LAYER_TARGETS]
+        "one rank of EP=8 with a real plan's slots, whole layer", "the EP=1 layer of qwen3-moe-30b-a3b",
+        "the EP=1 layer of mixtral-8x7b"]
+    assert [t.bounds for t in tables] == [LAYER_TARGETS, EP_RANK_TARGETS, EP_RANK_TARGETS,
+                                          MODEL_LAYER_TARGETS["qwen3-moe-30b-a3b"],
+                                          MODEL_LAYER_TARGETS["mixtral-8x7b"]]
+    assert make_table("mixtral-8x7b", None, {"tokens": 64}).bounds == LAYER_TARGETS  # custom shapes
 
 
 def test_make_table_overrides_and_errors():
