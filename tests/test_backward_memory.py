@@ -56,10 +56,12 @@ def test_a_kept_graph_gives_the_same_gradients_in_its_second_backward(R):
 @pytest.mark.gpu
 @pytest.mark.parametrize("grad_dtype", ["param", "main_grad"])
 def test_a_freed_graph_peaks_lower_by_the_saved_rows_and_projections(grad_dtype):
-    """One rank, bf16 on the GPU: the step's peak with `retain_graph=True` (every saved tensor kept to the
-    end) minus the peak without is at least the dispatched rows' and the gate/up projections' size
-    ([NvS, H] + [NvS, 2F] in bf16, 0.95 of it for the allocator's rounding), what the freed graph releases
-    before the input gradient is made."""
+    """One rank, bf16 on the GPU: a freed graph never peaks higher than a kept one (`retain_graph=True`:
+    every saved tensor kept to the end). In the default "param" mode the step peaks while the weight
+    gradients are made, and there the kept graph's peak minus the freed one's is at least the dispatched
+    rows' and the gate/up projections' size ([NvS, H] + [NvS, 2F] in bf16, 0.95 of it for the allocator's
+    rounding), what the freed graph has released by the time the input gradient is made. ("main_grad"
+    allocates no gradient in backward: its peak comes earlier, at SwiGLU's backward.)"""
     T, H, F, E, K = 4096, 1024, 512, 16, 4
     cfg = MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, max_tokens_per_rank=T,
                     dtype="bfloat16", expert_grad_dtype=grad_dtype)
@@ -79,4 +81,6 @@ def test_a_freed_graph_peaks_lower_by_the_saved_rows_and_projections(grad_dtype)
         peaks[retain] = torch.cuda.max_memory_allocated() - before
     rows = layer._state.buffer.NvS
     released = rows * (H + 2 * F) * 2
-    assert peaks[True] - peaks[False] >= 0.95 * released, (peaks, released)
+    assert peaks[False] <= peaks[True], peaks
+    if grad_dtype == "param":
+        assert peaks[True] - peaks[False] >= 0.95 * released, (peaks, released)

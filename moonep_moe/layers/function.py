@@ -173,17 +173,16 @@ class MoonEPExperts(torch.autograd.Function):
         # memory goes to the gradients made later in this backward (the step's peak is at gate_up's wgrad)
         # With peers, both dgrads first: dx is ready when dy's last reader (the down wgrad) is done, so the
         # combine that sends it back can start then and hide its link time under gate_up's wgrad. One rank
-        # has no link time to hide (and its plan fills no slot): gate_up's wgrad runs before its dgrad, so
-        # x, whose last reader it is, is freed before dx is made in the same amount of memory
-        one_rank = buffer.world.size == 1
+        # without slots (EP=1) has no link time to hide and no slot weights for a gradient to overwrite:
+        # gate_up's wgrad runs before its dgrad, so x, whose last reader it is, is freed before dx is made
+        one_rank = buffer.world.size == 1 and experts.num_slots == 0
         dx_nvsh = None if one_rank else gemm.dgrad(dab_nv2f, gate_up_w, offs_g)
         # the trainable projections only. "param": the GEMMs make this step's home gradients (None parts)
         # and overwrite the slot gradients (no zeroing pass, no copy), or, where autograd would add this
         # step's gradient into a `.grad` (a later micro-batch), add into that `.grad` (`accumulating_grads`);
         # "main_grad": they add into the persistent main_grad. Added into, the slot gradients are exact too
         # (the fp32 pool is zero between steps: reduce_grad clears it; slot gradients written over the slot
-        # weights, `grads_in_slots`, are cleared first: both dgrads, their weights' last readers, are behind,
-        # or, on one rank, no slot is filled)
+        # weights, `grads_in_slots`, are cleared first: both dgrads, their weights' last readers, are behind)
         # the projections whose gradient this backward wants: trainable, and not left out of a
         # `backward(inputs=...)` (the input-gradient half of a split backward runs no weight-gradient GEMM)
         main_grad = state.main_grad
