@@ -23,7 +23,11 @@ Backward reuses the forward plan (never plans again):
    into this step's home grads and the slot grads), dy's last reader.
 3. `combine(plan, dx, grad_w)` on the comm stream (input and route-weight gradients back to the tokens)
    beside `dW_gate_up = dab^T x` (wgrad) on the caller's: its link time can hide under the GEMM (on the
-   H200 its kernels find no free SM while torch's grouped GEMM runs, so they mostly follow it).
+   H200 its kernels find no free SM while torch's grouped GEMM runs, so they mostly follow it). One rank
+   without slots (EP=1) saves no copy of x in forward: its backward combines first, then gathers x again
+   into the Buffer's rows (a local copy, the bytes the saved copy cost) for that wgrad.
+Unless the graph is kept (`retain_graph`), each saved activation is freed after its last reader, and the
+SwiGLU backward writes dab over ab, as a compiled graph's backward frees its saved tensors.
 4. `reduce_grad`: every replica's fp32 gradient added into its home expert's, slots cleared.
 A frozen projection (`requires_grad=False` on `experts.gate_up` or `experts.down`) gets no weight gradient:
 no wgrad GEMM, nothing in `reduce_grad`, no `main_grad` allocated; its weights still carry the input's and
@@ -74,6 +78,19 @@ class ExpertsState:
     GEMM, which then waits and computes the slot groups (`SlotsReady`); else prefetch on the caller's stream,
     then one GEMM over every group."""
 
+    @property
+    def one_rank(self) -> bool:
+        """One rank without slots (EP=1): nothing crosses a link and no replica's gradient overwrites its
+        slot weights, so backward may order its GEMMs for memory alone."""
+        return self.buffer.world.size == 1 and self.experts.num_slots == 0
+
+    @property
+    def regathers_rows(self) -> bool:
+        """Whether backward gathers the dispatched rows x again from the tokens (a local copy on one rank,
+        the bytes forward's saved copy would have cost) instead of forward saving a `[NvS, H]` copy: one
+        rank in bf16 (FP8 rows, `fp8_dispatch`, are saved as dispatched)."""
+        return self.one_rank and not self.fp8_dispatch
+
     def prefetch(self, plan: MoonEPCommPlan, *scales) -> SlotsReady | None:
         """This step's prefetch of the replicas' weights (FP8 `scales` with them, forward), and the first
         GEMM's `SlotsReady` (None without overlap)."""
@@ -120,13 +137,14 @@ class MoonEPExperts(torch.autograd.Function):
     def forward(ctx, hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, gate_up, down,
                 state: ExpertsState):
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
+        regather = state.regathers_rows
         if state.fp8_dispatch:  # x_nvsh: the pair (e4m3 rows, their 1x128 scales), as the fwd GEMM takes it
             q_sh, scales_sh = gemm.quantise_rows(hidden_sh)
             x_nvsh, w_nvs, cu_seqlens, plan = buffer.dispatch(q_sh, route_weights_sk, topk_experts_sk,
                                                               tokens_per_expert, scales=scales_sh)
-        else:
+        else:  # the Buffer's own rows where backward gathers them again, else a copy it saves
             x_nvsh, w_nvs, cu_seqlens, plan = buffer.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
-                                                              tokens_per_expert)
+                                                              tokens_per_expert, zero_copy=regather)
         # no closing barrier: this rank goes on while its peers read its replicated experts; combine's
         # barriers order those reads before anything writes the home experts (the optimizer, after the step)
         slots_ready = state.prefetch(plan, experts.scales)
@@ -136,7 +154,8 @@ class MoonEPExperts(torch.autograd.Function):
         hw_nvf = swiglu_weighted(ab_nv2f, w_nvs, offs_g[-1:])
         y_nvsh = gemm.fwd(hw_nvf, down_w, offs_g)
         out_sh, _, _ = buffer.combine(plan, y_nvsh)
-        ctx.save_for_backward(*(x_nvsh if state.fp8_dispatch else (x_nvsh,)), ab_nv2f, w_nvs, offs_g)
+        x_saved = (hidden_sh,) if regather else x_nvsh if state.fp8_dispatch else (x_nvsh,)
+        ctx.save_for_backward(*x_saved, ab_nv2f, w_nvs, offs_g)
         ctx.plan, ctx.state = plan, state
         state.last_plan = plan
         return out_sh
@@ -160,8 +179,8 @@ class MoonEPExperts(torch.autograd.Function):
         # rank's barrier, which this rank reaches only in its next dispatch; the collective world writes them
         # on this rank's stream). The model's layers of this shape may share the Buffer
         # (`MoEConfig.share_buffer`): no other layer's routed step runs between this dispatch and this
-        # combine. The forward's x_nvsh stays a copy: it is saved for backward, and combine(y) and the other
-        # layers' steps overwrite the rows.
+        # combine. The forward's x_nvsh is a copy, saved for backward (combine(y) and the other layers' steps
+        # overwrite the rows), except on one rank, where this backward gathers it again (`regathers_rows`).
         dy_nvsh, *_ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None, plan=plan,
                                       zero_copy=True)
         slots_ready = state.prefetch(plan)  # as forward
@@ -173,9 +192,10 @@ class MoonEPExperts(torch.autograd.Function):
         # memory goes to the gradients made later in this backward (the step's peak is at gate_up's wgrad)
         # With peers, both dgrads first: dx is ready when dy's last reader (the down wgrad) is done, so the
         # combine that sends it back can start then and hide its link time under gate_up's wgrad. One rank
-        # without slots (EP=1) has no link time to hide and no slot weights for a gradient to overwrite:
-        # gate_up's wgrad runs before its dgrad, so x, whose last reader it is, is freed before dx is made
-        one_rank = buffer.world.size == 1 and experts.num_slots == 0
+        # without slots (`ExpertsState.one_rank`) has no link time to hide: dgrad, combine, then gate_up's
+        # wgrad after dx is freed, its x gathered again into the Buffer's rows (`regathers_rows`: dead once
+        # dy's last reader is behind) or dequantised from the saved FP8 rows
+        one_rank = state.one_rank
         dx_nvsh = None if one_rank else gemm.dgrad(dab_nv2f, gate_up_w, offs_g)
         # the trainable projections only. "param": the GEMMs make this step's home gradients (None parts)
         # and overwrite the slot gradients (no zeroing pass, no copy), or, where autograd would add this
@@ -207,26 +227,28 @@ class MoonEPExperts(torch.autograd.Function):
         def gate_up_wgrad(home):
             if not trains[0]:
                 return home
-            # FP8 rows (fp8_dispatch) dequantised exactly: the values the forward multiplied
-            x_nvsh = (gemm.dequantise_rows(*x_parts, offs_g, buffer.dtype) if state.fp8_dispatch
-                      else x_parts[0])
+            if state.regathers_rows:  # forward's dispatch again, of the saved tokens: the same rows
+                x_nvsh, *_ = buffer.dispatch(x_parts[0], None, None, None, plan=plan, zero_copy=True)
+            elif state.fp8_dispatch:  # FP8 rows dequantised exactly: the values the forward multiplied
+                x_nvsh = gemm.dequantise_rows(*x_parts, offs_g, buffer.dtype)
+            else:
+                x_nvsh = x_parts[0]
             gate_up_home, _ = gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (home[0], gate_up_slots), adds[0])
             return gate_up_home, home[1]
 
+        # dy's last reader is behind: combine may overwrite the rows
         if one_rank:
-            home = gate_up_wgrad(home)
-            x_parts.clear()
             dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_w, offs_g)
-            del dab_nv2f
-        # dy's last reader is behind: combine may overwrite the rows. It runs on the comm stream beside
-        # gate_up's weight gradient (which reads dab and x, not the rows), so its link time can hide under
-        # that GEMM (its kernels still need SMs the GEMM leaves); the results are the same bits either way
-        # (the same kernels on the same inputs).
-        grad_hidden_sh, grad_route_weights_sk, combined = buffer.combine(plan, dx_nvsh, grad_w_nvs,
-                                                                         async_finish=True)
-        if not one_rank:
+            grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs)
+            del dx_nvsh
             home = gate_up_wgrad(home)
-        combined.wait()
+        else:  # combine on the comm stream beside gate_up's weight gradient (which reads dab and x, not the
+            # rows), so its link time can hide under that GEMM (its kernels still need SMs the GEMM leaves);
+            # the results are the same bits either way (the same kernels on the same inputs)
+            grad_hidden_sh, grad_route_weights_sk, combined = buffer.combine(plan, dx_nvsh, grad_w_nvs,
+                                                                             async_finish=True)
+            home = gate_up_wgrad(home)
+            combined.wait()
         grads = experts.new_grads(home)
         if any(trains):
             buffer.reduce_grad(plan, grads[0], None, grads[1])
