@@ -11,9 +11,9 @@ and each backend: TFLOP/s (on the used rows) of fwd, dgrad and wgrad of both pro
 dense bf16 rate, with the weights given as a (home, slots) pair (the GEMM backend copies them together), as
 one ordinary tensor ("plain": what an EP=1 layer has), and as one arena tensor (`moonep_moe.transport.arena`:
 two VMM allocations mapped back to back, no copy); the weight gradient against its floor (its FLOPs at the
-dense rate, or its bytes at the copy bandwidth: the fp32 gradients written (overwrite, as the layer runs
-it), the bf16 inputs read; the larger); and the whole expert block forward + backward (the layer's own code
-path) against the sum of its GEMMs.
+dense rate, or its bytes at the copy bandwidth: the gradients the mode moves, the bf16 inputs read; the
+larger); and the whole expert block forward + backward (the layer's own code path) against the sum of its
+GEMMs.
 
 Every time is the median of --repeat runs (>= 5) after --warmup, with the min-max beside it; every ratio
 is the medians' ratio with the range over the pairings of the runs (`bench.common.ratio`). Each row is
@@ -21,14 +21,20 @@ checked against the EP=8 rank's targets (`TARGETS`: fwd and dgrad >= 0.92 of den
 floor, the block <= 1.08x its GEMMs), printed as PASS / MISS lines and recorded in the JSON's `targets`
 (one entry per row and target, naming the row; computed from the row, never set by hand).
 
---preset ep8 runs exactly the issue's production rows: one rank of an EP=8 group, S*K = 8192*8 = 65536
-routes (each config's max_tokens_per_rank * top_k), uniform segments over DeepSeek-V3's 32 + 32 and
-Kimi-K2's 48 + 48 groups, the weights on the arena as the layer has them, every backend: 10 rows, recorded
-as `gemm-ep8-<device>-<date>-<commit>.json` (the other runs: `gemm-...`). It is bounded by that: 2 shapes
-x 5 backends x 1 layout x 1 skew, each of fwd, dgrad, wgrad and the block timed 3 + 10 times (~10-40 ms a
-call at these shapes), ~1-2 s of timing per row; the rest is one-off start-up (the dense limits,
-DeepGEMM's JIT, the Triton wgrad's autotuning and `auto`'s measurement: a minute or so on a fresh machine,
-cached after).
+--preset ep8 runs one rank of an EP=8 group as a real plan makes it: S*K = 8192*8 = 65536 routes (each
+config's max_tokens_per_rank * top_k) over DeepSeek-V3's 32 home + 32 slot groups and Kimi-K2's 48 + 48, the
+routes per group those of the rank hosting the most replicas when the real planner balances the whole
+group's routing at maxvio 0 and 20 (`bench.layer.ep_rank_plan`: the slots it leaves empty are empty
+groups), the weights on the arena as the layer has them, each gradient mode, every backend; recorded as
+`gemm-ep8-<device>-<date>-<commit>.json` (the other runs: `gemm-...`). It is bounded by that: 2 shapes x 2
+maxvios x 2 gradient modes x the backends, each of fwd, dgrad, wgrad and the block timed 3 + 10 times
+(~10-40 ms a call at these shapes), ~1-2 s of timing per row; the rest is one-off start-up (the dense
+limits, DeepGEMM's JIT, the Triton wgrad's autotuning and `auto`'s measurement: a minute or so on a fresh
+machine, cached after).
+
+Gradient modes (`--grads`, each a row of its own): "param", `expert_grad_dtype`'s default, has wgrad make
+fresh gradients in the weights' dtype (bf16); "main_grad" has it add into fp32 gradients. The floor counts
+the gradient bytes each mode moves: bf16 written, or fp32 read and written.
 
 Backends: torch, deep_gemm (fwd/dgrad; wgrad on torch), triton (wgrad on the Triton kernel; fwd/dgrad on
 torch), auto (each op and shape on the backend measured fastest, as the layer's "auto" picks it; the
@@ -55,6 +61,7 @@ import argparse
 import itertools
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -71,6 +78,7 @@ from bench.common import (
     total,
     write_record,
 )
+from bench.layer import ep_rank_plan
 from moonep_moe.gemm.autotune import MeasuredGroupedGemm
 from moonep_moe.gemm.base import GemmProblem
 from moonep_moe.gemm.fp8 import Fp8GroupedGemm
@@ -80,8 +88,13 @@ from moonep_moe.transport.arena import PhysicalRows, expert_arena_reason, joined
 
 PAD = 128
 
-PRESETS = {"ep8": {"shapes": ["deepseek-v3", "kimi-k2"], "rows": None, "skews": [0.0], "layouts": ["arena"]}}
-"""`--preset NAME`: the shapes, rows (None: each model's S*K), skews and layouts it runs."""
+PRESETS = {"ep8": {"shapes": ["deepseek-v3", "kimi-k2"], "rows": None, "maxvios": [0.0, 20.0],
+                   "layouts": ["arena"], "grads": ["param", "main_grad"]}}
+"""`--preset NAME`: the shapes, rows (None: each model's S*K), the maxvios of the real plans whose
+segments it times (instead of --skews), layouts and gradient modes it runs."""
+GRAD_MODES = ("param", "main_grad")
+"""`--grads`: wgrad into fresh gradients in the weights' dtype (the default `expert_grad_dtype`), or added
+into fp32 ones."""
 
 TARGETS = (  # (what, op, bound): one rank of an EP=8 group
     ("fwd of dense", ">=", 0.92),
@@ -100,13 +113,32 @@ def expert_shape(name: str) -> tuple[int, int, int]:
     return shape["hidden"], shape["ffn"], shape["experts"] // shape["ep_size"]
 
 
-def cases(shapes: list[str], rows: list[int] | None, skews: list[float]) -> list[tuple[str, int, float]]:
-    """`(shape, rows, skew)` in the order run; `rows` None: each model's S*K (one rank's routes)."""
+class Case(NamedTuple):
+    """One shape's segments: `rows` routes spread over the groups by lognormal(0, `skew`) shares, or, with
+    `maxvio`, as a real plan of the model's EP group at that maxvio gives them to one rank (`rows`: S*K)."""
+
+    shape: str
+    rows: int
+    skew: float | None = None
+    maxvio: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"skew={self.skew}" if self.maxvio is None else f"maxvio={self.maxvio:g}"
+
+
+def cases(shapes: list[str], rows: list[int] | None, skews: list[float],
+          maxvios: list[float] | None = None) -> list[Case]:
+    """The cases in the order run; `rows` None: each model's S*K (one rank's routes); `maxvios` (real plans'
+    segments at S*K) instead of `skews` where given."""
     out = []
     for name in shapes:
         shape = model_shape(name)
         for m in rows or [shape["tokens"] * shape["top_k"]]:
-            out.extend((name, m, skew) for skew in skews)
+            if maxvios is not None:
+                out.extend(Case(name, m, maxvio=maxvio) for maxvio in maxvios)
+            else:
+                out.extend(Case(name, m, skew=skew) for skew in skews)
     return out
 
 
@@ -121,7 +153,8 @@ def gemm_targets(row: dict, flops: int, dense: float, wgrad_floor_s: float) -> l
               "wgrad vs its floor": ratio(span(row, "wgrad_"), wgrad_floor_s * 1e3),
               "block vs its GEMMs": ratio(span(row, "block_"),
                                           total(*(span(row, f"{op}_") for op in ("fwd", "dgrad", "wgrad"))))}
-    name = f"{row['shape']} rows={row['rows']} skew={row['skew']} {row['backend']} {row['weights']}"
+    name = " ".join([row["shape"], f"rows={row['rows']}", row["segments"], row["backend"], row["weights"],
+                     row["grads"]])
     targets = FP8_TARGETS if row["backend"].startswith("fp8") else TARGETS
     return [check(what, values[what], op, bound, row=name) for what, op, bound in targets]
 
@@ -130,21 +163,47 @@ def segment_ends(groups: int, routes: int, skew: float, gen: torch.Generator) ->
     """`[G]` int32 padded end offsets of `routes` rows spread over `groups` by lognormal(0, skew) shares."""
     share = torch.exp(skew * torch.randn(groups, generator=gen, dtype=torch.float64))
     counts = torch.distributions.Multinomial(routes, share / share.sum()).sample().long()
-    padded = (counts + PAD - 1) // PAD * PAD
+    return padded_ends(counts)
+
+
+def padded_ends(counts_g: torch.Tensor) -> torch.Tensor:
+    """`[G]` int32 end offsets of segments of `counts_g` rows, each padded to a multiple of `PAD`."""
+    padded = (counts_g.long() + PAD - 1) // PAD * PAD
     return torch.cumsum(padded, 0).to(torch.int32)
 
 
-def block(gemm, x, w, offs, gate_up, down, g):
-    """The layer's expert block, forward and backward (as `MoonEPExperts` runs it)."""
+def plan_segments(name: str, maxvio: float, device: str = "cuda") -> tuple[torch.Tensor, dict]:
+    """The padded ends of one EP rank's `epn + B` groups (home, then slots) as the real planner balances the
+    model's whole EP group at `maxvio` (`bench.layer.ep_rank_plan`, B = epn), and what the record says of
+    that plan."""
+    shape = model_shape(name)
+    plan = ep_rank_plan(shape["experts"], shape["ep_size"], shape["tokens"], shape["top_k"], maxvio, device)
+    counts_g = torch.tensor(plan.home_routes + plan.slot_routes)
+    return padded_ends(counts_g), {"maxvio_reached": plan.maxvio, "rank": plan.rank,
+                                   "slots_used": sum(r > 0 for r in plan.slot_routes)}
+
+
+def weight_grads(parts: tuple[torch.Tensor, ...], grads: str) -> list[torch.Tensor | None]:
+    """What a wgrad of weights `parts` writes into in gradient mode `grads`: None each ("param": fresh
+    gradients in the weights' dtype, the GEMM's own output), or zeroed fp32 gradients ("main_grad", added
+    into)."""
+    if grads == "param":
+        return [None] * len(parts)
+    return [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in parts]
+
+
+def block(gemm, x, w, offs, gate_up, down, g, grads: str):
+    """The layer's expert block, forward and backward (as `MoonEPExperts` runs it with peers: dab written
+    over ab, both dgrads before the weight gradients), in gradient mode `grads`."""
     ab = gemm.fwd(x, gate_up, offs)
     hw = swiglu_weighted(ab, w, offs[-1:])
     gemm.fwd(hw, down, offs)
     u = gemm.dgrad(g, down, offs)
-    dab, _, hw = swiglu_weighted_backward(u, ab, w, offs[-1:])
-    gate_up_grads, down_grads = fp32_grads(gate_up), fp32_grads(down)
-    gemm.wgrad(g, hw, offs, down_grads, accumulate=False)
-    gemm.wgrad(dab, x, offs, gate_up_grads, accumulate=False)
+    dab, _, hw = swiglu_weighted_backward(u, ab, w, offs[-1:], over_ab=True)
     gemm.dgrad(dab, gate_up, offs)
+    add = grads == "main_grad"
+    gemm.wgrad(g, hw, offs, weight_grads(down, grads), accumulate=add)
+    gemm.wgrad(dab, x, offs, weight_grads(gate_up, grads), accumulate=add)
 
 
 def arena_weights(home: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -155,11 +214,6 @@ def arena_weights(home: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     for part, t in zip(parts, (home, slots), strict=True):
         part.tensor.copy_(t)
     return joined_rows(*parts)
-
-
-def fp32_grads(parts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    """Uninitialised fp32 gradients like `parts` (the wgrads below overwrite them, as the layer does)."""
-    return [torch.empty(p.shape, dtype=torch.float32, device="cuda") for p in parts]
 
 
 def make_gemm(backend: str, k: int, problem: GemmProblem | None):
@@ -206,24 +260,30 @@ def cast_ops(x, dab, g, hw, offs, gate_up, down) -> dict:
             "weight_cast_fwd": lambda: cast_weights(False), "weight_cast_dgrad": lambda: cast_weights(True)}
 
 
-def gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down) -> dict:
-    """The six GEMMs of the expert block, as three timed pairs (both projections each)."""
-    grads = fp32_grads(gate_up), fp32_grads(down)
+def gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down, grads: str) -> dict:
+    """The six GEMMs of the expert block, as three timed pairs (both projections each); wgrad in gradient
+    mode `grads` ("main_grad" adds into the same fp32 gradients every call, as micro-batches do)."""
+    outs, add = (weight_grads(gate_up, grads), weight_grads(down, grads)), grads == "main_grad"
     return {
         "fwd": lambda: (gemm.fwd(x, gate_up, offs), gemm.fwd(hw, down, offs)),
         "dgrad": lambda: (gemm.dgrad(dab, gate_up, offs), gemm.dgrad(g, down, offs)),
-        "wgrad": lambda: (gemm.wgrad(dab, x, offs, grads[0], accumulate=False),
-                          gemm.wgrad(g, hw, offs, grads[1], accumulate=False)),
+        "wgrad": lambda: (gemm.wgrad(dab, x, offs, outs[0], accumulate=add),
+                          gemm.wgrad(g, hw, offs, outs[1], accumulate=add)),
     }
 
 
-def bench_shape(name: str, rows: int, skew: float, backends: list[str], limits: dict,
-                wanted_layouts: list[str], warmup: int, repeat: int) -> list[dict]:
-    """One row per backend and layout of one shape, rows count and skew, each with its `targets`."""
+def bench_shape(case: Case, backends: list[str], limits: dict, wanted_layouts: list[str],
+                grad_modes: list[str], warmup: int, repeat: int) -> list[dict]:
+    """One row per backend, layout and gradient mode of one case, each with its `targets`."""
+    name, rows = case.shape, case.rows
     h, f, epn = expert_shape(name)
     groups = 2 * epn
-    gen = torch.Generator().manual_seed(0)
-    offs = segment_ends(groups, rows, skew, gen).cuda()
+    plan = {}
+    if case.maxvio is None:
+        offs = segment_ends(groups, rows, case.skew, torch.Generator().manual_seed(0)).cuda()
+    else:
+        offs, plan = plan_segments(name, case.maxvio)
+        offs = offs.cuda()
     m_total = int(offs[-1])
 
     def rand(*shape):
@@ -243,19 +303,21 @@ def bench_shape(name: str, rows: int, skew: float, backends: list[str], limits: 
     dab, hw = rand(m_total, 2 * f), rand(m_total, f)
     flops = 2 * rows * 3 * f * h  # per op pair, on the real rows (not the padding)
     dense, copy = limits["dense_bf16_flops_per_s"], limits["copy_bytes_per_s"]
-    grad_bytes = groups * 3 * f * h * 4 + m_total * (3 * f + 2 * h) * 2  # fp32 written, bf16 read
-    wgrad_floor = max(flops / dense, grad_bytes / copy)
     problem = GemmProblem(((2 * f, h), (h, f)), rows_per_group=rows // groups)  # what "auto" measures
     out = []
-    for backend, (layout, (gate_up, down)) in itertools.product(backends, layouts.items()):
+    for backend, (layout, (gate_up, down)), grads in itertools.product(backends, layouts.items(), grad_modes):
+        # the gradients' bytes: bf16 written ("param") or fp32 read and written ("main_grad"); inputs read
+        grad_bytes = groups * 3 * f * h * (2 if grads == "param" else 8) + m_total * (3 * f + 2 * h) * 2
+        wgrad_floor = max(flops / dense, grad_bytes / copy)
         gemm = make_gemm(backend, math.gcd(h, f), problem)
-        row = {"shape": name, "rows": rows, "padded_rows": m_total, "groups": groups, "skew": skew,
-               "backend": gemm.name, "weights": layout}
+        row = {"shape": name, "rows": rows, "padded_rows": m_total, "groups": groups, "skew": case.skew,
+               "maxvio": case.maxvio, "segments": case.label, **({"plan": plan} if plan else {}),
+               "backend": gemm.name, "weights": layout, "grads": grads}
         if isinstance(gemm, MeasuredGroupedGemm):
             row["picks"] = {f"{op} {n}x{k}": pick.name for (op, n, k), pick in gemm.chosen.items()}
             print(f"{name:18} auto picks: {row['picks']}", flush=True)
-        calls = gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down)
-        calls["block"] = lambda gm=gemm, gu=gate_up, dn=down: block(gm, x, w, offs, gu, dn, g)
+        calls = gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down, grads)
+        calls["block"] = lambda gm=gemm, gu=gate_up, dn=down, gr=grads: block(gm, x, w, offs, gu, dn, g, gr)
         if backend.startswith("fp8"):
             calls.update(cast_ops(x, dab, g, hw, offs, gate_up, down))
         for op, fn in calls.items():
@@ -284,8 +346,9 @@ def format_row(row: dict) -> str:
     if "fwd_cast_ms" in row:  # the fp8 row
         casts = (f"  casts in the row: activations fwd {timing('fwd_cast')}, dgrad {timing('dgrad_cast')}; "
                  f"weights fwd {timing('weight_cast_fwd')}, dgrad {timing('weight_cast_dgrad')}")
-    return (f"{row['shape']:18} rows={row['rows']:6} skew={row['skew']:3.1f} {row['backend']:10} "
-            f"{row['weights']:5} fwd {row['fwd_tflops']:4.0f} TF/s ({row['fwd_vs_dense']:.2f} dense) "
+    return (f"{row['shape']:18} rows={row['rows']:6} {row['segments']:9} {row['backend']:10} "
+            f"{row['weights']:5} {row['grads']:9} "
+            f"fwd {row['fwd_tflops']:4.0f} TF/s ({row['fwd_vs_dense']:.2f} dense) "
             f"{timing('fwd')}  dgrad {row['dgrad_tflops']:4.0f} ({row['dgrad_vs_dense']:.2f}) "
             f"{timing('dgrad')}"
             f"  wgrad {row['wgrad_tflops']:4.0f} ({row['wgrad_vs_floor']:.2f}x floor) {timing('wgrad')}"
@@ -304,6 +367,9 @@ def main() -> None:
     parser.add_argument("--backends", nargs="*", default=["torch", "deep_gemm", "triton", "auto", "fp8"])
     parser.add_argument("--layouts", nargs="*", default=["pair", "plain", "arena"],
                         help="(home, slots) copied per call, one ordinary tensor, or the VMM arena")
+    parser.add_argument("--grads", nargs="*", choices=GRAD_MODES, default=["param"],
+                        help="gradient modes: fresh gradients in the weights' dtype (the default), or added "
+                             "into fp32 ones")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=10, help="timed runs per op (the median of them, >= 5)")
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
@@ -312,8 +378,8 @@ def main() -> None:
         parser.error(f"--repeat must be >= 5 (a median with a spread), got {args.repeat}")
     preset = PRESETS.get(args.preset, {})
     runs = cases(preset.get("shapes", args.shapes), preset["rows"] if preset else args.rows,
-                 preset.get("skews", args.skews))
-    layouts = preset.get("layouts", args.layouts)
+                 preset.get("skews", args.skews), preset.get("maxvios"))
+    layouts, grad_modes = preset.get("layouts", args.layouts), preset.get("grads", args.grads)
     limits = measure_limits()
     print(f"copy {limits['copy_bytes_per_s'] / 1e12:.2f} TB/s, dense bf16 "
           f"{limits['dense_bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
@@ -324,8 +390,8 @@ def main() -> None:
             backends.append(name)
         else:
             print(f"skipping backend {name}: {reason}")
-    rows = [r for shape, m, skew in runs
-            for r in bench_shape(shape, m, skew, backends, limits, layouts, args.warmup, args.repeat)]
+    rows = [r for case in runs
+            for r in bench_shape(case, backends, limits, layouts, grad_modes, args.warmup, args.repeat)]
     targets = [target for row in rows for target in row.pop("targets")]
     print(f"\nEP=8 rank targets (and the fp8 row's), median (min-max) of {args.repeat} "
           "runs:")
@@ -334,7 +400,8 @@ def main() -> None:
     name = "gemm" if args.preset is None else f"gemm-{args.preset}"  # never overwrites the other's record
     path = write_record(name, limits, rows, Path(args.out) if args.out else None, preset=args.preset,
                         setup={"warmup": args.warmup, "repeat": args.repeat, "pad": PAD,
-                               "cases": [list(case) for case in runs], "layouts": layouts}, targets=targets)
+                               "cases": [case._asdict() for case in runs], "layouts": layouts,
+                               "grads": grad_modes}, targets=targets)
     print("results:", path)
 
 

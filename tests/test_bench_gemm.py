@@ -1,5 +1,5 @@
-"""The pure logic of bench/gemm.py: the model shapes at EP=8, the `--preset ep8` rows, the segments, and
-the EP=8 rank's targets computed from a row's timings."""
+"""The pure logic of bench/gemm.py: the model shapes at EP=8, the `--preset ep8` rows, the segments (a real
+plan's for the preset), the gradient modes, and the EP=8 rank's targets computed from a row's timings."""
 
 import pytest
 import torch
@@ -9,12 +9,15 @@ from bench.gemm import (
     PAD,
     PRESETS,
     TARGETS,
+    Case,
     cases,
     expert_shape,
     format_row,
     gemm_targets,
     main,
+    plan_segments,
     segment_ends,
+    weight_grads,
 )
 
 
@@ -25,19 +28,45 @@ def test_expert_shapes_at_ep8_come_from_the_configs():
     assert expert_shape("mixtral-8x7b") == (4096, 14336, 1)
 
 
-def test_preset_ep8_is_exactly_the_issues_production_rows():
+def test_preset_ep8_is_one_rank_of_a_real_plan_in_both_gradient_modes():
     preset = PRESETS["ep8"]
-    runs = cases(preset["shapes"], preset["rows"], preset["skews"])
-    assert runs == [("deepseek-v3", 65536, 0.0), ("kimi-k2", 65536, 0.0)], "S*K = 8192*8 routes, uniform"
-    assert [2 * expert_shape(shape)[2] for shape, _, _ in runs] == [64, 96], "32+32 and 48+48 groups"
+    runs = cases(preset["shapes"], preset["rows"], [0.0], preset["maxvios"])
+    assert runs == [Case("deepseek-v3", 65536, maxvio=0.0), Case("deepseek-v3", 65536, maxvio=20.0),
+                    Case("kimi-k2", 65536, maxvio=0.0), Case("kimi-k2", 65536, maxvio=20.0)], "S*K = 8192*8"
+    assert [2 * expert_shape(case.shape)[2] for case in runs[::2]] == [64, 96], "32+32 and 48+48 groups"
     assert preset["layouts"] == ["arena"], "the weights as the layer has them"
+    assert preset["grads"] == ["param", "main_grad"], "the default gradient mode first"
+    assert [case.label for case in runs[:2]] == ["maxvio=0", "maxvio=20"]
+
+
+@pytest.mark.parametrize(("shape", "maxvio"), [("deepseek-v3", 0.0), ("kimi-k2", 20.0)])
+def test_plan_segments_are_one_ranks_share_of_the_groups_plan(shape, maxvio):
+    """epn home then B = epn slot groups, every one of the rank's S*K routes in them, each group padded;
+    at maxvio 20 the rank's home groups are skewed and some slots filled, at 0 its home groups near even."""
+    _, _, epn = expert_shape(shape)
+    ends, info = plan_segments(shape, maxvio, device="cpu")
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    assert ends.shape == (2 * epn,) and bool((sizes % PAD == 0).all())
+    assert 65536 <= int(ends[-1]) <= 65536 + 2 * epn * (PAD - 1)
+    assert info["slots_used"] == int((sizes[epn:] > 0).sum()) >= 1
+    home = sizes[:epn].double()
+    assert (float(home.max() / home.mean()) > 2.0) == (maxvio > 0), home.tolist()
+
+
+def test_weight_grads_per_mode():
+    parts = (torch.ones(2, 3, 4, dtype=torch.bfloat16),)
+    assert weight_grads(parts, "param") == [None], "the GEMM makes fresh gradients in the weights' dtype"
+    (grad,) = weight_grads(parts, "main_grad")
+    assert grad.dtype == torch.float32 and grad.shape == (2, 3, 4) and not grad.any(), "fp32, added into"
 
 
 def test_cases_without_rows_take_each_models_routes():
     assert cases(["mixtral-8x7b", "qwen3-moe-30b-a3b"], None, [0.0, 1.5]) == [
-        ("mixtral-8x7b", 16384, 0.0), ("mixtral-8x7b", 16384, 1.5),  # K=2
-        ("qwen3-moe-30b-a3b", 65536, 0.0), ("qwen3-moe-30b-a3b", 65536, 1.5)]
-    assert cases(["deepseek-v3"], [100, 200], [0.0]) == [("deepseek-v3", 100, 0.0), ("deepseek-v3", 200, 0.0)]
+        Case("mixtral-8x7b", 16384, 0.0), Case("mixtral-8x7b", 16384, 1.5),  # K=2
+        Case("qwen3-moe-30b-a3b", 65536, 0.0), Case("qwen3-moe-30b-a3b", 65536, 1.5)]
+    assert cases(["deepseek-v3"], [100, 200], [0.0]) == [Case("deepseek-v3", 100, 0.0),
+                                                         Case("deepseek-v3", 200, 0.0)]
+    assert Case("deepseek-v3", 100, 1.5).label == "skew=1.5"
 
 
 @pytest.mark.parametrize("skew", [0.0, 1.5])
@@ -51,7 +80,8 @@ def test_segment_ends_cover_every_route_in_padded_segments(skew):
 
 def row_of(fwd, dgrad, wgrad, block):
     """A gemm row with each op's (median, min, max) ms."""
-    row = {"shape": "deepseek-v3", "rows": 65536, "skew": 0.0, "backend": "auto", "weights": "arena"}
+    row = {"shape": "deepseek-v3", "rows": 65536, "segments": "maxvio=0", "backend": "auto",
+           "weights": "arena", "grads": "param"}
     for op, (ms, low, high) in {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, "block": block}.items():
         row.update({f"{op}_ms": ms, f"{op}_ms_min": low, f"{op}_ms_max": high})
     return row
@@ -74,7 +104,7 @@ def test_gemm_targets_from_a_rows_timings():
     block = targets["block vs its GEMMs"]  # the GEMMs: 34 (32-36) ms
     assert (block["median"], block["min"], block["max"]) == pytest.approx((36 / 34, 35 / 36, 40 / 32))
     assert block["pass"], "1.059 <= 1.08"
-    assert {t["row"] for t in targets.values()} == {"deepseek-v3 rows=65536 skew=0.0 auto arena"}
+    assert {t["row"] for t in targets.values()} == {"deepseek-v3 rows=65536 maxvio=0 auto arena param"}
 
 
 def test_fp8_row_is_checked_against_issue_16s_targets():
@@ -89,7 +119,7 @@ def test_fp8_row_is_checked_against_issue_16s_targets():
     dgrad = targets["dgrad of dense"]
     assert dgrad["median"] == pytest.approx(10 / 6) and not dgrad["pass"], "1.67 < 1.7"
     assert targets["block vs its GEMMs"]["pass"], "24 <= 1.08 * 22.5"
-    assert {t["row"] for t in targets.values()} == {"deepseek-v3 rows=65536 skew=0.0 fp8 arena"}
+    assert {t["row"] for t in targets.values()} == {"deepseek-v3 rows=65536 maxvio=0 fp8 arena param"}
     bf16 = {t["target"]: t for t in gemm_targets({**row, "backend": "auto"}, flops, dense, 10e-3)}
     assert bf16["fwd of dense"]["bound"] == 0.92, "every other backend keeps the bf16 bounds"
 
@@ -116,7 +146,8 @@ def test_format_row_shows_each_ops_spread():
 
 @pytest.mark.parametrize(("argv", "message"), [(["--repeat", "4"], "--repeat must be >= 5"),
                                                (["--preset", "ep4"], "invalid choice: 'ep4'"),
-                                               (["--shapes", "gpt-oss"], "invalid choice: 'gpt-oss'")])
+                                               (["--shapes", "gpt-oss"], "invalid choice: 'gpt-oss'"),
+                                               (["--grads", "fp32"], "invalid choice: 'fp32'")])
 def test_bad_command_lines_fail_before_any_work(monkeypatch, capsys, argv, message):
     monkeypatch.setattr("sys.argv", ["bench.gemm", *argv])
     with pytest.raises(SystemExit):
