@@ -183,16 +183,20 @@ def plan_segments(name: str, maxvio: float, device: str = "cuda") -> tuple[torch
                                    "slots_used": sum(r > 0 for r in plan.slot_routes)}
 
 
-def weight_grads(parts: tuple[torch.Tensor, ...], grads: str) -> list[torch.Tensor | None]:
-    """What a wgrad of weights `parts` writes into in gradient mode `grads`: None each ("param": fresh
-    gradients in the weights' dtype, the GEMM's own output), or zeroed fp32 gradients ("main_grad", added
-    into)."""
+def weight_grads(parts: tuple[torch.Tensor, ...], epn: int, grads: str) -> list[torch.Tensor | None]:
+    """What the layer's wgrad of weights `parts` (`[G, cols, inner]` over all parts) writes into, as
+    `(home, slots)` with `epn` home groups, in gradient mode `grads`: "param", the home gradients fresh (None:
+    the GEMM's own output, in the weights' dtype) and the slot gradients written over a `[B, cols, inner]`
+    tensor in the weights' dtype (the layer's slot weights); "main_grad", zeroed fp32 gradients of both,
+    added into."""
+    groups, cols, inner = sum(p.shape[0] for p in parts), parts[0].shape[1], parts[0].shape[2]
+    device, dtype = parts[0].device, parts[0].dtype
     if grads == "param":
-        return [None] * len(parts)
-    return [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in parts]
+        return [None, torch.empty(groups - epn, cols, inner, dtype=dtype, device=device)]
+    return [torch.zeros(n, cols, inner, dtype=torch.float32, device=device) for n in (epn, groups - epn)]
 
 
-def block(gemm, x, w, offs, gate_up, down, g, grads: str):
+def block(gemm, x, w, offs, gate_up, down, g, epn: int, grads: str):
     """The layer's expert block, forward and backward (as `MoonEPExperts` runs it with peers: dab written
     over ab, both dgrads before the weight gradients), in gradient mode `grads`."""
     ab = gemm.fwd(x, gate_up, offs)
@@ -202,8 +206,8 @@ def block(gemm, x, w, offs, gate_up, down, g, grads: str):
     dab, _, hw = swiglu_weighted_backward(u, ab, w, offs[-1:], over_ab=True)
     gemm.dgrad(dab, gate_up, offs)
     add = grads == "main_grad"
-    gemm.wgrad(g, hw, offs, weight_grads(down, grads), accumulate=add)
-    gemm.wgrad(dab, x, offs, weight_grads(gate_up, grads), accumulate=add)
+    gemm.wgrad(g, hw, offs, weight_grads(down, epn, grads), accumulate=add)
+    gemm.wgrad(dab, x, offs, weight_grads(gate_up, epn, grads), accumulate=add)
 
 
 def arena_weights(home: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -260,10 +264,11 @@ def cast_ops(x, dab, g, hw, offs, gate_up, down) -> dict:
             "weight_cast_fwd": lambda: cast_weights(False), "weight_cast_dgrad": lambda: cast_weights(True)}
 
 
-def gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down, grads: str) -> dict:
+def gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down, epn: int, grads: str) -> dict:
     """The six GEMMs of the expert block, as three timed pairs (both projections each); wgrad in gradient
     mode `grads` ("main_grad" adds into the same fp32 gradients every call, as micro-batches do)."""
-    outs, add = (weight_grads(gate_up, grads), weight_grads(down, grads)), grads == "main_grad"
+    outs = weight_grads(gate_up, epn, grads), weight_grads(down, epn, grads)
+    add = grads == "main_grad"
     return {
         "fwd": lambda: (gemm.fwd(x, gate_up, offs), gemm.fwd(hw, down, offs)),
         "dgrad": lambda: (gemm.dgrad(dab, gate_up, offs), gemm.dgrad(g, down, offs)),
@@ -303,9 +308,12 @@ def bench_shape(case: Case, backends: list[str], limits: dict, wanted_layouts: l
     dab, hw = rand(m_total, 2 * f), rand(m_total, f)
     flops = 2 * rows * 3 * f * h  # per op pair, on the real rows (not the padding)
     dense, copy = limits["dense_bf16_flops_per_s"], limits["copy_bytes_per_s"]
-    problem = GemmProblem(((2 * f, h), (h, f)), rows_per_group=rows // groups)  # what "auto" measures
     out = []
     for backend, (layout, (gate_up, down)), grads in itertools.product(backends, layouts.items(), grad_modes):
+        # what "auto" measures: the layer's problem in this gradient mode (`MoonEPMoELayer`'s)
+        problem = GemmProblem(((2 * f, h), (h, f)), rows_per_group=rows // groups,
+                              grad_dtype=torch.bfloat16 if grads == "param" else torch.float32,
+                              groups=(epn, groups - epn), fresh_home_grads=grads == "param")
         # the gradients' bytes: bf16 written ("param") or fp32 read and written ("main_grad"); inputs read
         grad_bytes = groups * 3 * f * h * (2 if grads == "param" else 8) + m_total * (3 * f + 2 * h) * 2
         wgrad_floor = max(flops / dense, grad_bytes / copy)
@@ -316,8 +324,9 @@ def bench_shape(case: Case, backends: list[str], limits: dict, wanted_layouts: l
         if isinstance(gemm, MeasuredGroupedGemm):
             row["picks"] = {f"{op} {n}x{k}": pick.name for (op, n, k), pick in gemm.chosen.items()}
             print(f"{name:18} auto picks: {row['picks']}", flush=True)
-        calls = gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down, grads)
-        calls["block"] = lambda gm=gemm, gu=gate_up, dn=down, gr=grads: block(gm, x, w, offs, gu, dn, g, gr)
+        calls = gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down, epn, grads)
+        calls["block"] = lambda gm=gemm, gu=gate_up, dn=down, gr=grads: block(gm, x, w, offs, gu, dn, g, epn,
+                                                                              gr)
         if backend.startswith("fp8"):
             calls.update(cast_ops(x, dab, g, hw, offs, gate_up, down))
         for op, fn in calls.items():

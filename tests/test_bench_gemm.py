@@ -53,11 +53,18 @@ def test_plan_segments_are_one_ranks_share_of_the_groups_plan(shape, maxvio):
     assert (float(home.max() / home.mean()) > 2.0) == (maxvio > 0), home.tolist()
 
 
-def test_weight_grads_per_mode():
-    parts = (torch.ones(2, 3, 4, dtype=torch.bfloat16),)
-    assert weight_grads(parts, "param") == [None], "the GEMM makes fresh gradients in the weights' dtype"
-    (grad,) = weight_grads(parts, "main_grad")
-    assert grad.dtype == torch.float32 and grad.shape == (2, 3, 4) and not grad.any(), "fp32, added into"
+@pytest.mark.parametrize("parts", [(5,), (2, 3)])
+def test_weight_grads_split_home_and_slots_per_mode(parts):
+    """However the weights are laid out (one joined tensor, or home and slots), the gradients are the
+    layer's (home, slots) pair: in "param" the home part made fresh by the GEMM (None) and the slots' in the
+    weights' dtype, in "main_grad" both zeroed fp32, added into."""
+    weights = tuple(torch.ones(n, 3, 4, dtype=torch.bfloat16) for n in parts)
+    home, slots = weight_grads(weights, 2, "param")
+    assert home is None and slots.dtype == torch.bfloat16 and slots.shape == (3, 3, 4)
+    grads = weight_grads(weights, 2, "main_grad")
+    assert [(g.dtype, tuple(g.shape)) for g in grads] == [(torch.float32, (2, 3, 4)),
+                                                          (torch.float32, (3, 3, 4))]
+    assert not any(g.any() for g in grads)
 
 
 def test_cases_without_rows_take_each_models_routes():
