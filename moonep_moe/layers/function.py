@@ -202,7 +202,8 @@ class MoonEPExperts(torch.autograd.Function):
         # step's gradient into a `.grad` (a later micro-batch), add into that `.grad` (`accumulating_grads`);
         # "main_grad": they add into the persistent main_grad. Added into, the slot gradients are exact too
         # (the fp32 pool is zero between steps: reduce_grad clears it; slot gradients written over the slot
-        # weights, `grads_in_slots`, are cleared first: both dgrads, their weights' last readers, are behind)
+        # weights, `grads_in_slots`, are cleared first: both dgrads, their weights' last readers, are behind
+        # where there are slots)
         # the projections whose gradient this backward wants: trainable, and not left out of a
         # `backward(inputs=...)` (the input-gradient half of a split backward runs no weight-gradient GEMM)
         main_grad = state.main_grad
