@@ -196,18 +196,18 @@ def weight_grads(parts: tuple[torch.Tensor, ...], epn: int, grads: str) -> list[
     return [torch.zeros(n, cols, inner, dtype=torch.float32, device=device) for n in (epn, groups - epn)]
 
 
-def block(gemm, x, w, offs, gate_up, down, g, epn: int, grads: str):
+def block(gemm, x, w, offs, gate_up, down, g, outs: tuple[list, list], add: bool):
     """The layer's expert block, forward and backward (as `MoonEPExperts` runs it with peers: dab written
-    over ab, both dgrads before the weight gradients), in gradient mode `grads`."""
+    over ab, both dgrads before the weight gradients), the weight gradients into `outs` (gate_up's, down's:
+    `weight_grads`, made once, as the layer's slot and main_grad tensors persist), added into with `add`."""
     ab = gemm.fwd(x, gate_up, offs)
     hw = swiglu_weighted(ab, w, offs[-1:])
     gemm.fwd(hw, down, offs)
     u = gemm.dgrad(g, down, offs)
     dab, _, hw = swiglu_weighted_backward(u, ab, w, offs[-1:], over_ab=True)
     gemm.dgrad(dab, gate_up, offs)
-    add = grads == "main_grad"
-    gemm.wgrad(g, hw, offs, weight_grads(down, epn, grads), accumulate=add)
-    gemm.wgrad(dab, x, offs, weight_grads(gate_up, epn, grads), accumulate=add)
+    gemm.wgrad(g, hw, offs, outs[1], accumulate=add)
+    gemm.wgrad(dab, x, offs, outs[0], accumulate=add)
 
 
 def arena_weights(home: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -264,11 +264,9 @@ def cast_ops(x, dab, g, hw, offs, gate_up, down) -> dict:
             "weight_cast_fwd": lambda: cast_weights(False), "weight_cast_dgrad": lambda: cast_weights(True)}
 
 
-def gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down, epn: int, grads: str) -> dict:
-    """The six GEMMs of the expert block, as three timed pairs (both projections each); wgrad in gradient
-    mode `grads` ("main_grad" adds into the same fp32 gradients every call, as micro-batches do)."""
-    outs = weight_grads(gate_up, epn, grads), weight_grads(down, epn, grads)
-    add = grads == "main_grad"
+def gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down, outs: tuple[list, list], add: bool) -> dict:
+    """The six GEMMs of the expert block, as three timed pairs (both projections each); wgrad into `outs`,
+    added into with `add` ("main_grad": the same fp32 gradients every call, as micro-batches do)."""
     return {
         "fwd": lambda: (gemm.fwd(x, gate_up, offs), gemm.fwd(hw, down, offs)),
         "dgrad": lambda: (gemm.dgrad(dab, gate_up, offs), gemm.dgrad(g, down, offs)),
@@ -283,12 +281,11 @@ def bench_shape(case: Case, backends: list[str], limits: dict, wanted_layouts: l
     name, rows = case.shape, case.rows
     h, f, epn = expert_shape(name)
     groups = 2 * epn
-    plan = {}
     if case.maxvio is None:
-        offs = segment_ends(groups, rows, case.skew, torch.Generator().manual_seed(0)).cuda()
+        offs, plan = segment_ends(groups, rows, case.skew, torch.Generator().manual_seed(0)), {}
     else:
         offs, plan = plan_segments(name, case.maxvio)
-        offs = offs.cuda()
+    offs = offs.cuda()
     m_total = int(offs[-1])
 
     def rand(*shape):
@@ -324,9 +321,10 @@ def bench_shape(case: Case, backends: list[str], limits: dict, wanted_layouts: l
         if isinstance(gemm, MeasuredGroupedGemm):
             row["picks"] = {f"{op} {n}x{k}": pick.name for (op, n, k), pick in gemm.chosen.items()}
             print(f"{name:18} auto picks: {row['picks']}", flush=True)
-        calls = gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down, epn, grads)
-        calls["block"] = lambda gm=gemm, gu=gate_up, dn=down, gr=grads: block(gm, x, w, offs, gu, dn, g, epn,
-                                                                              gr)
+        outs, add = (weight_grads(gate_up, epn, grads), weight_grads(down, epn, grads)), grads == "main_grad"
+        calls = gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down, outs, add)
+        calls["block"] = lambda gm=gemm, gu=gate_up, dn=down, o=outs, a=add: block(gm, x, w, offs, gu, dn, g,
+                                                                                   o, a)
         if backend.startswith("fp8"):
             calls.update(cast_ops(x, dab, g, hw, offs, gate_up, down))
         for op, fn in calls.items():
