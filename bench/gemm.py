@@ -308,7 +308,7 @@ def bench_shape(case: Case, backends: list[str], limits: dict, wanted_layouts: l
     out = []
     for backend, (layout, (gate_up, down)), grads in itertools.product(backends, layouts.items(), grad_modes):
         # what "auto" measures: the layer's problem in this gradient mode (`MoonEPMoELayer`'s)
-        problem = GemmProblem(((2 * f, h), (h, f)), rows_per_group=rows // groups,
+        problem = GemmProblem(((2 * f, h), (h, f)), rows_per_group=rows // epn,
                               grad_dtype=torch.bfloat16 if grads == "param" else torch.float32,
                               groups=(epn, groups - epn), fresh_home_grads=grads == "param")
         # the gradients' bytes: bf16 written ("param") or fp32 read and written ("main_grad"); inputs read

@@ -651,18 +651,20 @@ def test_gpu_param_mode_later_micro_batch_adds_into_grad():
 
 def test_grouped_gemm_is_chosen_for_the_layers_gradient_dtype(monkeypatch):
     """The layer asks for its grouped GEMM with the dtype its wgrad will write (`expert_grad_dtype`), the way
-    it calls wgrad (home gradients made by the GEMM in "param" mode, added into in "main_grad" mode) and its
-    (home, slot) groups, so "auto" times wgrad as the layer will really run it."""
+    it calls wgrad (home gradients made by the GEMM in "param" mode, added into in "main_grad" mode), its
+    (home, slot) groups and the rows of a home group (S * K / home experts: a balanced plan leaves nearly
+    every row home), so "auto" times wgrad as the layer will really run it."""
     seen = []
     select = moe.select_grouped_gemm
 
     def spy(*args, problem, **kwargs):
-        seen.append((problem.grad_dtype, problem.fresh_home_grads, problem.groups))
+        seen.append((problem.grad_dtype, problem.fresh_home_grads, problem.groups, problem.rows_per_group))
         return select(*args, problem=problem, **kwargs)
 
     monkeypatch.setattr(moe, "select_grouped_gemm", spy)
     for mode in ("param", "main_grad"):
         MoonEPMoELayer(make_config(1, dtype="bfloat16", expert_grad_dtype=mode))
     run_ranks(lambda world: MoonEPMoELayer(make_config(4, dtype="bfloat16"), world).destroy(), 4)
-    assert seen == [(torch.bfloat16, True, (32, 0)), (torch.float32, False, (32, 0))] + \
-        [(torch.bfloat16, True, (8, 8))] * 4
+    S, K = 48, 2  # make_config's max_tokens_per_rank and top_k
+    one_rank = [(torch.bfloat16, True, (32, 0), S * K // 32), (torch.float32, False, (32, 0), S * K // 32)]
+    assert seen == one_rank + [(torch.bfloat16, True, (8, 8), S * K // 8)] * 4

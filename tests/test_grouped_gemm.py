@@ -432,12 +432,14 @@ def test_wgrad_choice_is_kept_per_gradient_dtype(tmp_path):
 
 @pytest.mark.parametrize(("groups", "shape", "rows", "timed"), [
     ((256, 0), (4096, 7168), 256, (32, 0)),      # DeepSeek-V3 at EP = 1: 32 of 256 groups
-    ((32, 32), (4096, 7168), 1024, (16, 16)),    # one EP = 8 rank: home and slots in the layer's ratio
-    ((32, 32), (28672, 4096), 1024, (4, 4)),     # large experts: the memory cap leaves 8 groups
-    ((1, 1), (28672, 4096), 8192, (1, 1)),       # Mixtral at EP = 8
-    ((3, 0), (32, 16), 128, (3, 0)), ((0, 4), (32, 16), 128, (0, 4)), ((1, 63), (32, 16), 8, (1, 31)),
+    ((32, 32), (4096, 7168), 2048, (27, 1)),     # one EP = 8 rank: its home groups and the slot a plan fills
+    ((32, 32), (28672, 4096), 2048, (6, 1)),     # large experts: the memory cap leaves 7 groups
+    ((1, 1), (28672, 4096), 16384, (1, 1)),      # Mixtral at EP = 8
+    ((1, 1), (28672, 4096), 65536, (1, 0)),      # room for one group: the home one
+    ((3, 0), (32, 16), 128, (3, 0)), ((0, 4), (32, 16), 128, (0, 4)), ((1, 63), (32, 16), 8, (1, 1)),
 ])
-def test_timed_groups_are_the_layers_up_to_a_count_and_a_memory_cap(groups, shape, rows, timed):
+def test_timed_groups_are_the_home_ones_and_a_filled_slot_up_to_a_count_and_a_memory_cap(groups, shape, rows,
+                                                                                           timed):
     problem = GemmProblem((shape,), rows, groups=groups)
     assert autotune.timed_groups(problem, *shape, rows) == timed
     assert 2 * rows * sum(shape) + 6 * shape[0] * shape[1] <= autotune.TIMING_BYTES // sum(timed)
@@ -458,10 +460,10 @@ def test_wgrad_is_timed_in_the_layers_mode_and_kept_per_mode(tmp_path):
         assert gemm.chosen[("wgrad", N, K)].name == "torch"
     # the "param" problem times its adding form too, under the key the "main_grad" one then reads
     assert [call[:5] for call in timer.calls if call[0].startswith("wgrad")] == [
-        ("wgrad", N, K, 128, (24, 8)), (autotune.WGRAD_ADD, N, K, 128, (24, 8))]
+        ("wgrad", N, K, 128, (31, 1)), (autotune.WGRAD_ADD, N, K, 128, (31, 1))]
     keys = [key for key in json.loads(path.read_text()) if key != old_key and "|wgrad|" in key]
     assert sorted(key.removeprefix(f"{CONTEXT}|wgrad|") for key in keys) == [
-        f"n={N}|k={K}|rows=128|groups=24+8|torch/reference|grad=bfloat16|{mode}" for mode in ("add", "fresh")]
+        f"n={N}|k={K}|rows=128|groups=31+1|torch/reference|grad=bfloat16|{mode}" for mode in ("add", "fresh")]
 
 
 def test_param_mode_chooses_apart_the_wgrad_that_makes_home_gradients_and_the_one_adding_into_them():

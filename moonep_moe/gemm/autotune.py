@@ -143,17 +143,25 @@ TIMING_BYTES = 6 << 30
 """Cap on the tensors one timing allocates (``timed_groups``)."""
 
 
+FILLED_SLOTS = 1
+"""Slot groups given rows when a problem with slots is timed: a balanced plan fills few of a rank's slots
+(the busiest rank of a DeepSeek-V3 EP=8 plan at S=8192 fills 1 at maxvio 0 and 2 at maxvio 20, `bench.gemm
+--preset ep8`) and the rest carry no rows."""
+
+
 def timed_groups(problem: GemmProblem, cols: int, inner: int, rows: int) -> tuple[int, int]:
-    """The ``(home, slot)`` groups timed for one weight shape: ``min(G, MAX_TIMED_GROUPS)`` in the ratio of
-    ``problem.groups``, fewer where one group's tensors times that count would pass ``TIMING_BYTES`` (bf16
-    rows of x and dy, and at most a bf16 weight or made gradient plus an fp32 gradient per group:
-    ``2 rows (cols + inner) + 6 cols inner`` bytes; DeepSeek-V3's gate_up at 256 rows: 182 MB, so all 32
-    groups); at least one group."""
+    """The ``(home, slot)`` groups timed for one weight shape: ``min(home, MAX_TIMED_GROUPS)`` home groups and
+    ``FILLED_SLOTS`` slot groups where the problem has slots (a plan's share), fewer home groups where one
+    group's tensors times the count would pass ``TIMING_BYTES`` (bf16 rows of x and dy, and at most a bf16
+    weight or made gradient plus an fp32 gradient per group: ``2 rows (cols + inner) + 6 cols inner`` bytes;
+    DeepSeek-V3's gate_up at 2048 rows: 222 MB, so 29 groups); at least one group."""
     home, slots = problem.groups
     per_group = 2 * rows * (cols + inner) + 6 * cols * inner
-    timed = max(1, min(home + slots, MAX_TIMED_GROUPS, TIMING_BYTES // per_group))
-    timed_home = min(home, max(1 if home else 0, timed * home // max(home + slots, 1)))
-    return timed_home, timed - timed_home
+    cap = max(1, min(MAX_TIMED_GROUPS, TIMING_BYTES // per_group))
+    if not home:
+        return 0, min(slots, cap)
+    timed_slots = min(slots, FILLED_SLOTS, cap - 1)
+    return min(home, cap - timed_slots), timed_slots
 
 
 def measure_grouped_gemm(backends: Sequence[GroupedGemm], problem: GemmProblem, context: str, timer: Timer,

@@ -196,12 +196,13 @@ class GemmProblem:
 
     shapes_nk: the ``(cols, inner)`` of each projection's weights; the expert block: ``((2F, H), (H, F))``
         (the field's name predates DESIGN.md's notation and is kept for callers).
-    rows_per_group: the typical rows of one group (e.g. tokens per rank * top-k / groups); timed at the next
-        power of two, rounded up to the segment alignment.
+    rows_per_group: the typical rows of one home group (tokens per rank * top-k / home experts: a balanced
+        plan leaves nearly every row in the home groups); timed at the next power of two, rounded up to the
+        segment alignment.
     grad_dtype: the dtype wgrad writes the home experts' gradients and the slots' in (the layer's
         `expert_grad_dtype`); None: the activations' dtype promoted to at least fp32.
     groups: the ``(home, slot)`` groups of one call (the layer's ``(epn, B)``); timed on
-        ``timed_groups`` of them, in that ratio.
+        ``timed_groups`` of them: the home groups and the few slots a plan fills.
     fresh_home_grads: how the layer calls wgrad: True ("param" mode) with the home part None (the backend
         makes it) and the slot gradients overwritten; False ("main_grad" mode) adding into home and slot
         gradients, both of ``grad_dtype``.

@@ -330,8 +330,8 @@ class MoonEPMoELayer(nn.Module):
             return
         main_grad = config.expert_grad_dtype == "main_grad"
         grad_dtype = torch.promote_types(dtype, torch.float32) if main_grad else dtype
-        groups = config.experts_per_rank + config.prefetch_slots  # this rank's compute groups
-        problem = GemmProblem(((2 * f, h), (h, f)), rows_per_group=config.max_tokens_per_rank * k // groups,
+        home_rows = config.max_tokens_per_rank * k // config.experts_per_rank  # slots take few of them
+        problem = GemmProblem(((2 * f, h), (h, f)), rows_per_group=home_rows,
                               grad_dtype=grad_dtype, groups=(config.experts_per_rank, config.prefetch_slots),
                               fresh_home_grads=not main_grad)
         gemm = select_grouped_gemm(config.grouped_gemm, device, dtype, k=math.gcd(h, f),
