@@ -204,11 +204,16 @@ class MoEConfig(CommConfig):
         validate_default=False,
         description=(
             "tp: every non-empty expert segment is padded with zero rows to a multiple of this. Default: 128 "
-            "with grouped_gemm='deep_gemm' (its M-block; it needs a multiple of 128), else 16, the alignment "
-            "torch._grouped_mm and the Triton wgrad take. Measured on the H200 (DeepSeek-V3 layer at EP=1, "
-            "bench/results/layer-NVIDIA_H200-20261201-0b81cc1.json): 128 pads ~25% more rows than 16 there "
-            "(256 segments of ~256 routes) for 2.2 GiB more peak memory and no speed gain with 'auto'. "
-            "Smaller values (e.g. 8) waste less memory in CPU tests and demos."
+            "with grouped_gemm='deep_gemm' or precision='fp8' (their M-block; they need a multiple of 128), "
+            "and with 'auto' where a home expert expects at least 1024 rows (max_tokens_per_rank * top_k / "
+            "home experts: padding then adds at most ~6%), so DeepGEMM's bf16 GEMMs can run (on the H200 one "
+            "EP=8 rank of DeepSeek-V3 and Kimi-K2, ~2048 and ~1365 rows an expert, steps 4-7% faster than "
+            "'auto' at 16: bench/results/layer-*-ep8-rank-*-73a226e.json); else 16, the alignment "
+            "torch._grouped_mm and the Triton wgrad take (DeepSeek-V3 at EP=1, ~256 rows an expert: 128 pads "
+            "~25% more rows for 2.2 GiB more peak and no speed gain, bench/results/"
+            "layer-NVIDIA_H200-20261201-0b81cc1.json). Serving that decodes a few tokens a step at a large "
+            "max_tokens_per_rank sets 16: each filled group is padded to tp rows. Smaller values (e.g. 8) "
+            "waste less memory in CPU tests and demos."
         ),
     )
     expert_grad_dtype: Literal["param", "main_grad"] = Field(
@@ -456,15 +461,36 @@ def dtype_name(dtype: torch.dtype) -> str:
 def with_derived_defaults(fields: dict[str, Any]) -> dict[str, Any]:
     """`MoEConfig` fields (a partial set, as a YAML `moe:` section gives them) with the defaults that depend
     on other fields filled in: `precision` left out is 'fp8' with `expert_weights='fp8'`; `token_padding`
-    left out is 128 for DeepGEMM and FP8, else 16 (see the fields). Pure functions of the config, so every
-    rank resolves the same; what `MoEConfig` applies before validating."""
+    left out is `default_token_padding`'s. Pure functions of the config, so every rank resolves the same;
+    what `MoEConfig` applies before validating."""
     if fields.get("expert_weights") == "fp8" and fields.get("precision") is None:
         fields = {**fields, "precision": "fp8"}
     if fields.get("token_padding") is None:
-        backend = BACKENDS.get(fields.get("grouped_gemm"))
-        aligned = fields.get("precision") == "fp8" or (backend is not None
-                                                       and backend.token_padding > TOKEN_PADDING)
-        fields = {**fields, "token_padding": BLOCK_TOKEN_PADDING if aligned else TOKEN_PADDING}
+        fields = {**fields, "token_padding": default_token_padding(fields)}
     return fields
+
+
+BLOCK_PADDING_ROWS = 1024
+"""Rows a home expert expects (``max_tokens_per_rank * top_k / epn``) from which ``grouped_gemm='auto'`` pads
+segments to whole 128-row blocks: the padding then adds at most ~6% rows (half a block per segment on
+average), and DeepGEMM's bf16 GEMMs, which need the blocks, become candidates."""
+
+
+def default_token_padding(fields: dict[str, Any]) -> int:
+    """tp for `MoEConfig` fields that leave it out: `BLOCK_TOKEN_PADDING` where the backend or FP8 needs whole
+    128-row blocks, or with 'auto' where a home expert expects `BLOCK_PADDING_ROWS` rows or more; else
+    `TOKEN_PADDING`. Fields not (yet) valid count as their defaults or as few rows; validation reports
+    them."""
+    name = fields.get("grouped_gemm", "auto")
+    backend = BACKENDS.get(name) if isinstance(name, str) else None
+    if fields.get("precision") == "fp8" or (backend is not None and backend.token_padding > TOKEN_PADDING):
+        return BLOCK_TOKEN_PADDING
+    sizes = [fields.get(name, default) for name, default in
+             (("max_tokens_per_rank", 0), ("top_k", 0), ("num_experts", 0), ("ep_size", 1))]
+    if name != "auto" or not all(type(size) is int and size > 0 for size in sizes):
+        return TOKEN_PADDING
+    tokens, k, experts, ranks = sizes
+    epn = max(experts // ranks, 1)
+    return BLOCK_TOKEN_PADDING if tokens * k // epn >= BLOCK_PADDING_ROWS else TOKEN_PADDING
 
 
