@@ -171,7 +171,7 @@ from bench.skew import skewed_routing
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.function import ExpertsState
-from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.layers.moe import MoonEPMoELayer, experts_gemm
 from moonep_moe.layers.router import RouterOutput
 from moonep_moe.plan.device import plan_global_device
 from moonep_moe.plan.planner import expert_histogram
@@ -449,8 +449,9 @@ def planned_topk(plan: RankPlan, tokens: int, top_k: int) -> torch.Tensor:
 def as_ep_rank(layer: MoonEPMoELayer, epn: int, plan: RankPlan | None = None) -> MoonEPMoELayer:
     """Bench-only: turn a one-rank layer over `2 * epn` experts into one that computes what ONE rank of an
     EP group computes with `epn` home experts and `B = epn` slots, in place. The layer keeps its router
-    (over `2 * epn` experts), planner, row kernels and the grouped GEMM picked for `2 * epn` groups of S*K
-    routes; its home experts become a `HomeExperts` of `epn` experts with `epn` slots (joined by the arena
+    (over `2 * epn` experts), planner and row kernels; with `plan` its grouped GEMM is the one the real
+    rank's config picks (`rank_config`, `experts_gemm`: `epn` home groups of S*K / epn rows and `epn` slots);
+    its home experts become a `HomeExperts` of `epn` experts with `epn` slots (joined by the arena
     where it applies, as in a real group) holding its first `epn` experts' weights, and its Buffer is
     wrapped in `RankOfEPBuffer`. Slot j then holds expert j, so the layer equals one over `2 * epn` experts
     whose experts `epn + j` are copies of experts j. With `plan` (`ep_rank_plan`) the router's choice is
@@ -464,6 +465,7 @@ def as_ep_rank(layer: MoonEPMoELayer, epn: int, plan: RankPlan | None = None) ->
     if plan is not None and plan.epn != epn:
         raise ValueError(f"as_ep_rank: the plan's rank has {plan.epn} home experts, not epn = {epn}")
     whole = layer.experts
+    gemm = layer._state.gemm if plan is None else experts_gemm(rank_config(cfg, plan.ranks), world)
     rank = HomeExperts(world, epn, cfg.hidden_size, cfg.ffn_hidden_size, epn, cfg.torch_dtype,
                        name=f"{whole.name}/rank-of-ep", seed=layer.init_seed,
                        grads_in_slots=whole.grads_in_slots)
@@ -475,7 +477,7 @@ def as_ep_rank(layer: MoonEPMoELayer, epn: int, plan: RankPlan | None = None) ->
     layer.experts = rank
     state = layer._state
     used = None if plan is None else plan.used_slots
-    layer._state = ExpertsState(RankOfEPBuffer(layer.buffer, epn, used), rank, state.gemm, state.main_grad,
+    layer._state = ExpertsState(RankOfEPBuffer(layer.buffer, epn, used), rank, gemm, state.main_grad,
                                 overlap_prefetch=state.overlap_prefetch)
     if plan is not None:
         topk_sk = planned_topk(plan, cfg.max_tokens_per_rank, cfg.top_k).to(world.device)
@@ -489,6 +491,15 @@ def as_ep_rank(layer: MoonEPMoELayer, epn: int, plan: RankPlan | None = None) ->
 
         layer.router.register_forward_hook(planned)
     return layer
+
+
+def rank_config(cfg: MoEConfig, ranks: int) -> MoEConfig:
+    """The config of one rank of the group the one-rank stand-in ``cfg`` (over ``2 * epn`` experts) computes
+    for (`as_ep_rank`): ``epn * ranks`` experts on ``ranks`` ranks, ``epn`` slots, every other field as
+    ``cfg`` has it."""
+    epn = cfg.num_experts // 2
+    return MoEConfig(**{**cfg.model_dump(), "num_experts": epn * ranks, "ep_size": ranks,
+                        "num_prefetch_slots": epn})
 
 
 def with_layer_weights(layer: MoonEPMoELayer, ep_rank: RankPlan | None = None) -> MoonEPMoELayer:
@@ -710,9 +721,9 @@ def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: d
     return row
 
 
-def run_all_ours(bench: Bench, shapes: dict, variants: list[dict], profiles: dict | None,
+def run_all_ours(bench: Bench, table: Table, variants: list[dict], profiles: dict | None,
                  ep_rank: RankPlan | None = None) -> Iterator[dict]:
-    """The DEFAULT row (`MoEConfig(**shapes)`), then one row per variant (`variant_settings`) whose config
+    """The DEFAULT row (`table.config({})`), then one row per variant (`variant_settings`) whose config
     can be built and differs from every earlier row's, each profiled into `profiles` when given; with
     `ep_rank`, each layer made that EP rank's (`as_ep_rank`, names prefixed "EP rank")."""
     seen = set()
@@ -720,7 +731,7 @@ def run_all_ours(bench: Bench, shapes: dict, variants: list[dict], profiles: dic
         micro_batches = settings.get(MICRO_BATCHES, 1)
         fields = {key: value for key, value in settings.items() if key != MICRO_BATCHES}
         try:
-            cfg = MoEConfig(**shapes, **fields)
+            cfg = table.config(fields)
         except ValueError as error:
             print(f"skipping {settings}: {error}", flush=True)
             continue
@@ -821,6 +832,15 @@ class Table:
         experts = self.experts if self.epn is None else 2 * self.epn
         return dict(hidden_size=self.hidden, ffn_hidden_size=self.ffn, num_experts=experts, top_k=self.top_k,
                     max_tokens_per_rank=self.tokens)
+
+    def config(self, fields: dict) -> MoEConfig:
+        """The one-rank layer's config with `fields` (`shapes`, then `fields`); for one EP rank a
+        `token_padding` left out is the real rank's default (`MoEConfig` over `experts` on `ep_rank_of`
+        ranks: it depends on the rows per home expert), not the stand-in's over `2 * epn` experts."""
+        if self.ep_rank_of is not None and "token_padding" not in fields:
+            group = {**self.shapes, "num_experts": self.experts, "ep_size": self.ep_rank_of, **fields}
+            fields = {**fields, "token_padding": MoEConfig(**group).token_padding}
+        return MoEConfig(**self.shapes, **fields)
 
     @property
     def label(self) -> str:
@@ -992,7 +1012,7 @@ def smoke(table: Table) -> None:
     `as_ep_rank` with its plan) on the CPU, printing the routes per compute group; no timing (CPU numbers
     mean nothing)."""
     epn = table.epn
-    layer = MoonEPMoELayer(MoEConfig(**table.shapes), single_world("cpu"))
+    layer = MoonEPMoELayer(table.config({}), single_world("cpu"))
     if epn is not None:
         as_ep_rank(layer, epn, table_rank_plan(table, "cpu"))
     cfg = layer.config
@@ -1056,7 +1076,7 @@ def run_table(table: Table, variants: list[dict], args: argparse.Namespace,
     save()
 
     bf16 = {}  # micro-batches per optimizer step -> the DEFAULT config's row measured so
-    for row in run_all_ours(bench, shapes, variants, record.get("profile"), rank_plan):
+    for row in run_all_ours(bench, table, variants, record.get("profile"), rank_plan):
         if "error" not in row:
             for tag, ref in refs.items():
                 if ref is not None:

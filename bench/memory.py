@@ -34,7 +34,6 @@ from bench.layer import (
     table_rank_plan,
     with_layer_weights,
 )
-from moonep_moe.config import MoEConfig
 from moonep_moe.layers.moe import MoonEPMoELayer
 from moonep_moe.transport.arena import physical_bytes
 from moonep_moe.transport.threads import single_world
@@ -139,7 +138,7 @@ def main() -> None:
     x_th, grad_th = step_inputs(table.tokens, table.hidden)
 
     def ours() -> MoonEPMoELayer:
-        return with_layer_weights(MoonEPMoELayer(MoEConfig(**shapes), single_world("cuda")), plan)
+        return with_layer_weights(MoonEPMoELayer(table.config({}), single_world("cuda")), plan)
 
     def native() -> torch.nn.Module:
         return native_layer(table.hidden, table.ffn, shapes["num_experts"], table.top_k)

@@ -97,7 +97,7 @@ from bench.grouped_mm_calls import (
     step_calls,
 )
 from bench.layer import make_table, native_layer, step, step_inputs, table_rank_plan, with_layer_weights
-from moonep_moe import MoEConfig, MoonEPMoELayer
+from moonep_moe import MoonEPMoELayer
 from moonep_moe.transport.threads import single_world
 
 OURS = {"grouped_gemm": "torch", "expert_grad_dtype": "param"}
@@ -129,7 +129,7 @@ def build_layers(table, device: torch.device) -> dict[str, nn.Module]:
     benchmark's weights; for an EP rank ours made that rank (`as_ep_rank`, the table's plan)."""
     shapes = table.shapes
     native = native_layer(table.hidden, table.ffn, shapes["num_experts"], table.top_k, device)
-    ours = MoonEPMoELayer(MoEConfig(**shapes, **OURS), single_world(device))
+    ours = MoonEPMoELayer(table.config(OURS), single_world(device))
     return {"ours": with_layer_weights(ours, table_rank_plan(table, device)), "native": native}
 
 

@@ -268,6 +268,39 @@ def test_ep_rank_layer_equals_a_layer_whose_slot_experts_copy_the_home_ones():
     assert int(rank._state.last_plan.cu_seqlens[-1]) >= tokens * 3, "every route in the rank's groups"
 
 
+def test_ep_rank_layer_runs_the_real_ranks_padding_and_grouped_gemm_problem(monkeypatch):
+    """One EP rank's stand-in (a one-rank layer over 2 * epn experts) runs what the real rank's config gives:
+    `Table.config` resolves a `token_padding` left out from the group's config (Kimi-K2: 1365 rows a home
+    expert, 128; the stand-in's own config would say 16), a given one wins, and `as_ep_rank` with a plan
+    takes the grouped GEMM picked for the rank's problem: epn home groups of S * K / epn rows and epn
+    slots, not 2 * epn groups of half that."""
+    import torch
+
+    import moonep_moe.layers.moe as moe
+    from bench.layer import RankPlan, as_ep_rank
+    from moonep_moe.config import MoEConfig
+    from moonep_moe.layers.moe import MoonEPMoELayer
+    from moonep_moe.transport.threads import single_world
+
+    kimi = make_table("kimi-k2", 8, {})
+    assert MoEConfig(**kimi.shapes).token_padding == 16 and kimi.config({}).token_padding == 128
+    assert kimi.config({"token_padding": 16}).token_padding == 16
+    assert make_table("deepseek-v3", None, {}).config({}).token_padding == 16, "EP=1: 256 rows an expert"
+    seen = []
+    select = moe.select_grouped_gemm
+    monkeypatch.setattr(moe, "select_grouped_gemm", lambda *args, problem, **kwargs:
+                        seen.append((problem.rows_per_group, problem.groups)) or
+                        select(*args, problem=problem, **kwargs))
+    epn, tokens, top_k = 4, 12, 2
+    plan = RankPlan(ranks=2, rank=0, home_routes=(5, 6, 0, 4), slot_routes=(0, 3, 0, 6), maxvio=1.0,
+                    sigma=0.1)
+    cfg = MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=2 * epn, top_k=top_k,
+                    max_tokens_per_rank=tokens, dtype="float64", token_padding=4, router={"dtype": "float64"})
+    torch.manual_seed(0)
+    as_ep_rank(MoonEPMoELayer(cfg, single_world("cpu")), epn, plan)
+    assert seen == [(tokens * top_k // (2 * epn), (2 * epn, 0)), (tokens * top_k // epn, (epn, epn))]
+
+
 def test_ep_rank_plan_is_the_busiest_rank_of_the_groups_real_plan():
     """`ep_rank_plan`: the group's routing at a maxvio, planned by the real planner (exact), and the rank
     hosting the most replicas, with its routes per home expert and per slot (S*K in all)."""
@@ -489,15 +522,15 @@ def test_per_step_rows_run_their_config_with_micro_batches(monkeypatch):
     calls = []
     monkeypatch.setattr(layer_bench, "run_ours", lambda cfg, name, default, bench, profiles, epn, micro:
                         calls.append((cfg, name, default, micro)) or {"layer": name})
-    shapes = make_table("deepseek-v3", None, {}).shapes
+    table = make_table("deepseek-v3", None, {})
     variants = [FP8_SETTINGS, {MICRO_BATCHES: PER_STEP}, {**FP8_SETTINGS, MICRO_BATCHES: PER_STEP}]
-    assert len(list(layer_bench.run_all_ours(None, shapes, variants, None))) == 4
+    assert len(list(layer_bench.run_all_ours(None, table, variants, None))) == 4
     (default_cfg, _, first, one), (fp8_cfg, _, fp8_default, fp8_one) = calls[:2]
     (bf16_cfg, bf16_name, bf16_default, four), (fp8_step_cfg, fp8_name, fp8_step_default, fp8_four) = \
         calls[2:]
     assert (one, fp8_one, four, fp8_four) == (1, 1, PER_STEP, PER_STEP)
     calls.clear()
-    list(layer_bench.run_all_ours(None, shapes, layer_bench.FP8_VARIANTS, None))
+    list(layer_bench.run_all_ours(None, table, layer_bench.FP8_VARIANTS, None))
     names = [name for _, name, _, _ in calls]
     assert len(calls) == 1 + len(layer_bench.FP8_VARIANTS) and len(set(names)) == len(names), \
         f"every fp8 row runs under a name of its own (profiles are keyed by it): {names}"
@@ -522,10 +555,10 @@ def test_profile_covers_every_row_of_ours(monkeypatch):
     calls = []
     monkeypatch.setattr(layer_bench, "run_ours", lambda cfg, name, default, bench, profiles, epn, micro:
                         calls.append(profiles) or {"layer": name})
-    shapes = make_table("deepseek-v3", None, {}).shapes
+    table = make_table("deepseek-v3", None, {})
     for profiles in ({}, None):
         calls.clear()
-        rows = list(layer_bench.run_all_ours(None, shapes, [FP8_SETTINGS, {**FP8_SETTINGS, MICRO_BATCHES: 4}],
+        rows = list(layer_bench.run_all_ours(None, table, [FP8_SETTINGS, {**FP8_SETTINGS, MICRO_BATCHES: 4}],
                                              profiles))
         assert len(rows) == len(calls) == 3
         assert all(seen is profiles for seen in calls)

@@ -17,6 +17,7 @@ from moonep_moe.config import (
     available_configs,
     load_config,
 )
+from moonep_moe.config.models import BLOCK_PADDING_ROWS
 from moonep_moe.engine.communicator import CommunicatorConfig
 
 PACKAGED = ["deepseek-v3", "kimi-k2", "mixtral-8x7b", "qwen3-moe-30b-a3b", "tiny-cpu"]
@@ -422,10 +423,19 @@ def test_host_launch_maths_equal_tritons():
     assert (cdiv(0, 7), next_power_of_2(0), next_power_of_2(2**40 + 1)) == (0, 1, 2**41)
 
 
-def test_token_padding_defaults_to_16_and_to_128_for_deep_gemm():
-    """The default is the measured smaller one; DeepGEMM's M-block where it is the backend; an explicit value
-    always wins (packaged production configs leave it out, so they get the default)."""
+def test_token_padding_defaults_to_128_where_blocks_are_needed_or_cheap_else_16():
+    """DeepGEMM's M-block where it is the backend or with fp8; with "auto", 128 from `BLOCK_PADDING_ROWS`
+    rows per home expert (S * K / epn) on, so DeepGEMM is a candidate where padding adds little, 16 below; an
+    explicit value always wins (packaged production configs leave it out, so they get the default)."""
     assert make().token_padding == 16
     assert make(grouped_gemm="deep_gemm").token_padding == 128
     assert make(token_padding=8, grouped_gemm="deep_gemm").token_padding == 8
-    assert load_config("deepseek-v3").token_padding == 16
+    rows = dict(num_experts=64, top_k=8, ep_size=8)  # epn = 8 home experts
+    at = BLOCK_PADDING_ROWS  # tokens whose S * K / epn (K = epn = 8) is exactly BLOCK_PADDING_ROWS
+    assert make(**rows, max_tokens_per_rank=at).token_padding == 128
+    assert make(**rows, max_tokens_per_rank=at - 1).token_padding == 16
+    assert make(**rows, max_tokens_per_rank=at, grouped_gemm="torch").token_padding == 16
+    assert make(**rows, max_tokens_per_rank=at, token_padding=16).token_padding == 16
+    for name in ("deepseek-v3", "kimi-k2", "mixtral-8x7b"):  # one EP=8 rank: 2048, 1365, 16384 rows an expert
+        assert load_config(name).token_padding == 128
+    assert load_config("deepseek-v3", ep_size=1).token_padding == 16  # 256 rows an expert

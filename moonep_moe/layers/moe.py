@@ -37,7 +37,7 @@ from torch import nn
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.comm.pool import layer_buffer, release_layer_buffer
 from moonep_moe.config import MoEConfig
-from moonep_moe.gemm.base import GemmProblem
+from moonep_moe.gemm.base import GemmProblem, GroupedGemm
 from moonep_moe.gemm.fp8 import Fp8GroupedGemm
 from moonep_moe.gemm.registry import fp8_grouped_gemm, fp8_weights_gemm, select_grouped_gemm
 from moonep_moe.layers.function import ExpertsState, MoonEPExperts
@@ -214,6 +214,28 @@ def overlapped_step(layer: MoonEPMoELayer, hidden_sh: torch.Tensor, routing: Rou
     return out_sh + shared_sh
 
 
+def experts_gemm(config: MoEConfig, world: EPWorld) -> GroupedGemm:
+    """The routed experts' grouped GEMM for ``config`` on ``world``'s device (collective where "auto" measures
+    on several ranks): experts kept FP8 multiply as stored (`fp8_weights_gemm`); else the backend
+    `select_grouped_gemm` picks for this rank's problem (``epn`` home groups of ``S * K / epn`` rows, where a
+    balanced plan leaves nearly every row, and ``B`` slots; wgrad as the gradient mode runs it), wrapped in
+    FP8 fwd and dgrad with ``precision='fp8'``."""
+    h, f, k = config.hidden_size, config.ffn_hidden_size, config.top_k
+    dtype, device = config.torch_dtype, world.device
+    if config.expert_weights == "fp8":
+        return fp8_weights_gemm(config.grouped_gemm, device, dtype, config.token_padding, world.rank)
+    main_grad = config.expert_grad_dtype == "main_grad"
+    epn, slots = config.experts_per_rank, config.prefetch_slots
+    problem = GemmProblem(((2 * f, h), (h, f)), rows_per_group=config.max_tokens_per_rank * k // epn,
+                          grad_dtype=torch.promote_types(dtype, torch.float32) if main_grad else dtype,
+                          groups=(epn, slots), fresh_home_grads=not main_grad)
+    gemm = select_grouped_gemm(config.grouped_gemm, device, dtype, k=math.gcd(h, f),
+                               token_padding=config.token_padding, problem=problem, world=world)
+    if config.precision == "fp8":  # fwd and dgrad in FP8; the backend selected above keeps wgrad
+        gemm = fp8_grouped_gemm(gemm, device, dtype, config.token_padding, world.rank, config.fp8_wgrad)
+    return gemm
+
+
 def world_on(world: EPWorld, device: torch.device) -> EPWorld:
     """A one-rank world's counterpart on `device`: `world` itself on its own device, else a one-rank threads
     world, one per device and shared by every layer that shared `world` (kept in `world.globals`)."""
@@ -309,8 +331,7 @@ class MoonEPMoELayer(nn.Module):
         """Allocate this rank's comm memory on `self.world` (collective): the home experts' registration
         (`HomeExperts.bind`), the Buffer, and the grouped GEMM chosen for the device."""
         config, world = self.config, self.world
-        h, f, k, e = config.hidden_size, config.ffn_hidden_size, config.top_k, config.num_experts
-        dtype, device = config.torch_dtype, world.device
+        h, k, e, dtype = config.hidden_size, config.top_k, config.num_experts, config.torch_dtype
         self.experts.bind(world)
         # validate=False: the router's expert ids are in [-1, E) by construction, and the check is a host read
         shape = dict(token_padding=config.token_padding, dtype=dtype, replica_cost=config.replica_cost)
@@ -323,23 +344,13 @@ class MoonEPMoELayer(nn.Module):
             self.buffer = Buffer(config.max_tokens_per_rank, h, k, e, config.ep_size, B=config.prefetch_slots,
                                  world=world, validate=False, **shape)
         self._buffer_given_back = False
-        if config.expert_weights == "fp8":  # FP8 GEMMs on the weights as stored; no weight gradients
-            gemm = fp8_weights_gemm(config.grouped_gemm, device, dtype, config.token_padding, world.rank)
+        gemm = experts_gemm(config, world)
+        if config.expert_weights == "fp8":  # no weight gradients
             self._state = ExpertsState(self.buffer, self.experts, gemm, fp8_dispatch=config.fp8_dispatch,
                                        overlap_prefetch=config.overlap_prefetch)
             return
-        main_grad = config.expert_grad_dtype == "main_grad"
-        grad_dtype = torch.promote_types(dtype, torch.float32) if main_grad else dtype
-        home_rows = config.max_tokens_per_rank * k // config.experts_per_rank  # slots take few of them
-        problem = GemmProblem(((2 * f, h), (h, f)), rows_per_group=home_rows,
-                              grad_dtype=grad_dtype, groups=(config.experts_per_rank, config.prefetch_slots),
-                              fresh_home_grads=not main_grad)
-        gemm = select_grouped_gemm(config.grouped_gemm, device, dtype, k=math.gcd(h, f),
-                                   token_padding=config.token_padding, problem=problem, world=world)
-        if config.precision == "fp8":  # fwd and dgrad in FP8; the backend selected above keeps wgrad
-            gemm = fp8_grouped_gemm(gemm, device, dtype, config.token_padding, world.rank, config.fp8_wgrad)
-        self._state = ExpertsState(self.buffer, self.experts, gemm, main_grad, config.fp8_dispatch,
-                                   overlap_prefetch=config.overlap_prefetch)
+        self._state = ExpertsState(self.buffer, self.experts, gemm, config.expert_grad_dtype == "main_grad",
+                                   config.fp8_dispatch, overlap_prefetch=config.overlap_prefetch)
 
     def _release_comm(self) -> None:
         """Give the comm memory back to the world (the Buffer's and the home experts' registrations)."""
