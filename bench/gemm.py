@@ -15,7 +15,10 @@ dense rate, or its bytes at the copy bandwidth: the gradients the mode moves, th
 larger); and the whole expert block forward + backward (the layer's own code path) against the sum of its
 GEMMs.
 
-Every time is the median of --repeat runs (>= 5) after --warmup, with the min-max beside it; every ratio
+Every time is the median of --repeat runs (>= 5) after --warmup, with the min-max beside it; the rows of a
+case (backends, layouts, gradient modes) are timed in turns, each round running every row's every op once
+(`in_turns`), so none is measured on a GPU warmer than another's (records up to 73a226e timed them one row
+after another, the first row on the coolest GPU); every ratio
 is the medians' ratio with the range over the pairings of the runs (`bench.common.ratio`). Each row is
 checked against the EP=8 rank's targets (`TARGETS`: fwd and dgrad >= 0.92 of dense, wgrad <= 1.15x its
 floor, the block <= 1.08x its GEMMs), printed as PASS / MISS lines and recorded in the JSON's `targets`
@@ -305,7 +308,7 @@ def bench_shape(case: Case, backends: list[str], limits: dict, wanted_layouts: l
     dab, hw = rand(m_total, 2 * f), rand(m_total, f)
     flops = 2 * rows * 3 * f * h  # per op pair, on the real rows (not the padding)
     dense, copy = limits["dense_bf16_flops_per_s"], limits["copy_bytes_per_s"]
-    out = []
+    out, timed = [], []  # the rows and their calls, timed together in turns (`in_turns`)
     for backend, (layout, (gate_up, down)), grads in itertools.product(backends, layouts.items(), grad_modes):
         # what "auto" measures: the layer's problem in this gradient mode (`MoonEPMoELayer`'s)
         problem = GemmProblem(((2 * f, h), (h, f)), rows_per_group=rows // epn,
@@ -327,8 +330,11 @@ def bench_shape(case: Case, backends: list[str], limits: dict, wanted_layouts: l
                                                                                    o, a)
         if backend.startswith("fp8"):
             calls.update(cast_ops(x, dab, g, hw, offs, gate_up, down))
-        for op, fn in calls.items():
-            row.update({f"{op}_{key}": value for key, value in spread(timings(fn, warmup, repeat)).items()})
+        timed.append((row, calls, wgrad_floor))
+    seconds = in_turns([calls for _, calls, _ in timed], warmup, repeat)
+    for (row, _, wgrad_floor), row_seconds in zip(timed, seconds, strict=True):
+        for op, secs in row_seconds.items():
+            row.update({f"{op}_{key}": value for key, value in spread(secs).items()})
         for op in ("fwd", "dgrad", "wgrad"):
             row[f"{op}_tflops"] = flops / row[f"{op}_ms"] * 1e3 / 1e12
             row[f"{op}_vs_dense"] = row[f"{op}_tflops"] * 1e12 / dense
@@ -342,6 +348,22 @@ def bench_shape(case: Case, backends: list[str], limits: dict, wanted_layouts: l
         for target in row["targets"]:
             print(f"    {format_check(target)}", flush=True)
     return out
+
+
+def in_turns(calls: list[dict], warmup: int, repeat: int, timer=timings) -> list[dict[str, list[float]]]:
+    """Seconds of `repeat` runs of every call of every row (`calls[i]`: op -> function), in turns: after
+    `warmup` runs of each, each round times every row's every op once, so no row is measured on a cooler or
+    hotter GPU than another (the clocks drift as it warms). `timer(fn, warmup, repeat)`: as
+    `bench.common.timings`."""
+    for row_calls in calls:
+        for fn in row_calls.values():
+            timer(fn, warmup, 0)
+    seconds = [{op: [] for op in row_calls} for row_calls in calls]
+    for _ in range(repeat):
+        for row_calls, row_seconds in zip(calls, seconds, strict=True):
+            for op, fn in row_calls.items():
+                row_seconds[op] += timer(fn, 0, 1)
+    return seconds
 
 
 def format_row(row: dict) -> str:

@@ -160,3 +160,22 @@ def test_bad_command_lines_fail_before_any_work(monkeypatch, capsys, argv, messa
     with pytest.raises(SystemExit):
         main()
     assert message in capsys.readouterr().err
+
+
+def test_rows_are_timed_in_turns_after_every_rows_warmup():
+    """`in_turns`: every op of every row warmed up first, then each round runs every row's every op once, so
+    the rows share the GPU's drift; each op gets `repeat` times, in its own list."""
+    from bench.gemm import in_turns
+
+    order = []
+
+    def timer(fn, warmup, repeat):
+        for _ in range(warmup + repeat):
+            fn()
+        return [float(len(order))] * repeat
+
+    calls = [{op: (lambda r=r, op=op: order.append(f"{r}{op}")) for op in ("fwd", "wgrad")} for r in "ab"]
+    seconds = in_turns(calls, warmup=1, repeat=2, timer=timer)
+    assert order == ["afwd", "awgrad", "bfwd", "bwgrad"] * 3
+    assert seconds == [{"fwd": [5.0, 9.0], "wgrad": [6.0, 10.0]}, {"fwd": [7.0, 11.0], "wgrad": [8.0, 12.0]}]
+
