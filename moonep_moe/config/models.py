@@ -485,12 +485,10 @@ def default_token_padding(fields: dict[str, Any]) -> int:
     backend = BACKENDS.get(name) if isinstance(name, str) else None
     if fields.get("precision") == "fp8" or (backend is not None and backend.token_padding > TOKEN_PADDING):
         return BLOCK_TOKEN_PADDING
-    sizes = [fields.get(name, default) for name, default in
+    sizes = [fields.get(field, default) for field, default in
              (("max_tokens_per_rank", 0), ("top_k", 0), ("num_experts", 0), ("ep_size", 1))]
     if name != "auto" or not all(type(size) is int and size > 0 for size in sizes):
         return TOKEN_PADDING
     tokens, k, experts, ranks = sizes
     epn = max(experts // ranks, 1)
     return BLOCK_TOKEN_PADDING if tokens * k // epn >= BLOCK_PADDING_ROWS else TOKEN_PADDING
-
-
