@@ -39,7 +39,9 @@ Gradient modes (`--grads`, each a row of its own): "param", `expert_grad_dtype`'
 fresh gradients in the weights' dtype (bf16); "main_grad" has it add into fp32 gradients. The floor counts
 the gradient bytes each mode moves: bf16 written, or fp32 read and written.
 
-Backends: torch, deep_gemm (fwd/dgrad; wgrad on torch), triton (wgrad on the Triton kernel; fwd/dgrad on
+Backends: torch (in "param" mode also `wgrad_home`: its wgrad's home groups alone, `torch._grouped_mm` over
+the first epn segments of both projections, so wgrad minus it is what the slot groups' Triton launch costs),
+deep_gemm (fwd/dgrad; wgrad on torch), triton (wgrad on the Triton kernel; fwd/dgrad on
 torch), auto (each op and shape on the backend measured fastest, as the layer's "auto" picks it; the
 picks are printed and recorded), fp8 (`moonep_moe.gemm.fp8.Fp8GroupedGemm`, what a `precision="fp8"`
 layer runs: fwd and dgrad on DeepGEMM's FP8 GEMMs where it runs, wgrad in bf16 on auto's pick) and
@@ -330,6 +332,9 @@ def bench_shape(case: Case, backends: list[str], limits: dict, wanted_layouts: l
                                                                                    o, a)
         if backend.startswith("fp8"):
             calls.update(cast_ops(x, dab, g, hw, offs, gate_up, down))
+        if gemm.name == "torch" and grads == "param":  # its wgrad less the slot groups' Triton launch
+            calls["wgrad_home"] = lambda: (torch._grouped_mm(dab.T, x, offs=offs[:epn]),
+                                           torch._grouped_mm(g.T, hw, offs=offs[:epn]))
         timed.append((row, calls, wgrad_floor))
     seconds = in_turns([calls for _, calls, _ in timed], warmup, repeat)
     for (row, _, wgrad_floor), row_seconds in zip(timed, seconds, strict=True):
@@ -372,6 +377,8 @@ def format_row(row: dict) -> str:
         return f"{row[op + '_ms']:.2f} ({row[op + '_ms_min']:.2f}-{row[op + '_ms_max']:.2f}) ms"
 
     casts = ""
+    if "wgrad_home_ms" in row:  # the torch row in "param" mode
+        casts = f"  wgrad's home groups alone {timing('wgrad_home')}"
     if "fwd_cast_ms" in row:  # the fp8 row
         casts = (f"  casts in the row: activations fwd {timing('fwd_cast')}, dgrad {timing('dgrad_cast')}; "
                  f"weights fwd {timing('weight_cast_fwd')}, dgrad {timing('weight_cast_dgrad')}")
