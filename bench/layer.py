@@ -31,9 +31,11 @@ and to first calls (Triton autotuning, DeepGEMM's JIT, `auto`'s GEMM measurement
 (`as_ep_rank`, `EP_RANK`: what it measures and leaves out, no peer traffic): the group's routing at
 --maxvio (default 0; bench.skew, the demo's generator) planned by the real planner (balance exact), and the
 rank hosting the most replicas (`ep_rank_plan`) taken with its routes per home expert and per slot, so only
-the slots the plan fills are prefetched and reduced; torch-native runs the same S*K routes over epn + B
-experts. (`bench.ep_group` times every rank of such a group, with its peers' traffic.) --device cpu: one
-step of ours per table on tiny shapes (`CPU_SMOKE`, the model's E and K kept), no timing (a smoke run).
+the slots the plan fills are prefetched and reduced; ours runs the real rank's config (`Table.config`: the
+padding a rank of E experts on R ranks resolves; `rank_config`: the grouped GEMM picked for its problem);
+torch-native runs the same S*K routes over epn + B experts. (`bench.ep_group` times every rank of such a
+group, with its peers' traffic.) --device cpu: one step of ours per table on tiny shapes (`CPU_SMOKE`, the
+model's E and K kept), no timing (a smoke run).
 
 Targets, checked on the DEFAULT row of every table, from its numbers (`layer_targets`, never set by hand):
 `LAYER_TARGETS` at EP=1 (fwd+bwd useful rate >= 0.75 of dense, forward alone >= 0.85, peak memory <= 0.9x
