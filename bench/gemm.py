@@ -41,13 +41,13 @@ the gradient bytes each mode moves: bf16 written, or fp32 read and written.
 
 Backends: torch (in "param" mode also `wgrad_home`: its wgrad's home groups alone, `torch._grouped_mm` over
 the first epn segments of both projections, so wgrad minus it is what the slot groups' Triton launch costs),
-deep_gemm (fwd/dgrad; wgrad on torch), triton (wgrad on the Triton kernel; fwd/dgrad on
-torch), auto (each op and shape on the backend measured fastest, as the layer's "auto" picks it; the
-picks are printed and recorded), fp8 (`moonep_moe.gemm.fp8.Fp8GroupedGemm`, what a `precision="fp8"`
-layer runs: fwd and dgrad on DeepGEMM's FP8 GEMMs where it runs, wgrad in bf16 on auto's pick) and
-fp8_wgrad (the same with `fp8_wgrad`: wgrad as FP8 GEMMs on DeepGEMM's k-grouped kernel, into the fp32
-gradients) and fp8_triton (the fp8 one on the package's Triton FP8 GEMM, what runs where DeepGEMM cannot);
-neither is in the default list: `--backends auto fp8 fp8_wgrad fp8_triton`.
+deep_gemm (fwd, dgrad and the home groups' wgrad; the slots' wgrad on Triton), triton (wgrad on the
+Triton kernel; fwd/dgrad on torch), auto (each op and shape on the backend measured fastest, as the layer's
+"auto" picks it; the picks are printed and recorded), fp8 (`moonep_moe.gemm.fp8.Fp8GroupedGemm`, what a
+`precision="fp8"` layer runs: fwd and dgrad on DeepGEMM's FP8 GEMMs where it runs, wgrad in bf16 on auto's
+pick) and fp8_wgrad (the same with `fp8_wgrad`: wgrad as FP8 GEMMs on DeepGEMM's k-grouped kernel, into
+the fp32 gradients) and fp8_triton (the fp8 one on the package's Triton FP8 GEMM, what runs where DeepGEMM
+cannot); neither is in the default list: `--backends auto fp8 fp8_wgrad fp8_triton`.
 
 The fp8 row (targets `FP8_TARGETS`: fwd and dgrad >= 1.7x the dense bf16 rate, wgrad and
 the block as for bf16) takes bf16 activations and bf16 weights as a training layer does, so its fwd and

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moonep_moe.config import MoEConfig
+from moonep_moe.gemm import deep_gemm
 from moonep_moe.layers.moe import MoonEPMoELayer
 from moonep_moe.transport.threads import single_world
 
@@ -15,9 +16,10 @@ pytestmark = pytest.mark.gpu
 T, H, F, E, K = 256, 256, 128, 16, 4
 
 
-def layer_and_inputs(grad_dtype: str = "param"):
+def layer_and_inputs(grad_dtype: str = "param", grouped_gemm: str = "auto"):
     cfg = MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, max_tokens_per_rank=T,
-                    dtype="bfloat16", expert_grad_dtype=grad_dtype, router={"expert_bias": True})
+                    dtype="bfloat16", expert_grad_dtype=grad_dtype, grouped_gemm=grouped_gemm,
+                    router={"expert_bias": True})
     torch.manual_seed(0)
     layer = MoonEPMoELayer(cfg, single_world("cuda"))
     return layer, torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -36,9 +38,13 @@ def step(layer: MoonEPMoELayer, x_th: torch.Tensor, grad_th: torch.Tensor) -> to
     return out_th
 
 
+@pytest.mark.parametrize("grouped_gemm", ["auto", "deep_gemm"])
 @pytest.mark.parametrize("grad_dtype", ["param", "main_grad"])
-def test_forward_and_backward_make_no_host_sync(grad_dtype):
-    layer, x_th = layer_and_inputs(grad_dtype)
+def test_forward_and_backward_make_no_host_sync(grad_dtype, grouped_gemm):
+    if grouped_gemm == "deep_gemm" and deep_gemm.unsupported_reason(torch.device("cuda"), torch.bfloat16,
+                                                                    None, 128):
+        pytest.skip(deep_gemm.unsupported_reason(torch.device("cuda"), torch.bfloat16, None, 128))
+    layer, x_th = layer_and_inputs(grad_dtype, grouped_gemm)
     x_th.requires_grad_()
     skew(layer, 10.0)
     step(layer, x_th, torch.ones_like(x_th))  # first use: kernels built, pools allocated

@@ -305,6 +305,59 @@ def test_deep_gemm_matches_reference_on_128_aligned_segments(sizes_g):
         assert error < 1e-2, error
 
 
+DEEP_WGRAD_SIZES = [  # 128-aligned segments: skewed, empty home and slot groups, one huge
+    [0, 384, 128, 0, 1280, 0, 128, 0],
+    [2048, 0, 0, 128, 0, 0, 0, 3072],
+    [128] * 8,
+]
+
+
+@pytest.mark.skipif(not _deep_gemm_available(), reason="needs DeepGEMM on a Hopper GPU (run on the H200)")
+@pytest.mark.parametrize("sizes_g", DEEP_WGRAD_SIZES)
+@pytest.mark.parametrize("mode", ["fresh", "overwrite", "add_bf16", "add_fp32"])
+def test_deep_gemm_wgrad_matches_reference_home_on_deep_gemm_slots_on_triton(sizes_g, mode):
+    """wgrad's home part on DeepGEMM's k-grouped kernel (a stand-in host list), its slots on Triton: every
+    home group and every filled slot against a float64 reference on fresh data, with NaN rows past the last
+    segment and a row count that is not a multiple of 128; the home part bit for bit what the kernel gives
+    with the true host list. Tolerances: one rounding of the fp32 sum into the output (bf16: 2^-8 relative
+    per element), fp32 sums of up to 3072 products (about sqrt(3072) * 2^-24 relative)."""
+    cuda = torch.device("cuda")
+    deep = select_grouped_gemm("deep_gemm", cuda, torch.bfloat16, token_padding=128)
+    home_groups, cols, inner = 4, 256, 384
+    offs_g = torch.tensor(sizes_g, dtype=torch.int32, device=cuda).cumsum(0).int()
+    used = int(offs_g[-1])
+    dy_mn = torch.randn(used + 64, cols, device=cuda, dtype=torch.bfloat16)
+    x_mk = torch.randn(used + 64, inner, device=cuda, dtype=torch.bfloat16)
+    dy_mn[used:], x_mk[used:] = float("nan"), float("nan")
+    ends = offs_g.tolist()
+    want = torch.stack([dy_mn[start:end].double().T @ x_mk[start:end].double()
+                        for start, end in zip([0, *ends[:-1]], ends, strict=True)])
+    grad_dtype = torch.float32 if mode == "add_fp32" else torch.bfloat16
+    before = torch.randn(len(sizes_g), cols, inner, device=cuda).to(grad_dtype)
+    out = before.clone()
+    home, slots = out[:home_groups], out[home_groups:]
+    adds = mode.startswith("add")
+    got_home, got_slots = deep.wgrad(dy_mn, x_mk, offs_g, (None if mode == "fresh" else home, slots), adds)
+    if adds:
+        want += before.double()
+    filled = [home_groups + g for g, size in enumerate(sizes_g[home_groups:]) if size]
+    got = torch.cat([got_home, got_slots])[list(range(home_groups)) + filled].double()
+    want = want[list(range(home_groups)) + filled]
+    bound = 2**-8 if grad_dtype == torch.bfloat16 else 1e-5
+    assert float((got - want).norm() / want.norm()) < bound
+    assert got_home.dtype == grad_dtype and (mode == "fresh" or got_home.data_ptr() == home.data_ptr())
+    rows = (used + 64) // 128 * 128
+    true_d = (torch.zeros_like(got_home) if mode == "fresh" else before[:home_groups].clone())
+    if mode == "overwrite":
+        true_d.zero_()
+    true_sizes = list(sizes_g[:home_groups])
+    true_sizes[-1] += rows - sum(true_sizes)  # a true list: the device's sizes, the last covering the rest
+    deep._deep_gemm.k_grouped_bf16_gemm_tn_contiguous(dy_mn[:rows], x_mk[:rows], true_d, true_sizes,
+                                                      offs_g.diff(prepend=offs_g.new_zeros(1))[:home_groups],
+                                                      true_d)
+    assert torch.equal(got_home, true_d)
+
+
 class FakeTimer:
     """Injected timer: the backend named ``winners[op]`` takes 1 s, every other 2 s (``WGRAD_ADD`` as
     "wgrad" unless named); records each call."""

@@ -27,11 +27,12 @@ backend that can compute the home groups alone does so first and waits between (
 link time hides under the home experts' GEMM); the others wait first. Either way it waits before it reads a
 slot.
 
-Backends: ``reference`` (the oracle), ``torch`` (``torch._grouped_mm``), ``deep_gemm`` (fwd and dgrad) and
-``triton`` (wgrad, `moonep_moe.gemm.kernels.wgrad`). ``select_grouped_gemm`` is the one place that picks;
-on CUDA its "auto" times the backends per primitive and weight shape once and caches the winners
-(``measure_grouped_gemm``, ``ChoiceCache``: in process and in a per-user file that later processes read), and
-says what it times, what it chose and where the cache file is on ``logging.getLogger("moonep_moe")`` at INFO.
+Backends: ``reference`` (the oracle), ``torch`` (``torch._grouped_mm``), ``deep_gemm`` (all three; wgrad's
+slot groups on Triton) and ``triton`` (wgrad, `moonep_moe.gemm.kernels.wgrad`). ``select_grouped_gemm`` is the
+one place that picks; on CUDA its "auto" times the backends per primitive and weight shape once and caches
+the winners (``measure_grouped_gemm``, ``ChoiceCache``: in process and in a per-user file that later
+processes read), and says what it times, what it chose and where the cache file is on
+``logging.getLogger("moonep_moe")`` at INFO.
 """
 
 import logging

@@ -1,5 +1,6 @@
-"""DeepGEMM's grouped GEMMs: its bf16 contiguous-layout kernels for fwd and dgrad (wgrad on torch), and
-whether its FP8 GEMM can run (`Fp8GroupedGemm`'s `kernel='deep_gemm'`). Optional: the `[gpu]` extra."""
+"""DeepGEMM's grouped GEMMs: its bf16 contiguous-layout kernels for fwd and dgrad, its bf16 k-grouped kernel
+for wgrad, and whether its FP8 GEMM can run (`Fp8GroupedGemm`'s `kernel='deep_gemm'`). Optional: the `[gpu]`
+extra."""
 
 from collections.abc import Sequence
 
@@ -7,8 +8,7 @@ import torch
 from torch import Tensor
 
 from moonep_moe.base.sizes import BLOCK_TOKEN_PADDING
-from moonep_moe.gemm.base import SlotsReady, _cat_groups, _check_groups, wait_for
-from moonep_moe.gemm.torch_native import TorchGroupedGemm
+from moonep_moe.gemm.base import OPS, SlotsReady, _cat_groups, _check_groups, _fresh_groups, wait_for
 
 
 def import_deep_gemm():
@@ -46,20 +46,23 @@ class DeepGemmGroupedGemm:
     ``use_psum_layout=True``, which takes the padded segment end offsets (``offs_g``) directly on the device:
     no host sync. Every segment must start at a multiple of 128 (``token_padding`` a multiple of 128).
 
-    The weight gradient runs on ``torch._grouped_mm``: DeepGEMM's bf16 k-grouped wgrad runs without a host
-    read (`standin_sizes`), but on sm90 it only adds into its output, so a fresh gradient (the default
-    mode's) would first be zeroed (timed against the others: `bench.deep_gemm_wgrad`). A weights sequence of
-    several non-empty parts is joined with ``torch.cat`` as in ``TorchGroupedGemm`` (pass one arena tensor to
-    avoid the copy: ``ExpertRows.compute_weights``).
+    wgrad: the first part of ``out`` (the home experts' gradients) through the bf16 k-grouped
+    ``k_grouped_bf16_gemm_tn_contiguous`` (``d[g] = c[g] + dy_g^T x_g``, fp32 accumulation, rounded once into
+    ``d``'s dtype), which reads the segment sizes on the device; its host list is the fixed stand-in
+    `standin_sizes`, so there is no host read. On sm90 it only adds: a fresh gradient (the default mode's) is
+    zeroed first, an overwritten one too. The later parts (the prefetch slots) start at a row known only on
+    the device, where the kernel cannot begin: they go to the Triton wgrad, as in ``TorchGroupedGemm``. Where
+    the kernel's layout does not hold (a part or an operand not contiguous) the whole call runs on the
+    Triton wgrad. A weights sequence of several non-empty parts is joined with ``torch.cat`` as in
+    ``TorchGroupedGemm`` (pass one arena tensor to avoid the copy: ``ExpertRows.compute_weights``).
     """
 
     name = "deep_gemm"
-    ops = ("fwd", "dgrad")
+    ops = OPS
     joined_weights = True
 
     def __init__(self) -> None:
         self._deep_gemm = import_deep_gemm()
-        self._torch = TorchGroupedGemm()
 
     def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
             slots_ready: SlotsReady | None = None) -> Tensor:
@@ -84,7 +87,31 @@ class DeepGemmGroupedGemm:
 
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
               accumulate: bool = True) -> list[Tensor]:
-        return self._torch.wgrad(dy, x, offs_g, out, accumulate)
+        from moonep_moe.gemm.kernels.wgrad import grouped_wgrad_triton
+
+        fresh = _fresh_groups(out, offs_g, accumulate)
+        if out[0] is None:
+            parts = [dy.new_zeros(fresh, dy.shape[1], x.shape[1]), *out[1:]]
+        else:
+            parts = list(out)
+        home = parts[0]
+        if not (home.is_contiguous() and dy.is_contiguous() and x.is_contiguous()):
+            grouped_wgrad_triton(dy, x, offs_g, parts, accumulate, slot_groups_from=home.shape[0])
+            return parts
+        if out[0] is not None and not accumulate:
+            home.zero_()
+        groups = home.shape[0]
+        if groups:
+            # every segment ends at a multiple of 128 within dy's rows: the rows up to the last such multiple
+            # hold them all, and the kernel's operands must span a multiple of 128 rows
+            rows = dy.shape[0] // BLOCK_TOKEN_PADDING * BLOCK_TOKEN_PADDING
+            sizes_g = torch.diff(offs_g[:groups], prepend=offs_g.new_zeros(1))
+            self._deep_gemm.k_grouped_bf16_gemm_tn_contiguous(dy[:rows], x[:rows], home,
+                                                              standin_sizes(groups, rows), sizes_g, home)
+        if any(part.shape[0] for part in parts[1:]):
+            grouped_wgrad_triton(dy, x, offs_g, parts[1:], accumulate, first_group=groups,
+                                 slot_groups_from=groups)
+        return parts
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype, k: int | None = None,

@@ -81,10 +81,10 @@ def select_grouped_gemm(
     """The one place a grouped-GEMM backend is chosen.
 
     Args:
-        name: "auto" or a `BACKENDS` name: "torch", "reference", "deep_gemm" (fwd and dgrad on DeepGEMM,
-            wgrad on torch; bf16, CUDA sm90+, segments aligned to 128) or "triton" (wgrad on the Triton
-            kernel, fwd and dgrad on torch; CUDA). "auto": on CUDA with a ``problem``, every timed backend
-            that can run there is timed per primitive and weight shape, once per device, dtype,
+        name: "auto" or a `BACKENDS` name: "torch", "reference", "deep_gemm" (fwd, dgrad and the home
+            experts' wgrad on DeepGEMM; bf16, CUDA sm90+, segments aligned to 128) or "triton" (wgrad on
+            the Triton kernel, fwd and dgrad on torch; CUDA). "auto": on CUDA with a ``problem``, every
+            timed backend that can run there is timed per primitive and weight shape, once per device, dtype,
             rows-per-group bucket, timed groups and wgrad mode (``measure_grouped_gemm`` on
             ``problem.groups`` and ``problem.fresh_home_grads``, cached in process and in
             ``default_choice_cache()``'s file); elsewhere torch where it supports the case, else the
