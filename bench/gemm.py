@@ -41,13 +41,15 @@ the gradient bytes each mode moves: bf16 written, or fp32 read and written.
 
 Backends: torch (in "param" mode also `wgrad_home`: its wgrad's home groups alone, `torch._grouped_mm` over
 the first epn segments of both projections, so wgrad minus it is what the slot groups' Triton launch costs),
-deep_gemm (fwd, dgrad and the home groups' wgrad; the slots' wgrad on Triton), triton (wgrad on the
-Triton kernel; fwd/dgrad on torch), auto (each op and shape on the backend measured fastest, as the layer's
-"auto" picks it; the picks are printed and recorded), fp8 (`moonep_moe.gemm.fp8.Fp8GroupedGemm`, what a
-`precision="fp8"` layer runs: fwd and dgrad on DeepGEMM's FP8 GEMMs where it runs, wgrad in bf16 on auto's
-pick) and fp8_wgrad (the same with `fp8_wgrad`: wgrad as FP8 GEMMs on DeepGEMM's k-grouped kernel, into
-the fp32 gradients) and fp8_triton (the fp8 one on the package's Triton FP8 GEMM, what runs where DeepGEMM
-cannot); neither is in the default list: `--backends auto fp8 fp8_wgrad fp8_triton`.
+deep_gemm (fwd, dgrad and the home groups' wgrad; the slots' wgrad on Triton; in "param" mode also
+`wgrad_home`, its k-grouped kernel alone, and `wgrad_zero`, the zeroing of the fresh gradients before it),
+triton (wgrad on the Triton kernel; fwd/dgrad on torch), auto (each op and shape on the backend measured
+fastest, as the layer's "auto" picks it; the picks are printed and recorded), fp8
+(`moonep_moe.gemm.fp8.Fp8GroupedGemm`, what a `precision="fp8"` layer runs: fwd and dgrad on DeepGEMM's FP8
+GEMMs where it runs, wgrad in bf16 on auto's pick) and fp8_wgrad (the same with `fp8_wgrad`: wgrad as FP8
+GEMMs on DeepGEMM's k-grouped kernel, into the fp32 gradients) and fp8_triton (the fp8 one on the package's
+Triton FP8 GEMM, what runs where DeepGEMM cannot); neither is in the default list: `--backends auto fp8
+fp8_wgrad fp8_triton`.
 
 The fp8 row (targets `FP8_TARGETS`: fwd and dgrad >= 1.7x the dense bf16 rate, wgrad and
 the block as for bf16) takes bf16 activations and bf16 weights as a training layer does, so its fwd and
@@ -84,8 +86,10 @@ from bench.common import (
     write_record,
 )
 from bench.layer import ep_rank_plan
+from moonep_moe.base.sizes import BLOCK_TOKEN_PADDING
 from moonep_moe.gemm.autotune import MeasuredGroupedGemm
 from moonep_moe.gemm.base import GemmProblem
+from moonep_moe.gemm.deep_gemm import import_deep_gemm, standin_sizes
 from moonep_moe.gemm.fp8 import Fp8GroupedGemm
 from moonep_moe.gemm.registry import fp8_grouped_gemm, fp8_unsupported_reason, select_grouped_gemm
 from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
@@ -335,6 +339,8 @@ def bench_shape(case: Case, backends: list[str], limits: dict, wanted_layouts: l
         if gemm.name == "torch" and grads == "param":  # its wgrad less the slot groups' Triton launch
             calls["wgrad_home"] = lambda: (torch._grouped_mm(dab.T, x, offs=offs[:epn]),
                                            torch._grouped_mm(g.T, hw, offs=offs[:epn]))
+        if gemm.name == "deep_gemm" and grads == "param":  # its wgrad's kernel, and its zeroing, alone
+            calls.update(deep_gemm_home_ops(x, dab, g, hw, offs, epn))
         timed.append((row, calls, wgrad_floor))
     seconds = in_turns([calls for _, calls, _ in timed], warmup, repeat)
     for (row, _, wgrad_floor), row_seconds in zip(timed, seconds, strict=True):
@@ -371,14 +377,33 @@ def in_turns(calls: list[dict], warmup: int, repeat: int, timer=timings) -> list
     return seconds
 
 
+def deep_gemm_home_ops(x, dab, g, hw, offs, epn: int) -> dict:
+    """The deep_gemm row's wgrad in parts ("param" mode): `wgrad_home`, DeepGEMM's k-grouped kernel over the
+    home groups of both projections adding into gradients made once (what the backend runs on gradients it
+    has zeroed), and `wgrad_zero`, the zeroed bf16 gradients it makes first. Their sum less the row's wgrad
+    is what the slot groups' Triton launch costs."""
+    kernel = import_deep_gemm().k_grouped_bf16_gemm_tn_contiguous
+    sizes_g = torch.diff(offs[:epn], prepend=offs.new_zeros(1))
+    rows = x.shape[0] // BLOCK_TOKEN_PADDING * BLOCK_TOKEN_PADDING
+    pairs = ((dab, x), (g, hw))
+    grads = [a.new_zeros(epn, a.shape[1], b.shape[1]) for a, b in pairs]
+    return {
+        "wgrad_home": lambda: [kernel(a[:rows], b[:rows], d, standin_sizes(epn, rows), sizes_g, d)
+                               for (a, b), d in zip(pairs, grads, strict=True)],
+        "wgrad_zero": lambda: [a.new_zeros(epn, a.shape[1], b.shape[1]) for a, b in pairs],
+    }
+
+
 def format_row(row: dict) -> str:
     """One printed line: each op's rate (median, its ratio) and time spread, the block's time and ratio."""
     def timing(op: str) -> str:
         return f"{row[op + '_ms']:.2f} ({row[op + '_ms_min']:.2f}-{row[op + '_ms_max']:.2f}) ms"
 
     casts = ""
-    if "wgrad_home_ms" in row:  # the torch row in "param" mode
+    if "wgrad_home_ms" in row:  # the torch and deep_gemm rows in "param" mode
         casts = f"  wgrad's home groups alone {timing('wgrad_home')}"
+    if "wgrad_zero_ms" in row:
+        casts += f", its zeroing {timing('wgrad_zero')}"
     if "fwd_cast_ms" in row:  # the fp8 row
         casts = (f"  casts in the row: activations fwd {timing('fwd_cast')}, dgrad {timing('dgrad_cast')}; "
                  f"weights fwd {timing('weight_cast_fwd')}, dgrad {timing('weight_cast_dgrad')}")

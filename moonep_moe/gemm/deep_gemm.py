@@ -47,14 +47,16 @@ class DeepGemmGroupedGemm:
     no host sync. Every segment must start at a multiple of 128 (``token_padding`` a multiple of 128).
 
     wgrad: the first part of ``out`` (the home experts' gradients) through the bf16 k-grouped
-    ``k_grouped_bf16_gemm_tn_contiguous`` (``d[g] = c[g] + dy_g^T x_g``, fp32 accumulation, rounded once into
-    ``d``'s dtype), which reads the segment sizes on the device; its host list is the fixed stand-in
-    `standin_sizes`, so there is no host read. On sm90 it only adds: a fresh gradient (the default mode's) is
-    zeroed first, an overwritten one too. The later parts (the prefetch slots) start at a row known only on
-    the device, where the kernel cannot begin: they go to the Triton wgrad, as in ``TorchGroupedGemm``. Where
-    the kernel's layout does not hold (a part or an operand not contiguous) the whole call runs on the
-    Triton wgrad. A weights sequence of several non-empty parts is joined with ``torch.cat`` as in
-    ``TorchGroupedGemm`` (pass one arena tensor to avoid the copy: ``ExpertRows.compute_weights``).
+    ``k_grouped_bf16_gemm_tn_contiguous`` (``d[g] += dy_g^T x_g``), which reads the segment sizes on the
+    device; its host list is the fixed stand-in `standin_sizes`, so there is no host read. It sums in fp32 and
+    adds the sum into ``d`` with a TMA reduce-add (into a bf16 ``d``: the sum rounded to bf16, then added, as
+    ``torch._grouped_mm``'s product then ``.add_``). On sm90 it only adds: a fresh gradient (the default
+    mode's) is zeroed first, an overwritten one too. The later parts (the prefetch slots) start at a row known
+    only on the device, where the kernel cannot begin: they go to the Triton wgrad, as in
+    ``TorchGroupedGemm``. Where the kernel's layout does not hold (a part or an operand not contiguous) the
+    whole call runs on the Triton wgrad. A weights sequence of several non-empty parts is joined with
+    ``torch.cat`` as in ``TorchGroupedGemm`` (pass one arena tensor to avoid the copy:
+    ``ExpertRows.compute_weights``).
     """
 
     name = "deep_gemm"
