@@ -571,6 +571,40 @@ def test_timed_wgrad_calls_are_the_layers(fresh):
     assert gemm.wgrad_calls == [([home, (torch.float32, 2)], not fresh, [8, 16, 24, 32, 40])]
 
 
+class StepClock:
+    """A clock whose marks are the positions in a log of calls; each call's time is set by its name."""
+
+    def __init__(self, log: list[str], seconds: dict[str, list[float]]):
+        self.log, self.per_call = log, {name: iter(times) for name, times in seconds.items()}
+
+    def mark(self) -> int:
+        return len(self.log)
+
+    def seconds(self, start: int, end: int) -> float:
+        (name,) = self.log[start:end]  # exactly the one timed call between the marks
+        return next(self.per_call[name])
+
+
+def test_candidates_are_timed_in_turns_after_every_warmup_medians_and_failures():
+    """auto's timer: every candidate warms up, then each round runs every candidate once (none timed on a
+    GPU warmer than another's); each gets the median of its rounds; one that raises counts as inf."""
+    log: list[str] = []
+
+    def call(name: str, fails_at: int | None = None):
+        def run():
+            log.append(name)
+            if fails_at is not None and log.count(name) == fails_at:
+                raise RuntimeError("no kernel for this shape")
+        return run
+
+    clock = StepClock(log, {"a": [3.0, 1.0, 2.0], "b": [5.0, 4.0, 9.0]})
+    with pytest.warns(UserWarning, match="candidate c failed while timed"):
+        seconds = autotune.seconds_in_turns([call("a"), call("b"), call("c", fails_at=3)], ["a", "b", "c"],
+                                            warmup=2, repeat=3, clock=clock)
+    assert seconds == [2.0, 5.0, float("inf")]
+    assert log == ["a", "a", "b", "b", "c", "c", "a", "b", "c", "a", "b", "a", "b"]
+
+
 def test_cache_file_unreadable_or_stale_is_timed_again(tmp_path):
     path = tmp_path / "gemm.json"
     path.write_text("{not json")

@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import os
+import statistics
 import tempfile
 import threading
 import time
@@ -281,16 +282,15 @@ def choice_context(device_name: str, dtype: torch.dtype) -> str:
 def cuda_timer(device: torch.device, dtype: torch.dtype, grad_dtype: torch.dtype, fresh_home_grads: bool,
                warmup: int = 2, repeat: int = 5) -> Timer:
     """A ``Timer`` on synthetic uniform segments of the given rows and groups, random data, the weights as
-    one tensor, wgrad as the layer calls it (``timed_calls``); mean seconds over ``repeat`` calls after
-    ``warmup`` (compilation, autotuning), CUDA events. A backend that raises is reported and counts as
-    infinitely slow."""
+    one tensor, wgrad as the layer calls it (``timed_calls``); the backends timed in turns on CUDA events
+    (``seconds_in_turns``: median of ``repeat`` rounds after ``warmup`` calls each)."""
 
     def timer(op: str, cols: int, inner: int, rows: int, groups: tuple[int, int],
               backends: Sequence[GroupedGemm]) -> list[float]:
         calls = timed_calls(op, cols, inner, rows, groups, backends, device, dtype, grad_dtype,
                             fresh_home_grads)
-        return [_cuda_seconds(call, warmup, repeat, f"{gemm.name} {op} {cols}x{inner}")
-                for call, gemm in zip(calls, backends, strict=True)]
+        return seconds_in_turns(calls, [f"{gemm.name} {op} {cols}x{inner}" for gemm in backends], warmup,
+                                repeat, CudaClock())
 
     return timer
 
@@ -319,17 +319,52 @@ def timed_calls(op: str, cols: int, inner: int, rows: int, groups: tuple[int, in
     return [lambda g=gemm: getattr(g, op)(a, (w,), offs_g) for gemm in backends]
 
 
-def _cuda_seconds(call: Callable[[], object], warmup: int, repeat: int, what: str) -> float:
-    try:
-        for _ in range(warmup):
-            call()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeat):
-            call()
-        end.record()
+class CudaClock:
+    """Marks on the current CUDA stream (recorded events) and the seconds between two of them."""
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
         end.synchronize()
-    except Exception as error:  # noqa: BLE001 - a candidate that fails here is not chosen
-        warnings.warn(f"grouped-GEMM candidate {what} failed while timed: {error!r}", stacklevel=2)
-        return float("inf")
-    return start.elapsed_time(end) / 1e3 / repeat
+        return start.elapsed_time(end) / 1e3
+
+
+def seconds_in_turns(calls: Sequence[Callable[[], object]], names: Sequence[str], warmup: int, repeat: int,
+                     clock) -> list[float]:
+    """Median seconds of one call of each of ``calls``, timed in turns: every call runs ``warmup`` times
+    first (compilation, autotuning), then each of ``repeat`` rounds runs every call once, so no candidate is
+    timed on a GPU warmer or cooler than another's (one candidate after another, the first would run on the
+    coolest GPU and the near ties between backends would follow the order). The rounds are queued without a
+    host wait; ``clock`` marks the stream around each call and reads the seconds between marks at the end. A
+    call that raises is reported (``names``) and counts as infinitely slow."""
+    failed: set[int] = set()
+
+    def run(i: int) -> bool:
+        try:
+            calls[i]()
+        except Exception as error:  # noqa: BLE001 - a candidate that fails here is not chosen
+            warnings.warn(f"grouped-GEMM candidate {names[i]} failed while timed: {error!r}", stacklevel=3)
+            failed.add(i)
+        return i not in failed
+
+    for i in range(len(calls)):
+        for _ in range(warmup):
+            if not run(i):
+                break
+    marks: list[list[tuple[object, object]]] = [[] for _ in calls]
+    for _ in range(repeat):
+        for i in range(len(calls)):
+            if i not in failed:
+                start = clock.mark()
+                if run(i):
+                    marks[i].append((start, clock.mark()))
+    try:
+        seconds = [[clock.seconds(start, end) for start, end in pairs] for pairs in marks]
+    except Exception as error:  # noqa: BLE001 - an asynchronous failure surfaces at the read
+        warnings.warn(f"grouped-GEMM candidates {list(names)} failed while timed: {error!r}", stacklevel=2)
+        return [float("inf")] * len(calls)
+    return [float("inf") if i in failed or not times else statistics.median(times)
+            for i, times in enumerate(seconds)]
