@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -102,19 +104,27 @@ def test_one_cuda_graph_replays_new_routing_exactly():
 
 
 def test_peak_memory_does_not_depend_on_routing_skew():
+    """A step's peak above what was allocated before it. Earlier tests' garbage is collected first and the
+    collector is off while measuring: a collection between two steps would lower the second's baseline."""
     layer, x_th = layer_and_inputs()
     x_th.requires_grad_()
     grad_th = torch.ones_like(x_th)
     peaks = {}
-    for strength in (0.0, 100.0, 0.0, 100.0):  # warm the allocator and pools on both before measuring
-        skew(layer, strength)
-        layer.zero_grad(set_to_none=True)
-        x_th.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        step(layer, x_th, grad_th)
-        torch.cuda.synchronize()
-        peaks[strength] = torch.cuda.max_memory_allocated()
+    gc.collect()
+    gc.disable()
+    try:
+        for strength in (0.0, 100.0, 0.0, 100.0):  # warm the allocator and pools on both before measuring
+            skew(layer, strength)
+            layer.zero_grad(set_to_none=True)
+            x_th.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            step(layer, x_th, grad_th)
+            torch.cuda.synchronize()
+            peaks[strength] = torch.cuda.max_memory_allocated() - before
+    finally:
+        gc.enable()
     load_e = layer._state.last_plan.expert_load.double()
     assert float(load_e.max() / load_e.mean()) > 2.0, "the skewed step was not skewed"
     assert peaks[0.0] == peaks[100.0], peaks
