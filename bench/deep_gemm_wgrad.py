@@ -1,6 +1,7 @@
 """DeepGEMM's sm90 k-grouped bf16 weight gradient with a stand-in host list: correct, and how fast.
 
     python -m bench.deep_gemm_wgrad            # an H200 with DeepGEMM: about a minute
+    python -m bench.deep_gemm_wgrad --kernels  # the deep_gemm backend's wgrad on a real plan, by kernel
 
 `deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d, ks, grouped_layout, c)` computes, per group g,
 ``d[g] = c[g] + a[rows_g]^T @ b[rows_g]`` (``a [rows, m]``, ``b [rows, n]``: a wgrad's ``dy`` and ``x``). On
@@ -20,7 +21,13 @@ count and sum (`standin_sizes`: the rows dealt evenly in 128-row blocks) gives t
    adding fp32 wgrad on torch), the Triton wgrad adding into fp32, and DeepGEMM adding into fp32 and into
    bf16 (``c = d``). Each against its floor: the FLOPs at the run's dense bf16 rate.
 
-Writes `bench/results/deep-gemm-wgrad-<device>-<date>-<commit>.json`.
+3. ``--kernels`` (instead of 1 and 2): the ``deep_gemm`` backend's wgrad as the layer calls it in "param"
+   mode (fresh home gradients, the slots overwritten), both projections, on one EP=8 rank's segments as the
+   real planner fills them at maxvio 0 (`bench.gemm.plan_segments`), under the torch profiler: each kernel's
+   device time per call (DeepGEMM's k-grouped GEMMs, the zeroing before them, the slots' Triton wgrad)
+   beside the floor (the FLOPs on the used rows at the run's dense rate).
+
+Writes `bench/results/deep-gemm-wgrad[-kernels]-<device>-<date>-<commit>.json`.
 """
 
 from __future__ import annotations
@@ -133,10 +140,56 @@ def speed(dg, limits: dict, repeat: int) -> list[dict]:
     return rows_out
 
 
+def kernels(limits: dict, repeat: int) -> list[dict]:
+    """Device time per kernel of the deep_gemm backend's "param"-mode wgrad (both projections), per shape."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.gemm import expert_shape, plan_segments
+    from moonep_moe.gemm.deep_gemm import DeepGemmGroupedGemm
+
+    deep, rows_out = DeepGemmGroupedGemm(), []
+    for model in SHAPES:
+        hidden, ffn, epn = expert_shape(model)
+        offs_g, plan = plan_segments(model, 0.0)
+        offs_g = offs_g.cuda()
+        rows = int(offs_g[-1])
+        x, dab, g, hw = (torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+                         for cols in (hidden, 2 * ffn, hidden, ffn))
+        slots = [torch.zeros(epn, cols, inner, device="cuda", dtype=torch.bfloat16)
+                 for cols, inner in ((2 * ffn, hidden), (hidden, ffn))]
+
+        pairs = ((dab, x, slots[0]), (g, hw, slots[1]))  # (dy, x, slot gradients) of gate_up, of down
+
+        def call(pairs=pairs, offs_g=offs_g):
+            for dy, inputs, slot_grads in pairs:
+                deep.wgrad(dy, inputs, offs_g, (None, slot_grads), accumulate=False)
+
+        timings(call, warmup=3, repeat=1)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeat):
+                call()
+            torch.cuda.synchronize()
+        per_kernel: dict[str, float] = {}
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                per_kernel[event.name] = per_kernel.get(event.name, 0.0) + event.device_time / repeat / 1e3
+        floor_ms = 2 * ROUTES * 3 * ffn * hidden / limits["dense_bf16_flops_per_s"] * 1e3
+        row = {"model": model, "rows": rows, "floor_ms": floor_ms, "plan": plan,
+               "kernels_ms": dict(sorted(per_kernel.items(), key=lambda kv: -kv[1])),
+               "total_ms": sum(per_kernel.values())}
+        rows_out.append(row)
+        listed = ", ".join(f"{name[:60]} {ms:.2f}" for name, ms in row["kernels_ms"].items() if ms >= 0.01)
+        print(f"{model:12} floor {floor_ms:.2f} ms, kernels {row['total_ms']:.2f} ms "
+              f"({row['total_ms'] / floor_ms:.2f}x): {listed}", flush=True)
+    return rows_out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=10, help="rounds of the alternated arms (>= 5)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="only the deep_gemm backend's wgrad on a real plan's segments, kernel by kernel")
     args = parser.parse_args()
     if args.repeat < 5:
         parser.error(f"--repeat must be >= 5 (the median of at least five), got {args.repeat}")
@@ -145,6 +198,11 @@ def main() -> None:
     dg = import_deep_gemm()
     torch.manual_seed(0)
     limits = measure_limits()
+    if args.kernels:
+        path = write_record("deep-gemm-wgrad-kernels", limits, kernels(limits, args.repeat),
+                            setup={"align": ALIGN, "maxvio": 0.0, "repeat": args.repeat, "mode": "param"})
+        print(f"record: {path}")
+        return
     checks = correctness(dg)
     rows = speed(dg, limits, args.repeat)
     path = write_record("deep-gemm-wgrad", limits, rows, correctness=checks,
