@@ -344,12 +344,9 @@ class MoonEPMoELayer(nn.Module):
             self.buffer = Buffer(config.max_tokens_per_rank, h, k, e, config.ep_size, B=config.prefetch_slots,
                                  world=world, validate=False, **shape)
         self._buffer_given_back = False
-        gemm = experts_gemm(config, world)
-        if config.expert_weights == "fp8":  # no weight gradients
-            self._state = ExpertsState(self.buffer, self.experts, gemm, fp8_dispatch=config.fp8_dispatch,
-                                       overlap_prefetch=config.overlap_prefetch)
-            return
-        self._state = ExpertsState(self.buffer, self.experts, gemm, config.expert_grad_dtype == "main_grad",
+        # experts kept FP8 have no weight gradients, so no main_grad either
+        main_grad = config.expert_weights != "fp8" and config.expert_grad_dtype == "main_grad"
+        self._state = ExpertsState(self.buffer, self.experts, experts_gemm(config, world), main_grad,
                                    config.fp8_dispatch, overlap_prefetch=config.overlap_prefetch)
 
     def _release_comm(self) -> None:
