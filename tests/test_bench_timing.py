@@ -3,6 +3,7 @@ for the host to queue each run, the hold follows the slowest host so far, and a 
 is counted; on the CPU the host clock times the run and nothing is held."""
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,14 +26,17 @@ def test_cpu_runs_are_timed_by_the_host_clock_with_no_hold():
 
 
 def test_the_hold_grows_past_the_slowest_host_and_counts_runs_it_fell_behind(monkeypatch):
+    """The host's enqueue times come from a stand-in clock, so a loaded machine cannot stretch them."""
+    hosts_s = (0.001, 0.010, 0.001, 0.001, 0.001)
     slept, clock = [], iter(range(1000))
+    host_clock = iter(t for host_s in hosts_s for t in (0.0, host_s))  # each run's start, then its end
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "_sleep", slept.append)
     monkeypatch.setattr(common, "stamp", lambda device: float(next(clock)))
+    monkeypatch.setattr(common, "time", SimpleNamespace(perf_counter=lambda: next(host_clock)))
     ahead = HostAhead(torch.device("cuda"), min_hold_s=0.004, margin=2.0, window=2)
-    for host_s in (0.001, 0.010, 0.001, 0.001, 0.001):
+    for _ in hosts_s:
         ahead.start()
-        time.sleep(host_s)
         ahead.end()
     assert slept[0] == int(0.004 * SLEEP_CYCLES_PER_S)  # the first run: the minimum hold
     assert slept[1] == slept[0]  # a 1 ms host stays inside it
