@@ -395,6 +395,37 @@ def test_param_mode_adds_later_micro_batches_into_grad(R):
 
 
 @pytest.mark.parametrize("mode", ["param", "main_grad"])
+@pytest.mark.parametrize("R", [1, 4])
+def test_wgrad_gets_contiguous_rows_and_gradients(mode, R):
+    """What the deep_gemm wgrad's kernel needs and refuses otherwise: over two micro-batches with replicas
+    (R = 4, skewed) and on one rank (which gathers its rows again for gate_up's wgrad), every wgrad call's
+    dy, x and given parts (`.grad`, `main_grad`, the slots) are contiguous."""
+    p = make_problem(make_config(R, expert_grad_dtype=mode), seed=90 + R, skew=100.0)
+    problems = micro_batches(p, 2)
+
+    def rank_fn(world):
+        layer = build_layer(p, world)
+        gemm, seen = layer._state.gemm, []
+        wgrad = gemm.wgrad
+
+        def spy(dy, x, offs_g, out, accumulate=True):
+            seen.append([t.is_contiguous() for t in (dy, x, *out) if t is not None])
+            return wgrad(dy, x, offs_g, out, accumulate)
+
+        gemm.wgrad = spy
+        for q in problems:
+            layer(q.hidden[world.rank].clone().requires_grad_()).backward(q.grad_out[world.rank])
+        used = int(layer.balance_stats()["slots_used"].max())
+        layer.destroy()
+        return seen, used
+
+    got = run_ranks(rank_fn, R)
+    assert R == 1 or got[0][1] > 0
+    for seen, _ in got:
+        assert len(seen) == 4 and all(all(flags) for flags in seen), seen
+
+
+@pytest.mark.parametrize("mode", ["param", "main_grad"])
 def test_replica_gradients_overwrite_their_slots_in_param_mode_and_use_an_fp32_pool_in_main_grad(mode):
     """"param": the replicas' gradients are written over their own slot weights (`grads_in_slots`), so no
     slot-gradient pool is allocated (a DeepSeek-V3 rank's would be 5.25 GiB of fp32); "main_grad": a shared

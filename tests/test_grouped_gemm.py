@@ -5,6 +5,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -356,6 +357,26 @@ def test_deep_gemm_wgrad_matches_reference_home_on_deep_gemm_slots_on_triton(siz
                                                       offs_g.diff(prepend=offs_g.new_zeros(1))[:home_groups],
                                                       true_d)
     assert torch.equal(got_home, true_d)
+
+
+@pytest.mark.parametrize("arg", ["dy", "x", "out[0]"])
+def test_deep_gemm_wgrad_refuses_operands_its_kernel_cannot_lay_out(arg):
+    """A non-contiguous operand is refused by name before any kernel (checked on the CPU: the class is made
+    without importing DeepGEMM, which the check does not reach)."""
+    from moonep_moe.gemm.deep_gemm import DeepGemmGroupedGemm
+
+    deep = object.__new__(DeepGemmGroupedGemm)
+    dy_mn, x_mk = torch.randn(M, N, dtype=torch.bfloat16), torch.randn(M, K, dtype=torch.bfloat16)
+    home = torch.zeros(HOME, N, K, dtype=torch.bfloat16)
+    slots = torch.zeros(len(SIZES_G) - HOME, N, K, dtype=torch.bfloat16)
+    if arg == "dy":
+        dy_mn = torch.randn(M, 2 * N, dtype=torch.bfloat16)[:, :N]
+    elif arg == "x":
+        x_mk = torch.randn(M, 2 * K, dtype=torch.bfloat16)[:, ::2]
+    else:
+        home = torch.zeros(HOME, K, N, dtype=torch.bfloat16).transpose(1, 2)
+    with pytest.raises(ValueError, match=rf"deep_gemm wgrad needs {re.escape(arg)} contiguous"):
+        deep.wgrad(dy_mn, x_mk, offsets_g(), (home, slots), accumulate=True)
 
 
 class FakeTimer:

@@ -53,8 +53,8 @@ class DeepGemmGroupedGemm:
     ``torch._grouped_mm``'s product then ``.add_``). On sm90 it only adds: a fresh gradient (the default
     mode's) is zeroed first, an overwritten one too. The later parts (the prefetch slots) start at a row known
     only on the device, where the kernel cannot begin: they go to the Triton wgrad, as in
-    ``TorchGroupedGemm``. Where the kernel's layout does not hold (a part or an operand not contiguous) the
-    whole call runs on the Triton wgrad. A weights sequence of several non-empty parts is joined with
+    ``TorchGroupedGemm``. ``dy``, ``x`` and a given first part must be contiguous (ValueError otherwise: the
+    layer's always are). A weights sequence of several non-empty parts is joined with
     ``torch.cat`` as in ``TorchGroupedGemm`` (pass one arena tensor to avoid the copy:
     ``ExpertRows.compute_weights``).
     """
@@ -92,14 +92,15 @@ class DeepGemmGroupedGemm:
         from moonep_moe.gemm.kernels.wgrad import grouped_wgrad_triton
 
         fresh = _fresh_groups(out, offs_g, accumulate)
+        for arg, tensor in (("dy", dy), ("x", x), ("out[0]", out[0])):
+            if tensor is not None and not tensor.is_contiguous():
+                raise ValueError(f"the deep_gemm wgrad needs {arg} contiguous (its kernel's TMA layout), got "
+                                 f"strides {tensor.stride()} for shape {list(tensor.shape)}")
         if out[0] is None:
             parts = [dy.new_zeros(fresh, dy.shape[1], x.shape[1]), *out[1:]]
         else:
             parts = list(out)
         home = parts[0]
-        if not (home.is_contiguous() and dy.is_contiguous() and x.is_contiguous()):
-            grouped_wgrad_triton(dy, x, offs_g, parts, accumulate, slot_groups_from=home.shape[0])
-            return parts
         if out[0] is not None and not accumulate:
             home.zero_()
         groups = home.shape[0]
