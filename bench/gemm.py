@@ -30,14 +30,16 @@ routes per group those of the rank hosting the most replicas when the real plann
 group's routing at maxvio 0 and 20 (`bench.layer.ep_rank_plan`: the slots it leaves empty are empty
 groups), the weights on the arena as the layer has them, each gradient mode, every backend; recorded as
 `gemm-ep8-<device>-<date>-<commit>.json` (the other runs: `gemm-...`). It is bounded by that: 2 shapes x 2
-maxvios x 2 gradient modes x the backends, each of fwd, dgrad, wgrad and the block timed 3 + 10 times
+maxvios x 3 gradient modes x the backends, each of fwd, dgrad, wgrad and the block timed 3 + 10 times
 (~10-40 ms a call at these shapes), ~1-2 s of timing per row; the rest is one-off start-up (the dense
 limits, DeepGEMM's JIT, the Triton wgrad's autotuning and `auto`'s measurement: a minute or so on a fresh
 machine, cached after).
 
 Gradient modes (`--grads`, each a row of its own): "param", `expert_grad_dtype`'s default, has wgrad make
-fresh gradients in the weights' dtype (bf16); "main_grad" has it add into fp32 gradients. The floor counts
-the gradient bytes each mode moves: bf16 written, or fp32 read and written.
+fresh gradients in the weights' dtype (bf16); "param_add" has it add into existing ones (what "param" does
+from an optimizer step's second micro-batch on, `auto`'s `wgrad add` pick); "main_grad" has it add into fp32
+gradients. The floor counts the gradient bytes each mode moves: bf16 written, bf16 read and written, or fp32
+read and written.
 
 Backends: torch (in "param" mode also `wgrad_home`: its wgrad's home groups alone, `torch._grouped_mm` over
 the first epn segments of both projections, so wgrad minus it is what the slot groups' Triton launch costs),
@@ -98,12 +100,15 @@ from moonep_moe.transport.arena import PhysicalRows, expert_arena_reason, joined
 PAD = 128
 
 PRESETS = {"ep8": {"shapes": ["deepseek-v3", "kimi-k2"], "rows": None, "maxvios": [0.0, 20.0],
-                   "layouts": ["arena"], "grads": ["param", "main_grad"]}}
+                   "layouts": ["arena"], "grads": ["param", "param_add", "main_grad"]}}
 """`--preset NAME`: the shapes, rows (None: each model's S*K), the maxvios of the real plans whose
 segments it times (instead of --skews), layouts and gradient modes it runs."""
-GRAD_MODES = ("param", "main_grad")
-"""`--grads`: wgrad into fresh gradients in the weights' dtype (the default `expert_grad_dtype`), or added
-into fp32 ones."""
+GRAD_MODES = ("param", "param_add", "main_grad")
+"""`--grads`: wgrad into fresh gradients in the weights' dtype (the default `expert_grad_dtype`), added into
+existing ones of that dtype (its later micro-batches), or added into fp32 ones."""
+GRAD_BYTES = {"param": 2, "param_add": 4, "main_grad": 8}
+"""Bytes each gradient element moves per wgrad in each mode: bf16 written; bf16 read and written; fp32 read
+and written."""
 
 TARGETS = (  # (what, op, bound): one rank of an EP=8 group
     ("fwd of dense", ">=", 0.92),
@@ -196,13 +201,15 @@ def weight_grads(parts: tuple[torch.Tensor, ...], epn: int, grads: str) -> list[
     """What the layer's wgrad of weights `parts` (`[G, cols, inner]` over all parts) writes into, as
     `(home, slots)` with `epn` home groups, in gradient mode `grads`: "param", the home gradients fresh (None:
     the GEMM's own output, in the weights' dtype) and the slot gradients written over a `[B, cols, inner]`
-    tensor in the weights' dtype (the layer's slot weights); "main_grad", zeroed fp32 gradients of both,
-    added into."""
+    tensor in the weights' dtype (the layer's slot weights); "param_add", zeroed gradients of both in the
+    weights' dtype, added into (the home ones the `.grad` of earlier micro-batches, the slots cleared for
+    the add); "main_grad", zeroed fp32 gradients of both, added into."""
     groups, cols, inner = sum(p.shape[0] for p in parts), parts[0].shape[1], parts[0].shape[2]
     device, dtype = parts[0].device, parts[0].dtype
     if grads == "param":
         return [None, torch.empty(groups - epn, cols, inner, dtype=dtype, device=device)]
-    return [torch.zeros(n, cols, inner, dtype=torch.float32, device=device) for n in (epn, groups - epn)]
+    grad_dtype = dtype if grads == "param_add" else torch.float32
+    return [torch.zeros(n, cols, inner, dtype=grad_dtype, device=device) for n in (epn, groups - epn)]
 
 
 def block(gemm, x, w, offs, gate_up, down, g, outs: tuple[list, list], add: bool):
@@ -275,7 +282,7 @@ def cast_ops(x, dab, g, hw, offs, gate_up, down) -> dict:
 
 def gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down, outs: tuple[list, list], add: bool) -> dict:
     """The six GEMMs of the expert block, as three timed pairs (both projections each); wgrad into `outs`,
-    added into with `add` ("main_grad": the same fp32 gradients every call, as micro-batches do)."""
+    added into with `add` (the adding modes: the same gradients every call, as micro-batches do)."""
     return {
         "fwd": lambda: (gemm.fwd(x, gate_up, offs), gemm.fwd(hw, down, offs)),
         "dgrad": lambda: (gemm.dgrad(dab, gate_up, offs), gemm.dgrad(g, down, offs)),
@@ -318,10 +325,10 @@ def bench_shape(case: Case, backends: list[str], limits: dict, wanted_layouts: l
     for backend, (layout, (gate_up, down)), grads in itertools.product(backends, layouts.items(), grad_modes):
         # what "auto" measures: the layer's problem in this gradient mode (`MoonEPMoELayer`'s)
         problem = GemmProblem(((2 * f, h), (h, f)), rows_per_group=rows // epn,
-                              grad_dtype=torch.bfloat16 if grads == "param" else torch.float32,
-                              groups=(epn, groups - epn), fresh_home_grads=grads == "param")
-        # the gradients' bytes: bf16 written ("param") or fp32 read and written ("main_grad"); inputs read
-        grad_bytes = groups * 3 * f * h * (2 if grads == "param" else 8) + m_total * (3 * f + 2 * h) * 2
+                              grad_dtype=torch.float32 if grads == "main_grad" else torch.bfloat16,
+                              groups=(epn, groups - epn), fresh_home_grads=grads != "main_grad")
+        # the gradients' bytes in this mode (`GRAD_BYTES`); the bf16 inputs read
+        grad_bytes = groups * 3 * f * h * GRAD_BYTES[grads] + m_total * (3 * f + 2 * h) * 2
         wgrad_floor = max(flops / dense, grad_bytes / copy)
         gemm = make_gemm(backend, math.gcd(h, f), problem)
         row = {"shape": name, "rows": rows, "padded_rows": m_total, "groups": groups, "skew": case.skew,
@@ -330,7 +337,7 @@ def bench_shape(case: Case, backends: list[str], limits: dict, wanted_layouts: l
         if isinstance(gemm, MeasuredGroupedGemm):
             row["picks"] = {f"{op} {n}x{k}": pick.name for (op, n, k), pick in gemm.chosen.items()}
             print(f"{name:18} auto picks: {row['picks']}", flush=True)
-        outs, add = (weight_grads(gate_up, epn, grads), weight_grads(down, epn, grads)), grads == "main_grad"
+        outs, add = (weight_grads(gate_up, epn, grads), weight_grads(down, epn, grads)), grads != "param"
         calls = gemm_ops(gemm, x, dab, g, hw, offs, gate_up, down, outs, add)
         calls["block"] = lambda gm=gemm, gu=gate_up, dn=down, o=outs, a=add: block(gm, x, w, offs, gu, dn, g,
                                                                                    o, a)

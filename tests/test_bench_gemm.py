@@ -28,14 +28,14 @@ def test_expert_shapes_at_ep8_come_from_the_configs():
     assert expert_shape("mixtral-8x7b") == (4096, 14336, 1)
 
 
-def test_preset_ep8_is_one_rank_of_a_real_plan_in_both_gradient_modes():
+def test_preset_ep8_is_one_rank_of_a_real_plan_in_every_gradient_mode():
     preset = PRESETS["ep8"]
     runs = cases(preset["shapes"], preset["rows"], [0.0], preset["maxvios"])
     assert runs == [Case("deepseek-v3", 65536, maxvio=0.0), Case("deepseek-v3", 65536, maxvio=20.0),
                     Case("kimi-k2", 65536, maxvio=0.0), Case("kimi-k2", 65536, maxvio=20.0)], "S*K = 8192*8"
     assert [2 * expert_shape(case.shape)[2] for case in runs[::2]] == [64, 96], "32+32 and 48+48 groups"
     assert preset["layouts"] == ["arena"], "the weights as the layer has them"
-    assert preset["grads"] == ["param", "main_grad"], "the default gradient mode first"
+    assert preset["grads"] == ["param", "param_add", "main_grad"], "the default gradient mode first"
     assert [case.label for case in runs[:2]] == ["maxvio=0", "maxvio=20"]
 
 
@@ -57,14 +57,15 @@ def test_plan_segments_are_one_ranks_share_of_the_groups_plan(shape, maxvio):
 def test_weight_grads_split_home_and_slots_per_mode(parts):
     """However the weights are laid out (one joined tensor, or home and slots), the gradients are the
     layer's (home, slots) pair: in "param" the home part made fresh by the GEMM (None) and the slots' in the
-    weights' dtype, in "main_grad" both zeroed fp32, added into."""
+    weights' dtype, in "param_add" both zeroed in the weights' dtype and in "main_grad" both zeroed fp32,
+    added into."""
     weights = tuple(torch.ones(n, 3, 4, dtype=torch.bfloat16) for n in parts)
     home, slots = weight_grads(weights, 2, "param")
     assert home is None and slots.dtype == torch.bfloat16 and slots.shape == (3, 3, 4)
-    grads = weight_grads(weights, 2, "main_grad")
-    assert [(g.dtype, tuple(g.shape)) for g in grads] == [(torch.float32, (2, 3, 4)),
-                                                          (torch.float32, (3, 3, 4))]
-    assert not any(g.any() for g in grads)
+    for mode, dtype in (("param_add", torch.bfloat16), ("main_grad", torch.float32)):
+        grads = weight_grads(weights, 2, mode)
+        assert [(g.dtype, tuple(g.shape)) for g in grads] == [(dtype, (2, 3, 4)), (dtype, (3, 3, 4))]
+        assert not any(g.any() for g in grads)
 
 
 def test_cases_without_rows_take_each_models_routes():
