@@ -387,8 +387,8 @@ def in_turns(calls: list[dict], warmup: int, repeat: int, timer=timings) -> list
 def deep_gemm_home_ops(x, dab, g, hw, offs, epn: int) -> dict:
     """The deep_gemm row's wgrad in parts ("param" mode): `wgrad_home`, DeepGEMM's k-grouped kernel over the
     home groups of both projections adding into gradients made once (what the backend runs on gradients it
-    has zeroed), and `wgrad_zero`, the zeroed bf16 gradients it makes first. Their sum less the row's wgrad
-    is what the slot groups' Triton launch costs."""
+    has zeroed), and `wgrad_zero`, the zeroed bf16 gradients it makes first, each timed as a call of its own
+    (the device time of each kernel inside the backend's call: `bench.deep_gemm_wgrad --kernels`)."""
     kernel = import_deep_gemm().k_grouped_bf16_gemm_tn_contiguous
     sizes_g = torch.diff(offs[:epn], prepend=offs.new_zeros(1))
     rows = x.shape[0] // BLOCK_TOKEN_PADDING * BLOCK_TOKEN_PADDING
