@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from moonep_moe.base.sizes import BLOCK_TOKEN_PADDING
-from moonep_moe.gemm.base import OPS, SlotsReady, _cat_groups, _check_groups, _fresh_groups, wait_for
+from moonep_moe.gemm.base import OPS, SlotsReady, _cat_groups, _check_groups, _wgrad_parts, wait_for
 
 
 def import_deep_gemm():
@@ -91,17 +91,13 @@ class DeepGemmGroupedGemm:
               accumulate: bool = True) -> list[Tensor]:
         from moonep_moe.gemm.kernels.wgrad import grouped_wgrad_triton
 
-        fresh = _fresh_groups(out, offs_g, accumulate)
         for arg, tensor in (("dy", dy), ("x", x), ("out[0]", out[0])):
             if tensor is not None and not tensor.is_contiguous():
                 raise ValueError(f"the deep_gemm wgrad needs {arg} contiguous (its kernel's TMA layout), got "
                                  f"strides {tensor.stride()} for shape {list(tensor.shape)}")
-        if out[0] is None:
-            parts = [dy.new_zeros(fresh, dy.shape[1], x.shape[1]), *out[1:]]
-        else:
-            parts = list(out)
+        parts = _wgrad_parts(dy, x, offs_g, out, accumulate)
         home = parts[0]
-        if out[0] is not None and not accumulate:
+        if not accumulate:  # made or overwritten: the kernel only adds
             home.zero_()
         groups = home.shape[0]
         if groups:
