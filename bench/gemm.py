@@ -88,10 +88,8 @@ from bench.common import (
     write_record,
 )
 from bench.layer import ep_rank_plan
-from moonep_moe.base.sizes import BLOCK_TOKEN_PADDING
 from moonep_moe.gemm.autotune import MeasuredGroupedGemm
 from moonep_moe.gemm.base import GemmProblem
-from moonep_moe.gemm.deep_gemm import import_deep_gemm, standin_sizes
 from moonep_moe.gemm.fp8 import Fp8GroupedGemm
 from moonep_moe.gemm.registry import fp8_grouped_gemm, fp8_unsupported_reason, select_grouped_gemm
 from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
@@ -347,7 +345,7 @@ def bench_shape(case: Case, backends: list[str], limits: dict, wanted_layouts: l
             calls["wgrad_home"] = lambda: (torch._grouped_mm(dab.T, x, offs=offs[:epn]),
                                            torch._grouped_mm(g.T, hw, offs=offs[:epn]))
         if gemm.name == "deep_gemm" and grads == "param":  # its wgrad's kernel, and its zeroing, alone
-            calls.update(deep_gemm_home_ops(x, dab, g, hw, offs, epn))
+            calls.update(deep_gemm_home_ops(gemm, x, dab, g, hw, offs, epn))
         timed.append((row, calls, wgrad_floor))
     seconds = in_turns([calls for _, calls, _ in timed], warmup, repeat)
     for (row, _, wgrad_floor), row_seconds in zip(timed, seconds, strict=True):
@@ -384,18 +382,16 @@ def in_turns(calls: list[dict], warmup: int, repeat: int, timer=timings) -> list
     return seconds
 
 
-def deep_gemm_home_ops(x, dab, g, hw, offs, epn: int) -> dict:
-    """The deep_gemm row's wgrad in parts ("param" mode): `wgrad_home`, DeepGEMM's k-grouped kernel over the
-    home groups of both projections adding into gradients made once (what the backend runs on gradients it
-    has zeroed), and `wgrad_zero`, the zeroed bf16 gradients it makes first, each timed as a call of its own
-    (the device time of each kernel inside the backend's call: `bench.deep_gemm_wgrad --kernels`)."""
-    kernel = import_deep_gemm().k_grouped_bf16_gemm_tn_contiguous
-    sizes_g = torch.diff(offs[:epn], prepend=offs.new_zeros(1))
-    rows = x.shape[0] // BLOCK_TOKEN_PADDING * BLOCK_TOKEN_PADDING
+def deep_gemm_home_ops(gemm, x, dab, g, hw, offs, epn: int) -> dict:
+    """The deep_gemm row's wgrad in parts ("param" mode): `wgrad_home`, the backend's wgrad over the home
+    groups alone (`offs[:epn]`) of both projections adding into gradients made once (its k-grouped kernel, as
+    it runs on gradients it has zeroed), and `wgrad_zero`, the zeroed bf16 gradients it makes first, each
+    timed as a call of its own (the device time of each kernel inside the backend's call:
+    `bench.deep_gemm_wgrad --kernels`)."""
     pairs = ((dab, x), (g, hw))
     grads = [a.new_zeros(epn, a.shape[1], b.shape[1]) for a, b in pairs]
     return {
-        "wgrad_home": lambda: [kernel(a[:rows], b[:rows], d, standin_sizes(epn, rows), sizes_g, d)
+        "wgrad_home": lambda: [gemm.wgrad(a, b, offs[:epn], [d], accumulate=True)
                                for (a, b), d in zip(pairs, grads, strict=True)],
         "wgrad_zero": lambda: [a.new_zeros(epn, a.shape[1], b.shape[1]) for a, b in pairs],
     }
