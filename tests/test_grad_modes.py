@@ -344,13 +344,18 @@ def test_param_mode_home_grads_are_the_torch_gemm_output(monkeypatch, R):
             torch.testing.assert_close(grad.double(), full[home], rtol=1e-4, atol=1e-5)
 
 
-def spy_wgrad(layer: MoonEPMoELayer) -> list[tuple[int | None, bool]]:
-    """Record each wgrad call's home part (its data pointer, None when the GEMM makes it) and `accumulate`."""
+def home_and_mode(dy, x, out, accumulate) -> tuple[int | None, bool]:
+    """A wgrad call's home part (its data pointer, None when the GEMM makes it) and `accumulate`."""
+    return None if out[0] is None else out[0].data_ptr(), accumulate
+
+
+def spy_wgrad(layer: MoonEPMoELayer, record=home_and_mode) -> list:
+    """`record(dy, x, out, accumulate)` of each wgrad call, in order (default: `home_and_mode`)."""
     gemm, calls = layer._state.gemm, []
     wgrad = gemm.wgrad
 
     def spy(dy, x, offs_g, out, accumulate=True):
-        calls.append((None if out[0] is None else out[0].data_ptr(), accumulate))
+        calls.append(record(dy, x, out, accumulate))
         return wgrad(dy, x, offs_g, out, accumulate)
 
     gemm.wgrad = spy
@@ -405,14 +410,8 @@ def test_wgrad_gets_contiguous_rows_and_gradients(mode, R):
 
     def rank_fn(world):
         layer = build_layer(p, world)
-        gemm, seen = layer._state.gemm, []
-        wgrad = gemm.wgrad
-
-        def spy(dy, x, offs_g, out, accumulate=True):
-            seen.append([t.is_contiguous() for t in (dy, x, *out) if t is not None])
-            return wgrad(dy, x, offs_g, out, accumulate)
-
-        gemm.wgrad = spy
+        seen = spy_wgrad(layer, lambda dy, x, out, accumulate: [t.is_contiguous() for t in (dy, x, *out)
+                                                                if t is not None])
         for q in problems:
             layer(q.hidden[world.rank].clone().requires_grad_()).backward(q.grad_out[world.rank])
         used = int(layer.balance_stats()["slots_used"].max())
