@@ -43,9 +43,9 @@ def step(layer: MoonEPMoELayer, x_th: torch.Tensor, grad_th: torch.Tensor) -> to
 @pytest.mark.parametrize("grouped_gemm", ["auto", "deep_gemm"])
 @pytest.mark.parametrize("grad_dtype", ["param", "main_grad"])
 def test_forward_and_backward_make_no_host_sync(grad_dtype, grouped_gemm):
-    if grouped_gemm == "deep_gemm" and deep_gemm.unsupported_reason(torch.device("cuda"), torch.bfloat16,
-                                                                    None, 128):
-        pytest.skip(deep_gemm.unsupported_reason(torch.device("cuda"), torch.bfloat16, None, 128))
+    if grouped_gemm == "deep_gemm" and (reason := deep_gemm.unsupported_reason(torch.device("cuda"),
+                                                                              torch.bfloat16, None, 128)):
+        pytest.skip(reason)
     layer, x_th = layer_and_inputs(grad_dtype, grouped_gemm)
     x_th.requires_grad_()
     skew(layer, 10.0)
