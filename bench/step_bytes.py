@@ -3,6 +3,7 @@
     python -m bench.step_bytes                                   # DeepSeek-V3 at EP=1: ours and torch-native
     python -m bench.step_bytes --model deepseek-v3 --ep-rank-of 8 [--maxvio 20]   # one EP=8 rank
     python -m bench.step_bytes --layers ours                     # ours only
+    python -m bench.step_bytes --layers ours --config grouped_gemm=deep_gemm token_padding=128   # a variant
 
 For each layer (our DEFAULT, torch-native eager, torch-native compiled; built as `bench.layer` builds them:
 the same weights, tokens and, for one EP rank, the plan's slots) the command starts itself again under
@@ -22,11 +23,11 @@ it writes (wgrad); `read_over_weights` is the DRAM bytes the call read over its 
 each expert's weights once. torch-native's kernels are listed by name and group only.
 
 Record (`bench.common.write_record`:
-`step-bytes-<model>[-ep<R>-rank[-maxvio<m>]]-<device>-<date>-<commit>.json`): `setup` (shapes, the routed
-FLOPs of a step, the weights' bytes, the ncu command), `results`, one row per layer: `layer`, `kernels`
-(`[{name, group, role, ms, read_bytes, write_bytes}]` in launch order), `groups` (per
-`bench.layer.kernel_group`: ms, read_gb, write_gb, launches), `roles` (ours: per GEMM call, as above) and
-the totals. GPU and ncu only.
+`step-bytes-<model>[-ep<R>-rank[-maxvio<m>]][-<field>-<value>...]-<device>-<date>-<commit>.json`, the
+`--config` fields in the name): `setup` (shapes, the routed FLOPs of a step, the weights' bytes, the ncu
+command, `config`), `results`, one row per layer: `layer`, `kernels` (`[{name, group, role, ms, read_bytes,
+write_bytes}]` in launch order), `groups` (per `bench.layer.kernel_group`: ms, read_gb, write_gb,
+launches), `roles` (ours: per GEMM call, as above) and the totals. GPU and ncu only.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+import yaml
 
 from bench.common import write_record
 from bench.layer import (
@@ -178,7 +180,7 @@ def child(args: argparse.Namespace) -> None:
     if args.child == "ours":
         from moonep_moe.layers.moe import MoonEPMoELayer
         from moonep_moe.transport.threads import single_world
-        layer = with_layer_weights(MoonEPMoELayer(table.config({}), single_world("cuda")), plan)
+        layer = with_layer_weights(MoonEPMoELayer(table.config(args.config), single_world("cuda")), plan)
     else:
         layer = native_layer(table.hidden, table.ffn, shapes["num_experts"], table.top_k)
         if args.child == "compiled":
@@ -202,7 +204,8 @@ def profiled(ncu: str, layer: str, args: argparse.Namespace) -> dict:
         report, calls = Path(tmp) / "ncu.csv", Path(tmp) / "calls.json"
         command = [ncu, *NCU_ARGS, "--log-file", str(report), sys.executable, "-m", "bench.step_bytes",
                    "--child", layer, "--calls", str(calls), "--model", args.model,
-                   "--maxvio", str(args.maxvio)]
+                   "--maxvio", str(args.maxvio),
+                   "--config", *(f"{key}={value}" for key, value in args.config.items())]
         if args.ep_rank_of is not None:
             command += ["--ep-rank-of", str(args.ep_rank_of)]
         subprocess.run(command, check=True)
@@ -211,6 +214,14 @@ def profiled(ncu: str, layer: str, args: argparse.Namespace) -> dict:
     for kernel in kernels:
         kernel["group"] = kernel_group(kernel["name"])
     return {"layer": layer, **summarise(kernels, roles), "kernels": kernels}
+
+
+def config_field(text: str) -> tuple[str, object]:
+    """`FIELD=VALUE` -> `(FIELD, VALUE parsed as YAML)`: `token_padding=128` gives the int 128."""
+    field, sep, value = text.partition("=")
+    if not sep or not field:
+        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE, got {text!r}")
+    return field, yaml.safe_load(value)
 
 
 def print_row(row: dict, flops: int) -> None:
@@ -237,10 +248,13 @@ def main() -> None:
     parser.add_argument("--maxvio", type=float, default=0.0,
                         help="with --ep-rank-of: the group's routing skew")
     parser.add_argument("--layers", nargs="+", choices=LAYERS, default=list(LAYERS))
+    parser.add_argument("--config", nargs="*", type=config_field, default=[], metavar="FIELD=VALUE",
+                        help="MoEConfig fields of ours instead of the DEFAULT's (a value parsed as YAML)")
     parser.add_argument("--out", default=None, help="folder of the JSON record (default bench/results)")
     parser.add_argument("--child", choices=LAYERS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--calls", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.config = dict(args.config)
     if not torch.cuda.is_available():
         parser.error("bench.step_bytes reads the GPU's counters (Nsight Compute): it needs a GPU")
     if args.child:
@@ -262,8 +276,9 @@ def main() -> None:
     setup = {"model": table.model, "tokens": table.tokens, "hidden": table.hidden, "ffn": table.ffn,
              "experts": table.shapes["num_experts"], "top_k": table.top_k, "ep_rank_of": table.ep_rank_of,
              "maxvio": table.maxvio, "routed_flops": flops, "expert_weight_gb": weights / GB,
-             "ncu": [os.path.basename(ncu), *NCU_ARGS], "warmup_steps": WARMUP}
+             "ncu": [os.path.basename(ncu), *NCU_ARGS], "warmup_steps": WARMUP, "config": args.config}
     name = table.record_name.replace("layer-", "step-bytes-", 1)
+    name += "".join(f"-{key}-{value}" for key, value in args.config.items())  # never a DEFAULT record's name
     path = write_record(name, {}, rows, Path(args.out) if args.out else None, setup=setup)
     print("record:", path)
 

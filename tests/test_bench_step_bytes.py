@@ -1,6 +1,7 @@
 """bench/step_bytes.py: ncu's report read back, each kernel given the GEMM call around it, the totals, and
 the roles a real step of our layer brackets."""
 
+import argparse
 import subprocess
 import sys
 
@@ -97,3 +98,11 @@ def test_cpu_run_names_the_missing_gpu():
         pytest.skip("this machine has a GPU: the command would run")
     run = subprocess.run([sys.executable, "-m", "bench.step_bytes"], capture_output=True, text=True)
     assert run.returncode == 2 and "needs a GPU" in run.stderr
+
+
+def test_config_fields_are_parsed_as_yaml_values_and_a_bad_one_is_refused():
+    assert step_bytes.config_field("token_padding=128") == ("token_padding", 128)
+    assert step_bytes.config_field("grouped_gemm=deep_gemm") == ("grouped_gemm", "deep_gemm")
+    for bad in ("token_padding", "=128"):
+        with pytest.raises(argparse.ArgumentTypeError, match="FIELD=VALUE"):
+            step_bytes.config_field(bad)
