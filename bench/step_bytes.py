@@ -19,8 +19,12 @@ In ours the grouped-GEMM backend's calls are bracketed by marker kernels (`torch
 left out of every total), so each call's kernels are attributed to their role ("fwd gate_up", "wgrad down",
 ...) with its FLOPs (2 x the rows up to the last group's end x the weight's columns x its inner size; padding
 rows included: what the GEMM computes) and the bytes of the weights it reads (fwd, dgrad) or of the gradients
-it writes (wgrad); `read_over_weights` is the DRAM bytes the call read over its weights' bytes: 1.0 reads
-each expert's weights once. torch-native's kernels are listed by name and group only.
+it writes (wgrad), of its groups with rows; `read_over_weights` is the DRAM bytes the call read over those
+weights' bytes: it counts the rows' reads too (small beside the weights at EP=1), so 1.0 or a little more
+reads each expert's weights once. The record's `limits` (`bench.common.measure_limits`, before the
+children) put the bytes and FLOPs against the machine's copy bandwidth and dense rate; the kernels under ncu
+run one at a time with idle gaps between them, so their clocks and rates run above a busy step's.
+torch-native's kernels are listed by name and group only.
 
 Record (`bench.common.write_record`:
 `step-bytes-<model>[-ep<R>-rank[-maxvio<m>]][-<field>-<value>...]-<device>-<date>-<commit>.json`, the
@@ -47,7 +51,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from bench.common import write_record
+from bench.common import measure_limits, write_record
 from bench.layer import (
     KERNEL_GROUPS,
     compile_native,
@@ -147,8 +151,9 @@ def projection(weight_shape: Sequence[int], hidden: int, ffn: int) -> str:
 
 def bracket_gemm_calls(layer: torch.nn.Module, hidden: int, ffn: int) -> list[dict]:
     """Wrap the layer's grouped-GEMM backend so each fwd / dgrad / wgrad call launches a marker kernel
-    before and after itself; returns the list each call appends to: `{role, flops, weight_bytes}` (module
-    docstring), its `offs_g` kept to count the rows once the step is done (no host read inside it)."""
+    before and after itself; returns the list each call appends to: its role, the weight's `cols` and `inner`,
+    the bytes of one element of its weights (or gradients) and its `offs_g`, kept to count the rows and the
+    groups once the step is done (no host read inside it: `call_sizes`)."""
     gemm, calls = layer._state.gemm, []
 
     def wrapped(op: str, real: Callable) -> Callable:
@@ -160,8 +165,7 @@ def bracket_gemm_calls(layer: torch.nn.Module, hidden: int, ffn: int) -> list[di
             torch.cuda._sleep(1)
             read = out if op == "wgrad" else second  # the gradients written, or the weights read
             calls.append({"role": f"{op} {projection((cols, inner), hidden, ffn)}", "cols": cols,
-                          "inner": inner, "offs_g": offs_g,
-                          "weight_bytes": sum(part.numel() * part.element_size() for part in read)})
+                          "inner": inner, "offs_g": offs_g, "element_size": read[0].element_size()})
             return out
 
         return call
@@ -169,6 +173,17 @@ def bracket_gemm_calls(layer: torch.nn.Module, hidden: int, ffn: int) -> list[di
     for op in ("fwd", "dgrad", "wgrad"):
         setattr(gemm, op, wrapped(op, getattr(gemm, op)))
     return calls
+
+
+def call_sizes(call: dict) -> dict:
+    """A bracketed call (`bracket_gemm_calls`) as recorded: `{role, flops, weight_bytes}`, its FLOPs over
+    the rows up to its last group's end and the bytes of the weights (or gradients) of its groups with rows
+    (a slot a plan leaves empty is never read)."""
+    offs_g = call["offs_g"].long().cpu()
+    rows_g = torch.diff(offs_g, prepend=offs_g.new_zeros(1))
+    matrix = call["cols"] * call["inner"]
+    return {"role": call["role"], "flops": 2 * int(offs_g[-1]) * matrix,
+            "weight_bytes": int((rows_g > 0).sum()) * matrix * call["element_size"]}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -193,9 +208,7 @@ def child(args: argparse.Namespace) -> None:
     step(layer, x_th, grad_th)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
-    for call in calls:
-        call["flops"] = 2 * int(call.pop("offs_g")[-1]) * call.pop("cols") * call.pop("inner")
-    Path(args.calls).write_text(json.dumps(calls))
+    Path(args.calls).write_text(json.dumps([call_sizes(call) for call in calls]))
 
 
 def profiled(ncu: str, layer: str, args: argparse.Namespace) -> dict:
@@ -268,6 +281,8 @@ def main() -> None:
     except ValueError as error:
         parser.error(str(error))
     flops = routed_flops(table.tokens, table.top_k, table.hidden, table.ffn, backward=True)
+    limits = measure_limits()
+    torch.cuda.empty_cache()  # the children need the GPU's memory
     rows = []
     for layer in args.layers:
         rows.append(profiled(ncu, layer, args))
@@ -279,7 +294,7 @@ def main() -> None:
              "ncu": [os.path.basename(ncu), *NCU_ARGS], "warmup_steps": WARMUP, "config": args.config}
     name = table.record_name.replace("layer-", "step-bytes-", 1)
     name += "".join(f"-{key}-{value}" for key, value in args.config.items())  # never a DEFAULT record's name
-    path = write_record(name, {}, rows, Path(args.out) if args.out else None, setup=setup)
+    path = write_record(name, limits, rows, Path(args.out) if args.out else None, setup=setup)
     print("record:", path)
 
 

@@ -87,10 +87,25 @@ def test_a_real_step_brackets_every_gemm_call_with_its_role_and_operand_bytes(mo
     assert [call["role"] for call in calls] == ["fwd gate_up", "fwd down", "dgrad down", "wgrad down",
                                                 "dgrad gate_up", "wgrad gate_up"]
     assert len(marks) == 2 * len(calls)
-    gate_up, down = experts * 2 * ffn * hidden * 2, experts * hidden * ffn * 2
-    assert [call["weight_bytes"] for call in calls] == [gate_up, down, down, down, gate_up, gate_up]
     assert [(call["cols"], call["inner"]) for call in calls][:2] == [(2 * ffn, hidden), (hidden, ffn)]
-    assert int(calls[0]["offs_g"][-1]) >= 16 * 2, "every route has its row"
+    sizes = [step_bytes.call_sizes(call) for call in calls]
+    offs_g = calls[0]["offs_g"].long()
+    rows, used = int(offs_g[-1]), int((torch.diff(offs_g, prepend=offs_g.new_zeros(1)) > 0).sum())
+    assert rows >= 16 * 2 and used >= 1, "every route has its row"
+    gate_up, down = 2 * ffn * hidden, hidden * ffn  # one group's matrix, elements
+    assert [size["weight_bytes"] for size in sizes] == [used * n * 2 for n in (gate_up, down, down, down,
+                                                                              gate_up, gate_up)]
+    assert [size["flops"] for size in sizes] == [2 * rows * n for n in (gate_up, down, down, down, gate_up,
+                                                                         gate_up)]
+
+
+def test_a_group_without_rows_is_left_out_of_the_weights_read():
+    """An unused slot's weights are never read: only groups with rows count, and the FLOPs are the rows up
+    to the last group's end."""
+    call = {"role": "fwd down", "cols": 8, "inner": 4, "element_size": 2,
+            "offs_g": torch.tensor([16, 16, 48, 48, 64], dtype=torch.int32)}
+    expected = {"role": "fwd down", "flops": 2 * 64 * 32, "weight_bytes": 3 * 32 * 2}  # groups 0, 2, 4
+    assert step_bytes.call_sizes(call) == expected
 
 
 def test_cpu_run_names_the_missing_gpu():
