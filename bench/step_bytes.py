@@ -64,6 +64,8 @@ from bench.layer import (
     table_rank_plan,
     with_layer_weights,
 )
+from moonep_moe.layers.moe import MoonEPMoELayer
+from moonep_moe.transport.threads import single_world
 
 LAYERS = ("ours", "native", "compiled")
 """Our DEFAULT layer, torch-native eager, torch-native under `torch.compile`."""
@@ -193,8 +195,6 @@ def child(args: argparse.Namespace) -> None:
     shapes, plan = table.shapes, table_rank_plan(table, "cuda")
     x_th, grad_th = step_inputs(table.tokens, table.hidden)
     if args.child == "ours":
-        from moonep_moe.layers.moe import MoonEPMoELayer
-        from moonep_moe.transport.threads import single_world
         layer = with_layer_weights(MoonEPMoELayer(table.config(args.config), single_world("cuda")), plan)
     else:
         layer = native_layer(table.hidden, table.ffn, shapes["num_experts"], table.top_k)
