@@ -845,6 +845,14 @@ class Table:
         return MoEConfig(**self.shapes, **fields)
 
     @property
+    def setup(self) -> dict:
+        """What a record's `setup` says of the table: the model, its shapes (E of the one-rank layer), R and
+        the maxvio of the rank's plan."""
+        return {"model": self.model, "tokens": self.tokens, "hidden": self.hidden, "ffn": self.ffn,
+                "experts": self.shapes["num_experts"], "top_k": self.top_k, "ep_rank_of": self.ep_rank_of,
+                "maxvio": self.maxvio}
+
+    @property
     def label(self) -> str:
         where = "EP=1" if self.ep_rank_of is None else f"one rank of EP={self.ep_rank_of}"
         if self.ep_rank_of is not None and self.maxvio:
@@ -911,6 +919,25 @@ def make_table(model: str, ep_rank_of: int | None, overrides: dict[str, int], ma
     if ep_rank_of is not None:
         ep_rank_groups(table.experts, ep_rank_of)  # raises, naming --ep-rank-of, before any kernel runs
     return table
+
+
+def add_table_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model, --ep-rank-of and --maxvio, as a bench that measures one packaged model's `Table` takes them
+    (`table_from_arguments`)."""
+    parser.add_argument("--model", default="deepseek-v3", help="a packaged model config (bench.layer's)")
+    parser.add_argument("--ep-rank-of", type=int, default=None, metavar="R",
+                        help="one rank of EP=R (bench.layer's --ep-rank-of)")
+    parser.add_argument("--maxvio", type=float, default=0.0,
+                        help="with --ep-rank-of: the group's routing skew")
+
+
+def table_from_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Table:
+    """`make_table` of `add_table_arguments`' values (the model's own shapes); what it refuses is the
+    parser's error (exit 2, the message naming the argument)."""
+    try:
+        return make_table(args.model, args.ep_rank_of, {}, args.maxvio)
+    except ValueError as error:
+        parser.error(str(error))
 
 
 LAYER_TARGETS = (  # (what, op, bound): the EP=1 layer, on the DEFAULT row

@@ -26,11 +26,12 @@ import torch
 
 from bench.common import write_record
 from bench.layer import (
+    add_table_arguments,
     free_memory,
-    make_table,
     native_layer,
     step,
     step_inputs,
+    table_from_arguments,
     table_rank_plan,
     with_layer_weights,
 )
@@ -120,20 +121,13 @@ def traced_step(build: Callable[[], torch.nn.Module], x_th: torch.Tensor, grad_t
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="deepseek-v3", help="a packaged model config (bench.layer's)")
-    parser.add_argument("--ep-rank-of", type=int, default=None, metavar="R",
-                        help="one rank of EP=R (bench.layer's --ep-rank-of)")
-    parser.add_argument("--maxvio", type=float, default=0.0,
-                        help="with --ep-rank-of: the group's routing skew")
+    add_table_arguments(parser)
     parser.add_argument("--top", type=int, default=12, help="groups printed per layer")
     parser.add_argument("--out", default=None, help="folder of the JSON record (default bench/results)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("bench.memory reads the CUDA caching allocator's trace: it needs a GPU")
-    try:
-        table = make_table(args.model, args.ep_rank_of, {}, args.maxvio)
-    except ValueError as error:
-        parser.error(str(error))
+    table = table_from_arguments(parser, args)
     shapes, plan = table.shapes, table_rank_plan(table, "cuda")
     x_th, grad_th = step_inputs(table.tokens, table.hidden)
 
@@ -151,9 +145,7 @@ def main() -> None:
               flush=True)
         for group in row["at_peak"][:args.top]:
             print(f"  {group['gib']:7.3f} GiB {group['blocks']:4d}x  {group['where']}", flush=True)
-    setup = {"model": table.model, "tokens": table.tokens, "hidden": table.hidden, "ffn": table.ffn,
-             "experts": shapes["num_experts"], "top_k": table.top_k, "ep_rank_of": table.ep_rank_of,
-             "maxvio": table.maxvio, "ep_rank_plan": None if plan is None else plan.describe()}
+    setup = {**table.setup, "ep_rank_plan": None if plan is None else plan.describe()}
     name = table.record_name.replace("layer-", "memory-", 1)
     path = write_record(name, {}, rows, Path(args.out) if args.out else None, setup=setup)
     print("record:", path)

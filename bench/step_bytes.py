@@ -54,6 +54,7 @@ import yaml
 from bench.common import measure_limits, write_record
 from bench.layer import (
     KERNEL_GROUPS,
+    add_table_arguments,
     compile_native,
     kernel_group,
     make_table,
@@ -61,6 +62,7 @@ from bench.layer import (
     routed_flops,
     step,
     step_inputs,
+    table_from_arguments,
     table_rank_plan,
     with_layer_weights,
 )
@@ -255,11 +257,7 @@ def print_row(row: dict, flops: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="deepseek-v3", help="a packaged model config (bench.layer's)")
-    parser.add_argument("--ep-rank-of", type=int, default=None, metavar="R",
-                        help="one rank of EP=R (bench.layer's --ep-rank-of)")
-    parser.add_argument("--maxvio", type=float, default=0.0,
-                        help="with --ep-rank-of: the group's routing skew")
+    add_table_arguments(parser)
     parser.add_argument("--layers", nargs="+", choices=LAYERS, default=list(LAYERS))
     parser.add_argument("--config", nargs="*", type=config_field, default=[], metavar="FIELD=VALUE",
                         help="MoEConfig fields of ours instead of the DEFAULT's (a value parsed as YAML)")
@@ -276,10 +274,7 @@ def main() -> None:
     ncu = ncu_path()
     if ncu is None:
         parser.error("bench.step_bytes needs Nsight Compute's ncu (on PATH or in /opt/nvidia/nsight-compute)")
-    try:
-        table = make_table(args.model, args.ep_rank_of, {}, args.maxvio)
-    except ValueError as error:
-        parser.error(str(error))
+    table = table_from_arguments(parser, args)
     flops = routed_flops(table.tokens, table.top_k, table.hidden, table.ffn, backward=True)
     limits = measure_limits()
     torch.cuda.empty_cache()  # the children need the GPU's memory
@@ -288,9 +283,7 @@ def main() -> None:
         rows.append(profiled(ncu, layer, args))
         print_row(rows[-1], flops)
     weights = table.shapes["num_experts"] * 3 * table.hidden * table.ffn * 2
-    setup = {"model": table.model, "tokens": table.tokens, "hidden": table.hidden, "ffn": table.ffn,
-             "experts": table.shapes["num_experts"], "top_k": table.top_k, "ep_rank_of": table.ep_rank_of,
-             "maxvio": table.maxvio, "routed_flops": flops, "expert_weight_gb": weights / GB,
+    setup = {**table.setup, "routed_flops": flops, "expert_weight_gb": weights / GB,
              "ncu": [os.path.basename(ncu), *NCU_ARGS], "warmup_steps": WARMUP, "config": args.config}
     name = table.record_name.replace("layer-", "step-bytes-", 1)
     name += "".join(f"-{key}-{value}" for key, value in args.config.items())  # never a DEFAULT record's name
