@@ -438,4 +438,6 @@ def test_token_padding_defaults_to_128_where_blocks_are_needed_or_cheap_else_16(
     assert make(**rows, max_tokens_per_rank=at, token_padding=16).token_padding == 16
     for name in ("deepseek-v3", "kimi-k2", "mixtral-8x7b"):  # one EP=8 rank: 2048, 1365, 16384 rows an expert
         assert load_config(name).token_padding == 128
-    assert load_config("deepseek-v3", ep_size=1).token_padding == 16  # 256 rows an expert
+    assert load_config("deepseek-v3", ep_size=1).token_padding == 128  # 256 rows an expert
+    assert load_config("qwen3-moe-30b-a3b", ep_size=1).token_padding == 128  # 512 rows an expert
+    assert load_config("kimi-k2", ep_size=1).token_padding == 16  # 170 rows an expert

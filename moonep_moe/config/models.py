@@ -205,13 +205,13 @@ class MoEConfig(CommConfig):
         description=(
             "tp: every non-empty expert segment is padded with zero rows to a multiple of this. Default: 128 "
             "with grouped_gemm='deep_gemm' or precision='fp8' (their M-block; they need a multiple of 128), "
-            "and with 'auto' where a home expert expects at least 1024 rows (max_tokens_per_rank * top_k / "
-            "home experts: padding then adds at most ~6%), so DeepGEMM's bf16 GEMMs can run (on the H200 one "
-            "EP=8 rank of DeepSeek-V3 and Kimi-K2, ~2048 and ~1365 rows an expert, steps 2-5% faster than "
-            "'auto' at 16: bench/results/layer-*-ep8-rank-*-5c27820.json); else 16, the alignment "
-            "torch._grouped_mm and the Triton wgrad take (DeepSeek-V3 at EP=1, ~256 rows an expert: 128 pads "
-            "~25% more rows for 2.2 GiB more peak and no speed gain, bench/results/"
-            "layer-NVIDIA_H200-20261201-0b81cc1.json). Serving that decodes a few tokens a step at a large "
+            "and with 'auto' where a home expert expects at least 256 rows (max_tokens_per_rank * top_k / "
+            "home experts: padding then adds at most ~25%), so DeepGEMM's bf16 GEMMs can run (on the H200 "
+            "one EP=8 rank of DeepSeek-V3 and Kimi-K2, ~2048 and ~1365 rows an expert, steps 2-5% faster "
+            "than 'auto' at 16: bench/results/layer-*-ep8-rank-*-5c27820.json; DeepSeek-V3 and Qwen3-MoE "
+            "at EP=1, 256 and 512 rows, 3-4% faster: bench/results/layer-*-tp128-*-3ae8da3.json); else 16, "
+            "the alignment torch._grouped_mm and the Triton wgrad take (Kimi-K2 at EP=1, ~171 rows an "
+            "expert: 128 made the step 8% slower). Serving that decodes a few tokens a step at a large "
             "max_tokens_per_rank sets 16: each filled group is padded to tp rows. Smaller values (e.g. 8) "
             "waste less memory in CPU tests and demos."
         ),
@@ -470,10 +470,11 @@ def with_derived_defaults(fields: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-BLOCK_PADDING_ROWS = 1024
+BLOCK_PADDING_ROWS = 256
 """Rows a home expert expects (``max_tokens_per_rank * top_k / epn``) from which ``grouped_gemm='auto'`` pads
-segments to whole 128-row blocks: the padding then adds at most ~6% rows (half a block per segment on
-average), and DeepGEMM's bf16 GEMMs, which need the blocks, become candidates."""
+segments to whole 128-row blocks: the padding then adds about a quarter of the rows or less (half a block per
+segment on average), and DeepGEMM's bf16 GEMMs, which need the blocks, become candidates (measured faster on
+the H200 from 256 rows an expert, slower at 171)."""
 
 
 def default_token_padding(fields: dict[str, Any]) -> int:
