@@ -270,8 +270,8 @@ def test_ep_rank_layer_equals_a_layer_whose_slot_experts_copy_the_home_ones():
 
 def test_ep_rank_layer_runs_the_real_ranks_padding_and_grouped_gemm_problem(monkeypatch):
     """One EP rank's stand-in (a one-rank layer over 2 * epn experts) runs what the real rank's config gives:
-    `Table.config` resolves a `token_padding` left out from the group's config (Kimi-K2: 1365 rows a home
-    expert, 128; the stand-in's own config would say 16), a given one wins, and `as_ep_rank` with a plan
+    `Table.config` resolves a `token_padding` left out from the group's config (Kimi-K2 at S=2048: 341 rows a
+    home expert, 128; the stand-in's own config, 2 * epn experts, would see 170 and say 16), a given one wins, and `as_ep_rank` with a plan
     takes the grouped GEMM picked for the rank's problem: epn home groups of S * K / epn rows and epn
     slots, not 2 * epn groups of half that."""
     import torch
@@ -282,10 +282,10 @@ def test_ep_rank_layer_runs_the_real_ranks_padding_and_grouped_gemm_problem(monk
     from moonep_moe.layers.moe import MoonEPMoELayer
     from moonep_moe.transport.threads import single_world
 
-    kimi = make_table("kimi-k2", 8, {})
+    kimi = make_table("kimi-k2", 8, {"tokens": 2048})
     assert MoEConfig(**kimi.shapes).token_padding == 16 and kimi.config({}).token_padding == 128
     assert kimi.config({"token_padding": 16}).token_padding == 16
-    assert make_table("deepseek-v3", None, {}).config({}).token_padding == 16, "EP=1: 256 rows an expert"
+    assert make_table("kimi-k2", None, {}).config({}).token_padding == 16, "EP=1: 170 rows an expert"
     seen = []
     select = moe.select_grouped_gemm
     monkeypatch.setattr(moe, "select_grouped_gemm", lambda *args, problem, **kwargs:
