@@ -81,7 +81,7 @@ def assert_home_grads(got: list[dict], kind: str, grad_gate_up, grad_down, epn: 
 
 def test_default_mode_is_param_with_grads_in_the_parameters_dtype():
     """The fast mode is the default: a bf16 layer built with every setting at its default gives its experts
-    bf16 `.grad` and allocates no `main_grad` (the issue's 1.37x / +40 GiB came from an fp32 default)."""
+    bf16 `.grad` and allocates no `main_grad` (an fp32 default cost 1.37x the step and +40 GiB)."""
     cfg = MoEConfig(hidden_size=64, ffn_hidden_size=32, num_experts=8, top_k=2, max_tokens_per_rank=16)
     assert cfg.expert_grad_dtype == "param"
     layer = MoonEPMoELayer(cfg)
