@@ -49,7 +49,8 @@ median and the min-max of the runs, and recorded in `targets` with its `scope`.
 and `token_padding=128` (`FP8_SETTINGS`: FP8 fwd and dgrad, bf16 wgrad, bf16 master weights), measured
 like every row and checked against `FP8_LAYER_TARGETS` (`fp8_layer_targets`): its fwd+bwd speed >= 1.6x
 the DEFAULT (bf16) row's, its fwd+bwd time <= 0.45x the baseline's (the faster torch-native bf16 layer),
-its peak memory <= the DEFAULT row's; printed as PASS / MISS lines and recorded in `fp8_targets`. Where
+its peak memory <= the DEFAULT row's, its forward without autograd on frozen weights (inference, the FP8
+copies kept) >= 1.5x the DEFAULT row's; printed as PASS / MISS lines and recorded in `fp8_targets`. Where
 FP8 cannot run (no sm90, no DeepGEMM) the row is skipped with the reason. Then (`FP8_VARIANTS`) the
 DEFAULT config and the fp8 layer again with `PER_STEP` (4) micro-batches per optimizer step (gradient
 accumulation, as FP8 training runs: each timed run is one optimizer step's micro-batches, its time given
@@ -127,6 +128,9 @@ layer in the order run:
 - `ms`, `ms_min`, `ms_max`, `ms_samples`: fwd+bwd median, spread and every run, in ms; `tflops`: the useful
   rate at the median; `of_dense`: `tflops` over the dense bf16 rate;
 - `fwd_ms`, `fwd_ms_min`, `fwd_ms_max`, `fwd_ms_samples`, `fwd_tflops`, `fwd_of_dense`: the same, forward;
+- `infer_ms`, `infer_ms_min`, `infer_ms_max`, `infer_ms_samples`, `infer_of_dense` (rows of one micro-batch):
+  the forward without autograd, the weights frozen (`inference`: as in serving, an fp8 layer's FP8 copies
+  kept);
 - `synced_ms`, `synced_ms_min`, `synced_ms_max`, `synced_ms_samples`: fwd+bwd timed from an idle GPU;
   `host_ms`, `host_ms_max`: the host's enqueue time of a step (median, max; per micro-batch), `host_behind`:
   the timed steps whose host took longer than the GPU was held, `hold_ms` (per micro-batch);
@@ -547,6 +551,13 @@ def forwards(layer: nn.Module, x_th: torch.Tensor, micro_batches: int = 1) -> No
         layer(x_th)
 
 
+@torch.no_grad()
+def inference(layer: nn.Module, x_th: torch.Tensor) -> None:
+    """One forward without autograd, the weights left as they are (frozen, as in serving): an fp8 layer
+    reuses the FP8 copies it kept of them."""
+    layer(x_th)
+
+
 def step_kernels(layer: nn.Module, x_th: torch.Tensor, grad_th: torch.Tensor,
                  micro_batches: int = 1) -> list[tuple[str, float]]:
     """`[(name, ms)]`: every GPU kernel, copy and fill of one `step`, one entry per launch."""
@@ -603,13 +614,14 @@ def header() -> str:
     spread_ = "median (min-max) ms"
     return (f"{'layer':46} {'fwd+bwd ' + spread_:>27} {'dense':>5} {'xeager':>6} {'xcomp':>6} | "
             f"{'fwd ' + spread_:>24} {'dense':>5} {'xeager':>6} {'xcomp':>6} | "
-            f"{'peak GiB':>8} {'xeager':>6} {'xcomp':>6} | {'synced':>6} {'host':>5}")
+            f"{'peak GiB':>8} {'xeager':>6} {'xcomp':>6} | {'synced':>6} {'host':>5} | {'infer':>6}")
 
 
 def format_row(row: dict) -> str:
     """One printed line: time (median and spread), share of dense and ratios to torch-native eager and
-    compiled, for fwd+bwd, then fwd, then peak memory ("-": not measured), then fwd+bwd timed from an idle GPU
-    and the host's enqueue time of a step (ms)."""
+    compiled, for fwd+bwd, then fwd, then peak memory ("-": not measured), then fwd+bwd timed from an idle
+    GPU, the host's enqueue time of a step and the forward without autograd on frozen weights (ms; "-": not
+    measured)."""
     if "error" in row:
         return f"{row['layer']:46} {row['error']}"
 
@@ -623,7 +635,7 @@ def format_row(row: dict) -> str:
 
     return (f"{row['layer']:46} {timing('', 27)} | {timing('fwd_', 24)} | {row['peak_gib']:8.1f} "
             f"{ratio('peak_vs_eager')} {ratio('peak_vs_compiled')} | {row['synced_ms']:6.2f} "
-            f"{row['host_ms']:5.2f}")
+            f"{row['host_ms']:5.2f} | " + (f"{row['infer_ms']:6.2f}" if "infer_ms" in row else f"{'-':>6}"))
 
 
 def free_memory() -> int:
@@ -661,9 +673,11 @@ class Bench:
     def measure(self, layer: nn.Module, before_bytes: int, micro_batches: int = 1) -> dict:
         """fwd+bwd and fwd timings (`spread`) per micro-batch (each run is one optimizer step's `step`, its
         time over `micro_batches`) with the host ahead (`queued_timings`), their useful rates (`tflops`,
-        `of_dense`), the host's enqueue time of a step (`host_ms`, ...), fwd+bwd timed from an idle GPU
-        (`synced_ms`, ...: the host's launch latency at the start of each step charged) and `peak_gib`, the
-        peak of one step beyond `before_bytes` (what was allocated before the layer was built)."""
+        `of_dense`), with one micro-batch the forward without autograd on frozen weights (`inference`:
+        `infer_ms`, ..., `infer_of_dense`), the host's enqueue time of a step (`host_ms`, ...), fwd+bwd
+        timed from an idle GPU (`synced_ms`, ...: the host's launch latency at the start of each step
+        charged) and `peak_gib`, the peak of one step beyond `before_bytes` (what was allocated before the
+        layer was built)."""
         x_th, grad_th, n = self.x_th, self.grad_th, micro_batches
         runs = self.warmup, self.repeat
         steps, ahead = queued_timings(lambda: step(layer, x_th, grad_th, n), *runs)
@@ -672,6 +686,10 @@ class Bench:
         synced = spread([t / n for t in timings(lambda: step(layer, x_th, grad_th, n), *runs)])
         row.update({f"fwd_{key}": value for key, value in fwd.items()})
         row.update({f"synced_{key}": value for key, value in synced.items()})
+        if n == 1:  # the same for any micro-batches: the weights stay as they are
+            infer = spread(queued_timings(lambda: inference(layer, x_th), *runs)[0])
+            row.update({f"infer_{key}": value for key, value in infer.items()})
+            row["infer_of_dense"] = self.flops["fwd"] / (row["infer_ms"] / 1e3) / self.dense
         host = ahead.describe()
         row.update({key: host[key] / n for key in ("host_ms", "host_ms_max", "hold_ms")},
                    host_behind=host["host_behind"])
@@ -997,6 +1015,7 @@ FP8_LAYER_TARGETS = (  # (what, op, bound): on the fp8 row of one micro-batch pe
     ("fp8 speed vs our bf16", ">=", 1.6),
     ("fp8 time vs torch-native bf16", "<=", 0.45),
     ("fp8 peak vs our bf16", "<=", 1.0),
+    ("fp8 inference forward vs our bf16", ">=", 1.5),
 )
 PER_STEP_FP8_TARGETS = {  # (what, op, bound) on the fp8 row of `PER_STEP` micro-batches, by the table's scope
     "ep1": (("fp8 speed vs our bf16", ">=", 1.4), ("fp8 peak vs our bf16", "<=", 1.5)),
@@ -1021,11 +1040,14 @@ def fp8_layer_targets(fp8: dict, default: dict, baseline: dict, scope: str,
     """`bounds` (`FP8_LAYER_TARGETS`, or a `PER_STEP_FP8_TARGETS` entry) checked on the fp8 row: the bf16
     row's (`default`, the same micro-batches) fwd+bwd time over its own (its speed relative to ours in
     bf16), its fwd+bwd time over the `baseline` row's (the faster torch-native), its peak over the bf16
-    row's. Each entry names the rows compared and `scope`."""
-    values = {"fp8 speed vs our bf16": ratio(span(default), span(fp8)),
-              "fp8 time vs torch-native bf16": ratio(span(fp8), span(baseline)),
-              "fp8 peak vs our bf16": ratio(fp8["peak_gib"], default["peak_gib"])}
-    return [check(what, values[what], op, bound, row=fp8["layer"], baseline=baseline["layer"],
+    row's, the bf16 row's `inference` forward over its own (frozen weights: the FP8 copies kept). Each entry
+    names the rows compared and `scope`."""
+    values = {"fp8 speed vs our bf16": lambda: ratio(span(default), span(fp8)),
+              "fp8 time vs torch-native bf16": lambda: ratio(span(fp8), span(baseline)),
+              "fp8 peak vs our bf16": lambda: ratio(fp8["peak_gib"], default["peak_gib"]),
+              "fp8 inference forward vs our bf16": lambda: ratio(span(default, "infer_"),
+                                                                 span(fp8, "infer_"))}
+    return [check(what, values[what](), op, bound, row=fp8["layer"], baseline=baseline["layer"],
                   bf16_row=default["layer"], scope=scope) for what, op, bound in bounds]
 
 
