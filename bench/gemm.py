@@ -27,7 +27,7 @@ floor, the block <= 1.08x its GEMMs), printed as PASS / MISS lines and recorded 
 --preset ep8 runs one rank of an EP=8 group as a real plan makes it: S*K = 8192*8 = 65536 routes (each
 config's max_tokens_per_rank * top_k) over DeepSeek-V3's 32 home + 32 slot groups and Kimi-K2's 48 + 48, the
 routes per group those of the rank hosting the most replicas when the real planner balances the whole
-group's routing at maxvio 0 and 20 (`bench.layer.ep_rank_plan`: the slots it leaves empty are empty
+group's routing at maxvio 0 and 20 (`bench.ep_rank.ep_rank_plan`: the slots it leaves empty are empty
 groups), the weights on the arena as the layer has them, each gradient mode, every backend; recorded as
 `gemm-ep8-<device>-<date>-<commit>.json` (the other runs: `gemm-...`). It is bounded by that: 2 shapes x 2
 maxvios x 3 gradient modes x the backends, each of fwd, dgrad, wgrad and the block timed 3 + 10 times
@@ -87,7 +87,7 @@ from bench.common import (
     total,
     write_record,
 )
-from bench.layer import ep_rank_plan
+from bench.ep_rank import ep_rank_plan
 from moonep_moe.gemm.autotune import MeasuredGroupedGemm
 from moonep_moe.gemm.base import GemmProblem
 from moonep_moe.gemm.fp8 import Fp8GroupedGemm
@@ -186,7 +186,7 @@ def padded_ends(counts_g: torch.Tensor) -> torch.Tensor:
 
 def plan_segments(name: str, maxvio: float, device: str = "cuda") -> tuple[torch.Tensor, dict]:
     """The padded ends of one EP rank's `epn + B` groups (home, then slots) as the real planner balances the
-    model's whole EP group at `maxvio` (`bench.layer.ep_rank_plan`, B = epn), and what the record says of
+    model's whole EP group at `maxvio` (`bench.ep_rank.ep_rank_plan`, B = epn), and what the record says of
     that plan."""
     shape = model_shape(name)
     plan = ep_rank_plan(shape["experts"], shape["ep_size"], shape["tokens"], shape["top_k"], maxvio, device)

@@ -460,12 +460,12 @@ def test_replica_gradients_overwrite_their_slots_in_param_mode_and_use_an_fp32_p
 @pytest.mark.gpu
 def test_gpu_replica_gradients_in_their_slots_over_two_micro_batches():
     """bf16 on one GPU (the threads world trains one rank per GPU): one EP rank whose slots a plan fills
-    (`bench.layer.as_ep_rank`: 4 home experts and 4 slots on the arena, slot j holding expert j, prefetch and
-    reduce_grad stood in for by local copies), "param" mode, the Triton wgrad, two micro-batches (the second
-    clears the used slots on the device, then adds). Its home gradients equal, within bf16 tolerance, a
+    (`bench.ep_rank.as_ep_rank`: 4 home experts and 4 slots on the arena, slot j holding expert j, prefetch
+    and reduce_grad stood in for by local copies), "param" mode, the Triton wgrad, two micro-batches (the
+    second clears the used slots on the device, then adds). Its home gradients equal, within bf16 tolerance, a
     float64 layer's on the CPU with no slots: 8 experts (expert 4 + j a copy of expert j) routed by the same
     plan, each home gradient the sum of both copies'; and no fp32 slot-gradient pool exists."""
-    from bench.layer import RankPlan, as_ep_rank, planned_topk
+    from bench.ep_rank import RankPlan, as_ep_rank, planned_topk
 
     epn, tokens, hidden, ffn, top_k = 4, 64, 1024, 512, 2
     plan = RankPlan(ranks=2, rank=0, home_routes=(40, 30, 0, 20), slot_routes=(0, 10, 0, 28), maxvio=1.0,

@@ -2,7 +2,7 @@
 replicas' weights arrive on the comm stream while gate_up's forward GEMM (and down's dgrad in backward) runs
 over the home experts' groups; a device-side wait, then the slot groups.
 
-On one GPU, one EP rank whose slots a plan fills (`bench.layer.as_ep_rank`: its prefetch stands in local
+On one GPU, one EP rank whose slots a plan fills (`bench.ep_rank.as_ep_rank`: its prefetch stands in local
 copies of the same bytes, on the Buffer's comm stream as the real one runs). The comm stream is held back
 (`torch.cuda._sleep`) and the slots are NaN before each prefetch, so a GEMM that read a slot before its
 weights arrived would show. Checked: output and every gradient bit-identical to the same layer prefetching on
@@ -34,7 +34,7 @@ DELAY_CYCLES = 20_000_000  # ~10 ms at the H200's clock: far longer than the ran
 def rank_layer(overlap: bool, prefetch_async: bool = True) -> MoonEPMoELayer:
     """One EP rank (`as_ep_rank`, a plan filling two slots); with `overlap` and not `prefetch_async` the
     prefetch runs on the caller's stream before the split GEMM, which then has nothing to wait for."""
-    from bench.layer import RankPlan, as_ep_rank
+    from bench.ep_rank import RankPlan, as_ep_rank
 
     routes = TOKENS * TOP_K
     plan = RankPlan(ranks=2, rank=0, home_routes=(routes // 4, routes // 4, 0, routes // 8),
