@@ -37,7 +37,7 @@ import itertools
 
 import torch
 
-from bench.common import measure_limits, spread, timings, write_record
+from bench.common import cuda_kernels, measure_limits, spread, timings, write_record
 from moonep_moe.base.sizes import BLOCK_TOKEN_PADDING as ALIGN
 from moonep_moe.gemm.deep_gemm import import_deep_gemm, standin_sizes
 from moonep_moe.gemm.kernels.wgrad import grouped_wgrad_triton
@@ -142,8 +142,6 @@ def speed(dg, limits: dict, repeat: int) -> list[dict]:
 
 def kernels(limits: dict, repeat: int) -> list[dict]:
     """Device time per kernel of the deep_gemm backend's "param"-mode wgrad (both projections), per shape."""
-    from torch.profiler import ProfilerActivity, profile
-
     from bench.gemm import expert_shape, plan_segments
     from moonep_moe.gemm.deep_gemm import DeepGemmGroupedGemm
 
@@ -165,14 +163,9 @@ def kernels(limits: dict, repeat: int) -> list[dict]:
                 deep.wgrad(dy, inputs, offs_g, (None, slot_grads), accumulate=False)
 
         timings(call, warmup=3, repeat=1)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(repeat):
-                call()
-            torch.cuda.synchronize()
         per_kernel: dict[str, float] = {}
-        for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                per_kernel[event.name] = per_kernel.get(event.name, 0.0) + event.device_time / repeat / 1e3
+        for name, ms in cuda_kernels(lambda call=call: [call() for _ in range(repeat)]):
+            per_kernel[name] = per_kernel.get(name, 0.0) + ms / repeat
         floor_ms = 2 * ROUTES * 3 * ffn * hidden / limits["dense_bf16_flops_per_s"] * 1e3
         row = {"model": model, "rows": rows, "floor_ms": floor_ms, "plan": plan,
                "kernels_ms": dict(sorted(per_kernel.items(), key=lambda kv: -kv[1])),
