@@ -97,6 +97,29 @@ def test_fwd_and_dgrad_match_dense(gemm, dtype, split):
         torch.testing.assert_close(dx_mk[start:end].double(), dy @ w, **TOL[dtype])
 
 
+@pytest.mark.parametrize(("gemm", "dtype"), CASES, ids=IDS)
+def test_fwd_and_dgrad_write_into_a_given_out(gemm, dtype):
+    """`out` (the layer passes the Buffer's rows): the reference writes its segments into it and returns it,
+    the rows past the last segment left as they were; torch's kernel makes its own output, which it returns
+    instead. Either way the segments are right; an `out` of the wrong shape or dtype is never written."""
+    x_mk, dy_mn, w_gnk = random_inputs(dtype, (M, K), (M, N), (len(SIZES_G), N, K))
+    for op, a_mk, cols, transpose in (("fwd", x_mk, N, True), ("dgrad", dy_mn, K, False)):
+        out = torch.full((M, cols), 7.0, dtype=dtype)
+        got = getattr(gemm, op)(a_mk, [w_gnk], offsets_g(), out=out)
+        assert (got is out) == (gemm.name == "reference"), (gemm.name, op)
+        if got is out:
+            assert torch.equal(out[M - TAIL:], torch.full((TAIL, cols), 7.0, dtype=dtype))
+        else:
+            assert torch.equal(out, torch.full((M, cols), 7.0, dtype=dtype))
+        for g, (start, end) in enumerate(segments()):
+            w = w_gnk[g].double().T if transpose else w_gnk[g].double()
+            torch.testing.assert_close(got[start:end].double(), a_mk[start:end].double() @ w, **TOL[dtype])
+        other = torch.float32 if dtype == torch.float64 else torch.float64
+        for wrong in (torch.zeros(M + 1, cols, dtype=dtype), torch.zeros(M, cols, dtype=other)):
+            assert getattr(gemm, op)(a_mk, [w_gnk], offsets_g(), out=wrong) is not wrong
+            assert not wrong.any()
+
+
 class Arrival:
     """A prefetch's event stand-in: the slots hold NaN until `wait()`, which copies their weights in (the
     replicas arriving) and counts the waits."""
@@ -288,8 +311,9 @@ def _deep_gemm_available() -> bool:
 @pytest.mark.skipif(not _deep_gemm_available(), reason="needs DeepGEMM on a Hopper GPU (run on the H200)")
 @pytest.mark.parametrize("sizes_g", [[0, 128, 0, 384, 128, 0], [0] * 4 + [1024] + [0] * 3, [128] * 6])
 def test_deep_gemm_matches_reference_on_128_aligned_segments(sizes_g):
-    """fwd and dgrad on DeepGEMM (psum layout: the padded ends straight from the device), wgrad on torch,
-    with empty, tiny and huge segments and (home, slots) weight pairs, against the reference on fresh data."""
+    """fwd and dgrad on DeepGEMM (psum layout: the padded ends straight from the device), into their own
+    output and into a given one, with empty, tiny and huge segments and (home, slots) weight pairs, against
+    the reference on fresh data."""
     cuda = torch.device("cuda")
     deep = select_grouped_gemm("deep_gemm", cuda, torch.bfloat16, token_padding=128)
     ref = ReferenceGroupedGemm()
@@ -300,10 +324,14 @@ def test_deep_gemm_matches_reference_on_128_aligned_segments(sizes_g):
     w_gnk = torch.randn(len(sizes_g), n, k, device=cuda, dtype=torch.bfloat16) / k**0.5
     weights = (w_gnk[:home], w_gnk[home:])
     used = int(offs_g[-1])
-    for got, want in ((deep.fwd(x_mk, weights, offs_g), ref.fwd(x_mk, weights, offs_g)),
-                      (deep.dgrad(dy_mn, weights, offs_g), ref.dgrad(dy_mn, weights, offs_g))):
-        error = float((got[:used].float() - want[:used].float()).norm() / want[:used].float().norm())
-        assert error < 1e-2, error
+    for op, a_mk, cols in (("fwd", x_mk, n), ("dgrad", dy_mn, k)):
+        want = getattr(ref, op)(a_mk, weights, offs_g)
+        out = torch.full((rows, cols), float("nan"), device=cuda, dtype=torch.bfloat16)
+        for given in (None, out):  # into a given tensor (the layer's Buffer rows) as into its own
+            got = getattr(deep, op)(a_mk, weights, offs_g, out=given)
+            assert given is None or got is given
+            error = float((got[:used].float() - want[:used].float()).norm() / want[:used].float().norm())
+            assert error < 1e-2, (op, given is None, error)
 
 
 DEEP_WGRAD_SIZES = [  # 128-aligned segments: skewed, empty home and slot groups, one huge

@@ -53,12 +53,12 @@ class MeasuredGroupedGemm:
         return self.chosen.get((op, cols, inner), self.fallback)
 
     def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
-            slots_ready: SlotsReady | None = None) -> Tensor:
-        return self._for("fwd", *weights[0].shape[-2:]).fwd(x, weights, offs_g, slots_ready)
+            slots_ready: SlotsReady | None = None, out: Tensor | None = None) -> Tensor:
+        return self._for("fwd", *weights[0].shape[-2:]).fwd(x, weights, offs_g, slots_ready, out)
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
-              slots_ready: SlotsReady | None = None) -> Tensor:
-        return self._for("dgrad", *weights[0].shape[-2:]).dgrad(dy, weights, offs_g, slots_ready)
+              slots_ready: SlotsReady | None = None, out: Tensor | None = None) -> Tensor:
+        return self._for("dgrad", *weights[0].shape[-2:]).dgrad(dy, weights, offs_g, slots_ready, out)
 
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
               accumulate: bool = True) -> list[Tensor]:

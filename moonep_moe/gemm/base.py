@@ -21,6 +21,11 @@ Primitives (every backend implements all three, as pure functions of their argum
   fresh by the backend (the home experts' gradients in the layer's "param" mode: ``torch._grouped_mm``'s own
   output becomes them, no copy, no second full-size tensor).
 
+Results in place: ``fwd`` and ``dgrad`` take ``out``, a ``[rows, cols]`` (``[rows, inner]``) tensor they may
+write their result into and return (`into`): the layer passes the Buffer's rows, so combine reads the
+expert outputs where the GEMM wrote them instead of copying them in. A backend whose kernel makes its own
+output (``torch``) returns that; ``deep_gemm``, the FP8 backend and the reference write into ``out``.
+
 Weights arriving (the prefetch slots' replicas of other ranks' experts): ``fwd`` and ``dgrad`` take
 ``slots_ready``, a `SlotsReady` that says from which group on the weights are slots and waits for them. A
 backend that can compute the home groups alone does so first and waits between (``torch``: the replicas'
@@ -88,15 +93,17 @@ class GroupedGemm(Protocol):
     caches a transform of them per parameter version, e.g. the FP8 casts, can then recognise them)."""
 
     def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
-            slots_ready: SlotsReady | None = None) -> Tensor:
+            slots_ready: SlotsReady | None = None, out: Tensor | None = None) -> Tensor:
         """``y [rows, cols]`` with ``y[start:end] = x[start:end] @ w[g]^T`` for every group g; the slots'
-        weights read only after ``slots_ready.wait()``."""
+        weights read only after ``slots_ready.wait()``. ``out``: where the backend may write ``y``
+        (`into`)."""
         ...
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
-              slots_ready: SlotsReady | None = None) -> Tensor:
+              slots_ready: SlotsReady | None = None, out: Tensor | None = None) -> Tensor:
         """``dx [rows, inner]`` with ``dx[start:end] = dy[start:end] @ w[g]`` for every group g; the slots'
-        weights read only after ``slots_ready.wait()``."""
+        weights read only after ``slots_ready.wait()``. ``out``: where the backend may write ``dx``
+        (`into`)."""
         ...
 
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
@@ -126,6 +133,17 @@ class Fp8RowsGemm(GroupedGemm, Protocol):
     def dequantise_rows(self, q_mk: Tensor, scales_mk: Tensor, offs_g: Tensor, dtype: torch.dtype) -> Tensor:
         """``q * scale`` per tile in ``dtype`` for the rows up to ``offs_g[-1]`` (the rest left undefined)."""
         ...
+
+
+def into(out: Tensor | None, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The output of a ``fwd`` or ``dgrad`` whose kernel writes into a given tensor: ``out`` where it is a
+    contiguous ``[rows, cols]`` tensor of ``dtype`` on ``device``, else a new one. A caller that passes
+    ``out`` (the Buffer's own rows, so combine need not copy the results in) checks whether the result *is*
+    ``out``: a backend whose kernel makes its own output (``torch._grouped_mm``) returns that instead."""
+    if (out is not None and out.shape == (rows, cols) and out.dtype == dtype and out.device == device
+            and out.is_contiguous()):
+        return out
+    return torch.empty(rows, cols, dtype=dtype, device=device)
 
 
 def host_segments(offs_g: Tensor) -> list[tuple[int, int]]:

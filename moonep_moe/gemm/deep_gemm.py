@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from moonep_moe.base.sizes import BLOCK_TOKEN_PADDING
-from moonep_moe.gemm.base import OPS, SlotsReady, _cat_groups, _check_groups, _wgrad_parts, wait_for
+from moonep_moe.gemm.base import OPS, SlotsReady, _cat_groups, _check_groups, _wgrad_parts, into, wait_for
 
 
 def import_deep_gemm():
@@ -44,7 +44,8 @@ def standin_sizes(groups: int, rows: int) -> list[int]:
 class DeepGemmGroupedGemm:
     """DeepGEMM on Hopper: fwd and dgrad through ``m_grouped_bf16_gemm_{nt,nn}_contiguous`` with
     ``use_psum_layout=True``, which takes the padded segment end offsets (``offs_g``) directly on the device:
-    no host sync. Every segment must start at a multiple of 128 (``token_padding`` a multiple of 128).
+    no host sync. Every segment must start at a multiple of 128 (``token_padding`` a multiple of 128). They
+    write into a given ``out`` (the kernels take their output tensor).
 
     wgrad: the first part of ``out`` (the home experts' gradients) through the bf16 k-grouped
     ``k_grouped_bf16_gemm_tn_contiguous`` (``d[g] += dy_g^T x_g``), which reads the segment sizes on the
@@ -67,25 +68,27 @@ class DeepGemmGroupedGemm:
         self._deep_gemm = import_deep_gemm()
 
     def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
-            slots_ready: SlotsReady | None = None) -> Tensor:
+            slots_ready: SlotsReady | None = None, out: Tensor | None = None) -> Tensor:
         wait_for(slots_ready)
-        return self._psum(self._deep_gemm.m_grouped_bf16_gemm_nt_contiguous, x, weights, offs_g, dim=1)
+        return self._psum(self._deep_gemm.m_grouped_bf16_gemm_nt_contiguous, x, weights, offs_g, 1, out)
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
-              slots_ready: SlotsReady | None = None) -> Tensor:
+              slots_ready: SlotsReady | None = None, out: Tensor | None = None) -> Tensor:
         wait_for(slots_ready)
         # DeepGEMM's operand b, [G, K, N] in its own letters, is w as stored: [G, cols, inner]
         nn = self._deep_gemm.m_grouped_bf16_gemm_nn_contiguous
-        return self._psum(nn, dy, weights, offs_g, dim=2)
+        return self._psum(nn, dy, weights, offs_g, 2, out)
 
     @staticmethod
-    def _psum(kernel, a: Tensor, weights: Sequence[Tensor], offs_g: Tensor, dim: int) -> Tensor:
-        """`kernel(a, w, out, offs)` on the psum layout; `out` has `w.shape[dim]` columns."""
+    def _psum(kernel, a: Tensor, weights: Sequence[Tensor], offs_g: Tensor, dim: int,
+              out: Tensor | None) -> Tensor:
+        """`kernel(a, w, d, offs)` on the psum layout into `d`: `out` where it fits (`into`), else a new
+        tensor of `w.shape[dim]` columns."""
         _check_groups(weights, offs_g, "weights")
         joined = _cat_groups(weights)
-        out = a.new_empty(a.shape[0], joined.shape[dim])
-        kernel(a, joined, out, offs_g, use_psum_layout=True)
-        return out
+        d = into(out, a.shape[0], joined.shape[dim], a.dtype, a.device)
+        kernel(a, joined, d, offs_g, use_psum_layout=True)
+        return d
 
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
               accumulate: bool = True) -> list[Tensor]:

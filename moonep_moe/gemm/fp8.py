@@ -50,7 +50,7 @@ from moonep_moe.fp8.format import (
     quantise_rows,
     to_deep_gemm_row_scales,
 )
-from moonep_moe.gemm.base import GroupedGemm, SlotsReady, _check_groups, _wgrad_parts, wait_for
+from moonep_moe.gemm.base import GroupedGemm, SlotsReady, _check_groups, _wgrad_parts, into, wait_for
 from moonep_moe.gemm.deep_gemm import import_deep_gemm, standin_sizes
 from moonep_moe.gemm.reference import ReferenceGroupedGemm
 from moonep_moe.weights.quantised import Fp8Weights
@@ -290,35 +290,35 @@ class Fp8GroupedGemm:
         return self._dequantise_rows(q_mk, scales_mk, offs_g, dtype)
 
     def fwd(self, x: Tensor | tuple[Tensor, Tensor], weights: Sequence[Tensor] | Fp8Weights,
-            offs_g: Tensor, slots_ready: SlotsReady | None = None) -> Tensor:
+            offs_g: Tensor, slots_ready: SlotsReady | None = None, out: Tensor | None = None) -> Tensor:
         """``x``: bf16 rows (cast here), or rows already FP8 as ``(q, scales)`` (`quantise_rows`' layout,
         e.g. as a dispatch returns them)."""
         wait_for(slots_ready)
         if isinstance(weights, Fp8Weights):
             _check_groups(weights.q, offs_g, "weights")
-            return self._gemm(x, *weights.joined(), offs_g)
+            return self._gemm(x, *weights.joined(), offs_g, out)
         _check_groups(weights, offs_g, "weights")
-        return self._gemm(x, *self.weights.get(weights, transposed=False, offs_g=offs_g), offs_g)
+        return self._gemm(x, *self.weights.get(weights, transposed=False, offs_g=offs_g), offs_g, out)
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
-              slots_ready: SlotsReady | None = None) -> Tensor:
+              slots_ready: SlotsReady | None = None, out: Tensor | None = None) -> Tensor:
         wait_for(slots_ready)
         _check_groups(weights, offs_g, "weights")
-        return self._gemm(dy, *self.weights.get(weights, transposed=True, offs_g=offs_g), offs_g)
+        return self._gemm(dy, *self.weights.get(weights, transposed=True, offs_g=offs_g), offs_g, out)
 
     def _gemm(self, a: Tensor | tuple[Tensor, Tensor], q_w: Tensor, scales_w: Tensor,
-              offs_g: Tensor) -> Tensor:
-        """``a [rows, k] @ w^T`` per segment into bf16, ``a`` bf16 or already FP8 ``(q, scales)``, ``w`` the
-        FP8 ``q_w [G, n, k]`` with its block scales."""
+              offs_g: Tensor, out: Tensor | None) -> Tensor:
+        """``a [rows, k] @ w^T`` per segment into bf16 (``out`` where it fits, `into`), ``a`` bf16 or already
+        FP8 ``(q, scales)``, ``w`` the FP8 ``q_w [G, n, k]`` with its block scales."""
         if isinstance(a, tuple):
             q_a, scales_a = a
             if self.kernel == "deep_gemm":  # its sm90 SFA layout (else it transposes them on every call)
                 scales_a = to_deep_gemm_row_scales(scales_a)
         else:
             q_a, scales_a = self._cast_rows(a, offs_g)
-        out = torch.empty(q_a.shape[0], q_w.shape[1], dtype=torch.bfloat16, device=q_a.device)
-        self._kernel((q_a, scales_a), (q_w, scales_w), out, offs_g)
-        return out
+        d = into(out, q_a.shape[0], q_w.shape[1], torch.bfloat16, q_a.device)
+        self._kernel((q_a, scales_a), (q_w, scales_w), d, offs_g)
+        return d
 
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
               accumulate: bool = True) -> list[Tensor]:
@@ -433,7 +433,7 @@ class ReferenceFp8Gemm:
         return dequantise_rows(q_mk, scales_mk, dtype)
 
     def fwd(self, x: Tensor | tuple[Tensor, Tensor], weights: Fp8Weights, offs_g: Tensor,
-            slots_ready: SlotsReady | None = None) -> Tensor:
+            slots_ready: SlotsReady | None = None, out: Tensor | None = None) -> Tensor:
         """``x``: rows as given, or FP8 ``(q, scales)`` rows, dequantised exactly into bf16 (the layer's
         dtype with FP8 experts) first."""
         wait_for(slots_ready)
@@ -441,10 +441,10 @@ class ReferenceFp8Gemm:
             x = dequantise_rows(*x, torch.bfloat16)
         dequantised = [dequantise_blocks(q, scales, torch.float32)
                        for q, scales in zip(weights.q, weights.scales, strict=True)]
-        return ReferenceGroupedGemm().fwd(x, dequantised, offs_g)
+        return ReferenceGroupedGemm().fwd(x, dequantised, offs_g, out=out)
 
     def dgrad(self, dy: Tensor, weights: Fp8Weights, offs_g: Tensor,
-              slots_ready: SlotsReady | None = None) -> Tensor:
+              slots_ready: SlotsReady | None = None, out: Tensor | None = None) -> Tensor:
         raise ValueError(FORWARD_ONLY)
 
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],

@@ -38,6 +38,8 @@ class TorchGroupedGemm:
     (`groups_from`: on CUDA the Triton kernel `moonep_moe.gemm.kernels.groups_from`, which starts at a row
     known only on the device; elsewhere a loop over the slot groups, reading their ends on the host).
 
+    fwd and dgrad return ``torch._grouped_mm``'s own output (it takes no ``out``), never a given ``out``.
+
     A weights sequence of more than one tensor (home experts and slots apart: the arena cannot join them,
     `moonep_moe.transport.arena`) is joined with ``torch.cat`` on every call, a copy of the weights.
 
@@ -51,11 +53,11 @@ class TorchGroupedGemm:
     joined_weights = True
 
     def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
-            slots_ready: SlotsReady | None = None) -> Tensor:
+            slots_ready: SlotsReady | None = None, out: Tensor | None = None) -> Tensor:
         return _home_then_slots(x, weights, offs_g, slots_ready, transposed=True)
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
-              slots_ready: SlotsReady | None = None) -> Tensor:
+              slots_ready: SlotsReady | None = None, out: Tensor | None = None) -> Tensor:
         return _home_then_slots(dy, weights, offs_g, slots_ready, transposed=False)
 
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],

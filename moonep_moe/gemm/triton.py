@@ -32,11 +32,11 @@ class TritonGroupedGemm:
         self._torch = TorchGroupedGemm()
 
     def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
-            slots_ready: SlotsReady | None = None) -> Tensor:
+            slots_ready: SlotsReady | None = None, out: Tensor | None = None) -> Tensor:
         return self._torch.fwd(x, weights, offs_g, slots_ready)
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
-              slots_ready: SlotsReady | None = None) -> Tensor:
+              slots_ready: SlotsReady | None = None, out: Tensor | None = None) -> Tensor:
         return self._torch.dgrad(dy, weights, offs_g, slots_ready)
 
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
