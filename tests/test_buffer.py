@@ -419,6 +419,25 @@ def test_error_plan_from_another_buffer(one):
         buf.dispatch(x["hidden"], None, None, None, plan=plan)
 
 
+def test_zero_copy_rows_with_route_weights_of_another_tensor():
+    """`combine(zero_copy=True)` takes the rows where the experts wrote them (the Buffer's view) and route
+    weights from any tensor (copied into the Buffer; backward's route-weight gradients): both come back per
+    route."""
+    case = Case(R=2, S=16, H=8, K=2, E=8, tp=4)
+
+    def fn(world):
+        buf = case.buffer(world)
+        x = case.inputs(world.rank)
+        rows, weights_nvs, _, plan = dispatch(buf, x, zero_copy=True)
+        rows.mul_(weights_nvs[:, None])  # the "expert" writes its output in place
+        out, weights_sk, _ = buf.combine(plan, buf.hidden_nvsh_buffer_view, 3 * weights_nvs, zero_copy=True)
+        return x, out, weights_sk
+
+    for x, out, weights_sk in run_ranks(fn, case.R):
+        assert torch.equal(out, (x["weights"] * valid_sk(x)).sum(1, keepdim=True) * x["hidden"])
+        assert torch.equal(weights_sk, 3 * x["weights"] * valid_sk(x))
+
+
 def test_error_combine_zero_copy_foreign_tensor(one):
     buf, x = one
     rows, _, _, plan = dispatch(buf, x)

@@ -489,7 +489,8 @@ class Buffer(ExpertTransfers):
             hidden_nvsh: `[NvS, H]` expert outputs in the Buffer's dtype, unweighted sums: the experts apply
                 the route weights. With `zero_copy` it must be `hidden_nvsh_buffer_view` itself.
             route_weights_nvs: optional `[NvS]` fp32 per-row values gathered back per route (backward: the
-                route-weight gradients); with `zero_copy` it must be `router_weight_buffer_view`.
+                route-weight gradients): copied into the Buffer unless it is `router_weight_buffer_view`
+                (`zero_copy` or not).
             out_sh: where to write the sums: a contiguous `[s, H]` tensor in the Buffer's dtype on its device
                 (returned as `hidden_sh`); None: a new tensor.
             arg_name: how errors call `hidden_nvsh` (a facade over the Buffer passes its own name).
@@ -515,13 +516,9 @@ class Buffer(ExpertTransfers):
         check_tensor(hidden_nvsh, hidden_name, (self.NvS, self.H), self.dtype, device, rank)
         if route_weights_nvs is not None:
             check_tensor(route_weights_nvs, "route_weights_nvs", (self.NvS,), self.weight_dtype, device, rank)
-        if zero_copy:
-            for given, own, name, view in ((hidden_nvsh, self._rows.local, hidden_name, "hidden_nvsh"),
-                                           (route_weights_nvs, self._weights.local, "route_weights_nvs",
-                                            "router_weight")):
-                if given is not None and given.data_ptr() != own.data_ptr():
-                    raise ValueError(f"rank {rank}: zero_copy=True needs {name} to be this Buffer's own view "
-                                     f"({view}_buffer_view), got another tensor")
+        if zero_copy and hidden_nvsh.data_ptr() != self._rows.local.data_ptr():
+            raise ValueError(f"rank {rank}: zero_copy=True needs {hidden_name} to be this Buffer's own view "
+                             "(hidden_nvsh_buffer_view), got another tensor")
 
     def _combine(self, plan: MoonEPCommPlan, hidden_nvsh, route_weights_nvs, zero_copy: bool,
                  async_finish: bool, out_sh: torch.Tensor | None = None):
@@ -531,8 +528,9 @@ class Buffer(ExpertTransfers):
             self._pending_views = None
 
         def op():
-            if route_weights_nvs is not None and not zero_copy:
-                self._weights.local.copy_(route_weights_nvs)
+            own_nvs = self._weights.local
+            if route_weights_nvs is not None and route_weights_nvs.data_ptr() != own_nvs.data_ptr():
+                own_nvs.copy_(route_weights_nvs)
             return self._exchange.combine(plan, hidden_nvsh, zero_copy, route_weights_nvs is not None, out_sh)
 
         (out_sh, weights_sk), event = self._launch(async_finish, op, (plan, hidden_nvsh, route_weights_nvs))
