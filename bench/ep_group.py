@@ -338,14 +338,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-BLOCK_CALLS = ("fwd gate_up", "swiglu", "fwd down", "dgrad down", "swiglu backward", "dgrad gate_up",
-               "wgrad down", "wgrad gate_up")
+BLOCK_CALLS = ("fwd gate_up", "swiglu", "fwd down", "dgrad down", "swiglu backward", "wgrad down",
+               "dgrad gate_up", "wgrad gate_up")
 """The expert block's calls in one training step, in order (`expert_block`)."""
 
 
 def expert_block(layer: MoonEPMoELayer, cu_seqlens: torch.Tensor) -> list[float]:
     """Seconds of each call of the expert block of one training step (`BLOCK_CALLS`) on this rank's rows
-    alone: the calls `MoonEPExperts` makes (fwd, SwiGLU, fwd; dgrad, SwiGLU backward, dgrad, two wgrads), on
+    alone: the calls `MoonEPExperts` makes (fwd, SwiGLU, fwd; dgrad, SwiGLU backward, wgrad, dgrad, wgrad), on
     the layer's GEMM backend, its weights (home experts and slots) and the segments of `cu_seqlens` (the
     rank's plan), reading the Buffer's rows. The slot gradients it writes are zeroed after (untimed)."""
     state, experts, buffer = layer._state, layer.experts, layer.buffer
@@ -369,8 +369,8 @@ def expert_block(layer: MoonEPMoELayer, cu_seqlens: torch.Tensor) -> list[float]
         timed(lambda: gemm.fwd(hw_nvf, down_w, offs_g))
         u_nvf = timed(lambda: gemm.dgrad(x_nvsh, down_w, offs_g, slots_ready))
         dab_nv2f, _, hw_nvf = timed(lambda: swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:]))
-        timed(lambda: gemm.dgrad(dab_nv2f, gate_up_w, offs_g))
         timed(lambda: gemm.wgrad(x_nvsh, hw_nvf, offs_g, (None, down_slots), False))
+        timed(lambda: gemm.dgrad(dab_nv2f, gate_up_w, offs_g))
         timed(lambda: gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (None, gate_up_slots), False))
     sync(device)
     gate_up_slots.zero_()

@@ -58,6 +58,10 @@ class RankOfEPBuffer:
         self.used_j = tuple(range(epn) if used_slots is None else used_slots)
         """The slots whose weights are copied in and whose gradients are added back."""
 
+    @property
+    def hidden_nvsh_buffer_view(self) -> torch.Tensor:
+        return self.inner.hidden_nvsh_buffer_view
+
     def dispatch(self, *args, **kwargs):
         return self.inner.dispatch(*args, **kwargs)
 

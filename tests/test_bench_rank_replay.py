@@ -67,13 +67,13 @@ class RecordingGemm:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def fwd(self, x, weights, offs_g, slots_ready=None):
-        y = self.inner.fwd(x, weights, offs_g, slots_ready)
+    def fwd(self, x, weights, offs_g, slots_ready=None, out=None):
+        y = self.inner.fwd(x, weights, offs_g, slots_ready, out)
         self.outputs.append(("fwd", y[:int(offs_g[-1])].clone()))
         return y
 
-    def dgrad(self, dy, weights, offs_g, slots_ready=None):
-        dx = self.inner.dgrad(dy, weights, offs_g, slots_ready)
+    def dgrad(self, dy, weights, offs_g, slots_ready=None, out=None):
+        dx = self.inner.dgrad(dy, weights, offs_g, slots_ready, out)
         self.outputs.append(("dgrad", dx[:int(offs_g[-1])].clone()))
         return dx
 
@@ -123,7 +123,7 @@ def replayed_outputs(cfg: MoEConfig, step, inputs: dict, rank: int, kernels: boo
 
 def assert_same_work(mine: list, theirs: list, what: str) -> None:
     assert [kind for kind, _ in mine] == [kind for kind, _ in theirs], what
-    assert [kind for kind, _ in mine] == ["fwd", "fwd", "dgrad", "dgrad", "wgrad", "wgrad", "wgrad", "wgrad"]
+    assert [kind for kind, _ in mine] == ["fwd", "fwd", "dgrad", "wgrad", "wgrad", "dgrad", "wgrad", "wgrad"]
     for i, ((kind, a), (_, b)) in enumerate(zip(mine, theirs, strict=True)):
         assert a.shape == b.shape and torch.equal(a, b), f"{what}: output {i} ({kind}) differs"
 

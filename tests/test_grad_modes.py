@@ -559,36 +559,44 @@ def test_param_mode_leaves_grad_to_autograd_where_it_must_see_the_step_alone(how
     torch.testing.assert_close(got["down.grad"], first_down, **TOL)
 
 
+@pytest.mark.parametrize("writes_rows", [True, False], ids=["gemm-writes-rows", "gemm-own-output"])
 @pytest.mark.parametrize("R", [1, 4])
-def test_backward_uses_the_dispatched_gradient_rows_in_place(R):
+def test_expert_block_reads_and_writes_the_buffer_rows_in_place(R, writes_rows):
     """Backward's dispatch hands the grouped GEMMs the Buffer's own rows (`zero_copy=True`: no `[NvS, H]`
-    copy), and the layer's gradients (input, router, experts) still equal the float64 reference with
-    replicas (R = 4, skewed routing)."""
+    copy), and the GEMM before each combine (forward's down, backward's gate_up dgrad) writes its rows into
+    them where its backend takes an `out` (the reference does), so combine copies nothing in; where the
+    backend makes its own output, combine copies it. Either way the layer's gradients (input, router,
+    experts) equal the float64 reference with replicas (R = 4, skewed routing)."""
     p = make_problem(make_config(R), seed=90 + R, skew=100.0)
 
     def rank_fn(world):
         layer = build_layer(p, world)
-        gemm, dy_ptrs = layer._state.gemm, []
-        dgrad = gemm.dgrad
+        gemm, calls = layer._state.gemm, []
+        fwd, dgrad = gemm.fwd, gemm.dgrad
 
-        def dgrad_spy(dy, weights, offs_g, slots_ready=None):
-            dy_ptrs.append(dy.data_ptr())
-            return dgrad(dy, weights, offs_g, slots_ready)
+        def spy(op, call):
+            def run(a, weights, offs_g, slots_ready=None, out=None):
+                result = call(a, weights, offs_g, slots_ready, out if writes_rows else None)
+                calls.append((op, a.data_ptr(), result.data_ptr()))
+                return result
+            return run
 
-        gemm.dgrad = dgrad_spy
+        gemm.fwd, gemm.dgrad = spy("fwd", fwd), spy("dgrad", dgrad)
         x = p.hidden[world.rank].clone().requires_grad_()
         layer(x).backward(p.grad_out[world.rank])
         rows_ptr = layer.buffer.hidden_nvsh_buffer_view.data_ptr()
         result = dict(expert_grads(layer), x=x.grad, router=layer.router.weight.grad.double(),
                       slots_used=int(layer.balance_stats()["slots_used"].max()),
-                      dy_in_place=dy_ptrs[0] == rows_ptr)  # backward's first dgrad: u = dy @ down
+                      calls=[(op, a == rows_ptr, out == rows_ptr) for op, a, out in calls])
         layer.destroy()
         return result
 
     got = run_ranks(rank_fn, R)
     dense, grad_gate_up, grad_down, _ = run_dense(p)
     assert R == 1 or got[0]["slots_used"] > 0
-    assert all(g["dy_in_place"] for g in got)
+    for g in got:  # (op, reads the rows, writes the rows) of fwd gate_up, fwd down, dgrad down, dgrad gate_up
+        assert g["calls"] == [("fwd", R == 1, False), ("fwd", False, writes_rows), ("dgrad", True, False),
+                              ("dgrad", False, writes_rows)]
     assert_home_grads(got, "grad", grad_gate_up, grad_down, 32 // R)
     for rank, g in enumerate(got):
         torch.testing.assert_close(g["x"], dense[rank]["grad_x"], **TOL)

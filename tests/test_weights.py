@@ -278,9 +278,9 @@ def test_a_gemm_that_wants_the_parts_gets_the_parameters_even_where_the_arena_jo
         def __init__(self, joined: bool):
             self.joined_weights, self.seen = joined, []
 
-        def fwd(self, x, weights, offs_g, slots_ready=None):
+        def fwd(self, x, weights, offs_g, slots_ready=None, out=None):
             self.seen.append(tuple(weights))
-            return super().fwd(x, weights, offs_g, slots_ready)
+            return super().fwd(x, weights, offs_g, slots_ready, out)
 
     def rank_fn(world):
         layer = MoonEPMoELayer(config(2), world)

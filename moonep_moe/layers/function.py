@@ -19,13 +19,16 @@ Backward reuses the forward plan (never plans again):
    copy); `prefetch_weight` again (later layers overwrote the shared slot pool).
 2. down: `u = dy @ down` (dgrad; with `overlap_prefetch` split as forward's first GEMM); the
    fused SwiGLU backward gives `dab`, the route-weight gradient per row and, recomputed in the same pass,
-   `hw`; `dx = dab @ gate_up` (dgrad); then `dW_down = dy^T hw` (wgrad
-   into this step's home grads and the slot grads), dy's last reader.
+   `hw`; `dW_down = dy^T hw` (wgrad into this step's home grads and the slot grads), dy's last reader;
+   then `dx = dab @ gate_up` (dgrad) into the Buffer's rows, which dy no longer needs.
 3. `combine(plan, dx, grad_w)` on the comm stream (input and route-weight gradients back to the tokens)
    beside `dW_gate_up = dab^T x` (wgrad) on the caller's: its link time can hide under the GEMM (on the
    H200 its kernels find no free SM while torch's grouped GEMM runs, so they mostly follow it). One rank
    without slots (EP=1) saves no copy of x in forward: its backward combines first, then gathers x again
    into the Buffer's rows (a local copy, the bytes the saved copy cost) for that wgrad.
+The GEMM before each combine (forward's down, backward's gate_up dgrad) writes its rows into the Buffer's
+rows where its backend can (`GroupedGemm.fwd`'s `out`: DeepGEMM, FP8, the reference), so combine reads them
+there instead of copying `[NvS, H]` in.
 Unless the graph is kept (`retain_graph`), each saved activation is freed after its last reader, and the
 SwiGLU backward writes dab over ab, as a compiled graph's backward frees its saved tensors.
 4. `reduce_grad`: every replica's fp32 gradient added into its home expert's, slots cleared.
@@ -152,8 +155,11 @@ class MoonEPExperts(torch.autograd.Function):
         gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
         ab_nv2f = gemm.fwd(x_nvsh, gate_up_w, offs_g, slots_ready)
         hw_nvf = swiglu_weighted(ab_nv2f, w_nvs, offs_g[-1:])
-        y_nvsh = gemm.fwd(hw_nvf, down_w, offs_g)
-        out_sh, _, _ = buffer.combine(plan, y_nvsh)
+        # gate_up has read the rows (x is a copy of them, or gathered again in backward), so down may write
+        # y into them, where combine reads it without copying it in (a backend that cannot returns its own)
+        rows_nvsh = buffer.hidden_nvsh_buffer_view
+        y_nvsh = gemm.fwd(hw_nvf, down_w, offs_g, out=rows_nvsh)
+        out_sh, _, _ = buffer.combine(plan, y_nvsh, zero_copy=y_nvsh is rows_nvsh)
         x_saved = (hidden_sh,) if regather else x_nvsh if state.fp8_dispatch else (x_nvsh,)
         ctx.save_for_backward(*x_saved, ab_nv2f, w_nvs, offs_g)
         ctx.plan, ctx.state = plan, state
@@ -171,15 +177,15 @@ class MoonEPExperts(torch.autograd.Function):
             ctx.maybe_clear_saved_tensors()
         plan, state = ctx.plan, ctx.state
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
-        # zero_copy: dy is the Buffer's own rows, not a [NvS, H] copy of them. They stay dy until this
-        # backward's combine, which is queued after dy's last reader (the down wgrad: the comm stream first
-        # waits for this stream's queued work) and is the first to overwrite them (with dx): only dispatch and
-        # combine of this Buffer write its rows (prefetch and reduce_grad touch the slot pools), and peers
+        # zero_copy: dy is the Buffer's own rows, not a [NvS, H] copy of them. They stay dy until gate_up's
+        # dgrad, queued after dy's last reader (the down wgrad), writes dx over them (or, where its backend
+        # makes its own dx, this backward's combine copies dx in): only that GEMM, dispatch and combine of
+        # this Buffer write its rows (prefetch and reduce_grad touch the slot pools), and peers
         # write them only inside a dispatch (`scatter_rows` / `KernelExchange.send_routes` start with every
         # rank's barrier, which this rank reaches only in its next dispatch; the collective world writes them
         # on this rank's stream). The model's layers of this shape may share the Buffer
         # (`MoEConfig.share_buffer`): no other layer's routed step runs between this dispatch and this
-        # combine. The forward's x_nvsh is a copy, saved for backward (combine(y) and the other layers' steps
+        # combine. The forward's x_nvsh is a copy, saved for backward (y and the other layers' steps
         # overwrite the rows), except on one rank, where this backward gathers it again (`regathers_rows`).
         dy_nvsh, *_ = buffer.dispatch(grad_out_sh.to(buffer.dtype).contiguous(), None, None, None, plan=plan,
                                       zero_copy=True)
@@ -190,20 +196,20 @@ class MoonEPExperts(torch.autograd.Function):
                                                                 over_ab=once)
         del u_nvf, ab_nv2f  # each activation freed after its last reader, not when backward returns: the
         # memory goes to the gradients made later in this backward (the step's peak is at gate_up's wgrad)
-        # With peers, both dgrads first: dx is ready when dy's last reader (the down wgrad) is done, so the
-        # combine that sends it back can start then and hide its link time under gate_up's wgrad. One rank
-        # without slots (`ExpertsState.one_rank`) has no link time to hide: dgrad, combine, then gate_up's
-        # wgrad after dx is freed, its x gathered again into the Buffer's rows (`regathers_rows`: dead once
-        # dy's last reader is behind) or dequantised from the saved FP8 rows
-        one_rank = state.one_rank
-        dx_nvsh = None if one_rank else gemm.dgrad(dab_nv2f, gate_up_w, offs_g)
-        # the trainable projections only. "param": the GEMMs make this step's home gradients (None parts)
+        # down's weight gradient first, dy's last reader: the rows are then free, and gate_up's dgrad writes
+        # dx into them, where combine reads it without copying it in (a backend that cannot write there
+        # returns its own dx, which combine copies). With peers, combine runs on the comm stream beside
+        # gate_up's weight gradient, so its link time can hide under that GEMM. One rank without slots
+        # (`ExpertsState.one_rank`) has no link time to hide: combine, then gate_up's weight gradient, its x
+        # gathered again into the Buffer's rows (`regathers_rows`: dead once combine has read dx) or
+        # dequantised from the saved FP8 rows.
+        # The trainable projections only. "param": the GEMMs make this step's home gradients (None parts)
         # and overwrite the slot gradients (no zeroing pass, no copy), or, where autograd would add this
         # step's gradient into a `.grad` (a later micro-batch), add into that `.grad` (`accumulating_grads`);
         # "main_grad": they add into the persistent main_grad. Added into, the slot gradients are exact too
         # (the fp32 pool is zero between steps: reduce_grad clears it; slot gradients written over the slot
-        # weights, `grads_in_slots`, are cleared first: both dgrads, their weights' last readers, are behind
-        # where there are slots)
+        # weights, `grads_in_slots`, are cleared first, each projection's after its dgrad, the last reader of
+        # its slot weights)
         # the projections whose gradient this backward wants: trainable, and not left out of a
         # `backward(inputs=...)` (the input-gradient half of a split backward runs no weight-gradient GEMM)
         main_grad = state.main_grad
@@ -215,15 +221,19 @@ class MoonEPExperts(torch.autograd.Function):
             home = accumulating_grads(ctx.next_functions[-2:], trains)  # gate_up's and down's edges: the
             # last tensor arguments (an argument that is not a tensor, e.g. a None histogram, has no edge)
         adds = tuple(main_grad or grad is not None for grad in home)
+        clears = tuple(experts.grads_in_slots and add and train
+                       for add, train in zip(adds, trains, strict=True))
         gate_up_slots, down_slots = (pool.local for pool in experts.slot_grads)
-        if experts.grads_in_slots:
-            for slots, add, train in zip((gate_up_slots, down_slots), adds, trains, strict=True):
-                if add and train:
-                    zero_filled_slots(slots, offs_g, buffer.epn)
         if trains[1]:
+            if clears[1]:
+                zero_filled_slots(down_slots, offs_g, buffer.epn)
             down_home, _ = gemm.wgrad(dy_nvsh, hw_nvf, offs_g, (home[1], down_slots), adds[1])
             home = (home[0], down_home)
         del hw_nvf
+        rows_nvsh = buffer.hidden_nvsh_buffer_view
+        dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_w, offs_g, out=rows_nvsh)
+        if clears[0]:
+            zero_filled_slots(gate_up_slots, offs_g, buffer.epn)
 
         def gate_up_wgrad(home):
             if not trains[0]:
@@ -237,17 +247,18 @@ class MoonEPExperts(torch.autograd.Function):
             gate_up_home, _ = gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (home[0], gate_up_slots), adds[0])
             return gate_up_home, home[1]
 
-        # dy's last reader is behind: combine may overwrite the rows
-        if one_rank:
-            dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_w, offs_g)
-            grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs)
+        zero_copy = dx_nvsh is rows_nvsh
+        if state.one_rank:
+            grad_hidden_sh, grad_route_weights_sk, _ = buffer.combine(plan, dx_nvsh, grad_w_nvs,
+                                                                      zero_copy=zero_copy)
             del dx_nvsh
             home = gate_up_wgrad(home)
-        else:  # combine on the comm stream beside gate_up's weight gradient (which reads dab and x, not the
-            # rows), so its link time can hide under that GEMM (its kernels still need SMs the GEMM leaves);
-            # the results are the same bits either way (the same kernels on the same inputs)
+        else:  # gate_up's weight gradient reads dab and x, not the rows; the results are the same bits
+            # either way (the same kernels on the same inputs)
             grad_hidden_sh, grad_route_weights_sk, combined = buffer.combine(plan, dx_nvsh, grad_w_nvs,
-                                                                             async_finish=True)
+                                                                             async_finish=True,
+                                                                             zero_copy=zero_copy)
+            del dx_nvsh
             home = gate_up_wgrad(home)
             combined.wait()
         grads = experts.new_grads(home)
