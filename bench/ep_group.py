@@ -28,11 +28,11 @@ group, `skewed_routing`):
    (clocks and temperature, at a power limit an H200 can reach under these GEMMs) falls alike on the arms
    a target compares. The GPU's clocks, power, temperature and peak memory after each rank's pass are in
    the record (`gpu`).
-3. The link, per rank and exchange call (`link_bytes`): dispatch rows in and out (a row per token and
-   destination rank, route weights, duplicate pairs), combine rows, replica weights in (prefetch, forward
-   and backward) and out (the replicas of its experts that peers pull), replica gradients (fp32) in and
-   out. Timed two ways: `local`, the measured step with those bytes copied on one GPU (the side stream,
-   overlapped where a real group overlaps them: within the exchange call's window, with the rank's own
+3. The link (`bench.link_model`), per rank and exchange call (`link_bytes`): dispatch rows in and out (a row
+   per token and destination rank, route weights, duplicate pairs), combine rows, replica weights in
+   (prefetch, forward and backward) and out (the replicas of its experts that peers pull), replica gradients
+   (fp32) in and out. Timed two ways: `local`, the measured step with those bytes copied on one GPU (the side
+   stream, overlapped where a real group overlaps them: within the exchange call's window, with the rank's own
    comm kernels); `nvlink`, that step with each exchange call stretched to the time NVLink takes for the
    larger direction of its bytes at `NVLINK_BYTES_PER_S` (450 GB/s a direction: H200 NVLink's spec, not
    measured) where the window was shorter. Every window is charged as if it blocked the step, except
@@ -41,19 +41,19 @@ group, `skewed_routing`):
    outlasts both its window and the time until reduce_grad began (`over_link`'s room), and the prefetch
    (`OPEN_ENDED`, one barrier), which runs on the comm stream beside the home experts' groups of the first
    GEMM: the rank waits for the replicas it pulls in only where their link time outlasts the time from the
-   prefetch's start to the caller's wait for them (`prefetch_rooms`, measured in each step), and not for
-   the peers' pulls of its own experts, which run beside its GEMMs until the next call's first barrier,
-   where its window ends (`layer_link_seconds`). The prefetch kernel's SMs are held for its local copies'
-   time, not for the link's (`LEFT_OUT`). (A model that ran
-   the link as GPU-side waits beside each window, `torch.cuda._sleep` on a side stream, was tried on the
-   H200 at 41a79be and added 0.2-2.9 ms more per step (median 1.4 over 48 rank steps) than the blocking
-   windows' own link time, under every policy: biased, so not used.)
+   prefetch's start to the caller's wait for them (`prefetch_rooms`, measured in each step), and not for the
+   peers' pulls of its own experts, which run beside its GEMMs until the next call's first barrier, where its
+   window ends (`layer_link_seconds`). The prefetch kernel's SMs are held for its local copies' time, not for
+   the link's (`LEFT_OUT`). (A model that ran the link as GPU-side waits beside each window,
+   `torch.cuda._sleep` on a side stream, was tried on the H200 at 41a79be and added 0.2-2.9 ms more per step
+   (median 1.4 over 48 rank steps) than the blocking windows' own link time, under every policy: biased, so
+   not used.)
 4. The group's step is its slowest rank (the ranks meet in every exchange call): per repetition i the
    maximum over ranks of their i-th step, then the median and min-max over repetitions.
-5. The baseline: torch-native plain EP (`NativePlainEPRank`: bench.layer's `torch._grouped_mm` experts,
-   eager and under `torch.compile` (dynamic shapes, compiled once per process), the faster one counts) on
-   the `off` plan's hottest rank, its four all-to-alls (a row per route, no deduplication) blocking, stood
-   in for and modelled the same way, timed among that rank's arms.
+5. The baseline (`bench.native_ep`): torch-native plain EP (`NativePlainEPRank`: bench.layer's
+   `torch._grouped_mm` experts, eager and under `torch.compile` (dynamic shapes, compiled once per process),
+   the faster one counts) on the `off` plan's hottest rank, its four all-to-alls (a row per route, no
+   deduplication) blocking, stood in for and modelled the same way, timed among that rank's arms.
 6. For `exact`, every rank's expert block alone (`expert_block`: the six GEMMs and two SwiGLU calls of
    `MoonEPExperts` on its rows), alternated with its steps: the time beyond it (planner, comm kernels,
    copies, link time not hidden) is the step minus the block.
@@ -99,7 +99,6 @@ for the docs.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import statistics
 import time
@@ -108,12 +107,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from bench.common import (
     RESULTS,
     HostAhead,
-    Stamp,
     check,
     cuda_timeline,
     format_check,
@@ -126,7 +123,26 @@ from bench.common import (
     stamp,
     write_record,
 )
-from bench.layer import native_grouped_swiglu, print_profile, timeline_profile
+from bench.layer import print_profile, timeline_profile
+from bench.link_model import (
+    BESIDE_GEMM,
+    NVLINK_BYTES_PER_S,
+    NVLINK_SOURCE,
+    bytes_summary,
+    layer_link_seconds,
+    link_bytes,
+    link_seconds,
+    native_link_bytes,
+    over_link,
+    prefetch_rooms,
+)
+from bench.native_ep import (
+    NativeEPExperts,
+    NativePlainEPRank,
+    compiled_native_ep_experts,
+    hottest_rank,
+    native_ep_experts,
+)
 from bench.rank_replay import (
     OPEN_ENDED,
     PHASES,
@@ -139,7 +155,6 @@ from bench.rank_replay import (
     replay_layer,
     replay_step,
     replica_counts,
-    route_matrices,
 )
 from bench.skew import skewed_routing
 from moonep_moe.config import MoEConfig, load_config
@@ -152,9 +167,6 @@ GROUPS = (("deepseek-v3", 8), ("kimi-k2", 8), ("kimi-k2", 16))
 """`(model, R)`: the groups run by default."""
 POLICIES = ("exact", "cost_aware", "off")
 MAXVIO = (0.0, 1.0, 5.0, 20.0)
-NVLINK_BYTES_PER_S = 450e9
-NVLINK_SOURCE = ("H200 NVLink: 900 GB/s bidirectional, 450 GB/s a direction (NVIDIA's spec figure, not "
-                 "measured here; DeepEP reports under 380 GB/s reached in practice)")
 LEFT_OUT = ("the peers' SMs (only the timed rank's kernels run), contention on real links and the NVSwitch, "
             "NVLink latency and the peers' skew in reaching each barrier (a group's step may be longer than "
             "its slowest rank's: each exchange call waits for the slowest rank of that call), the histogram "
@@ -219,115 +231,6 @@ def group_inputs(cfg: MoEConfig, seed: int, device: torch.device) -> tuple[list,
         return torch.randn(shape, generator=gen, device=device, dtype=cfg.torch_dtype)
 
     return [draw() for _ in range(cfg.ep_size)], [draw() for _ in range(cfg.ep_size)]
-
-
-# -- the link ------------------------------------------------------------------------------------------------
-
-
-def link_bytes(step: GroupStep) -> list[list[tuple[int, int]]]:
-    """`[R][len(PHASES)]` (bytes in, bytes out) of each rank's link in each exchange call of one step:
-    dispatch rows (a row per token and remote destination rank; in the forward also a route weight per
-    remote route and a duplicate pair per remote duplicate route), prefetch (the experts it replicates in,
-    the replicas of its own experts out, forward and backward), combine (its tokens' rows computed
-    elsewhere in, the rows peers' tokens read out; in the backward also the route weights' gradients) and
-    reduce_grad (the gradients of its experts' replicas in, of its own replicas out, in
-    `MoEConfig.replica_grad_dtype`)."""
-    cfg = step.cfg
-    row = cfg.hidden_size * cfg.torch_dtype.itemsize
-    weight = torch.promote_types(cfg.torch_dtype, torch.float32).itemsize
-    params = 3 * cfg.hidden_size * cfg.ffn_hidden_size
-    expert, grads = params * cfg.torch_dtype.itemsize, params * cfg.replica_grad_dtype.itemsize
-    m = {name: t.fill_diagonal_(0) for name, t in route_matrices(step).items()}  # remote only
-    hosted, replicated = replica_counts(step)
-    out = []
-    for d in range(step.num_ranks):
-        sent = {name: int(t[d].sum()) for name, t in m.items()}
-        got = {name: int(t[:, d].sum()) for name, t in m.items()}
-        dispatch = (got["payload"] * row + got["routes"] * weight + got["duplicates"] * 8,
-                    sent["payload"] * row + sent["routes"] * weight + sent["duplicates"] * 8)
-        prefetch = (int(hosted[d]) * expert, int(replicated[d]) * expert)
-        combine = (sent["payload"] * row, got["payload"] * row)
-        out.append([dispatch, prefetch, combine, (got["payload"] * row, sent["payload"] * row), prefetch,
-                    (combine[0] + sent["routes"] * weight, combine[1] + got["routes"] * weight),
-                    (int(replicated[d]) * grads, int(hosted[d]) * grads)])
-    return out
-
-
-def native_link_bytes(step: GroupStep) -> list[list[tuple[int, int]]]:
-    """`[R][4]` (bytes in, bytes out) of each rank of torch-native plain EP in its four all-to-alls (forward
-    dispatch, forward combine, backward dispatch, backward combine): a row per remote route (no
-    deduplication), with its route weight forward and its weight's gradient back. `step`: the `off` plan."""
-    cfg = step.cfg
-    row = cfg.hidden_size * cfg.torch_dtype.itemsize
-    weight = torch.promote_types(cfg.torch_dtype, torch.float32).itemsize
-    routes = route_matrices(step)["routes"].fill_diagonal_(0)
-    out = []
-    for d in range(step.num_ranks):
-        sent, got = int(routes[d].sum()), int(routes[:, d].sum())
-        out.append([(got * (row + weight), sent * (row + weight)), (sent * row, got * row),
-                    (got * row, sent * row), (sent * (row + weight), got * (row + weight))])
-    return out
-
-
-def link_seconds(phases: list[tuple[int, int]]) -> list[float]:
-    """Each window's time on the link: the larger direction's bytes at `NVLINK_BYTES_PER_S`."""
-    return [max(pair) / NVLINK_BYTES_PER_S for pair in phases]
-
-
-def layer_link_seconds(phases: list[tuple[int, int]]) -> tuple[list[float], list[float]]:
-    """`(waited, link)` per exchange call of our layer's step (`PHASES`), for `over_link`. A call between two
-    barriers waits for both directions: (0, `link_seconds`). A prefetch (`OPEN_ENDED`) waits for what it
-    pulls in (its slots' weights, which the slot groups' GEMM reads), at the caller's wait after the home
-    groups' GEMM (`over_link`'s `hidden_s`), and not for its peers' pulls of its own experts (out), which may
-    take until the next call's first barrier, where its window ends."""
-    waited, link = [], []
-    for phase, (bytes_in, bytes_out) in zip(PHASES, phases, strict=True):
-        open_ended = phase in OPEN_ENDED
-        waited.append(bytes_in / NVLINK_BYTES_PER_S if open_ended else 0.0)
-        link.append((bytes_out if open_ended else max(bytes_in, bytes_out)) / NVLINK_BYTES_PER_S)
-    return waited, link
-
-
-def prefetch_rooms(windows: list[tuple[str, Stamp, Stamp]], slot_waits: list[Stamp]) -> list[float]:
-    """Per exchange call (`PHASES`), the time a prefetch's incoming link time can hide under: from the
-    prefetch's start (on the comm stream) to the caller's wait for its replicas (after the home experts'
-    groups of the first GEMM); 0 for the other calls, and for a step without those stamps (the torch
-    reference exchange has no windows)."""
-    hidden = [0.0] * len(PHASES)
-    prefetches = [i for i, phase in enumerate(PHASES) if phase in OPEN_ENDED]
-    if len(windows) == len(PHASES) and len(slot_waits) == len(prefetches):  # windows[i]: PHASES[i]'s
-        for i, waited in zip(prefetches, slot_waits, strict=True):
-            hidden[i] = max(0.0, seconds_between(windows[i][1], waited))
-    return hidden
-
-
-BESIDE_GEMM = PHASES.index("add_replicas") - 1
-"""The exchange call that runs beside a GEMM: backward's combine, on the comm stream beside gate_up's weight
-gradient (`MoonEPExperts.backward`); the caller's stream waits for it only before reduce_grad."""
-
-
-def over_link(total_s: float, windows_s: list[float], link_s: list[float], room_s: list[float] | None = None,
-              waited_s: list[float] | None = None, hidden_s: list[float] | None = None) -> float:
-    """A step's time with each exchange window stretched to its link time where it was shorter. `room_s`:
-    per window, the time from its start until the caller's stream went on past it (0 for a window the step
-    waits on; `BESIDE_GEMM`'s: until reduce_grad began, the GEMM beside it done): a window's link time
-    delays the step only where it is longer than both the window and that room. `waited_s`: per window, link
-    time the step waits for whatever the window's length (`layer_link_seconds`), added where it is longer
-    than `hidden_s` (a prefetch's: the home groups' GEMM it ran beside, `prefetch_rooms`)."""
-    room_s = room_s or [0.0] * len(windows_s)
-    waited_s = waited_s or [0.0] * len(windows_s)
-    hidden_s = hidden_s or [0.0] * len(windows_s)
-    calls = zip(windows_s, link_s, room_s, waited_s, hidden_s, strict=True)
-    return total_s + sum(max(0.0, waited - hidden) + max(0.0, link - max(window, room))
-                         for window, link, room, waited, hidden in calls)
-
-
-def bytes_summary(phases: list[tuple[int, int]]) -> dict[str, int]:
-    """One rank's step bytes by kind: dispatch and combine rows (forward + backward), replica weights,
-    replica gradients, each in and out."""
-    kinds = {"dispatch": (0, 3), "weights": (1, 4), "combine": (2, 5), "grads": (6,)}
-    return {f"{kind}_{way}": sum(phases[i][j] for i in index) for kind, index in kinds.items()
-            for j, way in enumerate(("in", "out"))}
 
 
 # -- one rank of ours ----------------------------------------------------------------------------------------
@@ -459,129 +362,6 @@ def rank_line(policy: str, maxvio: float, row: dict, ranks: int) -> str:
             f"({local['ms_min']:.2f}-{local['ms_max']:.2f}) local, {nvlink['ms']:8.2f} nvlink; "
             f"{row['routes']} routes, {row['slots_used']} slots, {row['replicas_out']} replicas out, "
             f"link {link_in:.2f} GB in / {link_out:.2f} out{extra}")
-
-
-# -- torch-native plain EP -----------------------------------------------------------------------------------
-
-
-def native_ep_experts(x_nh: torch.Tensor, expert_n: torch.Tensor, weight_n: torch.Tensor,
-                      gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """The expert side of one rank of torch-native plain EP: `[n, H]` rows it received (in arrival order),
-    their local experts `[n]` and route weights `[n]` -> `[n, H]`: sorted by expert, bench.layer's
-    `native_grouped_swiglu`, back to arrival order. A function of its weights (`gate_up [epn, 2H', H]`,
-    `down [epn, H, H']`), so one compilation serves every group."""
-    order_n = torch.argsort(expert_n, stable=True)
-    offs_e = torch.cumsum(torch.bincount(expert_n, minlength=gate_up.shape[0]), 0).to(torch.int32)
-    y_nh = native_grouped_swiglu(x_nh[order_n], weight_n[order_n], offs_e, gate_up, down)
-    return torch.zeros_like(y_nh).index_copy(0, order_n, y_nh)
-
-
-@functools.cache
-def compiled_native_ep_experts() -> Callable[..., torch.Tensor]:
-    """`native_ep_experts` under `torch.compile` (default mode, dynamic shapes: the rows a rank receives and
-    its experts change with the skew and the group), made once per process."""
-    return torch.compile(native_ep_experts, dynamic=True)
-
-
-class NativeEPExperts(nn.Module):
-    """One rank's home experts of torch-native plain EP (parameters) and the function that runs them on the
-    rows it received (`run`: `native_ep_experts`, or its compiled form)."""
-
-    def __init__(self, experts: int, hidden: int, ffn: int, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        kwargs = dict(dtype=dtype, device=device)
-        self.gate_up = nn.Parameter(torch.randn(experts, 2 * ffn, hidden, **kwargs) / hidden**0.5)
-        self.down = nn.Parameter(torch.randn(experts, hidden, ffn, **kwargs) / ffn**0.5)
-        self.run: Callable[..., torch.Tensor] = native_ep_experts
-
-    def forward(self, x_nh: torch.Tensor, expert_n: torch.Tensor, weight_n: torch.Tensor) -> torch.Tensor:
-        return self.run(x_nh, expert_n, weight_n, self.gate_up, self.down)
-
-
-class NativePlainEPRank:
-    """One rank of a torch-native plain-EP layer in the group `step` (its `off` plan: every route on its
-    expert's home rank), one training step at a time (`step()`). Owns its staged rows and buffers.
-
-    Its tokens' rows permuted into all-to-all order (by destination rank), the all-to-all (a row per route),
-    the experts on the rows it received (`experts`, eager or compiled), the all-to-all back and each token's
-    K rows summed (`index_add`); the backward the same way round (autograd through the experts). Each
-    all-to-all is stood in for by copies of its bytes on the rank's own stream (it blocks: the next op needs
-    it): the rows arriving (staged: the senders' real rows) copied in, the rows leaving read into scratch,
-    and recorded as a window for the link model."""
-
-    def __init__(self, step: GroupStep, rank: int, experts: nn.Module):
-        cfg = step.cfg
-        self.experts, self.rank, self.top_k = experts, rank, cfg.top_k
-        epn = cfg.experts_per_rank
-        device = step.hidden[rank].device
-        self.device = device
-        expert_n = step.topk[rank].reshape(-1).long()
-        dest_n = torch.where(expert_n >= 0, expert_n // epn, step.num_ranks)
-        order_n = torch.argsort(dest_n, stable=True)[:int((expert_n >= 0).sum())]
-        self.send_token_n = order_n // cfg.top_k
-        self.remote_send_m = (dest_n[order_n] != rank).nonzero().flatten()
-        parts: dict[str, list[torch.Tensor]] = {name: [] for name in ("x", "e", "w", "g", "remote")}
-        for r in range(step.num_ranks):
-            routes_n = step.topk[r].reshape(-1).long()
-            mine_n = (routes_n >= 0) & (routes_n // epn == rank)
-            token_n = mine_n.nonzero().flatten() // cfg.top_k
-            parts["x"].append(step.hidden[r].index_select(0, token_n))
-            parts["g"].append(step.grad_out[r].index_select(0, token_n))
-            parts["e"].append(routes_n[mine_n] - rank * epn)
-            parts["w"].append(step.weights[r].reshape(-1)[mine_n])
-            parts["remote"].append(torch.full_like(token_n, r != rank, dtype=torch.bool))
-        staged = {name: torch.cat(tensors) for name, tensors in parts.items()}
-        self.recv_e = staged["e"]
-        self.remote_recv_m = staged["remote"].nonzero().flatten()
-        self.staged_x, self.staged_w, self.staged_g = staged["x"], staged["w"], staged["g"]
-        self.staged_back = step.hidden[rank].index_select(0, self.send_token_n)
-        self.recv_x, self.recv_w = torch.empty_like(self.staged_x), torch.empty_like(self.staged_w)
-        self.recv_g, self.back = torch.empty_like(self.staged_g), torch.empty_like(self.staged_back)
-        self.leaf_x = self.recv_x.detach().requires_grad_()
-        self.leaf_w = self.recv_w.detach().requires_grad_()
-        hidden = self.staged_x.shape[1]
-        self.scratch_send = self.staged_x.new_empty((len(self.remote_send_m), hidden))
-        self.scratch_recv = self.staged_x.new_empty((len(self.remote_recv_m), hidden))
-        self.hidden_sh, self.grad_sh = step.hidden[rank], step.grad_out[rank]
-
-    @property
-    def routes(self) -> int:
-        return len(self.recv_e)
-
-    def step(self) -> list[tuple]:
-        """One training step (queued on the device); returns its four all-to-all windows as (start, end)
-        stamps (`window_seconds` reads them once the step has completed)."""
-        marks: list = []
-
-        def all_to_all(arrive: torch.Tensor, staged: torch.Tensor, leave: torch.Tensor, index_m: torch.Tensor,
-                       scratch: torch.Tensor) -> None:
-            marks.append(stamp(self.device))
-            with torch.no_grad():
-                arrive.copy_(staged)
-                torch.index_select(leave, 0, index_m, out=scratch)
-            marks.append(stamp(self.device))
-
-        self.experts.zero_grad(set_to_none=True)
-        self.leaf_x.grad = self.leaf_w.grad = None
-        send_nh = self.hidden_sh.index_select(0, self.send_token_n)
-        all_to_all(self.recv_x, self.staged_x, send_nh, self.remote_send_m, self.scratch_send)
-        with torch.no_grad():
-            self.recv_w.copy_(self.staged_w)
-        y_nh = self.experts(self.leaf_x, self.recv_e, self.leaf_w)
-        all_to_all(self.back, self.staged_back, y_nh.detach(), self.remote_recv_m, self.scratch_recv)
-        out_sh = torch.zeros_like(self.hidden_sh).index_add_(0, self.send_token_n, self.back)
-        grad_back = self.grad_sh.index_select(0, self.send_token_n)
-        all_to_all(self.recv_g, self.staged_g, grad_back, self.remote_send_m, self.scratch_send)
-        y_nh.backward(self.recv_g)
-        all_to_all(self.back, self.staged_back, self.leaf_x.grad, self.remote_recv_m, self.scratch_recv)
-        torch.zeros_like(out_sh).index_add_(0, self.send_token_n, self.back)
-        return list(zip(marks[::2], marks[1::2], strict=True))
-
-
-def hottest_rank(step: GroupStep) -> int:
-    """The rank with the most routes under the step's plan (ties: the lowest)."""
-    load_r = step.plans[0].rank_load.long().cpu()
-    return int(torch.argmax(load_r * step.num_ranks - torch.arange(step.num_ranks)))
 
 
 # -- the run: every rank's arms, alternating -----------------------------------------------------------------

@@ -11,24 +11,25 @@ from test_bench_rank_replay import E, F, H, K, R, S, config, skewed_inputs
 
 from bench.common import idle_gaps
 from bench.ep_group import (
-    NVLINK_BYTES_PER_S,
     POLICIES,
     Group,
-    NativeEPExperts,
-    NativePlainEPRank,
     Repeats,
     Segment,
     group_spread,
     group_targets,
-    layer_link_seconds,
-    link_bytes,
     main,
-    native_link_bytes,
-    over_link,
-    prefetch_rooms,
     same_plans,
     slowest,
 )
+from bench.link_model import (
+    NVLINK_BYTES_PER_S,
+    layer_link_seconds,
+    link_bytes,
+    native_link_bytes,
+    over_link,
+    prefetch_rooms,
+)
+from bench.native_ep import NativeEPExperts, NativePlainEPRank
 from bench.rank_replay import PHASES, group_step, route_matrices
 from bench.skew import skewed_routing
 from moonep_moe.config import MoEConfig
