@@ -603,6 +603,36 @@ def test_expert_block_reads_and_writes_the_buffer_rows_in_place(R, writes_rows):
         torch.testing.assert_close(g["router"], dense[rank]["grad_router"], **TOL)
 
 
+@pytest.mark.parametrize("R", [1, 2])
+def test_forward_without_autograd_uses_the_dispatched_rows_in_place(R):
+    """A forward autograd does not record (no_grad, or nothing requiring grad) makes no `[NvS, H]` copy of
+    the dispatched rows for a backward that will not run: the expert GEMMs read the Buffer's own rows.
+    Its output is the recording forward's, bit for bit (R = 2: replicas, skewed routing)."""
+    p = make_problem(make_config(R), seed=70 + R, skew=100.0)
+
+    def rank_fn(world):
+        layer = build_layer(p, world)
+        dispatch, copies = layer.buffer.dispatch, []
+
+        def spy(*args, **kwargs):
+            if kwargs.get("plan") is None:  # the forward's dispatch
+                copies.append(not kwargs.get("zero_copy", False))
+            return dispatch(*args, **kwargs)
+
+        layer.buffer.dispatch = spy
+        x = p.hidden[world.rank].clone()
+        recorded = layer(x.clone().requires_grad_())
+        with torch.no_grad():
+            plain = layer(x)
+        layer.destroy()
+        return copies, recorded.detach(), plain
+
+    for copies, recorded, plain in run_ranks(rank_fn, R):
+        # one rank gathers the rows again in backward, so neither forward copies them
+        assert copies == [R > 1, False]
+        assert torch.equal(recorded, plain)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_gpu_param_mode_backward_makes_no_second_gradient(monkeypatch, tmp_path, backend):

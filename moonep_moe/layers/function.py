@@ -118,7 +118,8 @@ def compute_offsets(cu_seqlens_g: torch.Tensor, rank: int, epn: int, num_experts
 
 
 class MoonEPExperts(torch.autograd.Function):
-    """`(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, gate_up, down) -> out_sh`.
+    """`(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, gate_up, down, state, records) ->
+    out_sh`.
 
     Args (forward):
         hidden_sh: `[s, H]` tokens of this rank in the Buffer's dtype.
@@ -126,6 +127,9 @@ class MoonEPExperts(torch.autograd.Function):
         topk_experts_sk: `[s, K]` int experts, -1 = no route. tokens_per_expert: `[E]` int histogram.
         gate_up, down: the home expert parameters (`state.experts`), passed so autograd gives them grads.
         state: `ExpertsState`.
+        records: whether autograd records this forward for a backward (grad mode on, and the tokens, the
+            route weights or an expert weight requiring grad). Without it (inference) the expert GEMMs read
+            the dispatched rows in place: no `[NvS, H]` copy is made for a backward that will not run.
 
     With `MoEConfig.fp8_dispatch` the tokens are quantised before dispatch (`gemm.quantise_rows`) and travel
     as FP8 rows with their scales; the forward GEMM takes them as they arrive, backward keeps them (not a bf16
@@ -138,16 +142,17 @@ class MoonEPExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, gate_up, down,
-                state: ExpertsState):
+                state: ExpertsState, records: bool):
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
         regather = state.regathers_rows
         if state.fp8_dispatch:  # x_nvsh: the pair (e4m3 rows, their 1x128 scales), as the fwd GEMM takes it
             q_sh, scales_sh = gemm.quantise_rows(hidden_sh)
             x_nvsh, w_nvs, cu_seqlens, plan = buffer.dispatch(q_sh, route_weights_sk, topk_experts_sk,
                                                               tokens_per_expert, scales=scales_sh)
-        else:  # the Buffer's own rows where backward gathers them again, else a copy it saves
+        else:  # the Buffer's own rows where backward gathers them again or none runs, else a copy it saves
+            in_place = regather or not records
             x_nvsh, w_nvs, cu_seqlens, plan = buffer.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
-                                                              tokens_per_expert, zero_copy=regather)
+                                                              tokens_per_expert, zero_copy=in_place)
         # no closing barrier: this rank goes on while its peers read its replicated experts; combine's
         # barriers order those reads before anything writes the home experts (the optimizer, after the step)
         slots_ready = state.prefetch(plan, experts.scales)
@@ -272,7 +277,7 @@ class MoonEPExperts(torch.autograd.Function):
                 if add:  # the accumulated .grad, handed back
                     node.variable.grad = None
             weight_grads = [None if grad is None else grad.home.local for grad in grads]
-        return grad_hidden_sh, grad_route_weights_sk, None, None, *weight_grads, None
+        return grad_hidden_sh, grad_route_weights_sk, None, None, *weight_grads, None, None
 
 
 def graph_kept() -> bool:

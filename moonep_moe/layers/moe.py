@@ -157,8 +157,10 @@ def routed_step(layer: MoonEPMoELayer, hidden_sh: torch.Tensor, routing: RouterO
     route_weights_sk = routing.route_weights_tk.to(state.buffer.weight_dtype)
     experts = layer.experts
     experts.follow_storage_swaps()  # before any peer reads them (prefetch) or a GEMM does
+    records = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (hidden_sh, route_weights_sk, experts.gate_up, experts.down))
     out_sh = MoonEPExperts.apply(hidden_sh.contiguous(), route_weights_sk, routing.topk_experts_tk,
-                                 routing.tokens_per_expert_e, experts.gate_up, experts.down, state)
+                                 routing.tokens_per_expert_e, experts.gate_up, experts.down, state, records)
     if not recomputing():
         with torch.no_grad():
             layer.expert_load += state.last_plan.expert_load
