@@ -11,6 +11,7 @@ median and recorded with the spread beside it (`check`).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import operator
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 
 from moonep_moe.config import load_config
 from moonep_moe.transport.arena import physical_bytes
@@ -252,6 +254,20 @@ def format_check(result: dict) -> str:
 
 MODELS = ("deepseek-v3", "kimi-k2", "qwen3-moe-30b-a3b", "mixtral-8x7b")
 """The models of bench.layer's tables, each a packaged layer config (`moonep_moe/configs/<name>.yaml`)."""
+
+
+def config_field(text: str) -> tuple[str, object]:
+    """`FIELD=VALUE` (an argparse type) -> `(FIELD, VALUE parsed as YAML)`: `token_padding=128` gives the int
+    128. The benches' `--config` takes MoEConfig fields this way."""
+    field, sep, value = text.partition("=")
+    if not sep or not field:
+        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE, got {text!r}")
+    return field, yaml.safe_load(value)
+
+
+def config_suffix(fields: dict[str, object]) -> str:
+    """`-FIELD-VALUE` per field, for a record's name: a variant's record never takes a DEFAULT record's."""
+    return "".join(f"-{key}-{value}" for key, value in fields.items())
 
 
 def model_shape(name: str) -> dict[str, int]:

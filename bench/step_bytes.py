@@ -49,9 +49,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-import yaml
 
-from bench.common import measure_limits, write_record
+from bench.common import config_field, config_suffix, measure_limits, write_record
 from bench.layer import (
     KERNEL_GROUPS,
     add_table_arguments,
@@ -231,14 +230,6 @@ def profiled(ncu: str, layer: str, args: argparse.Namespace) -> dict:
     return {"layer": layer, **summarise(kernels, roles), "kernels": kernels}
 
 
-def config_field(text: str) -> tuple[str, object]:
-    """`FIELD=VALUE` -> `(FIELD, VALUE parsed as YAML)`: `token_padding=128` gives the int 128."""
-    field, sep, value = text.partition("=")
-    if not sep or not field:
-        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE, got {text!r}")
-    return field, yaml.safe_load(value)
-
-
 def print_row(row: dict, flops: int) -> None:
     print(f"{row['layer']}: {row['launches']} kernels, {row['ms']:.2f} ms run serially, DRAM read "
           f"{row['read_gb']:.1f} GB, written "
@@ -286,7 +277,7 @@ def main() -> None:
     setup = {**table.setup, "routed_flops": flops, "expert_weight_gb": weights / GB,
              "ncu": [os.path.basename(ncu), *NCU_ARGS], "warmup_steps": WARMUP, "config": args.config}
     name = table.record_name.replace("layer-", "step-bytes-", 1)
-    name += "".join(f"-{key}-{value}" for key, value in args.config.items())  # never a DEFAULT record's name
+    name += config_suffix(args.config)
     path = write_record(name, limits, rows, Path(args.out) if args.out else None, setup=setup)
     print("record:", path)
 

@@ -58,3 +58,21 @@ def test_cpu_run_names_the_missing_gpu():
         pytest.skip("this machine has a GPU: the command would run")
     run = subprocess.run([sys.executable, "-m", "bench.memory"], capture_output=True, text=True)
     assert run.returncode == 2 and "needs a GPU" in run.stderr
+
+
+def test_bad_arguments_are_named_before_anything_runs():
+    """`--micro-batches` below 1 and a `--config` entry that is not FIELD=VALUE are refused by name (on any
+    machine, before the GPU check)."""
+    for argv, named in ((["--micro-batches", "0"], "--micro-batches must be at least 1"),
+                        (["--config", "precision"], "expected FIELD=VALUE")):
+        run = subprocess.run([sys.executable, "-m", "bench.memory", *argv], capture_output=True, text=True)
+        assert run.returncode == 2 and named in run.stderr, run.stderr
+
+
+def test_config_fields_parse_as_yaml_and_name_the_record():
+    from bench.common import config_field, config_suffix
+
+    fields = dict(map(config_field, ["precision=fp8", "token_padding=128", "fp8_dispatch=true"]))
+    assert fields == {"precision": "fp8", "token_padding": 128, "fp8_dispatch": True}
+    assert config_suffix(fields) == "-precision-fp8-token_padding-128-fp8_dispatch-True"
+    assert config_suffix({}) == ""
