@@ -49,7 +49,9 @@ class RankOfEPBuffer:
     replicas' owners pull them); with `used_slots` (the slots a plan fills, `ep_rank_plan`) only those, else
     all of them. No peer traffic: the group's
     histogram all-gather, remote rows and every wait on a peer are left out, and so is the duplicate rows'
-    expansion and pre-reduction (one rank's plans have none). Owns nothing.
+    expansion and pre-reduction (one rank's plans have none), and with them combine's copy of the expert
+    outputs into the rows where the GEMM backend makes its own (`torch`; DeepGEMM and FP8 write into the
+    rows, `GroupedGemm.fwd`'s `out`). Owns nothing.
     """
 
     def __init__(self, inner: Buffer, epn: int, used_slots: tuple[int, ...] | None = None):
