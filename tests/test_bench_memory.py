@@ -68,11 +68,3 @@ def test_bad_arguments_are_named_before_anything_runs():
         run = subprocess.run([sys.executable, "-m", "bench.memory", *argv], capture_output=True, text=True)
         assert run.returncode == 2 and named in run.stderr, run.stderr
 
-
-def test_config_fields_parse_as_yaml_and_name_the_record():
-    from bench.common import config_field, config_suffix
-
-    fields = dict(map(config_field, ["precision=fp8", "token_padding=128", "fp8_dispatch=true"]))
-    assert fields == {"precision": "fp8", "token_padding": 128, "fp8_dispatch": True}
-    assert config_suffix(fields) == "-precision-fp8-token_padding-128-fp8_dispatch-True"
-    assert config_suffix({}) == ""

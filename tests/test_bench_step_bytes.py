@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bench import step_bytes
+from bench.common import config_field, config_suffix
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.moe import MoonEPMoELayer
 from moonep_moe.transport.threads import single_world
@@ -115,9 +116,14 @@ def test_cpu_run_names_the_missing_gpu():
     assert run.returncode == 2 and "needs a GPU" in run.stderr
 
 
-def test_config_fields_are_parsed_as_yaml_values_and_a_bad_one_is_refused():
-    assert step_bytes.config_field("token_padding=128") == ("token_padding", 128)
-    assert step_bytes.config_field("grouped_gemm=deep_gemm") == ("grouped_gemm", "deep_gemm")
+def test_config_fields_are_parsed_as_yaml_values_name_the_record_and_a_bad_one_is_refused():
+    """`bench.common.config_field` and `config_suffix`: the `--config` of bench.step_bytes, bench.memory."""
+    assert config_field("token_padding=128") == ("token_padding", 128)
+    assert config_field("grouped_gemm=deep_gemm") == ("grouped_gemm", "deep_gemm")
+    fields = dict(map(config_field, ["precision=fp8", "token_padding=128", "fp8_dispatch=true"]))
+    assert fields == {"precision": "fp8", "token_padding": 128, "fp8_dispatch": True}
+    assert config_suffix(fields) == "-precision-fp8-token_padding-128-fp8_dispatch-True"
+    assert config_suffix({}) == ""
     for bad in ("token_padding", "=128"):
         with pytest.raises(argparse.ArgumentTypeError, match="FIELD=VALUE"):
-            step_bytes.config_field(bad)
+            config_field(bad)
