@@ -35,6 +35,40 @@ def test_joined_rows_alias_both_allocations():
 
 
 @pytest.mark.gpu
+def test_scratch_rows_are_shared_by_the_tensors_of_one_key():
+    """`with_scratch_rows`: each tensor's first rows are its own allocation's; its last rows are the scratch
+    of its key, which every tensor of that key sees written (one allocation, the largest size asked for: a
+    larger request makes a new one and leaves the earlier tensors theirs), another key has its own."""
+    import gc
+
+    from moonep_moe.transport.arena import PhysicalRows, physical_bytes, with_scratch_rows
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    mib, row_shape, dtype = 2**20, (1024, 512), torch.bfloat16  # 1 MiB a row
+    gc.collect()
+    before = physical_bytes(device)
+    homes = [PhysicalRows(2, row_shape, dtype, device) for _ in range(2)]
+    for home in homes:
+        home.tensor.copy_(torch.randn(2, *row_shape, device=device))
+    first, second = (with_scratch_rows(home, 2, "a") for home in homes)
+    other = with_scratch_rows(homes[0], 1, "b")  # 1 MiB, rounded up to the 2 MiB granularity
+    assert first.shape == (4, *row_shape) and other.shape == (3, *row_shape)
+    assert physical_bytes(device) - before == (2 * 2 + 2 + 2) * mib, "two homes, one scratch per key"
+    assert torch.equal(first[:2], homes[0].tensor) and torch.equal(second[:2], homes[1].tensor)
+    first[2:].fill_(3)
+    other[2].fill_(5)
+    assert bool((second[2:] == 3).all()), "one key, one scratch"
+    assert bool((first[2] == 3).all()), "another key's writes land elsewhere"
+    larger = with_scratch_rows(homes[1], 4, "a")
+    larger[2:].fill_(7)
+    assert bool((first[2:] == 3).all()), "the earlier tensors keep the smaller scratch"
+    assert physical_bytes(device) - before == (2 * 2 + 2 + 2 + 4) * mib
+    del first, second, other, larger, homes, home
+    gc.collect()
+    assert physical_bytes(device) == before
+
+
+@pytest.mark.gpu
 def test_physical_bytes_count_the_arena_which_the_caching_allocator_does_not():
     import gc
 

@@ -736,6 +736,87 @@ def test_kept_fp8_copies_on_deep_gemm_give_the_gradients_of_fresh_casts():
         assert torch.equal(got, want)
 
 
+@pytest.mark.gpu
+@needs_fp8
+def test_kept_copies_put_the_slots_in_one_scratch_per_stream(monkeypatch):
+    """Where the arena maps them (CUDA; the kept groups a multiple of 2 MiB), a kept FP8 copy holds its home
+    groups in memory of its own and its slots' groups (cast on every call) in scratch that every copy used on
+    the same stream shares: two layers in both orientations cost their home groups and one scratch (not one
+    per layer and orientation), every call gives the fresh cast's bits (a layer's slots cast again after the
+    other layer overwrote the scratch; the home groups once), a copy used on another stream maps a scratch of
+    its own, and `release` frees it all."""
+    import gc
+
+    from moonep_moe.transport.arena import physical_bytes
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    casts = CountingCasts(monkeypatch)
+    mib, shape = 2**20, (2, 1024, 1024)  # two groups: 2 MiB of e4m3
+
+    def layer(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        home = torch.nn.Parameter(spread(*shape, seed=seed).to(torch.bfloat16).to(device))
+        return home, spread(*shape, seed=seed + 1).to(torch.bfloat16).to(device)
+
+    def checked(cache: Fp8WeightCache, weights: tuple[torch.Tensor, ...], transposed: bool) -> None:
+        q, scales = cache.get(weights, transposed)
+        want_q, want_scales = quantise_blocks(torch.cat([w.detach() for w in weights]).cpu())
+        if transposed:
+            want_q, want_scales = transpose_blocks(want_q, want_scales)
+        assert torch.equal(bits(q.cpu()), bits(want_q)) and torch.equal(scales.cpu(), want_scales)
+
+    layers = [layer(30), layer(32)]
+    gc.collect()
+    before = physical_bytes(device)
+    cache = Fp8WeightCache()
+    for transposed in (False, True):
+        for _ in range(2):  # micro-batches
+            for home, slots in layers:
+                slots.mul_(-1)  # a new prefetch (no version a cache could read)
+                checked(cache, (home, slots), transposed)
+    assert all(copy.kept is not None for copies in cache._copies.values() for copy in copies.values())
+    assert [w is home for w, *_ in casts.calls].count(True) == 4, "each home part once per orientation"
+    assert len(casts.calls) == 4 + 8, "and the slots on every call"
+    assert physical_bytes(device) - before == (4 * 2 + 2) * mib, "4 home parts, 1 scratch"
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        checked(cache, layers[0], transposed=False)
+    torch.cuda.current_stream(device).wait_stream(side)
+    assert physical_bytes(device) - before == (4 * 2 + 2 + 2) * mib, "a scratch for the other stream"
+    checked(cache, layers[1], transposed=False)  # back on the first stream: its own scratch still maps
+    cache.release()
+    gc.collect()
+    assert physical_bytes(device) == before
+
+
+@pytest.mark.gpu
+@needs_fp8
+def test_fp8_layer_ranks_on_their_own_streams_compute_the_same_bits_with_the_scratch(monkeypatch):
+    """Two thread-ranks of fp8 layers on one GPU, each on its own stream (forward: one autograd thread per
+    device), with shapes the arena maps (H = H' = 1024: each rank's kept groups a multiple of 2 MiB) and
+    skewed routing (replicas in the slots): the outputs with the slots' FP8 copies in scratch per stream are
+    the bits of one allocation per copy, so ranks running at once never share a scratch."""
+    mapped = []
+    kept_rows = fp8._kept_rows
+
+    def recorded(*args):
+        rows = kept_rows(*args)
+        mapped.append(rows is not None)
+        return rows
+
+    runs = {}
+    for arena in (False, True):
+        monkeypatch.setattr(fp8, "_kept_rows", recorded if arena else lambda *args: None)
+        cfg = make_config(2, hidden_size=1024, ffn_hidden_size=1024, num_experts=8, max_tokens_per_rank=256,
+                          token_padding=128, dtype="bfloat16", grouped_gemm="torch", precision="fp8",
+                          router={"dtype": "float32", "expert_bias": True})
+        runs[arena] = run_moonep(make_problem(cfg, seed=45, skew=2.0), "cuda", backward=False)
+    assert mapped and all(mapped), "every kept copy in the arena"
+    assert any(bool((res["experts_to_copy"] >= 0).any()) for res in runs[True]), "skewed: replicas"
+    for rank, (plain, scratch) in enumerate(zip(runs[False], runs[True], strict=True)):
+        assert torch.equal(scratch["out"], plain["out"]), f"out on rank {rank}"
+
+
 def test_fp8_layer_tracks_the_float64_reference_like_the_bf16_layer(fp8_kernel, monkeypatch):
     """One EP=1 layer step in fp8 (on each FP8 GEMM kernel) and in bf16 against the float64 dense reference
     (bf16-rounded inputs): the fp8 layer's output, input gradient and expert weight gradients within 2^-3

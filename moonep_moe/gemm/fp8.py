@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -53,6 +54,7 @@ from moonep_moe.fp8.format import (
 from moonep_moe.gemm.base import GroupedGemm, SlotsReady, _check_groups, _wgrad_parts, into, wait_for
 from moonep_moe.gemm.deep_gemm import import_deep_gemm, standin_sizes
 from moonep_moe.gemm.reference import ReferenceGroupedGemm
+from moonep_moe.transport.arena import PhysicalRows, expert_arena_reason, with_scratch_rows
 from moonep_moe.weights.quantised import Fp8Weights
 
 __all__ = [
@@ -84,20 +86,57 @@ FP8_KERNELS = ("deep_gemm", "triton")
 
 @dataclass
 class _Fp8Copy:
-    """One weights sequence's kept FP8 copy in one orientation, all its parts' groups joined: ``q [G, N, K]``
-    (transposed: ``[G, K, N]``) and ``scales [G, ceil(N/128), Kb]``; ``shapes[i]``: part i's shape;
-    ``stamps[i]``: part i's `_stamp` when it was last cast (None: not kept)."""
+    """One weights sequence's kept FP8 copy in one orientation, all its parts' groups joined:
+    ``q() [G, N, K]`` (transposed: ``[G, K, N]``) and ``scales [G, ceil(N/128), Kb]``; ``shapes[i]``: part
+    i's shape; ``stamps[i]``: part i's `_stamp` when it was last cast (None: not kept).
+
+    ``q`` lives in one of two ways. ``whole``: one allocation of the caching allocator, every group. Or, where
+    the kept parts come first and `transport.arena` can map them (`_kept_rows`), ``kept``: their groups in an
+    allocation of the layer's own, mapped before ``tail`` scratch groups for the parts cast on every call,
+    the scratch shared by every copy used on the same CUDA stream (`arena.with_scratch_rows`), so a model
+    pays for its slots' FP8 copies once, not once per layer and orientation. The scratch groups live from
+    their cast to the GEMM right after it, in that stream's order; a copy used on another stream maps that
+    stream's scratch (``views``, per stream)."""
 
     parts: list[weakref.ref]
     shapes: list[torch.Size]
-    q: Tensor
     scales: Tensor
     stamps: list[tuple[int, int, int] | None]
+    whole: Tensor | None = None
+    kept: PhysicalRows | None = None
+    tail: int = 0
+    views: dict[int, Tensor] = field(default_factory=dict)
 
     def holds(self, weights: Sequence[Tensor]) -> bool:
         return len(weights) == len(self.parts) and all(
             ref() is w and w.shape == shape
             for ref, w, shape in zip(self.parts, weights, self.shapes, strict=True))
+
+    def q(self) -> Tensor:
+        if self.kept is None:
+            return self.whole
+        stream = torch.cuda.current_stream(self.kept.device).cuda_stream
+        if stream not in self.views:
+            self.views[stream] = with_scratch_rows(self.kept, self.tail, (SCRATCH_KEY, stream))
+        return self.views[stream]
+
+
+SCRATCH_KEY = "fp8 weight copies: groups cast on every call"
+
+
+def _kept_rows(weights: Sequence[Tensor], kept: Sequence[bool], transposed: bool) -> PhysicalRows | None:
+    """The kept parts' FP8 groups as `transport.arena` memory of their own, to be mapped before scratch groups
+    for the rest (`_Fp8Copy`), where that works: CUDA weights whose kept parts all come before the others,
+    with at least one of each, and the kept groups' bytes a multiple of the mapping granularity
+    (`expert_arena_reason`). Else None (one allocation for every group)."""
+    first = kept.index(False) if False in kept else len(kept)
+    if not weights[0].is_cuda or first == 0 or first == len(kept) or any(kept[first:]):
+        return None
+    groups = sum(w.shape[0] for w in weights[:first])
+    _, *row_shape = _joined_shape(weights, transposed)
+    if expert_arena_reason(weights[0].device, [groups * math.prod(row_shape) * FP8_DTYPE.itemsize]):
+        return None
+    return PhysicalRows(groups, tuple(row_shape), FP8_DTYPE, weights[0].device)
 
 
 def _joined_shape(weights: Sequence[Tensor], transposed: bool) -> tuple[int, int, int]:
@@ -105,12 +144,14 @@ def _joined_shape(weights: Sequence[Tensor], transposed: bool) -> tuple[int, int
     return (g, k, n) if transposed else (g, n, k)
 
 
-def _empty_copy(weights: Sequence[Tensor], transposed: bool) -> tuple[Tensor, Tensor]:
-    """Uninitialised ``(q, scales [G, ceil(N/128), Kb])`` for all ``weights``' groups joined, ``q`` in the
-    orientation asked for."""
-    ref = weights[0]
-    return (ref.new_empty(_joined_shape(weights, transposed), dtype=FP8_DTYPE),
-            ref.new_empty(block_scales_shape(_joined_shape(weights, False)), dtype=torch.float32))
+def _empty_q(weights: Sequence[Tensor], transposed: bool) -> Tensor:
+    """Uninitialised FP8 ``q`` for all ``weights``' groups joined, in the orientation asked for."""
+    return weights[0].new_empty(_joined_shape(weights, transposed), dtype=FP8_DTYPE)
+
+
+def _empty_scales(weights: Sequence[Tensor]) -> Tensor:
+    """Uninitialised fp32 ``scales [G, ceil(N/128), Kb]`` for all ``weights``' groups joined."""
+    return weights[0].new_empty(block_scales_shape(_joined_shape(weights, False)), dtype=torch.float32)
 
 
 def _oriented(q: Tensor, scales: Tensor, transposed: bool) -> tuple[Tensor, Tensor]:
@@ -159,9 +200,10 @@ class Fp8WeightCache:
     a plan fills few of its slots). While a CUDA graph is being captured every part is cast in the call
     (the replay then casts again: the cache is a host-side decision a replay cannot make).
 
-    Memory: a training layer keeps both orientations, as many bytes as its bf16 weights (home experts and
-    slots joined); inference keeps the forward copy only. `release` drops them (the end of a
-    `moonep_moe.fixed_expert_weights` block does).
+    Memory: a training layer keeps both orientations of its home experts, as many bytes as their bf16
+    weights; inference keeps the forward copy only. The slots' groups, cast on every call, are a scratch
+    that every copy used on the same CUDA stream shares where the arena can map it (`_Fp8Copy`), else part
+    of each copy. `release` drops them (the end of a `moonep_moe.fixed_expert_weights` block does).
     """
 
     def __init__(self) -> None:
@@ -187,19 +229,30 @@ class Fp8WeightCache:
         copies = self._copies[transposed]
         copy = copies.get(weights[0])
         if copy is None or not copy.holds(weights):
-            parts, shapes = [weakref.ref(w) for w in weights], [w.shape for w in weights]
-            copy = copies[weights[0]] = _Fp8Copy(parts, shapes, *_empty_copy(weights, transposed),
-                                                 [None] * len(weights))
+            copy = copies[weights[0]] = self._new_copy(weights, kept, transposed)
+        q = copy.q()
         start = 0
         for i, (part, keep) in enumerate(zip(weights, kept, strict=True)):
             stop = start + part.shape[0]
             stamp = _stamp(part) if keep else None
             if stamp is None or stamp != copy.stamps[i]:
-                self._cast_part(part, copy.scales[start:stop], copy.q[start:stop], transposed,
+                self._cast_part(part, copy.scales[start:stop], q[start:stop], transposed,
                                 None if keep else offs_g, start)
                 copy.stamps[i] = stamp
             start = stop
-        return _oriented(copy.q, copy.scales, transposed)
+        return _oriented(q, copy.scales, transposed)
+
+    @staticmethod
+    def _new_copy(weights: Sequence[Tensor], kept: Sequence[bool], transposed: bool) -> _Fp8Copy:
+        """An uncast `_Fp8Copy` of ``weights``: the kept groups in memory of their own before shared scratch
+        groups where the arena can map them (`_kept_rows`), else every group in one allocation."""
+        parts, shapes = [weakref.ref(w) for w in weights], [w.shape for w in weights]
+        scales, home = _empty_scales(weights), _kept_rows(weights, kept, transposed)
+        stamps = [None] * len(weights)
+        if home is None:
+            return _Fp8Copy(parts, shapes, scales, stamps, whole=_empty_q(weights, transposed))
+        groups = _joined_shape(weights, transposed)[0]
+        return _Fp8Copy(parts, shapes, scales, stamps, kept=home, tail=groups - home.rows)
 
     def release(self) -> None:
         """Drop every kept copy (the next call casts again)."""
@@ -210,7 +263,7 @@ class Fp8WeightCache:
               offs_g: Tensor | None) -> tuple[Tensor, Tensor]:
         """Every part cast into fresh joined buffers, one orientation (with ``offs_g``: its groups with
         rows)."""
-        out, scales = _empty_copy(weights, transposed)
+        out, scales = _empty_q(weights, transposed), _empty_scales(weights)
         start = 0
         for part in weights:
             stop = start + part.shape[0]

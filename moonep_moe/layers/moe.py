@@ -555,7 +555,8 @@ def fixed_expert_weights(model: nn.Module) -> Iterator[None]:
     Inside and outside a block, an fp8 layer casts its home experts' weights once per version, in each
     orientation (`Fp8WeightCache`: again after an in-place change or any optimizer step), so gradient
     accumulation needs no block to cast once per optimizer step; the copies, as many bytes as the bf16
-    home weights (with the slots) per layer, otherwise stay between steps. `bf16` layers are unaffected.
+    home weights per layer (the slots' in one scratch where the arena maps it, else with each layer's),
+    otherwise stay between steps. `bf16` layers are unaffected.
     Blocks nest; the outermost one frees the copies.
     """
     caches = [layer._state.gemm.weights for layer in model.modules()

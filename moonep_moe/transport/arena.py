@@ -7,7 +7,8 @@ layer's `epn` home experts and the `B` prefetch slots shared by every layer of t
 `epn + B` experts and maps two physical allocations into it: its own home experts, then the process-wide
 slot pool (the same physical memory for every layer, also mapped once on its own for prefetch writes). The
 result is an ordinary `[epn + B, out, in]` tensor whose first `epn` rows are the parameters and whose last `B`
-rows are the slots.
+rows are the slots. `with_scratch_rows` joins the same way a layer's own rows to scratch rows that many layers
+share (the FP8 copies of the slots, cast before each GEMM that reads them).
 
 Needs CUDA, the `cuda-python` driver bindings (`cuda.bindings.driver`) and region sizes that are multiples of
 the allocation granularity (2 MiB: true of the real models' expert shapes). `expert_arena_reason` says why
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Hashable
 
 import torch
 
@@ -155,3 +157,29 @@ def joined_rows(first: PhysicalRows, second: PhysicalRows) -> torch.Tensor:
     mapping = _Mapping(first.device, [(first.handle, first.nbytes), (second.handle, second.nbytes)])
     return _as_tensor(mapping.pointer, (first.rows + second.rows, *first.row_shape), first.dtype,
                       first.device, (mapping, first, second))
+
+
+_SCRATCH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+"""`(device index, key)` -> the `PhysicalRows` that `with_scratch_rows` maps for that key, while a tensor
+mapping it lives."""
+
+
+def with_scratch_rows(first: PhysicalRows, rows: int, key: Hashable) -> torch.Tensor:
+    """`[first.rows + rows, out, in]`: `first`'s memory, then `rows` rows of scratch memory that every tensor
+    made with the same `key` on `first`'s device maps too (no copy). `first.nbytes` must be a multiple of the
+    granularity (`expert_arena_reason`).
+
+    For rows that live from a write to the reads after it, in one stream's order (e.g. a GEMM's operand cast
+    just before it): a write through any tensor of that key overwrites them. The scratch is one allocation of
+    the most bytes asked for so far, rounded up to the granularity; a larger request makes a new one (the
+    tensors made before keep the old)."""
+    device = first.device
+    unit = granularity(device)
+    nbytes = -(-rows * math.prod(first.row_shape) * first.dtype.itemsize // unit) * unit
+    index = (_index(device), key)
+    scratch = _SCRATCH.get(index)
+    if scratch is None or scratch.nbytes < nbytes:
+        scratch = _SCRATCH[index] = PhysicalRows(1, (nbytes,), torch.uint8, device)
+    mapping = _Mapping(device, [(first.handle, first.nbytes), (scratch.handle, nbytes)])
+    return _as_tensor(mapping.pointer, (first.rows + rows, *first.row_shape), first.dtype, device,
+                      (mapping, first, scratch))
