@@ -123,7 +123,7 @@ from bench.common import (
     stamp,
     write_record,
 )
-from bench.layer import print_profile, timeline_profile
+from bench.kernel_profile import print_profile, timeline_profile
 from bench.link_model import (
     BESIDE_GEMM,
     NVLINK_BYTES_PER_S,
@@ -335,8 +335,8 @@ class Repeats:
 
 
 def profile_step(layer: MoonEPMoELayer, world: ReplayWorld, step: GroupStep, rank: int) -> dict:
-    """The `timeline_profile` (bench.layer) of one replayed step of `rank`, after one untimed step: its
-    kernels and copies, grouped, and where the GPU idled in it."""
+    """The `timeline_profile` (bench.kernel_profile) of one replayed step of `rank`, after one untimed step:
+    its kernels and copies, grouped, and where the GPU idled in it."""
     traffic, inputs = rank_traffic(step, rank, layer, world), rank_inputs(step, rank)
     replay_step(layer, world, step, inputs, traffic)
     sync(world.device)

@@ -63,7 +63,8 @@ from bench.common import (
     timings,
     write_record,
 )
-from bench.layer import native_layer, step, step_inputs, with_layer_weights
+from bench.layer_step import step, step_inputs, step_kernels, with_layer_weights
+from bench.native_layer import native_layer
 from moonep_moe import MoEConfig, MoonEPMoELayer
 from moonep_moe.config import dtype_name, load_config
 from moonep_moe.transport.threads import single_world
@@ -106,8 +107,8 @@ class GroupedMMRecorder(TorchDispatchMode):
 
 
 def step_calls(layer, x_th: torch.Tensor, grad_th: torch.Tensor) -> list[dict]:
-    """The `GroupedMMRecorder` calls of one `bench.layer.step` of `layer`, in call order (its gradients left
-    as the step made them)."""
+    """The `GroupedMMRecorder` calls of one `bench.layer_step.step` of `layer`, in call order (its gradients
+    left as the step made them)."""
     recorder = GroupedMMRecorder()
     with recorder:
         step(layer, x_th, grad_th)
@@ -299,8 +300,6 @@ def replay_calls(name: str, recorded: dict, repeat: int, dense: float) -> list[d
 
 def gemm_kernels(layer, x_th: torch.Tensor, grad_th: torch.Tensor) -> list[tuple[str, float]]:
     """`[(kernel, ms)]` of one step's GEMM kernels (names with gemm, cutlass, sm90 or xmma), in order."""
-    from bench.layer import step_kernels
-
     return [(name, ms) for name, ms in step_kernels(layer, x_th, grad_th)
             if any(word in name.lower() for word in ("gemm", "cutlass", "sm90", "xmma"))]
 
@@ -445,8 +444,8 @@ def main() -> None:
         layers["ours"].destroy()
     path = write_record(
         f"grouped-mm-calls-{args.model}", limits, rows, args.out, calls=calls_out,
-        baseline="torch-native (bench.layer.TorchNativeMoE, the same weights and tokens): every ratio is "
-                 "ours / native",
+        baseline="torch-native (bench.native_layer.TorchNativeMoE, the same weights and tokens): every ratio "
+                 "is ours / native",
         profiles={LAYER_NAMES[arm]: steps[arm]["kernels"] for arm in ARMS},
         notes={LAYER_NAMES[arm]: steps[arm]["note"] for arm in ARMS if steps[arm]["note"]},
         setup={"model": args.model, "tokens": t, "hidden": h, "ffn": f, "experts": e, "top_k": k,

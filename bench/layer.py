@@ -139,103 +139,53 @@ layer in the order run:
   `vs_compiled`, ...: over `torch-native compiled`'s (absent without it); `vs_baseline`, ...: over the
   baseline's;
 - `error` instead of the numbers where a variant ran out of memory.
+
+Where the parts live: the tables (`Table`, `MODEL_TABLES`, `CPU_SMOKE`, `EP_RANK`) in bench.layer_tables;
+the targets in bench.layer_targets; the torch-native layer in bench.native_layer; the weights, inputs and
+step every layer runs (`optimizer_stepped`) in bench.layer_step; the measure of one layer (`Bench`,
+`routed_flops`) in bench.layer_measure; --profile's grouping (`kernel_group`, `timeline_profile`) in
+bench.kernel_profile. Here: the rows of ours (`variant_settings`, `FP8_SETTINGS`, `FP8_VARIANTS`), the run
+of each table and its record.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import math
-import re
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.autograd.graph import increment_version
 
-from bench.common import (
-    MODELS,
-    check,
-    cuda_kernels,
-    cuda_timeline,
-    format_check,
-    idle_gaps,
-    measure_limits,
-    model_shape,
-    queued_timings,
-    ratio,
-    span,
-    spread,
-    timings,
-    write_record,
+from bench.common import MODELS, measure_limits, write_record
+from bench.ep_rank import RankPlan, as_ep_rank
+from bench.kernel_profile import print_profile
+from bench.layer_measure import Bench, free_memory, routed_flops
+from bench.layer_step import step, step_inputs, with_layer_weights
+from bench.layer_tables import (
+    CPU_SMOKE,
+    EP_RANK,
+    MODEL_TABLES,
+    SHAPE_ARGS,
+    Table,
+    make_table,
+    table_rank_plan,
 )
-from bench.ep_rank import RankPlan, as_ep_rank, ep_rank_groups, ep_rank_plan
+from bench.layer_targets import (
+    FP8_LAYER_TARGETS,
+    PER_STEP_FP8_TARGETS,
+    fp8_layer_targets,
+    fp8_scope,
+    layer_targets,
+    print_targets,
+)
+from bench.native_layer import compile_native, native_layer
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.moe import MoonEPMoELayer
-from moonep_moe.transport.arena import physical_bytes
 from moonep_moe.transport.threads import single_world
-
-KERNEL_GROUPS = ("GEMMs", "comm core", "router", "elementwise", "other")
-"""The groups of a step profile, in the order printed."""
 
 SPREAD = "min-max of the timed runs (ms_min, ms_max), beside their median (ms)"
 PEAK = ("the most memory allocated during one fwd+bwd step minus what was allocated before the layer was "
         "built (the inputs and the benchmark's weight copies excluded)")
-
-KERNEL_RULES = (
-    # fp32 GEMMs (cuBLAS SIMT / tf32 / nvjet sss kernels) and bf16 GEMMs with fp32 output (nvjet tss: the
-    # bf16x3 router's): the routers' (the experts' GEMMs are CUTLASS, DeepGEMM or Triton kernels)
-    ("router", r"sgemm|tf32|nvjet_(sm\d+_)?(sss|tss)|f32f32_f32f32"),
-    # cuBLAS, CUTLASS (torch._grouped_mm), DeepGEMM, the Triton wgrad, inductor's GEMM templates
-    ("GEMMs", r"gemm|nvjet|cutlass|xmma|wgmma|gemv|grouped_mm|wgrad|splitkreduce|triton_tem_"),
-    # rows to and from expert order: moonep_moe.comm.kernels (plan, dispatch, combine, prefetch, reduce_grad),
-    # the native layer's sort, gather and index_add (and their backward)
-    ("comm core", r"_routes_kernel|_plan_|_destinations_kernel|_duplicates|_mark_primaries|_pre_reduce|"
-                  r"_copy_rows|_copy_experts|_clear_slots|_add_replicas|deviceradixsort|index_elementwise|"
-                  r"indexselect|indexfunc|indexing_backward"),
-    # scores, top-k (its sort) and the route-weight gather / scatter, the expert histogram
-    ("router", r"topk|softmax|sortkv|sortkeyvalue|scatter_gather|histogram"),
-    # pointwise and reductions: torch's elementwise / reduce kernels, SwiGLU, inductor's fused kernels
-    ("elementwise", r"elementwise|reduce_kernel|swiglu|silu|triton_(poi|red|per)_"),
-)
-"""`(group, pattern)`, first match wins, on the lower-cased kernel name; no match: "other" (copies, fills,
-scans, concatenations)."""
-
-
-def kernel_group(name: str) -> str:
-    """The step-profile group (one of `KERNEL_GROUPS`) of a GPU kernel, copy or fill, by its name."""
-    lowered = name.lower()
-    for group, pattern in KERNEL_RULES:
-        if re.search(pattern, lowered):
-            return group
-    return "other"
-
-
-def profile_summary(kernels: list[tuple[str, float]]) -> dict:
-    """`[(name, ms)]` of one step, one entry per launch -> `{"total_ms", "groups_ms": {group: ms} (every
-    group of KERNEL_GROUPS, in order), "beyond_gemms_ms" (the time beyond the GEMMs: every other group's),
-    "kernels": [{"name", "group", "calls", "ms"}] (one per name, longest total first)}`."""
-    calls, totals = {}, {}
-    for name, ms in kernels:
-        calls[name] = calls.get(name, 0) + 1
-        totals[name] = totals.get(name, 0.0) + ms
-    rows = [{"name": name, "group": kernel_group(name), "calls": calls[name], "ms": totals[name]}
-            for name in sorted(totals, key=lambda name: (-totals[name], name))]
-    groups_ms = {group: sum(row["ms"] for row in rows if row["group"] == group) for group in KERNEL_GROUPS}
-    beyond_ms = sum(ms for group, ms in groups_ms.items() if group != "GEMMs")
-    return {"total_ms": sum(totals.values()), "groups_ms": groups_ms, "beyond_gemms_ms": beyond_ms,
-            "kernels": rows}
-
-
-def routed_flops(tokens: int, top_k: int, hidden: int, ffn: int, backward: bool) -> int:
-    """Useful FLOPs of the routed experts: three projections (gate, up, down; each H x H') on the T*K routed
-    rows, 2 per multiply-add; with `backward`, dgrad and wgrad too (3x the forward). Padding rows, the
-    router and the permutation are not counted."""
-    return (3 if backward else 1) * 3 * 2 * tokens * top_k * hidden * ffn
 
 
 def variant_settings(backends: list[str], main_grad_backends: list[str],
@@ -257,165 +207,36 @@ def variant_settings(backends: list[str], main_grad_backends: list[str],
     return runs
 
 
-class TorchNativeMoE(nn.Module):
-    """A plain EP=1 MoE block: router -> sort by expert -> grouped GEMMs -> index_add back. On CUDA for the
-    benchmarks; `device="cpu"` for tests (`torch._grouped_mm` runs bf16 there too). Weights uninitialised."""
-
-    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, device: torch.device | str = "cuda"):
-        super().__init__()
-        kwargs = dict(device=device, dtype=torch.bfloat16)
-        self.top_k = top_k
-        self.router = nn.Linear(hidden, experts, bias=False, device=device, dtype=torch.float32)
-        self.gate_up = nn.Parameter(torch.empty(experts, 2 * ffn, hidden, **kwargs))
-        self.down = nn.Parameter(torch.empty(experts, hidden, ffn, **kwargs))
-
-    def forward(self, x_th: torch.Tensor) -> torch.Tensor:
-        scores_te = self.router(x_th.float()).softmax(-1)
-        weights_tk, experts_tk = scores_te.topk(self.top_k, dim=-1)
-        weights_tk = weights_tk / weights_tk.sum(-1, keepdim=True)
-        order_n = experts_tk.flatten().argsort(stable=True)
-        token_n = order_n // self.top_k
-        counts_e = torch.bincount(experts_tk.flatten(), minlength=self.gate_up.shape[0])
-        offs_e = torch.cumsum(counts_e, 0).to(torch.int32)
-        y_nh = native_grouped_swiglu(x_th[token_n], weights_tk.flatten()[order_n], offs_e, self.gate_up,
-                                     self.down)
-        return torch.zeros_like(x_th).index_add(0, token_n, y_nh)
+FP8_SETTINGS = {"precision": "fp8", "token_padding": 128}
+"""--fp8: the fp8 row's config, the DEFAULT config with these settings."""
+MICRO_BATCHES = "micro_batches"
+"""A row setting that is not a config field: the micro-batches per optimizer step each timed run makes
+(gradient accumulation; `step`), its time reported per micro-batch."""
+PER_STEP = 4
+"""--fp8's micro-batches per optimizer step for its per-step rows (as FP8 training runs accumulate)."""
+FP8_MAIN_GRAD = {**FP8_SETTINGS, "expert_grad_dtype": "main_grad", MICRO_BATCHES: PER_STEP}
+FP8_VARIANTS = [FP8_SETTINGS, {MICRO_BATCHES: PER_STEP}, {**FP8_SETTINGS, MICRO_BATCHES: PER_STEP},
+                FP8_MAIN_GRAD, {**FP8_MAIN_GRAD, "fp8_wgrad": True}, {**FP8_SETTINGS, "fp8_dispatch": True}]
+"""--fp8's rows: the fp8 layer; our bf16 DEFAULT and the fp8 layer with `PER_STEP` micro-batches per
+optimizer step (the fp8 layer's weight casts paid once per step: `Fp8WeightCache`), in the default gradient
+mode and in `main_grad`, there without and with FP8 weight gradients (`MoEConfig.fp8_wgrad`, which adds into
+the fp32 `main_grad`); the fp8 layer dispatching its tokens as FP8 (`MoEConfig.fp8_dispatch`)."""
 
 
-def native_grouped_swiglu(x_nh: torch.Tensor, weight_n: torch.Tensor, offs_e: torch.Tensor,
-                          gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """The torch-native layer's experts on rows grouped by expert: `torch._grouped_mm` gate and up, SwiGLU
-    times the route weight, `torch._grouped_mm` down (autograd through all of it).
-
-    Args:
-        x_nh: `[n, H]` rows, expert by expert. weight_n: `[n]` their route weights. offs_e: `[E]` int32 end
-            offsets of the experts' rows. gate_up: `[E, 2H', H]`. down: `[E, H, H']`.
-    Returns `[n, H]` in the rows' dtype."""
-    gate_nf, up_nf = torch._grouped_mm(x_nh, gate_up.transpose(-2, -1), offs=offs_e).chunk(2, -1)
-    h_nf = F.silu(gate_nf) * up_nf * weight_n[:, None].to(x_nh.dtype)
-    return torch._grouped_mm(h_nf, down.transpose(-2, -1), offs=offs_e)
+DEFAULT_VARIANTS = {"backends": ["auto", "triton", "torch", "deep_gemm"], "main_grad_backends": ["auto"]}
+"""--backends' and --main-grad-backends' defaults for one table."""
 
 
-def layer_weights(hidden: int, ffn: int, experts: int, seed: int = 0,
-                  device: torch.device | str = "cuda") -> dict[str, torch.Tensor]:
-    """Both layers' weights under our checkpoint names, drawn on `device` (the GPU; "cpu" for smoke runs and
-    tests) from `seed` (the same every call): `router.weight` fp32 `[E, H]`, `experts.gate_up_proj` bf16
-    `[E, 2H', H]`, `experts.down_proj` bf16 `[E, H, H']`, each normal with variance 1 / fan-in."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def draw(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.randn(*shape, device=device, dtype=dtype, generator=gen).div_(math.sqrt(shape[-1]))
-
-    return {"router.weight": draw(experts, hidden, dtype=torch.float32),
-            "experts.gate_up_proj": draw(experts, 2 * ffn, hidden, dtype=torch.bfloat16),
-            "experts.down_proj": draw(experts, hidden, ffn, dtype=torch.bfloat16)}
-
-
-def native_layer(hidden: int, ffn: int, experts: int, top_k: int,
-                 device: torch.device | str = "cuda") -> TorchNativeMoE:
-    """The torch-native layer on `device` with `layer_weights`."""
-    layer = TorchNativeMoE(hidden, ffn, experts, top_k, device)
-    weights = layer_weights(hidden, ffn, experts, device=device)
-    with torch.no_grad():
-        layer.router.weight.copy_(weights["router.weight"])
-        layer.gate_up.copy_(weights["experts.gate_up_proj"])
-        layer.down.copy_(weights["experts.down_proj"])
-    return layer
-
-
-def with_layer_weights(layer: MoonEPMoELayer, ep_rank: RankPlan | None = None) -> MoonEPMoELayer:
-    """`layer` holding `layer_weights` of its config's shapes and, with `ep_rank`, made that EP rank's
-    (`as_ep_rank`): what every table measures of ours."""
-    cfg = layer.config
-    layer.load_state_dict(layer_weights(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts,
-                                        device=layer.world.device))
-    return layer if ep_rank is None else as_ep_rank(layer, ep_rank.epn, ep_rank)
-
-
-def step_inputs(tokens: int, hidden: int,
-                device: torch.device | str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
-    """`(x_th, grad_th)`: the tokens `[tokens, hidden]` (requiring their gradient) and the output gradient
-    every layer of a table is measured with, bf16 on `device` (the GPU; "cpu" for smoke runs), drawn from
-    seed 1 (the same every call)."""
-    gen = torch.Generator(device=device).manual_seed(1)
-    x_th = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
-    return x_th, torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=gen)
-
-
-def optimizer_stepped(layer: nn.Module) -> None:
-    """What an optimizer step does to the layer as far as its caches can tell: every parameter's version
-    moves (no kernel runs), so an fp8 layer casts its weights again on the next call."""
-    for param in layer.parameters():
-        increment_version(param)
-
-
-def step(layer: nn.Module, x_th: torch.Tensor, grad_th: torch.Tensor, micro_batches: int = 1) -> None:
-    """One optimizer step's work of the layer: its weights just updated (`optimizer_stepped`), fresh
-    gradients, then `micro_batches` forwards and backwards (gradient accumulation)."""
-    optimizer_stepped(layer)
-    layer.zero_grad(set_to_none=True)
-    for _ in range(micro_batches):
-        x_th.grad = None
-        layer(x_th).backward(grad_th)
-
-
-def forwards(layer: nn.Module, x_th: torch.Tensor, micro_batches: int = 1) -> None:
-    """The forward halves of `step`: its weights just updated, then `micro_batches` forwards."""
-    optimizer_stepped(layer)
-    for _ in range(micro_batches):
-        layer(x_th)
-
-
-@torch.no_grad()
-def inference(layer: nn.Module, x_th: torch.Tensor) -> None:
-    """One forward without autograd, the weights left as they are (frozen, as in serving): an fp8 layer
-    reuses the FP8 copies it kept of them."""
-    layer(x_th)
-
-
-def step_kernels(layer: nn.Module, x_th: torch.Tensor, grad_th: torch.Tensor,
-                 micro_batches: int = 1) -> list[tuple[str, float]]:
-    """`[(name, ms)]`: every GPU kernel, copy and fill of one `step`, one entry per launch."""
-    return cuda_kernels(lambda: step(layer, x_th, grad_th, micro_batches))
-
-
-def profile_lines(label: str, summary: dict) -> list[str]:
-    """A `profile_summary`'s groups as printed lines: each group's ms and share of the step, and for every
-    group but the GEMMs its share of the time beyond the GEMMs, which the last line totals."""
-    total, beyond = summary["total_ms"], summary["beyond_gemms_ms"]
-    lines = [f"{label}: one step, {total:.2f} ms of GPU kernels",
-             f"  {'group':12} {'ms':>8} {'of step':>7} {'of time beyond the GEMMs':>25}"]
-    for group, ms in summary["groups_ms"].items():
-        share = "" if group == "GEMMs" else f"{ms / max(beyond, 1e-9):.1%}"
-        lines.append(f"  {group:12} {ms:8.2f} {ms / max(total, 1e-9):7.1%} {share:>25}")
-    lines.append(f"  time beyond the GEMMs: {beyond:.2f} ms, {beyond / max(total, 1e-9):.1%} of the step")
-    return lines
-
-
-def timeline_profile(timeline: list[tuple[str, float, float]]) -> dict:
-    """The `profile_summary` of a `cuda_timeline` (bench.common), with where the GPU idled in it
-    (`"timeline"`: `idle_gaps`)."""
-    summary = profile_summary([(name, end - start) for name, start, end in timeline])
-    return {**summary, "timeline": idle_gaps(timeline)}
-
-
-def idle_line(idle: dict) -> str:
-    """An `idle_gaps` as one printed line: the GPU's idle time in the span and the longest gaps."""
-    gaps = "; ".join(f"{gap['ms']:.3f} ms after {gap['after'][:40]} before {gap['before'][:40]}"
-                     for gap in idle["gaps"])
-    return f"  GPU idle {idle['idle_ms']:.2f} of {idle['span_ms']:.2f} ms; longest gaps: {gaps}"
-
-
-def print_profile(label: str, summary: dict, top: int = 15) -> None:
-    """A `profile_summary` as two tables: the groups (`profile_lines`), then the `top` kernels by time; for a
-    `timeline_profile`, where the GPU idled (`idle_line`)."""
-    print("\n" + "\n".join(profile_lines(label, summary)))
-    print(f"  {'group':12} {'ms':>8} {'calls':>5}  kernel")
-    for kernel in summary["kernels"][:top]:
-        print(f"  {kernel['group']:12} {kernel['ms']:8.2f} {kernel['calls']:5d}  {kernel['name'][:100]}")
-    if "timeline" in summary:
-        print(idle_line(summary["timeline"]))
-    print(flush=True)
+def table_variants(backends: list[str] | None, main_grad: list[str] | None, token_paddings: list[int],
+                   tables: int, fp8: bool = False) -> list[dict]:
+    """`variant_settings` of --backends and --main-grad-backends (`main_grad`), after `FP8_SETTINGS` with
+    `fp8` (--fp8: the fp8 row right after DEFAULT); a list not given (None) is `DEFAULT_VARIANTS`' for one
+    table and empty for several (--model all: the baselines and the DEFAULT row of every table)."""
+    defaults = DEFAULT_VARIANTS if tables == 1 else dict.fromkeys(DEFAULT_VARIANTS, [])
+    fp8_rows = FP8_VARIANTS if fp8 else []
+    return fp8_rows + variant_settings(defaults["backends"] if backends is None else backends,
+                                       defaults["main_grad_backends"] if main_grad is None else main_grad,
+                                       token_paddings)
 
 
 def add_ratios(row: dict, reference: dict, tag: str) -> None:
@@ -451,78 +272,6 @@ def format_row(row: dict) -> str:
     return (f"{row['layer']:46} {timing('', 27)} | {timing('fwd_', 24)} | {row['peak_gib']:8.1f} "
             f"{ratio('peak_vs_eager')} {ratio('peak_vs_compiled')} | {row['synced_ms']:6.2f} "
             f"{row['host_ms']:5.2f} | " + (f"{row['infer_ms']:6.2f}" if "infer_ms" in row else f"{'-':>6}"))
-
-
-def free_memory() -> int:
-    """Collect garbage and return cached blocks; the bytes still allocated, the arena's included
-    (`physical_bytes`: the expert weights mapped outside the caching allocator)."""
-    gc.collect()
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_allocated() + physical_bytes("cuda")
-
-
-def compile_native(layer: nn.Module, x_th: torch.Tensor, grad_th: torch.Tensor) -> tuple[nn.Module, float]:
-    """`torch.compile(layer)` (default mode, static shapes) and the seconds of its first step (compiling
-    forward and backward); later steps run the compiled graphs."""
-    compiled = torch.compile(layer, dynamic=False)
-    start = time.perf_counter()
-    step(compiled, x_th, grad_th)
-    torch.cuda.synchronize()
-    return compiled, time.perf_counter() - start
-
-
-@dataclass
-class Bench:
-    """What every layer is measured with: the same tokens and output gradient, the useful FLOPs
-    (`routed_flops`, keys "fwd_bwd" and "fwd"), the dense bf16 rate of the run and the repetitions."""
-
-    x_th: torch.Tensor
-    grad_th: torch.Tensor
-    shape: tuple[int, int, int, int]
-    """(H, H', E, K)."""
-    flops: dict[str, int]
-    dense: float
-    warmup: int
-    repeat: int
-
-    def measure(self, layer: nn.Module, before_bytes: int, micro_batches: int = 1) -> dict:
-        """fwd+bwd and fwd timings (`spread`) per micro-batch (each run is one optimizer step's `step`, its
-        time over `micro_batches`) with the host ahead (`queued_timings`), their useful rates (`tflops`,
-        `of_dense`), with one micro-batch the forward without autograd on frozen weights (`inference`:
-        `infer_ms`, ..., `infer_of_dense`), the host's enqueue time of a step (`host_ms`, ...), fwd+bwd
-        timed from an idle GPU (`synced_ms`, ...: the host's launch latency at the start of each step
-        charged) and `peak_gib`, the peak of one step beyond `before_bytes` (what was allocated before the
-        layer was built)."""
-        x_th, grad_th, n = self.x_th, self.grad_th, micro_batches
-        runs = self.warmup, self.repeat
-        steps, ahead = queued_timings(lambda: step(layer, x_th, grad_th, n), *runs)
-        row = spread([t / n for t in steps])
-        fwd = spread([t / n for t in queued_timings(lambda: forwards(layer, x_th, n), *runs)[0]])
-        synced = spread([t / n for t in timings(lambda: step(layer, x_th, grad_th, n), *runs)])
-        row.update({f"fwd_{key}": value for key, value in fwd.items()})
-        row.update({f"synced_{key}": value for key, value in synced.items()})
-        if n == 1:  # the same for any micro-batches: the weights stay as they are
-            infer = spread(queued_timings(lambda: inference(layer, x_th), *runs)[0])
-            row.update({f"infer_{key}": value for key, value in infer.items()})
-            row["infer_of_dense"] = self.flops["fwd"] / (row["infer_ms"] / 1e3) / self.dense
-        host = ahead.describe()
-        row.update({key: host[key] / n for key in ("host_ms", "host_ms_max", "hold_ms")},
-                   host_behind=host["host_behind"])
-        for prefix, flops in (("", self.flops["fwd_bwd"]), ("fwd_", self.flops["fwd"])):
-            row[f"{prefix}tflops"] = flops / (row[f"{prefix}ms"] / 1e3) / 1e12
-            row[f"{prefix}of_dense"] = row[f"{prefix}tflops"] * 1e12 / self.dense
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        step(layer, x_th, grad_th, n)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() + physical_bytes("cuda")  # the arena is fixed during a step
-        row["peak_gib"] = (peak - before_bytes) / 2**30
-        return row
-
-    def profile(self, layer: nn.Module, micro_batches: int = 1) -> dict:
-        """The `timeline_profile` of one optimizer step's `step`: its kernels grouped, and where the GPU
-        idled (under the profiler each launch costs the host a little more: gaps read somewhat longer)."""
-        return timeline_profile(cuda_timeline(lambda: step(layer, self.x_th, self.grad_th, micro_batches)))
 
 
 def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: dict | None,
@@ -622,257 +371,6 @@ def run_native(bench: Bench, compile_too: bool, record: dict) -> list[dict]:
     return rows
 
 
-EP_RANK = ("one rank of an EP group of ep_rank_of ranks (--ep-rank-of), in a one-rank world (bench.ep_rank."
-           "as_ep_rank): the group's routing at maxvio (bench.skew) planned by the real planner (balance "
-           "exact), the rank hosting the most replicas (ep_rank_plan) with its S*K routes per home expert "
-           "and per slot as planned (the router runs, its choice replaced by the plan's, planned_topk) "
-           "through the real planner, row kernels, grouped GEMMs over home_experts home + slots slot "
-           "groups (slot j holds home expert j; weights joined by the arena where it applies) and combine; "
-           "prefetch and reduce_grad stood in for by local copies of the same bytes, for the slots the plan "
-           "fills only. Left out: all peer traffic (the "
-           "histogram all-gather, rows to and from other ranks, weights and gradients over NVLink), every "
-           "wait on a peer, and the duplicate rows' expansion and pre-reduction (a one-rank plan has no "
-           "duplicates; with K = R = 8 about a third of a real rank's routes are); the torch-native rows run "
-           "the same routed work on home_experts + slots experts")
-"""What the `--ep-rank-of` rows measure and leave out (the record's `setup.ep_rank`)."""
-
-
-@dataclass(frozen=True)
-class Table:
-    """One table of the benchmark: a model's layer at EP=1, or (`ep_rank_of` R) ONE rank of an EP group of R
-    ranks over `experts` experts (`as_ep_rank`: epn = E / R home + epn slot groups, of which the slots the
-    group's plan at `maxvio` fills, `ep_rank_plan`). Pure description."""
-
-    model: str
-    tokens: int
-    hidden: int
-    ffn: int
-    experts: int
-    """E of the model (of the whole EP group for `ep_rank_of`)."""
-    top_k: int
-    ep_rank_of: int | None = None
-    overrides: tuple[tuple[str, int], ...] = ()
-    """The shapes given on the command line instead of the model's, `(name, value)`."""
-    maxvio: float = 0.0
-    """For `ep_rank_of`: the group's routing skew whose plan gives the rank's groups."""
-
-    @property
-    def epn(self) -> int | None:
-        """Home experts (and slots) of the one rank, None at EP=1."""
-        return None if self.ep_rank_of is None else ep_rank_groups(self.experts, self.ep_rank_of)[0]
-
-    @property
-    def shapes(self) -> dict[str, int]:
-        """The one-rank layer's `MoEConfig` shapes (its experts: E, or epn home then epn slots)."""
-        experts = self.experts if self.epn is None else 2 * self.epn
-        return dict(hidden_size=self.hidden, ffn_hidden_size=self.ffn, num_experts=experts, top_k=self.top_k,
-                    max_tokens_per_rank=self.tokens)
-
-    def config(self, fields: dict) -> MoEConfig:
-        """The one-rank layer's config with `fields` (`shapes`, then `fields`); for one EP rank a
-        `token_padding` left out is the real rank's default (`MoEConfig` over `experts` on `ep_rank_of`
-        ranks: it depends on the rows per home expert), not the stand-in's over `2 * epn` experts."""
-        if self.ep_rank_of is not None and "token_padding" not in fields:
-            group = {**self.shapes, "num_experts": self.experts, "ep_size": self.ep_rank_of, **fields}
-            fields = {**fields, "token_padding": MoEConfig(**group).token_padding}
-        return MoEConfig(**self.shapes, **fields)
-
-    @property
-    def setup(self) -> dict:
-        """What a record's `setup` says of the table: the model, its shapes (E of the one-rank layer), R and
-        the maxvio of the rank's plan."""
-        return {"model": self.model, "tokens": self.tokens, "hidden": self.hidden, "ffn": self.ffn,
-                "experts": self.shapes["num_experts"], "top_k": self.top_k, "ep_rank_of": self.ep_rank_of,
-                "maxvio": self.maxvio}
-
-    @property
-    def label(self) -> str:
-        where = "EP=1" if self.ep_rank_of is None else f"one rank of EP={self.ep_rank_of}"
-        if self.ep_rank_of is not None and self.maxvio:
-            where += f" at maxvio {self.maxvio:g}"
-        given = "".join(f", {name}={value}" for name, value in self.overrides)
-        return f"{self.model} {where}{given}"
-
-    @property
-    def record_name(self) -> str:
-        """`layer-<model>`, then `-ep<R>-rank` for one EP rank (`-maxvio<m>` where not 0) and `-custom` with
-        overrides."""
-        rank = "" if self.ep_rank_of is None else f"-ep{self.ep_rank_of}-rank"
-        if self.ep_rank_of is not None and self.maxvio:
-            rank += f"-maxvio{self.maxvio:g}"
-        return f"layer-{self.model}{rank}{'-custom' if self.overrides else ''}"
-
-    @property
-    def bounds(self) -> tuple:
-        """The DEFAULT row's targets: `EP_RANK_TARGETS` for one EP rank of the model's shapes, the model's
-        own `MODEL_LAYER_TARGETS` at EP=1 where it has them, else `LAYER_TARGETS`."""
-        if self.overrides:
-            return LAYER_TARGETS
-        if self.ep_rank_of is not None:
-            return EP_RANK_TARGETS
-        return MODEL_LAYER_TARGETS.get(self.model, LAYER_TARGETS)
-
-    @property
-    def scope(self) -> str:
-        """Which targets the DEFAULT row's checks are (`bounds`)."""
-        if self.overrides:
-            return "custom shapes: the EP=1 layer's bounds, for comparison only"
-        if self.ep_rank_of is not None:
-            return f"one rank of EP={self.ep_rank_of} with a real plan's slots, whole layer"
-        if self.model == "deepseek-v3":
-            return "the EP=1 layer"
-        if self.model in MODEL_LAYER_TARGETS:
-            return f"the EP=1 layer of {self.model}"
-        return "no target of its own: the EP=1 layer's bounds, to say where it stands"
-
-
-SHAPE_ARGS = ("tokens", "hidden", "ffn", "experts", "top_k")
-"""The command line's shape options, each overriding the model's value where given."""
-
-MODEL_TABLES = (("deepseek-v3", None), ("deepseek-v3", 8), ("kimi-k2", 8), ("qwen3-moe-30b-a3b", None),
-                ("mixtral-8x7b", None))
-"""`--model all`: the whole model table, `(model, ep_rank_of)`: DeepSeek-V3 at EP=1, one rank of
-EP=8 for DeepSeek-V3 and Kimi-K2, Qwen3-MoE-30B-A3B and Mixtral-8x7B at EP=1."""
-
-CPU_SMOKE = {"tokens": 64, "hidden": 64, "ffn": 32}
-"""`--device cpu`: the model's E and K (and R), on these tiny T, H and H' unless given."""
-
-
-def make_table(model: str, ep_rank_of: int | None, overrides: dict[str, int], maxvio: float = 0.0) -> Table:
-    """The `Table` of a packaged model config (`bench.common.model_shape`), with `overrides` (SHAPE_ARGS
-    keys) in place of its shapes; `maxvio` for an EP rank's plan. Raises ValueError naming --ep-rank-of
-    where R does not divide E."""
-    unknown = set(overrides) - set(SHAPE_ARGS)
-    if unknown:
-        raise ValueError(f"make_table: overrides must be among {SHAPE_ARGS}, got {sorted(unknown)}")
-    shape = {key: model_shape(model)[key] for key in SHAPE_ARGS}
-    table = Table(model, **{**shape, **overrides}, ep_rank_of=ep_rank_of,
-                  overrides=tuple((key, overrides[key]) for key in SHAPE_ARGS if key in overrides),
-                  maxvio=maxvio if ep_rank_of is not None else 0.0)
-    if ep_rank_of is not None:
-        ep_rank_groups(table.experts, ep_rank_of)  # raises, naming --ep-rank-of, before any kernel runs
-    return table
-
-
-def add_table_arguments(parser: argparse.ArgumentParser) -> None:
-    """--model, --ep-rank-of and --maxvio, as a bench that measures one packaged model's `Table` takes them
-    (`table_from_arguments`)."""
-    parser.add_argument("--model", default="deepseek-v3", help="a packaged model config (bench.layer's)")
-    parser.add_argument("--ep-rank-of", type=int, default=None, metavar="R",
-                        help="one rank of EP=R (bench.layer's --ep-rank-of)")
-    parser.add_argument("--maxvio", type=float, default=0.0,
-                        help="with --ep-rank-of: the group's routing skew")
-
-
-def table_from_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Table:
-    """`make_table` of `add_table_arguments`' values (the model's own shapes); what it refuses is the
-    parser's error (exit 2, the message naming the argument)."""
-    try:
-        return make_table(args.model, args.ep_rank_of, {}, args.maxvio)
-    except ValueError as error:
-        parser.error(str(error))
-
-
-LAYER_TARGETS = (  # (what, op, bound): the EP=1 layer, on the DEFAULT row
-    ("fwd+bwd of dense", ">=", 0.75),
-    ("fwd of dense", ">=", 0.85),
-    ("peak vs baseline", "<=", 0.9),
-)
-EP_RANK_TARGETS = (  # (what, op, bound): one EP rank with a real plan's slots, on the DEFAULT row
-    ("fwd+bwd of dense", ">=", 0.80),
-    ("peak vs compiled", "<=", 1.0),
-)
-MODEL_LAYER_TARGETS = {  # model: (what, op, bound), its EP=1 layer's own, on the DEFAULT row
-    "qwen3-moe-30b-a3b": (("fwd+bwd of dense", ">=", 0.50), ("peak vs compiled", "<=", 1.0)),
-    "mixtral-8x7b": (("fwd+bwd of dense", ">=", 0.85), ("peak vs compiled", "<=", 1.0)),
-}
-
-
-def layer_targets(row: dict, baseline: dict, flops: dict[str, int], dense: float, scope: str,
-                  bounds: tuple = LAYER_TARGETS, compiled: dict | None = None) -> list[dict]:
-    """`bounds` (`LAYER_TARGETS`, or `EP_RANK_TARGETS` for one EP rank) checked on one row: its useful rate
-    over `dense` (fwd+bwd `flops["fwd_bwd"]` and fwd `flops["fwd"]` over the median time, the spread from
-    the min-max), its peak over the `baseline` row's (the faster torch-native) or over the `compiled` row's
-    (torch-native compiled: that check is left out, and said so, where the run compiled none); peaks are
-    measured once. Each entry names the row, the row compared with and `scope`."""
-    rates = {"fwd+bwd of dense": ratio(flops["fwd_bwd"] / dense * 1e3, span(row)),
-             "fwd of dense": ratio(flops["fwd"] / dense * 1e3, span(row, "fwd_"))}
-    peaks_of = {"peak vs baseline": baseline, "peak vs compiled": compiled}
-    targets = []
-    for what, op, bound in bounds:
-        if what in rates:
-            value, other = rates[what], baseline
-        elif (other := peaks_of[what]) is not None:
-            value = ratio(row["peak_gib"], other["peak_gib"])
-        else:
-            print(f"target {what!r} not checked: no torch-native compiled row in this run", flush=True)
-            continue
-        targets.append(check(what, value, op, bound, row=row["layer"], baseline=other["layer"], scope=scope))
-    return targets
-
-
-FP8_SETTINGS = {"precision": "fp8", "token_padding": 128}
-"""--fp8: the fp8 row's config, the DEFAULT config with these settings."""
-MICRO_BATCHES = "micro_batches"
-"""A row setting that is not a config field: the micro-batches per optimizer step each timed run makes
-(gradient accumulation; `step`), its time reported per micro-batch."""
-PER_STEP = 4
-"""--fp8's micro-batches per optimizer step for its per-step rows (as FP8 training runs accumulate)."""
-FP8_MAIN_GRAD = {**FP8_SETTINGS, "expert_grad_dtype": "main_grad", MICRO_BATCHES: PER_STEP}
-FP8_VARIANTS = [FP8_SETTINGS, {MICRO_BATCHES: PER_STEP}, {**FP8_SETTINGS, MICRO_BATCHES: PER_STEP},
-                FP8_MAIN_GRAD, {**FP8_MAIN_GRAD, "fp8_wgrad": True}, {**FP8_SETTINGS, "fp8_dispatch": True}]
-"""--fp8's rows: the fp8 layer; our bf16 DEFAULT and the fp8 layer with `PER_STEP` micro-batches per
-optimizer step (the fp8 layer's weight casts paid once per step: `Fp8WeightCache`), in the default gradient
-mode and in `main_grad`, there without and with FP8 weight gradients (`MoEConfig.fp8_wgrad`, which adds into
-the fp32 `main_grad`); the fp8 layer dispatching its tokens as FP8 (`MoEConfig.fp8_dispatch`)."""
-
-FP8_LAYER_TARGETS = (  # (what, op, bound): on the fp8 row of one micro-batch per optimizer step
-    ("fp8 speed vs our bf16", ">=", 1.6),
-    ("fp8 time vs torch-native bf16", "<=", 0.45),
-    ("fp8 peak vs our bf16", "<=", 1.0),
-    ("fp8 inference forward vs our bf16", ">=", 1.5),
-)
-PER_STEP_FP8_TARGETS = {  # (what, op, bound) on the fp8 row of `PER_STEP` micro-batches, by the table's scope
-    "ep1": (("fp8 speed vs our bf16", ">=", 1.4), ("fp8 peak vs our bf16", "<=", 1.5)),
-    "ep_rank": (("fp8 speed vs our bf16", ">=", 1.4), ("fp8 peak vs our bf16", "<=", 1.15)),
-}
-"""At EP=1 the weights are most of the memory, so both FP8 copies may add up to half again; at one EP rank
-they may add 15%."""
-
-
-def fp8_scope(row: dict) -> str:
-    """The scope an fp8 row's `fp8_layer_targets` are recorded under: the fp8 layer, and how the row
-    differs from the plain fp8 layer."""
-    per_step = row[MICRO_BATCHES]
-    return ("the fp8 layer" + f", {per_step} micro-batches per optimizer step" * (per_step > 1)
-            + ", FP8 weight gradients" * row["fp8_wgrad"]
-            + f", expert_grad_dtype {row['expert_grad_dtype']}" * (row["expert_grad_dtype"] != "param")
-            + ", tokens dispatched as FP8" * row["fp8_dispatch"])
-
-
-def fp8_layer_targets(fp8: dict, default: dict, baseline: dict, scope: str,
-                      bounds: tuple = FP8_LAYER_TARGETS) -> list[dict]:
-    """`bounds` (`FP8_LAYER_TARGETS`, or a `PER_STEP_FP8_TARGETS` entry) checked on the fp8 row: the bf16
-    row's (`default`, the same micro-batches) fwd+bwd time over its own (its speed relative to ours in
-    bf16), its fwd+bwd time over the `baseline` row's (the faster torch-native), its peak over the bf16
-    row's, the bf16 row's `inference` forward over its own (frozen weights: the FP8 copies kept). Each entry
-    names the rows compared and `scope`."""
-    values = {"fp8 speed vs our bf16": lambda: ratio(span(default), span(fp8)),
-              "fp8 time vs torch-native bf16": lambda: ratio(span(fp8), span(baseline)),
-              "fp8 peak vs our bf16": lambda: ratio(fp8["peak_gib"], default["peak_gib"]),
-              "fp8 inference forward vs our bf16": lambda: ratio(span(default, "infer_"),
-                                                                 span(fp8, "infer_"))}
-    return [check(what, values[what](), op, bound, row=fp8["layer"], baseline=baseline["layer"],
-                  bf16_row=default["layer"], scope=scope) for what, op, bound in bounds]
-
-
-def table_rank_plan(table: Table, device: torch.device | str) -> RankPlan | None:
-    """The EP rank of an `ep_rank_of` table (`ep_rank_plan` at its maxvio, routed on `device`), else None."""
-    if table.ep_rank_of is None:
-        return None
-    return ep_rank_plan(table.experts, table.ep_rank_of, table.tokens, table.top_k, table.maxvio, device)
-
-
 def smoke(table: Table) -> None:
     """`--device cpu`: one training step of ours (the DEFAULT config; for an EP rank, made one by
     `as_ep_rank` with its plan) on the CPU, printing the routes per compute group; no timing (CPU numbers
@@ -967,35 +465,6 @@ def run_table(table: Table, variants: list[dict], args: argparse.Namespace,
     if record["fp8_targets"]:
         print_targets(table.label, record["fp8_targets"], args.repeat, "fp8 row against DEFAULT")
     return record["targets"] + record["fp8_targets"], save()
-
-
-def print_targets(label: str, targets: list[dict], repeat: int, rows: str = "DEFAULT row") -> None:
-    """The pass/miss lines of one table's targets on `rows` (none: those rows were not measured), grouped
-    by scope."""
-    if not targets:
-        print(f"{label}: no {rows} measured, so no targets checked", flush=True)
-        return
-    for scope in dict.fromkeys(target["scope"] for target in targets):
-        print(f"{label}, {rows}, {scope} (median (min-max) of {repeat} runs):", flush=True)
-        for target in targets:
-            if target["scope"] == scope:
-                print(f"  {format_check(target)}", flush=True)
-
-
-DEFAULT_VARIANTS = {"backends": ["auto", "triton", "torch", "deep_gemm"], "main_grad_backends": ["auto"]}
-"""--backends' and --main-grad-backends' defaults for one table."""
-
-
-def table_variants(backends: list[str] | None, main_grad: list[str] | None, token_paddings: list[int],
-                   tables: int, fp8: bool = False) -> list[dict]:
-    """`variant_settings` of --backends and --main-grad-backends (`main_grad`), after `FP8_SETTINGS` with
-    `fp8` (--fp8: the fp8 row right after DEFAULT); a list not given (None) is `DEFAULT_VARIANTS`' for one
-    table and empty for several (--model all: the baselines and the DEFAULT row of every table)."""
-    defaults = DEFAULT_VARIANTS if tables == 1 else dict.fromkeys(DEFAULT_VARIANTS, [])
-    fp8_rows = FP8_VARIANTS if fp8 else []
-    return fp8_rows + variant_settings(defaults["backends"] if backends is None else backends,
-                                       defaults["main_grad_backends"] if main_grad is None else main_grad,
-                                       token_paddings)
 
 
 def main() -> None:

@@ -29,16 +29,10 @@ from pathlib import Path
 import torch
 
 from bench.common import config_field, config_suffix, write_record
-from bench.layer import (
-    add_table_arguments,
-    free_memory,
-    native_layer,
-    step,
-    step_inputs,
-    table_from_arguments,
-    table_rank_plan,
-    with_layer_weights,
-)
+from bench.layer_measure import free_memory
+from bench.layer_step import step, step_inputs, with_layer_weights
+from bench.layer_tables import add_table_arguments, table_from_arguments, table_rank_plan
+from bench.native_layer import native_layer
 from moonep_moe.layers.moe import MoonEPMoELayer
 from moonep_moe.transport.arena import physical_bytes
 from moonep_moe.transport.threads import single_world

@@ -12,14 +12,14 @@ import torch
 from torch import nn
 
 from bench.common import stamp
-from bench.layer import native_grouped_swiglu
+from bench.native_layer import native_grouped_swiglu
 from bench.rank_replay import GroupStep
 
 
 def native_ep_experts(x_nh: torch.Tensor, expert_n: torch.Tensor, weight_n: torch.Tensor,
                       gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """The expert side of one rank of torch-native plain EP: `[n, H]` rows it received (in arrival order),
-    their local experts `[n]` and route weights `[n]` -> `[n, H]`: sorted by expert, bench.layer's
+    their local experts `[n]` and route weights `[n]` -> `[n, H]`: sorted by expert, bench.native_layer's
     `native_grouped_swiglu`, back to arrival order. A function of its weights (`gate_up [epn, 2H', H]`,
     `down [epn, H, H']`), so one compilation serves every group."""
     order_n = torch.argsort(expert_n, stable=True)

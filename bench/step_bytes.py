@@ -30,7 +30,7 @@ Record (`bench.common.write_record`:
 `step-bytes-<model>[-ep<R>-rank[-maxvio<m>]][-<field>-<value>...]-<device>-<date>-<commit>.json`, the
 `--config` fields in the name): `setup` (shapes, the routed FLOPs of a step, the weights' bytes, the ncu
 command, `config`), `results`, one row per layer: `layer`, `kernels` (`[{name, group, role, ms, read_bytes,
-write_bytes}]` in launch order), `groups` (per `bench.layer.kernel_group`: ms, read_gb, write_gb,
+write_bytes}]` in launch order), `groups` (per `bench.kernel_profile.kernel_group`: ms, read_gb, write_gb,
 launches), `roles` (ours: per GEMM call, as above) and the totals. GPU and ncu only.
 """
 
@@ -51,20 +51,11 @@ from pathlib import Path
 import torch
 
 from bench.common import config_field, config_suffix, measure_limits, write_record
-from bench.layer import (
-    KERNEL_GROUPS,
-    add_table_arguments,
-    compile_native,
-    kernel_group,
-    make_table,
-    native_layer,
-    routed_flops,
-    step,
-    step_inputs,
-    table_from_arguments,
-    table_rank_plan,
-    with_layer_weights,
-)
+from bench.kernel_profile import KERNEL_GROUPS, kernel_group
+from bench.layer_measure import routed_flops
+from bench.layer_step import step, step_inputs, with_layer_weights
+from bench.layer_tables import add_table_arguments, make_table, table_from_arguments, table_rank_plan
+from bench.native_layer import compile_native, native_layer
 from moonep_moe.layers.moe import MoonEPMoELayer
 from moonep_moe.transport.threads import single_world
 

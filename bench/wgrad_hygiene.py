@@ -96,7 +96,9 @@ from bench.grouped_mm_calls import (
     run_call,
     step_calls,
 )
-from bench.layer import make_table, native_layer, step, step_inputs, table_rank_plan, with_layer_weights
+from bench.layer_step import step, step_inputs, with_layer_weights
+from bench.layer_tables import make_table, table_rank_plan
+from bench.native_layer import native_layer
 from moonep_moe import MoonEPMoELayer
 from moonep_moe.transport.threads import single_world
 
@@ -125,8 +127,8 @@ PRECEDING = 3
 
 
 def build_layers(table, device: torch.device) -> dict[str, nn.Module]:
-    """`{"ours": ..., "native": ...}`: both layers of `table` (a `bench.layer.Table`) on `device` with the
-    benchmark's weights; for an EP rank ours made that rank (`as_ep_rank`, the table's plan)."""
+    """`{"ours": ..., "native": ...}`: both layers of `table` (a `bench.layer_tables.Table`) on `device` with
+    the benchmark's weights; for an EP rank ours made that rank (`as_ep_rank`, the table's plan)."""
     shapes = table.shapes
     native = native_layer(table.hidden, table.ffn, shapes["num_experts"], table.top_k, device)
     ours = MoonEPMoELayer(table.config(OURS), single_world(device))
@@ -341,9 +343,9 @@ def print_role(row: dict, stepped: dict | None) -> None:
 
 
 def run(table, args: argparse.Namespace) -> dict:
-    """The whole measurement of `table` (a `bench.layer.Table`; `--smoke`: on the CPU, each condition one
-    timed round, no times printed): `{"name", "setup", "limits", "in_step", "results", "conclusions"}`, the
-    record's name and fields for `write_record`."""
+    """The whole measurement of `table` (a `bench.layer_tables.Table`; `--smoke`: on the CPU, each condition
+    one timed round, no times printed): `{"name", "setup", "limits", "in_step", "results", "conclusions"}`,
+    the record's name and fields for `write_record`."""
     device = torch.device("cpu" if args.smoke else "cuda")
     limits = {} if args.smoke else measure_limits()
     x_th, grad_th = step_inputs(table.tokens, table.hidden, device)

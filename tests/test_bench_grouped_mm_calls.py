@@ -18,7 +18,8 @@ from bench.grouped_mm_calls import (
     run_call,
     step_calls,
 )
-from bench.layer import TorchNativeMoE, step
+from bench.layer_step import step
+from bench.native_layer import TorchNativeMoE
 from moonep_moe import MoEConfig, MoonEPMoELayer
 from moonep_moe.transport.threads import single_world
 

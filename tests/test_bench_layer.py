@@ -1,6 +1,7 @@
-"""The pure logic of bench/layer.py and bench/common.py: useful FLOPs, the spread of repeated timings and the
-ratios and targets computed on it, the model presets and tables, the variant list, the grouping of a step's
-GPU kernels by name, and the CPU smoke run."""
+"""The pure logic of bench.layer, the modules it is made of (bench.layer_measure, bench.layer_tables,
+bench.layer_targets, bench.layer_step, bench.kernel_profile) and bench/common.py: useful FLOPs, the spread of
+repeated timings and the ratios and targets computed on it, the model presets and tables, the variant list,
+the grouping of a step's GPU kernels by name, and the CPU smoke run."""
 
 import re
 from pathlib import Path
@@ -9,29 +10,27 @@ import pytest
 import torch
 
 from bench.common import MODELS, check, format_check, model_shape, ratio, spread, total
-from bench.layer import (
-    EP_RANK_TARGETS,
-    FP8_LAYER_TARGETS,
-    FP8_SETTINGS,
+from bench.kernel_profile import (
     KERNEL_GROUPS,
-    LAYER_TARGETS,
-    MICRO_BATCHES,
-    MODEL_LAYER_TARGETS,
-    MODEL_TABLES,
-    PER_STEP,
-    PER_STEP_FP8_TARGETS,
-    fp8_layer_targets,
     kernel_group,
-    layer_targets,
-    main,
-    make_table,
     print_profile,
     profile_lines,
     profile_summary,
-    routed_flops,
-    table_variants,
     timeline_profile,
-    variant_settings,
+)
+from bench.layer import FP8_SETTINGS, MICRO_BATCHES, PER_STEP, main, table_variants, variant_settings
+from bench.layer_measure import routed_flops
+from bench.layer_step import step
+from bench.layer_tables import MODEL_TABLES, make_table
+from bench.layer_targets import (
+    EP_RANK_TARGETS,
+    FP8_LAYER_TARGETS,
+    LAYER_TARGETS,
+    MODEL_LAYER_TARGETS,
+    PER_STEP_FP8_TARGETS,
+    fp8_layer_targets,
+    fp8_scope,
+    layer_targets,
 )
 from moonep_moe.config import MoEConfig
 
@@ -412,11 +411,11 @@ def test_per_step_rows_run_their_config_with_micro_batches(monkeypatch):
     assert bf16_cfg == default_cfg and fp8_step_cfg == fp8_cfg and fp8_cfg.precision == "fp8"
     assert bf16_name.startswith("moonep DEFAULT") and fp8_name.endswith(f"{PER_STEP} micro-batches)")
     plain = {MICRO_BATCHES: 1, "fp8_dispatch": False, "fp8_wgrad": False, "expert_grad_dtype": "param"}
-    assert layer_bench.fp8_scope({**plain, MICRO_BATCHES: PER_STEP}) == \
+    assert fp8_scope({**plain, MICRO_BATCHES: PER_STEP}) == \
         f"the fp8 layer, {PER_STEP} micro-batches per optimizer step"
-    assert layer_bench.fp8_scope(plain) == "the fp8 layer"
-    assert layer_bench.fp8_scope({**plain, "fp8_dispatch": True}) == "the fp8 layer, tokens dispatched as FP8"
-    assert layer_bench.fp8_scope({**plain, "fp8_wgrad": True, "expert_grad_dtype": "main_grad"}) == \
+    assert fp8_scope(plain) == "the fp8 layer"
+    assert fp8_scope({**plain, "fp8_dispatch": True}) == "the fp8 layer, tokens dispatched as FP8"
+    assert fp8_scope({**plain, "fp8_wgrad": True, "expert_grad_dtype": "main_grad"}) == \
         "the fp8 layer, FP8 weight gradients, expert_grad_dtype main_grad"
 
 
@@ -440,14 +439,12 @@ def test_profile_covers_every_row_of_ours(monkeypatch):
 def test_step_accumulates_micro_batches_after_a_simulated_optimizer_step():
     """`step`: every parameter's version moves first (as after an optimizer step), the gradients are fresh,
     then N micro-batches accumulate: the gradients are N times one micro-batch's."""
-    import bench.layer as layer_bench
-
     layer = torch.nn.Linear(4, 3)
     x, grad = torch.randn(5, 4, requires_grad=True), torch.randn(5, 3)
-    layer_bench.step(layer, x, grad)
+    step(layer, x, grad)
     one = layer.weight.grad.clone()
     versions = [p._version for p in layer.parameters()]
-    layer_bench.step(layer, x, grad, micro_batches=3)
+    step(layer, x, grad, micro_batches=3)
     assert [p._version for p in layer.parameters()] == [v + 1 for v in versions]
     torch.testing.assert_close(layer.weight.grad, 3 * one)
 

@@ -12,7 +12,8 @@ import torch
 
 from bench.common import spread
 from bench.grouped_mm_calls import run_call
-from bench.layer import make_table, step_inputs, table_rank_plan
+from bench.layer_step import step_inputs
+from bench.layer_tables import make_table, table_rank_plan
 from bench.wgrad_hygiene import (
     ARMS,
     CONDITIONS,
