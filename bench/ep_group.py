@@ -94,48 +94,31 @@ expert block, `BLOCK_CALLS`), `beyond_share`),
 target names it as `same_plan_as`)).
 Beside it a PNG of the slowest rank against maxvio (one panel per group) and `ep-group.md`, the table
 for the docs.
+
+Where the parts live: the arms a rank runs, how each is timed and the row it records (`RankArm`,
+`NativeArm`, `expert_block`, `Repeats`) in bench.ep_group_arms; the targets, the table and the plot
+(`TARGET_BOUNDS`, `group_targets`, `markdown`, `plot`, with `POLICIES` and `LEFT_OUT`) in
+bench.ep_group_report; the link model in bench.link_model; the torch-native baseline in bench.native_ep; the
+replayed rank and its peers in bench.rank_replay. Here: the groups (`Group`), the run of every rank's arms
+(`run_ranks`, `Segment`) and of each group (`run_group`), and the record.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from bench.common import (
-    RESULTS,
-    HostAhead,
-    check,
-    cuda_timeline,
-    format_check,
-    gpu_state,
-    measure_limits,
-    ratio,
-    seconds_between,
-    span,
-    spread,
-    stamp,
-    write_record,
-)
+from bench.common import RESULTS, cuda_timeline, gpu_state, measure_limits, spread, write_record
+from bench.ep_group_arms import NativeArm, RankArm, Repeats, native_row, rank_line, same_plans, sync
+from bench.ep_group_report import LEFT_OUT, POLICIES, group_targets, markdown, plot, target_line
 from bench.kernel_profile import print_profile, timeline_profile
-from bench.link_model import (
-    BESIDE_GEMM,
-    NVLINK_BYTES_PER_S,
-    NVLINK_SOURCE,
-    bytes_summary,
-    layer_link_seconds,
-    link_bytes,
-    link_seconds,
-    native_link_bytes,
-    over_link,
-    prefetch_rooms,
-)
+from bench.link_model import NVLINK_BYTES_PER_S, NVLINK_SOURCE
 from bench.native_ep import (
     NativeEPExperts,
     NativePlainEPRank,
@@ -144,8 +127,6 @@ from bench.native_ep import (
     native_ep_experts,
 )
 from bench.rank_replay import (
-    OPEN_ENDED,
-    PHASES,
     GroupStep,
     ReplayWorld,
     StandIns,
@@ -158,23 +139,11 @@ from bench.rank_replay import (
 )
 from bench.skew import skewed_routing
 from moonep_moe.config import MoEConfig, load_config
-from moonep_moe.gemm.base import SlotsReady
-from moonep_moe.layers.function import compute_offsets
 from moonep_moe.layers.moe import MoonEPMoELayer
-from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
 
 GROUPS = (("deepseek-v3", 8), ("kimi-k2", 8), ("kimi-k2", 16))
 """`(model, R)`: the groups run by default."""
-POLICIES = ("exact", "cost_aware", "off")
 MAXVIO = (0.0, 1.0, 5.0, 20.0)
-LEFT_OUT = ("the peers' SMs (only the timed rank's kernels run), contention on real links and the NVSwitch, "
-            "NVLink latency and the peers' skew in reaching each barrier (a group's step may be longer than "
-            "its slowest rank's: each exchange call waits for the slowest rank of that call), the histogram "
-            "all-gather's latency, the router and shared experts (the same for every policy); the link "
-            "model assumes a window's two directions move at once, each at the spec rate; a prefetch's "
-            "kernel holds SMs for its local copies' time, where over NVLink it would hold them for the "
-            "link's (its link time beyond the home GEMM it runs beside is charged, not the SMs it would "
-            "keep from that GEMM)")
 PER_RANK_STEP = ("bench.rank_replay: rank d's unchanged MoonEPMoELayer on a ReplayWorld (R ranks, only d "
                  "runs), moe.routed_step forward + backward with the group's routing: the layer's planner "
                  "(its dispatch plans from the group's histogram), row kernels, prefetch, grouped GEMM "
@@ -186,8 +155,6 @@ PER_RANK_STEP = ("bench.rank_replay: rank d's unchanged MoonEPMoELayer on a Repl
 SMOKE = {"tokens": 16, "hidden": 64, "ffn": 32}
 """--smoke: per-rank tokens, H and H' (the models' E, K and R kept: maxvio 20 needs E > 21 K)."""
 SPREAD = "min-max over the repetitions; the group's step in repetition i is its slowest rank's i-th step"
-TARGET_BOUNDS = {"exact skew": 1.05, "exact vs native at skew": 0.65, "exact vs native balanced": 1.00,
-                 "cost_aware vs best": 1.00, "beyond expert block": 0.05}
 
 
 # -- the group ----------------------------------------------------------------------------------------------
@@ -233,71 +200,7 @@ def group_inputs(cfg: MoEConfig, seed: int, device: torch.device) -> tuple[list,
     return [draw() for _ in range(cfg.ep_size)], [draw() for _ in range(cfg.ep_size)]
 
 
-# -- one rank of ours ----------------------------------------------------------------------------------------
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-BLOCK_CALLS = ("fwd gate_up", "swiglu", "fwd down", "dgrad down", "swiglu backward", "wgrad down",
-               "dgrad gate_up", "wgrad gate_up")
-"""The expert block's calls in one training step, in order (`expert_block`)."""
-
-
-def expert_block(layer: MoonEPMoELayer, cu_seqlens: torch.Tensor) -> list[float]:
-    """Seconds of each call of the expert block of one training step (`BLOCK_CALLS`) on this rank's rows
-    alone: the calls `MoonEPExperts` makes (fwd, SwiGLU, fwd; dgrad, SwiGLU backward, wgrad, dgrad, wgrad), on
-    the layer's GEMM backend, its weights (home experts and slots) and the segments of `cu_seqlens` (the
-    rank's plan), reading the Buffer's rows. The slot gradients it writes are zeroed after (untimed)."""
-    state, experts, buffer = layer._state, layer.experts, layer.buffer
-    gemm, device = state.gemm, layer.world.device
-    offs_g = compute_offsets(cu_seqlens, layer.world.rank, buffer.epn, buffer.E)
-    x_nvsh, w_nvs = buffer.hidden_nvsh_buffer_view, buffer.router_weight_buffer_view
-    gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
-    gate_up_slots, down_slots = (pool.local for pool in experts.slot_grads)
-    marks = [stamp(device)]
-
-    def timed(call: Callable[[], object]):
-        result = call()
-        marks.append(stamp(device))
-        return result
-
-    with torch.no_grad():
-        # the first GEMMs split where the layer splits them (home groups, then slots; nothing to wait for)
-        slots_ready = SlotsReady(buffer.epn) if state.overlap_prefetch else None
-        ab_nv2f = timed(lambda: gemm.fwd(x_nvsh, gate_up_w, offs_g, slots_ready))
-        hw_nvf = timed(lambda: swiglu_weighted(ab_nv2f, w_nvs, offs_g[-1:]))
-        timed(lambda: gemm.fwd(hw_nvf, down_w, offs_g))
-        u_nvf = timed(lambda: gemm.dgrad(x_nvsh, down_w, offs_g, slots_ready))
-        dab_nv2f, _, hw_nvf = timed(lambda: swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:]))
-        timed(lambda: gemm.wgrad(x_nvsh, hw_nvf, offs_g, (None, down_slots), False))
-        timed(lambda: gemm.dgrad(dab_nv2f, gate_up_w, offs_g))
-        timed(lambda: gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (None, gate_up_slots), False))
-    sync(device)
-    gate_up_slots.zero_()
-    down_slots.zero_()
-    return [seconds_between(a, b) for a, b in zip(marks, marks[1:], strict=False)]
-
-
-PLAN_FIELDS = ("dst", "cu_seqlens", "experts_to_copy", "compute_groups", "rank_load")
-"""The plan fields that decide what a rank computes and moves."""
-
-
-def same_plans(a: GroupStep, b: GroupStep) -> bool:
-    """Whether two policies planned the same group step alike on every rank (`PLAN_FIELDS`): then they run
-    the same work, and their timings differ by the run's spread only."""
-    return all(torch.equal(getattr(x, name), getattr(y, name)) for x, y in zip(a.plans, b.plans, strict=True)
-               for name in PLAN_FIELDS)
-
-
-def check_plan(layer: MoonEPMoELayer, step: GroupStep, rank: int) -> None:
-    """Raise unless the plan rank `rank`'s dispatch made equals the group's plan of that rank."""
-    made, want = layer._state.last_plan, step.plans[rank]
-    for name in PLAN_FIELDS:
-        if not torch.equal(getattr(made, name), getattr(want, name)):
-            raise RuntimeError(f"rank {rank}: its dispatch planned another {name} than the group's plan")
+# -- the run: every rank's arms, alternating -----------------------------------------------------------------
 
 
 def group_spread(ranks: list[dict], key: str) -> dict:
@@ -321,19 +224,6 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-@dataclass
-class Repeats:
-    """How many steps to run and time per arm: `warmup` untimed rounds in each pass, then `repeat` timed
-    steps over the two passes (`split`)."""
-
-    warmup: int
-    repeat: int
-
-    def split(self) -> tuple[int, int]:
-        """Timed rounds of the first and the mirrored second pass."""
-        return (self.repeat + 1) // 2, self.repeat // 2
-
-
 def profile_step(layer: MoonEPMoELayer, world: ReplayWorld, step: GroupStep, rank: int) -> dict:
     """The `timeline_profile` (bench.kernel_profile) of one replayed step of `rank`, after one untimed step:
     its kernels and copies, grouped, and where the GPU idled in it."""
@@ -347,179 +237,6 @@ def busiest_rank(step: GroupStep) -> int:
     """The rank hosting the most replicas (ties: the lowest)."""
     hosted, _ = replica_counts(step)
     return int(torch.argmax(hosted * step.num_ranks - torch.arange(step.num_ranks)))
-
-
-def rank_line(policy: str, maxvio: float, row: dict, ranks: int) -> str:
-    """One rank's progress line: its timings, routes, slots, replicas and link bytes."""
-    local, nvlink, b = row["local"], row["nvlink"], row["bytes"]
-    link_in = sum(v for k, v in b.items() if k.endswith("_in")) / 1e9
-    link_out = sum(v for k, v in b.items() if k.endswith("_out")) / 1e9
-    extra = ""
-    if "gemm" in row:
-        extra = f", GEMMs {row['gemm']['ms']:.2f} SwiGLU {row['swiglu']['ms']:.2f}, beyond " \
-                f"{row['beyond_share']['median']:.1%}"
-    return (f"  {policy:10} maxvio {maxvio:5.2f} rank {row['rank']:2d}/{ranks}: {local['ms']:8.2f} ms "
-            f"({local['ms_min']:.2f}-{local['ms_max']:.2f}) local, {nvlink['ms']:8.2f} nvlink; "
-            f"{row['routes']} routes, {row['slots_used']} slots, {row['replicas_out']} replicas out, "
-            f"link {link_in:.2f} GB in / {link_out:.2f} out{extra}")
-
-
-# -- the run: every rank's arms, alternating -----------------------------------------------------------------
-
-
-@dataclass
-class Samples:
-    """One arm's timed steps, gathered over both passes: step seconds, each step's exchange windows (s) and,
-    for `exact`, its expert block (GEMM seconds, SwiGLU seconds, every call's seconds)."""
-
-    totals: list[float] = field(default_factory=list)
-    hosts: list[float] = field(default_factory=list)
-    """Each timed step's enqueue time on the host (s), as `totals`."""
-    behind: int = 0
-    """Timed steps whose host took longer than the GPU was held (`HostAhead`)."""
-    windows: list[list[float]] = field(default_factory=list)
-    rooms: list[list[float]] = field(default_factory=list)
-    hidden: list[list[float]] = field(default_factory=list)
-    """Per timed step and exchange call, the time a prefetch's incoming link time hides under
-    (`prefetch_rooms`)."""
-    blocks: list[tuple[float, float, list[float]]] = field(default_factory=list)
-
-
-def host_fields(samples: Samples) -> dict[str, float | int]:
-    """A row's `host_ms` (the host's enqueue time of a step: median) and `host_behind` (timed steps whose host
-    fell behind the GPU's hold)."""
-    return {"host_ms": statistics.median(samples.hosts) * 1e3, "host_behind": samples.behind}
-
-
-def keep(samples: Samples, ahead: HostAhead, seconds: float) -> None:
-    """A timed step's seconds into `samples`, with its host enqueue time and whether the host fell behind
-    its hold (the last run `ahead` kept)."""
-    samples.totals.append(seconds)
-    samples.hosts.append(ahead.host_s[-1])
-    samples.behind += ahead.host_s[-1] > ahead.held_s[-1]
-
-
-@dataclass(eq=False)
-class RankArm:
-    """One arm of one rank: its policy's layer at one maxvio (`step`). The layer and its world are attached
-    while the policy's segment is open (`open` / `close`)."""
-
-    step: GroupStep
-    rank: int
-    block: bool
-    samples: Samples = field(default_factory=Samples)
-    live: tuple | None = None
-    checked: bool = False
-    ahead: HostAhead | None = None
-
-    def open(self, layer: MoonEPMoELayer, world: ReplayWorld) -> None:
-        self.live = (layer, world)
-
-    def close(self) -> None:
-        self.live = None
-
-    def run(self, timed: bool) -> None:
-        """One replayed training step (`replay_step`), checked against the group's plan the first time; timed:
-        its seconds and windows, and with `block` the expert block alone right after it. The peers' traffic
-        is staged before the step, untimed, and dropped after it: one arm's staged rows in memory at a time
-        (a hot rank's under `off` take gigabytes beside its step's own)."""
-        layer, world = self.live
-        device = world.device
-        traffic, inputs = rank_traffic(self.step, self.rank, layer, world), rank_inputs(self.step, self.rank)
-        self.ahead = self.ahead or HostAhead(device)
-        start = self.ahead.start()
-        replay_step(layer, world, self.step, inputs, traffic)
-        end = self.ahead.end()
-        sync(device)
-        del traffic
-        if not self.checked:
-            check_plan(layer, self.step, self.rank)
-            self.checked = True
-        if not timed:
-            return
-        keep(self.samples, self.ahead, seconds_between(start, end))
-        # the torch reference exchange (the CPU's) has no barriers: no window, all link time unhidden
-        self.samples.windows.append([seconds for _, seconds in world.window_seconds()] or [0.0] * len(PHASES))
-        rooms = [0.0] * len(PHASES)
-        if len(world.windows) == len(PHASES):  # from backward's combine to reduce_grad, on either stream
-            marks = world.windows
-            rooms[BESIDE_GEMM] = seconds_between(marks[BESIDE_GEMM][1], marks[BESIDE_GEMM + 1][1])
-        self.samples.rooms.append(rooms)
-        self.samples.hidden.append(prefetch_rooms(world.windows, world.slot_waits))
-        if self.block:
-            calls = expert_block(layer, self.step.plans[self.rank].cu_seqlens)
-            swiglu = calls[BLOCK_CALLS.index("swiglu")] + calls[BLOCK_CALLS.index("swiglu backward")]
-            self.samples.blocks.append((sum(calls) - swiglu, swiglu, calls))
-
-    def row(self) -> dict:
-        """The rank's timings under this arm (`local` and `nvlink`, `spread`), the median window of each
-        exchange call, its routes, slots, replicas and link bytes; with `block`, the expert block's GEMMs,
-        SwiGLU and calls and the share of each step beyond the block (`beyond_share` on the nvlink step,
-        `beyond_share_local`)."""
-        step, rank, samples = self.step, self.rank, self.samples
-        phases = link_bytes(step)[rank]
-        waited_s, link_s = layer_link_seconds(phases)
-        totals, windows, blocks = samples.totals, samples.windows, samples.blocks
-        hosted, replicated = replica_counts(step)
-        nvlink = [over_link(t, w, link_s, r, waited_s, h)
-                  for t, w, r, h in zip(totals, windows, samples.rooms, samples.hidden, strict=True)]
-        row = {"rank": rank, "routes": int(step.plans[0].rank_load[rank]), "home_routes":
-               int(step.plans[0].home_load[rank]), "slots_used": int(hosted[rank]), "replicas_out":
-               int(replicated[rank]), "bytes": bytes_summary(phases),
-               "link_ms": [s * 1e3 for s in link_seconds(phases)], "waited_ms": [s * 1e3 for s in waited_s],
-               "local": spread(totals), "nvlink": spread(nvlink), **host_fields(samples),
-               "windows_ms": [statistics.median(w[i] for w in windows) * 1e3 for i in range(len(PHASES))],
-               "room_ms": statistics.median(r[BESIDE_GEMM] for r in samples.rooms) * 1e3,
-               "prefetch_hidden_ms": [statistics.median(h[i] for h in samples.hidden) * 1e3
-                                      for i, phase in enumerate(PHASES) if phase in OPEN_ENDED]}
-        if self.block:
-            row["gemm"] = spread([g for g, _, _ in blocks])
-            row["swiglu"] = spread([s for _, s, _ in blocks])
-            row["block_calls"] = {name: spread([calls[i] for _, _, calls in blocks])
-                                  for i, name in enumerate(BLOCK_CALLS)}
-            for key, steps in (("beyond_share", nvlink), ("beyond_share_local", totals)):
-                shares = [(t - g - s) / t for t, (g, s, _) in zip(steps, blocks, strict=True)]
-                row[key] = {"median": statistics.median(shares), "min": min(shares), "max": max(shares)}
-        return row
-
-
-@dataclass(eq=False)
-class NativeArm:
-    """torch-native plain EP on one maxvio's `off` plan, eager or compiled (`kind`), on the rank that plan
-    loads most (`hottest_rank`): its staged rank (`NativePlainEPRank`) is attached while the native segment
-    is open."""
-
-    step: GroupStep
-    rank: int
-    kind: str
-    samples: Samples = field(default_factory=Samples)
-    live: tuple | None = None
-    ahead: HostAhead | None = None
-
-    def open(self, native: NativePlainEPRank, run: Callable[..., torch.Tensor]) -> None:
-        self.live = (native, run)
-
-    def close(self) -> None:
-        self.live = None
-
-    def run(self, timed: bool) -> None:
-        native, run = self.live
-        native.experts.run = run
-        self.ahead = self.ahead or HostAhead(native.device)
-        start = self.ahead.start()
-        windows = native.step()
-        end = self.ahead.end()
-        sync(native.device)
-        if timed:
-            keep(self.samples, self.ahead, seconds_between(start, end))
-            self.samples.windows.append([seconds_between(a, b) for a, b in windows])
-
-    def timings(self) -> dict:
-        """`local` and `nvlink` (`spread`)."""
-        link_s = link_seconds(native_link_bytes(self.step)[self.rank])
-        nvlink = [over_link(t, w, link_s) for t, w in zip(self.samples.totals, self.samples.windows,
-                                                          strict=True)]
-        return {"local": spread(self.samples.totals), "nvlink": spread(nvlink), **host_fields(self.samples)}
 
 
 @dataclass(eq=False)
@@ -663,151 +380,6 @@ def native_segment(cfg: MoEConfig, pairs: list[list[NativeArm]], device: torch.d
 
     segment = Segment("torch-native", arms, open_, close)
     return segment
-
-
-def native_row(step: GroupStep, rank: int, pair: list[NativeArm], reached: float,
-               say: Callable[[str], None]) -> dict:
-    """torch-native's entry of one maxvio: its rank, routes, bytes and link time, `eager`, `compiled` (where
-    it ran) and `baseline` (the faster on the NVLink model)."""
-    phases = native_link_bytes(step)[rank]
-    row = {"rank": rank, "routes": int(step.plans[0].home_load[rank]),
-           "link_ms": [s * 1e3 for s in link_seconds(phases)],
-           "bytes": {f"{kind}_{way}": phases[i][j] + phases[i + 2][j] for i, kind in
-                     enumerate(("dispatch", "combine")) for j, way in enumerate(("in", "out"))}}
-    for arm in pair:
-        if arm.samples.totals:
-            row[arm.kind] = arm.timings()
-    row["baseline"] = min((k for k in ("eager", "compiled") if k in row),
-                          key=lambda k: row[k]["nvlink"]["ms"])
-    best = row[row["baseline"]]
-    say(f"  torch-native {row['baseline']:8} maxvio {reached:5.2f} rank {rank:2d}: "
-        f"{best['local']['ms']:8.2f} ms local, {best['nvlink']['ms']:8.2f} nvlink (eager "
-        f"{row['eager']['nvlink']['ms']:.2f}); {row['routes']} routes")
-    return row
-
-
-# -- targets, table, plot ------------------------------------------------------------------------------------
-
-
-def group_span(summary: dict, link: str) -> tuple[float, float, float]:
-    """The group's step (its slowest rank) of one policy and maxvio on `link`: `(median, min, max)` ms."""
-    return span(summary["slowest"][link])
-
-
-def native_span(row: dict, link: str) -> tuple[float, float, float]:
-    """torch-native's step (the faster of eager and compiled) at one maxvio on `link`."""
-    return span(row[row["baseline"]][link])
-
-
-def group_targets(table: dict, link: str) -> list[dict]:
-    """The targets of one group (module docstring) on its `link` timings ("nvlink" or "local"), each naming
-    the group, its maxvio where one applies, and `link`; a target whose rows were not run (a policy, or
-    maxvio 0 or 20) is left out."""
-    fields = dict(model=table["model"], ranks=table["ranks"], link=link)
-    targets, ours, native = table["maxvio_targets"], table["policies"], table.get("native")
-    balanced, skewed = (targets.index(v) if v in targets else None for v in (0.0, 20.0))
-    exact = ours.get("exact")
-    out = []
-    if exact is not None and balanced is not None and skewed is not None:
-        out.append(check("exact: maxvio 20 over maxvio 0",
-                         ratio(group_span(exact[skewed], link), group_span(exact[balanced], link)),
-                         "<=", TARGET_BOUNDS["exact skew"], **fields))
-    if exact is not None and native:
-        for i, key in ((skewed, "exact vs native at skew"), (balanced, "exact vs native balanced")):
-            if i is not None:
-                out.append(check("exact over torch-native plain EP",
-                                 ratio(group_span(exact[i], link), native_span(native[i], link)),
-                                 "<=", TARGET_BOUNDS[key], maxvio=targets[i], **fields))
-    if all(p in ours for p in POLICIES):
-        for i, maxvio in enumerate(targets):
-            better = min(("exact", "off"), key=lambda p: group_span(ours[p][i], link)[0])
-            value = ratio(group_span(ours["cost_aware"][i], link), group_span(ours[better][i], link))
-            same = table.get("cost_aware_plan_as", [None] * len(targets))[i]
-            out.append(check("cost_aware over the better of exact and off", value, "<=",
-                             TARGET_BOUNDS["cost_aware vs best"], maxvio=maxvio, better=better,
-                             same_plan_as=same, **fields))
-    if exact is not None:
-        key = "beyond_share" if link == "nvlink" else "beyond_share_local"
-        for i, maxvio in enumerate(targets):
-            worst = max(exact[i]["ranks"], key=lambda r: (r[key]["median"], -r["rank"]))
-            share = worst[key]
-            out.append(check("exact: time beyond the expert block over the step, worst rank",
-                             (share["median"], share["min"], share["max"]), "<=",
-                             TARGET_BOUNDS["beyond expert block"], maxvio=maxvio, rank=worst["rank"],
-                             **fields))
-    return out
-
-
-def target_line(target: dict) -> str:
-    """`format_check` and where: the group and its maxvio."""
-    where = f"{target['model']} R={target['ranks']}"
-    if "maxvio" in target:
-        where += f", maxvio {target['maxvio']:g}"
-    return f"{format_check(target)} [{where}]"
-
-
-MD_HEADER = ("| group | maxvio (reached) | exact | cost_aware | off | torch-native | exact / torch-native |",
-             "|---|---|---|---|---|---|---|")
-
-
-def markdown(tables: list[dict], record_name: str, device: str) -> str:
-    """The docs' section: per group and maxvio the slowest rank's step (NVLink model, ms median) under each
-    policy and torch-native's, and exact over torch-native."""
-    intro = (f"`python -m bench.ep_group` on {device} (`bench/results/{record_name}`): one training step of "
-             "the routed experts (forward + backward, the router's choice given), every rank of the group "
-             "timed alone, one after another, with its peers' traffic replayed (`bench/rank_replay.py`), the "
-             f"link modelled at {NVLINK_BYTES_PER_S / 1e9:.0f} GB/s a direction (NVLink's spec figure). The "
-             "group's step is its slowest rank's, in ms (median). torch-native: plain EP with bench.layer's "
-             "`torch._grouped_mm` experts on the `off` plan's hottest rank, the faster of eager and "
-             "compiled.")
-    lines = ["### An EP group's step under routing skew, rank by rank on one GPU", "", intro, "", *MD_HEADER]
-    for table in tables:
-        native, exact = table.get("native"), table["policies"].get("exact")
-        for i, target in enumerate(table["maxvio_targets"]):
-            runs = [table["policies"].get(p) for p in POLICIES]
-            cells = [f"{group_span(r[i], 'nvlink')[0]:.2f}" if r else "-" for r in runs]
-            theirs = native_span(native[i], "nvlink")[0] if native else None
-            cells.append(f"{theirs:.2f}" if theirs else "-")
-            cells.append(f"{group_span(exact[i], 'nvlink')[0] / theirs:.2f}" if exact and theirs else "-")
-            reached = table["routing"][i]["maxvio"]
-            lines.append(f"| {table['model']} R={table['ranks']} | {target:g} ({reached:.2f}) | "
-                         f"{' | '.join(cells)} |")
-    lines += ["", f"Left out: {LEFT_OUT}.", ""]
-    return "\n".join(lines)
-
-
-COLORS = {"exact": "tab:blue", "cost_aware": "tab:green", "off": "tab:red", "torch-native": "tab:gray"}
-
-
-def plot(tables: list[dict], path: Path) -> None:
-    """The slowest rank's step against the reached maxvio (NVLink model solid, link as local copies dotted)
-    per policy and torch-native, one panel per group."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(tables), figsize=(5.2 * len(tables), 4.2), squeeze=False)
-    for ax, table in zip(axes[0], tables, strict=True):
-        skews = [r["maxvio"] for r in table["routing"]]
-        series = {p: [(group_span(s, "nvlink")[0], group_span(s, "local")[0]) for s in runs]
-                  for p, runs in table["policies"].items()}
-        if table.get("native"):
-            series["torch-native"] = [(native_span(r, "nvlink")[0], native_span(r, "local")[0])
-                                      for r in table["native"]]
-        for name, points in series.items():
-            ax.plot(skews, [p[0] for p in points], "-o", color=COLORS[name], label=name)
-            ax.plot(skews, [p[1] for p in points], ":", color=COLORS[name], alpha=0.6)
-        ax.set_xscale("symlog", linthresh=1.0)
-        ax.set_xlabel("routing skew: maxvio of the group's experts")
-        ax.set_ylabel("slowest rank's fwd+bwd step (ms)")
-        ax.set_title(f"{table['model']}, R={table['ranks']}, E={table['experts']}, S={table['tokens']}")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7, title="solid: NVLink model; dotted: local copies", title_fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # -- one group ----------------------------------------------------------------------------------------------

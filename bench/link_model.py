@@ -10,7 +10,7 @@ four all-to-alls. `over_link` charges each window (first barrier to second, meas
 where the link, at `NVLINK_BYTES_PER_S` for the larger direction, outlasts it; backward's combine
 (`BESIDE_GEMM`) and the prefetches (`OPEN_ENDED`) only where the link outlasts the GEMM they run beside
 (`prefetch_rooms`, `layer_link_seconds`). A spec figure, not a measured rate: what it leaves out is in
-`bench.ep_group.LEFT_OUT`.
+`bench.ep_group_report.LEFT_OUT`.
 """
 
 from __future__ import annotations

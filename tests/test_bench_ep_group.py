@@ -1,5 +1,6 @@
-"""bench/ep_group.py: the link's bytes, the group's step and its targets, the routing generator, the
-torch-native plain-EP rank, the CPU smoke run and the command line."""
+"""bench.ep_group and the modules it is made of (bench.ep_group_arms, bench.ep_group_report,
+bench.link_model, bench.native_ep): the link's bytes, the group's step and its targets, the routing
+generator, the torch-native plain-EP rank, the CPU smoke run and the command line."""
 
 from __future__ import annotations
 
@@ -10,17 +11,9 @@ import torch
 from test_bench_rank_replay import E, F, H, K, R, S, config, skewed_inputs
 
 from bench.common import idle_gaps
-from bench.ep_group import (
-    POLICIES,
-    Group,
-    Repeats,
-    Segment,
-    group_spread,
-    group_targets,
-    main,
-    same_plans,
-    slowest,
-)
+from bench.ep_group import Group, Segment, group_spread, main, slowest
+from bench.ep_group_arms import Repeats, same_plans
+from bench.ep_group_report import POLICIES, group_targets
 from bench.link_model import (
     NVLINK_BYTES_PER_S,
     layer_link_seconds,
