@@ -128,7 +128,7 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, k: int | None =
     try:
         import_deep_gemm()
     except ImportError as error:
-        return f"deep_gemm cannot be imported ({error}); install the 'gpu' extra (README, GPU section)"
+        return f"deep_gemm cannot be imported ({error}); install the 'gpu' extra (README, 'On a GPU')"
     return None
 
 

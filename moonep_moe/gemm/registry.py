@@ -173,7 +173,7 @@ def _warn_triton_training() -> None:
     """Once a process: fp8 training on the Triton FP8 GEMM is slower than bf16."""
     logger.warning("precision='fp8' trains on the Triton FP8 GEMM here (DeepGEMM is not installed, or the "
                    "GPU is not sm90): about half DeepGEMM's rate, so fp8 training is slower than bf16 "
-                   "(README, 'Precision: bf16 or fp8'); on Hopper, install DeepGEMM (the [gpu] extra)")
+                   "(docs/precision.md, 'When it pays'); on Hopper, install DeepGEMM (the [gpu] extra)")
 
 
 def fp8_weights_gemm(grouped_gemm: str, device: torch.device, dtype: torch.dtype, token_padding: int | None,
