@@ -26,6 +26,8 @@ from collections.abc import Hashable
 
 import torch
 
+from moonep_moe.base.sizes import align_up
+
 _GRANULARITY: dict[int, int] = {}
 _PHYSICAL_BYTES: dict[int, int] = {}
 """Bytes of the live `PhysicalRows` per device index."""
@@ -174,8 +176,7 @@ def with_scratch_rows(first: PhysicalRows, rows: int, key: Hashable) -> torch.Te
     the most bytes asked for so far, rounded up to the granularity; a larger request makes a new one (the
     tensors made before keep the old)."""
     device = first.device
-    unit = granularity(device)
-    nbytes = -(-rows * math.prod(first.row_shape) * first.dtype.itemsize // unit) * unit
+    nbytes = align_up(rows * math.prod(first.row_shape) * first.dtype.itemsize, granularity(device))
     index = (_index(device), key)
     scratch = _SCRATCH.get(index)
     if scratch is None or scratch.nbytes < nbytes:
