@@ -141,9 +141,12 @@ def tma_aligned_rows(rows: int) -> int:
 
 
 def to_deep_gemm_row_scales(scales_mk: Tensor) -> Tensor:
-    """``[rows, Kb]`` scales copied into DeepGEMM's sm90 SFA layout: MN-major, ``stride = (1,
-    tma_aligned_rows(rows))`` (what `kernels.fp8_cast.cast_rows` writes directly)."""
+    """``[rows, Kb]`` scales in DeepGEMM's sm90 SFA layout: MN-major, ``stride = (1, tma_aligned_rows(rows))``
+    (what `kernels.fp8_cast.cast_rows` writes directly): ``scales_mk`` itself where it has that layout and
+    starts 16-byte aligned (TMA's alignment), else a copy."""
     rows, tiles = scales_mk.shape
+    if scales_mk.stride() == (1, tma_aligned_rows(rows)) and scales_mk.data_ptr() % 16 == 0:
+        return scales_mk
     out = scales_mk.new_empty(tiles * tma_aligned_rows(rows)).as_strided(scales_mk.shape,
                                                                           (1, tma_aligned_rows(rows)))
     return out.copy_(scales_mk)
