@@ -81,6 +81,16 @@ def _to_e4m3(v, dtype: tl.constexpr, HARDWARE_ROUNDING: tl.constexpr):
 
 
 @triton.jit
+def quantise_row_tiles(x, dtype: tl.constexpr, MAX_EXP_FIELD: tl.constexpr, MAX_MANTISSA: tl.constexpr,
+                       MIN_AMAX: tl.constexpr, HARDWARE_ROUNDING: tl.constexpr):
+    """fp32 `x [n, 128]`, one 1x128 tile a row -> `(q [n, 128] of dtype (e4m3), scale [n])`: each tile's
+    power-of-two scale and its values over it rounded to e4m3, the bytes `cast_rows` writes. For kernels that
+    make activations and cast them in the same pass (`cast_constants()` gives the constexprs)."""
+    scale, inverse = _pow2_scale(tl.max(tl.abs(x), axis=1), MAX_EXP_FIELD, MAX_MANTISSA, MIN_AMAX)
+    return _to_e4m3(x * inverse[:, None], dtype, HARDWARE_ROUNDING), scale
+
+
+@triton.jit
 def _cast_rows_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, last_group, rows, cols, stride_x, stride_s,
                       MAX_EXP_FIELD: tl.constexpr, MAX_MANTISSA: tl.constexpr, MIN_AMAX: tl.constexpr,
                       HARDWARE_ROUNDING: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
@@ -90,8 +100,8 @@ def _cast_rows_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, last_group, rows, cols, str
         col = tile * TILE + tl.arange(0, TILE)
         mask = (row < rows)[:, None] & (col < cols)[None, :]
         x = tl.load(x_ptr + row[:, None] * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
-        scale, inverse = _pow2_scale(tl.max(tl.abs(x), axis=1), MAX_EXP_FIELD, MAX_MANTISSA, MIN_AMAX)
-        q = _to_e4m3(x * inverse[:, None], q_ptr.dtype.element_ty, HARDWARE_ROUNDING)
+        q, scale = quantise_row_tiles(x, q_ptr.dtype.element_ty, MAX_EXP_FIELD, MAX_MANTISSA, MIN_AMAX,
+                                      HARDWARE_ROUNDING)
         tl.store(q_ptr + row[:, None] * cols + col[None, :], q, mask=mask)
         tl.store(s_ptr + tile * stride_s + row, scale, mask=row < rows)
 
@@ -168,7 +178,8 @@ def _cast_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, offs_ptr, first_group, n, k
     tl.store(s_ptr + (g64 * tl.num_programs(1) + n_block) * tl.num_programs(2) + k_block, scale)
 
 
-def _format_constants() -> dict:
+def cast_constants() -> dict:
+    """The e4m3 format's constexprs every cast kernel takes (and `quantise_row_tiles` in other kernels)."""
     return {"MAX_EXP_FIELD": MAX_BITS >> 23, "MAX_MANTISSA": MAX_BITS & 0x7FFFFF, "MIN_AMAX": MIN_AMAX,
             "HARDWARE_ROUNDING": HARDWARE_ROUNDING}
 
@@ -190,7 +201,7 @@ def cast_rows(x_mk: torch.Tensor, offs_g: torch.Tensor,
         with launching():
             _cast_rows_kernel[grid](x_mk, q_mk, scales, offs_g, offs_g.numel() - 1, rows, cols,
                                     x_mk.stride(0), stride_s, BLOCK=BLOCK_ROWS, TILE=TILE,
-                                    num_warps=num_warps, **_format_constants())
+                                    num_warps=num_warps, **cast_constants())
     return q_mk, scales.as_strided((rows, tiles), (1, stride_s))
 
 
@@ -220,7 +231,7 @@ def cast_columns(x_mk: torch.Tensor, offs_g: torch.Tensor, first_group: int, las
             _cast_columns_kernel[grid](x_mk, q, scales, offs_g, first_group, last_group, rows, cols,
                                        x_mk.stride(0), stride_s, GROUPS_P=next_power_of_2(last_group),
                                        BLOCK=TILE, TILE=COLUMNS_TILE, num_warps=num_warps,
-                                       **_format_constants())
+                                       **cast_constants())
     return q, scales.as_strided((cols, capacity // TILE), (1, stride_s))
 
 
@@ -250,7 +261,7 @@ def cast_blocks(w_gnk: torch.Tensor, scales_out: torch.Tensor, q_out: torch.Tens
                                       scales_out if offs_g is None else offs_g, first_group, n, k,
                                       *w_gnk.stride(), WRITE_Q=q_out is not None, WRITE_QT=qt_out is not None,
                                       SKIP_EMPTY=offs_g is not None, TILE=TILE, num_warps=num_warps,
-                                      **_format_constants())
+                                      **cast_constants())
 
 
 def dequantise_rows(q_mk: torch.Tensor, scales_mk: torch.Tensor, offs_g: torch.Tensor,
