@@ -92,7 +92,8 @@ from moonep_moe.gemm.autotune import MeasuredGroupedGemm
 from moonep_moe.gemm.base import GemmProblem
 from moonep_moe.gemm.fp8 import Fp8GroupedGemm
 from moonep_moe.gemm.registry import fp8_grouped_gemm, fp8_unsupported_reason, select_grouped_gemm
-from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
+from moonep_moe.layers.function import hands_fp8_rows
+from moonep_moe.layers.swiglu import swiglu_backward_rows, swiglu_weighted, swiglu_weighted_fp8
 from moonep_moe.transport.arena import PhysicalRows, expert_arena_reason, joined_rows
 
 PAD = 128
@@ -214,12 +215,13 @@ def block(gemm, x, w, offs, gate_up, down, g, outs: tuple[list, list], add: bool
     """The layer's expert block, forward and backward (as `MoonEPExperts` runs it with peers: dab written
     over ab, both dgrads before the weight gradients), the weight gradients into `outs` (gate_up's, down's:
     `weight_grads`, made once, as the layer's slot and main_grad tensors persist), added into with `add`."""
+    fp8_rows = hands_fp8_rows(gemm, down[0].shape[-1])  # SwiGLU casts the FP8 GEMMs' rows, as in the layer
     ab = gemm.fwd(x, gate_up, offs)
-    hw = swiglu_weighted(ab, w, offs[-1:])
+    hw = (swiglu_weighted_fp8 if fp8_rows else swiglu_weighted)(ab, w, offs[-1:])
     gemm.fwd(hw, down, offs)
     u = gemm.dgrad(g, down, offs)
-    dab, _, hw = swiglu_weighted_backward(u, ab, w, offs[-1:], over_ab=True)
-    gemm.dgrad(dab, gate_up, offs)
+    dab, _, hw, dab_rows = swiglu_backward_rows(u, ab, w, offs[-1:], over_ab=True, fp8_rows=fp8_rows)
+    gemm.dgrad(dab_rows, gate_up, offs)
     gemm.wgrad(g, hw, offs, outs[1], accumulate=add)
     gemm.wgrad(dab, x, offs, outs[0], accumulate=add)
 

@@ -15,8 +15,8 @@ compiled all the way to PTX for an sm90 target (Triton's IR passes, its bundled 
 where such errors are raised. Nothing runs. CI runs it under the newest Triton and the oldest the package
 allows (the H200's).
 
-The compiled FP8 casts must hold sm90's hardware e4m3 conversion (`HARDWARE_E4M3`): they round with it, not
-with the integer path the interpreter needs.
+The compiled FP8 casts, and the SwiGLU kernels that write FP8 rows, must hold sm90's hardware e4m3
+conversion (`HARDWARE_E4M3`): they round with it, not with the integer path the interpreter needs.
 
 Prints one line per launch and exits non-zero if any fails to compile.
 """
@@ -171,7 +171,8 @@ def plan_launches() -> None:
 
 
 def swiglu_launches() -> None:
-    """The fused SwiGLU, forward and backward."""
+    """The fused SwiGLU, forward and backward, with and without FP8 rows (F = 48 and 384: three 128-column
+    tiles of a 512-column block)."""
     global current
     from moonep_moe.layers.kernels import swiglu
 
@@ -181,6 +182,11 @@ def swiglu_launches() -> None:
         swiglu.swiglu_weighted_triton(ab, w, end)
         current = f"swiglu backward {dtype}"
         swiglu.swiglu_weighted_backward_triton(torch.zeros(64, 48, dtype=dtype), ab, w, end)
+    ab, u = torch.zeros(64, 768, dtype=torch.bfloat16), torch.zeros(64, 384, dtype=torch.bfloat16)
+    current = "swiglu forward, FP8 rows"
+    swiglu.swiglu_weighted_fp8_triton(ab, w, end)
+    current = "swiglu backward, FP8 rows"
+    swiglu.swiglu_weighted_backward_triton(u, ab, w, end, fp8_dab=True)
 
 
 HARDWARE_E4M3 = "cvt.rn.satfinite.e4m3x2.f32"
@@ -276,7 +282,7 @@ def main() -> int:
         try:
             sig, constexprs = signature(kernel, args, kwargs)
             ptx = compile_sm90(kernel, sig, constexprs, kwargs)
-            if what.startswith("cast_"):
+            if "HARDWARE_ROUNDING" in constexprs and (what.startswith("cast_") or "FP8" in what):
                 check_hardware_rounding(constexprs, ptx)
             print(f"ok     {what}: {kernel.__name__}")
         except Exception as error:  # noqa: BLE001 - every failure is reported, then the exit code says it

@@ -11,6 +11,9 @@ error is at most ``2^-10 s``. Scales are powers of two, so scaling itself adds n
 
 from __future__ import annotations
 
+import collections
+import threading
+
 import pytest
 import torch
 from test_layer import make_config, make_problem, run_dense, run_moonep
@@ -116,9 +119,15 @@ def test_quantise_is_exact_on_e4m3_values_and_rounds_midpoints_to_even():
 
 
 def test_deep_gemm_row_scale_layout():
+    """Scales in another layout are copied into DeepGEMM's; scales already in it (as the casts write them)
+    are handed on as they are, unless their start is not 16-byte aligned (TMA's)."""
     scales = torch.rand(7, 3)
     laid = to_deep_gemm_row_scales(scales)
     assert torch.equal(laid, scales) and laid.stride() == (1, 8)
+    assert to_deep_gemm_row_scales(laid) is laid
+    shifted = torch.rand(1 + 3 * 8)[1:].as_strided((7, 3), (1, 8))
+    again = to_deep_gemm_row_scales(shifted)
+    assert again.data_ptr() != shifted.data_ptr() and torch.equal(again, shifted) and again.stride() == (1, 8)
 
 
 # -- the Triton casts, bit for bit against the reference ---------------------------------------------------
@@ -864,6 +873,37 @@ def fp8_layer_here(monkeypatch, kernel: str) -> None:
 
 ONE_GPU_BACKWARD = pytest.mark.skipif(torch.cuda.is_available(), reason="thread-ranks on one GPU run forward "
                                       "only (PyTorch's one autograd thread per device); R=1 covers the GPU")
+
+
+@pytest.mark.parametrize("R", [1, pytest.param(2, marks=ONE_GPU_BACKWARD)])
+def test_swiglu_hands_the_fp8_gemms_their_rows_cast_to_the_same_bytes(R, fp8_kernel, monkeypatch):
+    """An fp8 layer step under skewed routing (maxvio 1; at R=2 one replica): SwiGLU giving the down GEMM and
+    gate_up's dgrad their rows as FP8, cast in its own pass (inside its fused kernels on CUDA; the reference
+    cast on the CPU), gives the outputs, input and route gradients and weight gradients of those GEMMs
+    casting the bf16 rows themselves, bit for bit; those two GEMMs get ``(q, scales)`` (F = 256: whole
+    1x128 tiles) where the backend casts the rows it multiplies (`casts_rows`), bf16 rows where not."""
+    fp8_layer_here(monkeypatch, fp8_kernel)
+    cfg = make_config(R, hidden_size=256, ffn_hidden_size=256, num_experts=4, max_tokens_per_rank=128,
+                      token_padding=128, dtype="bfloat16", grouped_gemm="torch", precision="fp8",
+                      router={"dtype": "float32", "expert_bias": True})
+    p = make_problem(cfg, seed=43, skew=20.0)
+    real_gemm, given = Fp8GroupedGemm._gemm, collections.defaultdict(list)
+
+    def spy(self, a, *args):
+        given[threading.get_ident()].append(isinstance(a, tuple))  # per rank (a thread each)
+        return real_gemm(self, a, *args)
+
+    monkeypatch.setattr(Fp8GroupedGemm, "_gemm", spy)
+    runs = {}
+    for casts_rows in (True, False):
+        monkeypatch.setattr(Fp8GroupedGemm, "casts_rows", casts_rows)
+        given.clear()
+        runs[casts_rows] = run_moonep(p, KERNEL_DEVICE)
+        # each rank: gate_up fwd, down fwd, down dgrad, gate_up dgrad
+        assert list(given.values()) == [[False, casts_rows, False, casts_rows]] * R, given
+    for fused, plain in zip(runs[True], runs[False], strict=True):
+        for name in ("out", "grad_x", "grad_router", "grad_gate_up", "grad_down"):
+            assert torch.equal(fused[name], plain[name]), name
 
 
 @pytest.mark.parametrize("R", [1, pytest.param(2, marks=ONE_GPU_BACKWARD)])

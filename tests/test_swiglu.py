@@ -4,7 +4,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
+from moonep_moe.fp8.format import FP8_DTYPE, quantise_rows
+from moonep_moe.layers.swiglu import (
+    swiglu_weighted,
+    swiglu_weighted_backward,
+    swiglu_weighted_backward_fp8,
+    swiglu_weighted_fp8,
+)
 
 M, FFN = 37, 24
 
@@ -57,6 +63,7 @@ def test_low_precision_input_keeps_dtypes(dtype):
 
 
 @pytest.mark.interpreter
+@pytest.mark.oldest_triton
 @pytest.mark.parametrize("programs", [7, 2**16])
 def test_fused_kernels_on_the_cpu_with_fewer_programs_than_rows(monkeypatch, programs):
     """Triton's interpreter: with 7 programs each takes every 7th row below num_rows (the grid's cap, which
@@ -144,3 +151,86 @@ def test_fused_backward_over_ab_matches_a_new_tensor(ffn):
     got, want = over_ab_case(swiglu_weighted_backward, u_mf, ab_m2f, route_weights_m, num_rows)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g[:257], w[:257], rtol=0, atol=0)
+
+
+# -- FP8 rows for the GEMMs after SwiGLU, cast in its own pass ----------------------------------------------
+
+
+def fp8_case(ffn: int, rows: int, num_rows: int, device: str):
+    """bf16 ``ab``, ``u`` and fp32 route weights (every 5th row a padding row of weight 0), and ``num_rows``
+    (an int32 device scalar: rows past it unwritten)."""
+    gen = torch.Generator().manual_seed(ffn)
+    ab_m2f = (3 * torch.randn(rows, 2 * ffn, generator=gen)).bfloat16()
+    route_weights_m = torch.rand(rows, generator=gen)
+    route_weights_m[::5] = 0.0
+    u_mf = torch.randn(rows, ffn, generator=gen).bfloat16()
+    num_rows = torch.tensor([num_rows], dtype=torch.int32)
+    return [t.to(device) for t in (ab_m2f, route_weights_m, u_mf, num_rows)]
+
+
+def assert_cast_of(got: tuple[torch.Tensor, torch.Tensor], x_mk: torch.Tensor, rows: int) -> None:
+    """``got`` = ``(q, scales)`` is the reference cast of ``x``'s first ``rows`` rows, bit for bit, the
+    scales MN-major with a row stride of 4-row multiples (DeepGEMM's layout)."""
+    q_mk, scales_mk = got
+    want_q, want_scales = quantise_rows(x_mk[:rows].cpu())
+    assert q_mk.dtype == FP8_DTYPE and scales_mk.stride() == (1, -(-q_mk.shape[0] // 4) * 4)
+    assert torch.equal(q_mk[:rows].cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scales_mk[:rows].cpu(), want_scales)
+
+
+def check_fp8_rows(forward, backward, forward_fp8, backward_fp8, device: str, ffn: int, rows: int = 300,
+                   num_rows: int = 257) -> None:
+    """The FP8 forms against the plain ones (``forward``, ``backward``, the same path) on the same inputs:
+    hw's and dab's reference casts, bit for bit, and the backward's other results the same bits, with and
+    without ``over_ab``."""
+    ab_m2f, route_weights_m, u_mf, ends = fp8_case(ffn, rows, num_rows, device)
+    hw_mf = forward(ab_m2f, route_weights_m, ends)
+    assert_cast_of(forward_fp8(ab_m2f, route_weights_m, ends), hw_mf, num_rows)
+    want = backward(u_mf, ab_m2f, route_weights_m, ends)
+    for over_ab in (False, True):
+        *got, dab_rows = backward_fp8(u_mf, ab_m2f.clone(), route_weights_m, ends, over_ab=over_ab)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g[:num_rows], w[:num_rows])
+        assert_cast_of(dab_rows, want[0], num_rows)
+
+
+PATHS = (swiglu_weighted, swiglu_weighted_backward, swiglu_weighted_fp8, swiglu_weighted_backward_fp8)
+"""The functions `check_fp8_rows` takes: plain and FP8, forward and backward."""
+
+
+@pytest.mark.parametrize("ffn", [128, 384])
+def test_fp8_rows_are_the_reference_cast_of_the_bf16_rows(ffn):
+    """The torch path (CPU tensors), F = 1 and 3 tiles."""
+    check_fp8_rows(*PATHS, "cpu", ffn)
+
+
+@pytest.mark.interpreter
+@pytest.mark.oldest_triton
+@pytest.mark.parametrize("block_f,programs", [(512, 2**16), (128, 7)])
+def test_fused_fp8_kernels_on_the_cpu_cast_in_the_same_pass(monkeypatch, block_f, programs):
+    """Triton's interpreter: the fused kernels' FP8 outputs are the reference casts of the rows they would
+    write in bf16, bit for bit; F = 384 is one block of four tiles (the last masked) at 512 columns a
+    block, and three blocks at 128; with 7 programs each takes every 7th row below num_rows."""
+    from moonep_moe.layers.kernels import swiglu as kernels
+
+    monkeypatch.setattr(kernels, "BLOCK_F", block_f)
+    monkeypatch.setattr(kernels, "ROW_PROGRAMS", programs)
+    check_fp8_rows(kernels.swiglu_weighted_triton, kernels.swiglu_weighted_backward_triton,
+                   kernels.swiglu_weighted_fp8_triton,
+                   lambda *args, **kw: kernels.swiglu_weighted_backward_triton(*args, **kw, fp8_dab=True),
+                   "cpu", 384, rows=24, num_rows=19)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ffn", [128, 384, 2048])
+def test_fused_fp8_kernels_cast_in_the_same_pass(ffn):
+    """On CUDA (compiled, rounding with the hardware conversion): as on the CPU."""
+    check_fp8_rows(*PATHS, "cuda", ffn)
+
+
+def test_fp8_rows_need_whole_tiles_of_f():
+    ab_m2f, route_weights_m, u_mf = (t.bfloat16() for t in random_case(torch.float64))
+    with pytest.raises(ValueError, match="F=24 is not a multiple of 128"):
+        swiglu_weighted_fp8(ab_m2f, route_weights_m.float())
+    with pytest.raises(ValueError, match="F=24 is not a multiple of 128"):
+        swiglu_weighted_backward_fp8(u_mf, ab_m2f, route_weights_m.float())

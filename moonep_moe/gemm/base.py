@@ -126,6 +126,12 @@ class Fp8RowsGemm(GroupedGemm, Protocol):
     ceil(inner/128)] fp32), ...)`. What `MoEConfig.fp8_dispatch` needs of the backend (the FP8 ones): the
     tokens are quantised before dispatch and the rows kept FP8 for backward."""
 
+    casts_rows: bool
+    """True: fwd and dgrad multiply bf16 rows cast to e4m3 per 1x128 tile (`fp8.format.quantise_rows`' bytes)
+    and take such rows as ``(q, scales)`` too, dgrad as well, with the same result: so the kernel that makes
+    the rows may cast them in the same pass (`layers.swiglu.swiglu_weighted_fp8`). False: bf16 rows are
+    multiplied as given (a reference of FP8 weights)."""
+
     def quantise_rows(self, x_sh: Tensor) -> tuple[Tensor, Tensor]:
         """``x [s, inner]`` -> ``(q [s, inner] e4m3, scales [s, ceil(inner/128)] fp32)`` per 1x128 tile."""
         ...

@@ -304,6 +304,7 @@ class Fp8GroupedGemm:
     """
 
     joined_weights = False  # the home parameters themselves, so their FP8 copies are kept per version
+    casts_rows = True  # `Fp8RowsGemm.casts_rows`: rows given as (q, scales) skip the cast
 
     def __init__(self, wgrad: GroupedGemm | None, kernel: str = "deep_gemm", fp8_wgrad: bool = False) -> None:
         from moonep_moe.fp8.cast import cast_rows, dequantise_rows
@@ -353,8 +354,9 @@ class Fp8GroupedGemm:
         _check_groups(weights, offs_g, "weights")
         return self._gemm(x, *self.weights.get(weights, transposed=False, offs_g=offs_g), offs_g, out)
 
-    def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
+    def dgrad(self, dy: Tensor | tuple[Tensor, Tensor], weights: Sequence[Tensor], offs_g: Tensor,
               slots_ready: SlotsReady | None = None, out: Tensor | None = None) -> Tensor:
+        """``dy``: bf16 rows (cast here) or already FP8 ``(q, scales)``, as in `fwd`."""
         wait_for(slots_ready)
         _check_groups(weights, offs_g, "weights")
         return self._gemm(dy, *self.weights.get(weights, transposed=True, offs_g=offs_g), offs_g, out)
@@ -476,6 +478,7 @@ class ReferenceFp8Gemm:
     name = "reference_fp8"
     ops = ("fwd",)
     joined_weights = True
+    casts_rows = False
 
     def quantise_rows(self, x_sh: Tensor) -> tuple[Tensor, Tensor]:
         """As `Fp8GroupedGemm.quantise_rows`, with the reference cast (any device)."""

@@ -11,7 +11,8 @@ Forward, on every rank:
 3. `ab = x @ gate_up^T` (one grouped GEMM for gate and up; with `overlap_prefetch` the home experts' groups
    first, then a device-side wait for the prefetch, then the slots' groups: `SlotsReady`, so the replicas'
    link time hides under the home experts' GEMM where the backend can split it), `hw = silu(a) * b * w`
-   (the route weight applied per row), `y = hw @ down^T` (grouped GEMM).
+   (the route weight applied per row), `y = hw @ down^T` (grouped GEMM). Before FP8 GEMMs SwiGLU writes hw
+   as the e4m3 rows down multiplies (`hands_fp8_rows`), and in backward dab also as gate_up's dgrad takes it.
 4. `Buffer.combine`: each token's K rows summed in fp32.
 
 Backward reuses the forward plan (never plans again):
@@ -57,7 +58,12 @@ import torch
 from moonep_moe.base.triton import triton_missing_reason
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.gemm.base import Fp8RowsGemm, GroupedGemm, SlotsReady
-from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
+from moonep_moe.layers.swiglu import (
+    fp8_tiles_reason,
+    swiglu_backward_rows,
+    swiglu_weighted,
+    swiglu_weighted_fp8,
+)
 from moonep_moe.plan.types import MoonEPCommPlan
 from moonep_moe.weights.experts import HomeExperts, main_grad_added
 
@@ -88,6 +94,11 @@ class ExpertsState:
         return self.buffer.world.size == 1 and self.experts.num_slots == 0
 
     @property
+    def fp8_rows(self) -> bool:
+        """Whether SwiGLU hands the GEMMs after it their rows already FP8 (`hands_fp8_rows`)."""
+        return hands_fp8_rows(self.gemm, self.experts.ffn_hidden_size)
+
+    @property
     def regathers_rows(self) -> bool:
         """Whether backward gathers the dispatched rows x again from the tokens (a local copy on one rank,
         the bytes forward's saved copy would have cost) instead of forward saving a `[NvS, H]` copy: one
@@ -106,6 +117,14 @@ class ExpertsState:
         if self.fp8_dispatch and not isinstance(self.gemm, Fp8RowsGemm):
             raise TypeError(f"fp8_dispatch needs a GEMM backend that takes FP8 rows (Fp8RowsGemm), got "
                             f"{type(self.gemm).__name__}")
+
+
+def hands_fp8_rows(gemm: GroupedGemm, ffn: int) -> bool:
+    """Whether SwiGLU gives the GEMM after it (forward's down, backward's gate_up dgrad) its rows as FP8, cast
+    in SwiGLU's own pass (`swiglu_weighted_fp8`, `swiglu_weighted_backward_fp8`) instead of by the GEMM from
+    bf16 rows: the same bytes, one pass over the rows less. Where the backend casts the rows it multiplies
+    (`Fp8RowsGemm.casts_rows`) and F is whole 1x128 tiles (`fp8_tiles_reason`)."""
+    return getattr(gemm, "casts_rows", False) and fp8_tiles_reason(ffn) is None
 
 
 def compute_offsets(cu_seqlens_g: torch.Tensor, rank: int, epn: int, num_experts: int) -> torch.Tensor:
@@ -159,7 +178,8 @@ class MoonEPExperts(torch.autograd.Function):
         offs_g = compute_offsets(cu_seqlens, buffer.world.rank, buffer.epn, buffer.E)
         gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
         ab_nv2f = gemm.fwd(x_nvsh, gate_up_w, offs_g, slots_ready)
-        hw_nvf = swiglu_weighted(ab_nv2f, w_nvs, offs_g[-1:])
+        # hw (fp8_rows: as the FP8 rows the down GEMM multiplies, no bf16 hw written)
+        hw_nvf = (swiglu_weighted_fp8 if state.fp8_rows else swiglu_weighted)(ab_nv2f, w_nvs, offs_g[-1:])
         # gate_up has read the rows (x is a copy of them, or gathered again in backward), so down may write
         # y into them, where combine reads it without copying it in (a backend that cannot returns its own)
         rows_nvsh = buffer.hidden_nvsh_buffer_view
@@ -197,8 +217,9 @@ class MoonEPExperts(torch.autograd.Function):
         slots_ready = state.prefetch(plan)  # as forward
         gate_up_w, down_w = experts.compute_weights(gemm.joined_weights)
         u_nvf = gemm.dgrad(dy_nvsh, down_w, offs_g, slots_ready)
-        dab_nv2f, grad_w_nvs, hw_nvf = swiglu_weighted_backward(u_nvf, ab_nv2f, w_nvs, offs_g[-1:],
-                                                                over_ab=once)
+        # dab_rows: dab as gate_up's dgrad multiplies it (fp8_rows: FP8, cast in the same pass)
+        dab_nv2f, grad_w_nvs, hw_nvf, dab_rows = swiglu_backward_rows(u_nvf, ab_nv2f, w_nvs, offs_g[-1:],
+                                                                      over_ab=once, fp8_rows=state.fp8_rows)
         del u_nvf, ab_nv2f  # each activation freed after its last reader, not when backward returns: the
         # memory goes to the gradients made later in this backward (the step's peak is at gate_up's wgrad)
         # down's weight gradient first, dy's last reader: the rows are then free, and gate_up's dgrad writes
@@ -236,7 +257,8 @@ class MoonEPExperts(torch.autograd.Function):
             home = (home[0], down_home)
         del hw_nvf
         rows_nvsh = buffer.hidden_nvsh_buffer_view
-        dx_nvsh = gemm.dgrad(dab_nv2f, gate_up_w, offs_g, out=rows_nvsh)
+        dx_nvsh = gemm.dgrad(dab_rows, gate_up_w, offs_g, out=rows_nvsh)
+        del dab_rows
         if clears[0]:
             zero_filled_slots(gate_up_slots, offs_g, buffer.epn)
 
