@@ -10,6 +10,11 @@ Rows, each at every warp count in `--warps`:
   the forward orientation (`q`, what `Fp8WeightCache` casts in forward), the transposed one (`qt`, dgrad's,
   cast in backward) and both in one pass.
 - `activations`: `cast_rows` of the rows a GEMM reads (`x [rows, H]`, `hw [rows, H']`), every row used.
+- `swiglu`: the expert block's SwiGLU with the FP8 rows of the GEMM after it, forward (`hw [rows, H']`) and
+  backward (`dab [rows, 2H']`), two ways: SwiGLU then `cast_rows` of its bf16 output (`orientation`
+  "apart", the baseline), and the fused kernel that casts in its own pass (`swiglu_weighted_fp8`,
+  `swiglu_weighted_backward_fp8`: "fused", what an fp8 layer runs), with `vs_apart` the fused row's speed
+  over the baseline's, both timed in the same run. Their `bytes` are the fused kernel's least traffic.
 
 Each row's bytes are what the kernel must move at least (bf16 read, e4m3 written per orientation, fp32
 scales); `vs_copy` is those bytes per second over the run's device copy bandwidth (bytes read + written per
@@ -26,6 +31,12 @@ import torch
 from bench.common import measure_limits, model_shape, spread, timings, write_record
 from moonep_moe.fp8 import cast as fp8_cast
 from moonep_moe.fp8.format import FP8_DTYPE, TILE, block_scales_shape
+from moonep_moe.layers.swiglu import (
+    swiglu_weighted,
+    swiglu_weighted_backward,
+    swiglu_weighted_backward_fp8,
+    swiglu_weighted_fp8,
+)
 
 ORIENTATIONS = {"q": (True, False), "qt": (False, True), "q+qt": (True, True)}
 
@@ -59,6 +70,31 @@ def activation_rows(name: str, x_mk: torch.Tensor, warps: list[int], repeat: int
             for num_warps in warps]
 
 
+def swiglu_rows(h: int, f: int, rows: int, repeat: int, gen: torch.Generator) -> list[dict]:
+    """SwiGLU forward and backward with the next GEMM's FP8 rows, cast apart and fused (`swiglu`)."""
+    ab = torch.randn(rows, 2 * f, device="cuda", dtype=torch.bfloat16, generator=gen)
+    u = torch.randn(rows, f, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.rand(rows, device="cuda", generator=gen)
+    ends = torch.tensor([rows], dtype=torch.int32, device="cuda")
+    scales = rows * f // TILE * 4
+    calls = {
+        ("forward", "apart"): lambda: fp8_cast.cast_rows(swiglu_weighted(ab, w, ends), ends),
+        ("forward", "fused"): lambda: swiglu_weighted_fp8(ab, w, ends),
+        ("backward", "apart"): lambda: fp8_cast.cast_rows(swiglu_weighted_backward(u, ab, w, ends)[0], ends),
+        ("backward", "fused"): lambda: swiglu_weighted_backward_fp8(u, ab, w, ends),
+    }
+    # least traffic of the fused kernels: forward reads ab, writes q and scales; backward reads u and ab,
+    # writes dab, hw, their FP8 rows and scales
+    moved = {"forward": rows * (4 * f + f + 4) + scales, "backward": rows * (2 * f + 4 * f + 4 * f + 2 * f
+                                                                            + 2 * f + 8) + 2 * scales}
+    out = [{"kind": "swiglu", "tensor": f"{direction}", "shape": [rows, 2 * f], "orientation": how,
+            "num_warps": 4, "bytes": moved[direction], **spread(timings(call, repeat=repeat))}
+           for (direction, how), call in calls.items()]
+    for fused, apart in zip(out[1::2], out[::2], strict=True):
+        fused["vs_apart"] = apart["ms"] / fused["ms"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,11 +121,13 @@ def main() -> None:
             x = torch.randn(args.rows, width, device="cuda", dtype=torch.bfloat16, generator=gen)
             rows += [{"model": model, **row} for row in activation_rows(name, x, args.warps, args.repeat)]
             del x
+        rows += [{"model": model, **row} for row in swiglu_rows(h, f, args.rows, args.repeat, gen)]
     for row in rows:
         row["vs_copy"] = row["bytes"] / (row["ms"] / 1e3) / limits["copy_bytes_per_s"]
         print(f"{row['model']:12} {row['kind']:11} {row['tensor']:8} {str(row['shape']):22} "
               f"{row['orientation']:5} warps={row['num_warps']:2}  {row['ms']:7.3f} ms "
-              f"({row['ms_min']:.3f}-{row['ms_max']:.3f})  {row['vs_copy']:.2f} of copy bandwidth")
+              f"({row['ms_min']:.3f}-{row['ms_max']:.3f})  {row['vs_copy']:.2f} of copy bandwidth"
+              + (f", {row['vs_apart']:.2f}x apart" if "vs_apart" in row else ""))
     path = write_record("fp8-cast", limits, rows, setup=vars(args),
                         defaults={"cast_blocks": fp8_cast.BLOCKS_WARPS, "cast_rows": fp8_cast.ROWS_WARPS})
     print(f"wrote {path}")
