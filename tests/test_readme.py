@@ -101,6 +101,13 @@ def run_block(block: Block, workdir: Path) -> subprocess.CompletedProcess:
 
 
 BLOCKS = [block for path in DOCUMENTS for block in python_blocks(path)]
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+"""What a torchrun rank prints when torch's gloo backend aborts it at exit, after the script has finished:
+in about 1 of 20 runs of the 4-rank CPU script of docs/parallel-training.md on a 2-core machine (with or
+without the package's changes; a core dump's stack: a `ProcessGroupGloo::runLoop` worker thread drops its
+last `AsyncAllreduceWork`, whose tensor's Python object it then frees, and taking the GIL during
+`Py_FinalizeEx` ends that thread, so `std::terminate`). A block that fails so is run once more; any other
+failure, or this one twice, fails the test."""
 
 
 def test_the_readme_has_python_blocks():
@@ -119,6 +126,8 @@ def test_block_runs(block: Block, tmp_path: Path):
     if "gpu-only" in block.tags and not torch.cuda.is_available():
         pytest.skip(f"{block.name} is marked gpu-only: it needs a CUDA device")
     result = run_block(block, tmp_path)
+    if block.processes is not None and result.returncode != 0 and GLOO_EXIT_ABORT in result.stdout:
+        result = run_block(block, tmp_path)  # once more: torch's own race at exit (GLOO_EXIT_ABORT)
     assert result.returncode == 0, f"{block.name} failed (exit {result.returncode}):\n{result.stdout[-4000:]}"
 
 
