@@ -193,16 +193,23 @@ def cast_rows(x_mk: torch.Tensor, offs_g: torch.Tensor,
     rows, cols = x_mk.shape
     if x_mk.stride(1) != 1:
         raise ValueError(f"x must have contiguous rows (stride(1) == 1), got strides {x_mk.stride()}")
-    tiles, stride_s = cdiv(cols, TILE), tma_aligned_rows(rows)
-    q_mk = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x_mk.device)
-    scales = torch.empty(tiles * stride_s, dtype=torch.float32, device=x_mk.device)
+    q_mk, scales = empty_rows(rows, cols, x_mk.device)
     if rows and cols:
-        grid = (cdiv(rows, BLOCK_ROWS), tiles)
+        grid = (cdiv(rows, BLOCK_ROWS), scales.shape[1])
         with launching():
             _cast_rows_kernel[grid](x_mk, q_mk, scales, offs_g, offs_g.numel() - 1, rows, cols,
-                                    x_mk.stride(0), stride_s, BLOCK=BLOCK_ROWS, TILE=TILE,
+                                    x_mk.stride(0), scales.stride(1), BLOCK=BLOCK_ROWS, TILE=TILE,
                                     num_warps=num_warps, **cast_constants())
-    return q_mk, scales.as_strided((rows, tiles), (1, stride_s))
+    return q_mk, scales
+
+
+def empty_rows(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised FP8 rows as `cast_rows` makes them: `q [rows, cols]` e4m3 and `scales [rows,
+    ceil(cols/128)]` fp32, MN-major with a row stride of `tma_aligned_rows(rows)`."""
+    tiles, stride_s = cdiv(cols, TILE), tma_aligned_rows(rows)
+    scales = torch.empty(tiles * stride_s, dtype=torch.float32, device=device)
+    return (torch.empty(rows, cols, dtype=FP8_DTYPE, device=device),
+            scales.as_strided((rows, tiles), (1, stride_s)))
 
 
 def cast_columns(x_mk: torch.Tensor, offs_g: torch.Tensor, first_group: int, last_group: int,

@@ -26,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moonep_moe.base.sizes import cdiv, next_power_of_2
+from moonep_moe.base.sizes import next_power_of_2
 from moonep_moe.comm.kernels.common import as_int64
-from moonep_moe.fp8.cast import cast_constants, quantise_row_tiles
-from moonep_moe.fp8.format import FP8_DTYPE, TILE, tma_aligned_rows
+from moonep_moe.fp8.cast import cast_constants, empty_rows, quantise_row_tiles
+from moonep_moe.fp8.format import TILE
 
 BLOCK_F = 512
 ROW_PROGRAMS = 2**16
@@ -130,14 +130,6 @@ def _num_rows(num_rows: torch.Tensor | None, rows: int, device: torch.device) ->
     return torch.full((1,), rows, dtype=torch.int32, device=device) if num_rows is None else num_rows
 
 
-def _fp8_rows(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialised FP8 rows `q [rows, cols]` and their scales, as `fp8.cast.cast_rows` makes them."""
-    stride_s = tma_aligned_rows(rows)
-    scales = torch.empty(cdiv(cols, TILE) * stride_s, dtype=torch.float32, device=device)
-    return (torch.empty(rows, cols, dtype=FP8_DTYPE, device=device),
-            scales.as_strided((rows, cdiv(cols, TILE)), (1, stride_s)))
-
-
 def swiglu_weighted_triton(ab_nv2f: torch.Tensor, route_weights_nvs: torch.Tensor,
                            num_rows: torch.Tensor | None = None) -> torch.Tensor:
     """`[NvS, 2F]`, `[NvS]` -> `hw [NvS, F]` in `ab`'s dtype; rows >= `num_rows` (int32 device scalar)
@@ -154,7 +146,7 @@ def swiglu_weighted_fp8_triton(ab_nv2f: torch.Tensor, route_weights_nvs: torch.T
     layout `fp8.cast.cast_rows` gives for `swiglu_weighted_triton`'s hw, without writing hw; rows >=
     `num_rows` unwritten. F must be a multiple of 128 (`layers.swiglu.fp8_tiles_reason`)."""
     rows, f = ab_nv2f.shape[0], ab_nv2f.shape[1] // 2
-    q_nvf, scales = _fp8_rows(rows, f, ab_nv2f.device)
+    q_nvf, scales = empty_rows(rows, f, ab_nv2f.device)
     _forward(ab_nv2f, route_weights_nvs, num_rows, q_nvf, scales, fp8=True)
     return q_nvf, scales
 
@@ -180,7 +172,7 @@ def swiglu_weighted_backward_triton(u_nvf: torch.Tensor, ab_nv2f: torch.Tensor,
     hw_nvf = ab_nv2f.new_empty(rows, f)
     gw_nvs = torch.empty_like(route_weights_nvs)
     if fp8_dab:
-        q_nv2f, scales = _fp8_rows(rows, 2 * f, ab_nv2f.device)
+        q_nv2f, scales = empty_rows(rows, 2 * f, ab_nv2f.device)
     else:
         q_nv2f = scales = hw_nvf  # not read: FP8 off
     if rows:
