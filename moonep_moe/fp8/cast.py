@@ -32,7 +32,7 @@ import triton.language as tl
 
 from moonep_moe.base.interpreter import INTERPRETED, launching
 from moonep_moe.base.sizes import align_up, cdiv, next_power_of_2
-from moonep_moe.fp8.format import FP8_DTYPE, MAX_BITS, MIN_AMAX, TILE, tma_aligned_rows
+from moonep_moe.fp8.format import FP8_DTYPE, MAX_BITS, MIN_AMAX, TILE, empty_mn_major_scales
 
 HARDWARE_ROUNDING = not INTERPRETED
 """Compiled kernels round with the hardware conversion; the interpreter with `_round_to_e4m3`."""
@@ -206,10 +206,8 @@ def cast_rows(x_mk: torch.Tensor, offs_g: torch.Tensor,
 def empty_rows(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialised FP8 rows as `cast_rows` makes them: `q [rows, cols]` e4m3 and `scales [rows,
     ceil(cols/128)]` fp32, MN-major with a row stride of `tma_aligned_rows(rows)`."""
-    tiles, stride_s = cdiv(cols, TILE), tma_aligned_rows(rows)
-    scales = torch.empty(tiles * stride_s, dtype=torch.float32, device=device)
     return (torch.empty(rows, cols, dtype=FP8_DTYPE, device=device),
-            scales.as_strided((rows, tiles), (1, stride_s)))
+            empty_mn_major_scales(rows, cdiv(cols, TILE), device))
 
 
 def cast_columns(x_mk: torch.Tensor, offs_g: torch.Tensor, first_group: int, last_group: int,
@@ -229,17 +227,17 @@ def cast_columns(x_mk: torch.Tensor, offs_g: torch.Tensor, first_group: int, las
     if not 0 <= first_group <= last_group <= offs_g.numel():
         raise ValueError(f"need 0 <= first_group <= last_group <= {offs_g.numel()} segments, got "
                          f"{first_group} and {last_group}")
-    capacity, stride_s = align_up(rows, TILE), tma_aligned_rows(cols)
+    capacity = align_up(rows, TILE)
     q = torch.empty(capacity * cols, dtype=FP8_DTYPE, device=x_mk.device)
-    scales = torch.empty(capacity // TILE * stride_s, dtype=torch.float32, device=x_mk.device)
+    scales = empty_mn_major_scales(cols, capacity // TILE, x_mk.device)
     if rows and cols and last_group > first_group:
         grid = (capacity // TILE, cdiv(cols, COLUMNS_TILE))
         with launching():
             _cast_columns_kernel[grid](x_mk, q, scales, offs_g, first_group, last_group, rows, cols,
-                                       x_mk.stride(0), stride_s, GROUPS_P=next_power_of_2(last_group),
+                                       x_mk.stride(0), scales.stride(1), GROUPS_P=next_power_of_2(last_group),
                                        BLOCK=TILE, TILE=COLUMNS_TILE, num_warps=num_warps,
                                        **cast_constants())
-    return q, scales.as_strided((cols, capacity // TILE), (1, stride_s))
+    return q, scales
 
 
 def cast_blocks(w_gnk: torch.Tensor, scales_out: torch.Tensor, q_out: torch.Tensor | None = None,

@@ -140,16 +140,21 @@ def tma_aligned_rows(rows: int) -> int:
     return -(-rows // 4) * 4
 
 
+def empty_mn_major_scales(rows: int, tiles: int, device: torch.device) -> Tensor:
+    """Uninitialised fp32 scales ``[rows, tiles]`` in DeepGEMM's sm90 scale layout: MN-major, ``stride = (1,
+    tma_aligned_rows(rows))`` (what the casts in `fp8.cast` write)."""
+    stride = tma_aligned_rows(rows)
+    flat = torch.empty(tiles * stride, dtype=torch.float32, device=device)
+    return flat.as_strided((rows, tiles), (1, stride))
+
+
 def to_deep_gemm_row_scales(scales_mk: Tensor) -> Tensor:
-    """``[rows, Kb]`` scales in DeepGEMM's sm90 SFA layout: MN-major, ``stride = (1, tma_aligned_rows(rows))``
-    (what `kernels.fp8_cast.cast_rows` writes directly): ``scales_mk`` itself where it has that layout and
-    starts 16-byte aligned (TMA's alignment), else a copy."""
+    """``[rows, Kb]`` scales in DeepGEMM's sm90 SFA layout (`empty_mn_major_scales`): ``scales_mk`` itself
+    where it has that layout and starts 16-byte aligned (TMA's alignment), else a copy."""
     rows, tiles = scales_mk.shape
     if scales_mk.stride() == (1, tma_aligned_rows(rows)) and scales_mk.data_ptr() % 16 == 0:
         return scales_mk
-    out = scales_mk.new_empty(tiles * tma_aligned_rows(rows)).as_strided(scales_mk.shape,
-                                                                          (1, tma_aligned_rows(rows)))
-    return out.copy_(scales_mk)
+    return empty_mn_major_scales(rows, tiles, scales_mk.device).copy_(scales_mk)
 
 
 def quantise_columns(x_mk: Tensor, sizes: Sequence[int]) -> tuple[Tensor, Tensor]:
