@@ -181,6 +181,7 @@ def with_scratch_rows(first: PhysicalRows, rows: int, key: Hashable) -> torch.Te
     scratch = _SCRATCH.get(index)
     if scratch is None or scratch.nbytes < nbytes:
         scratch = _SCRATCH[index] = PhysicalRows(1, (nbytes,), torch.uint8, device)
-    mapping = _Mapping(device, [(first.handle, first.nbytes), (scratch.handle, nbytes)])
+    # the whole scratch is mapped: the driver maps no part of an allocation (CUDA_ERROR_NOT_SUPPORTED)
+    mapping = _Mapping(device, [(first.handle, first.nbytes), (scratch.handle, scratch.nbytes)])
     return _as_tensor(mapping.pointer, (first.rows + rows, *first.row_shape), first.dtype, device,
                       (mapping, first, scratch))
