@@ -38,7 +38,8 @@ def test_joined_rows_alias_both_allocations():
 def test_scratch_rows_are_shared_by_the_tensors_of_one_key():
     """`with_scratch_rows`: each tensor's first rows are its own allocation's; its last rows are the scratch
     of its key, which every tensor of that key sees written (one allocation, the largest size asked for: a
-    larger request makes a new one and leaves the earlier tensors theirs), another key has its own."""
+    larger request makes a new one and leaves the earlier tensors theirs, a smaller one maps the current one),
+    another key has its own."""
     import gc
 
     from moonep_moe.transport.arena import PhysicalRows, physical_bytes, with_scratch_rows
@@ -63,7 +64,12 @@ def test_scratch_rows_are_shared_by_the_tensors_of_one_key():
     larger[2:].fill_(7)
     assert bool((first[2:] == 3).all()), "the earlier tensors keep the smaller scratch"
     assert physical_bytes(device) - before == (2 * 2 + 2 + 2 + 4) * mib
-    del first, second, other, larger, homes, home
+    smaller = with_scratch_rows(homes[0], 1, "a")  # maps the whole 4 MiB scratch (the driver maps no part)
+    assert smaller.shape == (3, *row_shape) and torch.equal(smaller[:2], homes[0].tensor)
+    smaller[2].fill_(9)
+    assert bool((larger[2] == 9).all()) and bool((larger[3] == 7).all()), "the larger tensor's scratch"
+    assert physical_bytes(device) - before == (2 * 2 + 2 + 2 + 4) * mib, "no new scratch for less"
+    del first, second, other, larger, smaller, homes, home
     gc.collect()
     assert physical_bytes(device) == before
 
