@@ -102,10 +102,11 @@ runs after --warmup; the spread is min-max over those runs):
   the baseline, the faster of the two in fwd+bwd time.
 
 --profile: one step's GPU kernels (and copies, fills) of each of our rows (DEFAULT, the variants asked for,
-the fp8 rows) and of `torch-native`, by total time, grouped by kernel name (`kernel_group`) into GEMMs, comm
-core, router, elementwise and other, with the time beyond the GEMMs (every other group's) and each group's
-share of it, and where the GPU ran nothing (idle time and the longest gaps, `timeline_profile`: a step timed
-from idle charges the host's launch latency before its first kernels).
+the fp8 rows; of one micro-batch also its inference forward, as "<row>, inference") and of `torch-native`,
+by total time, grouped by kernel name (`kernel_group`) into GEMMs, comm core, router, elementwise and other,
+with the time beyond the GEMMs (every other group's) and each group's share of it, and where the GPU ran
+nothing (idle time and the longest gaps, `timeline_profile`: a step timed from idle charges the host's
+launch latency before its first kernels).
 
 The JSON record, one per table (`bench.common.write_record`: `bench/results/<name>-<device>-<YYYYMMDD>-
 <commit>.json`, `<name>` = `Table.record_name`, e.g. `layer-deepseek-v3`, `layer-kimi-k2-ep8-rank`;
@@ -279,7 +280,8 @@ def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: d
     """Our layer built from `cfg` with `layer_weights` (with `ep_rank`: then made that EP rank's,
     `as_ep_rank`), measured (`Bench.measure`, `micro_batches` per optimizer step), released: its
     row, None (printed) where `cfg` cannot run here, a row with `error` where it ran out of memory. With
-    `profiles`, its step profile is stored there under `name`."""
+    `profiles`, its step profile is stored there under `name` (and of one micro-batch its inference
+    forward's under "`name`, inference")."""
     before = free_memory()
     try:
         layer = MoonEPMoELayer(cfg, single_world("cuda"))
@@ -297,6 +299,8 @@ def run_ours(cfg: MoEConfig, name: str, default: bool, bench: Bench, profiles: d
         row.update(bench.measure(layer, before, micro_batches))
         if profiles is not None:
             profiles[name] = bench.profile(layer, micro_batches)
+            if micro_batches == 1:  # the rows whose inference forward is timed (`infer_ms`)
+                profiles[f"{name}, inference"] = bench.profile_inference(layer)
     except torch.OutOfMemoryError as error:
         row["error"] = f"out of memory: {str(error).splitlines()[0]}"
     finally:

@@ -86,3 +86,9 @@ class Bench:
         """The `timeline_profile` of one optimizer step's `step`: its kernels grouped, and where the GPU
         idled (under the profiler each launch costs the host a little more: gaps read somewhat longer)."""
         return timeline_profile(cuda_timeline(lambda: step(layer, self.x_th, self.grad_th, micro_batches)))
+
+    def profile_inference(self, layer: nn.Module) -> dict:
+        """The `timeline_profile` of one `inference` forward, after one unprofiled (an fp8 layer's FP8
+        copies are then made and kept, as in serving)."""
+        inference(layer, self.x_th)
+        return timeline_profile(cuda_timeline(lambda: inference(layer, self.x_th)))

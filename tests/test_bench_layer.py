@@ -436,6 +436,34 @@ def test_profile_covers_every_row_of_ours(monkeypatch):
         assert all(seen is profiles for seen in calls)
 
 
+def test_run_ours_profiles_the_step_and_of_one_micro_batch_the_inference_forward(monkeypatch):
+    """`run_ours` with `profiles`: each row's step profile under its name and, for a row of one micro-batch
+    (the rows whose inference forward is timed), its inference forward's under "<name>, inference";
+    a row of several micro-batches gets no inference profile."""
+    import bench.layer as layer_bench
+    from moonep_moe.transport.threads import single_world
+
+    monkeypatch.setattr(layer_bench, "single_world", lambda device: single_world("cpu"))
+
+    class Measured:
+        def measure(self, layer, before, micro_batches):
+            return {"ms": 1.0}
+
+        def profile(self, layer, micro_batches):
+            return {"what": "step", "micro_batches": micro_batches}
+
+        def profile_inference(self, layer):
+            return {"what": "inference"}
+
+    cfg = MoEConfig(hidden_size=16, ffn_hidden_size=32, num_experts=4, top_k=2, max_tokens_per_rank=8,
+                    dtype="float32")
+    for micro_batches, names in ((1, ["one", "one, inference"]), (4, ["four"])):
+        profiles = {}
+        row = layer_bench.run_ours(cfg, names[0], True, Measured(), profiles, None, micro_batches)
+        assert row["ms"] == 1.0 and list(profiles) == names, profiles
+        assert profiles[names[0]] == {"what": "step", "micro_batches": micro_batches}
+
+
 def test_step_accumulates_micro_batches_after_a_simulated_optimizer_step():
     """`step`: every parameter's version moves first (as after an optimizer step), the gradients are fresh,
     then N micro-batches accumulate: the gradients are N times one micro-batch's."""
