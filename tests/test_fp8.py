@@ -15,7 +15,7 @@ import collections
 
 import pytest
 import torch
-from test_layer import make_config, make_problem, run_dense, run_moonep
+from test_layer import build_layer, make_config, make_problem, run_dense, run_moonep
 from test_plan_kernel import KERNEL_DEVICE
 
 from moonep_moe.config import MoEConfig
@@ -934,6 +934,69 @@ def test_fp8_dispatch_changes_only_gate_ups_weight_gradient(R, fp8_kernel, monke
     got = torch.cat([fp8_rows["grad_gate_up"] for fp8_rows in runs[True]])
     error = float((got - want).norm() / want.norm())
     assert error < 2.0**-3, f"grad_gate_up: relative error {error}"
+
+
+@pytest.mark.parametrize("R", [1, 2])
+def test_fp8_inference_dispatches_fp8_rows_read_in_place_with_the_same_bits(R, fp8_kernel, monkeypatch):
+    """An fp8 layer's forward without autograd (inference) dispatches its tokens as FP8 rows with their
+    scales, and gate_up's GEMM reads them in place (views of the Buffer's rows): its output is the bits of
+    the same forward dispatching bf16 rows that the GEMM casts (R ranks, skewed routing; at R=2 duplicates
+    and a replica). A forward that autograd records dispatches bf16 rows, as before."""
+    from moonep_moe.comm.buffer import Buffer
+    from moonep_moe.layers.function import ExpertsState
+    from moonep_moe.transport.threads import run_ranks
+
+    fp8_layer_here(monkeypatch, fp8_kernel)
+    cfg = make_config(R, hidden_size=256, ffn_hidden_size=128, num_experts=4, max_tokens_per_rank=64,
+                      token_padding=128, dtype="bfloat16", grouped_gemm="torch", precision="fp8",
+                      router={"dtype": "float32", "expert_bias": True})
+    p = make_problem(cfg, seed=45, skew=2.0)
+    real_dispatch, real_fwd, calls = Buffer.dispatch, Fp8GroupedGemm.fwd, collections.defaultdict(list)
+
+    def dispatch(self, hidden_sh, *args, **kwargs):
+        fp8_in = kwargs.get("scales") is not None
+        result = real_dispatch(self, hidden_sh, *args, **kwargs)
+        calls["dispatch"].append((fp8_in, kwargs.get("zero_copy", False), hidden_sh.dtype))
+        if fp8_in and kwargs.get("zero_copy"):  # the rows the GEMM reads are the Buffer's own bytes
+            q_nvsh, _ = result[0]
+            calls["in_place"].append(q_nvsh.data_ptr() == self.hidden_nvsh_buffer_view.data_ptr())
+        return result
+
+    def fwd(self, x, *args, **kwargs):
+        calls[("fwd", id(self))].append(isinstance(x, tuple))  # per rank's backend (ranks interleave)
+        return real_fwd(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(Buffer, "dispatch", dispatch)
+    monkeypatch.setattr(Fp8GroupedGemm, "fwd", fwd)
+
+    def forward(world, grad: bool):
+        layer = build_layer(p, world)
+        with torch.set_grad_enabled(grad):
+            out = layer(p.hidden[world.rank].to(KERNEL_DEVICE, torch.bfloat16))
+        plan = layer._state.last_plan
+        layer.destroy()
+        return out.detach().cpu(), plan.experts_to_copy.cpu()
+
+    runs = {}
+    for fp8_rows in (True, False):
+        if not fp8_rows:  # the reference: bf16 rows dispatched, cast by the GEMM
+            monkeypatch.setattr(ExpertsState, "dispatches_fp8", lambda self, records: False)
+        calls.clear()
+        runs[fp8_rows] = run_ranks(lambda world: forward(world, False), R, device=KERNEL_DEVICE)
+        assert calls["dispatch"] == [(fp8_rows, True, FP8_DTYPE if fp8_rows else torch.bfloat16)] * R
+        assert calls["in_place"] == [True] * R * fp8_rows
+        # each rank: gate_up's forward given the dispatched FP8 rows, down's the rows SwiGLU cast
+        assert [calls[key] for key in calls if key[0] == "fwd"] == [[fp8_rows, True]] * R
+    if R > 1:
+        assert any(bool((copied >= 0).any()) for _, copied in runs[True]), "skewed: replicas"
+    for rank, ((fp8_out, _), (bf16_out, _)) in enumerate(zip(runs[True], runs[False], strict=True)):
+        assert torch.equal(fp8_out, bf16_out), f"out on rank {rank}"
+    monkeypatch.undo()
+    fp8_layer_here(monkeypatch, fp8_kernel)
+    monkeypatch.setattr(Buffer, "dispatch", dispatch)
+    calls.clear()
+    run_ranks(lambda world: forward(world, True), R, device=KERNEL_DEVICE)
+    assert [fp8_in for fp8_in, _, _ in calls["dispatch"]] == [False] * R, "recorded: bf16 rows dispatched"
 
 
 @pytest.mark.parametrize("dispatch", [False, True])

@@ -271,6 +271,12 @@ class Buffer(ExpertTransfers):
                 "dispatch (a backward dispatch(..., plan=plan) makes an earlier plan the latest again); two "
                 "steps in flight at once need two Buffers")
 
+    @property
+    def takes_fp8_rows(self) -> bool:
+        """Whether `dispatch` takes FP8 rows with their scales (`scales=`): their packed rows (`fp8.wire`)
+        fit in the bytes of this Buffer's rows (any H >= 16 in bf16)."""
+        return self._fp8_exchange is not None
+
     # -- views ----------------------------------------------------------------------------------------------
 
     @property
