@@ -880,7 +880,8 @@ def test_swiglu_hands_the_fp8_gemms_their_rows_cast_to_the_same_bytes(R, fp8_ker
     gate_up's dgrad their rows as FP8, cast in its own pass (inside its fused kernels on CUDA; the reference
     cast on the CPU), gives the outputs, input and route gradients and weight gradients of those GEMMs
     casting the bf16 rows themselves, bit for bit; those two GEMMs get ``(q, scales)`` (F = 256: whole
-    1x128 tiles) where the backend casts the rows it multiplies (`casts_rows`), bf16 rows where not."""
+    1x128 tiles) where the backend casts the rows it multiplies (`casts_rows`), bf16 rows where not (and
+    so does gate_up's forward on one rank, its tokens dispatched as FP8: `dispatches_fp8`)."""
     fp8_layer_here(monkeypatch, fp8_kernel)
     cfg = make_config(R, hidden_size=256, ffn_hidden_size=256, num_experts=4, max_tokens_per_rank=128,
                       token_padding=128, dtype="bfloat16", grouped_gemm="torch", precision="fp8",
@@ -899,8 +900,9 @@ def test_swiglu_hands_the_fp8_gemms_their_rows_cast_to_the_same_bytes(R, fp8_ker
         monkeypatch.setattr(Fp8GroupedGemm, "casts_rows", casts_rows)
         given.clear()
         runs[casts_rows] = run_moonep(p, KERNEL_DEVICE)
-        # each rank: gate_up fwd, down fwd, down dgrad, gate_up dgrad
-        assert list(given.values()) == [[False, casts_rows, False, casts_rows]] * R, given
+        # each rank: gate_up fwd (FP8 rows dispatched on one rank: `dispatches_fp8`), down fwd, down dgrad,
+        # gate_up dgrad
+        assert list(given.values()) == [[R == 1 and casts_rows, casts_rows, False, casts_rows]] * R, given
     for fused, plain in zip(runs[True], runs[False], strict=True):
         for name in ("out", "grad_x", "grad_router", "grad_gate_up", "grad_down"):
             assert torch.equal(fused[name], plain[name]), name
@@ -941,7 +943,8 @@ def test_fp8_inference_dispatches_fp8_rows_read_in_place_with_the_same_bits(R, f
     """An fp8 layer's forward without autograd (inference) dispatches its tokens as FP8 rows with their
     scales, and gate_up's GEMM reads them in place (views of the Buffer's rows): its output is the bits of
     the same forward dispatching bf16 rows that the GEMM casts (R ranks, skewed routing; at R=2 duplicates
-    and a replica). A forward that autograd records dispatches bf16 rows, as before."""
+    and a replica). A forward that autograd records dispatches bf16 rows where backward reads them (R=2),
+    FP8 rows on one rank, whose backward gathers the bf16 rows again."""
     from moonep_moe.comm.buffer import Buffer
     from moonep_moe.layers.function import ExpertsState
     from moonep_moe.transport.threads import run_ranks
@@ -996,7 +999,36 @@ def test_fp8_inference_dispatches_fp8_rows_read_in_place_with_the_same_bits(R, f
     monkeypatch.setattr(Buffer, "dispatch", dispatch)
     calls.clear()
     run_ranks(lambda world: forward(world, True), R, device=KERNEL_DEVICE)
-    assert [fp8_in for fp8_in, _, _ in calls["dispatch"]] == [False] * R, "recorded: bf16 rows dispatched"
+    assert [fp8_in for fp8_in, _, _ in calls["dispatch"]] == [R == 1] * R, "recorded: FP8 on one rank"
+
+
+def test_fp8_training_on_one_rank_dispatches_fp8_rows_with_the_same_bits(fp8_kernel, monkeypatch):
+    """One rank without slots (EP=1) trains an fp8 layer dispatching FP8 rows read in place (its backward
+    gathers the bf16 rows again for gate_up's weight gradient): the output and every gradient are the bits of
+    the same step dispatching bf16 rows that the GEMM casts, under skewed routing."""
+    from moonep_moe.comm.buffer import Buffer
+    from moonep_moe.layers.function import ExpertsState
+
+    fp8_layer_here(monkeypatch, fp8_kernel)
+    cfg = make_config(1, hidden_size=256, ffn_hidden_size=128, num_experts=4, max_tokens_per_rank=64,
+                      token_padding=128, dtype="bfloat16", grouped_gemm="torch", precision="fp8",
+                      router={"dtype": "float32", "expert_bias": True})
+    p = make_problem(cfg, seed=46, skew=2.0)
+    real_dispatch, fp8_dispatches = Buffer.dispatch, []
+
+    def dispatch(self, hidden_sh, *args, **kwargs):
+        if kwargs.get("plan") is None:  # forward's (backward's carry a plan)
+            fp8_dispatches.append((kwargs.get("scales") is not None, kwargs.get("zero_copy", False)))
+        return real_dispatch(self, hidden_sh, *args, **kwargs)
+
+    monkeypatch.setattr(Buffer, "dispatch", dispatch)
+    fp8_rows = run_moonep(p, KERNEL_DEVICE)
+    assert fp8_dispatches == [(True, True)], "FP8 rows, read in place"
+    monkeypatch.setattr(ExpertsState, "dispatches_fp8", lambda self, records: False)
+    bf16_rows = run_moonep(p, KERNEL_DEVICE)
+    assert fp8_dispatches[1:] == [(False, True)]
+    for name in ("out", "grad_x", "grad_router", "grad_gate_up", "grad_down"):
+        assert torch.equal(fp8_rows[0][name], bf16_rows[0][name]), name
 
 
 @pytest.mark.parametrize("dispatch", [False, True])

@@ -317,8 +317,9 @@ class MoEConfig(CommConfig):
             "of a bf16 copy (half that activation memory) and gate_up's wgrad multiplies them dequantised, "
             "exactly the values the forward multiplied, where it multiplies the bf16 rows without it. "
             "Default False: on one H200 at EP=1 it ran 0.98x plain fp8's step time, and its wire saving "
-            "across GPUs is not yet measured. An fp8 layer's inference forward (no autograd recording) "
-            "dispatches FP8 rows whatever this says: the same bits, read in place. Needs precision='fp8'."
+            "across GPUs is not yet measured. Where no backward reads the dispatched rows (inference; one "
+            "rank without slots, which gathers the bf16 rows again) an fp8 layer dispatches FP8 rows "
+            "whatever this says: the same bits, read in place. Needs precision='fp8'."
         ),
     )
     fp8_wgrad: bool = Field(

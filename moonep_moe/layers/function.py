@@ -5,7 +5,8 @@ experts then slots).
 
 Forward, on every rank:
 1. `Buffer.dispatch`: plan from the gathered histogram, rows and route weights to their expert-grouped rows
-   (as FP8 rows with their scales under `fp8_dispatch`, and in an FP8 layer's inference: `dispatches_fp8`).
+   (as FP8 rows with their scales under `fp8_dispatch`, and where an FP8 layer's backward does not read
+   them: `dispatches_fp8`).
 2. `Buffer.prefetch_weight`: replicated experts' weights into this rank's slots (with
    `MoEConfig.overlap_prefetch` on the comm stream). It does not wait for the peers reading this rank's
    experts (`wait_for_readers=False`): combine's barriers order those reads.
@@ -108,14 +109,16 @@ class ExpertsState:
 
     def dispatches_fp8(self, records: bool) -> bool:
         """Whether a forward dispatches its tokens as FP8 rows with their scales (`Buffer.dispatch`'s
-        `scales`): with `fp8_dispatch`, and in inference (`records` false: no backward) wherever the GEMM
+        `scales`): with `fp8_dispatch`; and where no backward reads the dispatched rows (inference, `records`
+        false, or one rank whose backward gathers the bf16 rows again, `regathers_rows`) wherever the GEMM
         casts the rows it multiplies (`Fp8RowsGemm.casts_rows`) and the Buffer's rows hold them. There it is
         the same bits: the dispatched rows are copies of the tokens, cast to the same bytes before dispatch
-        as after it, so the GEMM reads them in place (no `[NvS, H]` cast pass) and the exchange moves about
-        half of bf16's bytes."""
+        as after it, so the GEMM reads them in place (the `[S, H]` tokens cast instead of the `[NvS, H]`
+        rows) and the exchange moves about half of bf16's bytes."""
         if self.fp8_dispatch:
             return True
-        return not records and getattr(self.gemm, "casts_rows", False) and self.buffer.takes_fp8_rows
+        return ((not records or self.regathers_rows) and getattr(self.gemm, "casts_rows", False)
+                and self.buffer.takes_fp8_rows)
 
     def prefetch(self, plan: MoonEPCommPlan, *scales) -> SlotsReady | None:
         """This step's prefetch of the replicas' weights (FP8 `scales` with them, forward), and the first
@@ -164,8 +167,8 @@ class MoonEPExperts(torch.autograd.Function):
 
     With `MoEConfig.fp8_dispatch` the tokens are quantised before dispatch (`gemm.quantise_rows`) and travel
     as FP8 rows with their scales; the forward GEMM takes them as they arrive, backward keeps them (not a bf16
-    copy) and dequantises them for gate_up's weight gradient. An FP8 layer's inference forward dispatches
-    FP8 rows too, read in place (`ExpertsState.dispatches_fp8`: the same bits).
+    copy) and dequantises them for gate_up's weight gradient. An FP8 layer dispatches FP8 rows, read in place,
+    wherever no backward reads them (inference, one rank: `ExpertsState.dispatches_fp8`, the same bits).
 
     FP8 experts with no master (`MoEConfig.expert_weights="fp8"`) run forward only: their scales are
     prefetched with them and the GEMMs take `Fp8Weights`; the layer refuses, before routing, a forward whose
@@ -177,14 +180,14 @@ class MoonEPExperts(torch.autograd.Function):
                 state: ExpertsState, records: bool):
         buffer, experts, gemm = state.buffer, state.experts, state.gemm
         regather, fp8_rows_in = state.regathers_rows, state.dispatches_fp8(records)
-        if fp8_rows_in:  # x_nvsh: the pair (e4m3 rows, their 1x128 scales), as the fwd
-            # GEMM takes it: views of the Buffer's rows where no backward keeps them, else copies
+        in_place = regather or not records  # the Buffer's own rows where backward gathers them again or none
+        # runs, else a copy it saves
+        if fp8_rows_in:  # x_nvsh: the pair (e4m3 rows, their 1x128 scales), as the fwd GEMM takes it
             q_sh, scales_sh = gemm.quantise_rows(hidden_sh)
             x_nvsh, w_nvs, cu_seqlens, plan = buffer.dispatch(q_sh, route_weights_sk, topk_experts_sk,
-                                                              tokens_per_expert, zero_copy=not records,
+                                                              tokens_per_expert, zero_copy=in_place,
                                                               scales=scales_sh)
-        else:  # the Buffer's own rows where backward gathers them again or none runs, else a copy it saves
-            in_place = regather or not records
+        else:
             x_nvsh, w_nvs, cu_seqlens, plan = buffer.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
                                                               tokens_per_expert, zero_copy=in_place)
         # no closing barrier: this rank goes on while its peers read its replicated experts; combine's
