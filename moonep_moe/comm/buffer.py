@@ -371,7 +371,7 @@ class Buffer(ExpertTransfers):
                 raise ValueError(f"rank {rank}: scales is only for FP8 ({FP8_DTYPE}) {hidden_name}, got "
                                  f"{hidden_name} in {hidden_sh.dtype}")
             check_tensor(scales, "scales", (num_tokens, scale_columns(self.H)), torch.float32, device, rank)
-            if self._fp8_exchange is None:
+            if not self.takes_fp8_rows:
                 raise ValueError(f"rank {rank}: scales: FP8 rows of H={self.H} with their scales take "
                                  f"{packed_width(self.H)} bytes, more than this Buffer's {self.dtype} rows "
                                  f"({self._rows.local[0].nbytes} bytes) hold")
