@@ -19,6 +19,7 @@ and, on a GPU, the real symmetric-memory world (2 processes sharing it, both exc
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ from test_comm_kernels import KERNEL_DEVICE
 from moonep_moe.comm.buffer import Buffer
 from moonep_moe.engine.communicator import MoECommunicator
 from moonep_moe.fp8.format import FP8_DTYPE, dequantise_rows, quantise_rows, to_deep_gemm_row_scales
-from moonep_moe.fp8.wire import pack_rows, packed_width, scale_columns, unpack_rows, unpacked_copies
+from moonep_moe.fp8.wire import pack_rows, packed_width, scale_columns, unpack_rows
 from moonep_moe.transport.threads import run_ranks, single_world
 
 BF16 = torch.bfloat16
@@ -154,20 +155,55 @@ def test_fp8_deepseek_v3_wide_rows():
     assert fits[:6] == [8, 9, 10, 11, 12, 16] and fits[5:] == list(range(16, 20_000)), "bf16: H >= 16 fits"
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference", "kernels"])
 @pytest.mark.parametrize("hidden", [7168, 100, 10, 9])
-def test_unpacked_copies_equal_the_views_and_are_contiguous(hidden):
-    """What a dispatch without `zero_copy` returns: the packed rows' e4m3 bytes (copied as 8-, 4-, 2- and
-    1-byte words for these H) and scales, as contiguous tensors of their own."""
-    rows, gen = 5, torch.Generator().manual_seed(hidden)
-    q_sh = torch.randint(0, 256, (rows, hidden), dtype=torch.uint8, generator=gen)
-    scales_sh = torch.rand(rows, scale_columns(hidden), generator=gen)
-    packed_sh = pack_rows(q_sh.view(FP8_DTYPE), scales_sh)
-    q_view, scales_view = unpack_rows(packed_sh, hidden)
-    q_copy, scales_copy = unpacked_copies(packed_sh, hidden)
+def test_a_copying_fp8_dispatch_copies_the_rows_the_plan_fills_into_contiguous_tensors(hidden, kernels):
+    """What a dispatch without `zero_copy` returns: each exchange's `filled_copy` of the packed rows' e4m3
+    bytes and scales (views of row stride `packed_width(H)`; copied as 8-, 4-, 2- and 1-byte words for
+    these H), as contiguous tensors of their own, equal to the views up to the plan's end."""
+    from moonep_moe.comm.exchange import KernelExchange, ReferenceExchange, as_words
+    from moonep_moe.comm.kernels import experts, rows
+
+    capacity, end, gen = 12, 7, torch.Generator().manual_seed(hidden)
+    q_sh = torch.randint(0, 256, (capacity, hidden), dtype=U8, generator=gen)
+    scales_sh = torch.rand(capacity, scale_columns(hidden), generator=gen)
+    packed_nvsh = pack_rows(q_sh.view(FP8_DTYPE), scales_sh).to(KERNEL_DEVICE)
+    plan = SimpleNamespace(cu_seqlens=torch.tensor([0, 3, end], dtype=torch.int32, device=KERNEL_DEVICE))
+    exchange = (KernelExchange(SimpleNamespace(num_sms=None), rows, experts) if kernels
+                else ReferenceExchange(SimpleNamespace()))
+    views = unpack_rows(packed_nvsh, hidden)
+    assert views[0].stride(0) == packed_width(hidden) and not views[0].is_contiguous()
+    words = {view.dtype: as_words(view)[0].dtype.itemsize for view in views}
+    assert words[torch.float32] >= 4 and words[FP8_DTYPE] == max(w for w in (8, 4, 2, 1) if hidden % w == 0)
+    q_copy, scales_copy = (exchange.filled_copy(view, plan).cpu() for view in views)
     assert q_copy.dtype == FP8_DTYPE and q_copy.is_contiguous() and scales_copy.is_contiguous()
-    assert torch.equal(q_copy.view(torch.uint8), q_sh) and torch.equal(q_view.view(torch.uint8), q_sh)
-    assert torch.equal(scales_copy, scales_sh) and torch.equal(scales_view, scales_sh)
-    assert q_copy.untyped_storage().data_ptr() != packed_sh.untyped_storage().data_ptr()
+    assert q_copy.shape == (capacity, hidden) and scales_copy.shape == scales_sh.shape
+    assert torch.equal(q_copy[:end].view(U8), q_sh[:end]) and torch.equal(scales_copy[:end], scales_sh[:end])
+    assert torch.equal(views[0].cpu().view(U8), q_sh) and torch.equal(views[1].cpu(), scales_sh)
+    if not kernels:  # the fixed-shape reference copies every row
+        assert torch.equal(q_copy.view(U8), q_sh) and torch.equal(scales_copy, scales_sh)
+
+
+@pytest.mark.parametrize("hidden", [7168, 100, 9])
+def test_copy_rows_between_row_strided_views_writes_only_their_rows_up_to_the_end(hidden):
+    """The row kernel behind the copies, from and into views of packed rows: row strides `packed_width`
+    (source and target), rows up to the end read on the device; every other byte of the target's memory
+    (rows past the end, the scales and padding between its rows) keeps its sentinel."""
+    from moonep_moe.comm.exchange import as_words
+    from moonep_moe.comm.kernels import rows
+
+    capacity, end, gen = 10, 6, torch.Generator().manual_seed(hidden)
+    source_nvsh = torch.randint(0, 256, (capacity, packed_width(hidden)), dtype=U8, generator=gen)
+    target_nvsh = torch.full_like(source_nvsh, 0x7F).to(KERNEL_DEVICE)
+    end_1 = torch.tensor([end], dtype=torch.int32, device=KERNEL_DEVICE)
+    targets, sources = (unpack_rows(t.to(KERNEL_DEVICE), hidden) for t in (target_nvsh, source_nvsh))
+    for got, given in zip(targets, sources, strict=True):
+        rows.copy_rows(*as_words(got, given), end_1)
+    want_nvsh = torch.full_like(source_nvsh, 0x7F)
+    scales_start = -(-hidden // 4) * 4
+    for columns in (slice(0, hidden), slice(scales_start, scales_start + 4 * scale_columns(hidden))):
+        want_nvsh[:end, columns] = source_nvsh[:end, columns]
+    assert torch.equal(target_nvsh.cpu(), want_nvsh)
 
 
 @pytest.mark.parametrize("R", [1, 2])

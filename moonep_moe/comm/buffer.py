@@ -72,7 +72,7 @@ from moonep_moe.comm.event import CommEvent
 from moonep_moe.comm.exchange import KernelExchange, RowExchange, RowMemory, select_exchange
 from moonep_moe.comm.replicas import ExpertTransfers
 from moonep_moe.fp8.format import FP8_DTYPE
-from moonep_moe.fp8.wire import pack_rows, packed_width, scale_columns, unpack_rows, unpacked_copies
+from moonep_moe.fp8.wire import pack_rows, packed_width, scale_columns, unpack_rows
 from moonep_moe.plan.planner import expert_histogram, plan_one_rank, plan_routes
 from moonep_moe.plan.policies import NO_REPLICATION
 from moonep_moe.plan.types import MoonEPCommPlan
@@ -343,7 +343,8 @@ class Buffer(ExpertTransfers):
             With `scales`, `hidden_nvsh` is the pair `(rows [NvS, H] e4m3, scales [NvS, ceil(H/128)] fp32)`
             (DeepEP's convention): with `zero_copy`, views of the packed rows (row strides
             `packed_width(H)` and `packed_width(H) / 4` elements; they alias `hidden_nvsh_buffer_view`,
-            so expert outputs written there overwrite them); else contiguous copies.
+            so expert outputs written there overwrite them); else contiguous copies (of the rows up to
+            `cu_seqlens[-1]`, as the bf16 rows).
         """
         self._check_dispatch(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, plan,
                              arg_names, scales)
@@ -478,9 +479,9 @@ class Buffer(ExpertTransfers):
         exchange the pair (e4m3 rows, scales) unpacked from them; views with `zero_copy`, else copies (of
         the rows the plan fills, where the exchange can bound the copy: the rest is unspecified)."""
         if exchange is self._exchange:
-            return self._rows.local if zero_copy else exchange.filled_rows_copy(plan)
-        packed_nvsh = exchange.memory.rows.local
-        return unpack_rows(packed_nvsh, self.H) if zero_copy else unpacked_copies(packed_nvsh, self.H)
+            return self._rows.local if zero_copy else exchange.filled_copy(self._rows.local, plan)
+        views = unpack_rows(exchange.memory.rows.local, self.H)
+        return views if zero_copy else tuple(exchange.filled_copy(view, plan) for view in views)
 
     # -- combine --------------------------------------------------------------------------------------------
 

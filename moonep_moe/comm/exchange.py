@@ -110,9 +110,11 @@ class RowExchange(Protocol):
         rows."""
         ...
 
-    def filled_rows_copy(self, plan: MoonEPCommPlan) -> torch.Tensor:
-        """Local: a new `[NvS, H]` tensor holding this rank's rows up to `cu_seqlens[-1]` (read on the
-        device); the rows past it are unspecified. O(rows the plan fills) where the exchange can bound it."""
+    def filled_copy(self, rows_nvsx: torch.Tensor, plan: MoonEPCommPlan) -> torch.Tensor:
+        """Local: a new contiguous tensor of `rows_nvsx`'s shape and dtype holding its rows up to
+        `cu_seqlens[-1]` (read on the device); the rows past it are unspecified. `rows_nvsx [NvS, X]`: the
+        rows' memory or a view of it with unit column stride (the e4m3 rows or the scales inside packed FP8
+        rows). O(rows the plan fills) where the exchange can bound it."""
         ...
 
     def combine(self, plan: MoonEPCommPlan, hidden_nvsh: torch.Tensor, zero_copy: bool, with_weights: bool,
@@ -202,8 +204,9 @@ class ReferenceExchange:
         plan.dup_counts.copy_(torch.stack([starts_p.sum(), dup_p.sum()]))
         pairs_p2.fill_(-1)
 
-    def filled_rows_copy(self, plan) -> torch.Tensor:
-        return self.memory.rows.local.clone()  # fixed-shape torch: all NvS rows
+    def filled_copy(self, rows_nvsx, plan) -> torch.Tensor:
+        words_nvsw, = as_words(rows_nvsx)  # fixed-shape torch: all NvS rows
+        return words_nvsw.clone(memory_format=torch.contiguous_format).view(torch.uint8).view(rows_nvsx.dtype)
 
     def fill_rows(self, plan) -> None:
         rows_nvsh = self.memory.rows.local
@@ -294,11 +297,10 @@ class KernelExchange:
         self.rows.record_duplicates(m.dup_pairs.local, m.dup_marks, plan.cu_seqlens[-1:], plan.dup_groups,
                                     plan.dup_loffs, plan.dup_counts, m.top_k)
 
-    def filled_rows_copy(self, plan) -> torch.Tensor:
-        m = self.memory
-        copy_nvsh = torch.empty_like(m.rows.local)
-        self.rows.copy_rows(copy_nvsh, m.rows.local, plan.cu_seqlens[-1:], m.num_sms)
-        return copy_nvsh
+    def filled_copy(self, rows_nvsx, plan) -> torch.Tensor:
+        copy_nvsx = torch.empty(rows_nvsx.shape, dtype=rows_nvsx.dtype, device=rows_nvsx.device)
+        self.rows.copy_rows(*as_words(copy_nvsx, rows_nvsx), plan.cu_seqlens[-1:], self.memory.num_sms)
+        return copy_nvsx
 
     def fill_rows(self, plan) -> None:
         m = self.memory
@@ -348,6 +350,21 @@ class KernelExchange:
 
     def clear_slots(self, slots_b, expert_b) -> None:
         self.experts.clear_slots(slots_b, expert_b)
+
+
+WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+"""What `as_words` views rows as, widest first."""
+
+
+def as_words(*rows_nx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each of `rows_nx` (2-D, unit column stride, any row stride and offset) viewed as the widest integers
+    that divide every one's row bytes, row stride and offset in bytes: the same memory, so a copy of the
+    views copies the rows' bits whatever their dtype (e4m3 included, which Triton's interpreter and many
+    torch kernels lack), and moves whole words where a strided copy moves one element per thread."""
+    sizes = [size * t.element_size() for t in rows_nx
+             for size in (t.shape[1], t.stride(0), t.storage_offset())]
+    word = next(w for w in WORDS if all(size % w.itemsize == 0 for size in sizes))
+    return tuple(t.view(torch.uint8).view(word) for t in rows_nx)
 
 
 def select_exchange(memory: RowMemory, kernels: bool | None) -> RowExchange:

@@ -53,20 +53,6 @@ def unpack_rows(packed_nvsh: torch.Tensor, hidden: int) -> tuple[torch.Tensor, t
     return packed_nvsh[:, :hidden].view(FP8_DTYPE), scales_bytes.view(torch.float32)
 
 
-WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-"""Integer dtypes by byte width: what `unpacked_copies` moves the e4m3 bytes as."""
-
-
-def unpacked_copies(packed_nvsh: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contiguous copies of `unpack_rows`' views: e4m3 rows `[rows, hidden]` and fp32 scales `[rows, C]`.
-    The e4m3 bytes are copied as the widest words (8, 4, 2 or 1 bytes) that divide `hidden`: a strided copy
-    moves one element per thread, so copied as bytes they would take several times longer."""
-    word = next(width for width in WORDS if hidden % width == 0 and packed_nvsh.shape[1] % width == 0)
-    words_nvsh = packed_nvsh.view(WORDS[word])[:, :hidden // word].contiguous()
-    _, scales_nvsh = unpack_rows(packed_nvsh, hidden)
-    return words_nvsh.view(torch.uint8).view(FP8_DTYPE), scales_nvsh.contiguous()
-
-
 def pack_rows(q_sh: torch.Tensor, scales_sh: torch.Tensor) -> torch.Tensor:
     """`[s, packed_width(H)]` uint8 packed rows (contiguous, padding bytes zero) of e4m3 rows `q_sh [s, H]`
     and their fp32 scales `scales_sh [s, C]` (any strides, e.g. the GEMM's MN-major scales). Two copies of

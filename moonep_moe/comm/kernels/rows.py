@@ -23,7 +23,7 @@ a capacity bucket and replayed with fewer tokens moves only their rows.
 - `pre_reduce_duplicates`: local, before combine's barrier: each duplicate group summed into its primary row
   in place, in fp32 and row order (the order of the reference's `index_add_`), so the same bits. Where the
   expert outputs are not the Buffer's own rows, `copy_rows` first copies them in (the rows the plan fills).
-- `copy_rows`: local, the rows the plan fills copied (a copying dispatch's rows, `filled_rows_copy`; combine's
+- `copy_rows`: local, the rows the plan fills copied (a copying dispatch's rows, `filled_copy`; combine's
   expert outputs into the Buffer's rows).
 - `gather_routes`: per token its K rows pulled from their ranks and summed in fp32 in k order (the
   reference's order, so the result is identical bit for bit), and optionally every route's weight.
@@ -368,13 +368,15 @@ def expand_duplicates(rows_nvsh: torch.Tensor, dup_groups: torch.Tensor, dup_lof
 
 
 @triton.jit
-def _copy_rows_kernel(target_ptr, source_ptr, end_ptr, H, BLOCK_H: tl.constexpr):
+def _copy_rows_kernel(target_ptr, source_ptr, end_ptr, H, target_stride, source_stride,
+                      BLOCK_H: tl.constexpr):
     block = tl.program_id(1)
     offs = block * BLOCK_H + tl.arange(0, BLOCK_H)
     inside = offs < H
     for row in tl.range(tl.program_id(0), tl.load(end_ptr), tl.num_programs(0)):  # rows the plan fills
-        at = as_int64(row) * H + offs  # NvS * H may pass 2^31
-        tl.store(target_ptr + at, tl.load(source_ptr + at, mask=inside), mask=inside)
+        row = as_int64(row)  # NvS * H may pass 2^31
+        tl.store(target_ptr + row * target_stride + offs,
+                 tl.load(source_ptr + row * source_stride + offs, mask=inside), mask=inside)
 
 
 def copy_rows(target_nvsh: torch.Tensor, source_nvsh: torch.Tensor, end_1: torch.Tensor,
@@ -384,7 +386,8 @@ def copy_rows(target_nvsh: torch.Tensor, source_nvsh: torch.Tensor, end_1: torch
     `end` are not touched.
 
     Args:
-        target_nvsh, source_nvsh: `[NvS, H]` contiguous, same dtype. end_1: `[1]` int32 on their device.
+        target_nvsh, source_nvsh: `[NvS, H]`, same dtype, each with unit column stride and any row stride
+            (e.g. the e4m3 rows or scales viewed inside packed FP8 rows). end_1: `[1]` int32 on their device.
     """
     num_rows, width = target_nvsh.shape
     if num_rows == 0 or width == 0:
@@ -393,7 +396,8 @@ def copy_rows(target_nvsh: torch.Tensor, source_nvsh: torch.Tensor, end_1: torch
     programs, _ = _group_programs(num_rows, target_nvsh.device, num_sms)
     with launching():
         _copy_rows_kernel[(programs, cdiv(width, block))](
-            target_nvsh, source_nvsh, end_1, width, BLOCK_H=block, num_warps=warps)
+            target_nvsh, source_nvsh, end_1, width, target_nvsh.stride(0), source_nvsh.stride(0),
+            BLOCK_H=block, num_warps=warps)
 
 
 @triton.jit
