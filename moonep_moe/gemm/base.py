@@ -141,6 +141,12 @@ class Fp8RowsGemm(GroupedGemm, Protocol):
         ...
 
 
+def casts_rows(gemm: GroupedGemm) -> bool:
+    """Whether `gemm` is an `Fp8RowsGemm` that casts the bf16 rows it multiplies, so takes them cast
+    beforehand with the same result (`Fp8RowsGemm.casts_rows`)."""
+    return isinstance(gemm, Fp8RowsGemm) and gemm.casts_rows
+
+
 def into(out: Tensor | None, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """The output of a ``fwd`` or ``dgrad`` whose kernel writes into a given tensor: ``out`` where it is a
     contiguous ``[rows, cols]`` tensor of ``dtype`` on ``device``, else a new one. A caller that passes

@@ -59,7 +59,7 @@ import torch
 
 from moonep_moe.base.triton import triton_missing_reason
 from moonep_moe.comm.buffer import Buffer
-from moonep_moe.gemm.base import Fp8RowsGemm, GroupedGemm, SlotsReady
+from moonep_moe.gemm.base import Fp8RowsGemm, GroupedGemm, SlotsReady, casts_rows
 from moonep_moe.layers.swiglu import (
     fp8_tiles_reason,
     swiglu_backward_rows,
@@ -117,8 +117,7 @@ class ExpertsState:
         rows) and the exchange moves about half of bf16's bytes."""
         if self.fp8_dispatch:
             return True
-        return ((not records or self.regathers_rows) and getattr(self.gemm, "casts_rows", False)
-                and self.buffer.takes_fp8_rows)
+        return (not records or self.regathers_rows) and casts_rows(self.gemm) and self.buffer.takes_fp8_rows
 
     def prefetch(self, plan: MoonEPCommPlan, *scales) -> SlotsReady | None:
         """This step's prefetch of the replicas' weights (FP8 `scales` with them, forward), and the first
@@ -139,7 +138,7 @@ def hands_fp8_rows(gemm: GroupedGemm, ffn: int) -> bool:
     in SwiGLU's own pass (`swiglu_weighted_fp8`, `swiglu_weighted_backward_fp8`) instead of by the GEMM from
     bf16 rows: the same bytes, one pass over the rows less. Where the backend casts the rows it multiplies
     (`Fp8RowsGemm.casts_rows`) and F is whole 1x128 tiles (`fp8_tiles_reason`)."""
-    return getattr(gemm, "casts_rows", False) and fp8_tiles_reason(ffn) is None
+    return casts_rows(gemm) and fp8_tiles_reason(ffn) is None
 
 
 def compute_offsets(cu_seqlens_g: torch.Tensor, rank: int, epn: int, num_experts: int) -> torch.Tensor:
