@@ -38,12 +38,12 @@ group, with its peers' traffic.) --device cpu: one step of ours per table on tin
 model's E and K kept), no timing (a smoke run).
 
 Targets, checked on the DEFAULT row of every table, from its numbers (`layer_targets`, never set by hand):
-`LAYER_TARGETS` at EP=1 (fwd+bwd useful rate >= 0.75 of dense, forward alone >= 0.85, peak memory <= 0.9x
-the baseline's: DeepSeek-V3's), `MODEL_LAYER_TARGETS` for Qwen3-MoE (fwd+bwd >= 0.50 of dense) and Mixtral
-(>= 0.85) at EP=1, each with peak <= 1.0x torch-native compiled's, `EP_RANK_TARGETS` for one EP rank
-(fwd+bwd >= 0.80 of dense, peak <= 1.0x torch-native compiled's on the same routes); a peak check against
-the compiled row is left out, and said so, in a run without one; each printed as a PASS / MISS line with the
-median and the min-max of the runs, and recorded in `targets` with its `scope`.
+`LAYER_TARGETS` at EP=1 (fwd+bwd useful rate >= 0.65 of dense, forward alone >= 0.75, peak memory <= 0.9x
+torch-native compiled's: DeepSeek-V3's), `MODEL_LAYER_TARGETS` for Qwen3-MoE (fwd+bwd >= 0.50 of dense)
+and Mixtral (>= 0.85) at EP=1, each with peak <= 1.0x torch-native compiled's, `EP_RANK_TARGETS` for one
+EP rank (fwd+bwd >= 0.80 of dense, peak <= 1.0x torch-native compiled's on the same routes); a peak check
+against the compiled row is left out, and said so, in a run without one; each printed as a PASS / MISS line
+with the median and the min-max of the runs, and recorded in `targets` with its `scope`.
 
 --fp8 (the fp8 layer): an fp8 row right after the DEFAULT row, the DEFAULT config with `precision="fp8"`
 and `token_padding=128` (`FP8_SETTINGS`: FP8 fwd and dgrad, bf16 wgrad, bf16 master weights), measured
