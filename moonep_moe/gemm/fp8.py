@@ -189,7 +189,9 @@ class Fp8WeightCache:
 
     The copy of every ``nn.Parameter`` part (the home experts: the layer passes them as the parameters
     themselves) is kept, in each orientation asked for (the forward's ``q``; the transposed ``qt`` that
-    dgrad takes, asked for in backward only), and cast again only when the parameter may have changed: its
+    dgrad takes, asked for in backward only; once both are kept, a stale part is cast into both in one
+    pass over its bf16 weights, so training reads them once per optimizer step), and cast again only when
+    the parameter may have changed: its
     ``._version`` moved (any in-place torch op, ``load_state_dict``), its storage changed, or any
     `torch.optim` optimizer stepped since (`OptimizerSteps`: fused optimizers move no version). So
     gradient accumulation casts the home weights once per optimizer step, not once per micro-batch, and
@@ -230,15 +232,24 @@ class Fp8WeightCache:
         copy = copies.get(weights[0])
         if copy is None or not copy.holds(weights):
             copy = copies[weights[0]] = self._new_copy(weights, kept, transposed)
+        partner = self._copies[not transposed].get(weights[0])  # the other orientation's copy, if kept
+        if partner is not None and not partner.holds(weights):
+            partner = None
         q = copy.q()
         start = 0
         for i, (part, keep) in enumerate(zip(weights, kept, strict=True)):
             stop = start + part.shape[0]
             stamp = _stamp(part) if keep else None
             if stamp is None or stamp != copy.stamps[i]:
+                # a kept part whose other orientation is kept and stale too: both in one pass over the bf16
+                # weights (the block scales are the same for both)
+                both = stamp is not None and partner is not None and partner.stamps[i] != stamp
                 self._cast_part(part, copy.scales[start:stop], q[start:stop], transposed,
-                                None if keep else offs_g, start)
+                                None if keep else offs_g, start, partner.q()[start:stop] if both else None)
                 copy.stamps[i] = stamp
+                if both:
+                    partner.scales[start:stop].copy_(copy.scales[start:stop])
+                    partner.stamps[i] = stamp
             start = stop
         return _oriented(q, copy.scales, transposed)
 
@@ -272,9 +283,10 @@ class Fp8WeightCache:
         return _oriented(out, scales, transposed)
 
     def _cast_part(self, part: Tensor, scales: Tensor, out: Tensor, transposed: bool,
-                   offs_g: Tensor | None, first_group: int) -> None:
-        self._kernels.cast_blocks(part, scales, None if transposed else out, out if transposed else None,
-                                  offs_g=offs_g, first_group=first_group)
+                   offs_g: Tensor | None, first_group: int, other: Tensor | None = None) -> None:
+        """``part`` cast into ``out`` (the orientation asked for) and, where given, ``other`` (the other)."""
+        q_out, qt_out = (other, out) if transposed else (out, other)
+        self._kernels.cast_blocks(part, scales, q_out, qt_out, offs_g=offs_g, first_group=first_group)
 
 
 class Fp8GroupedGemm:
