@@ -42,9 +42,12 @@ ROWS_WARPS = 4
 """Warps per `cast_rows` program (32 x 128 values: 32 a thread)."""
 COLUMNS_TILE = 64
 """Columns per `cast_columns` program (128 rows x 64 columns: 64 values a thread at 4 warps)."""
-BLOCKS_WARPS = 8
+BLOCKS_WARPS = 4
 """Warps per `cast_blocks` program: its 128 x 128 block is held whole in registers between the amax and the
-rounding (64 fp32 values a thread at 8 warps, 128 at 4). `python -m bench.fp8_cast` times 4, 8 and 16."""
+rounding (128 fp32 values a thread at 4 warps, 64 at 8). `python -m bench.fp8_cast --warps 4 8` on the
+H200 (`bench/results/fp8-cast-NVIDIA_H200-20261205-6dd0eca.json`): both orientations in one pass, what
+`Fp8WeightCache` casts once it keeps both, 2.21 ms at 4 warps against 2.76 at 8 (DeepSeek-V3's gate_up, 64
+groups; Kimi-K2's 2.18 against 2.77); one orientation within 4% either way."""
 
 
 @triton.jit
