@@ -191,9 +191,9 @@ class Fp8WeightCache:
     themselves) is kept, in each orientation asked for (the forward's ``q``; the transposed ``qt`` that
     dgrad takes, asked for in backward only; once both are kept, a stale part is cast into both in one
     pass over its bf16 weights, so training reads them once per optimizer step), and cast again only when
-    the parameter may have changed: its
-    ``._version`` moved (any in-place torch op, ``load_state_dict``), its storage changed, or any
-    `torch.optim` optimizer stepped since (`OptimizerSteps`: fused optimizers move no version). So
+    the parameter may have changed: its ``._version`` moved (any in-place torch op, ``load_state_dict``),
+    its storage changed, or any `torch.optim` optimizer stepped since (`OptimizerSteps`: fused optimizers
+    move no version). So
     gradient accumulation casts the home weights once per optimizer step, not once per micro-batch, and
     inference once per weight version, with nothing for the caller to do. A write that bypasses all three
     (``param.data.copy_`` outside an optimizer step) is not seen. Other parts, the prefetch slots
