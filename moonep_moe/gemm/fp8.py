@@ -193,9 +193,9 @@ class Fp8WeightCache:
     pass over its bf16 weights, so training reads them once per optimizer step), and cast again only when
     the parameter may have changed: its ``._version`` moved (any in-place torch op, ``load_state_dict``),
     its storage changed, or any `torch.optim` optimizer stepped since (`OptimizerSteps`: fused optimizers
-    move no version). So
-    gradient accumulation casts the home weights once per optimizer step, not once per micro-batch, and
-    inference once per weight version, with nothing for the caller to do. A write that bypasses all three
+    move no version). So gradient accumulation casts the home weights once per optimizer step, not once per
+    micro-batch, and inference once per weight version, with nothing for the caller to do. A write that
+    bypasses all three
     (``param.data.copy_`` outside an optimizer step) is not seen. Other parts, the prefetch slots
     (rewritten by kernels with every plan) and the arena's joined view, are cast on every call into the
     same joined copy, only their groups that the call's GEMM gives rows (``offs_g``, read on the device:
