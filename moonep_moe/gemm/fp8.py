@@ -188,19 +188,18 @@ class Fp8WeightCache:
     buffer per weights sequence and orientation (no ``torch.cat``).
 
     The copy of every ``nn.Parameter`` part (the home experts: the layer passes them as the parameters
-    themselves) is kept, in each orientation asked for (the forward's ``q``; the transposed ``qt`` that
-    dgrad takes, asked for in backward only; once both are kept, a stale part is cast into both in one
-    pass over its bf16 weights, so training reads them once per optimizer step), and cast again only when
-    the parameter may have changed: its ``._version`` moved (any in-place torch op, ``load_state_dict``),
-    its storage changed, or any `torch.optim` optimizer stepped since (`OptimizerSteps`: fused optimizers
-    move no version). So gradient accumulation casts the home weights once per optimizer step, not once per
-    micro-batch, and inference once per weight version, with nothing for the caller to do. A write that
-    bypasses all three
-    (``param.data.copy_`` outside an optimizer step) is not seen. Other parts, the prefetch slots
-    (rewritten by kernels with every plan) and the arena's joined view, are cast on every call into the
-    same joined copy, only their groups that the call's GEMM gives rows (``offs_g``, read on the device:
-    a plan fills few of its slots). While a CUDA graph is being captured every part is cast in the call
-    (the replay then casts again: the cache is a host-side decision a replay cannot make).
+    themselves) is kept, in each orientation asked for (the forward's ``q``; the transposed ``qt`` that dgrad
+    takes, asked for in backward only; once both are kept, a stale part is cast into both in one pass over its
+    bf16 weights, so training reads them once per optimizer step), and cast again only when the parameter may
+    have changed: its ``._version`` moved (any in-place torch op, ``load_state_dict``), its storage changed,
+    or any `torch.optim` optimizer stepped since (`OptimizerSteps`: fused optimizers move no version). So
+    gradient accumulation casts the home weights once per optimizer step, not once per micro-batch, and
+    inference once per weight version, with nothing for the caller to do. A write that bypasses all three
+    (``param.data.copy_`` outside an optimizer step) is not seen. Other parts, the prefetch slots (rewritten
+    by kernels with every plan) and the arena's joined view, are cast on every call into the same joined copy,
+    only their groups that the call's GEMM gives rows (``offs_g``, read on the device: a plan fills few of its
+    slots). While a CUDA graph is being captured every part is cast in the call (the replay then casts again:
+    the cache is a host-side decision a replay cannot make).
 
     Memory: a training layer keeps both orientations of its home experts, as many bytes as their bf16
     weights; inference keeps the forward copy only. The slots' groups, cast on every call, are a scratch
