@@ -184,15 +184,15 @@ def test_a_copying_fp8_dispatch_copies_the_rows_the_plan_fills_into_contiguous_t
         assert torch.equal(q_copy.view(U8), q_sh) and torch.equal(scales_copy, scales_sh)
 
 
-@pytest.mark.parametrize("hidden", [7168, 100, 9])
-def test_copy_rows_between_row_strided_views_writes_only_their_rows_up_to_the_end(hidden):
+@pytest.mark.parametrize(("hidden", "end"), [(7168, 6), (100, 6), (9, 6), (100, 0), (100, 10)])
+def test_copy_rows_between_row_strided_views_writes_only_their_rows_up_to_the_end(hidden, end):
     """The row kernel behind the copies, from and into views of packed rows: row strides `packed_width`
-    (source and target), rows up to the end read on the device; every other byte of the target's memory
-    (rows past the end, the scales and padding between its rows) keeps its sentinel."""
+    (source and target), rows up to the end read on the device (none, some, all); every other byte of the
+    target's memory (rows past the end, the scales and padding between its rows) keeps its sentinel."""
     from moonep_moe.comm.exchange import as_words
     from moonep_moe.comm.kernels import rows
 
-    capacity, end, gen = 10, 6, torch.Generator().manual_seed(hidden)
+    capacity, gen = 10, torch.Generator().manual_seed(hidden)
     source_nvsh = torch.randint(0, 256, (capacity, packed_width(hidden)), dtype=U8, generator=gen)
     target_nvsh = torch.full_like(source_nvsh, 0x7F).to(KERNEL_DEVICE)
     end_1 = torch.tensor([end], dtype=torch.int32, device=KERNEL_DEVICE)
