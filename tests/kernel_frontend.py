@@ -89,6 +89,7 @@ def symmetric(name: str, tensors: list[torch.Tensor], rank: int = 0) -> Symmetri
 def comm_launches() -> None:
     """Every row-kernel launcher, one rank and two ranks, with and without weights."""
     global current
+    from moonep_moe.comm.exchange import as_words
     from moonep_moe.comm.kernels import experts, rows
     from moonep_moe.fp8 import wire as fp8_rows
     from moonep_moe.plan import histogram
@@ -132,6 +133,10 @@ def comm_launches() -> None:
     current = "copy_rows"
     rows.copy_rows(torch.zeros(nvs, H, dtype=torch.bfloat16), torch.zeros(nvs, H, dtype=torch.bfloat16),
                    torch.zeros(1, dtype=torch.int32), num_sms=4)
+    for view in fp8_rows.unpack_rows(packed_t.local, H):  # a copying FP8 dispatch: e4m3 rows, scales
+        current = f"copy_rows fp8 packed {view.dtype}"
+        rows.copy_rows(*as_words(torch.empty(view.shape, dtype=view.dtype), view),
+                       torch.zeros(1, dtype=torch.int32), num_sms=4)
     current = "expert_histogram"
     histogram.expert_histogram_triton(torch.zeros(S, K, dtype=torch.int32), 12)
     dup_groups, dup_loffs = torch.zeros(nvs, 3, **int32), torch.zeros(nvs, **int32)
