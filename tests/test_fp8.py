@@ -423,7 +423,8 @@ def test_gradient_accumulation_casts_the_home_experts_once_per_optimizer_step(mo
     """Gradient accumulation in an fp8 layer (the Triton FP8 GEMM; interpreted on the CPU), with nothing
     around it: the first micro-batch casts both home weights in both orientations, the others reuse them,
     and the gradients are the bits of casting on every call; after an optimizer step the next micro-batches
-    use the new weights (the same bits as a fresh cast). A `fixed_expert_weights` block gives the same bits
+    use the new weights, both orientations cast in one pass after the step and an in-place change (the same
+    bits as a fresh cast). A `fixed_expert_weights` block gives the same bits
     and frees the copies at its end. Two experts of one 128x128 block per projection half (more, each a
     128-row segment, only multiply the interpreted GEMMs and casts)."""
     from moonep_moe import fixed_expert_weights
@@ -460,9 +461,14 @@ def test_gradient_accumulation_casts_the_home_experts_once_per_optimizer_step(mo
         for got, want in zip(kept, fresh, strict=True):
             assert torch.equal(got, want)
         optimizer.step()
+    with torch.no_grad():  # a change every block scale shows (this small a step may leave the scales)
+        for weight in home:
+            weight.mul_(2)
     kept = accumulate(fresh=False)
     assert home_casts() == 2, "gate_up and down, forward and transposed in one pass, once after the step"
     assert all(q and qt for w, q, qt in casts.calls if any(w is weight for weight in home))
+    for got, want in zip(kept, accumulate(fresh=True), strict=True):  # the one-pass casts' bits
+        assert torch.equal(got, want)
     with fixed_expert_weights(layer):
         fixed = accumulate(fresh=False)
         assert home_casts() == 0 and any(gemm.weights._copies.values())
