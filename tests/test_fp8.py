@@ -730,7 +730,8 @@ def test_fp8_backend_recasts_after_an_optimizer_step():
 def test_kept_fp8_copies_on_deep_gemm_give_the_gradients_of_fresh_casts():
     """The real fp8 layer (DeepGEMM, compiled casts), skewed routing: three micro-batches accumulated with
     the home weights' FP8 copies kept (cast by the first) give the bits of casting on every call, inside a
-    `fixed_expert_weights` block too, which frees its copies."""
+    `fixed_expert_weights` block too, which frees its copies, and after an in-place change, which casts
+    both kept orientations in one pass."""
     from moonep_moe import fixed_expert_weights
     from moonep_moe.transport.threads import single_world
 
@@ -759,6 +760,13 @@ def test_kept_fp8_copies_on_deep_gemm_give_the_gradients_of_fresh_casts():
     for got, want in zip(kept, plain, strict=True):
         assert torch.equal(got, want)
     for got, want in zip(fixed, plain, strict=True):
+        assert torch.equal(got, want)
+    accumulate(fresh=False)  # both orientations kept again
+    with torch.no_grad():  # a new version: the first use casts both kept orientations in one pass
+        for weight in home:
+            weight.mul_(2)
+    recast = accumulate(fresh=False)
+    for got, want in zip(recast, accumulate(fresh=True), strict=True):
         assert torch.equal(got, want)
 
 
