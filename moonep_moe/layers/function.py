@@ -181,14 +181,12 @@ class MoonEPExperts(torch.autograd.Function):
         regather, fp8_rows_in = state.regathers_rows, state.dispatches_fp8(records)
         in_place = regather or not records  # the Buffer's own rows where backward gathers them again or none
         # runs, else a copy it saves
-        if fp8_rows_in:  # x_nvsh: the pair (e4m3 rows, their 1x128 scales), as the fwd GEMM takes it
-            q_sh, scales_sh = gemm.quantise_rows(hidden_sh)
-            x_nvsh, w_nvs, cu_seqlens, plan = buffer.dispatch(q_sh, route_weights_sk, topk_experts_sk,
-                                                              tokens_per_expert, zero_copy=in_place,
-                                                              scales=scales_sh)
-        else:
-            x_nvsh, w_nvs, cu_seqlens, plan = buffer.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
-                                                              tokens_per_expert, zero_copy=in_place)
+        # fp8_rows_in: the tokens as e4m3 rows with their 1x128 scales, so x_nvsh is that pair, as the fwd
+        # GEMM takes it
+        rows_sh, scales_sh = gemm.quantise_rows(hidden_sh) if fp8_rows_in else (hidden_sh, None)
+        x_nvsh, w_nvs, cu_seqlens, plan = buffer.dispatch(rows_sh, route_weights_sk, topk_experts_sk,
+                                                          tokens_per_expert, zero_copy=in_place,
+                                                          scales=scales_sh)
         # no closing barrier: this rank goes on while its peers read its replicated experts; combine's
         # barriers order those reads before anything writes the home experts (the optimizer, after the step)
         slots_ready = state.prefetch(plan, experts.scales)
