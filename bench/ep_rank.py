@@ -86,13 +86,28 @@ class RankOfEPBuffer:
         return self.inner._launch(async_finish, copies, tuple(moved))[1]
 
     @torch.no_grad()
-    def reduce_grad(self, plan, gate_up: ExpertRows, up: None, down: ExpertRows) -> None:
-        for grads in (gate_up, down):
-            home, slots = grads.home.local, grads.slots.local
-            for j in self.used_j:
-                home[j].add_(slots[j])  # in fp32, rounded once to the home gradient's dtype (slots: fp32, or
-                # the home dtype where the gradients overwrote the slot weights)
-                slots[j].zero_()
+    def reduce_grad(self, plan, gate_up: ExpertRows, up: None, down: ExpertRows, *, behind: bool = False
+                    ) -> None:
+        """With `behind` on the inner Buffer's comm stream, left running behind the caller, as the real
+        one (`Buffer.reduce_grad`)."""
+        projections = [grads for grads in (gate_up, down) if grads is not None]
+
+        def op():
+            for grads in projections:
+                home, slots = grads.home.local, grads.slots.local
+                for j in self.used_j:
+                    home[j].add_(slots[j])  # in fp32, rounded once to the home gradient's dtype (slots:
+                    # fp32, or the home dtype where the gradients overwrote the slot weights)
+                    slots[j].zero_()
+
+        if behind:
+            self.inner._run_behind(op, tuple(grads.slots for grads in projections))
+        else:
+            self.inner.wait_behind()
+            op()
+
+    def wait_behind(self) -> None:
+        self.inner.wait_behind()
 
 
 @dataclass(frozen=True)
@@ -187,7 +202,8 @@ def as_ep_rank(layer: MoonEPMoELayer, epn: int, plan: RankPlan | None = None) ->
     state = layer._state
     used = None if plan is None else plan.used_slots
     layer._state = ExpertsState(RankOfEPBuffer(layer.buffer, epn, used), rank, gemm, state.main_grad,
-                                overlap_prefetch=state.overlap_prefetch)
+                                overlap_prefetch=state.overlap_prefetch,
+                                overlap_reduce_grad=state.overlap_reduce_grad)
     if plan is not None:
         topk_sk = planned_topk(plan, cfg.max_tokens_per_rank, cfg.top_k).to(world.device)
         counts_e = torch.bincount(topk_sk.flatten().long(), minlength=2 * epn).to(torch.int32)

@@ -46,7 +46,9 @@ the replica tables).
 the caller's current stream's work; without it an operation runs on the current stream. The results are
 MoonEP's: `dispatch` returns four items, and a fifth, its `CommEvent` (`comm.event`), with `async_finish`;
 `combine` always ends with its event (None without `async_finish`); `prefetch_weight` and `reduce_grad`
-return their event (None without `async_finish`).
+return their event (None without `async_finish`). `reduce_grad(..., behind=True)` leaves the operation
+running behind its caller with no event to wait for: every later operation of a Buffer on the world, and
+`wait_behind()`, order their stream behind it.
 
 No host reads: every index the operations build has a shape fixed by the config (N routes, NvS rows, R*B
 slots); entries that are not needed are marked, never masked out (rank -1 in the exchanges, a zero
@@ -83,6 +85,9 @@ _buffer_ids = itertools.count()
 
 BUFFER_NAMES = dict(E="E={}", R="num_ep_ranks={}", K="K={}", B="B={}")
 """How `Buffer` calls E, R, K and B (its arguments) in `check_layout`'s errors."""
+
+BEHIND = "comm_behind"
+"""The world's `globals` key of the `CommEvent`s of operations left running behind their callers."""
 
 DISPATCH_NAMES = ("hidden_sh", "route_weights_sk", "topk_experts_sk")
 """How `Buffer.dispatch` calls its rows, route weights and expert ids (in its errors)."""
@@ -211,7 +216,9 @@ class Buffer(ExpertTransfers):
         for (their memory is not reused before the comm stream is done with them). The results are
         allocated on the comm stream, which only this method queues work on, each time after the caller's
         queued work: once the caller frees a result, no later comm operation reuses its memory before the
-        caller's reads of it."""
+        caller's reads of it. Every operation starts behind the ones running behind their callers
+        (`wait_behind`)."""
+        self.wait_behind()
         if not async_finish:
             return op(), None
         if self.world.device.type != "cuda":
@@ -225,6 +232,21 @@ class Buffer(ExpertTransfers):
             event.record(stream)
         return result, CommEvent(event, tuple(t for t in _tensors(inputs) if t.device.type == "cuda"))
 
+    def _run_behind(self, op: Callable[[], None], held: tuple) -> None:
+        """`op()` on the comm stream after the current stream's queued work, left running behind the
+        caller: the next operation of any Buffer on this world, and `wait_behind`, wait for it. The event
+        holds `held` (what the caller may free before then), nothing else."""
+        _, event = self._launch(True, op, held)
+        self.world.globals.setdefault(BEHIND, []).append(event)
+
+    def wait_behind(self) -> None:
+        """Order the current stream behind every operation left running behind its caller on this rank's
+        world (`reduce_grad(..., behind=True)`, of any of its Buffers): what the caller queues next on it
+        (a read of the gradients they write, any comm operation) runs after them. Every operation calls it
+        first; `MoonEPExperts` calls it at the end of the backward pass. Returns at once on the host."""
+        for event in self.world.globals.pop(BEHIND, ()):
+            event.wait()
+
     # -- lifetime -------------------------------------------------------------------------------------------
 
     @property
@@ -235,6 +257,7 @@ class Buffer(ExpertTransfers):
         """Release the symmetric memory. Idempotent; any later call raises."""
         if self._destroyed:
             return
+        self.wait_behind()
         self._destroyed = True
         self._finalizer.detach()
         _release(self.world, self._keys)

@@ -164,7 +164,7 @@ class ExpertTransfers:
                     gate_reduce_buffer: SymmetricTensor | None = None,
                     up_reduce_buffer: SymmetricTensor | None = None,
                     down_reduce_buffer: SymmetricTensor | None = None,
-                    async_finish: bool = False) -> CommEvent | None:
+                    async_finish: bool = False, *, behind: bool = False) -> CommEvent | None:
         """Add every replica's gradient into its home expert's gradient, then clear the slots.
 
         Each projection's gradient is either an `ExpertRows` (home gradients + the symmetric slot
@@ -174,6 +174,11 @@ class ExpertTransfers:
         `[B, N, K]` fp32 tensor) stages them for the peers. None skips a projection. Collective: every rank
         must call it with the same projections. Replicas are added in (slot, rank) order, the same order on
         both implementations: deterministic.
+
+        `behind=True` leaves it running behind the caller (on the comm stream, as `async_finish`): the
+        next operation of any Buffer on this world, and `wait_behind()`, order their stream behind it, so
+        the caller may compute on (the layers before this one in a backward pass) while it runs. The
+        gradients are not held: keep them, and read them only after `wait_behind()`. Returns None then.
 
         Returns the event: a `CommEvent` with `async_finish`, else None.
         """
@@ -219,6 +224,10 @@ class ExpertTransfers:
                 if replicated is not None:
                     self._exchange.clear_slots(replicated, experts_b)
 
+        if behind:  # the slot gradients (pools, or the staging) are held; the gradients the caller keeps
+            self._run_behind(op, (plan, *(staging if staging is not None else grad.slots
+                                          for grad, staging in given)))
+            return None
         return self._launch(async_finish, op, (plan, *given))[1]
 
     def _replica_tables(self, plan: MoonEPCommPlan) -> tuple[torch.Tensor, torch.Tensor]:

@@ -269,6 +269,20 @@ class MoEConfig(CommConfig):
             "Bit-identical to prefetching on the caller's stream before the same split GEMM."
         ),
     )
+    overlap_reduce_grad: bool = Field(
+        False,
+        description=(
+            "Run reduce_grad (each replica's weight gradient added into its home expert's) on the comm "
+            "stream behind the rest of the backward pass (the layers before this one) instead of before "
+            "this layer's backward returns: the next routed operation on the EP group, and the end of the "
+            "backward pass, wait for it on the device. Gradients bit-identical either way. Where autograd "
+            "would read the gradients during the backward pass (a hook on the expert weights, a .grad it "
+            "adds into, create_graph) the layer reduces before returning, as without it; hooks on the "
+            "weights' gradient accumulators cannot be seen, so leave it off where one reads the expert "
+            "gradients during backward (e.g. Megatron-Core's overlapped gradient reduce on them). Default "
+            "False until measured on a GPU. No effect off CUDA or without trainable expert weights."
+        ),
+    )
     share_buffer: bool = Field(
         True,
         description=(

@@ -34,7 +34,11 @@ rows where its backend can (`GroupedGemm.fwd`'s `out`: DeepGEMM, FP8, the refere
 there instead of copying `[NvS, H]` in.
 Unless the graph is kept (`retain_graph`), each saved activation is freed after its last reader, and the
 SwiGLU backward writes dab over ab, as a compiled graph's backward frees its saved tensors.
-4. `reduce_grad`: every replica's fp32 gradient added into its home expert's, slots cleared.
+4. `reduce_grad`: every replica's fp32 gradient added into its home expert's, slots cleared. With
+   `MoEConfig.overlap_reduce_grad` it runs on the comm stream behind the rest of the backward pass (the
+   layers before this one) where autograd reads the gradients only after the pass
+   (`grads_read_after_backward`): the next routed operation on the EP group, and the end of the pass
+   (an autograd callback), wait for it on the device (`Buffer.wait_behind`).
 A frozen projection (`requires_grad=False` on `experts.gate_up` or `experts.down`) gets no weight gradient:
 no wgrad GEMM, nothing in `reduce_grad`, no `main_grad` allocated; its weights still carry the input's and
 the route weights' gradients (dgrad). `reduce_grad` is collective, so freeze the same projections on every
@@ -88,6 +92,9 @@ class ExpertsState:
     """`MoEConfig.overlap_prefetch`: prefetch on the comm stream beside the home experts' groups of the first
     GEMM, which then waits and computes the slot groups (`SlotsReady`); else prefetch on the caller's stream,
     then one GEMM over every group."""
+    overlap_reduce_grad: bool = False
+    """`MoEConfig.overlap_reduce_grad`: reduce_grad runs behind the rest of the backward pass where autograd
+    reads the gradients only after it (`grads_read_after_backward`)."""
 
     @property
     def one_rank(self) -> bool:
@@ -305,7 +312,12 @@ class MoonEPExperts(torch.autograd.Function):
             combined.wait()
         grads = experts.new_grads(home)
         if any(trains):
-            buffer.reduce_grad(plan, grads[0], None, grads[1])
+            behind = state.overlap_reduce_grad and grads_read_after_backward(ctx.next_functions[-2:], trains,
+                                                                             adds)
+            buffer.reduce_grad(plan, grads[0], None, grads[1], behind=behind)
+            if behind:  # the caller's stream waits for it once the backward pass is done, before anything
+                # reads the gradients (autograd runs the callback before backward() or grad() returns)
+                torch.autograd.Variable._execution_engine.queue_callback(buffer.wait_behind)
         if main_grad:
             weight_grads = [main_grad_added(w) if train else None
                             for w, train in zip((experts.gate_up, experts.down), trains, strict=True)]
@@ -370,6 +382,30 @@ def accumulating_grads(edges: tuple, trains: tuple[bool, bool]) -> tuple[torch.T
         return (None,) * len(trains)
     return tuple(_accumulating_grad(node) if train else None for (node, _), train in zip(edges, trains,
                                                                                            strict=True))
+
+
+def grads_read_after_backward(edges: tuple, trains: tuple[bool, bool], adds: tuple[bool, bool]) -> bool:
+    """Whether nothing reads this backward's expert gradients before the backward pass ends, so reduce_grad
+    may still be adding the replicas' into them meanwhile (`MoEConfig.overlap_reduce_grad`): no graph of
+    the gradients is built (`create_graph`), and each trained weight (`edges`: the Function's input edges of
+    gate_up and down) is a leaf given as itself with no hook on it (`register_hook`,
+    `register_post_accumulate_grad_hook`), whose gradient autograd keeps as handed over: its `.grad` is None,
+    or is the one this backward added into (`adds`) and hands back, or autograd returns the gradient
+    (`torch.autograd.grad`) instead of adding it into `.grad`. Elsewhere autograd would read it at once (an
+    add into `.grad`, a copy, a hook, the next node's backward). Hooks on a weight's gradient accumulator
+    node cannot be seen from here (see the config's description)."""
+    if torch.is_grad_enabled():
+        return False
+    for (node, _), train, add in zip(edges, trains, adds, strict=True):
+        if not train:
+            continue
+        weight = getattr(node, "variable", None)
+        if (type(node).__name__ != "AccumulateGrad" or weight is None or weight._backward_hooks
+                or weight._post_accumulate_grad_hooks):
+            return False
+        if not (add or weight.grad is None or engine_runs(node) is None):
+            return False
+    return True
 
 
 def _accumulating_grad(node) -> torch.Tensor | None:

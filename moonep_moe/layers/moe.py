@@ -349,7 +349,8 @@ class MoonEPMoELayer(nn.Module):
         # experts kept FP8 have no weight gradients, so no main_grad either
         main_grad = config.expert_weights != "fp8" and config.expert_grad_dtype == "main_grad"
         self._state = ExpertsState(self.buffer, self.experts, experts_gemm(config, world), main_grad,
-                                   config.fp8_dispatch, overlap_prefetch=config.overlap_prefetch)
+                                   config.fp8_dispatch, overlap_prefetch=config.overlap_prefetch,
+                                   overlap_reduce_grad=config.overlap_reduce_grad)
 
     def _release_comm(self) -> None:
         """Give the comm memory back to the world (the Buffer's and the home experts' registrations)."""
