@@ -58,6 +58,11 @@ group, `skewed_routing`):
    `MoonEPExperts` on its rows), alternated with its steps: the time beyond it (planner, comm kernels,
    copies, link time not hidden) is the step minus the block.
 
+With `--overlap-reduce-grad` our layers leave reduce_grad running behind the backward pass
+(`MoEConfig.overlap_reduce_grad`): each step is timed to where the layer's backward hands the caller's stream
+back (`handed_back`), the reduction's rest is recorded per rank (`reduce_behind`), and its link time is left
+to the layers before it in a model, which this bench does not run (`REDUCE_BEHIND_LEFT_OUT`).
+
 Left out (`LEFT_OUT`): the peers' SMs, contention on real links, NVLink latency, the peers' skew in reaching
 a barrier, the histogram all-gather's latency, the router, shared experts. The link model assumes a window's
 two directions move at once, each at the spec rate.
@@ -85,7 +90,7 @@ replicas out, `bytes`, `link_ms` per exchange call (its larger direction; `waite
 whole), `local` and `nvlink` timings, `host_ms` (the host's enqueue time of a step) and `host_behind`
 (timed steps whose host fell behind the GPU's hold), `windows_ms`, `room_ms`
 (backward's combine's, `over_link`), and for exact `gemm`, `swiglu`, `block_calls` (each call of the
-expert block, `BLOCK_CALLS`), `beyond_share`),
+expert block, `BLOCK_CALLS`), `beyond_share`; `reduce_behind` with `--overlap-reduce-grad`),
 `slowest` (`local`, `nvlink`: the group's step; `rank`)]},
 `native` (per maxvio: the rank, its routes and bytes, `eager`, `compiled` (each with `host_ms`,
 `host_behind`), `baseline`), `compile_s`,
@@ -116,7 +121,15 @@ import torch
 
 from bench.common import RESULTS, cuda_timeline, gpu_state, measure_limits, spread, write_record
 from bench.ep_group_arms import NativeArm, RankArm, Repeats, native_row, rank_line, same_plans, sync
-from bench.ep_group_report import LEFT_OUT, POLICIES, group_targets, markdown, plot, target_line
+from bench.ep_group_report import (
+    LEFT_OUT,
+    POLICIES,
+    REDUCE_BEHIND_LEFT_OUT,
+    group_targets,
+    markdown,
+    plot,
+    target_line,
+)
 from bench.kernel_profile import print_profile, timeline_profile
 from bench.link_model import NVLINK_BYTES_PER_S, NVLINK_SOURCE
 from bench.native_ep import (
@@ -388,8 +401,8 @@ def native_segment(cfg: MoEConfig, pairs: list[list[NativeArm]], device: torch.d
 def run_group(group: Group, args: argparse.Namespace, device: torch.device, record: dict,
               say: Callable[[str], None]) -> dict:
     """Every policy's ranks and the torch-native baseline of one group (module docstring): its table."""
-    cfgs = {policy: group.config(policy).model_copy(update={"overlap_prefetch": args.overlap_prefetch})
-            for policy in args.policies}
+    overlap = {"overlap_prefetch": args.overlap_prefetch, "overlap_reduce_grad": args.overlap_reduce_grad}
+    cfgs = {policy: group.config(policy).model_copy(update=overlap) for policy in args.policies}
     cfg = next(iter(cfgs.values()))
     hidden, grads = group_inputs(cfg, args.seed, device)
     weight_dtype = torch.promote_types(cfg.torch_dtype, torch.float32)
@@ -470,6 +483,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="also one step's kernels of exact's busiest rank at the last maxvio, per group")
     parser.add_argument("--overlap-prefetch", action="store_true",
                         help="our layers with MoEConfig.overlap_prefetch (record: ep-group-overlap-...)")
+    parser.add_argument("--overlap-reduce-grad", action="store_true",
+                        help="our layers with MoEConfig.overlap_reduce_grad: each step ends where the "
+                             "layer's backward hands the stream back (record: ep-group-reduce-behind-...)")
     parser.add_argument("--smoke", action="store_true",
                         help=f"CPU, tiny shapes ({SMOKE}), one step per rank: every code path, no timing")
     parser.add_argument("--out", default=None,
@@ -503,12 +519,16 @@ def main(argv: list[str] | None = None) -> None:
     setup = {"groups": [g.label for g in args.groups], "policies": args.policies, "maxvio": args.maxvio,
              "warmup": args.warmup, "repeat": args.repeat, "seed": args.seed, "smoke": args.smoke,
              "link": {"bytes_per_s": NVLINK_BYTES_PER_S, "source": NVLINK_SOURCE}, "left_out": LEFT_OUT,
-             "per_rank_step": PER_RANK_STEP, "spread": SPREAD, "overlap_prefetch": args.overlap_prefetch}
+             "per_rank_step": PER_RANK_STEP, "spread": SPREAD, "overlap_prefetch": args.overlap_prefetch,
+             "overlap_reduce_grad": args.overlap_reduce_grad}
+    if args.overlap_reduce_grad:
+        setup["left_out"] += "; " + REDUCE_BEHIND_LEFT_OUT
     record = {"setup": setup,
               "targets": [], "targets_local": []}
     if args.profile:
         record["profile"] = {}
-    name = ("ep-group-smoke" if args.smoke else "ep-group") + ("-overlap" if args.overlap_prefetch else "")
+    name = "-".join(["ep-group-smoke" if args.smoke else "ep-group"]
+                    + ["overlap"] * args.overlap_prefetch + ["reduce-behind"] * args.overlap_reduce_grad)
     tables: list[dict] = []
     for group in args.groups:
         tables.append(run_group(group, args, device, record, say))

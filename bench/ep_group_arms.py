@@ -38,6 +38,7 @@ from bench.rank_replay import (
     replay_step,
     replica_counts,
 )
+from moonep_moe.comm.buffer import BEHIND
 from moonep_moe.gemm.base import SlotsReady
 from moonep_moe.layers.function import compute_offsets
 from moonep_moe.layers.moe import MoonEPMoELayer
@@ -89,6 +90,29 @@ def expert_block(layer: MoonEPMoELayer, cu_seqlens: torch.Tensor) -> list[float]
     return [seconds_between(a, b) for a, b in zip(marks, marks[1:], strict=False)]
 
 
+BEHIND_PASS = PHASES.index("add_replicas")
+"""The exchange call `MoEConfig.overlap_reduce_grad` leaves running behind the backward pass: reduce_grad."""
+
+
+def handed_back(layer: MoonEPMoELayer) -> list:
+    """Where the layer's next backward hands the caller's stream back with its reduce_grad still running
+    behind (`Buffer.wait_behind` at the end of the backward pass, with a reduction pending): a list the
+    layer's Buffer appends a stamp of that stream to (an attribute over its method, replaced by the next
+    call; bench-only). Stays empty for a layer without `overlap_reduce_grad`."""
+    handed: list = []
+    if not layer.config.overlap_reduce_grad:
+        return handed
+    buffer, world = layer._state.buffer, layer.world
+
+    def wait_behind() -> None:
+        if world.globals.get(BEHIND):
+            handed.append(stamp(world.device))
+        type(buffer).wait_behind(buffer)
+
+    buffer.wait_behind = wait_behind
+    return handed
+
+
 PLAN_FIELDS = ("dst", "cu_seqlens", "experts_to_copy", "compute_groups", "rank_load")
 """The plan fields that decide what a rank computes and moves."""
 
@@ -137,6 +161,9 @@ class Samples:
     """Per timed step and exchange call, the time a prefetch's incoming link time hides under
     (`prefetch_rooms`)."""
     blocks: list[tuple[float, float, list[float]]] = field(default_factory=list)
+    reduce_behind: list[float] = field(default_factory=list)
+    """Per timed step whose reduce_grad ran behind the backward pass (`MoEConfig.overlap_reduce_grad`), the
+    seconds it still ran after the layer's backward gave the caller's stream back."""
 
 
 def host_fields(samples: Samples) -> dict[str, float | int]:
@@ -181,6 +208,7 @@ class RankArm:
         device = world.device
         traffic, inputs = rank_traffic(self.step, self.rank, layer, world), rank_inputs(self.step, self.rank)
         self.ahead = self.ahead or HostAhead(device)
+        handed = handed_back(layer)  # this step's (the layer is shared by the rank's maxvio arms)
         start = self.ahead.start()
         replay_step(layer, world, self.step, inputs, traffic)
         end = self.ahead.end()
@@ -191,7 +219,11 @@ class RankArm:
             self.checked = True
         if not timed:
             return
-        keep(self.samples, self.ahead, seconds_between(start, end))
+        # with reduce_grad behind the backward pass, the step ends where the layer handed the caller's
+        # stream back: the reduction's rest runs beside the layers before it in a model
+        keep(self.samples, self.ahead, seconds_between(start, handed[-1] if handed else end))
+        if handed:
+            self.samples.reduce_behind.append(seconds_between(handed[-1], end))
         # the torch reference exchange (the CPU's) has no barriers: no window, all link time unhidden
         self.samples.windows.append([seconds for _, seconds in world.window_seconds()] or [0.0] * len(PHASES))
         rooms = [0.0] * len(PHASES)
@@ -215,8 +247,11 @@ class RankArm:
         waited_s, link_s = layer_link_seconds(phases)
         totals, windows, blocks = samples.totals, samples.windows, samples.blocks
         hosted, replicated = replica_counts(step)
+        rooms = samples.rooms
+        if samples.reduce_behind:  # reduce_grad's link time is left to the layers before it, as its rest
+            rooms = [[float("inf") if i == BEHIND_PASS else r for i, r in enumerate(room)] for room in rooms]
         nvlink = [over_link(t, w, link_s, r, waited_s, h)
-                  for t, w, r, h in zip(totals, windows, samples.rooms, samples.hidden, strict=True)]
+                  for t, w, r, h in zip(totals, windows, rooms, samples.hidden, strict=True)]
         row = {"rank": rank, "routes": int(step.plans[0].rank_load[rank]), "home_routes":
                int(step.plans[0].home_load[rank]), "slots_used": int(hosted[rank]), "replicas_out":
                int(replicated[rank]), "bytes": bytes_summary(phases),
@@ -226,6 +261,8 @@ class RankArm:
                "room_ms": statistics.median(r[BESIDE_GEMM] for r in samples.rooms) * 1e3,
                "prefetch_hidden_ms": [statistics.median(h[i] for h in samples.hidden) * 1e3
                                       for i, phase in enumerate(PHASES) if phase in OPEN_ENDED]}
+        if samples.reduce_behind:
+            row["reduce_behind"] = spread(samples.reduce_behind)
         if self.block:
             row["gemm"] = spread([g for g, _, _ in blocks])
             row["swiglu"] = spread([s for _, s, _ in blocks])

@@ -22,6 +22,11 @@ LEFT_OUT = ("the peers' SMs (only the timed rank's kernels run), contention on r
             "kernel holds SMs for its local copies' time, where over NVLink it would hold them for the "
             "link's (its link time beyond the home GEMM it runs beside is charged, not the SMs it would "
             "keep from that GEMM)")
+REDUCE_BEHIND_LEFT_OUT = (
+    "with overlap_reduce_grad, each of our steps ends where the layer's backward hands the caller's stream "
+    "back, reduce_grad still running behind it on the comm stream: the layers before it in a model (not run "
+    "here) are assumed to cover the reduction's rest (each rank's `reduce_behind`, local) and its link "
+    "time, and its kernels' SMs beside them are not charged")
 TARGET_BOUNDS = {"exact skew": 1.05, "exact vs native at skew": 0.65, "exact vs native balanced": 1.00,
                  "cost_aware vs best": 1.00, "beyond expert block": 0.05}
 

@@ -252,6 +252,21 @@ def test_smoke_run_with_the_prefetch_overlapped_records_it(tmp_path):
     assert sum(r["slots_used"] for r in run["ranks"]) > 0, "maxvio 20: the plan fills slots"
 
 
+def test_smoke_run_with_reduce_grad_behind_times_each_step_to_where_the_layer_hands_the_stream_back(tmp_path):
+    """`--overlap-reduce-grad`: every rank's step of every maxvio arm (the arms share the rank's layer)
+    records the time its reduce_grad ran on after the layer's backward returned (`reduce_behind`), and the
+    record says what that leaves to the layers before it."""
+    main(["--smoke", "--groups", "deepseek-v3:8", "--maxvio", "0", "20", "--policies", "exact", "--out",
+          str(tmp_path), "--overlap-reduce-grad"])
+    [record_path] = tmp_path.glob("ep-group-smoke-reduce-behind-cpu-*.json")
+    record = json.loads(record_path.read_text())
+    assert record["setup"]["overlap_reduce_grad"] is True
+    assert "overlap_reduce_grad" in record["setup"]["left_out"]
+    runs = record["results"][0]["policies"]["exact"]
+    assert len(runs) == 2
+    assert all(len(r["reduce_behind"]["ms_samples"]) == 1 for run in runs for r in run["ranks"])
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--repeat", "4"], "--repeat must be >= 5"),
     (["--smoke", "--groups", "kimi-k2:5"], "--groups kimi-k2:5"),
