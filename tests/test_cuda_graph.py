@@ -18,10 +18,11 @@ pytestmark = pytest.mark.gpu
 T, H, F, E, K = 256, 256, 128, 16, 4
 
 
-def layer_and_inputs(grad_dtype: str = "param", grouped_gemm: str = "auto"):
+def layer_and_inputs(grad_dtype: str = "param", grouped_gemm: str = "auto",
+                     overlap_reduce_grad: bool = False):
     cfg = MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, max_tokens_per_rank=T,
                     dtype="bfloat16", expert_grad_dtype=grad_dtype, grouped_gemm=grouped_gemm,
-                    router={"expert_bias": True})
+                    router={"expert_bias": True}, overlap_reduce_grad=overlap_reduce_grad)
     torch.manual_seed(0)
     layer = MoonEPMoELayer(cfg, single_world("cuda"))
     return layer, torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -40,13 +41,14 @@ def step(layer: MoonEPMoELayer, x_th: torch.Tensor, grad_th: torch.Tensor) -> to
     return out_th
 
 
-@pytest.mark.parametrize("grouped_gemm", ["auto", "deep_gemm"])
-@pytest.mark.parametrize("grad_dtype", ["param", "main_grad"])
-def test_forward_and_backward_make_no_host_sync(grad_dtype, grouped_gemm):
+@pytest.mark.parametrize(("grad_dtype", "grouped_gemm", "overlap_reduce_grad"), [
+    ("param", "auto", False), ("main_grad", "auto", False), ("param", "deep_gemm", False),
+    ("main_grad", "deep_gemm", False), ("param", "auto", True)])
+def test_forward_and_backward_make_no_host_sync(grad_dtype, grouped_gemm, overlap_reduce_grad):
     if grouped_gemm == "deep_gemm" and (reason := deep_gemm.unsupported_reason(torch.device("cuda"),
                                                                               torch.bfloat16, None, 128)):
         pytest.skip(reason)
-    layer, x_th = layer_and_inputs(grad_dtype, grouped_gemm)
+    layer, x_th = layer_and_inputs(grad_dtype, grouped_gemm, overlap_reduce_grad)
     x_th.requires_grad_()
     skew(layer, 10.0)
     step(layer, x_th, torch.ones_like(x_th))  # first use: kernels built, pools allocated
@@ -59,10 +61,13 @@ def test_forward_and_backward_make_no_host_sync(grad_dtype, grouped_gemm):
     assert torch.isfinite(x_th.grad).all()
 
 
-def test_one_cuda_graph_replays_new_routing_exactly():
+@pytest.mark.parametrize("overlap_reduce_grad", [False, True])
+def test_one_cuda_graph_replays_new_routing_exactly(overlap_reduce_grad):
     """Capture forward + backward once; replay with new tokens and a new router bias (new routing, new
-    plan): output, input gradient and every weight gradient equal an eager step's."""
-    layer, x_th = layer_and_inputs()
+    plan): output, input gradient and every weight gradient equal an eager step's. With
+    `overlap_reduce_grad` the graph holds reduce_grad's branch on the comm stream, joined at the end of the
+    backward pass."""
+    layer, x_th = layer_and_inputs(overlap_reduce_grad=overlap_reduce_grad)
     static_x = x_th.clone().requires_grad_()
     static_grad = torch.randn_like(x_th)
     stream = torch.cuda.Stream()
