@@ -59,19 +59,20 @@ H, TOKENS, STEPS = 16, 12, 2
 """Hidden size, tokens per rank per step, optimizer steps per case."""
 
 # name: (strategy, expert_grad_dtype, micro-batches per step, the MoE layer under activation checkpointing,
-#        zero_grad's set_to_none)
+#        zero_grad's set_to_none, reduce_grad behind the backward pass)
 CASES = {
-    "ddp": ("ddp", "param", 1, False, True),
-    "fsdp2-accumulate": ("fsdp", "param", 2, False, True),
-    "ddp-main_grad-accumulate-checkpointed": ("ddp", "main_grad", 2, True, True),
-    "ddp-main_grad-grads-kept-as-zeros": ("ddp", "main_grad", 1, False, False),
+    "ddp": ("ddp", "param", 1, False, True, False),
+    "fsdp2-accumulate": ("fsdp", "param", 2, False, True, False),
+    "ddp-main_grad-accumulate-checkpointed": ("ddp", "main_grad", 2, True, True, False),
+    "ddp-main_grad-grads-kept-as-zeros": ("ddp", "main_grad", 1, False, False, False),
+    "ddp-accumulate-checkpointed-reduce-behind": ("ddp", "param", 2, True, True, True),
 }
 
 
-def make_config(ep: int, tokens: int, grad_mode: str = "param") -> MoEConfig:
+def make_config(ep: int, tokens: int, grad_mode: str = "param", reduce_behind: bool = False) -> MoEConfig:
     return MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=8, top_k=2, ep_size=ep,
                      max_tokens_per_rank=tokens, token_padding=4, dtype="float64", grouped_gemm="reference",
-                     expert_grad_dtype=grad_mode,
+                     expert_grad_dtype=grad_mode, overlap_reduce_grad=reduce_behind,
                      router={"dtype": "float64", "expert_bias": True, "expert_bias_update_rate": 0.01},
                      shared_experts={"num_shared_experts": 1, "gate": True})
 
@@ -152,11 +153,11 @@ def reference(ranks: int) -> tuple[list[dict], dict]:
 
 
 def run_case(dp: int, ep: int, strategy: str, grad_mode: str, micro: int, checkpointed: bool,
-             set_to_none: bool) -> dict:
+             set_to_none: bool, reduce_behind: bool) -> dict:
     """This rank's gradients after each step's reduction and its final parameters, training `Net` on the
     `(dp, ep)` mesh wrapped by `strategy`, with `micro` micro-batches per step."""
     mesh = moe_mesh(dp, ep)
-    net = build(make_config(ep, TOKENS, grad_mode), ep_world(mesh), checkpointed)
+    net = build(make_config(ep, TOKENS, grad_mode, reduce_behind), ep_world(mesh), checkpointed)
     model = data_parallel(net, mesh, strategy, blocks=[net.moe] if strategy == "fsdp" else ())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     rank = mesh.get_rank()
