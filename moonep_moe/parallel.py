@@ -28,7 +28,9 @@ Use (every rank, under torchrun; `tests/test_parallel.py` runs it with gloo on t
 4. per step: forward + backward of every micro-batch (DDP: `model.no_sync()` for all but the last; FSDP2:
    `model.set_requires_gradient_sync(False)`), then `reduce_expert_grads(model, mesh)`, then the optimizer
    (`main_grad` mode: `p.grad = p.main_grad.to(p.dtype)` for the home experts first), and with an
-   aux-loss-free expert bias, `update_expert_bias(model, mesh)`.
+   aux-loss-free expert bias, `update_expert_bias(model, mesh)`. To clip gradients, call
+   `clip_grad_norm_(model, max_norm, mesh)` after `reduce_expert_grads`, not torch's (which would take each
+   rank's norm over its own home experts only).
 
 FSDP2 shards only the non-expert parameters: the home experts are registered with the EP world (peers read
 them to prefetch replicas), so they stay whole on every rank; they are already split `ep` ways.
@@ -36,6 +38,7 @@ them to prefetch replicas), so they stay whole on every rank; they are already s
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 from typing import Literal
@@ -49,8 +52,8 @@ from moonep_moe.layers.moe import MoonEPMoELayer
 from moonep_moe.transport.registry import world_of_group
 from moonep_moe.transport.world import EPWorld
 
-__all__ = ["data_parallel", "ep_world", "expert_parameters", "moe_layers", "moe_mesh", "reduce_expert_grads",
-           "update_expert_bias"]
+__all__ = ["clip_grad_norm_", "data_parallel", "ep_world", "expert_parameters", "moe_layers", "moe_mesh",
+           "reduce_expert_grads", "update_expert_bias"]
 
 DP, EP = "dp", "ep"
 """The mesh dimensions' names."""
@@ -225,3 +228,68 @@ def update_expert_bias(model: nn.Module, mesh: DeviceMesh) -> None:
         if dp.size() > 1:
             dist.all_reduce(layer.expert_load, group=dp.get_group())
         layer.update_expert_bias()
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, mesh: DeviceMesh, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Clip the gradients of the whole distributed model by their global norm, as
+    `torch.nn.utils.clip_grad_norm_` does on one process holding every parameter: after `reduce_expert_grads`,
+    before the optimizer. Returns the total norm, a 0-dim tensor equal on all W ranks.
+
+    Every gradient counts once: the non-expert ones as their data-parallel wrapper leaves them (DDP: the same
+    on every rank; FSDP2: DTensor shards, whose norm is reduced over their mesh), the home experts' (`.grad`,
+    or `main_grad` in that mode) summed over "ep" (each EP rank holds other experts; the ranks of a "dp"
+    column hold the same ones, already reduced). Then every gradient, home experts' included, is multiplied
+    by `max_norm / (norm + 1e-6)` where that is below 1. No host read unless `error_if_nonfinite`.
+    Collective over the mesh.
+
+    Raises:
+        ValueError naming the argument and rank for a `max_norm` or `norm_type` that is not a positive
+        number; RuntimeError naming the rank with `error_if_nonfinite` when the norm is NaN or infinite.
+    """
+    from torch.distributed.tensor import DTensor
+
+    rank = dist.get_rank()
+    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ValueError(f"{name} must be a positive number, got {value!r} (rank {rank})")
+    layers, p = check_layers(model, mesh), float(norm_type)
+    homes = [w for layer in layers for w in (layer.experts.gate_up, layer.experts.down)]
+    expert_grads = [g for layer in layers for w in (layer.experts.gate_up, layer.experts.down)
+                    if (g := getattr(w, "main_grad", None) if layer.config.expert_grad_dtype == "main_grad"
+                        else w.grad) is not None]
+    dense = [w.grad for w in model.parameters() if w.grad is not None and not any(w is h for h in homes)]
+    device = next(iter(expert_grads + dense), torch.empty(0)).device
+    sharded = [g for g in dense if isinstance(g, DTensor)]
+    norms = [_total_norm([g for g in dense if not isinstance(g, DTensor)], p, device)]
+    if sharded:
+        norm = torch.nn.utils.get_total_norm(sharded, p)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    experts = _total_norm(expert_grads, p, device)  # this rank's home experts; "ep" holds the others
+    ep = mesh_dims(mesh)[EP]
+    if ep.size() > 1:
+        experts = experts if p == float("inf") else experts.pow(p)
+        dist.all_reduce(experts, op=dist.ReduceOp.MAX if p == float("inf") else dist.ReduceOp.SUM,
+                        group=ep.get_group())
+        experts = experts if p == float("inf") else experts.pow(1.0 / p)
+    total = _total_norm(norms + [experts], p, device)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {float(total)}, so they "
+                           f"cannot be clipped (rank {rank}); error_if_nonfinite=False clips them anyway")
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in dense + expert_grads:  # a DTensor's shard: every rank scales its own by the same factor
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        local.mul_(scale.to(local.device))
+    return total
+
+
+def _total_norm(tensors: list[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
+    """The `p`-norm of `tensors` taken as one vector, in fp32 or wider, on `device` (0 for none)."""
+    if not tensors:
+        return torch.zeros((), device=device)
+    norms = [torch.linalg.vector_norm(t, p).to(device, torch.promote_types(t.dtype, torch.float32))
+             for t in tensors]
+    dtype = functools.reduce(torch.promote_types, (n.dtype for n in norms))
+    return torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in norms]), p)
+

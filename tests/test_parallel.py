@@ -9,7 +9,9 @@ experts), every gradient must equal a single-process run's on the same global ba
 every rank's tokens in one batch); so must the parameters after SGD steps and the expert bias moved by
 `update_expert_bias`. One case runs the MoE layer under activation checkpointing (its recompute in backward
 plans and exchanges again beside DDP's reductions). One zeroes with `zero_grad(set_to_none=False)` in
-"main_grad" mode, so the home experts keep a `.grad` that `reduce_expert_grads` must leave alone. Under
+"main_grad" mode, so the home experts keep a `.grad` that `reduce_expert_grads` must leave alone. Three
+clip the gradients by their global norm (`clip_grad_norm_`, under DDP and FSDP2, of order 2 and inf) and
+must equal torch's `clip_grad_norm_` on the single process, norms included. Under
 DDP and FSDP2, with and without micro-batches, `expert_load` must count this EP group's forwards only (DDP
 must not broadcast it).
 
@@ -43,6 +45,7 @@ from moonep_moe.apps.cli import main
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.moe import MoonEPMoELayer
 from moonep_moe.parallel import (
+    clip_grad_norm_,
     data_parallel,
     ep_world,
     expert_parameters,
@@ -58,15 +61,22 @@ TOL = dict(rtol=1e-9, atol=1e-12)
 H, TOKENS, STEPS = 16, 12, 2
 """Hidden size, tokens per rank per step, optimizer steps per case."""
 
-# name: (strategy, expert_grad_dtype, micro-batches per step, the MoE layer under activation checkpointing,
-#        zero_grad's set_to_none, reduce_grad behind the backward pass)
 CASES = {
-    "ddp": ("ddp", "param", 1, False, True, False),
-    "fsdp2-accumulate": ("fsdp", "param", 2, False, True, False),
-    "ddp-main_grad-accumulate-checkpointed": ("ddp", "main_grad", 2, True, True, False),
-    "ddp-main_grad-grads-kept-as-zeros": ("ddp", "main_grad", 1, False, False, False),
-    "ddp-accumulate-checkpointed-reduce-behind": ("ddp", "param", 2, True, True, True),
+    "ddp": dict(strategy="ddp"),
+    "fsdp2-accumulate": dict(strategy="fsdp", micro=2),
+    "ddp-main_grad-accumulate-checkpointed": dict(strategy="ddp", grad_mode="main_grad", micro=2,
+                                                  checkpointed=True),
+    "ddp-main_grad-grads-kept-as-zeros": dict(strategy="ddp", grad_mode="main_grad", set_to_none=False),
+    "ddp-accumulate-checkpointed-reduce-behind": dict(strategy="ddp", micro=2, checkpointed=True,
+                                                      reduce_behind=True),
+    "ddp-clipped": dict(strategy="ddp", clip=0.05),
+    "fsdp2-accumulate-clipped": dict(strategy="fsdp", micro=2, clip=0.05),
+    "ddp-main_grad-clipped-inf-norm": dict(strategy="ddp", grad_mode="main_grad", clip=0.01,
+                                           norm_type=float("inf")),
 }
+"""name: `run_case`'s keywords (data-parallel strategy, expert_grad_dtype, micro-batches per step, the MoE
+layer under activation checkpointing, zero_grad's set_to_none, reduce_grad behind the backward pass, the
+gradients clipped to a global norm of that order)."""
 
 
 def make_config(ep: int, tokens: int, grad_mode: str = "param", reduce_behind: bool = False) -> MoEConfig:
@@ -134,34 +144,39 @@ def optimizer_step(net: Net, optimizer: torch.optim.Optimizer, set_to_none: bool
     net.moe.zero_main_grad()
 
 
-def reference(ranks: int) -> tuple[list[dict], dict]:
-    """One process, one rank: every step on the whole global batch; the gradients of every step and the
-    final parameters and buffers."""
+def reference(ranks: int, clip: float | None = None, norm_type: float = 2.0) -> tuple[list[dict], dict, list]:
+    """One process, one rank: every step on the whole global batch (its gradients clipped by torch's
+    `clip_grad_norm_` with `clip`); the gradients of every step, the final parameters and buffers, and the
+    total norms clipping returned."""
     net = build(make_config(1, ranks * TOKENS), single_world())
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    grads = []
+    grads, norms = [], []
     for step in range(STEPS):
         x, y = global_batch(step, ranks)
         nn.functional.mse_loss(net(x), y).backward()
+        if clip is not None:
+            norms.append(float(nn.utils.clip_grad_norm_(net.parameters(), clip, norm_type)))
         grads.append(snapshot(net, grads=True))
         optimizer_step(net, optimizer)
         net.moe.update_expert_bias()
-    return grads, snapshot(net, grads=False)
+    return grads, snapshot(net, grads=False), norms
 
 
 # -- what runs in the spawned processes ---------------------------------------------------------------------
 
 
-def run_case(dp: int, ep: int, strategy: str, grad_mode: str, micro: int, checkpointed: bool,
-             set_to_none: bool, reduce_behind: bool) -> dict:
-    """This rank's gradients after each step's reduction and its final parameters, training `Net` on the
-    `(dp, ep)` mesh wrapped by `strategy`, with `micro` micro-batches per step."""
+def run_case(dp: int, ep: int, strategy: str, grad_mode: str = "param", micro: int = 1,
+             checkpointed: bool = False, set_to_none: bool = True, reduce_behind: bool = False,
+             clip: float | None = None, norm_type: float = 2.0) -> dict:
+    """This rank's gradients after each step's reduction (and clipping, `clip_grad_norm_`) and its final
+    parameters, training `Net` on the `(dp, ep)` mesh wrapped by `strategy`, with `micro` micro-batches per
+    step; the total norms clipping returned."""
     mesh = moe_mesh(dp, ep)
     net = build(make_config(ep, TOKENS, grad_mode, reduce_behind), ep_world(mesh), checkpointed)
     model = data_parallel(net, mesh, strategy, blocks=[net.moe] if strategy == "fsdp" else ())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     rank = mesh.get_rank()
-    grads = []
+    grads, norms, slots_used = [], [], 0
     for step in range(STEPS):
         x, y = (t[rank * TOKENS:(rank + 1) * TOKENS] for t in global_batch(step, dp * ep))
         for i, (x_m, y_m) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
@@ -173,12 +188,15 @@ def run_case(dp: int, ep: int, strategy: str, grad_mode: str, micro: int, checkp
                 model.set_requires_gradient_sync(last)
             with sync:
                 (nn.functional.mse_loss(model(x_m), y_m) / micro).backward()
+            slots_used = max(slots_used, int(net.moe.balance_stats()["slots_used"].sum()))
         reduce_expert_grads(model, mesh)
+        if clip is not None:
+            norms.append(float(clip_grad_norm_(model, clip, mesh, norm_type)))
         grads.append(snapshot(net, grads=True))
         optimizer_step(net, optimizer, set_to_none)
         update_expert_bias(model, mesh)
-    return {"grads": grads, "state": snapshot(net, grads=False), "ep_rank": mesh.get_local_rank("ep"),
-            "slots_used": int(net.moe.balance_stats()["slots_used"].sum())}
+    return {"grads": grads, "norms": norms, "state": snapshot(net, grads=False),
+            "ep_rank": mesh.get_local_rank("ep"), "slots_used": slots_used}
 
 
 def errors(dp: int, ep: int) -> dict[str, str]:
@@ -190,6 +208,8 @@ def errors(dp: int, ep: int) -> dict[str, str]:
     other = build(make_config(dp * ep, TOKENS), collective_world(None))
     calls = [("strategy", lambda: data_parallel(net, mesh, "zero")),
              ("no grad", lambda: reduce_expert_grads(net, mesh)),
+             ("max_norm", lambda: clip_grad_norm_(net, 0.0, mesh)),
+             ("norm_type", lambda: clip_grad_norm_(net, 1.0, mesh, norm_type="2")),
              ("other group", lambda: data_parallel(other, mesh))]
     if dp == ep:
         column = build(make_config(dp, TOKENS), collective_world(mesh["dp"].get_group()))
@@ -200,6 +220,11 @@ def errors(dp: int, ep: int) -> dict[str, str]:
             call()
         except ValueError as error:
             raised[name] = str(error)
+    net.out.weight.grad = torch.full_like(net.out.weight, float("nan"))
+    try:
+        clip_grad_norm_(net, 1.0, mesh, error_if_nonfinite=True)
+    except RuntimeError as error:
+        raised["nonfinite"] = str(error)
     return raised
 
 
@@ -229,7 +254,7 @@ def expert_load_counts(dp: int, ep: int, strategy: str, micro: int) -> list[tupl
 def cases_job(world, dp: int, ep: int) -> dict:
     return {"errors": errors(dp, ep), "loads": {name: expert_load_counts(dp, ep, *mode)
                                                 for name, mode in LOAD_MODES.items()},
-            **{name: run_case(dp, ep, *case) for name, case in CASES.items()}}
+            **{name: run_case(dp, ep, **case) for name, case in CASES.items()}}
 
 
 @pytest.fixture(scope="module", params=[(2, 2), (1, 4)], ids=["dp2xep2", "ep4"])
@@ -253,7 +278,9 @@ def assert_matches(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], 
 @pytest.mark.parametrize("case", CASES)
 def test_every_gradient_and_step_equals_one_process_on_the_global_batch(mesh_run, case):
     (dp, ep), results = mesh_run
-    ref_grads, ref_state = reference(dp * ep)
+    clip, norm_type = CASES[case].get("clip"), CASES[case].get("norm_type", 2.0)
+    ref_grads, ref_state, ref_norms = reference(dp * ep, clip, norm_type)
+    assert all(norm > clip for norm in ref_norms), "clipping must scale the gradients"
     epn = 8 // ep
     for rank, result in enumerate(results):
         got = result[case]
@@ -261,8 +288,9 @@ def test_every_gradient_and_step_equals_one_process_on_the_global_batch(mesh_run
             assert_matches(got["grads"][step], ref_grads[step], got["ep_rank"], epn,
                            f"{case}, rank {rank}, step {step} gradients")
         assert_matches(got["state"], ref_state, got["ep_rank"], epn, f"{case}, rank {rank}, final state")
+        torch.testing.assert_close(got["norms"], ref_norms, **TOL)
     if ep > 1:
-        assert results[0][case]["slots_used"] > 0, "the skewed routing made no replicas"
+        assert results[0][case]["slots_used"] > 0, "the skewed routing made no replica in any step"
 
 
 @pytest.mark.parametrize("mode", LOAD_MODES)
@@ -342,6 +370,10 @@ def test_helpers_refuse_misuse_naming_the_rank(mesh_run):
         assert raised["strategy"] == f"strategy must be 'ddp' or 'fsdp', got 'zero' (rank {rank})"
         assert raised["no grad"] == (f"MoonEP layer 0 experts.gate_up has no grad on rank {rank}: call "
                                      "reduce_expert_grads after backward")
+        assert raised["max_norm"] == f"max_norm must be a positive number, got 0.0 (rank {rank})"
+        assert raised["norm_type"] == f"norm_type must be a positive number, got '2' (rank {rank})"
+        assert raised["nonfinite"].startswith("the total norm of order 2.0 of the gradients is nan, so they "
+                                              f"cannot be clipped (rank {rank})")
         if dp == 1:  # the WORLD group is the mesh's "ep" group
             assert "other group" not in raised
             continue
