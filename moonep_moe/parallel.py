@@ -265,7 +265,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, mesh: DeviceMesh, norm_ty
     norms = [_total_norm([g for g in dense if not isinstance(g, DTensor)], p, device)]
     if sharded:
         norm = torch.nn.utils.get_total_norm(sharded, p)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        norms.append(norm.to(device, torch.promote_types(norm.dtype, torch.float32)))
     experts = _total_norm(expert_grads, p, device)  # this rank's home experts; "ep" holds the others
     ep = mesh_dims(mesh)[EP]
     if ep.size() > 1:
@@ -273,7 +274,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, mesh: DeviceMesh, norm_ty
         dist.all_reduce(experts, op=dist.ReduceOp.MAX if p == float("inf") else dist.ReduceOp.SUM,
                         group=ep.get_group())
         experts = experts if p == float("inf") else experts.pow(1.0 / p)
-    total = _total_norm(norms + [experts], p, device)
+    parts = norms + [experts]
+    dtype = functools.reduce(torch.promote_types, (n.dtype for n in parts))
+    total = torch.linalg.vector_norm(torch.stack([n.to(device, dtype) for n in parts]), p)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {float(total)}, so they "
                            f"cannot be clipped (rank {rank}); error_if_nonfinite=False clips them anyway")
@@ -285,11 +288,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, mesh: DeviceMesh, norm_ty
 
 
 def _total_norm(tensors: list[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
-    """The `p`-norm of `tensors` taken as one vector, in fp32 or wider, on `device` (0 for none)."""
+    """The `p`-norm of `tensors` taken as one vector (`torch.nn.utils.get_total_norm`: a norm per tensor,
+    in its dtype, as torch's clipping takes them), in fp32 or wider, on `device` (0 for none)."""
     if not tensors:
         return torch.zeros((), device=device)
-    norms = [torch.linalg.vector_norm(t, p).to(device, torch.promote_types(t.dtype, torch.float32))
-             for t in tensors]
-    dtype = functools.reduce(torch.promote_types, (n.dtype for n in norms))
-    return torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in norms]), p)
+    norm = torch.nn.utils.get_total_norm(tensors, p)
+    return norm.to(device, torch.promote_types(norm.dtype, torch.float32))
 
