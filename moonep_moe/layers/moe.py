@@ -169,6 +169,24 @@ def routed_step(layer: MoonEPMoELayer, hidden_sh: torch.Tensor, routing: RouterO
     return out_sh
 
 
+def experts_step(layer: MoonEPMoELayer, hidden_sh: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
+    """What `MoonEPMoELayer.forward` runs after the router: `[s, H]` tokens -> the routed experts' output as
+    `routing` chose plus the shared experts' (where the layer has them), the shared experts on a side stream
+    beside the routed step where `MoEConfig.overlap_shared_experts` applies (`overlapped_step`), else after
+    it. Under `torch.compile` the step runs eagerly between the compiled graphs."""
+    overlap = (layer.shared_experts is not None and layer.config.overlap_shared_experts
+               and hidden_sh.is_cuda)
+    step = overlapped_step if overlap else routed_step
+    if torch.compiler.is_compiling():  # traced: the step runs eagerly between the compiled graphs
+        from moonep_moe.layers.compile_break import run_eagerly
+        out_sh = run_eagerly(step, layer, hidden_sh, routing)
+    else:
+        out_sh = step(layer, hidden_sh, routing)
+    if not overlap and layer.shared_experts is not None:
+        out_sh = out_sh + layer.shared_experts(hidden_sh)
+    return out_sh
+
+
 def shared_experts_stream(world: EPWorld) -> torch.cuda.Stream:
     """This rank's side stream for the shared experts (`overlapped_step`), shared by its layers and made on
     first use (kept in `world.globals`, as the Buffer keeps its comm stream)."""
@@ -481,16 +499,7 @@ class MoonEPMoELayer(nn.Module):
             raise ValueError(f"token_mask must be a bool tensor of shape {list(hidden_states.shape[:-1])}, "
                              f"got {token_mask.dtype} {list(token_mask.shape)}")
         routing = self.router(hidden_sh, None if token_mask is None else token_mask.reshape(-1))
-        overlap = self.shared_experts is not None and cfg.overlap_shared_experts and hidden_sh.is_cuda
-        step = overlapped_step if overlap else routed_step
-        if torch.compiler.is_compiling():  # traced: the step runs eagerly between the compiled graphs
-            from moonep_moe.layers.compile_break import run_eagerly
-            out_sh = run_eagerly(step, self, hidden_sh, routing)
-        else:
-            out_sh = step(self, hidden_sh, routing)
-        if not overlap and self.shared_experts is not None:
-            out_sh = out_sh + self.shared_experts(hidden_sh)
-        out = out_sh.view(hidden_states.shape)
+        out = experts_step(self, hidden_sh, routing).view(hidden_states.shape)
         return (out, routing.aux_loss) if routing.aux_loss is not None else out
 
     @torch.no_grad()
