@@ -58,6 +58,12 @@ group, `skewed_routing`):
    `MoonEPExperts` on its rows), alternated with its steps: the time beyond it (planner, comm kernels,
    copies, link time not hidden) is the step minus the block.
 
+With `--shared-experts` each rank's step also runs the model's shared experts on its tokens (`Group.shared`):
+in our layers as the layer runs them, on a side stream beside the routed step (`moe.experts_step`,
+`overlap_shared_experts`: MoonEP hides planning, dispatch and prefetch behind them), in torch-native's after
+its routed experts (`NativePlainEPRank`'s `shared`); the expert block times them too (`SHARED_CALLS`), so
+what hides under their GEMMs counts as hidden.
+
 With `--overlap-reduce-grad` our layers leave reduce_grad running behind the backward pass
 (`MoEConfig.overlap_reduce_grad`): each step is timed to where the layer's backward hands the caller's stream
 back (`handed_back`), the reduction's rest is recorded per rank (`reduce_behind`), and its link time is left
@@ -125,6 +131,7 @@ from bench.ep_group_report import (
     LEFT_OUT,
     POLICIES,
     REDUCE_BEHIND_LEFT_OUT,
+    SHARED_LEFT_OUT,
     group_targets,
     markdown,
     plot,
@@ -138,6 +145,7 @@ from bench.native_ep import (
     compiled_native_ep_experts,
     hottest_rank,
     native_ep_experts,
+    native_shared_experts,
 )
 from bench.rank_replay import (
     GroupStep,
@@ -181,12 +189,16 @@ class Group:
     model: str
     ranks: int
     overrides: tuple[tuple[str, int], ...] = ()
+    shared: bool = False
+    """Keep the model's shared experts (each of the routed experts' width), which the layer runs beside the
+    routed step (`overlap_shared_experts`); else routed experts only."""
 
     def config(self, policy: str) -> MoEConfig:
-        """The layer config of one rank under `policy`: the model's, routed experts only (no shared experts;
-        the router is not run: the routing is given)."""
+        """The layer config of one rank under `policy`: the model's, routed experts only unless `shared` (the
+        router is not run: the routing is given)."""
+        shared = {"ffn_hidden_size": None} if self.shared else {"num_shared_experts": 0}
         return load_config(self.model, ep_size=self.ranks, balance=policy, **dict(self.overrides),
-                           shared_experts={"num_shared_experts": 0},
+                           shared_experts=shared,
                            router={"n_group": 1, "topk_group": 1, "expert_bias": False})
 
     @property
@@ -367,8 +379,9 @@ def native_segment(cfg: MoEConfig, pairs: list[list[NativeArm]], device: torch.d
     def open_() -> None:
         experts = NativeEPExperts(cfg.experts_per_rank, cfg.hidden_size, cfg.ffn_hidden_size, cfg.torch_dtype,
                                   device)
+        shared = native_shared_experts(cfg, device)
         for pair in pairs:
-            native = NativePlainEPRank(pair[0].step, pair[0].rank, experts)
+            native = NativePlainEPRank(pair[0].step, pair[0].rank, experts, shared)
             pair[0].open(native, native_ep_experts)
             if len(pair) == 2 and "compile_error" not in record:
                 compiled = compiled_native_ep_experts()
@@ -445,9 +458,11 @@ def run_group(group: Group, args: argparse.Namespace, device: torch.device, reco
     return table
 
 
-def make_groups(pairs: list[tuple[str, int]], smoke: bool, tokens: int | None) -> list[Group]:
-    """The `Group` of each `(model, R)`, with the smoke shapes (`SMOKE`) and a --tokens override. Raises
-    ValueError (or FileNotFoundError) naming the group where its config does not validate."""
+def make_groups(pairs: list[tuple[str, int]], smoke: bool, tokens: int | None, shared: bool = False
+                ) -> list[Group]:
+    """The `Group` of each `(model, R)`, with the smoke shapes (`SMOKE`), a --tokens override and the shared
+    experts where `shared`. Raises ValueError (or FileNotFoundError) naming the group where its config does
+    not validate."""
     groups = []
     for model, ranks in pairs:
         overrides = {}
@@ -456,7 +471,7 @@ def make_groups(pairs: list[tuple[str, int]], smoke: bool, tokens: int | None) -
                          "ffn_hidden_size": SMOKE["ffn"]}
         if tokens is not None:
             overrides["max_tokens_per_rank"] = tokens
-        group = Group(model, ranks, tuple(overrides.items()))
+        group = Group(model, ranks, tuple(overrides.items()), shared)
         try:
             group.config("exact")
         except (ValueError, FileNotFoundError) as error:
@@ -486,6 +501,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overlap-reduce-grad", action="store_true",
                         help="our layers with MoEConfig.overlap_reduce_grad: each step ends where the "
                              "layer's backward hands the stream back (record: ep-group-reduce-behind-...)")
+    parser.add_argument("--shared-experts", action="store_true",
+                        help="keep the models' shared experts: beside the routed step in our layers (as "
+                             "the layer runs them), after it in torch-native's (record: ep-group-shared-...)")
     parser.add_argument("--smoke", action="store_true",
                         help=f"CPU, tiny shapes ({SMOKE}), one step per rank: every code path, no timing")
     parser.add_argument("--out", default=None,
@@ -498,7 +516,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     elif not torch.cuda.is_available():
         parser.error("bench.ep_group times a GPU: run it where CUDA is, or --smoke on the CPU")
     try:
-        args.groups = make_groups(args.groups, args.smoke, args.tokens)
+        args.groups = make_groups(args.groups, args.smoke, args.tokens, args.shared_experts)
     except ValueError as error:
         parser.error(str(error))
     return args
@@ -521,13 +539,16 @@ def main(argv: list[str] | None = None) -> None:
              "link": {"bytes_per_s": NVLINK_BYTES_PER_S, "source": NVLINK_SOURCE}, "left_out": LEFT_OUT,
              "per_rank_step": PER_RANK_STEP, "spread": SPREAD, "overlap_prefetch": args.overlap_prefetch,
              "overlap_reduce_grad": args.overlap_reduce_grad}
+    setup["shared_experts"] = args.shared_experts
+    if args.shared_experts:
+        setup["left_out"] = setup["left_out"].replace(SHARED_LEFT_OUT, "the router")
     if args.overlap_reduce_grad:
         setup["left_out"] += "; " + REDUCE_BEHIND_LEFT_OUT
     record = {"setup": setup,
               "targets": [], "targets_local": []}
     if args.profile:
         record["profile"] = {}
-    name = "-".join(["ep-group-smoke" if args.smoke else "ep-group"]
+    name = "-".join(["ep-group-smoke" if args.smoke else "ep-group"] + ["shared"] * args.shared_experts
                     + ["overlap"] * args.overlap_prefetch + ["reduce-behind"] * args.overlap_reduce_grad)
     tables: list[dict] = []
     for group in args.groups:
@@ -543,7 +564,8 @@ def main(argv: list[str] | None = None) -> None:
     local = record["targets_local"]
     print(f"the same with the link as local copies: {sum(t['pass'] for t in local)} of {len(local)} pass "
           "(the record's targets_local)")
-    table_md = markdown(tables, path.name, "cpu" if args.smoke else torch.cuda.get_device_name(device))
+    table_md = markdown(tables, path.name, "cpu" if args.smoke else torch.cuda.get_device_name(device),
+                        setup["left_out"], args.shared_experts)
     print("\n" + table_md, flush=True)
     (out_dir / f"{name}.md").write_text(table_md)
     plot(tables, path.with_suffix(".png"))

@@ -53,13 +53,18 @@ def sync(device: torch.device) -> None:
 BLOCK_CALLS = ("fwd gate_up", "swiglu", "fwd down", "dgrad down", "swiglu backward", "wgrad down",
                "dgrad gate_up", "wgrad gate_up")
 """The expert block's calls in one training step, in order (`expert_block`)."""
+SHARED_CALLS = ("shared experts fwd", "shared experts bwd")
+"""The block's calls after `BLOCK_CALLS` where the layer has shared experts."""
 
 
-def expert_block(layer: MoonEPMoELayer, cu_seqlens: torch.Tensor) -> list[float]:
-    """Seconds of each call of the expert block of one training step (`BLOCK_CALLS`) on this rank's rows
-    alone: the calls `MoonEPExperts` makes (fwd, SwiGLU, fwd; dgrad, SwiGLU backward, wgrad, dgrad, wgrad), on
-    the layer's GEMM backend, its weights (home experts and slots) and the segments of `cu_seqlens` (the
-    rank's plan), reading the Buffer's rows. The slot gradients it writes are zeroed after (untimed)."""
+def expert_block(layer: MoonEPMoELayer, cu_seqlens: torch.Tensor, hidden_sh: torch.Tensor,
+                 grad_sh: torch.Tensor) -> list[float]:
+    """Seconds of each call of the expert block of one training step (`BLOCK_CALLS`, then `SHARED_CALLS`
+    where the layer has shared experts) on this rank's rows alone: the calls `MoonEPExperts` makes (fwd,
+    SwiGLU, fwd; dgrad, SwiGLU backward, wgrad, dgrad, wgrad), on the layer's GEMM backend, its weights (home
+    experts and slots) and the segments of `cu_seqlens` (the rank's plan), reading the Buffer's rows; then
+    the shared experts' forward and backward on the rank's tokens `hidden_sh [S, H]` (output gradient
+    `grad_sh`). The slot and shared gradients it writes are cleared after (untimed)."""
     state, experts, buffer = layer._state, layer.experts, layer.buffer
     gemm, device = state.gemm, layer.world.device
     offs_g = compute_offsets(cu_seqlens, layer.world.rank, buffer.epn, buffer.E)
@@ -84,9 +89,15 @@ def expert_block(layer: MoonEPMoELayer, cu_seqlens: torch.Tensor) -> list[float]
         timed(lambda: gemm.wgrad(x_nvsh, hw_nvf, offs_g, (None, down_slots), False))
         timed(lambda: gemm.dgrad(dab_nv2f, gate_up_w, offs_g))
         timed(lambda: gemm.wgrad(dab_nv2f, x_nvsh, offs_g, (None, gate_up_slots), False))
+    if layer.shared_experts is not None:
+        x_sh = hidden_sh.detach().requires_grad_()
+        shared_sh = timed(lambda: layer.shared_experts(x_sh))
+        timed(lambda: shared_sh.backward(grad_sh))
     sync(device)
     gate_up_slots.zero_()
     down_slots.zero_()
+    if layer.shared_experts is not None:
+        layer.shared_experts.zero_grad(set_to_none=True)
     return [seconds_between(a, b) for a, b in zip(marks, marks[1:], strict=False)]
 
 
@@ -233,7 +244,8 @@ class RankArm:
         self.samples.rooms.append(rooms)
         self.samples.hidden.append(prefetch_rooms(world.windows, world.slot_waits))
         if self.block:
-            calls = expert_block(layer, self.step.plans[self.rank].cu_seqlens)
+            calls = expert_block(layer, self.step.plans[self.rank].cu_seqlens, self.step.hidden[self.rank],
+                                 self.step.grad_out[self.rank])
             swiglu = calls[BLOCK_CALLS.index("swiglu")] + calls[BLOCK_CALLS.index("swiglu backward")]
             self.samples.blocks.append((sum(calls) - swiglu, swiglu, calls))
 
@@ -267,7 +279,8 @@ class RankArm:
             row["gemm"] = spread([g for g, _, _ in blocks])
             row["swiglu"] = spread([s for _, s, _ in blocks])
             row["block_calls"] = {name: spread([calls[i] for _, _, calls in blocks])
-                                  for i, name in enumerate(BLOCK_CALLS)}
+                                  for i, name in enumerate(BLOCK_CALLS + SHARED_CALLS[:len(blocks[0][2])
+                                                                                    - len(BLOCK_CALLS)])}
             for key, steps in (("beyond_share", nvlink), ("beyond_share_local", totals)):
                 shares = [(t - g - s) / t for t, (g, s, _) in zip(steps, blocks, strict=True)]
                 row[key] = {"median": statistics.median(shares), "min": min(shares), "max": max(shares)}

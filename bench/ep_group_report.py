@@ -22,6 +22,8 @@ LEFT_OUT = ("the peers' SMs (only the timed rank's kernels run), contention on r
             "kernel holds SMs for its local copies' time, where over NVLink it would hold them for the "
             "link's (its link time beyond the home GEMM it runs beside is charged, not the SMs it would "
             "keep from that GEMM)")
+SHARED_LEFT_OUT = "the router and shared experts"
+"""The part of `LEFT_OUT` that `--shared-experts` runs (all but the router)."""
 REDUCE_BEHIND_LEFT_OUT = (
     "with overlap_reduce_grad, each of our steps ends where the layer's backward hands the caller's stream "
     "back, reduce_grad still running behind it on the comm stream: the layers before it in a model (not run "
@@ -92,11 +94,13 @@ MD_HEADER = ("| group | maxvio (reached) | exact | cost_aware | off | torch-nati
              "|---|---|---|---|---|---|---|")
 
 
-def markdown(tables: list[dict], record_name: str, device: str) -> str:
+def markdown(tables: list[dict], record_name: str, device: str, left_out: str = LEFT_OUT,
+             shared: bool = False) -> str:
     """The docs' section: per group and maxvio the slowest rank's step (NVLink model, ms median) under each
-    policy and torch-native's, and exact over torch-native."""
+    policy and torch-native's, and exact over torch-native; `left_out`: the record's."""
+    experts = "routed and shared experts" if shared else "routed experts"
     intro = (f"`python -m bench.ep_group` on {device} (`bench/results/{record_name}`): one training step of "
-             "the routed experts (forward + backward, the router's choice given), every rank of the group "
+             f"the {experts} (forward + backward, the router's choice given), every rank of the group "
              "timed alone, one after another, with its peers' traffic replayed (`bench/rank_replay.py`), the "
              f"link modelled at {NVLINK_BYTES_PER_S / 1e9:.0f} GB/s a direction (NVLink's spec figure). The "
              "group's step is its slowest rank's, in ms (median). torch-native: plain EP with bench.layer's "
@@ -114,7 +118,7 @@ def markdown(tables: list[dict], record_name: str, device: str) -> str:
             reached = table["routing"][i]["maxvio"]
             lines.append(f"| {table['model']} R={table['ranks']} | {target:g} ({reached:.2f}) | "
                          f"{' | '.join(cells)} |")
-    lines += ["", f"Left out: {LEFT_OUT}.", ""]
+    lines += ["", f"Left out: {left_out}.", ""]
     return "\n".join(lines)
 
 

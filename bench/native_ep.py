@@ -14,6 +14,8 @@ from torch import nn
 from bench.common import stamp
 from bench.native_layer import native_grouped_swiglu
 from bench.rank_replay import GroupStep
+from moonep_moe.config import MoEConfig
+from moonep_moe.layers.moe import SharedExperts
 
 
 def native_ep_experts(x_nh: torch.Tensor, expert_n: torch.Tensor, weight_n: torch.Tensor,
@@ -59,11 +61,12 @@ class NativePlainEPRank:
     K rows summed (`index_add`); the backward the same way round (autograd through the experts). Each
     all-to-all is stood in for by copies of its bytes on the rank's own stream (it blocks: the next op needs
     it): the rows arriving (staged: the senders' real rows) copied in, the rows leaving read into scratch,
-    and recorded as a window for the link model."""
+    and recorded as a window for the link model. `shared`: shared experts (the layer's `SharedExperts`) run
+    on the rank's tokens after the routed experts, forward and backward, as a plain torch MoE runs them."""
 
-    def __init__(self, step: GroupStep, rank: int, experts: nn.Module):
+    def __init__(self, step: GroupStep, rank: int, experts: nn.Module, shared: nn.Module | None = None):
         cfg = step.cfg
-        self.experts, self.rank, self.top_k = experts, rank, cfg.top_k
+        self.experts, self.rank, self.top_k, self.shared = experts, rank, cfg.top_k, shared
         epn = cfg.experts_per_rank
         device = step.hidden[rank].device
         self.device = device
@@ -95,6 +98,7 @@ class NativePlainEPRank:
         self.scratch_send = self.staged_x.new_empty((len(self.remote_send_m), hidden))
         self.scratch_recv = self.staged_x.new_empty((len(self.remote_recv_m), hidden))
         self.hidden_sh, self.grad_sh = step.hidden[rank], step.grad_out[rank]
+        self.leaf_sh = self.hidden_sh.detach().requires_grad_()
 
     @property
     def routes(self) -> int:
@@ -114,7 +118,7 @@ class NativePlainEPRank:
             marks.append(stamp(self.device))
 
         self.experts.zero_grad(set_to_none=True)
-        self.leaf_x.grad = self.leaf_w.grad = None
+        self.leaf_x.grad = self.leaf_w.grad = self.leaf_sh.grad = None
         send_nh = self.hidden_sh.index_select(0, self.send_token_n)
         all_to_all(self.recv_x, self.staged_x, send_nh, self.remote_send_m, self.scratch_send)
         with torch.no_grad():
@@ -122,12 +126,29 @@ class NativePlainEPRank:
         y_nh = self.experts(self.leaf_x, self.recv_e, self.leaf_w)
         all_to_all(self.back, self.staged_back, y_nh.detach(), self.remote_recv_m, self.scratch_recv)
         out_sh = torch.zeros_like(self.hidden_sh).index_add_(0, self.send_token_n, self.back)
+        shared_sh = None
+        if self.shared is not None:
+            self.shared.zero_grad(set_to_none=True)
+            shared_sh = self.shared(self.leaf_sh)
+            out_sh = out_sh + shared_sh.detach()
         grad_back = self.grad_sh.index_select(0, self.send_token_n)
         all_to_all(self.recv_g, self.staged_g, grad_back, self.remote_send_m, self.scratch_send)
         y_nh.backward(self.recv_g)
         all_to_all(self.back, self.staged_back, self.leaf_x.grad, self.remote_recv_m, self.scratch_recv)
         torch.zeros_like(out_sh).index_add_(0, self.send_token_n, self.back)
+        if shared_sh is not None:
+            shared_sh.backward(self.grad_sh)
         return list(zip(marks[::2], marks[1::2], strict=True))
+
+
+def native_shared_experts(cfg: MoEConfig, device: torch.device) -> nn.Module | None:
+    """The shared experts of `cfg` as the layer builds them (`SharedExperts`, nn.Linear's init), for the
+    torch-native rank to run after its routed experts; None where `cfg` has none."""
+    shared = cfg.shared_experts
+    if not shared.num_shared_experts:
+        return None
+    width = shared.num_shared_experts * (shared.ffn_hidden_size or cfg.ffn_hidden_size)
+    return SharedExperts(cfg.hidden_size, width, shared.gate, cfg.torch_dtype, device)
 
 
 def hottest_rank(step: GroupStep) -> int:

@@ -6,7 +6,8 @@ pairs).
 
 The seam is the EP world. `ReplayWorld` is an `EPWorld` of R ranks in which only rank d runs: d builds the
 unchanged `MoonEPMoELayer` on it (its Buffer, home experts, slot pools and grouped GEMM, chosen as the layer
-chooses them) and runs the layer's routed step (`moe.routed_step`, the router's choice given) forward and
+chooses them) and runs the layer's expert step (`moe.experts_step`, the router's choice given: the routed
+step, and the shared experts where the config has them, beside it as the layer runs them) forward and
 backward. Every kernel d launches is d's real work: the planner on the group's histogram, its own tokens'
 rows sent, the dup tables and duplicate rows, the prefetch of the replicas it hosts, the grouped GEMMs and
 SwiGLU over the rows the plan gives it, combine's pre-reduction and gather of its tokens' rows, the replicas'
@@ -54,7 +55,7 @@ from bench.common import Stamp, seconds_between, stamp
 from moonep_moe.comm.exchange import primary_rows
 from moonep_moe.config import MoEConfig
 from moonep_moe.gemm.base import SlotsReady
-from moonep_moe.layers.moe import MoonEPMoELayer, routed_step
+from moonep_moe.layers.moe import MoonEPMoELayer, experts_step
 from moonep_moe.layers.router import RouterOutput
 from moonep_moe.plan.planner import expert_histogram, plan_routes
 from moonep_moe.plan.types import MoonEPCommPlan, decode_dst
@@ -485,14 +486,14 @@ def rank_inputs(step: GroupStep, rank: int) -> RankInputs:
 
 
 def train_step(layer: MoonEPMoELayer, inputs: RankInputs) -> torch.Tensor:
-    """One training step of the layer's routed experts on one rank, the router's choice given: fresh
-    gradients, `moe.routed_step` (MoonEPExperts: dispatch, prefetch, grouped GEMMs and SwiGLU, combine)
-    forward, then backward. Returns the output `[S, H]`."""
+    """One training step of the layer's experts on one rank, the router's choice given: fresh gradients,
+    `moe.experts_step` (MoonEPExperts: dispatch, prefetch, grouped GEMMs and SwiGLU, combine; the shared
+    experts where the layer has them) forward, then backward. Returns the output `[S, H]`."""
     layer.zero_grad(set_to_none=True)
     inputs.hidden_sh.grad = inputs.weights_sk.grad = None
     empty = inputs.weights_sk.new_empty(0)
-    out_sh = routed_step(layer, inputs.hidden_sh, RouterOutput(inputs.topk_sk, inputs.weights_sk, empty, None,
-                                                              None))
+    routing = RouterOutput(inputs.topk_sk, inputs.weights_sk, empty, None, None)
+    out_sh = experts_step(layer, inputs.hidden_sh, routing)
     out_sh.backward(inputs.grad_sh)
     return out_sh
 

@@ -267,6 +267,22 @@ def test_smoke_run_with_reduce_grad_behind_times_each_step_to_where_the_layer_ha
     assert all(len(r["reduce_behind"]["ms_samples"]) == 1 for run in runs for r in run["ranks"])
 
 
+def test_smoke_run_with_shared_experts_times_them_in_every_step_and_block(tmp_path):
+    """`--shared-experts`: our layers keep the model's shared experts (beside the routed step where the
+    layer overlaps them), torch-native's run them after its routed experts; every exact rank's expert block
+    times them too (`block_calls`), and the record no longer lists them as left out."""
+    main(["--smoke", "--groups", "deepseek-v3:8", "--maxvio", "20", "--policies", "exact", "--out",
+          str(tmp_path), "--shared-experts"])
+    [record_path] = tmp_path.glob("ep-group-smoke-shared-cpu-*.json")
+    record = json.loads(record_path.read_text())
+    assert record["setup"]["shared_experts"] is True
+    assert "shared experts" not in record["setup"]["left_out"] and "the router" in record["setup"]["left_out"]
+    [run] = record["results"][0]["policies"]["exact"]
+    for row in run["ranks"]:
+        assert list(row["block_calls"])[-2:] == ["shared experts fwd", "shared experts bwd"]
+    assert "routed and shared experts" in (tmp_path / "ep-group-smoke-shared.md").read_text()
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--repeat", "4"], "--repeat must be >= 5"),
     (["--smoke", "--groups", "kimi-k2:5"], "--groups kimi-k2:5"),

@@ -35,10 +35,10 @@ F64 = torch.float64
 R, E, K, S, H, F = 4, 8, 3, 12, 16, 8
 
 
-def config(balance: str, ranks: int = R) -> MoEConfig:
+def config(balance: str, ranks: int = R, shared: int = 0) -> MoEConfig:
     return MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, ep_size=ranks,
                      max_tokens_per_rank=S, token_padding=4, dtype="float64", router={"dtype": "float64"},
-                     balance=balance, shared_experts={"num_shared_experts": 0})
+                     balance=balance, shared_experts={"num_shared_experts": shared})
 
 
 def skewed_inputs(seed: int = 0, ranks: int = R) -> dict:
@@ -84,10 +84,15 @@ class RecordingGemm:
 
 
 def prepared(layer: MoonEPMoELayer, inputs: dict) -> RecordingGemm:
-    """The layer with the problem's experts and a recording GEMM backend (which it returns)."""
+    """The layer with the problem's experts (and shared experts, where it has them: the same on every
+    rank) and a recording GEMM backend (which it returns)."""
     with torch.no_grad():
         layer.experts.gate_up.copy_(inputs["gate_up"])
         layer.experts.down.copy_(inputs["down"])
+        if layer.shared_experts is not None:
+            gen = torch.Generator().manual_seed(7)
+            for weight in layer.shared_experts.parameters():
+                weight.copy_(torch.randn(weight.shape, generator=gen, dtype=F64) / weight.shape[1]**0.5)
     layer._state.gemm = recorder = RecordingGemm(layer._state.gemm)
     return recorder
 
@@ -139,6 +144,33 @@ def test_each_rank_replayed_alone_does_its_work_in_the_group_bit_for_bit(balance
         assert_same_work(mine, theirs[rank], f"{balance}, rank {rank}")
     if balance == "exact":  # the skew makes exact replicate: some rank's slots hold rows
         assert int(step.plans[0].slots_used.sum()) > 0
+
+
+def test_a_replayed_rank_with_shared_experts_does_its_work_in_the_group_bit_for_bit():
+    """`bench.ep_group --shared-experts`: the replayed step runs the layer's expert step (`experts_step`),
+    the shared experts with the routed ones: each rank's routed GEMM outputs and its shared experts' weight
+    gradients (its own tokens' work) equal what that rank computes in a threads-world group."""
+    inputs = skewed_inputs()
+    cfg = config("exact", shared=1)
+    step = group_step(cfg, inputs["topk"], inputs["weights"], inputs["hidden"], inputs["grad_out"])
+
+    def shared_grads(layer: MoonEPMoELayer) -> list[torch.Tensor]:
+        return [weight.grad.clone() for weight in layer.shared_experts.parameters()]
+
+    def rank_fn(world):
+        layer = MoonEPMoELayer(cfg, world)
+        recorder = prepared(layer, inputs)
+        train_step(layer, rank_inputs(step, world.rank))
+        return recorder.outputs, shared_grads(layer)
+
+    group = run_ranks(rank_fn, R)
+    for rank in range(R):
+        layer, world = replay_layer(cfg, rank, StandIns(), "cpu")
+        recorder = prepared(layer, inputs)
+        replay_step(layer, world, step, rank_inputs(step, rank), rank_traffic(step, rank, layer, world))
+        assert_same_work(recorder.outputs, group[rank][0], f"rank {rank}")
+        for i, (mine, theirs) in enumerate(zip(shared_grads(layer), group[rank][1], strict=True)):
+            assert mine.abs().sum() > 0 and torch.equal(mine, theirs), f"rank {rank}: shared gradient {i}"
 
 
 def test_the_ranks_routes_add_up_to_the_groups():
