@@ -538,8 +538,7 @@ def main(argv: list[str] | None = None) -> None:
              "warmup": args.warmup, "repeat": args.repeat, "seed": args.seed, "smoke": args.smoke,
              "link": {"bytes_per_s": NVLINK_BYTES_PER_S, "source": NVLINK_SOURCE}, "left_out": LEFT_OUT,
              "per_rank_step": PER_RANK_STEP, "spread": SPREAD, "overlap_prefetch": args.overlap_prefetch,
-             "overlap_reduce_grad": args.overlap_reduce_grad}
-    setup["shared_experts"] = args.shared_experts
+             "overlap_reduce_grad": args.overlap_reduce_grad, "shared_experts": args.shared_experts}
     if args.shared_experts:
         setup["left_out"] = setup["left_out"].replace(SHARED_LEFT_OUT, "the router")
     if args.overlap_reduce_grad:
