@@ -11,6 +11,9 @@ the reduction is still to come, and the results stay the same bits.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from test_grad_modes import micro_batches
@@ -141,7 +144,8 @@ def test_gpu_reduce_grad_runs_behind_the_layer_before_with_the_same_bits(monkeyp
     the second layer's reduction is still to come when the projection's backward runs: the projection's
     weight gradient is done on the device before that reduction ends (CUDA events), and the gradients of
     both layers, the projection's and the input's are bit-identical to reducing before returning (the first
-    layer writes its slot gradients, in the shared pool, only after the reduction read them)."""
+    layer writes its slot gradients, in the shared pool, only after the reduction read them). The profiler
+    trace of that backward (`reduce-behind.json`) is written under `$MOONEP_BENCH_OUT` when set."""
     from bench.ep_rank import RankPlan, as_ep_rank
 
     epn, tokens, hidden, ffn, top_k = 4, 2048, 2048, 1024, 4
@@ -157,7 +161,7 @@ def test_gpu_reduce_grad_runs_behind_the_layer_before_with_the_same_bits(monkeyp
 
     monkeypatch.setattr(Buffer, "_run_behind", timed_run_behind)
 
-    def step(overlap: bool) -> tuple[list[torch.Tensor], float, float]:
+    def step(overlap: bool, trace: Path | None = None) -> tuple[list[torch.Tensor], float, float]:
         cfg = MoEConfig(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=2 * epn, top_k=top_k,
                         max_tokens_per_rank=tokens, dtype="bfloat16", grouped_gemm="torch",
                         overlap_reduce_grad=overlap)
@@ -174,10 +178,13 @@ def test_gpu_reduce_grad_runs_behind_the_layer_before_with_the_same_bits(monkeyp
         reduced.clear()
         start = torch.cuda.Event(enable_timing=True)
         start.record()
-        with torch.cuda.stream(layers[1]._state.buffer.inner._comm_stream()):
-            torch.cuda._sleep(DELAY_CYCLES)
-        out.backward(grad)
-        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            with torch.cuda.stream(layers[1]._state.buffer.inner._comm_stream()):
+                torch.cuda._sleep(DELAY_CYCLES)
+            out.backward(grad)
+            torch.cuda.synchronize()
+        if trace is not None:
+            prof.export_chrome_trace(str(trace))
         assert not world.globals.get(BEHIND)
         result = [x.grad, between.weight.grad] + [getattr(layer.experts, name).grad
                                                   for layer in layers for name in ("gate_up", "down")]
@@ -185,7 +192,12 @@ def test_gpu_reduce_grad_runs_behind_the_layer_before_with_the_same_bits(monkeyp
             layer.destroy()
         return result, start.elapsed_time(between_done), start.elapsed_time(reduced[0]) if reduced else 0.0
 
-    got, between_ms, reduce_ms = step(True)
+    out_dir = os.environ.get("MOONEP_BENCH_OUT")
+    trace = None
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        trace = Path(out_dir) / "reduce-behind.json"
+    got, between_ms, reduce_ms = step(True, trace)
     assert len(reduced) == 2, "both layers' reductions left behind"
     assert between_ms < reduce_ms, (f"the projection's backward ({between_ms:.2f} ms) waited for the second "
                                     f"layer's reduction ({reduce_ms:.2f} ms)")
