@@ -231,52 +231,63 @@ def update_expert_bias(model: nn.Module, mesh: DeviceMesh) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm_(model: nn.Module, max_norm: float, mesh: DeviceMesh, norm_type: float = 2.0,
+def clip_grad_norm_(model: nn.Module, max_norm: float, mesh: DeviceMesh | None = None, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip the gradients of the whole distributed model by their global norm, as
-    `torch.nn.utils.clip_grad_norm_` does on one process holding every parameter: after `reduce_expert_grads`,
-    before the optimizer. Returns the total norm, a 0-dim tensor equal on all W ranks.
+    `torch.nn.utils.clip_grad_norm_` does on one process holding every parameter: after the gradients are
+    reduced (`reduce_expert_grads` on a mesh), before the optimizer. Returns the total norm, a 0-dim tensor
+    equal on every rank.
 
-    Every gradient counts once: the non-expert ones as their data-parallel wrapper leaves them (DDP: the same
-    on every rank; FSDP2: DTensor shards, whose norm is reduced over their mesh), the home experts' (`.grad`,
-    or `main_grad` in that mode) summed over "ep" (each EP rank holds other experts; the ranks of a "dp"
-    column hold the same ones, already reduced). Then every gradient, home experts' included, is multiplied
-    by `max_norm / (norm + 1e-6)` where that is below 1. No host read unless `error_if_nonfinite`.
-    Collective over the mesh.
+    Every gradient counts once: the non-expert ones as their data-parallel wrapper leaves them (DDP, or
+    any reduction that leaves them the same on every rank; FSDP2: DTensor shards, whose norm is reduced over
+    their mesh), the home experts' (`.grad`, or `main_grad` in that mode) summed over each layer's EP world
+    (each EP rank holds other experts; the ranks of a "dp" column hold the same ones, already reduced). Then
+    every gradient, home experts' included, is multiplied by `max_norm / (norm + 1e-6)` where that is below
+    1. `mesh`: the `(dp, ep)` mesh, whose "ep" group every layer's world must be (checked); None on thread
+    ranks or one process. No host read unless `error_if_nonfinite`. Collective over the EP worlds (and the
+    DTensors' mesh).
 
     Raises:
         ValueError naming the argument and rank for a `max_norm` or `norm_type` that is not a positive
-        number; RuntimeError naming the rank with `error_if_nonfinite` when the norm is NaN or infinite.
+        number, or a model without MoonEP layers; RuntimeError naming the rank with `error_if_nonfinite` when
+        the norm is NaN or infinite.
     """
     from torch.distributed.tensor import DTensor
 
-    rank = dist.get_rank()
+    layers = moe_layers(model) if mesh is None else check_layers(model, mesh)
+    rank = dist.get_rank() if mesh is not None else layers[0].world.rank if layers else 0
+    if not layers:
+        raise ValueError(f"model holds no MoonEPMoELayer (rank {rank})")
     for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise ValueError(f"{name} must be a positive number, got {value!r} (rank {rank})")
-    layers, p = check_layers(model, mesh), float(norm_type)
+    p = float(norm_type)
     homes = [w for layer in layers for w in (layer.experts.gate_up, layer.experts.down)]
-    expert_grads = [g for layer in layers for w in (layer.experts.gate_up, layer.experts.down)
-                    if (g := getattr(w, "main_grad", None) if layer.config.expert_grad_dtype == "main_grad"
-                        else w.grad) is not None]
     dense = [w.grad for w in model.parameters() if w.grad is not None and not any(w is h for h in homes)]
-    device = next(iter(expert_grads + dense), torch.empty(0)).device
+    worlds: dict[int, tuple[EPWorld, list[torch.Tensor]]] = {}
+    for layer in layers:
+        grads = worlds.setdefault(id(layer.world), (layer.world, []))[1]
+        for weight in (layer.experts.gate_up, layer.experts.down):
+            grad = weight.grad if layer.config.expert_grad_dtype != "main_grad" else getattr(
+                weight, "main_grad", None)
+            if grad is not None:
+                grads.append(grad)
+    expert_grads = [g for _, grads in worlds.values() for g in grads]
+    device = layers[0].world.device
     sharded = [g for g in dense if isinstance(g, DTensor)]
     norms = [_total_norm([g for g in dense if not isinstance(g, DTensor)], p, device)]
     if sharded:
         norm = torch.nn.utils.get_total_norm(sharded, p)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         norms.append(norm.to(device, torch.promote_types(norm.dtype, torch.float32)))
-    experts = _total_norm(expert_grads, p, device)  # this rank's home experts; "ep" holds the others
-    ep = mesh_dims(mesh)[EP]
-    if ep.size() > 1:
-        experts = experts if p == float("inf") else experts.pow(p)
-        dist.all_reduce(experts, op=dist.ReduceOp.MAX if p == float("inf") else dist.ReduceOp.SUM,
-                        group=ep.get_group())
-        experts = experts if p == float("inf") else experts.pow(1.0 / p)
-    parts = norms + [experts]
-    dtype = functools.reduce(torch.promote_types, (n.dtype for n in parts))
-    total = torch.linalg.vector_norm(torch.stack([n.to(device, dtype) for n in parts]), p)
+    for world, grads in worlds.values():  # this rank's home experts; the world's other ranks hold the rest
+        norm = _total_norm(grads, p, device)
+        if world.size > 1:
+            gathered = world.all_gather(norm.reshape(1))
+            norm = gathered.max() if p == float("inf") else gathered.pow(p).sum().pow(1.0 / p)
+        norms.append(norm)
+    dtype = functools.reduce(torch.promote_types, (n.dtype for n in norms))
+    total = torch.linalg.vector_norm(torch.stack([n.reshape(()).to(device, dtype) for n in norms]), p)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {float(total)}, so they "
                            f"cannot be clipped (rank {rank}); error_if_nonfinite=False clips them anyway")

@@ -54,7 +54,7 @@ from moonep_moe.parallel import (
     update_expert_bias,
 )
 from moonep_moe.transport.collective import collective_world
-from moonep_moe.transport.threads import single_world
+from moonep_moe.transport.threads import run_ranks, single_world
 
 F64 = torch.float64
 TOL = dict(rtol=1e-9, atol=1e-12)
@@ -361,6 +361,44 @@ def test_train_dp_refuses_what_cannot_run_before_any_work(argv, env, message, mo
     assert main(["train", *argv]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(f"moonep-moe: error: {message}"), err
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_on_thread_ranks_equals_torchs_on_one_process(norm_type):
+    """Without a mesh (thread ranks, as `moonep-moe train` runs them): 4 EP ranks with one process's
+    parameters, their replicated gradients averaged and the home experts' divided by 4 (the global batch's
+    mean loss), then `clip_grad_norm_`: every gradient and the norm equal torch's `clip_grad_norm_` on one
+    process holding every expert."""
+    clip, ranks = 0.05, 4
+    one = build(make_config(1, ranks * TOKENS), single_world())
+    x, y = global_batch(0, ranks)
+    nn.functional.mse_loss(one(x), y).backward()
+    want_norm = float(nn.utils.clip_grad_norm_(one.parameters(), clip, norm_type))
+    want = snapshot(one, grads=True)
+    weights = {name: p.detach() for name, p in one.named_parameters()}
+
+    def rank_fn(world):
+        net = build(make_config(ranks, TOKENS), world)
+        epn, experts = 8 // ranks, expert_parameters(net)
+        with torch.no_grad():  # the one process's parameters (home experts: this rank's rows)
+            for name, p in net.named_parameters():
+                home = any(p is e for e in experts)
+                p.copy_(weights[name][world.rank * epn:(world.rank + 1) * epn] if home else weights[name])
+        x_r, y_r = (t[world.rank * TOKENS:(world.rank + 1) * TOKENS] for t in (x, y))
+        nn.functional.mse_loss(net(x_r), y_r).backward()
+        for p in net.parameters():
+            if any(p is e for e in experts):
+                p.grad.div_(ranks)
+            else:
+                p.grad.copy_(world.all_gather(p.grad.clone()).mean(0))
+        norm = float(clip_grad_norm_(net, clip, norm_type=norm_type))
+        return snapshot(net, grads=True), norm, int(net.moe.balance_stats()["slots_used"].sum())
+
+    results = run_ranks(rank_fn, ranks)
+    assert want_norm > clip and any(used for _, _, used in results), "clipping, with replicas"
+    for rank, (grads, norm, _) in enumerate(results):
+        assert_matches(grads, want, rank, 8 // ranks, f"rank {rank} gradients")
+        assert norm == pytest.approx(want_norm, rel=1e-12)
 
 
 def test_helpers_refuse_misuse_naming_the_rank(mesh_run):

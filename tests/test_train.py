@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 import moonep_moe.apps.train  # noqa: E402
 from moonep_moe.apps.train import build_model, load_train_config, sample_batch, train  # noqa: E402
+from moonep_moe.parallel import clip_grad_norm_  # noqa: E402
 from moonep_moe.transport.threads import run_ranks  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny-transformer.yaml"
@@ -49,6 +50,25 @@ def test_resume_repeats_the_uninterrupted_run(tmp_path):
     rest = train(small(ep_size=2, steps=6), resume=str(ckpt), progress=False)
     assert first["losses"] + rest["losses"] == full["losses"]
     assert_states_close(rest["model"], full["model"], rtol=0, atol=0)
+
+
+def test_clipping_by_the_global_norm_trains_alike_at_every_ep_size(monkeypatch):
+    """`train.max_grad_norm`: every rank clips each step (`clip_grad_norm_`, whose global norm
+    tests/test_parallel.py checks against one process's), by one norm on all ranks, so one rank and two on
+    the same global batch train alike."""
+    norms = []
+
+    def spy(model, max_norm, mesh=None, **kwargs):
+        norms.append(float(clip_grad_norm_(model, max_norm, mesh, **kwargs)))
+
+    monkeypatch.setattr(moonep_moe.apps.train, "clip_grad_norm_", spy)
+    one = train(small(ep_size=1, batch_size=8, steps=3, max_grad_norm=0.05), progress=False)
+    two = train(small(ep_size=2, batch_size=4, steps=3, max_grad_norm=0.05), progress=False)
+    assert len(norms) == 3 + 2 * 3 and min(norms) > 0.05
+    for step in range(3):  # the two ranks' norms, the same, and the one rank's
+        assert norms[3 + 2 * step] == norms[4 + 2 * step] == pytest.approx(norms[step], rel=1e-4)
+    torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-6)
+    assert_states_close(two["model"], one["model"], rtol=1e-4, atol=1e-5)  # Adam normalises near-zero grads
 
 
 def test_packaged_training_config_loads_by_name():

@@ -15,7 +15,9 @@ and trains on its own block of the step's global batch. One step (`train_step`):
      of every rank's tokens and are divided by R;
    - processes (`MeshRanks`, a `(dp, ep)` mesh): DDP averages the replicated parameters over all W ranks,
      `moonep_moe.parallel.reduce_expert_grads` sums the home experts over "dp" and divides by W;
-3. AdamW step.
+3. with `train.max_grad_norm`, the gradients clipped by their global norm (`Ranks.clip`:
+   `moonep_moe.parallel.clip_grad_norm_`, the home experts' squares summed over the EP world);
+4. AdamW step.
 
 Data are a pure function of (seed, step, sequence index in the global batch), so every split of one global
 batch over ranks, at any EP or DP size, trains on the same sequences, and a resumed run sees the batches the
@@ -43,7 +45,14 @@ from tqdm import tqdm
 
 from moonep_moe.config import read_config_yaml
 from moonep_moe.config.rules import CONFIG_RULES
-from moonep_moe.parallel import data_parallel, ep_world, moe_layers, moe_mesh, reduce_expert_grads
+from moonep_moe.parallel import (
+    clip_grad_norm_,
+    data_parallel,
+    ep_world,
+    moe_layers,
+    moe_mesh,
+    reduce_expert_grads,
+)
 from moonep_moe.transport.threads import run_ranks
 from moonep_moe.transport.world import EPWorld
 
@@ -59,6 +68,9 @@ class TrainSection(BaseModel):
     steps: StrictInt = Field(60, ge=0, description="Optimizer steps in total (a resumed run continues to "
                              "it).")
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate (no schedule, no weight decay).")
+    max_grad_norm: float | None = Field(None, gt=0, description="Clip each step's gradients to this global "
+                                        "norm (`moonep_moe.parallel.clip_grad_norm_`: the norm one process "
+                                        "on the global batch would clip by); None: no clipping.")
     batch_size: StrictInt = Field(8, ge=1, description="Sequences per rank per step. A resumed run keeps "
                                   "its checkpoint's global batch: this becomes that batch / ep_size.")
     seq_len: StrictInt = Field(32, ge=2, description="Tokens per sequence.")
@@ -168,6 +180,9 @@ class ThreadRanks:
     def sync_grads(self, model: nn.Module) -> None:
         sync_grads(model, self.world)
 
+    def clip(self, model: nn.Module, max_norm: float) -> None:
+        clip_grad_norm_(model, max_norm)
+
     def mean(self, value: torch.Tensor) -> float:
         """The mean of a scalar over the ranks."""
         return float(self.world.all_gather(value.float().reshape(1)).mean())
@@ -194,6 +209,9 @@ class MeshRanks:
     def sync_grads(self, model: nn.Module) -> None:
         reduce_expert_grads(model, self.mesh)
 
+    def clip(self, model: nn.Module, max_norm: float) -> None:
+        clip_grad_norm_(model, max_norm, self.mesh)
+
     def mean(self, value: torch.Tensor) -> float:
         """The mean of a scalar over all W ranks."""
         total = value.detach().float().reshape(1).clone()
@@ -202,14 +220,16 @@ class MeshRanks:
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, ranks: ThreadRanks | MeshRanks,
-               ids: torch.Tensor) -> torch.Tensor:
-    """One step on this rank's batch `ids [batch_size, seq_len]` (`model` as `ranks.wrap` gave it); returns
-    the rank's loss (detached)."""
+               ids: torch.Tensor, max_grad_norm: float | None = None) -> torch.Tensor:
+    """One step on this rank's batch `ids [batch_size, seq_len]` (`model` as `ranks.wrap` gave it), its
+    gradients clipped to `max_grad_norm` where given; returns the rank's loss (detached)."""
     device = ranks.world.device
     optimizer.zero_grad(set_to_none=True)
     loss = model(input_ids=ids.to(device), labels=ids.to(device)).loss
     loss.backward()
     ranks.sync_grads(model)
+    if max_grad_norm is not None:
+        ranks.clip(model, max_grad_norm)
     optimizer.step()
     return loss.detach()
 
@@ -352,7 +372,8 @@ def train(cfg: TrainConfig, device: str = "cpu", save: str | None = None, resume
         bar = tqdm(steps, desc="train", disable=not (progress and ranks.lead), leave=False)
         for step in steps:
             begin = time.perf_counter()
-            loss = train_step(wrapped, optimizer, ranks, sample_batch(probs, tc, step, ranks.shard))
+            loss = train_step(wrapped, optimizer, ranks, sample_batch(probs, tc, step, ranks.shard),
+                              tc.max_grad_norm)
             record = {"loss": ranks.mean(loss), "seconds": time.perf_counter() - begin,
                       "balance": balance(model)}
             if keep_states:
