@@ -38,7 +38,6 @@ them to prefetch replicas), so they stay whole on every rank; they are already s
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterable
 from typing import Literal
@@ -205,7 +204,7 @@ def reduce_expert_grads(model: nn.Module, mesh: DeviceMesh) -> None:
             weight = getattr(layer.experts, name)
             if not weight.requires_grad:
                 continue
-            grad = getattr(weight, "main_grad", None) if main_grad else weight.grad
+            grad = home_grad(layer, weight)
             if grad is None:
                 raise ValueError(f"MoonEP layer {index} experts.{name} has no "
                                  f"{'main_grad' if main_grad else 'grad'} on rank {dist.get_rank()}: call "
@@ -262,16 +261,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, mesh: DeviceMesh | None =
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise ValueError(f"{name} must be a positive number, got {value!r} (rank {rank})")
     p = float(norm_type)
-    homes = [w for layer in layers for w in (layer.experts.gate_up, layer.experts.down)]
+    homes = expert_parameters(model)
     dense = [w.grad for w in model.parameters() if w.grad is not None and not any(w is h for h in homes)]
     worlds: dict[int, tuple[EPWorld, list[torch.Tensor]]] = {}
     for layer in layers:
         grads = worlds.setdefault(id(layer.world), (layer.world, []))[1]
-        for weight in (layer.experts.gate_up, layer.experts.down):
-            grad = weight.grad if layer.config.expert_grad_dtype != "main_grad" else getattr(
-                weight, "main_grad", None)
-            if grad is not None:
-                grads.append(grad)
+        grads += [g for w in (layer.experts.gate_up, layer.experts.down)
+                  if (g := home_grad(layer, w)) is not None]
     expert_grads = [g for _, grads in worlds.values() for g in grads]
     device = layers[0].world.device
     sharded = [g for g in dense if isinstance(g, DTensor)]
@@ -283,11 +279,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, mesh: DeviceMesh | None =
     for world, grads in worlds.values():  # this rank's home experts; the world's other ranks hold the rest
         norm = _total_norm(grads, p, device)
         if world.size > 1:
-            gathered = world.all_gather(norm.reshape(1))
-            norm = gathered.max() if p == float("inf") else gathered.pow(p).sum().pow(1.0 / p)
+            norm = torch.linalg.vector_norm(world.all_gather(norm.reshape(1)), p)
         norms.append(norm)
-    dtype = functools.reduce(torch.promote_types, (n.dtype for n in norms))
-    total = torch.linalg.vector_norm(torch.stack([n.reshape(()).to(device, dtype) for n in norms]), p)
+    total = _total_norm(norms, p, device)  # the norm of the groups' norms
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {float(total)}, so they "
                            f"cannot be clipped (rank {rank}); error_if_nonfinite=False clips them anyway")
@@ -296,6 +290,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, mesh: DeviceMesh | None =
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         local.mul_(scale.to(local.device))
     return total
+
+
+def home_grad(layer: MoonEPMoELayer, weight: nn.Parameter) -> torch.Tensor | None:
+    """The gradient of `weight`, one of `layer`'s home-expert weights, in the layer's gradient mode:
+    `main_grad` ("main_grad") or `.grad` ("param"); None where there is none yet."""
+    main_grad = layer.config.expert_grad_dtype == "main_grad"
+    return getattr(weight, "main_grad", None) if main_grad else weight.grad
 
 
 def _total_norm(tensors: list[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
