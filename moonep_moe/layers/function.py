@@ -399,20 +399,27 @@ def grads_read_after_backward(edges: tuple, trains: tuple[bool, bool], adds: tup
     for (node, _), train, add in zip(edges, trains, adds, strict=True):
         if not train:
             continue
-        weight = getattr(node, "variable", None)
-        if (type(node).__name__ != "AccumulateGrad" or weight is None or weight._backward_hooks
-                or weight._post_accumulate_grad_hooks):
+        weight = _hookless_leaf(node)
+        if weight is None or weight._post_accumulate_grad_hooks:
             return False
         if not (add or weight.grad is None or engine_runs(node) is None):
             return False
     return True
 
 
-def _accumulating_grad(node) -> torch.Tensor | None:
+def _hookless_leaf(node) -> torch.Tensor | None:
+    """The leaf an input edge's gradient accumulator (`AccumulateGrad`) adds into, where no hook wants its
+    gradient first (`register_hook`); None for any other edge."""
     weight = getattr(node, "variable", None)
+    if type(node).__name__ != "AccumulateGrad" or weight is None or weight._backward_hooks:
+        return None
+    return weight
+
+
+def _accumulating_grad(node) -> torch.Tensor | None:
+    weight = _hookless_leaf(node)
     grad = None if weight is None else weight.grad
-    if (grad is None or type(node).__name__ != "AccumulateGrad" or weight._backward_hooks
-            or grad.layout != torch.strided or grad.requires_grad or grad.dtype != weight.dtype
+    if (grad is None or grad.layout != torch.strided or grad.requires_grad or grad.dtype != weight.dtype
             or grad.device != weight.device or grad.stride() != weight.stride()):
         return None
     return grad if engine_runs(node) else None  # None under torch.autograd.grad: .grad is left alone
