@@ -103,8 +103,7 @@ class RankOfEPBuffer:
         if behind:
             self.inner._run_behind(op, tuple(grads.slots for grads in projections))
         else:
-            self.inner.wait_behind()
-            op()
+            self.inner._launch(False, op, ())
 
     def wait_behind(self) -> None:
         self.inner.wait_behind()
