@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moonep_moe.apps.cli import main
+from moonep_moe.apps.train import sync_grads
 from moonep_moe.config import MoEConfig
 from moonep_moe.layers.moe import MoonEPMoELayer
 from moonep_moe.parallel import (
@@ -386,11 +387,7 @@ def test_clip_grad_norm_on_thread_ranks_equals_torchs_on_one_process(norm_type):
                 p.copy_(weights[name][world.rank * epn:(world.rank + 1) * epn] if home else weights[name])
         x_r, y_r = (t[world.rank * TOKENS:(world.rank + 1) * TOKENS] for t in (x, y))
         nn.functional.mse_loss(net(x_r), y_r).backward()
-        for p in net.parameters():
-            if any(p is e for e in experts):
-                p.grad.div_(ranks)
-            else:
-                p.grad.copy_(world.all_gather(p.grad.clone()).mean(0))
+        sync_grads(net, world)  # moonep-moe train's: replicated gradients averaged, home experts' over R
         norm = float(clip_grad_norm_(net, clip, norm_type=norm_type))
         return snapshot(net, grads=True), norm, int(net.moe.balance_stats()["slots_used"].sum())
 
