@@ -133,19 +133,22 @@ def _plain_grads(p, world) -> tuple[torch.Tensor, torch.Tensor]:
     return grads
 
 
-DELAY_CYCLES = 20_000_000  # ~10 ms at the H200's clock: far longer than the step's kernels here
+DELAY_CYCLES = 200_000_000  # ~0.1 s at an H100's or H200's clock: far longer than the host takes to queue
+# the rest of the backward pass
 
 
 @pytest.mark.gpu
 def test_gpu_reduce_grad_runs_behind_the_layer_before_with_the_same_bits(monkeypatch):
     """One GPU: two EP-rank layers (`bench.ep_rank.as_ep_rank`, a plan filling two slots; their reduce_grad
     stands in local copies on the comm stream) on one world, so they share the slot pools, with a dense
-    projection between them. The comm stream is held back (`torch.cuda._sleep`) before the backward pass, so
-    the second layer's reduction is still to come when the projection's backward runs: the projection's
-    weight gradient is done on the device before that reduction ends (CUDA events), and the gradients of
-    both layers, the projection's and the input's are bit-identical to reducing before returning (the first
-    layer writes its slot gradients, in the shared pool, only after the reduction read them). The profiler
-    trace of that backward (`reduce-behind.json`) is written under `$MOONEP_BENCH_OUT` when set."""
+    projection between them. Each reduction left behind first holds the comm stream (`torch.cuda._sleep`, only
+    there: the combines on that stream are not held), so the second layer's reduction is still running when
+    the projection's backward runs: the projection's weight gradient is done on the device before that
+    reduction ends (CUDA events, after a step reducing before returning, so the host's first launches are
+    not timed), and the gradients of both layers, the projection's and the input's are bit-identical to that
+    step's (the first layer writes its slot gradients, in the shared pool, only after the reduction read
+    them). The profiler trace of that backward (`reduce-behind.json`) is written under `$MOONEP_BENCH_OUT`
+    when set."""
     from bench.ep_rank import RankPlan, as_ep_rank
 
     epn, tokens, hidden, ffn, top_k = 4, 2048, 2048, 1024, 4
@@ -155,7 +158,11 @@ def test_gpu_reduce_grad_runs_behind_the_layer_before_with_the_same_bits(monkeyp
     reduced, run_behind = [], Buffer._run_behind
 
     def timed_run_behind(self, op, held):
-        run_behind(self, op, held)
+        def held_back():  # on the comm stream (`Buffer._launch`), after the caller's queued work
+            torch.cuda._sleep(DELAY_CYCLES)
+            op()
+
+        run_behind(self, held_back, held)
         reduced.append(torch.cuda.Event(enable_timing=True))
         reduced[-1].record(self._comm_stream())
 
@@ -179,8 +186,6 @@ def test_gpu_reduce_grad_runs_behind_the_layer_before_with_the_same_bits(monkeyp
         start = torch.cuda.Event(enable_timing=True)
         start.record()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            with torch.cuda.stream(layers[1]._state.buffer.inner._comm_stream()):
-                torch.cuda._sleep(DELAY_CYCLES)
             out.backward(grad)
             torch.cuda.synchronize()
         if trace is not None:
@@ -197,11 +202,11 @@ def test_gpu_reduce_grad_runs_behind_the_layer_before_with_the_same_bits(monkeyp
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         trace = Path(out_dir) / "reduce-behind.json"
+    want, _, _ = step(False)
     got, between_ms, reduce_ms = step(True, trace)
     assert len(reduced) == 2, "both layers' reductions left behind"
     assert between_ms < reduce_ms, (f"the projection's backward ({between_ms:.2f} ms) waited for the second "
                                     f"layer's reduction ({reduce_ms:.2f} ms)")
-    want, _, _ = step(False)
     names = ["x", "between"] + [f"layer{i}.{name}" for i in range(2) for name in ("gate_up", "down")]
     for name, g, w in zip(names, got, want, strict=True):
         assert torch.isfinite(w).all(), name
