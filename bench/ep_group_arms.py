@@ -252,8 +252,9 @@ class RankArm:
     def row(self) -> dict:
         """The rank's timings under this arm (`local` and `nvlink`, `spread`), the median window of each
         exchange call, its routes, slots, replicas and link bytes; with `block`, the expert block's GEMMs,
-        SwiGLU and calls and the share of each step beyond the block (`beyond_share` on the nvlink step,
-        `beyond_share_local`)."""
+        SwiGLU and calls, the share of each step beyond the block (`beyond_share` on the nvlink step,
+        `beyond_share_local`) and the share in the exchange windows the step waits in (`exchange_share`,
+        `exchange_share_local`: `waited_windows`), part of the time beyond the block."""
         step, rank, samples = self.step, self.rank, self.samples
         phases = link_bytes(step)[rank]
         waited_s, link_s = layer_link_seconds(phases)
@@ -281,10 +282,29 @@ class RankArm:
             row["block_calls"] = {name: spread([calls[i] for _, _, calls in blocks])
                                   for i, name in enumerate(BLOCK_CALLS + SHARED_CALLS[:len(blocks[0][2])
                                                                                     - len(BLOCK_CALLS)])}
-            for key, steps in (("beyond_share", nvlink), ("beyond_share_local", totals)):
-                shares = [(t - g - s) / t for t, (g, s, _) in zip(steps, blocks, strict=True)]
-                row[key] = {"median": statistics.median(shares), "min": min(shares), "max": max(shares)}
+            waits = waited_windows(bool(samples.reduce_behind))
+            waited = {"nvlink": [sum(max(w[i], link_s[i]) for i in waits) for w in windows],
+                      "local": [sum(w[i] for i in waits) for w in windows]}
+            for suffix, link, steps in (("", "nvlink", nvlink), ("_local", "local", totals)):
+                row["beyond_share" + suffix] = share_spread(
+                    [(t - g - s) / t for t, (g, s, _) in zip(steps, blocks, strict=True)])
+                row["exchange_share" + suffix] = share_spread(
+                    [e / t for e, t in zip(waited[link], steps, strict=True)])
         return row
+
+
+def share_spread(shares: list[float]) -> dict:
+    """`{"median", "min", "max"}` of per-step shares."""
+    return {"median": statistics.median(shares), "min": min(shares), "max": max(shares)}
+
+
+def waited_windows(reduce_behind: bool) -> list[int]:
+    """The exchange calls (indices into `PHASES`) the caller's stream waits in: every one but the prefetches
+    (`OPEN_ENDED`, beside the home experts' GEMM), backward's combine (`BESIDE_GEMM`) and, left behind the
+    backward pass, reduce_grad (`BEHIND_PASS`). Their windows, each at least its link time on the NVLink
+    step, are the part of the time beyond the expert block that only running them beside the GEMMs hides."""
+    beside = {BESIDE_GEMM} | ({BEHIND_PASS} if reduce_behind else set())
+    return [i for i, phase in enumerate(PHASES) if phase not in OPEN_ENDED and i not in beside]
 
 
 def rank_line(policy: str, maxvio: float, row: dict, ranks: int) -> str:
@@ -294,8 +314,9 @@ def rank_line(policy: str, maxvio: float, row: dict, ranks: int) -> str:
     link_out = sum(v for k, v in b.items() if k.endswith("_out")) / 1e9
     extra = ""
     if "gemm" in row:
-        extra = f", GEMMs {row['gemm']['ms']:.2f} SwiGLU {row['swiglu']['ms']:.2f}, beyond " \
-                f"{row['beyond_share']['median']:.1%}"
+        extra = (f", GEMMs {row['gemm']['ms']:.2f} SwiGLU {row['swiglu']['ms']:.2f}, beyond "
+                 f"{row['beyond_share']['median']:.1%} ({row['exchange_share']['median']:.1%} in waited "
+                 "exchanges)")
     return (f"  {policy:10} maxvio {maxvio:5.2f} rank {row['rank']:2d}/{ranks}: {local['ms']:8.2f} ms "
             f"({local['ms_min']:.2f}-{local['ms_max']:.2f}) local, {nvlink['ms']:8.2f} nvlink; "
             f"{row['routes']} routes, {row['slots_used']} slots, {row['replicas_out']} replicas out, "

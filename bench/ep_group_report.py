@@ -78,6 +78,7 @@ def group_targets(table: dict, link: str) -> list[dict]:
             out.append(check("exact: time beyond the expert block over the step, worst rank",
                              (share["median"], share["min"], share["max"]), "<=",
                              TARGET_BOUNDS["beyond expert block"], maxvio=maxvio, rank=worst["rank"],
+                             in_waited_exchanges=worst[key.replace("beyond", "exchange")]["median"],
                              **fields))
     return out
 

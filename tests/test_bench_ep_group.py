@@ -129,7 +129,9 @@ def summary(ms: float) -> dict:
     times = {"ms": ms, "ms_min": ms * 0.9, "ms_max": ms * 1.1}
     return {"slowest": {key: times for key in ("nvlink", "local")},
             "ranks": [{"rank": 0, "beyond_share": {"median": 0.03, "min": 0.02, "max": 0.04},
-                       "beyond_share_local": {"median": 0.06, "min": 0.05, "max": 0.07}}]}
+                       "beyond_share_local": {"median": 0.06, "min": 0.05, "max": 0.07},
+                       "exchange_share": {"median": 0.02, "min": 0.01, "max": 0.03},
+                       "exchange_share_local": {"median": 0.01, "min": 0.01, "max": 0.01}}]}
 
 
 def test_targets_of_a_group():
@@ -157,8 +159,10 @@ def test_targets_of_a_group():
     assert all(t["link"] == "nvlink" and t["model"] == "m" and t["ranks"] == 8 for t in targets)
     spread = targets[1]
     assert (spread["min"], spread["max"]) == pytest.approx((41 * 0.9 / 110, 41 * 1.1 / 90))
+    assert [t["in_waited_exchanges"] for t in targets[-2:]] == [0.02, 0.02], "the beyond target's split"
     local = group_targets(table, "local")
     assert [t["pass"] for t in local][-2:] == [False, False], "the local copies' shares: 6% > 5%"
+    assert [t["in_waited_exchanges"] for t in local[-2:]] == [0.01, 0.01]
     del table["native"], table["policies"]["off"]
     beyond = "exact: time beyond the expert block over the step, worst rank"
     left = [t["target"] for t in group_targets(table, "nvlink")]
@@ -225,6 +229,13 @@ def test_smoke_run_writes_the_record_plot_and_table(tmp_path, capsys):
             assert all(set(r["bytes"]) == {f"{k}_{w}" for k in ("dispatch", "combine", "weights", "grads")
                                            for w in ("in", "out")} for r in run["ranks"])
     assert all("beyond_share" in r for run in table["policies"]["exact"] for r in run["ranks"])
+    for rank in (r for run in table["policies"]["exact"] for r in run["ranks"]):
+        waited = [i for i in range(len(PHASES)) if i not in (1, 4, 5)]  # no prefetch, nothing beside a GEMM
+        # the CPU's reference exchange has no barriers: no window, so the waited exchanges' share is their
+        # link time alone on the NVLink step, and nothing on the local one
+        link_ms = sum(rank["link_ms"][i] for i in waited)
+        assert rank["exchange_share"]["median"] == pytest.approx(link_ms / rank["nvlink"]["ms"], rel=1e-6)
+        assert rank["exchange_share_local"] == {"median": 0.0, "min": 0.0, "max": 0.0}
     assert [n["baseline"] for n in table["native"]] == ["eager", "eager"], "smoke: no torch.compile"
     assert len(record["targets"]) == len(record["targets_local"]) == 1 + 2 + 2 + 2
     assert {t["link"] for t in record["targets"]} == {"nvlink"}
