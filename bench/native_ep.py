@@ -144,11 +144,9 @@ class NativePlainEPRank:
 def native_shared_experts(cfg: MoEConfig, device: torch.device) -> nn.Module | None:
     """The shared experts of `cfg` as the layer builds them (`SharedExperts`, nn.Linear's init), for the
     torch-native rank to run after its routed experts; None where `cfg` has none."""
-    shared = cfg.shared_experts
-    if not shared.num_shared_experts:
+    if not cfg.shared_width:
         return None
-    width = shared.num_shared_experts * (shared.ffn_hidden_size or cfg.ffn_hidden_size)
-    return SharedExperts(cfg.hidden_size, width, shared.gate, cfg.torch_dtype, device)
+    return SharedExperts(cfg.hidden_size, cfg.shared_width, cfg.shared_experts.gate, cfg.torch_dtype, device)
 
 
 def hottest_rank(step: GroupStep) -> int:

@@ -453,6 +453,13 @@ class MoEConfig(CommConfig):
         return FP8_WEIGHT_BYTES if self.expert_weights == "fp8" else super().expert_weight_bytes
 
     @property
+    def shared_width(self) -> int:
+        """The shared MLP's width: ``num_shared_experts`` times their ``ffn_hidden_size`` (the routed
+        experts' where unset); 0 without shared experts."""
+        shared = self.shared_experts
+        return shared.num_shared_experts * (shared.ffn_hidden_size or self.ffn_hidden_size)
+
+    @property
     def replica_grad_dtype(self) -> torch.dtype:
         """The dtype of the replicas' weight gradients, as backward keeps them and `reduce_grad` moves them:
         the parameters' with ``expert_grad_dtype='param'`` (written over their slot weights), at least fp32

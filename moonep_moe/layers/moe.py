@@ -321,9 +321,9 @@ class MoonEPMoELayer(nn.Module):
         with torch.device("meta"):  # unallocated, and nothing drawn from torch's generator (see below)
             self.router = TopKRouter(config.router, h, e, k)
             self.shared_experts = None
-            if shared.num_shared_experts:
-                width = shared.num_shared_experts * (shared.ffn_hidden_size or f)
-                self.shared_experts = SharedExperts(h, width, shared.gate, dtype, torch.device("meta"))
+            if config.shared_width:
+                self.shared_experts = SharedExperts(h, config.shared_width, shared.gate, dtype,
+                                                    torch.device("meta"))
         self.experts = HomeExperts(world, e, h, f, config.prefetch_slots, dtype, name=f"moe{next(serial)}",
                                    seed=self.init_seed, fp8=config.expert_weights == "fp8",
                                    allow_non_finite=config.allow_non_finite_weights,
