@@ -273,9 +273,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, mesh: DeviceMesh | None =
     sharded = [g for g in dense if isinstance(g, DTensor)]
     norms = [_total_norm([g for g in dense if not isinstance(g, DTensor)], p, device)]
     if sharded:
-        norm = torch.nn.utils.get_total_norm(sharded, p)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        norms.append(norm.to(device, torch.promote_types(norm.dtype, torch.float32)))
+        norms.append(_total_norm(sharded, p, device))
     for world, grads in worlds.values():  # this rank's home experts; the world's other ranks hold the rest
         norm = _total_norm(grads, p, device)
         if world.size > 1:
@@ -301,9 +299,13 @@ def home_grad(layer: MoonEPMoELayer, weight: nn.Parameter) -> torch.Tensor | Non
 
 def _total_norm(tensors: list[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
     """The `p`-norm of `tensors` taken as one vector (`torch.nn.utils.get_total_norm`: a norm per tensor,
-    in its dtype, as torch's clipping takes them), in fp32 or wider, on `device` (0 for none)."""
+    in its dtype, as torch's clipping takes them; DTensor shards' norm reduced over their mesh), in fp32 or
+    wider, on `device` (0 for none)."""
+    from torch.distributed.tensor import DTensor
+
     if not tensors:
         return torch.zeros((), device=device)
     norm = torch.nn.utils.get_total_norm(tensors, p)
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
     return norm.to(device, torch.promote_types(norm.dtype, torch.float32))
 
