@@ -1,13 +1,17 @@
 """A grouped GEMM with a memory-bound copy running beside it on another stream: what it costs to run the comm
-kernels beside the expert GEMMs on this GPU, with and without an SM carve-out for the GEMM.
+kernels beside the expert GEMMs on this GPU, with and without an SM carve-out for the GEMM, and what a copy
+on the copy engine (no SM at all) costs it.
 
     python -m bench.beside_gemm                  # one EP=8 DeepSeek-V3 rank's gate_up GEMMs (about a minute)
-    python -m bench.beside_gemm --carveouts 0 16 --grids 16 32
+    python -m bench.beside_gemm --carveouts 0 16 --grids 0 16 32
 
 The GEMMs are one EP=8 DeepSeek-V3 rank's gate_up products (65536 rows over 32 groups of 2048, H=7168,
 2H'=4096, bf16, `torch._grouped_mm`): the forward (`x @ w^T`) and the weight gradient (`dab^T @ x`). The copy
 stands in for a comm kernel (`_copy_kernel`: a 512 MiB bf16 copy, read and written once, on `grid` programs,
-the way the row kernels run on a grid of their own). For each carve-out c (SMs the GEMM leaves free:
+the way the row kernels run on a grid of their own; grid 0: `Tensor.copy_`, one `cudaMemcpyAsync` device to
+device, the driver's memcpy instead of a kernel of ours, as a copy-engine transport of contiguous segments
+over NVLink would issue it; whether it holds SMs is what its `both` shows). For each carve-out c (SMs the GEMM
+leaves free:
 `torch._C._set_sm_carveout_experimental`, which torch's CUTLASS grouped GEMM honours; 0 = none) and grid g,
 three arms in rotated turns (`bench.common.alternated_timings`, the GPU's clocks and power logged per case):
 the GEMM alone under c, the copy alone on g programs, and both at once (the copy launched first on a side
@@ -59,8 +63,8 @@ def cases(carveouts: list[int], grids: list[int], sm_count: int) -> list[tuple[i
     bad = [c for c in carveouts if not 0 <= c < sm_count]
     if bad:
         raise ValueError(f"--carveouts must be in [0, {sm_count}) on this GPU ({sm_count} SMs), got {bad}")
-    if any(g < 1 for g in grids):
-        raise ValueError(f"--grids must be >= 1 programs, got {grids}")
+    if any(g < 0 for g in grids):
+        raise ValueError(f"--grids must be >= 1 programs, or 0 for the copy engine, got {grids}")
     return [(c, g) for c in carveouts for g in grids]
 
 
@@ -82,7 +86,10 @@ def time_case(gemm, carveout: int, grid: int, copy_src: torch.Tensor, copy_dst: 
     device = copy_src.device
 
     def copy() -> None:
-        _copy_kernel[(grid,)](copy_src, copy_dst, copy_src.numel(), BLOCK=8192, num_warps=8)
+        if grid == 0:
+            copy_dst.copy_(copy_src)  # contiguous, one dtype, one device: a cudaMemcpyAsync
+        else:
+            _copy_kernel[(grid,)](copy_src, copy_dst, copy_src.numel(), BLOCK=8192, num_warps=8)
 
     def both() -> None:
         side.wait_stream(torch.cuda.current_stream(device))
@@ -103,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--carveouts", type=int, nargs="+", default=[0, 16, 32])
-    parser.add_argument("--grids", type=int, nargs="+", default=[16, 32, 132])
+    parser.add_argument("--grids", type=int, nargs="+", default=[0, 16, 32, 132],
+                        help="the copy's programs; 0: the copy engine (cudaMemcpyAsync)")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -128,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
             row = {"op": op, **time_case(gemm, carveout, grid, src, dst, side, args.repeat)}
             rows.append(row)
             ms = {arm: row[arm]["ms"] for arm in ("gemm", "gemm_no_carveout", "copy", "both")}
-            print(f"{op:13} carve-out {carveout:3} SMs, copy on {grid:4} programs: GEMM {ms['gemm']:.3f} ms "
+            where = "the copy engine" if grid == 0 else f"{grid:4} programs"
+            print(f"{op:13} carve-out {carveout:3} SMs, copy on {where}: GEMM {ms['gemm']:.3f} ms "
                   f"(no carve-out {ms['gemm_no_carveout']:.3f}), copy {ms['copy']:.3f}, "
                   f"both {ms['both']:.3f}: gain {row['gain']:.2f}", flush=True)
     setup = {"rows": ROWS, "groups": GROUPS, "hidden": HIDDEN, "gate_up": GATE_UP,

@@ -18,8 +18,9 @@ def test_cases_pair_every_carveout_with_every_grid_and_refuse_impossible_ones():
     assert cases([0, 16], [8, 32], sm_count=132) == [(0, 8), (0, 32), (16, 8), (16, 32)]
     with pytest.raises(ValueError, match=r"--carveouts must be in \[0, 132\).*\[132\]"):
         cases([0, 132], [8], sm_count=132)
-    with pytest.raises(ValueError, match=r"--grids must be >= 1 programs, got \[0\]"):
-        cases([0], [0], sm_count=132)
+    assert cases([0], [0], sm_count=132) == [(0, 0)]  # grid 0: the copy engine
+    with pytest.raises(ValueError, match=r"--grids must be .* 0 for the copy engine, got \[-1"):
+        cases([0], [-1], sm_count=132)
 
 
 @pytest.mark.interpreter
