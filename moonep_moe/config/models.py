@@ -279,8 +279,8 @@ class MoEConfig(CommConfig):
             "would read the gradients during the backward pass (a hook on the expert weights, a .grad it "
             "adds into, create_graph) the layer reduces before returning, as without it; hooks on the "
             "weights' gradient accumulators cannot be seen, so leave it off where one reads the expert "
-            "gradients during backward (e.g. Megatron-Core's overlapped gradient reduce on them); that is why "
-            "it is off by default. No effect off CUDA or without trainable expert weights."
+            "gradients during backward (e.g. Megatron-Core's overlapped gradient reduce on them); that is "
+            "why it is off by default. No effect off CUDA or without trainable expert weights."
         ),
     )
     share_buffer: bool = Field(
