@@ -1,6 +1,6 @@
 """A grouped GEMM with a memory-bound copy running beside it on another stream: what it costs to run the comm
-kernels beside the expert GEMMs on this GPU, with and without an SM carve-out for the GEMM, and what a copy
-on the copy engine (no SM at all) costs it.
+kernels beside the expert GEMMs on this GPU, with and without an SM carve-out for the GEMM, and what the
+driver's memcpy (which may run on a copy engine, holding no SM) costs it.
 
     python -m bench.beside_gemm                  # one EP=8 DeepSeek-V3 rank's gate_up GEMMs (about a minute)
     python -m bench.beside_gemm --carveouts 0 16 --grids 0 16 32
@@ -11,13 +11,12 @@ stands in for a comm kernel (`_copy_kernel`: a 512 MiB bf16 copy, read and writt
 the way the row kernels run on a grid of their own; grid 0: `Tensor.copy_`, one `cudaMemcpyAsync` device to
 device, the driver's memcpy instead of a kernel of ours, as a copy-engine transport of contiguous segments
 over NVLink would issue it; whether it holds SMs is what its `both` shows). For each carve-out c (SMs the GEMM
-leaves free:
-`torch._C._set_sm_carveout_experimental`, which torch's CUTLASS grouped GEMM honours; 0 = none) and grid g,
-three arms in rotated turns (`bench.common.alternated_timings`, the GPU's clocks and power logged per case):
-the GEMM alone under c, the copy alone on g programs, and both at once (the copy launched first on a side
-stream, then the GEMM; the events span both). `gain` = (GEMM alone + copy alone) / both: above 1 where the
-copy hides beside the GEMM, below 1 where the two slow each other more than they overlap. A second baseline
-row per case: the GEMM alone without a carve-out.
+leaves free: `torch._C._set_sm_carveout_experimental`, which torch's CUTLASS grouped GEMM honours; 0 = none)
+and grid g, three arms in rotated turns (`bench.common.alternated_timings`, the GPU's clocks and power logged
+per case): the GEMM alone under c, the copy alone on g programs, and both at once (the copy launched first on
+a side stream, then the GEMM; the events span both). `gain` = (GEMM alone + copy alone) / both: above 1 where
+the copy hides beside the GEMM, below 1 where the two slow each other more than they overlap. A second
+baseline row per case: the GEMM alone without a carve-out.
 
 Left out: a real link. A comm kernel over NVLink mostly waits on the link (bytes at 450 GB/s a direction), not
 on HBM; this copy moves its bytes at HBM speed and so competes with the GEMM for memory bandwidth and power.
@@ -142,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"both {ms['both']:.3f}: gain {row['gain']:.2f}", flush=True)
     setup = {"rows": ROWS, "groups": GROUPS, "hidden": HIDDEN, "gate_up": GATE_UP,
              "copy_bytes": 2 * COPY_ELEMENTS * 2, "repeat": args.repeat,
+             "grid_0": "Tensor.copy_: one cudaMemcpyAsync device to device",
              "order": "rotated turns: GEMM under the carve-out, copy, both, GEMM without"}
     out = None if args.out is None else Path(args.out)
     print(write_record("beside-gemm", limits, rows, out, setup=setup))
