@@ -205,6 +205,11 @@ def spread(seconds: list[float]) -> dict[str, float | list[float]]:
     return {"ms": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms), "ms_samples": ms}
 
 
+def median_spread(values: list[float]) -> dict[str, float]:
+    """`{"median", "min", "max"}` of per-step (or per-round) values: shares, ratios."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 Span = tuple[float, float, float]
 """`(median, min, max)`: repeated timings (`span`) or a ratio of them (`ratio`)."""
 

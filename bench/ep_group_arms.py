@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bench.common import HostAhead, seconds_between, spread, stamp
+from bench.common import HostAhead, median_spread, seconds_between, spread, stamp
 from bench.link_model import (
     BESIDE_GEMM,
     bytes_summary,
@@ -286,16 +286,11 @@ class RankArm:
             waited = {"nvlink": [sum(max(w[i], link_s[i]) for i in waits) for w in windows],
                       "local": [sum(w[i] for i in waits) for w in windows]}
             for suffix, link, steps in (("", "nvlink", nvlink), ("_local", "local", totals)):
-                row["beyond_share" + suffix] = share_spread(
+                row["beyond_share" + suffix] = median_spread(
                     [(t - g - s) / t for t, (g, s, _) in zip(steps, blocks, strict=True)])
-                row["exchange_share" + suffix] = share_spread(
+                row["exchange_share" + suffix] = median_spread(
                     [e / t for e, t in zip(waited[link], steps, strict=True)])
         return row
-
-
-def share_spread(shares: list[float]) -> dict:
-    """`{"median", "min", "max"}` of per-step shares."""
-    return {"median": statistics.median(shares), "min": min(shares), "max": max(shares)}
 
 
 def waited_windows(reduce_behind: bool) -> list[int]:

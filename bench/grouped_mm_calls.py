@@ -59,6 +59,7 @@ from bench.common import (
     gpu_state,
     l2_flush,
     measure_limits,
+    median_spread,
     spread,
     timings,
     write_record,
@@ -161,7 +162,7 @@ def round_ratios(num_s: list[float], den_s: list[float]) -> dict[str, float | li
     if len(num_s) != len(den_s) or not num_s:
         raise ValueError(f"round_ratios: needs equal, non-empty lists, got {len(num_s)} and {len(den_s)}")
     ratios = [n / d for n, d in zip(num_s, den_s, strict=True)]
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "rounds": ratios}
+    return {**median_spread(ratios), "rounds": ratios}
 
 
 def profiled_call_ms(steps: list[list[tuple[str, float]]], num_calls: int) -> dict[str, list[float]] | None:
