@@ -14,6 +14,8 @@ replicas; segments padded to 128):
 
 - `maxvio 0` and `maxvio 20`: that rank's slot groups at the routing skew (maxvio 20: a few slots holding most
   of its rows);
+- `even`: maxvio 20's home groups, and its slot rows dealt evenly over every slot (each padded to 128): the
+  same work in equal groups, what a tuning run could stand in for the real ones with;
 - `no replica`: the home groups of maxvio 0 and every slot empty, a rank the plan gives no replica (the
   launch's programs exit at once).
 
@@ -44,7 +46,7 @@ from moonep_moe.base.interpreter import INTERPRETED
 from moonep_moe.gemm.kernels import wgrad as kernel
 
 PROJECTIONS = ("gate_up", "down")
-LAYOUTS = ("maxvio 0", "maxvio 20", "no replica")
+LAYOUTS = ("maxvio 0", "maxvio 20", "even", "no replica")
 
 
 def layouts(model: str, device: str) -> tuple[dict[str, torch.Tensor], int, dict]:
@@ -55,8 +57,13 @@ def layouts(model: str, device: str) -> tuple[dict[str, torch.Tensor], int, dict
     for maxvio in (0.0, 20.0):
         ends, note = plan_segments(model, maxvio, device)
         out[f"maxvio {maxvio:g}"], notes[f"maxvio {maxvio:g}"] = ends.to(device), note
-    home = out["maxvio 0"][:epn]
-    out["no replica"] = torch.cat([home, home[-1:].expand(out["maxvio 0"].numel() - epn)])
+    home, skewed = out["maxvio 0"][:epn], out["maxvio 20"]
+    slots = skewed.numel() - epn
+    each = -(-int(skewed[-1] - skewed[epn - 1]) // (slots * PAD)) * PAD
+    steps = torch.arange(1, slots + 1, device=device, dtype=torch.int32)
+    out["even"] = torch.cat([skewed[:epn], skewed[epn - 1] + each * steps])
+    notes["even"] = {"slots_used": slots, "rows_per_slot": each}
+    out["no replica"] = torch.cat([home, home[-1:].expand(slots)])
     notes["no replica"] = {"slots_used": 0}
     return out, epn, notes
 
@@ -64,7 +71,7 @@ def layouts(model: str, device: str) -> tuple[dict[str, torch.Tensor], int, dict
 def smoke_layouts(device: str) -> tuple[dict[str, torch.Tensor], int, dict]:
     """Tiny layouts of 4 home and 4 slot groups (rows padded to 16) for the CPU run."""
     rows = {"maxvio 0": [32, 48, 32, 32, 16, 0, 0, 0], "maxvio 20": [16, 0, 16, 16, 96, 32, 0, 0],
-            "no replica": [32, 48, 32, 32, 0, 0, 0, 0]}
+            "even": [32, 48, 32, 32, 32, 32, 32, 32], "no replica": [32, 48, 32, 32, 0, 0, 0, 0]}
     ends = {name: torch.tensor(r, device=device).cumsum(0).to(torch.int32) for name, r in rows.items()}
     return ends, 4, {name: {"slots_used": sum(n > 0 for n in r[4:])} for name, r in rows.items()}
 
