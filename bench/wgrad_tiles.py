@@ -16,6 +16,8 @@ replicas; segments padded to 128):
   of its rows);
 - `even`: maxvio 20's home groups, and its slot rows dealt evenly over every slot (each padded to 128): the
   same work in equal groups, what a tuning run could stand in for the real ones with;
+- `tuning`: what `grouped_wgrad_triton` tunes on before its first call (`kernel.tuning_ends`: every row of dy
+  dealt evenly over `kernel.TUNING_GROUPS` groups), here as slot groups after empty home groups;
 - `no replica`: the home groups of maxvio 0 and every slot empty, a rank the plan gives no replica (the
   launch's programs exit at once).
 
@@ -46,7 +48,7 @@ from moonep_moe.base.interpreter import INTERPRETED
 from moonep_moe.gemm.kernels import wgrad as kernel
 
 PROJECTIONS = ("gate_up", "down")
-LAYOUTS = ("maxvio 0", "maxvio 20", "even", "no replica")
+LAYOUTS = ("maxvio 0", "maxvio 20", "even", "tuning", "no replica")
 
 
 def layouts(model: str, device: str) -> tuple[dict[str, torch.Tensor], int, dict]:
@@ -65,15 +67,30 @@ def layouts(model: str, device: str) -> tuple[dict[str, torch.Tensor], int, dict
     notes["even"] = {"slots_used": slots, "rows_per_slot": each}
     out["no replica"] = torch.cat([home, home[-1:].expand(slots)])
     notes["no replica"] = {"slots_used": 0}
-    return out, epn, notes
+    return with_tuning(out, epn, notes)
+
+
+def with_tuning(ends_by: dict[str, torch.Tensor], epn: int, notes: dict) -> tuple[dict, int, dict]:
+    """`ends_by` with the `tuning` layout inserted before `no replica`, over the largest layout's rows."""
+    rows = max(int(ends[-1]) for ends in ends_by.values())
+    some = next(iter(ends_by.values()))
+    tuning = kernel.tuning_ends(rows, some.device)
+    slots = some.numel() - epn
+    ends = torch.cat([some.new_zeros(epn), tuning, tuning[-1:].expand(slots - tuning.numel())])
+    order = [name for name in LAYOUTS if name in ends_by or name == "tuning"]
+    ends_by = {**ends_by, "tuning": ends}
+    notes = {**notes, "tuning": {"slots_used": kernel.TUNING_GROUPS, "rows_per_slot": int(tuning[0])}}
+    return {name: ends_by[name] for name in order}, epn, {name: notes[name] for name in order}
 
 
 def smoke_layouts(device: str) -> tuple[dict[str, torch.Tensor], int, dict]:
-    """Tiny layouts of 4 home and 4 slot groups (rows padded to 16) for the CPU run."""
-    rows = {"maxvio 0": [32, 48, 32, 32, 16, 0, 0, 0], "maxvio 20": [16, 0, 16, 16, 96, 32, 0, 0],
-            "even": [32, 48, 32, 32, 32, 32, 32, 32], "no replica": [32, 48, 32, 32, 0, 0, 0, 0]}
+    """Tiny layouts of 4 home and `kernel.TUNING_GROUPS` slot groups (rows padded to 16) for the CPU run."""
+    home, slots = [32, 48, 32, 32], kernel.TUNING_GROUPS
+    rows = {"maxvio 0": home + [16] + [0] * (slots - 1),
+            "maxvio 20": [16, 0, 16, 16, 96, 32] + [0] * (slots - 2),
+            "even": home + [16] * slots, "no replica": home + [0] * slots}
     ends = {name: torch.tensor(r, device=device).cumsum(0).to(torch.int32) for name, r in rows.items()}
-    return ends, 4, {name: {"slots_used": sum(n > 0 for n in r[4:])} for name, r in rows.items()}
+    return with_tuning(ends, 4, {name: {"slots_used": sum(n > 0 for n in r[4:])} for name, r in rows.items()})
 
 
 def operands(projection: str, hidden: int, ffn: int, rows: int, slots: int, device: str

@@ -39,8 +39,8 @@ def test_smoke_run_records_every_config_on_every_layout_and_the_autotuned_picks(
     for projection in PROJECTIONS:
         layouts = row[projection]["layouts"]
         assert list(layouts) == list(LAYOUTS)
-        assert [layouts[name]["slot_rows"] for name in LAYOUTS] == [16, 128, 128, 0]
-        assert [layouts[name]["slots_used"] for name in LAYOUTS] == [1, 2, 4, 0]
+        assert [layouts[name]["slot_rows"] for name in LAYOUTS] == [16, 128, 128, 256, 0]
+        assert [layouts[name]["slots_used"] for name in LAYOUTS] == [1, 2, 8, 8, 0]
         for layout in layouts.values():
             want = names + (["torch._grouped_mm"] if layout["slot_rows"] else [])
             assert list(layout["arms"]) == want

@@ -6,10 +6,13 @@ the wrong segment fails. On CPU the kernel runs in Triton's interpreter (small s
 and several tiles per group are covered); the GPU cases use DeepSeek-V3's expert shapes.
 """
 
+import inspect
+
 import pytest
 import torch
 
-from moonep_moe.gemm.kernels.wgrad import grouped_wgrad_triton
+from moonep_moe.gemm.kernels import wgrad
+from moonep_moe.gemm.kernels.wgrad import TUNING_GROUPS, grouped_wgrad_triton, tuning_ends
 from moonep_moe.gemm.reference import ReferenceGroupedGemm
 from moonep_moe.gemm.torch_native import TorchGroupedGemm
 
@@ -147,6 +150,41 @@ def test_bad_arguments_are_rejected(change, match):
         out = torch.zeros(2, K, N).transpose(1, 2)
     with pytest.raises(ValueError, match=match):
         grouped_wgrad_triton(dy_mn, x_mk, offsets_g([3, 5]), [out], accumulate=False)
+
+
+@pytest.mark.parametrize("rows", [73_728, 1000, 127])
+def test_tuning_ends_deal_the_rows_evenly_in_groups_of_16(rows):
+    ends = tuning_ends(rows, "cpu")
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    assert ends.dtype == torch.int32 and ends.numel() == TUNING_GROUPS
+    assert bool((sizes == sizes[0]).all()) and int(sizes[0]) % 16 == 0
+    assert rows - 16 * TUNING_GROUPS < int(ends[-1]) <= rows
+
+
+def test_the_first_call_of_a_shape_tunes_on_even_groups_of_every_row_not_on_its_own(monkeypatch):
+    """The autotuner times the configs on the launch it first sees: that is the tuning launch (every row of dy
+    in even groups, into scratch outputs), not the call's, whose groups may be empty (an unused slot pool)."""
+    launches = []
+    monkeypatch.setattr(wgrad, "INTERPRETED", False)  # the interpreter skips tuning: one config
+    monkeypatch.setattr(wgrad, "_TUNED", set())
+    signature = inspect.signature(wgrad._launch)
+    monkeypatch.setattr(wgrad, "_launch", lambda *args, **kwargs: launches.append(
+        signature.bind(*args, **kwargs).arguments))
+    sizes_g = [300, 200, 0, 0, 0]  # the slot groups (from 2 on) all empty
+    dy_mn, x_mk = random_rows(sizes_g, N, K, torch.bfloat16)
+    home, slots = torch.zeros(2, N, K), torch.zeros(3, N, K, dtype=torch.bfloat16)
+    for _ in range(2):
+        grouped_wgrad_triton(dy_mn, x_mk, offsets_g(sizes_g), [slots], accumulate=False, first_group=2,
+                             slot_groups_from=2)
+    tune, call, again = launches
+    assert torch.equal(tune["offs_g"], tuning_ends(dy_mn.shape[0], "cpu"))
+    assert tune["out0"] is not slots and tune["out0"].dtype == tune["out1"].dtype == torch.bfloat16
+    assert [tune[k] for k in ("groups", "groups0", "first_group", "accumulate", "zeroed_groups")] == [
+        TUNING_GROUPS, TUNING_GROUPS - 1, 0, False, TUNING_GROUPS]  # every group, overwriting
+    assert call["out0"] is slots and call["first_group"] == 2 and again["out0"] is slots  # tuned once
+    launches.clear()
+    grouped_wgrad_triton(dy_mn, x_mk, offsets_g(sizes_g), [home, slots], accumulate=True)
+    assert len(launches) == 2 and launches[0]["out0"].dtype == torch.float32  # fp32 outputs: a key of its own
 
 
 DSV3_H, DSV3_F = 7168, 2048

@@ -22,11 +22,14 @@ Groups live in up to two output tensors per launch (home gradients, then the slo
 two base pointers and the first one's group count (the two may differ in dtype, e.g. bf16 home gradients and
 fp32 slot gradients): no concatenation, no pointer table to upload. More parts take one launch per pair.
 
-Tile configs are autotuned per ``(cols, inner)`` and dtypes on the first call (host syncs then; Triton caches
-the choice on disk). Timing runs in accumulate mode would add into the gradients, so an accumulating call
-first tunes on an overwriting launch over scratch outputs of a few groups (same dtypes, so the same autotuner
-key): no copy of the gradients (a copy of a DeepSeek-V3 layer's fp32 gate_up gradient is 28 GiB, and ran the
-H200 out of memory in `main_grad` mode).
+Tile configs are autotuned per ``(cols, inner)`` and dtypes before the first call (host syncs then; Triton
+caches the choice on disk), on a launch of its own (`_tune`): every row of ``dy`` and ``x`` dealt evenly over
+`TUNING_GROUPS` groups (`tuning_ends`), overwriting scratch outputs of the call's dtypes (the same autotuner
+key). Not on the call's own rows: those are data the host does not see, and a first call often has few or
+none (the slot groups of a rank the plan gives one replica or none, whose programs exit at once), where the
+timings say nothing of the tiles. Not into the call's outputs: an accumulating call's timing runs would add
+into the gradients, and a copy of them costs memory (a DeepSeek-V3 layer's fp32 gate_up gradient is 28 GiB,
+and its copy ran the H200 out of memory in `main_grad` mode).
 """
 
 from __future__ import annotations
@@ -174,9 +177,8 @@ def grouped_wgrad_triton(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor
         out0, out1 = pair[0], pair[-1]
         groups0 = out0.shape[0]
         groups = groups0 + (out1.shape[0] if len(pair) == 2 else 0)
-        if groups and accumulate:
-            _tune_overwriting(dy, x, offs_g, out0, out1, first_group)
         if groups:
+            _tune(dy, x, out0, out1)
             _launch(dy, x, offs_g, out0, out1, groups, groups0, first_group, accumulate, zeroed_groups)
         first_group += groups
 
@@ -194,24 +196,30 @@ def _launch(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor, out0: torch
                                 INTERPRET_ROWS=dy.shape[0] if INTERPRETED else 0)
 
 
-_TUNING_GROUPS = 8
+TUNING_GROUPS = 8
+"""Groups of the tuning launch (`tuning_ends`)."""
 _TUNED: set[tuple] = set()
 
 
-def _tune_overwriting(dy: torch.Tensor, x: torch.Tensor, offs_g: torch.Tensor, out0: torch.Tensor,
-                      out1: torch.Tensor, first_group: int) -> None:
-    """Before the first accumulating launch of a shape and dtypes in this process: an overwriting launch over
-    the first `_TUNING_GROUPS` groups into scratch outputs of `out0`'s and `out1`'s dtypes, which runs the
-    autotuner (or loads its disk cache) for the key the accumulating launch uses."""
+def tuning_ends(rows: int, device: torch.device | str) -> torch.Tensor:
+    """``[TUNING_GROUPS]`` int32 ends of the tuning launch's groups: `rows` dealt evenly, each group a
+    multiple of 16 rows (the layer's smallest segment alignment)."""
+    each = rows // TUNING_GROUPS // 16 * 16
+    return torch.arange(1, TUNING_GROUPS + 1, dtype=torch.int32, device=device) * each
+
+
+def _tune(dy: torch.Tensor, x: torch.Tensor, out0: torch.Tensor, out1: torch.Tensor) -> None:
+    """Before the first launch of a shape and dtypes in this process: an overwriting launch over every row of
+    `dy` and `x` in `TUNING_GROUPS` even groups (`tuning_ends`), into scratch outputs of `out0`'s and `out1`'s
+    dtypes, which runs the autotuner (or loads its disk cache) for the key the call's launch uses."""
     key = (dy.dtype, dy.shape[1], x.shape[1], out0.dtype, out1.dtype, dy.device)
-    if key in _TUNED:
+    if key in _TUNED or INTERPRETED:  # the interpreter has one config: nothing to tune
         return
     matrix = (dy.shape[1], x.shape[1])  # [cols, inner]
-    scratch0 = torch.empty((_TUNING_GROUPS - 1, *matrix), dtype=out0.dtype, device=out0.device)
+    scratch0 = torch.empty((TUNING_GROUPS - 1, *matrix), dtype=out0.dtype, device=out0.device)
     scratch1 = torch.empty((1, *matrix), dtype=out1.dtype, device=out1.device)
-    groups = min(_TUNING_GROUPS, offs_g.numel() - first_group)
-    _launch(dy, x, offs_g, scratch0, scratch1, groups, min(groups, _TUNING_GROUPS - 1), first_group,
-            accumulate=False, zeroed_groups=offs_g.numel())
+    _launch(dy, x, tuning_ends(dy.shape[0], dy.device), scratch0, scratch1, TUNING_GROUPS, TUNING_GROUPS - 1,
+            first_group=0, accumulate=False, zeroed_groups=TUNING_GROUPS)
     _TUNED.add(key)
 
 
