@@ -2,7 +2,7 @@
 of rows, which config the autotuner picks when its first call sees each layout, and torch's grouped GEMM on
 the same groups.
 
-    python -m bench.wgrad_tiles             # DeepSeek-V3's expert shape (an H200: about a minute)
+    python -m bench.wgrad_tiles             # DeepSeek-V3's expert shape (an H200: under 30 s)
     python -m bench.wgrad_tiles --smoke     # CPU, Triton's interpreter, tiny shapes: every code path
 
 The layer computes the weight gradients of its prefetch slots' groups with the Triton kernel
