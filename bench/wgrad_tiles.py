@@ -1,14 +1,15 @@
 """The Triton weight gradient's tile configs on one EP rank's slot groups: each config's time on each layout
-of rows, which config the autotuner picks when its first call sees each layout, and torch's grouped GEMM on
-the same groups.
+of rows, which config the autotuner picks when it tunes on each layout, and torch's grouped GEMM on the same
+groups.
 
     python -m bench.wgrad_tiles             # DeepSeek-V3's expert shape (an H200: under 30 s)
     python -m bench.wgrad_tiles --smoke     # CPU, Triton's interpreter, tiny shapes: every code path
 
 The layer computes the weight gradients of its prefetch slots' groups with the Triton kernel
 (`moonep_moe.gemm.kernels.wgrad`, overwriting, from group epn on) wherever the home groups go to a GEMM that
-cannot start at a row known only on the device. Its tile config is autotuned on its first call per
-`(cols, inner)` and dtypes, on whatever rows that call has, and kept on disk. The layouts (`layouts`), from
+cannot start at a row known only on the device. Its tile config is autotuned per `(cols, inner)` and dtypes
+before its first call, on a launch of its own (`kernel._tune`: the `tuning` layout below), and kept on disk.
+The layouts (`layouts`), from
 the real planner balancing the model's whole EP group (`bench.gemm.plan_segments`, the rank hosting the most
 replicas; segments padded to 128):
 
@@ -26,8 +27,8 @@ each layout and each tile config of the kernel (forced, no autotuning): the laun
 round by round (`bench.common.alternated_timings`, an L2 flush before each call), median and min-max of
 `--repeat`, and TFLOP/s on the slot groups' rows; `torch._grouped_mm` on the same groups (bf16 out, the
 slots sliced on the host: what CUTLASS makes of the same FLOPs). Then, per layout, the config the
-autotuner picks when its first call has that layout (its disk cache off, its memory cache cleared), and
-what that pick costs on every layout against the best config there.
+autotuner picks when it times the configs on that layout's launch (its disk cache off, its memory cache
+cleared), and what that pick costs on every layout against the best config there.
 
 Writes `bench/results/wgrad-tiles-<device>-<date>-<commit>.json` (`--out DIR`: elsewhere).
 """
@@ -137,13 +138,15 @@ def torch_slots(dy: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, epn: int)
 
 def autotuned_pick(dy: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, epn: int, out: torch.Tensor
                    ) -> triton.Config:
-    """The config `grouped_wgrad_triton` tunes to when its first call for this shape has `ends`' rows."""
+    """The config the autotuner picks when it times the configs on the slot launch of `ends`' rows: the
+    kernel's launch itself (`kernel._launch`, as `grouped_wgrad_triton` makes it), not through
+    `grouped_wgrad_triton`, whose own tuning launch (`kernel._tune`, the `tuning` layout) would pick first."""
     tuner = kernel._grouped_wgrad_kernel
     was = tuner.cache_results
     tuner.cache_results, tuner.cache = False, {}
+    groups = out.shape[0]
     try:
-        kernel.grouped_wgrad_triton(dy, x, ends, [out], accumulate=False, first_group=epn,
-                                    slot_groups_from=epn)
+        kernel._launch(dy, x, ends, out, out, groups, groups, epn, accumulate=False, zeroed_groups=epn)
         return tuner.best_config
     finally:
         tuner.cache_results, tuner.cache = was, {}

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from bench.wgrad_tiles import LAYOUTS, PROJECTIONS, config_name, forced, main, smoke_layouts
+from bench.wgrad_tiles import LAYOUTS, PROJECTIONS, autotuned_pick, config_name, forced, main, smoke_layouts
 from moonep_moe.gemm.kernels import wgrad as kernel
 
 
@@ -28,6 +28,24 @@ def test_a_forced_config_writes_the_used_slots_gradients_and_leaves_unused_slots
             torch.testing.assert_close(out[slot].double(), want, rtol=1e-2, atol=1e-1)
         else:
             assert bool((out[slot] == 7.0).all()), f"unused slot {slot} was written"
+
+
+def test_the_autotuned_pick_is_tuned_on_the_layout_given_not_on_the_kernels_tuning_launch(monkeypatch):
+    """`grouped_wgrad_triton` tunes on its own launch (every row in even groups) before a shape's first call;
+    the bench's pick for a layout must come from timing that layout's launch, so it bypasses that tuning."""
+    ends_by, epn, _ = smoke_layouts("cpu")
+    ends = ends_by["maxvio 20"]
+    dy, x = torch.randn(int(ends[-1]), 48).bfloat16(), torch.randn(int(ends[-1]), 40).bfloat16()
+    out = torch.zeros(ends.numel() - epn, 48, 40, dtype=torch.bfloat16)
+    launched = []
+    monkeypatch.setattr(kernel, "_tune", lambda *args: pytest.fail("the kernel's tuning launch ran"))
+    monkeypatch.setattr(kernel, "_launch", lambda *args, **kwargs: launched.append((args, kwargs)))
+    picked = kernel._grouped_wgrad_kernel.configs[0]
+    monkeypatch.setattr(kernel._grouped_wgrad_kernel, "best_config", picked, raising=False)
+    assert autotuned_pick(dy, x, ends, epn, out) is picked
+    [(args, kwargs)] = launched
+    assert args[2] is ends and args[3] is out and args[7] == epn and kwargs == dict(accumulate=False,
+                                                                                    zeroed_groups=epn)
 
 
 @pytest.mark.interpreter
