@@ -154,7 +154,7 @@ def autotuned_pick(dy: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, epn: i
 
 def projection_rows(projection: str, dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
                     ends_by: dict[str, torch.Tensor], epn: int, repeat: int, on_cuda: bool) -> dict:
-    """Every config and torch on every layout, then the autotuner's pick per first-call layout."""
+    """Every config and torch on every layout, then the config the autotuner picks when it tunes on each."""
     configs = kernel._grouped_wgrad_kernel.configs
     names = [config_name(c) for c in configs]
     flush = l2_flush() if on_cuda else None
