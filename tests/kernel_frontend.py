@@ -32,7 +32,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from moonep_moe.transport.world import SymmetricTensor  # noqa: E402
 
@@ -52,7 +53,8 @@ def record(self: JITFunction, grid):
 
 def signature(kernel: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict]:
     """The kernel's `(signature, constexprs)` for these launch arguments, as Triton's launcher would type
-    them (tensors by dtype, Python ints as i32 or i64, floats as fp32, bools as i1)."""
+    them (tensors by dtype, Python ints as i32 or i64, floats as fp32, bools as i1, tensor descriptors as
+    Triton types them)."""
     names = kernel.arg_names
     values = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
     sig, constexprs = {}, {}
@@ -63,6 +65,8 @@ def signature(kernel: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dic
             sig[name], constexprs[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             sig[name] = "*" + TYPES[value.dtype]
+        elif isinstance(value, TensorDescriptor):
+            sig[name] = mangle_type(value)
         elif isinstance(value, bool):
             sig[name] = "i1"
         elif isinstance(value, int):
@@ -256,7 +260,7 @@ def wgrad_launches() -> None:
 
 def groups_from_launches() -> None:
     """The slot groups' GEMM at its sm90 launch shape: bf16 and fp32 outputs (a forward's transposed weights
-    and a dgrad's differ in stride values only)."""
+    and a dgrad's differ in stride values only), and its aligned kernel in both weight layouts."""
     global current
     from moonep_moe.base.sizes import next_power_of_2
     from moonep_moe.gemm.kernels import groups_from
@@ -269,6 +273,18 @@ def groups_from_launches() -> None:
         groups_from._groups_from_kernel[(1,)](a, b, offs, out, 1, 3, 64, 96, a.stride(0), *b.stride(),
                                               out.stride(0), GROUPS_POW2=next_power_of_2(3),
                                               INTERPRET_TILES=0, **groups_from.tiles())
+    # the aligned kernel (tensor descriptors), a forward's weights [G, n, k] and a dgrad's [G, k, n]
+    a = torch.zeros(256, 128, dtype=torch.bfloat16)
+    for b_nk, weights in ((True, torch.zeros(2, 256, 128, dtype=torch.bfloat16)),
+                          (False, torch.zeros(2, 128, 256, dtype=torch.bfloat16))):
+        for dtype in (torch.bfloat16, torch.float32):
+            current = f"groups_from aligned b_nk={b_nk} out {TYPES[dtype]}"
+            out = torch.zeros(256, 256, dtype=dtype)
+            launch = groups_from.aligned_tiles()
+            b_gkn = weights.transpose(-2, -1) if b_nk else weights
+            groups_from._groups_from_aligned_kernel[(1,)](
+                *groups_from._descriptors(a, b_gkn, out, b_nk, launch), offs, 1, 3, 256, 128, B_NK=b_nk,
+                GROUPS_POW2=next_power_of_2(3), INTERPRET_TILES=0, **launch)
 
 
 current = ""

@@ -5,7 +5,8 @@ Products of bf16 values are exact in fp32, so the kernel differs from float64 on
 output's rounding: a row taken from the wrong group, a group's weight swapped, or a row of an earlier group
 written fails. Rows before the first computed group and past the last end hold a sentinel that must survive.
 On CPU the kernel runs in Triton's interpreter (small tiles: several tiles per group, row blocks across group
-ends, masked tails); the GPU cases use DeepSeek-V3's expert shapes.
+ends, masked tails); the GPU cases use DeepSeek-V3's expert shapes. Segments padded to 128 rows (the layer's
+with DeepGEMM) also run through the aligned kernel (tensor descriptors), said by ``row_alignment``.
 """
 
 import pytest
@@ -15,6 +16,7 @@ from moonep_moe.gemm.kernels.groups_from import groups_from_gemm
 
 SENTINEL = 7.0
 SIZES_G = [3, 40, 0, 5, 0, 1, 37, 0, 18, 2]  # home groups, then slots: empty, 1-row, unaligned
+ALIGNED_G = [128, 256, 0, 128, 0, 384, 128]  # segments padded to 128 rows, some empty
 TAIL = 6
 
 
@@ -31,7 +33,7 @@ def expected(a_mk, b_gkn, sizes_g, first, out_mn) -> torch.Tensor:
     return want
 
 
-def run_case(sizes_g, first, n, k, device, transposed: bool, out_dtype=torch.bfloat16):
+def run_case(sizes_g, first, n, k, device, transposed: bool, out_dtype=torch.bfloat16, row_alignment=1):
     rows = sum(sizes_g) + TAIL
     a_mk = torch.randn(rows, k, device=device).bfloat16()
     groups = len(sizes_g) - first
@@ -41,7 +43,7 @@ def run_case(sizes_g, first, n, k, device, transposed: bool, out_dtype=torch.bfl
         b_gkn = torch.randn(groups, k, n, device=device).bfloat16()
     out_mn = torch.full((rows, n), SENTINEL, device=device, dtype=out_dtype)
     want = expected(a_mk, b_gkn, sizes_g, first, out_mn)
-    groups_from_gemm(a_mk, b_gkn, offsets(sizes_g, device), first, out_mn)
+    groups_from_gemm(a_mk, b_gkn, offsets(sizes_g, device), first, out_mn, row_alignment=row_alignment)
     tol = 2 ** -7 if out_dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(out_mn.double(), want, rtol=tol, atol=tol * k ** 0.5)
     return out_mn
@@ -65,6 +67,47 @@ def test_groups_from_writes_fp32():
     run_case(SIZES_G, 4, n=33, k=20, device="cpu", transposed=True, out_dtype=torch.float32)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("first", [0, pytest.param(3, marks=pytest.mark.oldest_triton), 5, 7],
+                         ids=["all", "from-3", "from-5", "none"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["dgrad", "fwd"])
+def test_aligned_groups_from_matches_the_reference_and_leaves_earlier_rows(first, transposed):
+    """The aligned kernel: each 128-row block in one group, empty groups between, rows past the last end
+    (the tail) and before the first computed group untouched."""
+    torch.manual_seed(first)
+    out = run_case(ALIGNED_G, first, n=48, k=80, device="cpu", transposed=transposed, row_alignment=128)
+    start = sum(ALIGNED_G[:first])
+    assert bool((out[:start] == SENTINEL).all()) and bool((out[-TAIL:] == SENTINEL).all())
+
+
+@pytest.mark.interpreter
+@pytest.mark.oldest_triton
+def test_aligned_groups_from_writes_fp32():
+    torch.manual_seed(2)
+    run_case(ALIGNED_G, 2, n=36, k=40, device="cpu", transposed=False, out_dtype=torch.float32,
+             row_alignment=256)
+
+
+@pytest.mark.interpreter
+def test_aligned_groups_from_takes_the_pointer_kernel_where_descriptors_cannot_go(monkeypatch):
+    """A weight tensor contiguous in neither layout (a slice of columns) goes to the masked pointer kernel,
+    whatever the alignment, and still matches the reference."""
+    from moonep_moe.gemm.kernels import groups_from
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the aligned kernel took weights no descriptor can describe")
+
+    monkeypatch.setattr(groups_from, "_groups_from_aligned_kernel", refuse)
+    torch.manual_seed(3)
+    rows, n, k = sum(ALIGNED_G), 32, 48
+    a_mk = torch.randn(rows, k).bfloat16()
+    b_gkn = torch.randn(len(ALIGNED_G), k, 2 * n).bfloat16()[:, :, :n]
+    out_mn = torch.full((rows, n), SENTINEL, dtype=torch.bfloat16)
+    want = expected(a_mk, b_gkn, ALIGNED_G, 0, out_mn)
+    groups_from_gemm(a_mk, b_gkn, offsets(ALIGNED_G, "cpu"), 0, out_mn, row_alignment=128)
+    torch.testing.assert_close(out_mn.double(), want, rtol=2 ** -7, atol=2 ** -7 * k ** 0.5)
+
+
 def test_groups_from_refuses_a_weight_count_that_does_not_match():
     with pytest.raises(ValueError, match="G - first"):
         rows = torch.zeros(4, 8, dtype=torch.bfloat16)
@@ -83,4 +126,18 @@ def test_groups_from_on_deepseek_shapes(skew, n, k, transposed):
     sizes = (weights / weights.sum() * 65536).long()
     sizes[[33, 36]] = 0
     out = run_case(sizes.tolist(), 32, n, k, "cuda", transposed)
+    assert bool((out[:int(sizes[:32].sum())] == SENTINEL).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "k", "transposed"), [(4096, 7168, True), (7168, 2048, False)],
+                         ids=["gate_up-fwd", "down-dgrad"])
+def test_aligned_groups_from_on_deepseek_shapes(n, k, transposed):
+    """The layer's DeepGEMM layout (segments padded to 128 rows): 32 home groups and 8 skewed slots, some
+    empty, through the aligned kernel."""
+    torch.manual_seed(1)
+    weights = torch.rand(40, dtype=torch.float64) ** 4
+    sizes = ((weights / weights.sum() * 65536).long() + 127) // 128 * 128
+    sizes[[33, 36]] = 0
+    out = run_case(sizes.tolist(), 32, n, k, "cuda", transposed, row_alignment=128)
     assert bool((out[:int(sizes[:32].sum())] == SENTINEL).all())

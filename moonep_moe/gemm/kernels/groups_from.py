@@ -13,6 +13,14 @@ group's start to the last group's end, ``BLOCK_M`` rows by ``BLOCK_N`` columns e
 block next to each other so the programs running at once share the rows in L2. Groups need no alignment: a
 row block lying across group ends is computed once per group it meets, each row stored by its own group's
 pass. A program past the last tile exits at once, so an empty slot range (no replica) costs one launch.
+
+Aligned groups (every group end from the first computed group's start on a multiple of `ALIGNED_BLOCK_M`
+rows, as the layer's segments are with ``token_padding`` a multiple of 128, DeepGEMM's requirement) take a
+second kernel, `_groups_from_aligned_kernel`: each row block lies in one group, so a tile is one plain
+product, its operands loaded and its output stored by the Hopper's tensor memory accelerator (host-made
+tensor descriptors of ``a``, the weights and ``out``; out-of-bounds rows and columns read as zeros and are
+not stored) instead of masked pointer loads, and the group of a tile is one comparison over the ends. The
+caller says the alignment (``row_alignment``): the kernel cannot check it without a host read.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moonep_moe.base.interpreter import INTERPRETED, launching
 from moonep_moe.base.sizes import next_power_of_2
@@ -33,6 +42,17 @@ def tiles() -> dict:
     if INTERPRETED:
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+
+
+ALIGNED_BLOCK_M = 128
+"""Row block of the aligned kernel: groups whose ends are multiples of it take that kernel."""
+
+
+def aligned_tiles() -> dict:
+    """Launch shape of the aligned kernel (`ALIGNED_BLOCK_M` rows; the interpreter gets narrow columns)."""
+    if INTERPRETED:
+        return {"BLOCK_M": ALIGNED_BLOCK_M, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
+    return {"BLOCK_M": ALIGNED_BLOCK_M, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 
 
 @triton.jit
@@ -84,8 +104,43 @@ def _groups_from_kernel(a_ptr, b_ptr, offs_ptr, out_ptr, first, groups, n, k,
                      acc.to(out_ptr.dtype.element_ty), mask=live_rows[:, None] & live_cols[None, :])
 
 
+@triton.jit
+def _groups_from_aligned_kernel(a_desc, b_desc, out_desc, offs_ptr, first, groups, n, k,
+                                B_NK: tl.constexpr, GROUPS_POW2: tl.constexpr, INTERPRET_TILES: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_groups_from_kernel`'s product where every row block lies in one group (`ALIGNED_BLOCK_M`), through
+    tensor descriptors: ``a_desc`` over ``a [rows, k]``, ``b_desc`` over the weights ``[G - first, n, k]``
+    (``B_NK``: a forward's ``w`` as stored) or ``[G - first, k, n]``, ``out_desc`` over ``out [rows, n]``."""
+    group_ids = tl.arange(0, GROUPS_POW2)
+    ends = tl.load(offs_ptr + group_ids, mask=group_ids < groups, other=2147483647)
+    start = tl.max(tl.where(group_ids < first, ends, 0), axis=0)
+    end = tl.max(tl.where(group_ids < groups, ends, 0), axis=0)
+    blocks_n = tl.cdiv(n, BLOCK_N)
+    num_tiles = tl.cdiv(tl.maximum(end - start, 0), BLOCK_M) * blocks_n
+    # INTERPRET_TILES: as in `_groups_from_kernel`; a tile past num_tiles starts at or past `end` and stores
+    # nothing
+    tiles_bound = INTERPRET_TILES if INTERPRET_TILES else num_tiles
+    for tile in range(tl.program_id(0), tiles_bound, tl.num_programs(0)):
+        first_row = start + (tile // blocks_n) * BLOCK_M
+        first_col = (tile % blocks_n) * BLOCK_N
+        # the group holding the block: the ends at or before its first row are the earlier groups'
+        weight = tl.minimum(tl.sum((ends <= first_row).to(tl.int32), axis=0), groups - 1) - first
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for step in range(0, tl.cdiv(k, BLOCK_K)):
+            a = a_desc.load([first_row, step * BLOCK_K])
+            if B_NK:
+                b = tl.trans(b_desc.load([weight, first_col, step * BLOCK_K]).reshape(BLOCK_N, BLOCK_K))
+            else:
+                b = b_desc.load([weight, step * BLOCK_K, first_col]).reshape(BLOCK_K, BLOCK_N)
+            if INTERPRET_TILES:  # the interpreter's numpy cannot multiply bf16: widened (exact)
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+        if first_row < end:
+            out_desc.store([first_row, first_col], acc.to(out_desc.dtype))
+
+
 def groups_from_gemm(a_mk: torch.Tensor, b_gkn: torch.Tensor, offs_g: torch.Tensor, first: int,
-                     out_mn: torch.Tensor, launch: dict | None = None) -> None:
+                     out_mn: torch.Tensor, launch: dict | None = None, row_alignment: int = 1) -> None:
     """``out[start:end] = a[start:end] @ b[g - first]`` for every group ``g >= first``; other rows untouched.
 
     Args:
@@ -95,8 +150,11 @@ def groups_from_gemm(a_mk: torch.Tensor, b_gkn: torch.Tensor, offs_g: torch.Tens
         offs_g: int32 ``[G]`` group ends on the device (no host read); groups need no alignment.
         first: the first group computed; the rows before its start are not read or written.
         out_mn: ``[rows, n]`` (bf16, fp16 or fp32) with contiguous rows.
-        launch: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages`` instead of `tiles` (a
-            bench's sweep).
+        launch: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages`` instead of `tiles` or
+            `aligned_tiles` (a bench's sweep).
+        row_alignment: every group end from group ``first - 1`` on is a multiple of it (the caller's
+            promise: the ends live on the device). A multiple of `ALIGNED_BLOCK_M` takes the aligned kernel
+            where the operands suit tensor descriptors (`_descriptors`).
     """
     rows, k = a_mk.shape
     n = b_gkn.shape[2]
@@ -114,14 +172,53 @@ def groups_from_gemm(a_mk: torch.Tensor, b_gkn: torch.Tensor, offs_g: torch.Tens
                          f"{out_mn.dtype} {list(out_mn.shape)}")
     if not (rows and n and groups > first):
         return
-    launch = tiles() if launch is None else launch
+    b_nk = _descriptor_layout(a_mk, b_gkn, out_mn)
+    aligned = row_alignment % ALIGNED_BLOCK_M == 0 and b_nk is not None
+    launch = (aligned_tiles() if aligned else tiles()) if launch is None else launch
     if INTERPRETED:
         programs = 2
         bound = triton.cdiv(rows, launch["BLOCK_M"]) * triton.cdiv(n, launch["BLOCK_N"])
     else:
-        programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(a_mk.device).multi_processor_count
+        sms = torch.cuda.get_device_properties(a_mk.device).multi_processor_count
+        programs = sms if aligned else PROGRAMS_PER_SM * sms
         bound = 0
     with launching():
-        _groups_from_kernel[(programs,)](a_mk, b_gkn, offs_g, out_mn, first, groups, n, k, a_mk.stride(0),
-                                         *b_gkn.stride(), out_mn.stride(0),
-                                         GROUPS_POW2=next_power_of_2(groups), INTERPRET_TILES=bound, **launch)
+        if aligned:
+            _groups_from_aligned_kernel[(programs,)](*_descriptors(a_mk, b_gkn, out_mn, b_nk, launch), offs_g,
+                                                     first, groups, n, k, B_NK=b_nk,
+                                                     GROUPS_POW2=next_power_of_2(groups),
+                                                     INTERPRET_TILES=bound, **launch)
+        else:
+            _groups_from_kernel[(programs,)](a_mk, b_gkn, offs_g, out_mn, first, groups, n, k, a_mk.stride(0),
+                                             *b_gkn.stride(), out_mn.stride(0),
+                                             GROUPS_POW2=next_power_of_2(groups), INTERPRET_TILES=bound,
+                                             **launch)
+
+
+def _descriptor_layout(a_mk: torch.Tensor, b_gkn: torch.Tensor, out_mn: torch.Tensor) -> bool | None:
+    """How the weights lie for tensor descriptors: True where ``b`` is a forward's ``w [G, n, k]``
+    transposed, False where it is ``[G, k, n]`` as stored, None where an operand does not suit a descriptor
+    (a weight matrix not contiguous either way, or a base address or row stride not a multiple of 16
+    bytes)."""
+    if b_gkn.transpose(-2, -1).is_contiguous():
+        weights, nk = b_gkn.transpose(-2, -1), True
+    elif b_gkn.is_contiguous():
+        weights, nk = b_gkn, False
+    else:
+        return None
+    suits = all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and t.stride(-2) * t.element_size() % 16 == 0
+                for t in (a_mk, weights, out_mn))
+    return nk if suits else None
+
+
+def _descriptors(a_mk: torch.Tensor, b_gkn: torch.Tensor, out_mn: torch.Tensor, b_nk: bool,
+                 launch: dict) -> tuple[TensorDescriptor, TensorDescriptor, TensorDescriptor]:
+    """The aligned kernel's tensor descriptors of ``a``, the weights as stored (``b_nk``:
+    `_descriptor_layout`) and ``out``, in the launch's blocks."""
+    block_m, block_n, block_k = launch["BLOCK_M"], launch["BLOCK_N"], launch["BLOCK_K"]
+    if b_nk:
+        b_desc = TensorDescriptor.from_tensor(b_gkn.transpose(-2, -1), [1, block_n, block_k])
+    else:
+        b_desc = TensorDescriptor.from_tensor(b_gkn, [1, block_k, block_n])
+    return (TensorDescriptor.from_tensor(a_mk, [block_m, block_k]), b_desc,
+            TensorDescriptor.from_tensor(out_mn, [block_m, block_n]))
