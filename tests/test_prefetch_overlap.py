@@ -8,8 +8,9 @@ copies of the same bytes, on the Buffer's comm stream as the real one runs). The
 weights arrived would show. Checked: output and every gradient bit-identical to the same layer prefetching on
 the caller's stream before the same split GEMM (and within bf16's rounding of the layer without overlap,
 whose one GEMM computes the slot groups with another kernel), and a profiler trace in which the home
-experts' GEMM runs while the copies are still to come and the slot groups' GEMM after them. The trace
-(`prefetch-overlap-{phase}.json`) is written under `$MOONEP_BENCH_OUT` when set.
+experts' GEMM runs while the copies are still to come and the slot groups' GEMM after them. Both backends
+that split the GEMM: torch._grouped_mm and DeepGEMM on the home groups. The trace
+(`prefetch-overlap-{gemm}-{phase}.json`) is written under `$MOONEP_BENCH_OUT` when set.
 """
 
 from __future__ import annotations
@@ -31,16 +32,31 @@ EPN, TOKENS, HIDDEN, FFN, TOP_K = 4, 2048, 2048, 1024, 4
 DELAY_CYCLES = 20_000_000  # ~10 ms at the H200's clock: far longer than the rank's GEMMs here
 
 
-def rank_layer(overlap: bool, prefetch_async: bool = True) -> MoonEPMoELayer:
-    """One EP rank (`as_ep_rank`, a plan filling two slots); with `overlap` and not `prefetch_async` the
-    prefetch runs on the caller's stream before the split GEMM, which then has nothing to wait for."""
+GEMMS = ("torch", "deep_gemm")
+"""The backends that split the first GEMM: torch._grouped_mm or DeepGEMM on the home groups, the Triton
+`groups_from` GEMM on the slot groups (its aligned kernel under DeepGEMM's 128-row segments)."""
+
+
+def skip_without(gemm: str) -> None:
+    if gemm == "deep_gemm":
+        from moonep_moe.gemm.deep_gemm import unsupported_reason
+
+        reason = unsupported_reason(torch.device("cuda"), torch.bfloat16, HIDDEN, 128)
+        if reason is not None:
+            pytest.skip(reason)
+
+
+def rank_layer(overlap: bool, prefetch_async: bool = True, gemm: str = "torch") -> MoonEPMoELayer:
+    """One EP rank (`as_ep_rank`, a plan filling two slots) on the `gemm` backend; with `overlap` and not
+    `prefetch_async` the prefetch runs on the caller's stream before the split GEMM, which then has nothing
+    to wait for."""
     from bench.ep_rank import RankPlan, as_ep_rank
 
     routes = TOKENS * TOP_K
     plan = RankPlan(ranks=2, rank=0, home_routes=(routes // 4, routes // 4, 0, routes // 8),
                     slot_routes=(0, routes // 4, 0, routes // 8), maxvio=1.0, sigma=0.1)
     cfg = MoEConfig(hidden_size=HIDDEN, ffn_hidden_size=FFN, num_experts=2 * EPN, top_k=TOP_K,
-                    max_tokens_per_rank=TOKENS, dtype="bfloat16", grouped_gemm="torch",
+                    max_tokens_per_rank=TOKENS, dtype="bfloat16", grouped_gemm=gemm,
                     overlap_prefetch=overlap)
     torch.manual_seed(0)
     layer = as_ep_rank(MoonEPMoELayer(cfg, single_world("cuda")), EPN, plan)
@@ -71,10 +87,12 @@ def step(layer: MoonEPMoELayer) -> list[torch.Tensor]:
     return [out, x.grad, layer.experts.gate_up.grad, layer.experts.down.grad]
 
 
-def test_prefetch_beside_the_home_gemm_is_bit_identical_to_prefetch_before_it():
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_prefetch_beside_the_home_gemm_is_bit_identical_to_prefetch_before_it(gemm):
+    skip_without(gemm)
     results = {}
     for key in ((True, True), (True, False), (False, True)):
-        layer = rank_layer(*key)
+        layer = rank_layer(*key, gemm=gemm)
         results[key] = step(layer)
         layer.destroy()
     for name, overlapped, serial, plain in zip(("out", "grad_x", "grad_gate_up", "grad_down"),
@@ -90,11 +108,17 @@ def device_events(trace: dict) -> list[dict]:
             for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")]
 
 
-def test_profiler_trace_shows_the_home_gemm_running_while_the_replicas_arrive(tmp_path):
+HOME_KERNELS = {"torch": "cutlass", "deep_gemm": "deep_gemm"}
+"""A name part of each backend's home-group GEMM kernels (torch._grouped_mm's are CUTLASS's)."""
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_profiler_trace_shows_the_home_gemm_running_while_the_replicas_arrive(tmp_path, gemm):
     """Forward and backward each, the comm stream held back from the start of the step: the first grouped
-    GEMM, over the home experts (`torch._grouped_mm`, CUTLASS), starts before the slots' copies on the comm
-    stream end, and the slot groups' GEMM (`groups_from`) starts after them."""
-    layer = rank_layer(overlap=True)
+    GEMM, over the home experts (`torch._grouped_mm` or DeepGEMM), starts before the slots' copies on the
+    comm stream end, and the slot groups' GEMM (`groups_from`) starts after them."""
+    skip_without(gemm)
+    layer = rank_layer(overlap=True, gemm=gemm)
     step(layer)  # kernels built, pools allocated
     gen = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
@@ -109,10 +133,10 @@ def test_profiler_trace_shows_the_home_gemm_running_while_the_replicas_arrive(tm
             else:
                 out.backward(torch.ones_like(out))
             torch.cuda.synchronize()
-        path = out_dir / f"prefetch-overlap-{phase}.json"
+        path = out_dir / f"prefetch-overlap-{gemm}-{phase}.json"
         prof.export_chrome_trace(str(path))
         events = device_events(json.loads(path.read_text()))
-        home = [e for e in events if "cutlass" in e["name"]]  # torch._grouped_mm's kernels
+        home = [e for e in events if HOME_KERNELS[gemm] in e["name"]]
         slots = [e for e in events if "groups_from" in e["name"]]
         # the stand-in prefetch's copies, the comm stream's first (backward's combine copies there too): a
         # copy per weight and used slot

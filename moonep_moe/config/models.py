@@ -262,11 +262,12 @@ class MoEConfig(CommConfig):
         description=(
             "Prefetch the replicas' weights on the comm stream while the home experts' groups of the first "
             "GEMM (gate_up forward, down's dgrad in backward) run, then wait on the device and compute the "
-            "slot groups (a Triton GEMM that starts at a row known only on the device; the torch backends). "
-            "Takes the replicas' link time off the step where the home GEMM outlasts it. Default False: on "
-            "the H200 the slot groups' Triton GEMM runs at about 0.7 of torch._grouped_mm's rate, which at "
-            "high routing skew (many slot rows) costs more than the link time saved (docs/gpu.md). "
-            "Bit-identical to prefetching on the caller's stream before the same split GEMM."
+            "slot groups (a Triton GEMM that starts at a row known only on the device; the torch and "
+            "deep_gemm backends). Takes the replicas' link time off the step where the home GEMM outlasts "
+            "it. Default False: on the H200 the slot groups' Triton GEMM ran at about 0.7 of "
+            "torch._grouped_mm's rate, which at high routing skew (many slot rows) cost more than the link "
+            "time saved (docs/gpu.md). Bit-identical to prefetching on the caller's stream before the same "
+            "split GEMM."
         ),
     )
     overlap_reduce_grad: bool = Field(

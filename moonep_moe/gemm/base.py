@@ -28,9 +28,9 @@ output (``torch``) returns that; ``deep_gemm``, the FP8 backend and the referenc
 
 Weights arriving (the prefetch slots' replicas of other ranks' experts): ``fwd`` and ``dgrad`` take
 ``slots_ready``, a `SlotsReady` that says from which group on the weights are slots and waits for them. A
-backend that can compute the home groups alone does so first and waits between (``torch``: the replicas'
-link time hides under the home experts' GEMM); the others wait first. Either way it waits before it reads a
-slot.
+backend that can compute the home groups alone does so first and waits between (``torch``, ``deep_gemm``:
+the replicas' link time hides under the home experts' GEMM); the others wait first. Either way it waits
+before it reads a slot.
 
 Backends: ``reference`` (the oracle), ``torch`` (``torch._grouped_mm``), ``deep_gemm`` (all three; wgrad's
 slot groups on Triton) and ``triton`` (wgrad, `moonep_moe.gemm.kernels.wgrad`). ``select_grouped_gemm`` is the

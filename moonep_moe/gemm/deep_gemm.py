@@ -45,7 +45,8 @@ class DeepGemmGroupedGemm:
     """DeepGEMM on Hopper: fwd and dgrad through ``m_grouped_bf16_gemm_{nt,nn}_contiguous`` with
     ``use_psum_layout=True``, which takes the padded segment end offsets (``offs_g``) directly on the device:
     no host sync. Every segment must start at a multiple of 128 (``token_padding`` a multiple of 128). They
-    write into a given ``out`` (the kernels take their output tensor).
+    write into a given ``out`` (the kernels take their output tensor). With ``slots_ready`` they compute the
+    home groups first and the slot groups after the wait, on the Triton `groups_from` GEMM (`_psum`).
 
     wgrad: the first part of ``out`` (the home experts' gradients) through the bf16 k-grouped
     ``k_grouped_bf16_gemm_tn_contiguous`` (``d[g] += dy_g^T x_g``), which reads the segment sizes on the
@@ -69,25 +70,38 @@ class DeepGemmGroupedGemm:
 
     def fwd(self, x: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
             slots_ready: SlotsReady | None = None, out: Tensor | None = None) -> Tensor:
-        wait_for(slots_ready)
-        return self._psum(self._deep_gemm.m_grouped_bf16_gemm_nt_contiguous, x, weights, offs_g, 1, out)
+        nt = self._deep_gemm.m_grouped_bf16_gemm_nt_contiguous
+        return self._psum(nt, x, weights, offs_g, 1, out, slots_ready)
 
     def dgrad(self, dy: Tensor, weights: Sequence[Tensor], offs_g: Tensor,
               slots_ready: SlotsReady | None = None, out: Tensor | None = None) -> Tensor:
-        wait_for(slots_ready)
         # DeepGEMM's operand b, [G, K, N] in its own letters, is w as stored: [G, cols, inner]
         nn = self._deep_gemm.m_grouped_bf16_gemm_nn_contiguous
-        return self._psum(nn, dy, weights, offs_g, 2, out)
+        return self._psum(nn, dy, weights, offs_g, 2, out, slots_ready)
 
     @staticmethod
     def _psum(kernel, a: Tensor, weights: Sequence[Tensor], offs_g: Tensor, dim: int,
-              out: Tensor | None) -> Tensor:
+              out: Tensor | None, slots_ready: SlotsReady | None) -> Tensor:
         """`kernel(a, w, d, offs)` on the psum layout into `d`: `out` where it fits (`into`), else a new
-        tensor of `w.shape[dim]` columns."""
+        tensor of `w.shape[dim]` columns. With `slots_ready` (home groups and slots both present) the kernel
+        computes the home groups alone (``offs_g[:home]``: it writes no row past their end), then the
+        slots' weights are waited for and the slot groups, which start at a row known only on the device,
+        go to the Triton `groups_from` GEMM on 128-row segments (its aligned kernel)."""
+        from moonep_moe.gemm.kernels.groups_from import groups_from_gemm
+
         _check_groups(weights, offs_g, "weights")
         joined = _cat_groups(weights)
         d = into(out, a.shape[0], joined.shape[dim], a.dtype, a.device)
-        kernel(a, joined, d, offs_g, use_psum_layout=True)
+        home = 0 if slots_ready is None else slots_ready.home_groups
+        if not 0 < home < offs_g.numel():
+            wait_for(slots_ready)
+            kernel(a, joined, d, offs_g, use_psum_layout=True)
+            return d
+        kernel(a, joined[:home], d, offs_g[:home], use_psum_layout=True)
+        slots_ready.wait()
+        slots = joined[home:]
+        groups_from_gemm(a, slots.transpose(-2, -1) if dim == 1 else slots, offs_g, home, d,
+                         row_alignment=BLOCK_TOKEN_PADDING)
         return d
 
     def wgrad(self, dy: Tensor, x: Tensor, offs_g: Tensor, out: Sequence[Tensor | None],
