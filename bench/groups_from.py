@@ -26,7 +26,7 @@ from moonep_moe.gemm.kernels.groups_from import aligned_tiles, groups_from_gemm,
 LAUNCHES = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
             (128, 128, 128, 8, 3), (128, 256, 64, 8, 4), (64, 256, 64, 4, 4), (128, 128, 64, 4, 4)]
 """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) swept beside `tiles()`."""
-ALIGNED_LAUNCHES = [(128, 128, 64, 8, 4), (128, 256, 64, 8, 4), (128, 128, 128, 8, 3), (128, 128, 128, 8, 2),
+ALIGNED_LAUNCHES = [(128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (128, 128, 128, 8, 3), (128, 128, 128, 8, 2),
                     (128, 128, 64, 4, 4)]
 """The aligned kernel's (the rows are 128-row segments) swept beside `aligned_tiles()`."""
 HOME_GROUPS, HOME_ROWS = 32, 2048

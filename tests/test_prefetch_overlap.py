@@ -29,7 +29,8 @@ from moonep_moe.transport.threads import single_world
 pytestmark = pytest.mark.gpu
 
 EPN, TOKENS, HIDDEN, FFN, TOP_K = 4, 2048, 2048, 1024, 4
-DELAY_CYCLES = 20_000_000  # ~10 ms at the H200's clock: far longer than the rank's GEMMs here
+DELAY_CYCLES = 200_000_000  # ~100 ms at the H200's clock: far longer than the rank's GEMMs here, and than a
+# time slice of other processes on the GPU (the suite runs six side by side), which the sleep runs through
 
 
 GEMMS = ("torch", "deep_gemm")
