@@ -51,15 +51,18 @@ ALIGNED_BLOCK_M = 128
 def aligned_tiles() -> dict:
     """Launch shape of the aligned kernel (`ALIGNED_BLOCK_M` rows; the interpreter gets narrow columns)."""
     if INTERPRETED:
-        return {"BLOCK_M": ALIGNED_BLOCK_M, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
-    return {"BLOCK_M": ALIGNED_BLOCK_M, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+        return {"BLOCK_M": ALIGNED_BLOCK_M, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1,
+                "FLATTEN": False}
+    return {"BLOCK_M": ALIGNED_BLOCK_M, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3,
+            "FLATTEN": False}
 
 
 @triton.jit
-def _groups_from_kernel(a_ptr, b_ptr, offs_ptr, out_ptr, first, groups, n, k,
-                        stride_am, stride_bg, stride_bk, stride_bn, stride_om,
-                        GROUPS_POW2: tl.constexpr, INTERPRET_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _tiles_from(offs_ptr, first, groups, n, GROUPS_POW2: tl.constexpr, INTERPRET_TILES: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Both kernels' tiling of the rows from group ``first``'s start to the last end: ``(group_ids, ends,
+    start, end, blocks_n, tiles_bound)``, ``ends [GROUPS_POW2]`` (past the groups: int32's max),
+    ``tiles_bound`` the bound of the persistent tile loop."""
     group_ids = tl.arange(0, GROUPS_POW2)
     ends = tl.load(offs_ptr + group_ids, mask=group_ids < groups, other=2147483647)
     # ends of the earlier groups picked from the vector, not loaded under a mask (the interpreter takes no
@@ -69,9 +72,18 @@ def _groups_from_kernel(a_ptr, b_ptr, offs_ptr, out_ptr, first, groups, n, k,
     blocks_n = tl.cdiv(n, BLOCK_N)
     num_tiles = tl.cdiv(tl.maximum(end - start, 0), BLOCK_M) * blocks_n
     # INTERPRET_TILES is 0 when compiled. Triton's interpreter (3.6) cannot loop to a device value: there it
-    # bounds the tiles on the host and the tiles past num_tiles are masked out
-    for tile in range(tl.program_id(0), INTERPRET_TILES if INTERPRET_TILES else num_tiles,
-                      tl.num_programs(0)):
+    # bounds the tiles on the host, and a tile past num_tiles has no live row (it starts at or past `end`)
+    return group_ids, ends, start, end, blocks_n, INTERPRET_TILES if INTERPRET_TILES else num_tiles
+
+
+@triton.jit
+def _groups_from_kernel(a_ptr, b_ptr, offs_ptr, out_ptr, first, groups, n, k,
+                        stride_am, stride_bg, stride_bk, stride_bn, stride_om,
+                        GROUPS_POW2: tl.constexpr, INTERPRET_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    group_ids, ends, start, end, blocks_n, tiles_bound = _tiles_from(offs_ptr, first, groups, n, GROUPS_POW2,
+                                                                      INTERPRET_TILES, BLOCK_M, BLOCK_N)
+    for tile in range(tl.program_id(0), tiles_bound, tl.num_programs(0)):
         first_row = start + (tile // blocks_n) * BLOCK_M
         cols = (tile % blocks_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         live_cols = cols < n  # a tile past num_tiles (the interpreter's) has no live row: first_row >= end
@@ -107,20 +119,16 @@ def _groups_from_kernel(a_ptr, b_ptr, offs_ptr, out_ptr, first, groups, n, k,
 @triton.jit
 def _groups_from_aligned_kernel(a_desc, b_desc, out_desc, offs_ptr, first, groups, n, k,
                                 B_NK: tl.constexpr, GROUPS_POW2: tl.constexpr, INTERPRET_TILES: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                FLATTEN: tl.constexpr):
     """`_groups_from_kernel`'s product where every row block lies in one group (`ALIGNED_BLOCK_M`), through
     tensor descriptors: ``a_desc`` over ``a [rows, k]``, ``b_desc`` over the weights ``[G - first, n, k]``
-    (``B_NK``: a forward's ``w`` as stored) or ``[G - first, k, n]``, ``out_desc`` over ``out [rows, n]``."""
-    group_ids = tl.arange(0, GROUPS_POW2)
-    ends = tl.load(offs_ptr + group_ids, mask=group_ids < groups, other=2147483647)
-    start = tl.max(tl.where(group_ids < first, ends, 0), axis=0)
-    end = tl.max(tl.where(group_ids < groups, ends, 0), axis=0)
-    blocks_n = tl.cdiv(n, BLOCK_N)
-    num_tiles = tl.cdiv(tl.maximum(end - start, 0), BLOCK_M) * blocks_n
-    # INTERPRET_TILES: as in `_groups_from_kernel`; a tile past num_tiles starts at or past `end` and stores
-    # nothing
-    tiles_bound = INTERPRET_TILES if INTERPRET_TILES else num_tiles
-    for tile in range(tl.program_id(0), tiles_bound, tl.num_programs(0)):
+    (``B_NK``: a forward's ``w`` as stored) or ``[G - first, k, n]``, ``out_desc`` over ``out [rows, n]``.
+    ``FLATTEN``: the compiler flattens the tile and k loops into one it pipelines across tiles (a tile's
+    store beside the next tile's first loads)."""
+    _, ends, start, end, blocks_n, tiles_bound = _tiles_from(offs_ptr, first, groups, n, GROUPS_POW2,
+                                                             INTERPRET_TILES, BLOCK_M, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles_bound, tl.num_programs(0), flatten=FLATTEN):
         first_row = start + (tile // blocks_n) * BLOCK_M
         first_col = (tile % blocks_n) * BLOCK_N
         # the group holding the block: the ends at or before its first row are the earlier groups'
