@@ -103,7 +103,9 @@ expert block, `BLOCK_CALLS`), `beyond_share` and the part of it in the exchange 
 `host_behind`), `baseline`), `compile_s`,
 `gpu` (per rank and pass: `gpu_state`), `gemm` (per policy, the grouped GEMMs the layer chose),
 `cost_aware_plan_as` (per maxvio, the policy whose plan cost_aware's equals on every rank, or None; its
-target names it as `same_plan_as`)).
+target names it as `same_plan_as`; cost_aware is then not timed apart: the same plan is the same work, and
+that policy's rows stand for it, each with `timed_as` naming it, so the comparison is not two samples of
+one step's noise)).
 Beside it a PNG of the slowest rank against maxvio (one panel per group) and `ep-group.md`, the table
 for the docs.
 
@@ -286,9 +288,13 @@ class Segment:
 
 def run_ranks(group: Group, steps: dict[str, list[GroupStep]], off: list[GroupStep], maxvio: list[float],
               device: torch.device, reps: Repeats, compile_too: bool, record: dict, profile: dict | None,
-              say: Callable[[str], None]) -> tuple[dict[str, list[dict]], list[dict], list[dict]]:
+              say: Callable[[str], None], timed_as: dict[str, list[str | None]] | None = None
+              ) -> tuple[dict[str, list[dict]], list[dict], list[dict]]:
     """Every rank of `group` under every policy (`steps`: per policy, one group step per maxvio reached,
     `maxvio`) and torch-native plain EP (on `off`, the `off` policy's steps), timed as alternating arms.
+    `timed_as[policy][i]`: another policy whose plan equals this one's on every rank at maxvio i
+    (`same_plans`): the same work, timed once, under that policy; this policy's rows are its rows with
+    `timed_as` naming it.
 
     Rank by rank, each rank's segments (one per policy: its layer, the maxvio arms interleaved round by
     round; and torch-native's on the ranks it runs on) run in one order and then in the mirrored order
@@ -306,8 +312,11 @@ def run_ranks(group: Group, steps: dict[str, list[GroupStep]], off: list[GroupSt
     The peers' stand-ins are shared by the policies (keyed by shape). With `profile`, the kernels of one
     step of `exact`'s busiest rank at the last maxvio go there."""
     stand_ins = StandIns()
-    arms = {policy: [[RankArm(step, rank, block=policy == "exact") for step in policy_steps]
-                     for rank in range(group.ranks)] for policy, policy_steps in steps.items()}
+    stands_for = {policy: (timed_as or {}).get(policy) or [None] * len(policy_steps)
+                  for policy, policy_steps in steps.items()}
+    arms = {policy: [[None if stands_for[policy][i] else RankArm(step, rank, block=policy == "exact")
+                      for i, step in enumerate(policy_steps)] for rank in range(group.ranks)]
+            for policy, policy_steps in steps.items()}
     hot = [hottest_rank(step) for step in off]
     native_arms = [[NativeArm(step, rank, kind) for kind in ("eager", "compiled")[:1 + compile_too]]
                    for step, rank in zip(off, hot, strict=True)]
@@ -315,8 +324,9 @@ def run_ranks(group: Group, steps: dict[str, list[GroupStep]], off: list[GroupSt
     gpu, rows = [], {policy: [] for policy in steps}  # rows: per policy, per rank, per maxvio
     first, second = reps.split()
     for rank in range(group.ranks):
-        segments = [policy_segment(policy, policy_steps[0].cfg, arms[policy][rank], rank, stand_ins, device,
-                                   record.setdefault("gemm", {})) for policy, policy_steps in steps.items()]
+        segments = [policy_segment(policy, policy_steps[0].cfg, [arm for arm in arms[policy][rank] if arm],
+                                   rank, stand_ins, device, record.setdefault("gemm", {}))
+                    for policy, policy_steps in steps.items() if any(arms[policy][rank])]
         mine = [i for i, r in enumerate(hot) if r == rank]
         if mine:
             segments.append(native_segment(off[0].cfg, [native_arms[i] for i in mine], device, record, say))
@@ -331,9 +341,13 @@ def run_ranks(group: Group, steps: dict[str, list[GroupStep]], off: list[GroupSt
                 segment.close()
             gpu.append({"rank": rank, "pass": number + 1, **gpu_state(device)})
         for policy in steps:
-            rows[policy].append([arm.row() for arm in arms[policy][rank]])
-            for i, row in enumerate(rows[policy][-1]):
-                say(rank_line(policy, maxvio[i], row, group.ranks))
+            rows[policy].append([arm.row() if arm else None for arm in arms[policy][rank]])
+        for policy in steps:
+            for i, arm in enumerate(arms[policy][rank]):
+                if arm is None:
+                    other = stands_for[policy][i]
+                    rows[policy][-1][i] = {**rows[other][-1][i], "timed_as": other}
+                say(rank_line(policy, maxvio[i], rows[policy][-1][i], group.ranks))
         if profile is not None and "exact" in steps and rank == busiest_rank(steps["exact"][-1]):
             layer, world = replay_layer(steps["exact"][-1].cfg, rank, stand_ins, device)
             profile[f"{group.label} exact rank {rank}"] = profile_step(layer, world, steps["exact"][-1], rank)
@@ -444,11 +458,15 @@ def run_group(group: Group, args: argparse.Namespace, device: torch.device, reco
         f"{len(args.maxvio)} maxvio each, and torch-native plain EP on the off plan's hottest ranks")
     off = steps.get("off") or [group_step(group.config("off"), r.topk, r.weights, hidden, grads)
                                for r in routings]
-    table["policies"], table["native"], table["gpu"] = run_ranks(
-        group, steps, off, reached, device, reps, not args.no_compile, table, record.get("profile"), say)
+    timed_as = {}
     if "cost_aware" in steps:
-        table["cost_aware_plan_as"] = [next((p for p in ("exact", "off") if p in steps and same_plans(
-            steps["cost_aware"][i], steps[p][i])), None) for i in range(len(routings))]
+        mine = steps["cost_aware"]
+        table["cost_aware_plan_as"] = timed_as["cost_aware"] = [
+            next((p for p in ("exact", "off") if p in steps and same_plans(step, steps[p][i])), None)
+            for i, step in enumerate(mine)]
+    table["policies"], table["native"], table["gpu"] = run_ranks(
+        group, steps, off, reached, device, reps, not args.no_compile, table, record.get("profile"), say,
+        timed_as)
     for policy, runs in table["policies"].items():
         for maxvio, summary in zip(args.maxvio, runs, strict=True):
             best = summary["slowest"]["nvlink"]

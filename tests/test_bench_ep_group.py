@@ -246,6 +246,12 @@ def test_smoke_run_writes_the_record_plot_and_table(tmp_path, capsys):
                table["policies"].values() for run in runs) and native_ranks <= set(range(8))
     same = table["cost_aware_plan_as"]
     assert len(same) == 2 and set(same) <= {"exact", "off", None}
+    for i, other in enumerate(same):  # the same plan is timed once, under the other policy
+        mine = table["policies"]["cost_aware"][i]["ranks"]
+        assert [r.get("timed_as") for r in mine] == [other] * 8
+        if other is not None:
+            theirs = table["policies"][other][i]["ranks"]
+            assert [r["nvlink"] for r in mine] == [r["nvlink"] for r in theirs]
     assert "PASS" in out or "MISS" in out
 
 
