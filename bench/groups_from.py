@@ -28,8 +28,7 @@ LAUNCHES = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (2
 """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) swept beside `tiles()`."""
 ALIGNED_LAUNCHES = [(128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (128, 128, 128, 8, 3), (128, 128, 128, 8, 2),
                     (128, 128, 64, 4, 4)]
-"""The aligned kernel's (the rows are 128-row segments) swept beside `aligned_tiles()`, each with its tile and
-k loops flattened and not (`FLATTEN`)."""
+"""The aligned kernel's (the rows are 128-row segments) swept beside `aligned_tiles()`."""
 HOME_GROUPS, HOME_ROWS = 32, 2048
 CASES = ((4, 1024), (8, 2048))
 """(slot groups, rows each)."""
@@ -58,10 +57,8 @@ def case(op: str, n: int, k: int, transposed: bool, slots: int, rows_each: int, 
         row["deep_gemm"] = {**dg, "tflops": flops / dg["ms"] / 1e9}
     as_launch = lambda shape: dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), shape,
                                        strict=True))
-    launches = ([(tiles(), 1)] + [(as_launch(t), 1) for t in LAUNCHES]
-                + [({**aligned_tiles(), "FLATTEN": flatten}, 128) for flatten in (False, True)]
-                + [({**as_launch(t), "FLATTEN": flatten}, 128) for t in ALIGNED_LAUNCHES
-                   for flatten in (False, True)])
+    launches = ([(tiles(), 1)] + [(as_launch(t), 1) for t in LAUNCHES] + [(aligned_tiles(), 128)]
+                + [(as_launch(t), 128) for t in ALIGNED_LAUNCHES])
     for launch, alignment in launches:
         ms = spread(timings(lambda launch=launch, alignment=alignment: groups_from_gemm(
             a_mk, b_gkn, offs_g, HOME_GROUPS, out_mn, launch, row_alignment=alignment), repeat=repeat))

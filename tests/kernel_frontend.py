@@ -277,10 +277,10 @@ def groups_from_launches() -> None:
     a = torch.zeros(256, 128, dtype=torch.bfloat16)
     for b_nk, weights in ((True, torch.zeros(2, 256, 128, dtype=torch.bfloat16)),
                           (False, torch.zeros(2, 128, 256, dtype=torch.bfloat16))):
-        for dtype, flatten in ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)):
-            current = f"groups_from aligned b_nk={b_nk} out {TYPES[dtype]} flatten={flatten}"
+        for dtype in (torch.bfloat16, torch.float32):
+            current = f"groups_from aligned b_nk={b_nk} out {TYPES[dtype]}"
             out = torch.zeros(256, 256, dtype=dtype)
-            launch = {**groups_from.aligned_tiles(), "FLATTEN": flatten}
+            launch = groups_from.aligned_tiles()
             b_gkn = weights.transpose(-2, -1) if b_nk else weights
             groups_from._groups_from_aligned_kernel[(1,)](
                 *groups_from._descriptors(a, b_gkn, out, b_nk, launch), offs, 1, 3, 256, 128, B_NK=b_nk,

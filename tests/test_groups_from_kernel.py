@@ -33,8 +33,7 @@ def expected(a_mk, b_gkn, sizes_g, first, out_mn) -> torch.Tensor:
     return want
 
 
-def run_case(sizes_g, first, n, k, device, transposed: bool, out_dtype=torch.bfloat16, row_alignment=1,
-             launch=None):
+def run_case(sizes_g, first, n, k, device, transposed: bool, out_dtype=torch.bfloat16, row_alignment=1):
     rows = sum(sizes_g) + TAIL
     a_mk = torch.randn(rows, k, device=device).bfloat16()
     groups = len(sizes_g) - first
@@ -44,8 +43,7 @@ def run_case(sizes_g, first, n, k, device, transposed: bool, out_dtype=torch.bfl
         b_gkn = torch.randn(groups, k, n, device=device).bfloat16()
     out_mn = torch.full((rows, n), SENTINEL, device=device, dtype=out_dtype)
     want = expected(a_mk, b_gkn, sizes_g, first, out_mn)
-    groups_from_gemm(a_mk, b_gkn, offsets(sizes_g, device), first, out_mn, launch,
-                     row_alignment=row_alignment)
+    groups_from_gemm(a_mk, b_gkn, offsets(sizes_g, device), first, out_mn, row_alignment=row_alignment)
     tol = 2 ** -7 if out_dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(out_mn.double(), want, rtol=tol, atol=tol * k ** 0.5)
     return out_mn
@@ -132,18 +130,14 @@ def test_groups_from_on_deepseek_shapes(skew, n, k, transposed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flatten", [False, True], ids=["loops", "flattened"])
 @pytest.mark.parametrize(("n", "k", "transposed"), [(4096, 7168, True), (7168, 2048, False)],
                          ids=["gate_up-fwd", "down-dgrad"])
-def test_aligned_groups_from_on_deepseek_shapes(n, k, transposed, flatten):
+def test_aligned_groups_from_on_deepseek_shapes(n, k, transposed):
     """The layer's DeepGEMM layout (segments padded to 128 rows): 32 home groups and 8 skewed slots, some
-    empty, through the aligned kernel, its tile and k loops apart or flattened."""
-    from moonep_moe.gemm.kernels.groups_from import aligned_tiles
-
+    empty, through the aligned kernel."""
     torch.manual_seed(1)
     weights = torch.rand(40, dtype=torch.float64) ** 4
     sizes = ((weights / weights.sum() * 65536).long() + 127) // 128 * 128
     sizes[[33, 36]] = 0
-    out = run_case(sizes.tolist(), 32, n, k, "cuda", transposed, row_alignment=128,
-                   launch={**aligned_tiles(), "FLATTEN": flatten})
+    out = run_case(sizes.tolist(), 32, n, k, "cuda", transposed, row_alignment=128)
     assert bool((out[:int(sizes[:32].sum())] == SENTINEL).all())

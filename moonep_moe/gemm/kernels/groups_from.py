@@ -51,10 +51,8 @@ ALIGNED_BLOCK_M = 128
 def aligned_tiles() -> dict:
     """Launch shape of the aligned kernel (`ALIGNED_BLOCK_M` rows; the interpreter gets narrow columns)."""
     if INTERPRETED:
-        return {"BLOCK_M": ALIGNED_BLOCK_M, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1,
-                "FLATTEN": False}
-    return {"BLOCK_M": ALIGNED_BLOCK_M, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3,
-            "FLATTEN": False}
+        return {"BLOCK_M": ALIGNED_BLOCK_M, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
+    return {"BLOCK_M": ALIGNED_BLOCK_M, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 
 
 @triton.jit
@@ -119,16 +117,13 @@ def _groups_from_kernel(a_ptr, b_ptr, offs_ptr, out_ptr, first, groups, n, k,
 @triton.jit
 def _groups_from_aligned_kernel(a_desc, b_desc, out_desc, offs_ptr, first, groups, n, k,
                                 B_NK: tl.constexpr, GROUPS_POW2: tl.constexpr, INTERPRET_TILES: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                FLATTEN: tl.constexpr):
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """`_groups_from_kernel`'s product where every row block lies in one group (`ALIGNED_BLOCK_M`), through
     tensor descriptors: ``a_desc`` over ``a [rows, k]``, ``b_desc`` over the weights ``[G - first, n, k]``
-    (``B_NK``: a forward's ``w`` as stored) or ``[G - first, k, n]``, ``out_desc`` over ``out [rows, n]``.
-    ``FLATTEN``: the compiler flattens the tile and k loops into one it pipelines across tiles (a tile's
-    store beside the next tile's first loads)."""
+    (``B_NK``: a forward's ``w`` as stored) or ``[G - first, k, n]``, ``out_desc`` over ``out [rows, n]``."""
     _, ends, start, end, blocks_n, tiles_bound = _tiles_from(offs_ptr, first, groups, n, GROUPS_POW2,
                                                              INTERPRET_TILES, BLOCK_M, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), tiles_bound, tl.num_programs(0), flatten=FLATTEN):
+    for tile in range(tl.program_id(0), tiles_bound, tl.num_programs(0)):
         first_row = start + (tile // blocks_n) * BLOCK_M
         first_col = (tile % blocks_n) * BLOCK_N
         # the group holding the block: the ends at or before its first row are the earlier groups'
