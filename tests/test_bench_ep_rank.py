@@ -95,10 +95,12 @@ def test_ep_rank_plan_is_the_busiest_rank_of_the_groups_real_plan():
         planned_topk(plan, tokens + 1, top_k)
 
 
-def test_ep_rank_layer_with_a_plan_prefetches_and_reduces_only_its_slots():
+@pytest.mark.parametrize("overlap_prefetch", [False, True], ids=["prefetch-first", "prefetch-beside"])
+def test_ep_rank_layer_with_a_plan_prefetches_and_reduces_only_its_slots(overlap_prefetch):
     """`as_ep_rank` with a plan: the router's choice replaced by the plan's routes per group, only the used
     slots copied and reduced; it equals a plain layer over 2*epn experts (experts epn+j copying experts j)
-    routed the same way, the home gradients being the sums of both copies'."""
+    routed the same way, the home gradients being the sums of both copies'. With `overlap_prefetch` the
+    first GEMMs take the rank's `SlotsReady`."""
     import torch
 
     from bench.ep_rank import RankOfEPBuffer, RankPlan, as_ep_rank, planned_topk
@@ -110,7 +112,8 @@ def test_ep_rank_layer_with_a_plan_prefetches_and_reduces_only_its_slots():
     plan = RankPlan(ranks=2, rank=0, home_routes=(5, 6, 0, 4), slot_routes=(0, 3, 0, 6), maxvio=1.0,
                     sigma=0.1)
     cfg = MoEConfig(hidden_size=hidden, ffn_hidden_size=8, num_experts=2 * epn, top_k=top_k,
-                    max_tokens_per_rank=tokens, dtype="float64", token_padding=4, router={"dtype": "float64"})
+                    max_tokens_per_rank=tokens, dtype="float64", token_padding=4, router={"dtype": "float64"},
+                    overlap_prefetch=overlap_prefetch)
     torch.manual_seed(0)
     rank = as_ep_rank(MoonEPMoELayer(cfg, single_world("cpu")), epn, plan)
     plain = MoonEPMoELayer(cfg, single_world("cpu"))
