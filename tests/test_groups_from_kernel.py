@@ -108,6 +108,29 @@ def test_aligned_groups_from_takes_the_pointer_kernel_where_descriptors_cannot_g
     torch.testing.assert_close(out_mn.double(), want, rtol=2 ** -7, atol=2 ** -7 * k ** 0.5)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("operand", ["a", "out"])
+def test_aligned_groups_from_takes_the_pointer_kernel_off_a_16_byte_boundary(operand, monkeypatch):
+    """An operand whose base address is not on a 16-byte boundary (a view starting one element in) cannot be
+    a tensor descriptor's: the masked kernel computes it, and the result still matches the reference."""
+    from moonep_moe.gemm.kernels import groups_from
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the aligned kernel took an operand off a 16-byte boundary")
+
+    monkeypatch.setattr(groups_from, "_groups_from_aligned_kernel", refuse)
+    torch.manual_seed(4)
+    rows, n, k = sum(ALIGNED_G), 32, 48
+    wide = torch.randn(rows, k + 8).bfloat16()  # rows of 112 bytes, a 16-byte multiple
+    a_mk = wide[:, 1:k + 1] if operand == "a" else wide[:, :k].contiguous()
+    b_gkn = torch.randn(len(ALIGNED_G), k, n).bfloat16()
+    base = torch.full((rows, n + 8), SENTINEL, dtype=torch.bfloat16)
+    out_mn = base[:, 1:n + 1] if operand == "out" else base[:, :n].contiguous()
+    want = expected(a_mk, b_gkn, ALIGNED_G, 0, out_mn)
+    groups_from_gemm(a_mk, b_gkn, offsets(ALIGNED_G, "cpu"), 0, out_mn, row_alignment=128)
+    torch.testing.assert_close(out_mn.double(), want, rtol=2 ** -7, atol=2 ** -7 * k ** 0.5)
+
+
 def test_groups_from_refuses_a_weight_count_that_does_not_match():
     with pytest.raises(ValueError, match="G - first"):
         rows = torch.zeros(4, 8, dtype=torch.bfloat16)
