@@ -49,14 +49,26 @@ def run_case(sizes_g, first, n, k, device, transposed: bool, out_dtype=torch.bfl
     return out_mn
 
 
+LAYOUTS = {  # sizes, the alignment promised, n, k, and the first computed group of each case
+    "masked": (SIZES_G, 1, 40, 48, {"all": 0, "from-3": 3, "middle": 6, "none": 10}),
+    # the aligned kernel: each 128-row block in one group, empty groups between
+    "aligned": (ALIGNED_G, 128, 48, 80, {"all": 0, "from-3": 3, "middle": 5, "none": 7}),
+}
+
+
 @pytest.mark.interpreter
-@pytest.mark.parametrize("first", [0, pytest.param(3, marks=pytest.mark.oldest_triton), 6, 10],
-                         ids=["all", "from-3", "from-6", "none"])
+@pytest.mark.parametrize("case", ["all", pytest.param("from-3", marks=pytest.mark.oldest_triton), "middle",
+                                  "none"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["dgrad", "fwd"])
-def test_groups_from_matches_the_reference_and_leaves_earlier_rows(first, transposed):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_groups_from_matches_the_reference_and_leaves_earlier_rows(layout, transposed, case):
+    """Either kernel (the masked one on unaligned segments, the aligned one on 128-row segments): rows past
+    the last end (the tail) and before the first computed group untouched."""
+    sizes_g, alignment, n, k, firsts = LAYOUTS[layout]
+    first = firsts[case]
     torch.manual_seed(first)
-    out = run_case(SIZES_G, first, n=40, k=48, device="cpu", transposed=transposed)
-    start = sum(SIZES_G[:first])
+    out = run_case(sizes_g, first, n=n, k=k, device="cpu", transposed=transposed, row_alignment=alignment)
+    start = sum(sizes_g[:first])
     assert bool((out[:start] == SENTINEL).all()) and bool((out[-TAIL:] == SENTINEL).all())
 
 
@@ -65,19 +77,6 @@ def test_groups_from_matches_the_reference_and_leaves_earlier_rows(first, transp
 def test_groups_from_writes_fp32():
     torch.manual_seed(1)
     run_case(SIZES_G, 4, n=33, k=20, device="cpu", transposed=True, out_dtype=torch.float32)
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("first", [0, pytest.param(3, marks=pytest.mark.oldest_triton), 5, 7],
-                         ids=["all", "from-3", "from-5", "none"])
-@pytest.mark.parametrize("transposed", [False, True], ids=["dgrad", "fwd"])
-def test_aligned_groups_from_matches_the_reference_and_leaves_earlier_rows(first, transposed):
-    """The aligned kernel: each 128-row block in one group, empty groups between, rows past the last end
-    (the tail) and before the first computed group untouched."""
-    torch.manual_seed(first)
-    out = run_case(ALIGNED_G, first, n=48, k=80, device="cpu", transposed=transposed, row_alignment=128)
-    start = sum(ALIGNED_G[:first])
-    assert bool((out[:start] == SENTINEL).all()) and bool((out[-TAIL:] == SENTINEL).all())
 
 
 @pytest.mark.interpreter
@@ -92,20 +91,12 @@ def test_aligned_groups_from_writes_fp32():
 def test_aligned_groups_from_takes_the_pointer_kernel_where_descriptors_cannot_go(monkeypatch):
     """A weight tensor contiguous in neither layout (a slice of columns) goes to the masked pointer kernel,
     whatever the alignment, and still matches the reference."""
-    from moonep_moe.gemm.kernels import groups_from
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the aligned kernel took weights no descriptor can describe")
-
-    monkeypatch.setattr(groups_from, "_groups_from_aligned_kernel", refuse)
     torch.manual_seed(3)
     rows, n, k = sum(ALIGNED_G), 32, 48
     a_mk = torch.randn(rows, k).bfloat16()
     b_gkn = torch.randn(len(ALIGNED_G), k, 2 * n).bfloat16()[:, :, :n]
     out_mn = torch.full((rows, n), SENTINEL, dtype=torch.bfloat16)
-    want = expected(a_mk, b_gkn, ALIGNED_G, 0, out_mn)
-    groups_from_gemm(a_mk, b_gkn, offsets(ALIGNED_G, "cpu"), 0, out_mn, row_alignment=128)
-    torch.testing.assert_close(out_mn.double(), want, rtol=2 ** -7, atol=2 ** -7 * k ** 0.5)
+    assert_masked_kernel_matches(monkeypatch, a_mk, b_gkn, out_mn, "weights no descriptor can describe")
 
 
 @pytest.mark.interpreter
@@ -113,12 +104,6 @@ def test_aligned_groups_from_takes_the_pointer_kernel_where_descriptors_cannot_g
 def test_aligned_groups_from_takes_the_pointer_kernel_off_a_16_byte_boundary(operand, monkeypatch):
     """An operand whose base address is not on a 16-byte boundary (a view starting one element in) cannot be
     a tensor descriptor's: the masked kernel computes it, and the result still matches the reference."""
-    from moonep_moe.gemm.kernels import groups_from
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the aligned kernel took an operand off a 16-byte boundary")
-
-    monkeypatch.setattr(groups_from, "_groups_from_aligned_kernel", refuse)
     torch.manual_seed(4)
     rows, n, k = sum(ALIGNED_G), 32, 48
     wide = torch.randn(rows, k + 8).bfloat16()  # rows of 112 bytes, a 16-byte multiple
@@ -126,8 +111,21 @@ def test_aligned_groups_from_takes_the_pointer_kernel_off_a_16_byte_boundary(ope
     b_gkn = torch.randn(len(ALIGNED_G), k, n).bfloat16()
     base = torch.full((rows, n + 8), SENTINEL, dtype=torch.bfloat16)
     out_mn = base[:, 1:n + 1] if operand == "out" else base[:, :n].contiguous()
+    assert_masked_kernel_matches(monkeypatch, a_mk, b_gkn, out_mn, "an operand off a 16-byte boundary")
+
+
+def assert_masked_kernel_matches(monkeypatch, a_mk, b_gkn, out_mn, what: str) -> None:
+    """`groups_from_gemm` with 128-row alignment promised on `ALIGNED_G`, the aligned kernel made to fail
+    (`what` it must not take): the masked kernel runs and matches the reference."""
+    from moonep_moe.gemm.kernels import groups_from
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"the aligned kernel took {what}")
+
+    monkeypatch.setattr(groups_from, "_groups_from_aligned_kernel", refuse)
     want = expected(a_mk, b_gkn, ALIGNED_G, 0, out_mn)
     groups_from_gemm(a_mk, b_gkn, offsets(ALIGNED_G, "cpu"), 0, out_mn, row_alignment=128)
+    k = a_mk.shape[1]
     torch.testing.assert_close(out_mn.double(), want, rtol=2 ** -7, atol=2 ** -7 * k ** 0.5)
 
 
