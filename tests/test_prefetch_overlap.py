@@ -10,7 +10,7 @@ the caller's stream before the same split GEMM (and within bf16's rounding of th
 whose one GEMM computes the slot groups with another kernel), and a profiler trace in which the home
 experts' GEMM runs while the copies are still to come and the slot groups' GEMM after them. Both backends
 that split the GEMM: torch._grouped_mm and DeepGEMM on the home groups. The trace
-(`prefetch-overlap-{gemm}-{phase}.json`) is written under `$MOONEP_BENCH_OUT` when set.
+(`prefetch-overlap-{gemm}-tp{padding}-{phase}.json`) is written under `$MOONEP_BENCH_OUT` when set.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ DELAY_CYCLES = 200_000_000  # ~100 ms at the H200's clock: far longer than the r
 # time slice of other processes on the GPU (the suite runs six side by side), which the sleep runs through
 
 
-GEMMS = ("torch", "deep_gemm")
-"""The backends that split the first GEMM: torch._grouped_mm or DeepGEMM on the home groups, the Triton
-`groups_from` GEMM on the slot groups (its aligned kernel under DeepGEMM's 128-row segments)."""
+GEMMS = (("torch", 16), ("torch", 128), ("deep_gemm", 128))
+"""The backends that split the first GEMM, each with a token_padding: torch._grouped_mm or DeepGEMM on the
+home groups, the Triton `groups_from` GEMM on the slot groups (its aligned kernel on 128-row segments)."""
+GEMM_IDS = [f"{gemm}-tp{padding}" for gemm, padding in GEMMS]
 
 
 def skip_without(gemm: str) -> None:
@@ -47,17 +48,18 @@ def skip_without(gemm: str) -> None:
             pytest.skip(reason)
 
 
-def rank_layer(overlap: bool, prefetch_async: bool = True, gemm: str = "torch") -> MoonEPMoELayer:
-    """One EP rank (`as_ep_rank`, a plan filling two slots) on the `gemm` backend; with `overlap` and not
-    `prefetch_async` the prefetch runs on the caller's stream before the split GEMM, which then has nothing
-    to wait for."""
+def rank_layer(overlap: bool, prefetch_async: bool = True, gemm: str = "torch", padding: int = 16
+               ) -> MoonEPMoELayer:
+    """One EP rank (`as_ep_rank`, a plan filling two slots) on the `gemm` backend, segments padded to
+    `padding` rows; with `overlap` and not `prefetch_async` the prefetch runs on the caller's stream before
+    the split GEMM, which then has nothing to wait for."""
     from bench.ep_rank import RankPlan, as_ep_rank
 
     routes = TOKENS * TOP_K
     plan = RankPlan(ranks=2, rank=0, home_routes=(routes // 4, routes // 4, 0, routes // 8),
                     slot_routes=(0, routes // 4, 0, routes // 8), maxvio=1.0, sigma=0.1)
     cfg = MoEConfig(hidden_size=HIDDEN, ffn_hidden_size=FFN, num_experts=2 * EPN, top_k=TOP_K,
-                    max_tokens_per_rank=TOKENS, dtype="bfloat16", grouped_gemm=gemm,
+                    max_tokens_per_rank=TOKENS, dtype="bfloat16", grouped_gemm=gemm, token_padding=padding,
                     overlap_prefetch=overlap)
     torch.manual_seed(0)
     layer = as_ep_rank(MoonEPMoELayer(cfg, single_world("cuda")), EPN, plan)
@@ -88,12 +90,12 @@ def step(layer: MoonEPMoELayer) -> list[torch.Tensor]:
     return [out, x.grad, layer.experts.gate_up.grad, layer.experts.down.grad]
 
 
-@pytest.mark.parametrize("gemm", GEMMS)
-def test_prefetch_beside_the_home_gemm_is_bit_identical_to_prefetch_before_it(gemm):
+@pytest.mark.parametrize(("gemm", "padding"), GEMMS, ids=GEMM_IDS)
+def test_prefetch_beside_the_home_gemm_is_bit_identical_to_prefetch_before_it(gemm, padding):
     skip_without(gemm)
     results = {}
     for key in ((True, True), (True, False), (False, True)):
-        layer = rank_layer(*key, gemm=gemm)
+        layer = rank_layer(*key, gemm=gemm, padding=padding)
         results[key] = step(layer)
         layer.destroy()
     for name, overlapped, serial, plain in zip(("out", "grad_x", "grad_gate_up", "grad_down"),
@@ -113,13 +115,14 @@ HOME_KERNELS = {"torch": "cutlass", "deep_gemm": "deep_gemm"}
 """A name part of each backend's home-group GEMM kernels (torch._grouped_mm's are CUTLASS's)."""
 
 
-@pytest.mark.parametrize("gemm", GEMMS)
-def test_profiler_trace_shows_the_home_gemm_running_while_the_replicas_arrive(tmp_path, gemm):
+@pytest.mark.parametrize(("gemm", "padding"), GEMMS, ids=GEMM_IDS)
+def test_profiler_trace_shows_the_home_gemm_running_while_the_replicas_arrive(tmp_path, gemm, padding):
     """Forward and backward each, the comm stream held back from the start of the step: the first grouped
     GEMM, over the home experts (`torch._grouped_mm` or DeepGEMM), starts before the slots' copies on the
-    comm stream end, and the slot groups' GEMM (`groups_from`) starts after them."""
+    comm stream end, and the slot groups' GEMM (`groups_from`, its aligned kernel on 128-row segments)
+    starts after them."""
     skip_without(gemm)
-    layer = rank_layer(overlap=True, gemm=gemm)
+    layer = rank_layer(overlap=True, gemm=gemm, padding=padding)
     step(layer)  # kernels built, pools allocated
     gen = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
@@ -134,7 +137,7 @@ def test_profiler_trace_shows_the_home_gemm_running_while_the_replicas_arrive(tm
             else:
                 out.backward(torch.ones_like(out))
             torch.cuda.synchronize()
-        path = out_dir / f"prefetch-overlap-{gemm}-{phase}.json"
+        path = out_dir / f"prefetch-overlap-{gemm}-tp{padding}-{phase}.json"
         prof.export_chrome_trace(str(path))
         events = device_events(json.loads(path.read_text()))
         home = [e for e in events if HOME_KERNELS[gemm] in e["name"]]
@@ -145,6 +148,8 @@ def test_profiler_trace_shows_the_home_gemm_running_while_the_replicas_arrive(tm
         copies = sorted((e for e in events if "Memcpy" in e["name"] and e["stream"] not in gemm_streams),
                         key=lambda e: e["start"])[:2 * len(layer._state.buffer.used_j)]
         assert copies and home and slots, f"{phase}: copies, home GEMM or slot GEMM missing in {path}"
+        aligned = {"aligned" in e["name"] for e in slots}
+        assert aligned == {padding % 128 == 0}, f"{phase}: the slot groups' kernels {aligned} at tp {padding}"
         arrived = max(e["end"] for e in copies)
         first_home = min(home, key=lambda e: e["start"])
         assert first_home["start"] < arrived, f"{phase}: the home GEMM waited for the replicas ({path})"

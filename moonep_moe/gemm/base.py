@@ -67,6 +67,9 @@ class SlotsReady:
 
     home_groups: int
     event: object | None = None
+    row_alignment: int = 1
+    """Every group end is a multiple of it (the layer's ``token_padding``): a backend may compute the slot
+    groups with `groups_from`'s aligned kernel where it is a multiple of 128."""
 
     def wait(self) -> None:
         """Order the caller's stream behind the prefetch (a device-side wait: the host goes on)."""

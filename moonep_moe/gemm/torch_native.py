@@ -98,17 +98,19 @@ def _home_then_slots(a: Tensor, weights: Sequence[Tensor], offs_g: Tensor, slots
         home_w, slots_w = home_w.transpose(-2, -1), slots_w.transpose(-2, -1)
     out = torch._grouped_mm(a, home_w, offs=offs_g[:home])  # rows past the home groups' end are not written
     slots_ready.wait()
-    groups_from(a, slots_w, offs_g, home, out)
+    groups_from(a, slots_w, offs_g, home, out, slots_ready.row_alignment)
     return out
 
 
-def groups_from(a_mk: Tensor, b_gkn: Tensor, offs_g: Tensor, first: int, out_mn: Tensor) -> None:
+def groups_from(a_mk: Tensor, b_gkn: Tensor, offs_g: Tensor, first: int, out_mn: Tensor,
+                row_alignment: int = 1) -> None:
     """``out[start:end] = a[start:end] @ b[g - first]`` for the groups ``g >= first`` (`kernels.groups_from`'s
-    contract): the Triton kernel on CUDA, a loop over the groups elsewhere (host reads of their ends)."""
+    contract): the Triton kernel on CUDA (its aligned one where every group end is a multiple of 128:
+    ``row_alignment``), a loop over the groups elsewhere (host reads of their ends)."""
     if a_mk.is_cuda:
         from moonep_moe.gemm.kernels.groups_from import groups_from_gemm
 
-        groups_from_gemm(a_mk, b_gkn, offs_g, first, out_mn)
+        groups_from_gemm(a_mk, b_gkn, offs_g, first, out_mn, row_alignment=row_alignment)
         return
     for (start, end), b_kn in zip(host_segments(offs_g)[first:], b_gkn, strict=True):
         out_mn[start:end] = (a_mk[start:end] @ b_kn).to(out_mn.dtype)

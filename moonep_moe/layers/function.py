@@ -132,7 +132,9 @@ class ExpertsState:
         gate_up_rows, down_rows = self.experts.rows
         event = self.buffer.prefetch_weight(plan, gate_up_rows, None, down_rows, *scales,
                                             async_finish=self.overlap_prefetch, wait_for_readers=False)
-        return SlotsReady(self.buffer.epn, event) if self.overlap_prefetch else None
+        if not self.overlap_prefetch:
+            return None
+        return SlotsReady(self.buffer.epn, event, row_alignment=self.buffer.token_padding)
 
     def __post_init__(self) -> None:
         if self.fp8_dispatch and not isinstance(self.gemm, Fp8RowsGemm):
