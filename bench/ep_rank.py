@@ -57,6 +57,7 @@ class RankOfEPBuffer:
     def __init__(self, inner: Buffer, epn: int, used_slots: tuple[int, ...] | None = None):
         self.inner, self.epn, self.E = inner, epn, epn
         self.world, self.dtype, self.weight_dtype = inner.world, inner.dtype, inner.weight_dtype
+        self.token_padding = inner.token_padding  # the rank's segments are the inner Buffer's
         self.used_j = tuple(range(epn) if used_slots is None else used_slots)
         """The slots whose weights are copied in and whose gradients are added back."""
 

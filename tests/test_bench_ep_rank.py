@@ -100,7 +100,7 @@ def test_ep_rank_layer_with_a_plan_prefetches_and_reduces_only_its_slots(overlap
     """`as_ep_rank` with a plan: the router's choice replaced by the plan's routes per group, only the used
     slots copied and reduced; it equals a plain layer over 2*epn experts (experts epn+j copying experts j)
     routed the same way, the home gradients being the sums of both copies'. With `overlap_prefetch` the
-    first GEMMs take the rank's `SlotsReady`."""
+    first GEMMs take the rank's `SlotsReady` (its segments' alignment from the rank's Buffer)."""
     import torch
 
     from bench.ep_rank import RankOfEPBuffer, RankPlan, as_ep_rank, planned_topk
