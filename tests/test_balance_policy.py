@@ -1,8 +1,8 @@
 """The planner's replication policy (`replica_cost`, `CommConfig.balance`: exact | cost_aware | off).
 
 Cost-aware plans are checked against plain EP where no transfer pays and against exact where every one does,
-for every planner invariant that still applies (each route computed once, segments, dst encoding, one remote
-home group per receiver), for identity across ranks, for torch == Triton (Triton's interpreter on CPU
+for every planner invariant that still applies (each route computed once, segments, dst encoding, at most B
+replicas a receiver), for identity across ranks, for torch == Triton (Triton's interpreter on CPU
 tensors), and end to end through the layer against the dense reference.
 """
 
@@ -146,14 +146,14 @@ def test_cost_aware_equals_exact_where_every_transfer_pays():
 @given(policy_scenarios())
 def test_cost_aware_plans_keep_the_invariants(sc):
     """Each valid route computed exactly once in its expert's segment, loads that match the routes, padded
-    segments, duplicates encoded, replicas from one remote home group, identical global fields on every
-    rank; every replica takes more than `replica_cost` routes; the plan is plain EP or its modelled hottest
-    rank is faster than plain EP's."""
+    segments, duplicates encoded, at most B replicas a rank, identical global fields on every rank; every
+    replica takes more than `replica_cost` routes; no rank both sends and receives a replica; the plan is
+    plain EP or its modelled hottest rank is faster than plain EP's."""
     assert_loads_match_routes(sc)
     assert_rows(sc)
     assert_segments(sc)
     assert_duplicates(sc)
-    assert_replicas(sc)
+    assert_replicas(sc, one_donor=sc.replica_cost == 0)
     first = sc.plans[0]
     for plan in sc.plans[1:]:
         for name in GLOBAL_FIELDS:
@@ -165,6 +165,9 @@ def test_cost_aware_plans_keep_the_invariants(sc):
                      accumulate=True)
     replica = (alloc > 0) & (torch.arange(sc.E)[None, :] // sc.epn != torch.arange(sc.R)[:, None])
     assert bool((alloc[replica] > sc.replica_cost).all()), "every replica takes more than c routes"
+    if sc.replica_cost:
+        sends_r = replica.view(sc.R, sc.R, sc.epn).any(2).any(0)  # [home rank]: some rank holds its expert
+        assert not bool((sends_r & replica.any(1)).any()), "no rank both sends and receives a replica"
     home_r = first.home_load
     if replica.any():
         assert max(modelled_load(alloc.tolist(), sc.replica_cost)) < int(home_r.max())
@@ -190,41 +193,66 @@ def test_device_policy_equals_reference(case, cost):
 
 
 def test_fallback_to_plain_ep_when_the_hottest_rank_gets_no_faster():
-    """R=3, epn=2, B=2, ranks 0 and 1 at 60 routes, rank 2 idle, c = 9 routes a transfer. Every move of the
-    greedy takes more than 9 routes, but rank 0 both gives two replicas and receives one: 40 routes + 3
-    transfers = 67 >= 60 in the model, so the plan falls back to plain EP. With c = 1 it pays (43 < 60)."""
+    """R=3, epn=2, B=2, ranks 0 and 1 at 60 routes, rank 2 idle: each of ranks 0 and 1 gives rank 2 20 routes
+    of one expert (a receiver with two donors, each move capped at its donor's surplus). At c = 19 routes a
+    transfer every move takes more than c, but rank 2 then computes 40 routes + 2 transfers = 78 >= 60 in
+    the model, so the plan falls back to plain EP. With c = 9 it pays (58 < 60)."""
     counts_re = [[30, 30, 30, 30, 0, 0], [0] * 6, [0] * 6]
     home = [60, 60, 0]
-    greedy = split_quotas([30, 30, 30, 30, 0, 0], balance_ranks(home, 9), 3, 2, 9)
-    assert modelled_load(greedy, 9) == [67, 49, 58]
-    fallback = plan_global(counts_re, 2, 1, 9)
+    assert balance_ranks(home, 19) == [(0, 2, 20), (1, 2, 20)]
+    greedy = split_quotas([30, 30, 30, 30, 0, 0], balance_ranks(home, 19), 3, 2, 19)
+    assert modelled_load(greedy, 19) == [59, 59, 78]
+    fallback = plan_global(counts_re, 2, 1, 19)
     assert fallback.experts_to_copy == [[-1, -1]] * 3
     assert [sum(row) for row in fallback.alloc] == home
-    pays = plan_global(counts_re, 2, 1, 1)
-    assert max(modelled_load(pays.alloc, 1)) == 43
-    assert pays.alloc == greedy
-    for cost in (1, 9):
+    pays = plan_global(counts_re, 2, 1, 9)
+    assert max(modelled_load(pays.alloc, 9)) == 58
+    assert pays.experts_to_copy[2] == [0, 2]
+    for cost in (9, 19):
         dev = plan_global_device(torch.tensor(counts_re), 2, 1, cost)
         assert dev.alloc_re.tolist() == plan_global(counts_re, 2, 1, cost).alloc
 
 
-TIE_COUNTS_RE = [[5, 0, 5, 0, 13, 1], [5, 3, 3, 13, 0, 13], [1, 2, 5, 2, 0, 0]]
-"""R=3, E=6, B=2 at c = 5: a replica that gains nothing (the modelled hottest rank ties plain EP's)."""
+SHARED_LOAD_E = [40, 40, 36, 36, 16, 16, 32, 32]
+"""R=4, epn=2 (four source ranks each send a quarter): home loads [80, 72, 32, 64], target 62."""
+
+
+@pytest.mark.parametrize("num_slots", [1, 2])
+def test_a_donor_never_turns_receiver_under_a_replica_cost(num_slots):
+    """Exact balance has rank 0 fill rank 2's whole deficit (30 routes, more than its surplus of 18), then
+    take 12 back from rank 1: rank 0 both sends and receives a replica. With c = 4 each move stops at its
+    donor's surplus, so ranks 0 and 1 both give to rank 2 and no donor receives. Rank 2's slots go to its
+    donors in ascending rank: with one slot only rank 0's replica fits and rank 1 keeps its routes."""
+    home = [80, 72, 32, 64]
+    assert balance_ranks(home, 0) == [(0, 2, 30), (1, 0, 12), (3, 1, 2)]
+    assert balance_ranks(home, 4) == [(0, 2, 18), (1, 2, 10)]
+    counts_re = [[n // 4 for n in SHARED_LOAD_E]] * 4
+    ref = plan_global(counts_re, num_slots, 1, 4)
+    want = [0, 2] if num_slots == 2 else [0]
+    assert ref.experts_to_copy[2] == want + [-1] * (num_slots - len(want))
+    assert [sum(row) for row in ref.alloc] == ([62, 62, 60, 64] if num_slots == 2 else [62, 72, 50, 64])
+    dev = plan_global_device(torch.tensor(counts_re), num_slots, 1, 4)
+    assert dev.alloc_re.tolist() == ref.alloc and dev.experts_to_copy_rb.tolist() == ref.experts_to_copy
+
+
+TIE_COUNTS_RE = [[1, 0, 2, 0, 3, 1], [0, 0, 13, 2, 0, 13], [0, 0, 3, 0, 0, 5]]
+"""R=3, E=6, B=2 at c = 4: two replicas that gain nothing (the modelled hottest rank ties plain EP's)."""
 
 
 def test_fallback_on_a_tie_keeps_no_replica():
-    """The greedy moves 7 routes of expert 3 from rank 1 to rank 0 (7 > c = 5), which leaves rank 0 at 23
-    routes + one transfer = 28 in the model: the hottest rank of plain EP computes 28 too, so the replica
-    gains nothing and the plan is plain EP, on the host reference and the torch device planner alike (the
-    Triton planner: the "tie" fixed case below)."""
+    """Ranks 2 and 1 each give rank 0 one replica (7 and 6 routes, both more than c = 4), which leaves rank 0
+    at 14 routes + two transfers = 22 in the model: the hottest rank of plain EP computes 22 too, so the
+    replicas gain nothing and the plan is plain EP, on the host reference and the torch device planner alike
+    (the Triton planner: the "tie" fixed case below)."""
     expert_load = [sum(col) for col in zip(*TIE_COUNTS_RE, strict=True)]
-    home = [16, 28, 27]
-    greedy = split_quotas(expert_load, balance_ranks(home, 5), 3, 2, 5)
-    assert greedy[0][3] == 7 and max(modelled_load(greedy, 5)) == max(home) == 28
-    ref = plan_global(TIE_COUNTS_RE, 2, 4, 5)
+    home = [1, 20, 22]
+    assert balance_ranks(home, 4) == [(2, 0, 7), (1, 0, 6)]
+    greedy = split_quotas(expert_load, balance_ranks(home, 4), 3, 2, 4)
+    assert greedy[0] == [1, 0, 6, 0, 0, 7] and max(modelled_load(greedy, 4)) == max(home) == 22
+    ref = plan_global(TIE_COUNTS_RE, 2, 4, 4)
     assert ref.experts_to_copy == [[-1, -1]] * 3
     assert [sum(row) for row in ref.alloc] == home
-    dev = plan_global_device(torch.tensor(TIE_COUNTS_RE), 2, 4, 5)
+    dev = plan_global_device(torch.tensor(TIE_COUNTS_RE), 2, 4, 4)
     assert dev.alloc_re.tolist() == ref.alloc and dev.experts_to_copy_rb.tolist() == ref.experts_to_copy
 
 
@@ -245,15 +273,18 @@ def test_kernel_policy_plan_equals_torch_plan(sc, data):
 
 def _fixed_cases() -> dict[str, PolicyScenario]:
     """The deterministic cases above as scenarios: decode (nothing pays), huge (everything pays), fallback,
-    the fallback's tie."""
+    the fallback's tie, a receiver with two donors (one slot and two)."""
     gen = torch.Generator().manual_seed(3)
     fallback = [topk_from_counts(torch.tensor(row), 30, 4, gen) for row in
                 ([30, 30, 30, 30, 0, 0], [0] * 6, [0] * 6)]
     tie = [topk_from_counts(torch.tensor(row), 13, 4, gen) for row in TIE_COUNTS_RE]
+    shared = [topk_from_counts(torch.tensor(SHARED_LOAD_E) // 4, 16, 4, gen) for _ in range(4)]
     return dict(decode=with_cost(skewed_scenario(8, 32, 8, 4, 8, seed=0), 1724),
                 pays=with_cost(skewed_scenario(4, 4, 4, 256, 3, seed=1), 8),
-                fallback=with_cost(Scenario(3, 6, 4, 30, 2, 1, fallback), 9),
-                tie=with_cost(Scenario(3, 6, 4, 13, 2, 4, tie), 5),
+                fallback=with_cost(Scenario(3, 6, 4, 30, 2, 1, fallback), 19),
+                tie=with_cost(Scenario(3, 6, 4, 13, 2, 4, tie), 4),
+                shared_one_slot=with_cost(Scenario(4, 8, 4, 16, 1, 1, shared), 4),
+                shared_two_slots=with_cost(Scenario(4, 8, 4, 16, 2, 1, shared), 4),
                 off=with_cost(skewed_scenario(4, 4, 4, 64, 3, seed=2), NO_REPLICATION))
 
 
@@ -266,7 +297,8 @@ def test_kernel_policy_plan_on_fixed_cases(name):
         kernel = plan_routes_triton(sc.counts_re.to(KERNEL_DEVICE), sc.topk_rsk[rank].to(KERNEL_DEVICE),
                                     **kwargs)
         assert_plans_equal(kernel, plan_routes(sc.counts_re, sc.topk_rsk[rank], **kwargs))
-    assert (int(sc.plans[0].slots_used.sum()) > 0) == (name == "pays"), "only the huge step replicates"
+    replicates = name == "pays" or name.startswith("shared")
+    assert (int(sc.plans[0].slots_used.sum()) > 0) == replicates, "only the huge and shared steps replicate"
 
 
 # -- config, Buffer, layer and communicator ---------------------------------------------------------------

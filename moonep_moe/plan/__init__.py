@@ -18,10 +18,10 @@ plan, bit for bit (no rank-0 broadcast):
 2. Rank balancing (`balance_ranks`): repeatedly pair the rank with the largest surplus with the rank with
    the largest deficit (ties: lowest rank) and fill the receiver in one shot. A receiver is never touched
    again, so it hosts replicas of at most one remote home group: at most `epn` slots.
-3. Per-donor split (`split_quotas`): the receiver with the largest remaining quota takes the donor's expert
-   with the most remaining routes, `min(both)` at a time. Each move uses one slot of the receiver; with
-   `B < epn` a receiver whose slots run out stops receiving and the rest stays home (best effort, reported
-   by `rank_load`).
+3. Per-donor split (`split_quotas`), donors in ascending rank: the receiver with the largest remaining quota
+   takes the donor's expert with the most remaining routes, `min(both)` at a time. Each move uses one slot
+   of the receiver; with `B < epn` a receiver whose slots run out stops receiving and the rest stays home
+   (best effort, reported by `rank_load`).
 4. Slots (`assign_slots`): a receiver's replicated experts fill its slots in ascending expert id.
 5. Segments (`segment_layout`): on each rank the E+B groups in row order (the E global experts, of which
    only the home ones can be non-empty, then the B slots), each non-empty one padded to a multiple of tp;
@@ -35,9 +35,11 @@ plan, bit for bit (no rank-0 broadcast):
 
 Replication policy (`replica_cost` c, in routes: the GEMM routes whose time equals one expert's weight
 transfer, `replica_cost_routes`): c = 0 is `balance='exact'`, the algorithm above. With c > 0
-(`balance='cost_aware'`) a move pays only if it takes more than c routes off its donor: rank balancing stops
-at the first receiver whose deficit is <= c (every later deficit is smaller) and a donor's split stops at its
-first take of <= c routes (every later take is smaller); then, if the plan's hottest rank in the model
+(`balance='cost_aware'`) a move pays only if it takes more than c routes off its donor. Rank balancing then
+moves at most the donor's surplus, so a donor never turns receiver (it would pay for transfers both ways)
+and a receiver may take from several donors, whose splits share its B slots in ascending donor rank; it
+stops at the first move of <= c routes (every later move is smaller), and a donor's split stops at its first
+take of <= c routes (every later take is smaller); then, if the plan's hottest rank in the model
 (`modelled_load`: routes computed + c per weight transfer over the rank's link) is not strictly below plain
 EP's hottest rank, the whole plan falls back to plain EP (no replica, every route on its home rank). c =
 `NO_REPLICATION` (`balance='off'`) moves nothing: plain EP. Balance is then best effort, so the row capacity

@@ -64,9 +64,9 @@ def _balance_ranks_device(home_load_r: torch.Tensor, replica_cost: int) -> torch
     """`balance_ranks` on the device: `[R]` home loads -> `quota_dr [R, R]`, routes donor d gives receiver r.
 
     Same R iterations as the reference. An iteration that fails the reference's stop test changes nothing,
-    so every later one fails it too: masking it to a no-op is the reference's `break`. A receiver appears
-    in at most one move (its balance becomes 0 and only ranks with non-zero balance move), so a `[R, R]`
-    matrix holds the moves without loss.
+    so every later one fails it too: masking it to a no-op is the reference's `break`. A (donor, receiver)
+    pair moves at most once (afterwards the donor's surplus or the receiver's deficit is 0, and only ranks
+    with non-zero balance move), so a `[R, R]` matrix holds the moves without loss.
     """
     num_ranks = home_load_r.shape[0]
     rank_r = torch.arange(num_ranks, device=home_load_r.device)
@@ -76,22 +76,27 @@ def _balance_ranks_device(home_load_r: torch.Tensor, replica_cost: int) -> torch
         donor_r = rank_r == _first_argmax(balance_r)
         receiver_r = rank_r == _first_argmax(-balance_r)
         surplus, deficit = (balance_r * donor_r).sum(), -(balance_r * receiver_r).sum()
-        routes = torch.where((surplus > 0) & (deficit > replica_cost), deficit, 0)
+        move = torch.minimum(surplus, deficit) if replica_cost else deficit
+        routes = torch.where((surplus > 0) & (move > replica_cost), move, 0)
         balance_r = balance_r + routes * (receiver_r.long() - donor_r.long())
         quota_dr = quota_dr + routes * (donor_r[:, None] & receiver_r[None, :])
     return quota_dr
 
 
-def split_iterations(num_ranks: int, num_experts: int, num_slots: int) -> int:
-    """Iterations of the device per-donor split that cover every donor's reference loop.
+def split_iterations(num_ranks: int, num_experts: int, num_slots: int, shared_receivers: bool) -> int:
+    """Iterations of the device per-donor split that cover the reference's loops.
 
     In an iteration that moves routes, `min(quota, remaining)` routes leave both the receiver's quota and
-    the expert; afterwards one of them is 0 and stays 0 (both only decrease), so that receiver is never
-    open again or that expert never again has routes to give. A donor has at most R - 1 receivers and epn
-    experts: at most `R - 1 + epn` moving iterations. Each move also spends one of its receiver's B slots:
-    at most `(R - 1) * B`. The smaller bound holds for every donor; further iterations would be no-ops.
+    the expert; afterwards one of them is 0 and stays 0 (both only decrease), so that (donor, receiver)
+    quota is never open again or that expert never again has routes to give. Each move also spends one of
+    its receiver's B slots. Without `shared_receivers` (exact balance: a receiver has one donor) the donors
+    move side by side, each at most `R - 1 + epn` times (its receivers and experts) and `(R - 1) * B`
+    times (its receivers' slots). With them, at least one donor moves in every iteration until all have
+    stopped, and the group makes at most `R - 1 + E` moves (the rank balancing's at most R - 1 quotas and
+    the experts) and `(R - 1) * B` (the receivers' slots). Further iterations would be no-ops.
     """
-    return min(num_ranks - 1 + num_experts // num_ranks, (num_ranks - 1) * num_slots)
+    spans = num_experts if shared_receivers else num_experts // num_ranks
+    return min(num_ranks - 1 + spans, (num_ranks - 1) * num_slots)
 
 
 def _split_quotas_device(expert_load_e: torch.Tensor, quota_dr: torch.Tensor, num_slots: int,
@@ -101,29 +106,39 @@ def _split_quotas_device(expert_load_e: torch.Tensor, quota_dr: torch.Tensor, nu
     Each iteration every donor d makes at most one move of the reference loop: its expert with the most
     remaining routes (ties: lowest id) goes to its open receiver (positive quota and a free slot) with the
     largest quota (ties: lowest rank), if that moves more than `replica_cost` routes. A donor whose
-    reference loop has stopped moves 0 routes (its state no longer changes, so it stays stopped). The argmax
-    keys of `_first_argmax` are kept up to date in place (`remaining_key_dx [R, epn]`: remaining * epn +
-    epn - 1 - j) instead of being rebuilt each iteration. Receivers of different donors are distinct, so the
-    moves of one iteration never collide; they are added to `alloc` once, after the loop.
+    reference loop has stopped moves 0 routes: its quotas and experts change only by its own moves and its
+    receivers' slots only decrease, so its take only shrinks and it stays stopped. With `replica_cost` > 0
+    a receiver may have several donors, which the reference runs in ascending rank: a donor that shares a
+    receiver with a lower donor still moving waits, so each receiver's slots go to its donors in the
+    reference's order, and donors that move in one iteration have distinct receivers. The argmax keys of
+    `_first_argmax` are kept up to date in place (`remaining_key_dx [R, epn]`: remaining * epn + epn - 1 -
+    j) instead of being rebuilt each iteration. Donors give only their own experts, so the moves of one
+    iteration land in distinct cells; they are added to `alloc` once, after the loop.
     """
     num_ranks, num_experts = quota_dr.shape[0], expert_load_e.shape[0]
     epn = num_experts // num_ranks
     device = expert_load_e.device
     reverse_r = torch.arange(num_ranks - 1, -1, -1, device=device)
+    lower_dd = torch.ones(num_ranks, num_ranks, dtype=torch.bool, device=device).tril(-1)  # [d, d' < d]
     remaining_key_dx = expert_load_e.view(num_ranks, epn) * epn + torch.arange(epn - 1, -1, -1, device=device)
-    slots_left_dr = torch.where(quota_dr > 0, num_slots, 0)
+    slots_left_r = torch.full((num_ranks,), num_slots, dtype=torch.int64, device=device)
     receivers, experts, routes = [], [], []
-    for _ in range(split_iterations(num_ranks, num_experts, num_slots)):
+    for _ in range(split_iterations(num_ranks, num_experts, num_slots, shared_receivers=replica_cost > 0)):
         expert_d1 = remaining_key_dx.argmax(1, keepdim=True)
-        open_key_dr = torch.where((quota_dr > 0) & (slots_left_dr > 0), quota_dr * num_ranks + reverse_r, -1)
+        open_key_dr = torch.where((quota_dr > 0) & (slots_left_r > 0), quota_dr * num_ranks + reverse_r, -1)
         receiver_d1 = open_key_dr.argmax(1, keepdim=True)
         # A closed receiver decodes to quota -1, an exhausted expert to 0 remaining: both move 0 routes.
         take_d1 = torch.minimum(open_key_dr.gather(1, receiver_d1).div(num_ranks, rounding_mode="floor"),
                                 remaining_key_dx.gather(1, expert_d1) // epn)
-        routes_d1 = torch.where(take_d1 > replica_cost, take_d1, 0)
+        moves_d1 = take_d1 > replica_cost
+        if replica_cost:  # wait for a lower donor still moving that shares a receiver
+            gives_dr = quota_dr > 0
+            shares_dd = (gives_dr[:, None, :] & gives_dr[None, :, :]).any(2)
+            moves_d1 = moves_d1 & ~(shares_dd & lower_dd & moves_d1.view(1, -1)).any(1, keepdim=True)
+        routes_d1 = torch.where(moves_d1, take_d1, 0)
         quota_dr = quota_dr.scatter_add(1, receiver_d1, -routes_d1)
         remaining_key_dx = remaining_key_dx.scatter_add(1, expert_d1, -routes_d1 * epn)
-        slots_left_dr = slots_left_dr.scatter_add(1, receiver_d1, -(routes_d1 > 0).long())
+        slots_left_r = slots_left_r.scatter_add(0, receiver_d1.view(-1), -moves_d1.view(-1).long())
         receivers.append(receiver_d1)
         experts.append(expert_d1)
         routes.append(routes_d1)
@@ -171,8 +186,8 @@ def plan_global_device(counts_re: torch.Tensor, num_slots: int, token_padding: i
         pays = modelled_load_device(alloc_re, replica_cost).max() < home_load_r.max()
         alloc_re = torch.where(pays, alloc_re, torch.where(home_re, expert_load_e, 0))
     # Slots: a rank's replicas in ascending expert id. Non-replicas go to distinct sentinel columns B + e
-    # (every scatter index unique). A rank never has more than B replicas (each take costs one slot and a
-    # receiver takes an expert once); the clamp only keeps indices in range.
+    # (every scatter index unique). A rank never has more than B replicas (each take costs one of its slots
+    # and a receiver takes an expert once); the clamp only keeps indices in range.
     expert_e = torch.arange(num_experts, device=device)
     replica_re = (alloc_re > 0) & ~home_re
     slot_re = torch.where(replica_re, (replica_re.cumsum(1) - 1).clamp(max=num_slots), num_slots + expert_e)

@@ -37,19 +37,22 @@ def rank_targets(home_load_r: list[int]) -> list[int]:
 
 
 def balance_ranks(home_load_r: list[int], replica_cost: int = 0) -> list[tuple[int, int, int]]:
-    """Greedy rank balancing: `(donor, receiver, routes)` moves that bring every rank to its target, while
-    the receiver's deficit is more than `replica_cost` routes."""
+    """Greedy rank balancing: `(donor, receiver, routes)` moves that bring the ranks to their targets.
+
+    Exact (`replica_cost` 0): a move fills the receiver's whole deficit, so each receiver has one donor. With
+    `replica_cost` c > 0 a move takes at most the donor's surplus (a donor never turns receiver and pays for
+    transfers both ways), and only while it moves more than c routes (every later move is smaller)."""
     num_ranks = len(home_load_r)
     balance = [load - target for load, target in zip(home_load_r, rank_targets(home_load_r), strict=True)]
     moves = []
     for _ in range(num_ranks):
         donor = max(range(num_ranks), key=lambda r: (balance[r], -r))
         receiver = min(range(num_ranks), key=lambda r: (balance[r], r))
-        if balance[donor] <= 0 or -balance[receiver] <= replica_cost:
+        routes = min(balance[donor], -balance[receiver]) if replica_cost else -balance[receiver]
+        if balance[donor] <= 0 or routes <= replica_cost:
             break
-        routes = -balance[receiver]
         balance[donor] -= routes
-        balance[receiver] = 0
+        balance[receiver] += routes
         moves.append((donor, receiver, routes))
     return moves
 
@@ -60,16 +63,17 @@ def split_quotas(expert_load_e: list[int], moves: list[tuple[int, int, int]], nu
 
     The receiver with the largest remaining quota (ties: lowest rank) takes the donor's expert with the
     most remaining routes (ties: lowest id), `min(both)` routes at a time, while that is more than
-    `replica_cost`; each take costs the receiver one slot. Whatever a donor does not give away it computes
-    itself.
+    `replica_cost`; each take costs the receiver one of its slots. Donors go in ascending rank, so a
+    receiver with several donors (`replica_cost` > 0) gives its slots to them in that order. Whatever a
+    donor does not give away it computes itself.
     """
     num_experts = len(expert_load_e)
     epn = num_experts // num_ranks
     alloc = [[0] * num_experts for _ in range(num_ranks)]
     remaining = list(expert_load_e)
+    slots_left = [num_slots] * num_ranks
     for donor in sorted({m[0] for m in moves}):
         quota = {receiver: routes for d, receiver, routes in moves if d == donor}
-        slots_left = dict.fromkeys(quota, num_slots)
         experts = range(donor * epn, (donor + 1) * epn)
         while True:
             open_receivers = [r for r in sorted(quota) if quota[r] > 0 and slots_left[r] > 0]

@@ -111,7 +111,8 @@ def _global_plan(counts_ptr, counts_stride_r, counts_stride_e, rank, replica_cos
     cell_wg = (g_1g < R) & (w_w1 < EPN)
     expert_wg = g_1g * EPN + w_w1
     tl.store(remote_stats_ptr + tl.arange(0, 2), tl.zeros([2], tl.int32))
-    tl.store(received_ptr + w_w1 * R_P + g_1g, tl.zeros([W, R_P], tl.int32))
+    for r in tl.static_range(R):
+        tl.store(received_ptr + expert_wg * R_P + r, tl.zeros([W, R_P], tl.int32), mask=cell_wg)
     tl.debug_barrier()  # the zeros land before any move is stored over them
 
     # 1. Loads: routes per expert in the group and on the ranks before this one.
@@ -135,41 +136,52 @@ def _global_plan(counts_ptr, counts_stride_r, counts_stride_e, rank, replica_cos
     balance_g = tl.where(g_g < R, home_g - (total // R + (ahead_g < total % R).to(tl.int32)), 0)
 
     # 2. Rank balancing: quota_wg[receiver, donor]. An iteration after the reference's `break` moves 0
-    # (as does a receiver's deficit of at most replica_cost routes: every later one is smaller).
+    # (as does a move of at most replica_cost routes: every later one is smaller). With replica_cost > 0 a
+    # move stops at the donor's surplus.
     quota_wg = tl.zeros([W, R_P], tl.int32)
     for _ in range(R):
         surplus, donor = tl.max(tl.where(g_g < R, balance_g, -BIG), 0, return_indices=True,
                                 return_indices_tie_break_left=True)
         lowest, receiver = tl.min(tl.where(g_g < R, balance_g, BIG), 0, return_indices=True,
                                   return_indices_tie_break_left=True)
-        routes = tl.where((surplus > 0) & (-lowest > replica_cost), -lowest, 0)
+        move = tl.where(replica_cost > 0, tl.minimum(surplus, -lowest), -lowest)
+        routes = tl.where((surplus > 0) & (move > replica_cost), move, 0)
         balance_g += tl.where(g_g == receiver, routes, 0) - tl.where(g_g == donor, routes, 0)
         quota_wg += tl.where((w_w1 == receiver) & (g_1g == donor), routes, 0)
 
-    # 3. Per-donor split, all donors at once (column g = donor): the open receiver with the largest quota
-    # takes the expert with the most remaining routes (ties: lowest index). A receiver takes an expert at
-    # most once (afterwards the receiver is closed or the expert exhausted), so each move is stored to its
-    # own cell of received_wr[expert in the donor's group, receiver]. A take of at most replica_cost routes
-    # moves nothing (every later take of that donor is smaller). Stops when no donor moves.
+    # 3. Per-donor split, all donors at once (column g = donor): the open receiver (positive quota and a
+    # free slot) with the largest quota takes the expert with the most remaining routes (ties: lowest
+    # index). A receiver takes an expert at most once (afterwards the receiver is closed or the expert
+    # exhausted), so each move is stored to its own cell of received_er[expert, receiver]. A take of at
+    # most replica_cost routes moves nothing (every later take of that donor is smaller). With
+    # replica_cost > 0 a receiver may have several donors: a donor waits while a lower donor that shares a
+    # receiver still moves (the reference runs donors in ascending rank), so the donors that move in one
+    # iteration have distinct receivers. Stops when no donor moves.
     remaining_wg = tl.where(cell_wg, load_wg, -1)
-    slots_wg = tl.where(quota_wg > 0, B, 0)
-    from_wg = quota_wg > 0
+    w_w = tl.arange(0, W)
+    slots_w = tl.where(w_w < R, B, 0)  # receiver w's free slots
     quota0_wg = quota_wg
     sent_g = tl.zeros([R_P], tl.int32)
     moving = total >= 0
     while moving:
         most_g, expert_g = tl.max(remaining_wg, 0, return_indices=True, return_indices_tie_break_left=True)
-        largest_g, receiver_g = tl.max(tl.where((quota_wg > 0) & (slots_wg > 0), quota_wg, -1), 0,
+        largest_g, receiver_g = tl.max(tl.where((quota_wg > 0) & (slots_w[:, None] > 0), quota_wg, -1), 0,
                                        return_indices=True, return_indices_tie_break_left=True)
         take_g = tl.minimum(largest_g, most_g)
-        sent_g += (take_g > replica_cost).to(tl.int32)
-        routes_1g = tl.where(take_g > replica_cost, take_g, 0)[None, :]
+        moves_g = take_g > replica_cost
+        if replica_cost > 0:
+            gives_wg = quota_wg > 0
+            shares_gg = tl.sum((gives_wg[:, :, None] & gives_wg[:, None, :]).to(tl.int32), 0) > 0
+            waits_gg = shares_gg & moves_g[:, None] & (g_g[:, None] < g_g[None, :])
+            moves_g = moves_g & (tl.max(waits_gg.to(tl.int32), 0) == 0)
+        sent_g += moves_g.to(tl.int32)
+        routes_1g = tl.where(moves_g, take_g, 0)[None, :]
         to_wg = w_w1 == receiver_g[None, :]
         quota_wg -= tl.where(to_wg, routes_1g, 0)
-        slots_wg -= (to_wg & (routes_1g > 0)).to(tl.int32)
+        slots_w -= tl.sum((to_wg & (routes_1g > 0)).to(tl.int32), 1)
         taken_wg = w_w1 == expert_g[None, :]
         remaining_wg -= tl.where(taken_wg, routes_1g, 0)
-        tl.store(received_ptr + w_w1 * R_P + receiver_g[None, :], tl.broadcast_to(routes_1g, [W, R_P]),
+        tl.store(received_ptr + expert_wg * R_P + receiver_g[None, :], tl.broadcast_to(routes_1g, [W, R_P]),
                  mask=taken_wg & (routes_1g > 0))
         moving = tl.max(tl.max(routes_1g, 1), 0) > 0
     tl.debug_barrier()
@@ -178,18 +190,17 @@ def _global_plan(counts_ptr, counts_stride_r, counts_stride_e, rank, replica_cos
     # + replica_cost per transfer received or sent) is faster than plain EP's. Receiver w's routes and
     # transfers come in rows w; `tl.where(w == g)` moves them to column g.
     cost = replica_cost.to(tl.int64)
-    received_w = tl.sum(quota0_wg - quota_wg, 1) + cost * tl.sum(tl.where(from_wg, B - slots_wg, 0), 1)
+    received_w = tl.sum(quota0_wg - quota_wg, 1) + cost * tl.where(w_w < R, B - slots_w, 0)
     received_g = tl.sum(tl.where(w_w1 == g_1g, received_w[:, None], 0), 0)
     time_g = tl.sum(tl.where(cell_wg, remaining_wg, 0), 0) + received_g + cost * sent_g
     hottest = tl.max(tl.where(g_g < R, time_g, 0), 0)
     plain_ep = (replica_cost > 0) & (hottest >= tl.max(home_g, 0))
-    from_wg = from_wg & ~plain_ep
 
     # 4-5. Every rank's segments, DC ranks at a time (ends_er accumulates over the ranks in order).
     home_alloc_wg = tl.where(cell_wg, tl.where(plain_ep, load_wg, remaining_wg), 0)
     routes_before_wg = tl.zeros([W, R_P], tl.int32)
     for d0 in tl.static_range(0, R_P, DC):
-        routes_before_wg = _rank_segments(d0, routes_before_wg, home_alloc_wg, from_wg, rank, received_ptr,
+        routes_before_wg = _rank_segments(d0, routes_before_wg, home_alloc_wg, plain_ep, rank, received_ptr,
                                           ends_ptr, offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr,
                                           zero_fill_ptr, rank_load_ptr, slots_used_ptr, R, E, B, TP, NVS, R_P,
                                           W, B_P, DC)
@@ -212,7 +223,7 @@ def _global_plan(counts_ptr, counts_stride_r, counts_stride_e, rank, replica_cos
 
 
 @triton.jit
-def _rank_segments(d0, routes_before_wg, home_alloc_wg, from_wg, rank, received_ptr, ends_ptr, offset_ptr,
+def _rank_segments(d0, routes_before_wg, home_alloc_wg, plain_ep, rank, received_ptr, ends_ptr, offset_ptr,
                    experts_to_copy_ptr, cu_seqlens_ptr, zero_fill_ptr, rank_load_ptr, slots_used_ptr,
                    R: tl.constexpr, E: tl.constexpr, B: tl.constexpr, TP: tl.constexpr, NVS: tl.constexpr,
                    R_P: tl.constexpr, W: tl.constexpr, B_P: tl.constexpr, DC: tl.constexpr):
@@ -220,7 +231,8 @@ def _rank_segments(d0, routes_before_wg, home_alloc_wg, from_wg, rank, received_
     `cu_seqlens` / `zero_fill_ranges` if it is among them. Returns `routes_before_wg` plus their routes.
 
     `alloc_dwg[d, w, g]`: routes of expert (g, w) computed on d: the remainder of its home experts, and what
-    it received from its donor (at most one group).
+    it received from its donors (none under `plain_ep`, the policy's fallback). Its slots hold its replicas
+    in ascending expert id: group g's after those of the groups before it.
     """
     EPN: tl.constexpr = E // R
     d_d = d0 + tl.arange(0, DC)
@@ -229,24 +241,27 @@ def _rank_segments(d0, routes_before_wg, home_alloc_wg, from_wg, rank, received_
     g_11g = tl.arange(0, R_P)[None, None, :]
     cell_dwg = (d_d11 < R) & (g_11g < R) & (w_1w1 < EPN)
     expert_dwg = tl.broadcast_to(g_11g * EPN + w_1w1, [DC, W, R_P])
-    received_dw = tl.load(received_ptr + tl.arange(0, W)[None, :] * R_P + d_d[:, None])
-    receives_dg = tl.sum((from_wg[None, :, :] & (w_1w1 == d_d11)).to(tl.int32), 1) > 0
     home_dwg = d_d11 == g_11g
-    alloc_dwg = (tl.where(home_dwg, home_alloc_wg[None, :, :], 0)
-                 + tl.where(receives_dg[:, None, :], received_dw[:, :, None], 0))
+    received_dwg = tl.load(received_ptr + expert_dwg * R_P + d_d11, mask=cell_dwg & ~home_dwg, other=0)
+    received_dwg = tl.where(plain_ep, 0, received_dwg)
+    alloc_dwg = tl.where(home_dwg, home_alloc_wg[None, :, :], 0) + received_dwg
     padded_dwg = (alloc_dwg + TP - 1) // TP * TP
     end_dwg = tl.cumsum(padded_dwg, 1)
     home_rows_d11 = tl.sum(tl.sum(tl.where(home_dwg, padded_dwg, 0), 2), 1)[:, None, None]
+    replica_dwg = ~home_dwg & (alloc_dwg > 0)
+    replica_rows_dg = tl.sum(tl.where(replica_dwg, padded_dwg, 0), 1)
+    slots_before_d1g = (tl.cumsum(replica_rows_dg, 1) - replica_rows_dg)[:, None, :] + home_rows_d11
     # Segment start of every expert on d: home groups in expert order, then the slots (ascending expert).
-    start_dwg = tl.where(home_dwg, end_dwg - padded_dwg, home_rows_d11 + end_dwg - padded_dwg)
+    start_dwg = tl.where(home_dwg, end_dwg - padded_dwg, slots_before_d1g + end_dwg - padded_dwg)
     ends_dwg = routes_before_wg[None, :, :] + tl.cumsum(alloc_dwg, 0)
     table_dwg = expert_dwg * R + d_d11
     tl.store(ends_ptr + table_dwg, ends_dwg, mask=cell_dwg)
     tl.store(offset_ptr + table_dwg, d_d11 * NVS + start_dwg - (ends_dwg - alloc_dwg), mask=cell_dwg)
-    replica_dwg = ~home_dwg & (alloc_dwg > 0)
-    slot_dwg = tl.cumsum(replica_dwg.to(tl.int32), 1) - 1
+    replicas_dwg = replica_dwg.to(tl.int32)
+    replicas_dg = tl.sum(replicas_dwg, 1)
+    slot_dwg = (tl.cumsum(replicas_dg, 1) - replicas_dg)[:, None, :] + tl.cumsum(replicas_dwg, 1) - 1
     tl.store(experts_to_copy_ptr + d_d11 * B + slot_dwg, expert_dwg, mask=replica_dwg)
-    used_d = tl.sum(tl.sum(replica_dwg.to(tl.int32), 2), 1)
+    used_d = tl.sum(replicas_dg, 1)
     tl.store(slots_used_ptr + d_d, used_d, mask=d_d < R)
     tl.store(rank_load_ptr + d_d, tl.sum(tl.sum(alloc_dwg, 2), 1), mask=d_d < R)
     d_d1 = d_d[:, None]
@@ -262,7 +277,7 @@ def _rank_segments(d0, routes_before_wg, home_alloc_wg, from_wg, rank, received_
     tl.store(cu_seqlens_ptr + expert_dwg, home_end_dwg, mask=mine_dwg)
     tl.store(zero_fill_ptr + 2 * expert_dwg, home_end_dwg - home_padded_dwg + home_routes_dwg, mask=mine_dwg)
     tl.store(zero_fill_ptr + 2 * expert_dwg + 1, home_padded_dwg - home_routes_dwg, mask=mine_dwg)
-    slot_end_dwg = home_rows_d11 + end_dwg
+    slot_end_dwg = slots_before_d1g + end_dwg
     mine_replica_dwg = replica_dwg & (d_d11 == rank)
     tl.store(cu_seqlens_ptr + E + slot_dwg, slot_end_dwg, mask=mine_replica_dwg)
     tl.store(zero_fill_ptr + 2 * (E + slot_dwg), slot_end_dwg - padded_dwg + alloc_dwg, mask=mine_replica_dwg)
@@ -298,7 +313,7 @@ def _one_rank_plan(counts_ptr, counts_stride_e, topk_ptr, num_routes, received_p
     total = tl.sum(load_e, 0)
     rows = tl.sum(padded_e, 0)
     tl.store(remote_stats_ptr + tl.arange(0, 2), tl.zeros([2], tl.int32))
-    tl.store(received_ptr + tl.arange(0, W), tl.zeros([W], tl.int32))
+    tl.store(received_ptr + e_e, tl.zeros([E_P], tl.int32), mask=expert_e)
     tl.store(rank_load_ptr, total)
     tl.store(home_load_ptr, total)
     tl.store(slots_used_ptr, 0)
@@ -437,7 +452,7 @@ class PlanLaunch:
     Attributes:
         position_n: `[s*K]` a valid route's position among its block's earlier routes to its expert.
         block_counts_be: `[nb, E]` valid routes per expert in each token block.
-        received_wr: `[W, R_P]` routes receiver r computes of expert w of its donor's group.
+        received_er: `[E, R_P]` routes of expert e that receiver r computes as a replica.
         before_e: `[E]` routes of expert e on the ranks before this one.
         ends_er: `[E, R]` routes of expert e computed on ranks `<= d` (cumulative over d).
         offset_er: `[E, R]` `d * NvS + row_base[d, e] - (ends_er[e, d] - alloc[d, e])`.
@@ -453,7 +468,7 @@ class PlanLaunch:
     plan: MoonEPCommPlan
     position_n: torch.Tensor
     block_counts_be: torch.Tensor
-    received_wr: torch.Tensor
+    received_er: torch.Tensor
     before_e: torch.Tensor
     ends_er: torch.Tensor
     offset_er: torch.Tensor
@@ -466,7 +481,7 @@ class PlanLaunch:
         _plan_kernel[(1 if c["FUSED"] else self.num_blocks + 1,)](
             self.counts_re, *self.counts_re.stride(), self.topk_sk, self.topk_sk.shape[0], self.rank,
             self.replica_cost, self.position_n, self.block_counts_be, dup_tables, dup_tables.numel(),
-            self.dup_share, self.received_wr, self.before_e, self.ends_er, self.offset_er,
+            self.dup_share, self.received_er, self.before_e, self.ends_er, self.offset_er,
             plan.experts_to_copy, plan.cu_seqlens, plan.zero_fill_ranges, plan.remote_stats, plan.rank_load,
             plan.home_load, plan.expert_load, plan.slots_used, plan.compute_groups,
             **{name: c[name] for name in _PLAN_CONSTANTS}, NO_ROUTE_=NO_ROUTE, dst_ptr=plan.dst,
@@ -530,7 +545,7 @@ def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int
                                 num_experts=num_experts, num_slots=num_slots, rows_per_rank=rows_per_rank,
                                 rank=rank, device=device, owner=owner)
     shapes = dict(position_n=(num_tokens * top_k,), block_counts_be=(num_blocks, num_experts),
-                  received_wr=(W, R_P), before_e=(num_experts,), ends_er=(num_experts, num_ranks),
+                  received_er=(num_experts, R_P), before_e=(num_experts,), ends_er=(num_experts, num_ranks),
                   offset_er=(num_experts, num_ranks))
     sizes = [torch.Size(shape).numel() for shape in shapes.values()]
     scratch = torch.empty(sum(sizes), dtype=torch.int32, device=device)
