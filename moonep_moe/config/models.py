@@ -264,10 +264,10 @@ class MoEConfig(CommConfig):
             "GEMM (gate_up forward, down's dgrad in backward) run, then wait on the device and compute the "
             "slot groups (a Triton GEMM that starts at a row known only on the device; the torch and "
             "deep_gemm backends). Takes the replicas' link time off the step where the home GEMM outlasts "
-            "it. Default False: on the H200 the slot groups' Triton GEMM ran at about 0.7 of "
-            "torch._grouped_mm's rate, which at high routing skew (many slot rows) cost more than the link "
-            "time saved (docs/gpu.md). Bit-identical to prefetching on the caller's stream before the same "
-            "split GEMM."
+            "it. Default False: whether it pays depends on the slot groups' Triton GEMM against the "
+            "backend's; it made the step faster or left it within its spread on H100s and is not yet "
+            "measured on the H200 with the aligned slot kernel (docs/gpu.md). Bit-identical to prefetching "
+            "on the caller's stream before the same split GEMM."
         ),
     )
     overlap_reduce_grad: bool = Field(
