@@ -33,7 +33,7 @@ from moonep_moe.base.sizes import rows_capacity
 from moonep_moe.comm.pool import BufferPool
 from moonep_moe.config import load_config
 from moonep_moe.engine.communicator import MoECommunicator
-from moonep_moe.plan.device import plan_global_device
+from moonep_moe.plan.device import _balance_ranks_device, _split_quotas_device, plan_global_device
 from moonep_moe.plan.planner import plan_routes
 from moonep_moe.plan.policies import NO_REPLICATION, replica_cost_routes
 from moonep_moe.plan.reference import balance_ranks, modelled_load, plan_global, split_quotas
@@ -190,6 +190,19 @@ def test_device_policy_equals_reference(case, cost):
         assert dev.row_base_re.tolist() == ref.row_base
         assert dev.cu_seqlens_rg.tolist() == ref.cu_seqlens
         assert dev.zero_fill_rg2.tolist() == ref.zero_fill
+
+
+@settings(max_examples=50, deadline=None)
+@given(histograms(), st.sampled_from([0, 1, 5, 100, 10**4]))
+def test_device_split_stops_early_only_where_every_later_iteration_is_a_no_op(case, cost):
+    """The torch planner's per-donor split stops at its first iteration without a move on the CPU; its fixed
+    trip count (what runs on a GPU, no host read) gives the same allocation."""
+    counts_re, B, _ = case
+    expert_load_e = counts_re.long().sum(0)
+    quota_dr = _balance_ranks_device(expert_load_e.view(counts_re.shape[0], -1).sum(1), cost)
+    early, fixed = (_split_quotas_device(expert_load_e, quota_dr, B, cost, stop_early=stop)
+                    for stop in (True, False))
+    assert torch.equal(early, fixed)
 
 
 def test_fallback_to_plain_ep_when_the_hottest_rank_gets_no_faster():

@@ -100,7 +100,7 @@ def split_iterations(num_ranks: int, num_experts: int, num_slots: int, shared_re
 
 
 def _split_quotas_device(expert_load_e: torch.Tensor, quota_dr: torch.Tensor, num_slots: int,
-                         replica_cost: int) -> torch.Tensor:
+                         replica_cost: int, stop_early: bool) -> torch.Tensor:
     """`split_quotas` on the device for all donors at once -> `alloc_re [R, E]`.
 
     Each iteration every donor d makes at most one move of the reference loop: its expert with the most
@@ -113,7 +113,10 @@ def _split_quotas_device(expert_load_e: torch.Tensor, quota_dr: torch.Tensor, nu
     reference's order, and donors that move in one iteration have distinct receivers. The argmax keys of
     `_first_argmax` are kept up to date in place (`remaining_key_dx [R, epn]`: remaining * epn + epn - 1 -
     j) instead of being rebuilt each iteration. Donors give only their own experts, so the moves of one
-    iteration land in distinct cells; they are added to `alloc` once, after the loop.
+    iteration land in distinct cells; they are added to `alloc` once, after the loop. An iteration in which
+    no donor moves leaves the state as it was, so every later one moves nothing too: with `stop_early` (on
+    the CPU, where reading that costs nothing) the loop stops there, else it runs its fixed trip count with
+    no host read.
     """
     num_ranks, num_experts = quota_dr.shape[0], expert_load_e.shape[0]
     epn = num_experts // num_ranks
@@ -135,6 +138,8 @@ def _split_quotas_device(expert_load_e: torch.Tensor, quota_dr: torch.Tensor, nu
             gives_dr = quota_dr > 0
             shares_dd = (gives_dr[:, None, :] & gives_dr[None, :, :]).any(2)
             moves_d1 = moves_d1 & ~(shares_dd & lower_dd & moves_d1.view(1, -1)).any(1, keepdim=True)
+        if stop_early and not moves_d1.any():
+            break
         routes_d1 = torch.where(moves_d1, take_d1, 0)
         quota_dr = quota_dr.scatter_add(1, receiver_d1, -routes_d1)
         remaining_key_dx = remaining_key_dx.scatter_add(1, expert_d1, -routes_d1 * epn)
@@ -180,7 +185,8 @@ def plan_global_device(counts_re: torch.Tensor, num_slots: int, token_padding: i
     expert_load_e = counts_re.long().sum(0)
     home_load_r = expert_load_e.view(num_ranks, -1).sum(1)
     quota_dr = _balance_ranks_device(home_load_r, replica_cost)
-    alloc_re = _split_quotas_device(expert_load_e, quota_dr, num_slots, replica_cost)
+    alloc_re = _split_quotas_device(expert_load_e, quota_dr, num_slots, replica_cost,
+                                    stop_early=device.type == "cpu")
     home_re = _home_mask_re(num_ranks, num_experts, device)
     if replica_cost:  # fall back to plain EP unless the modelled hottest rank gets faster (a device select)
         pays = modelled_load_device(alloc_re, replica_cost).max() < home_load_r.max()
