@@ -40,8 +40,9 @@ def balance_ranks(home_load_r: list[int], replica_cost: int = 0) -> list[tuple[i
     """Greedy rank balancing: `(donor, receiver, routes)` moves that bring the ranks to their targets.
 
     Exact (`replica_cost` 0): a move fills the receiver's whole deficit, so each receiver has one donor. With
-    `replica_cost` c > 0 a move takes at most the donor's surplus (a donor never turns receiver and pays for
-    transfers both ways), and only while it moves more than c routes (every later move is smaller)."""
+    `replica_cost` c > 0 a move takes at most the donor's surplus, so no donor turns receiver (it would pay
+    for transfers both ways) and a receiver may have several donors; balancing stops at the first move of at
+    most c routes (every later move is smaller)."""
     num_ranks = len(home_load_r)
     balance = [load - target for load, target in zip(home_load_r, rank_targets(home_load_r), strict=True)]
     moves = []
