@@ -164,17 +164,20 @@ def comm_launches() -> None:
 
 def plan_launches() -> None:
     """The planner's launches: one rank as one fused program (a decode step) and as two launches, counting
-    its routes or given them, and two ranks."""
+    its routes or given them, two ranks, and groups of DeepSeek-V3's E at R = 8 and 32 (the global
+    program's tiles grow with R)."""
     global current
     from moonep_moe.plan import triton as plan
 
-    E, K = 16, 4
-    for ranks, tokens, count in ((1, 1, True), (1, 40, True), (1, 40, False), (2, 40, False)):
+    K = 4
+    shapes = ((1, 16, 1, True), (1, 16, 40, True), (1, 16, 40, False), (2, 16, 40, False),
+              (8, 256, 40, False), (32, 256, 40, False))
+    for ranks, E, tokens, count in shapes:
         counts_re = torch.zeros(ranks, E, dtype=torch.int64)
         launch = plan.prepare(counts_re, torch.zeros(tokens, K, dtype=torch.int64), rank=0,
                               num_slots=0 if ranks == 1 else E // ranks, token_padding=16, rows_per_rank=1024,
                               count_routes=count)
-        current = f"plan R={ranks} s={tokens} count_routes={count} fused={launch.constants['FUSED']}"
+        current = f"plan R={ranks} E={E} s={tokens} count_routes={count} fused={launch.constants['FUSED']}"
         launch.plan_group()
         launch.route_destinations()
 

@@ -122,7 +122,7 @@ def _split_quotas_device(expert_load_e: torch.Tensor, quota_dr: torch.Tensor, nu
     epn = num_experts // num_ranks
     device = expert_load_e.device
     reverse_r = torch.arange(num_ranks - 1, -1, -1, device=device)
-    lower_dd = torch.ones(num_ranks, num_ranks, dtype=torch.bool, device=device).tril(-1)  # [d, d' < d]
+    donor_d1 = torch.arange(num_ranks, device=device)[:, None]
     remaining_key_dx = expert_load_e.view(num_ranks, epn) * epn + torch.arange(epn - 1, -1, -1, device=device)
     slots_left_r = torch.full((num_ranks,), num_slots, dtype=torch.int64, device=device)
     receivers, experts, routes = [], [], []
@@ -134,10 +134,10 @@ def _split_quotas_device(expert_load_e: torch.Tensor, quota_dr: torch.Tensor, nu
         take_d1 = torch.minimum(open_key_dr.gather(1, receiver_d1).div(num_ranks, rounding_mode="floor"),
                                 remaining_key_dx.gather(1, expert_d1) // epn)
         moves_d1 = take_d1 > replica_cost
-        if replica_cost:  # wait for a lower donor still moving that shares a receiver
+        if replica_cost:  # wait where a lower donor still moving gives to one of this donor's receivers
             gives_dr = quota_dr > 0
-            shares_dd = (gives_dr[:, None, :] & gives_dr[None, :, :]).any(2)
-            moves_d1 = moves_d1 & ~(shares_dd & lower_dd & moves_d1.view(1, -1)).any(1, keepdim=True)
+            first_r = torch.where(gives_dr & moves_d1, donor_d1, num_ranks).amin(0)  # lowest moving giver
+            moves_d1 = moves_d1 & ~(gives_dr & (first_r < donor_d1)).any(1, keepdim=True)
         if stop_early and not moves_d1.any():
             break
         routes_d1 = torch.where(moves_d1, take_d1, 0)

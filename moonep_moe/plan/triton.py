@@ -169,11 +169,10 @@ def _global_plan(counts_ptr, counts_stride_r, counts_stride_e, rank, replica_cos
                                        return_indices=True, return_indices_tie_break_left=True)
         take_g = tl.minimum(largest_g, most_g)
         moves_g = take_g > replica_cost
-        if replica_cost > 0:
+        if replica_cost > 0:  # wait where a lower donor still moving gives to one of this donor's receivers
             gives_wg = quota_wg > 0
-            shares_gg = tl.sum((gives_wg[:, :, None] & gives_wg[:, None, :]).to(tl.int32), 0) > 0
-            waits_gg = shares_gg & moves_g[:, None] & (g_g[:, None] < g_g[None, :])
-            moves_g = moves_g & (tl.max(waits_gg.to(tl.int32), 0) == 0)
+            first_w = tl.min(tl.where(gives_wg & moves_g[None, :], g_1g, R_P), 1)  # lowest moving giver
+            moves_g = moves_g & (tl.max((gives_wg & (first_w[:, None] < g_1g)).to(tl.int32), 0) == 0)
         sent_g += moves_g.to(tl.int32)
         routes_1g = tl.where(moves_g, take_g, 0)[None, :]
         to_wg = w_w1 == receiver_g[None, :]
