@@ -286,18 +286,23 @@ def test_kernel_policy_plan_equals_torch_plan(sc, data):
 
 def _fixed_cases() -> dict[str, PolicyScenario]:
     """The deterministic cases above as scenarios: decode (nothing pays), huge (everything pays), fallback,
-    the fallback's tie, a receiver with two donors (one slot and two)."""
+    the fallback's tie, a receiver with two donors (one slot and two), one with three donors and two slots."""
     gen = torch.Generator().manual_seed(3)
     fallback = [topk_from_counts(torch.tensor(row), 30, 4, gen) for row in
                 ([30, 30, 30, 30, 0, 0], [0] * 6, [0] * 6)]
     tie = [topk_from_counts(torch.tensor(row), 13, 4, gen) for row in TIE_COUNTS_RE]
     shared = [topk_from_counts(torch.tensor(SHARED_LOAD_E) // 4, 16, 4, gen) for _ in range(4)]
+    # R=16, epn=2: ranks 0-3 hot, rank 15 idle; at c = 5 rank 14 takes from donors 1, 2 and 3, and its two
+    # slots run out before donor 3's turn
+    hot_e = torch.tensor([4] * 8 + [1] * 22 + [0] * 2)
+    sixteen = [topk_from_counts(hot_e, 16, 4, gen) for _ in range(16)]
     return dict(decode=with_cost(skewed_scenario(8, 32, 8, 4, 8, seed=0), 1724),
                 pays=with_cost(skewed_scenario(4, 4, 4, 256, 3, seed=1), 8),
                 fallback=with_cost(Scenario(3, 6, 4, 30, 2, 1, fallback), 19),
                 tie=with_cost(Scenario(3, 6, 4, 13, 2, 4, tie), 4),
                 shared_one_slot=with_cost(Scenario(4, 8, 4, 16, 1, 1, shared), 4),
                 shared_two_slots=with_cost(Scenario(4, 8, 4, 16, 2, 1, shared), 4),
+                shared_sixteen_ranks=with_cost(Scenario(16, 32, 4, 16, 2, 1, sixteen), 5),
                 off=with_cost(skewed_scenario(4, 4, 4, 64, 3, seed=2), NO_REPLICATION))
 
 
