@@ -97,7 +97,7 @@ whole), `local` and `nvlink` timings, `host_ms` (the host's enqueue time of a st
 (timed steps whose host fell behind the GPU's hold), `windows_ms`, `room_ms`
 (backward's combine's, `over_link`), and for exact `gemm`, `swiglu`, `block_calls` (each call of the
 expert block, `BLOCK_CALLS`), `beyond_share` and the part of it in the exchange windows the step waits in,
-`exchange_share`; `reduce_behind` with `--overlap-reduce-grad`),
+`exchange_share`, of which their link time alone `link_share`; `reduce_behind` with `--overlap-reduce-grad`),
 `slowest` (`local`, `nvlink`: the group's step; `rank`)]},
 `native` (per maxvio: the rank, its routes and bytes, `eager`, `compiled` (each with `host_ms`,
 `host_behind`), `baseline`), `compile_s`,

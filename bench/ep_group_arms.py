@@ -254,8 +254,10 @@ class RankArm:
         """The rank's timings under this arm (`local` and `nvlink`, `spread`), the median window of each
         exchange call, its routes, slots, replicas and link bytes; with `block`, the expert block's GEMMs,
         SwiGLU and calls, the share of each step beyond the block (`beyond_share` on the nvlink step,
-        `beyond_share_local`) and the share in the exchange windows the step waits in (`exchange_share`,
-        `exchange_share_local`: `waited_windows`), part of the time beyond the block."""
+        `beyond_share_local`), the share in the exchange windows the step waits in (`exchange_share`,
+        `exchange_share_local`: `waited_windows`), part of the time beyond the block, and the share their link
+        time alone takes of the NVLink step (`link_share`: what stays beyond the block however fast the
+        rank's own kernels, unless those exchanges run beside the GEMMs)."""
         step, rank, samples = self.step, self.rank, self.samples
         phases = link_bytes(step)[rank]
         waited_s, link_s = layer_link_seconds(phases)
@@ -291,6 +293,7 @@ class RankArm:
                     [(t - g - s) / t for t, (g, s, _) in zip(steps, blocks, strict=True)])
                 row["exchange_share" + suffix] = median_spread(
                     [e / t for e, t in zip(waited[link], steps, strict=True)])
+            row["link_share"] = median_spread([sum(link_s[i] for i in waits) / t for t in nvlink])
         return row
 
 

@@ -236,6 +236,7 @@ def test_smoke_run_writes_the_record_plot_and_table(tmp_path, capsys):
         link_ms = sum(rank["link_ms"][i] for i in waited)
         assert rank["exchange_share"]["median"] == pytest.approx(link_ms / rank["nvlink"]["ms"], rel=1e-6)
         assert rank["exchange_share_local"] == {"median": 0.0, "min": 0.0, "max": 0.0}
+        assert rank["link_share"] == rank["exchange_share"], "windows of no time: the link time alone"
     assert [n["baseline"] for n in table["native"]] == ["eager", "eager"], "smoke: no torch.compile"
     assert len(record["targets"]) == len(record["targets_local"]) == 1 + 2 + 2 + 2
     assert {t["link"] for t in record["targets"]} == {"nvlink"}
