@@ -29,6 +29,31 @@ VOCAB, BATCH, SEQ = 64, 2, 12
 TOKENS = BATCH * SEQ
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, num_experts_per_tok=2, output_router_logits=True)
+DEEPSEEK_MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+
+
+def qwen3_next(**fields) -> torch.nn.Module:
+    """Qwen3-Next with full attention in every layer. Its linear-attention layers' `dt_bias` gradient sums
+    terms that nearly cancel: at these sizes its own fp32 rounding reaches 3e-4 of its largest value (against
+    float64), too ill-conditioned for a 1e-5 parity bound. The MoE block does not depend on the attention."""
+    config = COMMON | fields
+    return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+        **config, moe_intermediate_size=16, intermediate_size=48, shared_expert_intermediate_size=24,
+        num_experts=8, norm_topk_prob=True, head_dim=8,
+        layer_types=["full_attention"] * config["num_hidden_layers"]))
+
+
+def qwen3_vl_moe(**fields) -> torch.nn.Module:
+    """Qwen3-VL-MoE on text-only batches (a one-block vision tower, which gets no gradient)."""
+    rope = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1], mrope_interleaved=True)
+    text = dict(**(COMMON | fields), moe_intermediate_size=16, intermediate_size=48, num_experts=8,
+                head_dim=8, rope_parameters=rope)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
+                  deepstack_visual_indexes=[])
+    return transformers.Qwen3VLMoeForConditionalGeneration(
+        transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision))
+
+
 MODELS = {  # each takes further config fields (ones it does not set)
     "mixtral": lambda **fields: transformers.MixtralForCausalLM(transformers.MixtralConfig(
         **(COMMON | fields), intermediate_size=16, num_local_experts=8)),
@@ -41,7 +66,22 @@ MODELS = {  # each takes further config fields (ones it does not set)
     "deepseek_v3": lambda **fields: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
         **(COMMON | fields), moe_intermediate_size=16, intermediate_size=48, n_routed_experts=8,
         n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=0,
-        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)),
+        **DEEPSEEK_MLA)),
+    "olmoe": lambda **fields: transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+        **(COMMON | fields), intermediate_size=16, num_experts=8, norm_topk_prob=False)),
+    "qwen3_next": qwen3_next,
+    "qwen3_vl_moe": qwen3_vl_moe,
+    "deepseek_v2": lambda **fields: transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+        **(COMMON | fields), moe_intermediate_size=16, intermediate_size=48, n_routed_experts=8,
+        n_shared_experts=2, routed_scaling_factor=2.5, first_k_dense_replace=0, **DEEPSEEK_MLA)),
+    "glm4_moe": lambda **fields: transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(
+        **(COMMON | fields), moe_intermediate_size=16, intermediate_size=48, n_routed_experts=8,
+        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=0,
+        head_dim=8)),
+    "dots1": lambda **fields: transformers.Dots1ForCausalLM(transformers.Dots1Config(
+        **(COMMON | fields), moe_intermediate_size=16, intermediate_size=48, n_routed_experts=8,
+        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=0,
+        head_dim=8)),
 }
 # Worst |got - want| over max |want|, per tensor. bf16 runs both models in bf16: the two only differ in
 # summation order and where route weights are rounded, so the bound is a few bf16 ulps of the largest value.
@@ -53,8 +93,8 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
 def make_model(name: str, dtype: torch.dtype, seed: int, **fields) -> torch.nn.Module:
-    """A tiny random model (with further config `fields`); DeepSeek-V3 gets a random
-    `e_score_correction_bias` so it shifts selection."""
+    """A tiny random model (with further config `fields`); DeepSeek-V3-style routers (DeepSeek-V3, GLM-4.5,
+    dots.llm1) get a random `e_score_correction_bias` so it shifts selection."""
     torch.manual_seed(seed)
     model = MODELS[name](**fields)
     with torch.no_grad():
@@ -70,12 +110,13 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def step(model: torch.nn.Module, ids: torch.Tensor, grads_of=None) -> dict[str, torch.Tensor]:
     """Forward + backward on `ids [B, L]` (labels = ids): logits, loss and the gradients by name
-    (`grads_of(model)`, default the model's own parameters)."""
+    (`grads_of(model)`, default the model's own parameters), but for parameters the loss does not reach (a
+    vision tower on a text-only batch), which have none in either model."""
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
     grads = grads_of(model) if grads_of else {n: p.grad for n, p in model.named_parameters()}
-    result = {f"grad:{n}": g.detach().clone() for n, g in grads.items()}
+    result = {f"grad:{n}": g.detach().clone() for n, g in grads.items() if g is not None}
     return {**result, "logits": out.logits.detach(), "loss": out.loss.detach()}
 
 
@@ -162,3 +203,9 @@ def test_unsupported_blocks_fail_with_a_message():
         swap_moe_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4)), TOKENS)
     with pytest.raises(ValueError, match="aux_loss_coeff"):
         swap_moe_blocks(make_model("mixtral", torch.float32, seed=0), TOKENS, router={"aux_loss_coeff": 0.01})
+    with pytest.raises(ValueError, match="shared-expert bias"):
+        swap_moe_blocks(make_model("deepseek_v2", torch.float32, seed=0, mlp_bias=True), TOKENS)
+    grouped = make_model("deepseek_v2", torch.float32, seed=0, topk_method="group_limited_greedy", n_group=4,
+                         topk_group=2)
+    with pytest.raises(ValueError, match="group_limited_greedy"):
+        swap_moe_blocks(grouped, TOKENS)

@@ -5,9 +5,10 @@ Shapes use the suffix letters of DESIGN.md, "Notation" (``t``: the tokens the mo
 `swap_moe_blocks(model, max_tokens_per_rank, world)` replaces every supported MoE block in place with a
 `MoonEPBlock`: a thin module around one `MoonEPMoELayer` that keeps the block's call signature
 (`forward(hidden_states [batch, seq, H]) -> [batch, seq, H]`) and copies its weights (router, this rank's
-home experts, shared experts and their gate, DeepSeek-V3's `e_score_correction_bias`). The rest of the model
-is untouched: at EP = R, every rank holds a full copy of the non-expert model, runs its own batch and swaps
-its own copy with its own world (every rank in the same order).
+home experts, shared experts and their gate, a DeepSeek-V3-style router's `e_score_correction_bias`). The
+rest of the model is untouched: at EP = R, every rank holds a full copy of the non-expert model, runs its own
+batch and swaps its own copy with its own world (every rank in the same order). A multimodal model's blocks
+read its text config (`get_text_config()`).
 
 Router logits: transformers (the pinned v5) does not return them from the block; the model records them with
 a forward hook on the router class when asked (`output_router_logits=True`, which also adds the aux loss).
@@ -19,11 +20,17 @@ Supported blocks (transformers 5.x, fused experts `gate_up_proj [E, 2F, H]` (gat
 `down_proj [E, H, F]`, SiLU):
 
 - `MixtralSparseMoeBlock`: softmax over E, top-k, renormalise;
+- `OlmoeSparseMoeBlock` (OLMoE): softmax, top-k, `norm_topk_prob`;
 - `Qwen2MoeSparseMoeBlock`: softmax, top-k, `norm_topk_prob`; a shared expert with a sigmoid gate;
 - `Qwen3MoeSparseMoeBlock`: softmax, top-k, `norm_topk_prob`;
+- `Qwen3NextSparseMoeBlock`: Qwen2-MoE's (softmax, top-k, `norm_topk_prob`; a sigmoid-gated shared expert);
+- `Qwen3VLMoeTextSparseMoeBlock` (Qwen3-VL-MoE's text model): softmax, top-k, renormalise;
+- `DeepseekV2Moe`: fp32 softmax, top-k (`topk_method="greedy"` only), no renormalisation,
+  `routed_scaling_factor`; shared experts;
 - `DeepseekV3MoE`: fp32 sigmoid scores + `e_score_correction_bias` (selection only; frozen, as in
   transformers), group-limited top-k (`n_group`, `topk_group`), `norm_topk_prob`, `routed_scaling_factor`;
-  shared experts.
+  shared experts;
+- `Glm4MoeMoE` (GLM-4.5/4.6), `Dots1MoE` (dots.llm1): DeepSeek-V3's routing and shared experts.
 
 FP8 blocks (transformers' finegrained-FP8 integration, e.g. DeepSeek-V3's released checkpoint loaded
 as it is): `FP8Experts` (e4m3 `gate_up_proj` / `down_proj` with fp32 `gate_up_proj_scale_inv` (gate's and
@@ -34,9 +41,9 @@ the routed experts stay FP8 instead: this rank's e4m3 bytes and scales are copie
 layer's FP8 experts (`MoEConfig.expert_weights`; an unquantised block's experts are quantised), and
 `hf_tensors` gives them back with their scales under the same names; shared experts are still dequantised.
 
-Anything else that looks like an MoE block, expert bias terms, transposed or interleaved expert layouts,
-activations other than SiLU, FP8 blocks other than 128x128 and Mixtral's router jitter fail in
-`swap_moe_blocks` with a message.
+Anything else that looks like an MoE block, expert or shared-expert bias terms, transposed or interleaved
+expert layouts, activations other than SiLU, FP8 blocks other than 128x128, Mixtral's router jitter and
+DeepSeek-V2's `group_limited_greedy` fail in `swap_moe_blocks` with a message.
 """
 
 from __future__ import annotations
@@ -68,7 +75,8 @@ class BlockSpec:
 
     `fields(hf_config)` returns the `MoEConfig` fields read from the model config (shapes, router, shared
     experts); `shared` is the HF name of the shared-expert MLP (None: none) and `shared_gate` the name of its
-    sigmoid gate (None: ungated); `router_fp32` routes in float32 whatever the model dtype (DeepSeek-V3).
+    sigmoid gate (None: ungated); `router_fp32` routes in float32 whatever the model dtype (DeepSeek-V2 and
+    V3, GLM-4.5, dots.llm1).
     """
 
     fields: Callable[[Any], dict[str, Any]]
@@ -77,16 +85,29 @@ class BlockSpec:
     router_fp32: bool = False
 
 
+def _softmax_top_k(ffn_hidden_size: int, num_experts: int, renormalize: bool) -> dict[str, Any]:
+    """Routed experts behind a softmax over E and top-k, the chosen scores renormalised when `renormalize`."""
+    return dict(ffn_hidden_size=ffn_hidden_size, num_experts=num_experts,
+                router=dict(score_function="softmax", renormalize=renormalize))
+
+
 def _mixtral(c) -> dict[str, Any]:
     if getattr(c, "router_jitter_noise", 0.0):
         raise ValueError(f"Mixtral router_jitter_noise={c.router_jitter_noise} is not supported; expected 0")
-    return dict(ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
-                router=dict(score_function="softmax", renormalize=True))
+    return _softmax_top_k(c.intermediate_size, c.num_local_experts, True)
+
+
+def _olmoe(c) -> dict[str, Any]:
+    return _softmax_top_k(c.intermediate_size, c.num_experts, bool(c.norm_topk_prob))
 
 
 def _qwen3(c) -> dict[str, Any]:
-    return dict(ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
-                router=dict(score_function="softmax", renormalize=bool(c.norm_topk_prob)))
+    return _softmax_top_k(c.moe_intermediate_size, c.num_experts, bool(c.norm_topk_prob))
+
+
+def _qwen3_vl(c) -> dict[str, Any]:
+    """Qwen3-VL-MoE's text blocks always renormalise the top-k scores (no `norm_topk_prob` in its config)."""
+    return _softmax_top_k(c.moe_intermediate_size, c.num_experts, True)
 
 
 def _qwen2(c) -> dict[str, Any]:
@@ -94,20 +115,48 @@ def _qwen2(c) -> dict[str, Any]:
     return {**_qwen3(c), "shared_experts": shared}
 
 
+def _deepseek_shared(c) -> dict[str, Any]:
+    """`n_shared_experts` ungated shared experts of the routed experts' width, fused into one MLP."""
+    return dict(num_shared_experts=c.n_shared_experts, ffn_hidden_size=c.moe_intermediate_size, gate=False)
+
+
+def _deepseek_v2(c) -> dict[str, Any]:
+    """DeepSeek-V2's `greedy` routing: fp32 softmax, top-k, never renormalised (transformers' block ignores
+    `norm_topk_prob`), times `routed_scaling_factor`. Its `group_limited_greedy` sets the dropped groups'
+    scores to 0 before the top-k, where the router uses -inf, so it is refused rather than approximated."""
+    if c.topk_method != "greedy":
+        raise ValueError(f"DeepSeek-V2 topk_method={c.topk_method!r} is not supported; expected 'greedy' "
+                         "('group_limited_greedy' masks the dropped groups' scores to 0, the router to -inf)")
+    router = dict(score_function="softmax", renormalize=False,
+                  routed_scaling_factor=float(c.routed_scaling_factor))
+    return dict(ffn_hidden_size=c.moe_intermediate_size, num_experts=c.n_routed_experts, router=router,
+                shared_experts=_deepseek_shared(c))
+
+
 def _deepseek_v3(c) -> dict[str, Any]:
     router = dict(score_function="sigmoid", renormalize=bool(c.norm_topk_prob), n_group=c.n_group,
                   topk_group=c.topk_group, routed_scaling_factor=float(c.routed_scaling_factor),
                   expert_bias=True, expert_bias_update_rate=0.0)
-    shared = dict(num_shared_experts=c.n_shared_experts, ffn_hidden_size=c.moe_intermediate_size, gate=False)
     return dict(ffn_hidden_size=c.moe_intermediate_size, num_experts=c.n_routed_experts, router=router,
-                shared_experts=shared)
+                shared_experts=_deepseek_shared(c))
 
+
+QWEN2_MOE = BlockSpec(_qwen2, shared="shared_expert", shared_gate="shared_expert_gate")
+"""Qwen2-MoE's block; Qwen3-Next's is the same code."""
+DEEPSEEK_V3 = BlockSpec(_deepseek_v3, shared="shared_experts", router_fp32=True)
+"""DeepSeek-V3's block; GLM-4.5's (`Glm4MoeMoE`) and dots.llm1's (`Dots1MoE`) are the same code."""
 
 SPECS: dict[str, BlockSpec] = {
     "MixtralSparseMoeBlock": BlockSpec(_mixtral),
-    "Qwen2MoeSparseMoeBlock": BlockSpec(_qwen2, shared="shared_expert", shared_gate="shared_expert_gate"),
+    "OlmoeSparseMoeBlock": BlockSpec(_olmoe),
+    "Qwen2MoeSparseMoeBlock": QWEN2_MOE,
     "Qwen3MoeSparseMoeBlock": BlockSpec(_qwen3),
-    "DeepseekV3MoE": BlockSpec(_deepseek_v3, shared="shared_experts", router_fp32=True),
+    "Qwen3NextSparseMoeBlock": QWEN2_MOE,
+    "Qwen3VLMoeTextSparseMoeBlock": BlockSpec(_qwen3_vl),
+    "DeepseekV2Moe": BlockSpec(_deepseek_v2, shared="shared_experts", router_fp32=True),
+    "DeepseekV3MoE": DEEPSEEK_V3,
+    "Glm4MoeMoE": DEEPSEEK_V3,
+    "Dots1MoE": DEEPSEEK_V3,
 }
 """Supported block classes, by class name (the transformers classes are not imported here)."""
 
@@ -202,6 +251,12 @@ def _check_block(name: str, block: nn.Module, spec: BlockSpec) -> None:
     router = {n for n, _ in block.gate.named_parameters()}
     if router != {"weight"}:
         raise ValueError(f"{name}.gate: parameters {sorted(router)} are not supported; expected only weight")
+    for sub in filter(None, (spec.shared, spec.shared_gate)):  # only weights are copied: refuse a bias
+        extra = sorted(n for n, _ in block.get_submodule(sub).named_parameters()
+                       if not n.endswith(("weight", "weight" + SCALE_SUFFIX)))
+        if extra:
+            raise ValueError(f"{name}.{sub}: parameters {extra} are not supported (shared-expert bias "
+                             "terms?); expected weights only")
 
 
 def _looks_like_moe(module: nn.Module) -> bool:
@@ -281,8 +336,9 @@ def swap_moe_blocks(model: nn.Module, max_tokens_per_rank: int, world: EPWorld |
 
     Raises (every block is checked before any is swapped, so `model` is left as it was):
         ValueError: no supported block found, an MoE-like block of an unsupported class, an unsupported
-            feature (expert bias terms, non-SiLU experts, FP8 blocks other than 128x128, router jitter, an
-            aux-loss override), an invalid config, or NaN or infinite FP8 block scales (naming the key).
+            feature (expert or shared-expert bias terms, non-SiLU experts, FP8 blocks other than 128x128,
+            router jitter, DeepSeek-V2's group-limited greedy routing, an aux-loss override), an invalid
+            config, or NaN or infinite FP8 block scales (naming the key).
     """
     device = next(model.parameters()).device
     world = world if world is not None else single_world(device)
@@ -295,10 +351,11 @@ def swap_moe_blocks(model: nn.Module, max_tokens_per_rank: int, world: EPWorld |
             raise ValueError(f"{name}: MoE block class {cls} is not supported; supported: {', '.join(SPECS)}")
     if not found:
         raise ValueError(f"no supported MoE block in {type(model).__name__}; supported: {', '.join(SPECS)}")
+    hf_config = model.config.get_text_config()  # a multimodal model's blocks read its text config
     configs = []
     for name, block, spec in found:  # every block checked before any is swapped
         _check_block(name, block, spec)
-        configs.append(block_config(block, spec, model.config, max_tokens_per_rank, world.size,
+        configs.append(block_config(block, spec, hf_config, max_tokens_per_rank, world.size,
                                     config_overrides))
     for (name, block, spec), cfg in zip(found, configs, strict=True):
         swapped = MoonEPBlock(MoonEPMoELayer(cfg, world), spec, type(block).__name__)
