@@ -115,9 +115,12 @@ def _qwen2(c) -> dict[str, Any]:
     return {**_qwen3(c), "shared_experts": shared}
 
 
-def _deepseek_shared(c) -> dict[str, Any]:
-    """`n_shared_experts` ungated shared experts of the routed experts' width, fused into one MLP."""
-    return dict(num_shared_experts=c.n_shared_experts, ffn_hidden_size=c.moe_intermediate_size, gate=False)
+def _deepseek(c, router: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek's layout behind `router`: `n_routed_experts` routed experts and `n_shared_experts` ungated
+    shared experts (fused into one MLP), all `moe_intermediate_size` wide."""
+    shared = dict(num_shared_experts=c.n_shared_experts, ffn_hidden_size=c.moe_intermediate_size, gate=False)
+    return dict(ffn_hidden_size=c.moe_intermediate_size, num_experts=c.n_routed_experts, router=router,
+                shared_experts=shared)
 
 
 def _deepseek_v2(c) -> dict[str, Any]:
@@ -127,18 +130,15 @@ def _deepseek_v2(c) -> dict[str, Any]:
     if c.topk_method != "greedy":
         raise ValueError(f"DeepSeek-V2 topk_method={c.topk_method!r} is not supported; expected 'greedy' "
                          "('group_limited_greedy' masks the dropped groups' scores to 0, the router to -inf)")
-    router = dict(score_function="softmax", renormalize=False,
-                  routed_scaling_factor=float(c.routed_scaling_factor))
-    return dict(ffn_hidden_size=c.moe_intermediate_size, num_experts=c.n_routed_experts, router=router,
-                shared_experts=_deepseek_shared(c))
+    return _deepseek(c, dict(score_function="softmax", renormalize=False,
+                             routed_scaling_factor=float(c.routed_scaling_factor)))
 
 
 def _deepseek_v3(c) -> dict[str, Any]:
     router = dict(score_function="sigmoid", renormalize=bool(c.norm_topk_prob), n_group=c.n_group,
                   topk_group=c.topk_group, routed_scaling_factor=float(c.routed_scaling_factor),
                   expert_bias=True, expert_bias_update_rate=0.0)
-    return dict(ffn_hidden_size=c.moe_intermediate_size, num_experts=c.n_routed_experts, router=router,
-                shared_experts=_deepseek_shared(c))
+    return _deepseek(c, router)
 
 
 QWEN2_MOE = BlockSpec(_qwen2, shared="shared_expert", shared_gate="shared_expert_gate")
