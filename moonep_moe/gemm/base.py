@@ -83,6 +83,17 @@ def wait_for(slots_ready: SlotsReady | None) -> None:
         slots_ready.wait()
 
 
+def groups_before_wait(slots_ready: SlotsReady | None, num_groups: int, can_split: bool = True) -> int:
+    """How many of a call's `num_groups` groups a backend computes before waiting for the slots' weights:
+    `slots_ready.home_groups` where the call has both home groups and slots and the backend can split it
+    (`can_split`); else 0, after waiting here (the whole call follows the wait)."""
+    home = 0 if slots_ready is None else slots_ready.home_groups
+    if can_split and 0 < home < num_groups:
+        return home
+    wait_for(slots_ready)
+    return 0
+
+
 class GroupedGemm(Protocol):
     """The grouped-GEMM seam. Output dtypes equal the input dtype; wgrad adds into the given tensors."""
 

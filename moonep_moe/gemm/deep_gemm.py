@@ -8,7 +8,15 @@ import torch
 from torch import Tensor
 
 from moonep_moe.base.sizes import BLOCK_TOKEN_PADDING
-from moonep_moe.gemm.base import OPS, SlotsReady, _cat_groups, _check_groups, _wgrad_parts, into, wait_for
+from moonep_moe.gemm.base import (
+    OPS,
+    SlotsReady,
+    _cat_groups,
+    _check_groups,
+    _wgrad_parts,
+    groups_before_wait,
+    into,
+)
 
 
 def import_deep_gemm():
@@ -92,9 +100,8 @@ class DeepGemmGroupedGemm:
         _check_groups(weights, offs_g, "weights")
         joined = _cat_groups(weights)
         d = into(out, a.shape[0], joined.shape[dim], a.dtype, a.device)
-        home = 0 if slots_ready is None else slots_ready.home_groups
-        if not 0 < home < offs_g.numel():
-            wait_for(slots_ready)
+        home = groups_before_wait(slots_ready, offs_g.numel())
+        if not home:
             kernel(a, joined, d, offs_g, use_psum_layout=True)
             return d
         kernel(a, joined[:home], d, offs_g[:home], use_psum_layout=True)

@@ -13,8 +13,8 @@ from moonep_moe.gemm.base import (
     _check_groups,
     _fresh_groups,
     _store_groups,
+    groups_before_wait,
     host_segments,
-    wait_for,
 )
 
 
@@ -84,9 +84,9 @@ def _home_then_slots(a: Tensor, weights: Sequence[Tensor], offs_g: Tensor, slots
     """``a[start:end] @ w[g]^T`` (``transposed``, fwd) or ``@ w[g]`` (dgrad) per group; with ``slots_ready``
     the home groups before the wait and the slot groups after it."""
     _check_groups(weights, offs_g, "weights")
-    home = 0 if slots_ready is None else slots_ready.home_groups
-    if not 0 < home < offs_g.numel() or (a.is_cuda and triton_missing_reason() is not None):
-        wait_for(slots_ready)
+    home = groups_before_wait(slots_ready, offs_g.numel(),
+                              can_split=not (a.is_cuda and triton_missing_reason() is not None))
+    if not home:
         joined = _cat_groups(weights)
         return torch._grouped_mm(a, joined.transpose(-2, -1) if transposed else joined, offs=offs_g)
     if len(weights) == 2 and weights[0].shape[0] == home:
