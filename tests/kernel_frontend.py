@@ -164,14 +164,15 @@ def comm_launches() -> None:
 
 def plan_launches() -> None:
     """The planner's launches: one rank as one fused program (a decode step) and as two launches, counting
-    its routes or given them, two ranks, and groups of DeepSeek-V3's E at R = 8 and 32 (the global
+    its routes or given them, two ranks, and groups of DeepSeek-V3's E at R = 8 to 128 (the global
     program's tiles grow with R)."""
     global current
     from moonep_moe.plan import triton as plan
 
     K = 4
     shapes = ((1, 16, 1, True), (1, 16, 40, True), (1, 16, 40, False), (2, 16, 40, False),
-              (8, 256, 40, False), (32, 256, 40, False))
+              (8, 256, 40, False), (32, 256, 40, False), (64, 256, 40, False),
+              (128, 256, 40, False))
     for ranks, E, tokens, count in shapes:
         counts_re = torch.zeros(ranks, E, dtype=torch.int64)
         launch = plan.prepare(counts_re, torch.zeros(tokens, K, dtype=torch.int64), rank=0,

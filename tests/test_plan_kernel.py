@@ -210,6 +210,26 @@ def _dsv3_scenario(sigma: float) -> Scenario:
     return Scenario(R, E, K, S, default_slots(E, R), 128, topk_rsk)
 
 
+@pytest.mark.parametrize("R, E, policy", [(64, 256, "exact"), (64, 384, "cost_aware"),
+                                          (128, 256, "cost_aware")])
+def test_kernel_plan_large_groups(R, E, policy):
+    """Groups of 64 and 128 ranks (DeepSeek-V3's and Kimi-K2's E), skewed: the global program's loops over
+    the ranks run rolled, one rank a step (inlined, their copies did not compile for sm90 at R = 64); every
+    field equal to the torch planner for the first, a middle and the last rank."""
+    gen = torch.Generator().manual_seed(R + E)
+    S, K = 16, 8
+    popularity_e = torch.exp(torch.randn(E, generator=gen, dtype=torch.float64) * 2.0)
+    topk_rsk = [torch.multinomial(popularity_e.expand(S, -1), K, generator=gen) for _ in range(R)]
+    sc = Scenario(R, E, K, S, default_slots(E, R), 8, topk_rsk)
+    cost = {"exact": 0, "cost_aware": 3}[policy]
+    for rank in (0, R // 2 + 1, R - 1):
+        kwargs = dict(rank=rank, num_slots=sc.B, token_padding=sc.tp, rows_per_rank=sc.NvS, replica_cost=cost)
+        kernel = plan_routes_triton(sc.counts_re.to(KERNEL_DEVICE), sc.topk_rsk[rank].to(KERNEL_DEVICE),
+                                    **kwargs)
+        assert_plans_equal(kernel, plan_routes(sc.counts_re, sc.topk_rsk[rank], **kwargs))
+    assert int(kernel.slots_used.sum()) > 0  # the skew made the plan replicate: the segments hold slots
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sigma", [0.0, 3.0])
 def test_cuda_kernel_plan_dsv3_size_no_sync(sigma):

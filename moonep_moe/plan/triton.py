@@ -111,18 +111,24 @@ def _global_plan(counts_ptr, counts_stride_r, counts_stride_e, rank, replica_cos
     cell_wg = (g_1g < R) & (w_w1 < EPN)
     expert_wg = g_1g * EPN + w_w1
     tl.store(remote_stats_ptr + tl.arange(0, 2), tl.zeros([2], tl.int32))
-    for r in tl.static_range(R):
-        tl.store(received_ptr + expert_wg * R_P + r, tl.zeros([W, R_P], tl.int32), mask=cell_wg)
+    # Loops over the ranks take DC of them a step, as `[DC, W, R_P]` tiles: one step where the group is
+    # small, a rolled loop where it is large (R_P / DC inlined copies did not compile for R = 64).
+    cell_1wg, expert_1wg = cell_wg[None, :, :], expert_wg[None, :, :]
+    for r0 in range(0, R_P, DC):
+        r_r11 = r0 + tl.arange(0, DC)[:, None, None]
+        tl.store(received_ptr + expert_1wg * R_P + r_r11, tl.zeros([DC, W, R_P], tl.int32),
+                 mask=cell_1wg & (r_r11 < R))
     tl.debug_barrier()  # the zeros land before any move is stored over them
 
     # 1. Loads: routes per expert in the group and on the ranks before this one.
     load_wg = tl.zeros([W, R_P], tl.int32)
     before_wg = tl.zeros([W, R_P], tl.int32)
-    for r in tl.static_range(R):
-        counts_wg = tl.load(counts_ptr + r * counts_stride_r + expert_wg * counts_stride_e, mask=cell_wg,
-                            other=0).to(tl.int32)
-        load_wg += counts_wg
-        before_wg += tl.where(r < rank, counts_wg, 0)
+    for r0 in range(0, R_P, DC):
+        r_r11 = r0 + tl.arange(0, DC)[:, None, None]
+        counts_rwg = tl.load(counts_ptr + r_r11 * counts_stride_r + expert_1wg * counts_stride_e,
+                             mask=cell_1wg & (r_r11 < R), other=0).to(tl.int32)
+        load_wg += tl.sum(counts_rwg, 0)
+        before_wg += tl.sum(tl.where(r_r11 < rank, counts_rwg, 0), 0)
     tl.store(before_ptr + expert_wg, before_wg, mask=cell_wg)
     tl.store(expert_load_ptr + expert_wg, load_wg, mask=cell_wg)
     home_g = tl.sum(load_wg, 0)
@@ -198,7 +204,7 @@ def _global_plan(counts_ptr, counts_stride_r, counts_stride_e, rank, replica_cos
     # 4-5. Every rank's segments, DC ranks at a time (ends_er accumulates over the ranks in order).
     home_alloc_wg = tl.where(cell_wg, tl.where(plain_ep, load_wg, remaining_wg), 0)
     routes_before_wg = tl.zeros([W, R_P], tl.int32)
-    for d0 in tl.static_range(0, R_P, DC):
+    for d0 in range(0, R_P, DC):
         routes_before_wg = _rank_segments(d0, routes_before_wg, home_alloc_wg, plain_ep, rank, received_ptr,
                                           ends_ptr, offset_ptr, experts_to_copy_ptr, cu_seqlens_ptr,
                                           zero_fill_ptr, rank_load_ptr, slots_used_ptr, R, E, B, TP, NVS, R_P,
@@ -511,8 +517,9 @@ def prepare(counts_re: torch.Tensor, topk_experts_sk: torch.Tensor, *, rank: int
         routes_per_block: routes (tokens x padded K) of one token block, a power of two (None: the
             smallest that keeps the blocks at most `BLOCKS`, between one loop step and `ROUTES_PER_BLOCK`).
         plan_warps / destination_warps: warps of launch 1 / launch 2.
-        segment_ranks: ranks whose segments the global program computes at once (DC, a power of two; None:
-            as many as keep its `[DC, W, R_P]` tiles near 16 elements a thread).
+        segment_ranks: ranks the global program takes at once in its loops over the ranks (their counts,
+            their segments: DC, a power of two; None: as many as keep its `[DC, W, R_P]` tiles near 16
+            elements a thread).
     Per-thread register tiles stay near 16-32 elements: launch 1's `[C, C]` route comparisons (C = 32 routes
     below 4 warps, else 64) and `[DC, R_P, W]` segment tiles; launch 2's `[C2, R_P]` destination search
     (C2 routes a step, `SUB2` tokens) and `[NB_CHUNK, E_P]` histogram rows.
