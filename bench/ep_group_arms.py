@@ -39,7 +39,6 @@ from bench.rank_replay import (
     replica_counts,
 )
 from moonep_moe.comm.buffer import BEHIND
-from moonep_moe.gemm.base import SlotsReady
 from moonep_moe.layers.function import compute_offsets
 from moonep_moe.layers.moe import MoonEPMoELayer
 from moonep_moe.layers.swiglu import swiglu_weighted, swiglu_weighted_backward
@@ -80,8 +79,7 @@ def expert_block(layer: MoonEPMoELayer, cu_seqlens: torch.Tensor, hidden_sh: tor
 
     with torch.no_grad():
         # the first GEMMs split where the layer splits them (home groups, then slots; nothing to wait for)
-        slots_ready = (SlotsReady(buffer.epn, row_alignment=buffer.token_padding) if state.overlap_prefetch
-                       else None)
+        slots_ready = state.slots_ready()
         ab_nv2f = timed(lambda: gemm.fwd(x_nvsh, gate_up_w, offs_g, slots_ready))
         hw_nvf = timed(lambda: swiglu_weighted(ab_nv2f, w_nvs, offs_g[-1:]))
         timed(lambda: gemm.fwd(hw_nvf, down_w, offs_g))

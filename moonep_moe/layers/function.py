@@ -132,6 +132,11 @@ class ExpertsState:
         gate_up_rows, down_rows = self.experts.rows
         event = self.buffer.prefetch_weight(plan, gate_up_rows, None, down_rows, *scales,
                                             async_finish=self.overlap_prefetch, wait_for_readers=False)
+        return self.slots_ready(event)
+
+    def slots_ready(self, event: object | None = None) -> SlotsReady | None:
+        """The first GEMM's `SlotsReady` for the slots' weights arriving with `event` (None: they are
+        there), or None without `overlap_prefetch` (the GEMM runs whole)."""
         if not self.overlap_prefetch:
             return None
         return SlotsReady(self.buffer.epn, event, row_alignment=self.buffer.token_padding)
