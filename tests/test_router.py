@@ -54,6 +54,29 @@ def test_matches_hand_computation(score_function, renormalize, scale):
     assert out.aux_loss is None
 
 
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def test_renormalize_min_divides_by_the_sum_clamped_there(score_function):
+    """`renormalize_min` m divides by max(sum, m) (ERNIE-4.5's `moe_norm_min`; 0 is MiniMax-M2's plain sum):
+    with m between the tokens' smallest and largest top-k sums, some tokens are renormalised and the others
+    divided by m, both as written out by hand."""
+    logits_te = torch.randn(T, E, dtype=torch.float64) * 3
+    experts_tk, gates_tk = hand_route(logits_te, score_function, False, 1.0, K)
+    sums_t = gates_tk.sum(-1)
+    for m in (0.0, float(sums_t.median())):
+        out = identity_router(score_function=score_function, renormalize=True, renormalize_min=m)(logits_te)
+        torch.testing.assert_close(out.topk_experts_tk, experts_tk.int())
+        want_tk = gates_tk / sums_t.clamp(min=m)[:, None]
+        torch.testing.assert_close(out.route_weights_tk, want_tk, rtol=1e-12, atol=0)
+    assert (sums_t < m).any() and (sums_t > m).any(), "the clamp must bind for some tokens and not others"
+
+
+def test_renormalize_min_needs_renormalize():
+    with pytest.raises(ValueError, match="renormalize_min"):
+        RouterConfig(renormalize=False, renormalize_min=0.0)
+    with pytest.raises(ValueError, match="renormalize_min"):
+        RouterConfig(renormalize_min=-1.0)
+
+
 def test_histogram_counts_this_calls_routes():
     out = identity_router()(torch.randn(T, E, dtype=torch.float64))
     expected_e = torch.bincount(out.topk_experts_tk.flatten().long(), minlength=E)

@@ -56,6 +56,17 @@ class RouterConfig(BaseModel):
             "model."
         ),
     )
+    renormalize_min: float | None = Field(
+        None,
+        ge=0.0,
+        description=(
+            "The renormalisation's denominator. Default None: `sum + 1e-20` for sigmoid scores "
+            "(DeepSeek-V3's), and for softmax the plain sum where it is a normal float (else the scores stay "
+            "unnormalised, about 0, rather than 0 / 0). A number m: `max(sum, m)` for either score function "
+            "(ERNIE-4.5's `moe_norm_min`; 0.0 is the plain sum, MiniMax-M2's, NaN where every chosen score "
+            "is 0). Only with `renormalize` True."
+        ),
+    )
     n_group: StrictInt = Field(
         1,
         ge=1,
@@ -135,6 +146,11 @@ class RouterConfig(BaseModel):
             raise ValueError(
                 f"topk_group ({self.topk_group}) must be <= n_group ({self.n_group}); expected "
                 f"1 <= topk_group <= n_group"
+            )
+        if self.renormalize_min is not None and not self.renormalize:
+            raise ValueError(
+                f"renormalize_min ({self.renormalize_min}) is set but renormalize is False; expected "
+                "renormalize_min None, or renormalize True"
             )
         return self
 

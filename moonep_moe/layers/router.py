@@ -114,7 +114,8 @@ class TopKRouter(nn.Module):
        (sigmoid: sum of its top-2, DeepSeek-V3; softmax: its max, DeepSeek-V2), the ``topk_group`` best groups
        are kept and the others masked out.
     4. Top-k over the selection scores; the route weights are the unbiased scores of the chosen experts,
-       renormalised when set (sigmoid: by ``sum + 1e-20``), times ``routed_scaling_factor``.
+       renormalised when set (by ``max(sum, renormalize_min)``, or by default for sigmoid ``sum + 1e-20``),
+       times ``routed_scaling_factor``.
     5. The histogram of the routes and, when ``aux_loss_coeff > 0``, the switch-style aux loss
        ``coeff * E * sum_e f_e * P_e``.
     """
@@ -162,14 +163,18 @@ class TopKRouter(nn.Module):
 
         gates_tk = scores_te.gather(-1, topk_experts_tk)
         if cfg.renormalize:
-            # sigmoid: DeepSeek-V3's `sum + 1e-20`. softmax: the plain sum where it is a normal number; a
-            # token whose selected scores (nearly) all underflowed (the expert bias can select experts far
-            # below its best one) keeps them unnormalised, about 0, instead of 0 / 0 = NaN forward or an
-            # infinite 1 / sum in backward
+            # `renormalize_min` m: max(sum, m), as the model computes it. Else sigmoid: DeepSeek-V3's
+            # `sum + 1e-20`; softmax: the plain sum where it is a normal number; a token whose selected scores
+            # (nearly) all underflowed (the expert bias can select experts far below its best one) keeps them
+            # unnormalised, about 0, instead of 0 / 0 = NaN forward or an infinite 1 / sum in backward
             total_tk = gates_tk.sum(-1, keepdim=True)
-            if not sigmoid:
+            if cfg.renormalize_min is not None:
+                total_tk = total_tk.clamp(min=cfg.renormalize_min)
+            elif sigmoid:
+                total_tk = total_tk + 1e-20
+            else:
                 total_tk = torch.where(total_tk >= torch.finfo(total_tk.dtype).tiny, total_tk, 1.0)
-            gates_tk = gates_tk / (total_tk + 1e-20 if sigmoid else total_tk)
+            gates_tk = gates_tk / total_tk
         gates_tk = gates_tk * cfg.routed_scaling_factor
 
         real_tk = torch.ones_like(topk_experts_tk, dtype=torch.bool)
