@@ -82,6 +82,12 @@ MODELS = {  # each takes further config fields (ones it does not set)
         **(COMMON | fields), moe_intermediate_size=16, intermediate_size=48, n_routed_experts=8,
         n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=0,
         head_dim=8)),
+    "minimax_m2": lambda **fields: transformers.MiniMaxM2ForCausalLM(transformers.MiniMaxM2Config(
+        **(COMMON | fields), intermediate_size=16, num_local_experts=8, head_dim=8, bos_token_id=None,
+        eos_token_id=None)),
+    "ernie4_5_moe": lambda **fields: transformers.Ernie4_5_MoeForCausalLM(transformers.Ernie4_5_MoeConfig(
+        **(COMMON | fields), moe_intermediate_size=16, intermediate_size=48, moe_num_experts=8,
+        moe_num_shared_experts=2, moe_layer_start_index=0, head_dim=8)),
 }
 # Worst |got - want| over max |want|, per tensor. bf16 runs both models in bf16: the two only differ in
 # summation order and where route weights are rounded, so the bound is a few bf16 ulps of the largest value.
@@ -93,8 +99,8 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
 def make_model(name: str, dtype: torch.dtype, seed: int, **fields) -> torch.nn.Module:
-    """A tiny random model (with further config `fields`); DeepSeek-V3-style routers (DeepSeek-V3, GLM-4.5,
-    dots.llm1) get a random `e_score_correction_bias` so it shifts selection."""
+    """A tiny random model (with further config `fields`); routers with an `e_score_correction_bias`
+    (DeepSeek-V3, GLM-4.5, dots.llm1, MiniMax-M2, ERNIE-4.5) get a random one so it shifts selection."""
     torch.manual_seed(seed)
     model = MODELS[name](**fields)
     with torch.no_grad():
@@ -150,6 +156,22 @@ def test_swapped_model_matches_original_ep1(name, dtype):
         torch.testing.assert_close(routed[0].float(), expected[0].float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hf_state_dict_gives_back_the_original_tensors(name):
+    """`hf_state_dict` of a freshly swapped model (EP=1) holds the original's parameters and its selection
+    bias (`e_score_correction_bias`, wherever the family keeps it and whatever its shape), under the original
+    names, equal bit for bit, so `load_state_dict` of the original takes it."""
+    original = make_model(name, torch.float32, seed=0)
+    swapped = swap_moe_blocks(copy.deepcopy(original), TOKENS, token_padding=8)
+    got = hf_state_dict(swapped)
+    want = {**dict(original.named_parameters()),
+            **{n: b for n, b in original.named_buffers() if n.endswith("e_score_correction_bias")}}
+    assert set(got) == set(want), f"names differ: {sorted(set(got) ^ set(want))}"
+    for key, tensor in want.items():
+        assert torch.equal(got[key], tensor), f"{key} differs"
+    original.load_state_dict({k: v.detach().clone() for k, v in got.items()}, strict=False)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_swapped_model_matches_original_ep4(name, dtype):
@@ -191,6 +213,22 @@ def test_deepseek_v3_without_top_k_renormalisation():
     swapped = swap_moe_blocks(copy.deepcopy(original), TOKENS, token_padding=8)
     got = step(swapped, ids, lambda m: hf_state_dict(m, grads=True))
     assert_close(got, want, TOL[torch.float32], "deepseek_v3 norm_topk_prob=False EP=1")
+
+
+def test_ernie_moe_norm_min_where_it_binds():
+    """ERNIE-4.5 divides the chosen scores by their sum clamped to `moe_norm_min` (default 1e-12, which
+    never binds on these models): at 0.4, above some tokens' top-2 softmax sums and below others', the swapped
+    model must still match the original, gradients included."""
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+    original = make_model("ernie4_5_moe", torch.float32, seed=3, moe_norm_min=0.4)
+    want = step(original, ids)
+    default = make_model("ernie4_5_moe", torch.float32, seed=3)
+    assert rel_err(step(default, ids)["logits"], want["logits"]) > 1e-3, "the clamp must change the model"
+    swapped = swap_moe_blocks(copy.deepcopy(original), TOKENS, token_padding=8)
+    blocks = [m for m in swapped.modules() if isinstance(m, MoonEPBlock)]
+    assert [block.moe.router.config.renormalize_min for block in blocks] == [0.4, 0.4]
+    got = step(swapped, ids, lambda m: hf_state_dict(m, grads=True))
+    assert_close(got, want, TOL[torch.float32], "ernie4_5_moe moe_norm_min=0.4 EP=1")
 
 
 def test_unsupported_blocks_fail_with_a_message():

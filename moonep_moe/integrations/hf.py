@@ -5,7 +5,7 @@ Shapes use the suffix letters of DESIGN.md, "Notation" (``t``: the tokens the mo
 `swap_moe_blocks(model, max_tokens_per_rank, world)` replaces every supported MoE block in place with a
 `MoonEPBlock`: a thin module around one `MoonEPMoELayer` that keeps the block's call signature
 (`forward(hidden_states [batch, seq, H]) -> [batch, seq, H]`) and copies its weights (router, this rank's
-home experts, shared experts and their gate, a DeepSeek-V3-style router's `e_score_correction_bias`). The
+home experts, shared experts and their gate, a router's `e_score_correction_bias`). The
 rest of the model is untouched: at EP = R, every rank holds a full copy of the non-expert model, runs its own
 batch and swaps its own copy with its own world (every rank in the same order). A multimodal model's blocks
 read its text config (`get_text_config()`).
@@ -30,7 +30,11 @@ Supported blocks (transformers 5.x, fused experts `gate_up_proj [E, 2F, H]` (gat
 - `DeepseekV3MoE`: fp32 sigmoid scores + `e_score_correction_bias` (selection only; frozen, as in
   transformers), group-limited top-k (`n_group`, `topk_group`), `norm_topk_prob`, `routed_scaling_factor`;
   shared experts;
-- `Glm4MoeMoE` (GLM-4.5/4.6), `Dots1MoE` (dots.llm1): DeepSeek-V3's routing and shared experts.
+- `Glm4MoeMoE` (GLM-4.5/4.6), `Dots1MoE` (dots.llm1): DeepSeek-V3's routing and shared experts;
+- `MiniMaxM2SparseMoeBlock` (MiniMax-M2): fp32 sigmoid scores + the block's `e_score_correction_bias`
+  (selection only), top-k, divided by the plain sum (`router.renormalize_min=0`);
+- `Ernie4_5_MoeSparseMoeBlock` (ERNIE-4.5): fp32 softmax + `moe_statics.e_score_correction_bias` (selection
+  only), top-k, divided by the sum clamped to `moe_norm_min` (`router.renormalize_min`); shared experts.
 
 FP8 blocks (transformers' finegrained-FP8 integration, e.g. DeepSeek-V3's released checkpoint loaded
 as it is): `FP8Experts` (e4m3 `gate_up_proj` / `down_proj` with fp32 `gate_up_proj_scale_inv` (gate's and
@@ -76,13 +80,17 @@ class BlockSpec:
     `fields(hf_config)` returns the `MoEConfig` fields read from the model config (shapes, router, shared
     experts); `shared` is the HF name of the shared-expert MLP (None: none) and `shared_gate` the name of its
     sigmoid gate (None: ungated); `router_fp32` routes in float32 whatever the model dtype (DeepSeek-V2 and
-    V3, GLM-4.5, dots.llm1).
+    V3, GLM-4.5, dots.llm1, ERNIE-4.5); `bias` is the HF name of the selection bias where the router has one
+    (`router.expert_bias`), `bias_lead` the leading dimensions of its `[..., E]` shape (ERNIE-4.5's is
+    `[1, E]`).
     """
 
     fields: Callable[[Any], dict[str, Any]]
     shared: str | None = None
     shared_gate: str | None = None
     router_fp32: bool = False
+    bias: str = BIAS_KEY
+    bias_lead: tuple[int, ...] = ()
 
 
 def _softmax_top_k(ffn_hidden_size: int, num_experts: int, renormalize: bool) -> dict[str, Any]:
@@ -91,9 +99,14 @@ def _softmax_top_k(ffn_hidden_size: int, num_experts: int, renormalize: bool) ->
                 router=dict(score_function="softmax", renormalize=renormalize))
 
 
-def _mixtral(c) -> dict[str, Any]:
+def _refuse_jitter(c, family: str) -> None:
+    """The router's multiplicative input noise in training (`router_jitter_noise`) is not reproduced."""
     if getattr(c, "router_jitter_noise", 0.0):
-        raise ValueError(f"Mixtral router_jitter_noise={c.router_jitter_noise} is not supported; expected 0")
+        raise ValueError(f"{family} router_jitter_noise={c.router_jitter_noise} is not supported; expected 0")
+
+
+def _mixtral(c) -> dict[str, Any]:
+    _refuse_jitter(c, "Mixtral")
     return _softmax_top_k(c.intermediate_size, c.num_local_experts, True)
 
 
@@ -141,6 +154,28 @@ def _deepseek_v3(c) -> dict[str, Any]:
     return _deepseek(c, router)
 
 
+def _minimax_m2(c) -> dict[str, Any]:
+    """MiniMax-M2: fp32 sigmoid scores of the model-dtype logits, the block's `e_score_correction_bias` for
+    selection only, top-k, the chosen scores divided by their plain sum; no shared expert."""
+    _refuse_jitter(c, "MiniMax-M2")
+    router = dict(score_function="sigmoid", renormalize=True, renormalize_min=0.0, expert_bias=True,
+                  expert_bias_update_rate=0.0)
+    return dict(ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts, router=router)
+
+
+def _ernie4_5(c) -> dict[str, Any]:
+    """ERNIE-4.5: fp32 softmax, `moe_statics.e_score_correction_bias` for selection only, top-k, the chosen
+    scores divided by their sum clamped to `moe_norm_min`; `moe_num_shared_experts` ungated shared experts
+    fused into one MLP (none where it is 0)."""
+    router = dict(score_function="softmax", renormalize=True, renormalize_min=float(c.moe_norm_min),
+                  expert_bias=True, expert_bias_update_rate=0.0)
+    fields = dict(ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts, router=router)
+    if c.moe_num_shared_experts:
+        fields["shared_experts"] = dict(num_shared_experts=c.moe_num_shared_experts,
+                                        ffn_hidden_size=c.moe_intermediate_size, gate=False)
+    return fields
+
+
 QWEN2_MOE = BlockSpec(_qwen2, shared="shared_expert", shared_gate="shared_expert_gate")
 """Qwen2-MoE's block; Qwen3-Next's is the same code."""
 DEEPSEEK_V3 = BlockSpec(_deepseek_v3, shared="shared_experts", router_fp32=True)
@@ -157,6 +192,9 @@ SPECS: dict[str, BlockSpec] = {
     "DeepseekV3MoE": DEEPSEEK_V3,
     "Glm4MoeMoE": DEEPSEEK_V3,
     "Dots1MoE": DEEPSEEK_V3,
+    "MiniMaxM2SparseMoeBlock": BlockSpec(_minimax_m2, bias="e_score_correction_bias"),
+    "Ernie4_5_MoeSparseMoeBlock": BlockSpec(_ernie4_5, shared="shared_experts", router_fp32=True,
+                                            bias="gate.moe_statics.e_score_correction_bias", bias_lead=(1,)),
 }
 """Supported block classes, by class name (the transformers classes are not imported here)."""
 
@@ -208,7 +246,7 @@ class MoonEPBlock(nn.Module):
             out.update({key + SCALE_SUFFIX: get(getattr(moe.experts, kind + SCALE_SUFFIX))
                          for key, kind in zip(EXPERT_KEYS, ("gate_up", "down"), strict=True)})
         if not grads and moe.router.expert_bias is not None:
-            out[BIAS_KEY] = moe.router.expert_bias
+            out[self.spec.bias] = moe.router.expert_bias.view(*self.spec.bias_lead, -1)
         shared = moe.shared_experts
         if shared is not None:
             gate_up, width = get(shared.gate_up.weight), shared.down.weight.shape[1]
@@ -248,10 +286,11 @@ def _check_block(name: str, block: nn.Module, spec: BlockSpec) -> None:
     act = getattr(experts.config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{name}: hidden_act={act!r} is not supported; expected 'silu' (SwiGLU experts)")
-    router = {n for n, _ in block.gate.named_parameters()}
+    router = {n for n, _ in block.gate.named_parameters()} - {spec.bias.removeprefix("gate.")}
     if router != {"weight"}:
         raise ValueError(f"{name}.gate: parameters {sorted(router)} are not supported; expected only weight")
-    for sub in filter(None, (spec.shared, spec.shared_gate)):  # only weights are copied: refuse a bias
+    for sub in (sub for sub in (spec.shared, spec.shared_gate) if sub and getattr(block, sub) is not None):
+        # only weights are copied: refuse a bias
         extra = sorted(n for n, _ in block.get_submodule(sub).named_parameters()
                        if not n.endswith(("weight", "weight" + SCALE_SUFFIX)))
         if extra:
@@ -307,7 +346,7 @@ def _copy_weights(block: nn.Module, target: MoonEPBlock) -> None:
     for name, view in target.hf_tensors().items():
         if name.startswith(EXPERT_KEYS):
             continue  # loaded above, scales too
-        if name == BIAS_KEY and name not in source:
+        if name == target.spec.bias and name not in source:
             continue  # an expert bias the overrides added (router.expert_bias) starts at zero
         if name not in source:
             raise ValueError(f"{target.hf_class}: expected a tensor named {name!r}, found {sorted(source)}")
