@@ -30,6 +30,11 @@ TOKENS = BATCH * SEQ
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, num_experts_per_tok=2, output_router_logits=True)
 DEEPSEEK_MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+DEEPSEEK_V3_MOE = dict(moe_intermediate_size=16, intermediate_size=48, n_routed_experts=8, n_shared_experts=1,
+                       n_group=4, topk_group=2, routed_scaling_factor=2.5)
+DSA_HEADS = dict(num_key_value_heads=4)  # DeepSeek sparse attention: as many key/value heads as query heads
+DSA_INDEXER = dict(index_head_dim=8, index_n_heads=2, index_topk=16)  # index_topk >= SEQ: every key kept
+NO_SPECIAL_TOKENS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)  # defaults outside VOCAB
 
 
 def qwen3_next(**fields) -> torch.nn.Module:
@@ -52,6 +57,54 @@ def qwen3_vl_moe(**fields) -> torch.nn.Module:
                   deepstack_visual_indexes=[])
     return transformers.Qwen3VLMoeForConditionalGeneration(
         transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision))
+
+
+def glm4v_moe(**fields) -> torch.nn.Module:
+    """GLM-4.5V on text-only batches (a one-block vision tower, which gets no gradient)."""
+    rope = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1], partial_rotary_factor=1.0)
+    text = dict(**(COMMON | fields), **DEEPSEEK_V3_MOE, first_k_dense_replace=0, head_dim=8,
+                rope_parameters=rope)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)
+    return transformers.Glm4vMoeForConditionalGeneration(
+        transformers.Glm4vMoeConfig(text_config=text, vision_config=vision))
+
+
+def qwen3_omni_moe(**fields) -> torch.nn.Module:
+    """Qwen3-Omni-MoE's thinker on text-only batches (one-layer vision and audio towers, which get no
+    gradient)."""
+    rope = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1], mrope_interleaved=True)
+    text = dict(**(COMMON | fields), moe_intermediate_size=16, intermediate_size=48, num_experts=8,
+                head_dim=8, norm_topk_prob=True, rope_parameters=rope)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
+                  deepstack_visual_indexes=[])
+    audio = dict(num_mel_bins=8, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=16, d_model=16,
+                 output_dim=32, downsample_hidden_size=8)
+    return transformers.Qwen3OmniMoeThinkerForConditionalGeneration(transformers.Qwen3OmniMoeThinkerConfig(
+        text_config=text, vision_config=vision, audio_config=audio))
+
+
+def qwen3_5_moe(**fields) -> torch.nn.Module:
+    """Qwen3.5-MoE's text model with full attention in every layer (as `qwen3_next`)."""
+    config = COMMON | fields
+    return transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(
+        **config, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=8, head_dim=8,
+        layer_types=["full_attention"] * config["num_hidden_layers"]))
+
+
+def qwen4_exp(**fields) -> torch.nn.Module:
+    """Qwen4-Exp's text model with indexed attention in every layer, its indexer's budget (16 keys, 4 blocks
+    of 4) covering all of SEQ, so every key is kept."""
+    config = COMMON | fields
+    indexer = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=16,
+                   indexer_compress_ratio=4)
+    return transformers.Qwen4ExpForCausalLM(transformers.Qwen4ExpTextConfig(
+        **config, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=8, head_dim=8,
+        norm_topk_prob=True, layer_types=["indexed_attention"] * config["num_hidden_layers"], **indexer))
+
+
+def all_sparse(fields) -> list[str]:
+    """`mlp_layer_types` with an MoE block in every layer."""
+    return ["sparse"] * (COMMON | fields)["num_hidden_layers"]
 
 
 MODELS = {  # each takes further config fields (ones it does not set)
@@ -88,6 +141,41 @@ MODELS = {  # each takes further config fields (ones it does not set)
     "ernie4_5_moe": lambda **fields: transformers.Ernie4_5_MoeForCausalLM(transformers.Ernie4_5_MoeConfig(
         **(COMMON | fields), moe_intermediate_size=16, intermediate_size=48, moe_num_experts=8,
         moe_num_shared_experts=2, moe_layer_start_index=0, head_dim=8)),
+    "minimax": lambda **fields: transformers.MiniMaxForCausalLM(transformers.MiniMaxConfig(
+        **(COMMON | fields), intermediate_size=16, num_local_experts=8, head_dim=8,
+        layer_types=["full_attention"] * (COMMON | fields)["num_hidden_layers"])),
+    "flex_olmo": lambda **fields: transformers.FlexOlmoForCausalLM(transformers.FlexOlmoConfig(
+        **(COMMON | fields), intermediate_size=16, num_experts=8, norm_topk_prob=False, **NO_SPECIAL_TOKENS)),
+    "mellum": lambda **fields: transformers.MellumForCausalLM(transformers.MellumConfig(
+        **(COMMON | fields), moe_intermediate_size=16, intermediate_size=48, num_local_experts=8,
+        norm_topk_prob=True, head_dim=8)),
+    "qwen3_5_moe": qwen3_5_moe,
+    "qwen4_exp": qwen4_exp,
+    "deepseek_v32": lambda **fields: transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(
+        **(COMMON | DSA_HEADS | fields), **DEEPSEEK_V3_MOE, first_k_dense_replace=0, **DSA_INDEXER,
+        **DEEPSEEK_MLA)),
+    "glm_moe_dsa": lambda **fields: transformers.GlmMoeDsaForCausalLM(transformers.GlmMoeDsaConfig(
+        **(COMMON | DSA_HEADS | fields), **DEEPSEEK_V3_MOE, first_k_dense_replace=0, **DSA_INDEXER,
+        **DEEPSEEK_MLA)),
+    "glm4_moe_lite": lambda **fields: transformers.Glm4MoeLiteForCausalLM(transformers.Glm4MoeLiteConfig(
+        **(COMMON | fields), **DEEPSEEK_V3_MOE, mlp_layer_types=all_sparse(fields), **DEEPSEEK_MLA)),
+    "solar_open": lambda **fields: transformers.SolarOpenForCausalLM(transformers.SolarOpenConfig(
+        **(COMMON | fields), **DEEPSEEK_V3_MOE, head_dim=8)),
+    "kimi_linear": lambda **fields: transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(
+        **(COMMON | fields), moe_intermediate_size=16, intermediate_size=48, num_experts=8,
+        num_shared_experts=1, num_expert_group=4, topk_group=2, routed_scaling_factor=2.5,
+        mlp_layer_types=all_sparse(fields), layer_types=["full_attention"] * len(all_sparse(fields)),
+        **NO_SPECIAL_TOKENS, **DEEPSEEK_MLA)),
+    "hunyuan_v1_moe": lambda **fields: transformers.HunYuanMoEV1ForCausalLM(transformers.HunYuanMoEV1Config(
+        **(COMMON | fields), intermediate_size=16, num_experts=8, moe_topk=2, head_dim=8)),
+    "afmoe": lambda **fields: transformers.AfmoeForCausalLM(transformers.AfmoeConfig(
+        **(COMMON | fields), moe_intermediate_size=16, intermediate_size=48, num_experts=8,
+        num_shared_experts=1, route_scale=2.5, num_dense_layers=0, head_dim=8)),
+    "glm4v_moe": glm4v_moe,
+    "qwen3_omni_moe": qwen3_omni_moe,
+    "mimo_v2_flash": lambda **fields: transformers.MiMoV2FlashForCausalLM(transformers.MiMoV2FlashConfig(
+        **(COMMON | fields), moe_intermediate_size=16, intermediate_size=48, n_routed_experts=8, n_group=4,
+        topk_group=2, routed_scaling_factor=2.5, mlp_layer_types=all_sparse(fields), head_dim=8)),
 }
 # Worst |got - want| over max |want|, per tensor. bf16 runs both models in bf16: the two only differ in
 # summation order and where route weights are rounded, so the bound is a few bf16 ulps of the largest value.
@@ -99,14 +187,17 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
 def make_model(name: str, dtype: torch.dtype, seed: int, **fields) -> torch.nn.Module:
-    """A tiny random model (with further config `fields`); routers with an `e_score_correction_bias`
-    (DeepSeek-V3, GLM-4.5, dots.llm1, MiniMax-M2, ERNIE-4.5) get a random one so it shifts selection."""
+    """A tiny random model (with further config `fields`); a selection bias (`e_score_correction_bias`:
+    DeepSeek-V3 and the families sharing its block, MiniMax-M2, ERNIE-4.5; AFMoE's `expert_bias`) gets random
+    values so it shifts selection."""
     torch.manual_seed(seed)
     model = MODELS[name](**fields)
     with torch.no_grad():
         for module in model.modules():
-            if hasattr(module, "e_score_correction_bias"):
-                module.e_score_correction_bias.normal_(0, 0.05)
+            for attr in ("e_score_correction_bias", "expert_bias"):
+                bias = getattr(module, attr, None)
+                if isinstance(bias, torch.Tensor):
+                    bias.normal_(0, 0.05)
     return model.to(dtype)
 
 

@@ -5,7 +5,8 @@ Shapes use the suffix letters of DESIGN.md, "Notation" (``t``: the tokens the mo
 `swap_moe_blocks(model, max_tokens_per_rank, world)` replaces every supported MoE block in place with a
 `MoonEPBlock`: a thin module around one `MoonEPMoELayer` that keeps the block's call signature
 (`forward(hidden_states [batch, seq, H]) -> [batch, seq, H]`) and copies its weights (router, this rank's
-home experts, shared experts and their gate, a router's `e_score_correction_bias`). The
+home experts, shared experts and their gate, a router's selection bias (`e_score_correction_bias`, AFMoE's
+`expert_bias`)). The
 rest of the model is untouched: at EP = R, every rank holds a full copy of the non-expert model, runs its own
 batch and swaps its own copy with its own world (every rank in the same order). A multimodal model's blocks
 read its text config (`get_text_config()`).
@@ -19,18 +20,32 @@ the aux loss stay as the original model computes them.
 Supported blocks (transformers 5.x, fused experts `gate_up_proj [E, 2F, H]` (gate rows first) and
 `down_proj [E, H, F]`, SiLU):
 
-- `MixtralSparseMoeBlock`: softmax over E, top-k, renormalise;
-- `OlmoeSparseMoeBlock` (OLMoE): softmax, top-k, `norm_topk_prob`;
+- `MixtralSparseMoeBlock`, `MiniMaxSparseMoeBlock` (MiniMax-Text-01, the same code): softmax over E, top-k,
+  renormalise;
+- `OlmoeSparseMoeBlock` (OLMoE), `FlexOlmoSparseMoeBlock` (FlexOlmo, the same code): softmax, top-k,
+  `norm_topk_prob`;
 - `Qwen2MoeSparseMoeBlock`: softmax, top-k, `norm_topk_prob`; a shared expert with a sigmoid gate;
-- `Qwen3MoeSparseMoeBlock`: softmax, top-k, `norm_topk_prob`;
-- `Qwen3NextSparseMoeBlock`: Qwen2-MoE's (softmax, top-k, `norm_topk_prob`; a sigmoid-gated shared expert);
+- `Qwen3MoeSparseMoeBlock`, `MellumSparseMoeBlock` (Mellum), `Qwen3OmniMoeThinkerTextSparseMoeBlock`
+  (Qwen3-Omni-MoE's thinker text model), the same code: softmax, top-k, `norm_topk_prob`;
+- `Qwen3NextSparseMoeBlock`, `Qwen4ExpTextSparseMoeBlock` (Qwen4-Exp's text model): Qwen2-MoE's code
+  (softmax, top-k, `norm_topk_prob`; a sigmoid-gated shared expert);
+- `Qwen3_5MoeSparseMoeBlock` (Qwen3.5-MoE): Qwen2-MoE's, always renormalising (softmax, top-k, renormalise;
+  a sigmoid-gated shared expert);
 - `Qwen3VLMoeTextSparseMoeBlock` (Qwen3-VL-MoE's text model): softmax, top-k, renormalise;
+- `HunYuanMoEV1Moe` (Hunyuan-A13B): softmax (fp32 scores of the `gate.wg` logits), top-k, renormalise; an
+  ungated shared MLP (`shared_mlp`); one expert count and top-k for every layer;
 - `DeepseekV2Moe`: fp32 softmax, top-k (`topk_method="greedy"` only), no renormalisation,
   `routed_scaling_factor`; shared experts;
 - `DeepseekV3MoE`: fp32 sigmoid scores + `e_score_correction_bias` (selection only; frozen, as in
   transformers), group-limited top-k (`n_group`, `topk_group`), `norm_topk_prob`, `routed_scaling_factor`;
   shared experts;
-- `Glm4MoeMoE` (GLM-4.5/4.6), `Dots1MoE` (dots.llm1): DeepSeek-V3's routing and shared experts;
+- `Glm4MoeMoE` (GLM-4.5/4.6), `Dots1MoE` (dots.llm1), `DeepseekV32MoE` (DeepSeek-V3.2), `Glm4MoeLiteMoE`
+  (GLM-4-MoE-Lite), `GlmMoeDsaMoE` (GLM-5), `Glm4vMoeTextMoE` (GLM-4.5V's text model), `SolarOpenMoE` (Solar
+  Open), `KimiLinearMoE` (Kimi-Linear; its config names the routed experts `num_experts`): DeepSeek-V3's
+  code, routing and shared experts;
+- `MiMoV2FlashMoE` (MiMo-V2-Flash): DeepSeek-V3's router and routed experts, no shared experts;
+- `AfmoeSparseMoeBlock` (AFMoE): fp32 sigmoid scores of the model-dtype `router.gate` logits + the block's
+  `expert_bias` (selection only), top-k, divided by `sum + 1e-20`, times `route_scale`; shared experts;
 - `MiniMaxM2SparseMoeBlock` (MiniMax-M2): fp32 sigmoid scores + the block's `e_score_correction_bias`
   (selection only), top-k, divided by the plain sum (`router.renormalize_min=0`);
 - `Ernie4_5_MoeSparseMoeBlock` (ERNIE-4.5): fp32 softmax + `moe_statics.e_score_correction_bias` (selection
@@ -46,8 +61,9 @@ layer's FP8 experts (`MoEConfig.expert_weights`; an unquantised block's experts 
 `hf_tensors` gives them back with their scales under the same names; shared experts are still dequantised.
 
 Anything else that looks like an MoE block, expert or shared-expert bias terms, transposed or interleaved
-expert layouts, activations other than SiLU, FP8 blocks other than 128x128, Mixtral's router jitter and
-DeepSeek-V2's `group_limited_greedy` fail in `swap_moe_blocks` with a message.
+expert layouts, activations other than SiLU, FP8 blocks other than 128x128, Mixtral's and MiniMax's router
+jitter, DeepSeek-V2's `group_limited_greedy`, HunYuan-MoE's per-layer expert counts and AFMoE without shared
+experts fail in `swap_moe_blocks` with a message.
 """
 
 from __future__ import annotations
@@ -78,14 +94,16 @@ class BlockSpec:
     """How one transformers MoE block class maps onto a `MoEConfig` and onto HF parameter names.
 
     `fields(hf_config)` returns the `MoEConfig` fields read from the model config (shapes, router, shared
-    experts); `shared` is the HF name of the shared-expert MLP (None: none) and `shared_gate` the name of its
-    sigmoid gate (None: ungated); `router_fp32` routes in float32 whatever the model dtype (DeepSeek-V2 and
-    V3, GLM-4.5, dots.llm1, ERNIE-4.5); `bias` is the HF name of the selection bias where the router has one
-    (`router.expert_bias`), `bias_lead` the leading dimensions of its `[..., E]` shape (ERNIE-4.5's is
-    `[1, E]`).
+    experts); `router` is the HF name of the module holding the router's `weight [E, H]` (`gate` but for
+    HunYuan-MoE's `gate.wg` and AFMoE's `router.gate`); `shared` is the HF name of the shared-expert MLP
+    (None: none) and `shared_gate` the name of its sigmoid gate (None: ungated); `router_fp32` routes in
+    float32 whatever the model dtype (DeepSeek-V2 and V3, GLM-4.5, dots.llm1, ERNIE-4.5); `bias` is the HF
+    name of the selection bias where the router has one (`router.expert_bias`), `bias_lead` the leading
+    dimensions of its `[..., E]` shape (ERNIE-4.5's is `[1, E]`).
     """
 
     fields: Callable[[Any], dict[str, Any]]
+    router: str = "gate"
     shared: str | None = None
     shared_gate: str | None = None
     router_fp32: bool = False
@@ -106,7 +124,7 @@ def _refuse_jitter(c, family: str) -> None:
 
 
 def _mixtral(c) -> dict[str, Any]:
-    _refuse_jitter(c, "Mixtral")
+    _refuse_jitter(c, "Mixtral/MiniMax")
     return _softmax_top_k(c.intermediate_size, c.num_local_experts, True)
 
 
@@ -123,16 +141,26 @@ def _qwen3_vl(c) -> dict[str, Any]:
     return _softmax_top_k(c.moe_intermediate_size, c.num_experts, True)
 
 
+def _qwen2_shared(c) -> dict[str, Any]:
+    """Qwen2-MoE's one shared expert, `shared_expert_intermediate_size` wide, behind a sigmoid gate."""
+    return dict(num_shared_experts=1, ffn_hidden_size=c.shared_expert_intermediate_size, gate=True)
+
+
 def _qwen2(c) -> dict[str, Any]:
-    shared = dict(num_shared_experts=1, ffn_hidden_size=c.shared_expert_intermediate_size, gate=True)
-    return {**_qwen3(c), "shared_experts": shared}
+    return {**_qwen3(c), "shared_experts": _qwen2_shared(c)}
 
 
-def _deepseek(c, router: dict[str, Any]) -> dict[str, Any]:
-    """DeepSeek's layout behind `router`: `n_routed_experts` routed experts and `n_shared_experts` ungated
-    shared experts (fused into one MLP), all `moe_intermediate_size` wide."""
+def _qwen3_5(c) -> dict[str, Any]:
+    """Qwen3.5-MoE: Qwen2-MoE's block, its router always renormalising (no `norm_topk_prob` in its config)."""
+    return {**_qwen3_vl(c), "shared_experts": _qwen2_shared(c)}
+
+
+def _deepseek(c, router: dict[str, Any], num_experts: int | None = None) -> dict[str, Any]:
+    """DeepSeek's layout behind `router`: `num_experts` (default `n_routed_experts`) routed experts and
+    `n_shared_experts` ungated shared experts (fused into one MLP), all `moe_intermediate_size` wide."""
     shared = dict(num_shared_experts=c.n_shared_experts, ffn_hidden_size=c.moe_intermediate_size, gate=False)
-    return dict(ffn_hidden_size=c.moe_intermediate_size, num_experts=c.n_routed_experts, router=router,
+    num_experts = c.n_routed_experts if num_experts is None else num_experts
+    return dict(ffn_hidden_size=c.moe_intermediate_size, num_experts=num_experts, router=router,
                 shared_experts=shared)
 
 
@@ -147,11 +175,27 @@ def _deepseek_v2(c) -> dict[str, Any]:
                              routed_scaling_factor=float(c.routed_scaling_factor)))
 
 
+def _deepseek_v3_router(c) -> dict[str, Any]:
+    """DeepSeek-V3's router: sigmoid, a frozen selection bias, group-limited top-k, `norm_topk_prob`,
+    `routed_scaling_factor`."""
+    return dict(score_function="sigmoid", renormalize=bool(c.norm_topk_prob), n_group=c.n_group,
+                topk_group=c.topk_group, routed_scaling_factor=float(c.routed_scaling_factor),
+                expert_bias=True, expert_bias_update_rate=0.0)
+
+
 def _deepseek_v3(c) -> dict[str, Any]:
-    router = dict(score_function="sigmoid", renormalize=bool(c.norm_topk_prob), n_group=c.n_group,
-                  topk_group=c.topk_group, routed_scaling_factor=float(c.routed_scaling_factor),
-                  expert_bias=True, expert_bias_update_rate=0.0)
-    return _deepseek(c, router)
+    return _deepseek(c, _deepseek_v3_router(c))
+
+
+def _kimi_linear(c) -> dict[str, Any]:
+    """Kimi-Linear: DeepSeek-V3's block; its config counts the routed experts in `num_experts`."""
+    return _deepseek(c, _deepseek_v3_router(c), num_experts=c.num_experts)
+
+
+def _mimo_v2_flash(c) -> dict[str, Any]:
+    """MiMo-V2-Flash: DeepSeek-V3's router and routed experts, no shared experts."""
+    return dict(ffn_hidden_size=c.moe_intermediate_size, num_experts=c.n_routed_experts,
+                router=_deepseek_v3_router(c))
 
 
 def _minimax_m2(c) -> dict[str, Any]:
@@ -161,6 +205,31 @@ def _minimax_m2(c) -> dict[str, Any]:
     router = dict(score_function="sigmoid", renormalize=True, renormalize_min=0.0, expert_bias=True,
                   expert_bias_update_rate=0.0)
     return dict(ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts, router=router)
+
+
+def _hunyuan_v1_moe(c) -> dict[str, Any]:
+    """HunYuan-MoE: softmax (fp32 scores of the router's logits), top-k, always renormalised; one ungated
+    shared MLP as wide as the experts (`intermediate_size`). Per-layer expert counts or top-k (lists) are
+    refused: every block is configured from the one model config."""
+    for key in ("num_experts", "moe_topk"):
+        value = getattr(c, key)
+        if not isinstance(value, int):
+            raise ValueError(f"HunYuan-MoE per-layer {key}={value} is not supported; expected one int")
+    shared = dict(num_shared_experts=1, ffn_hidden_size=c.intermediate_size, gate=False)
+    return {**_softmax_top_k(c.intermediate_size, c.num_experts, True), "shared_experts": shared}
+
+
+def _afmoe(c) -> dict[str, Any]:
+    """AFMoE: fp32 sigmoid scores of the model-dtype logits, the block's `expert_bias` for selection only,
+    top-k, divided by `sum + 1e-20`, times `route_scale`; `num_shared_experts` ungated shared experts fused
+    into one MLP."""
+    if not c.num_shared_experts:
+        raise ValueError("AFMoE num_shared_experts=0 is not supported (its block keeps an empty shared MLP)")
+    router = dict(score_function="sigmoid", renormalize=True, routed_scaling_factor=float(c.route_scale),
+                  expert_bias=True, expert_bias_update_rate=0.0)
+    width = c.moe_intermediate_size
+    shared = dict(num_shared_experts=c.num_shared_experts, ffn_hidden_size=width, gate=False)
+    return dict(ffn_hidden_size=width, num_experts=c.num_experts, router=router, shared_experts=shared)
 
 
 def _ernie4_5(c) -> dict[str, Any]:
@@ -176,22 +245,46 @@ def _ernie4_5(c) -> dict[str, Any]:
     return fields
 
 
+MIXTRAL = BlockSpec(_mixtral)
+"""Mixtral's block; MiniMax's (`MiniMaxSparseMoeBlock`) is the same code."""
+OLMOE = BlockSpec(_olmoe)
+"""OLMoE's block; FlexOlmo's is the same code."""
 QWEN2_MOE = BlockSpec(_qwen2, shared="shared_expert", shared_gate="shared_expert_gate")
-"""Qwen2-MoE's block; Qwen3-Next's is the same code."""
+"""Qwen2-MoE's block; Qwen3-Next's and Qwen4-Exp's text blocks are the same code."""
+QWEN3_MOE = BlockSpec(_qwen3)
+"""Qwen3-MoE's block; Qwen3-Omni-MoE's thinker text blocks and Mellum's are the same code."""
 DEEPSEEK_V3 = BlockSpec(_deepseek_v3, shared="shared_experts", router_fp32=True)
-"""DeepSeek-V3's block; GLM-4.5's (`Glm4MoeMoE`) and dots.llm1's (`Dots1MoE`) are the same code."""
+"""DeepSeek-V3's block; GLM-4.5's (`Glm4MoeMoE`), dots.llm1's (`Dots1MoE`), DeepSeek-V3.2's, GLM-4-MoE-Lite's,
+GLM-5's (`GlmMoeDsaMoE`), GLM-4.5V's text blocks and Solar Open's are the same code (Kimi-Linear's too, with
+its own field names: `_kimi_linear`)."""
 
 SPECS: dict[str, BlockSpec] = {
-    "MixtralSparseMoeBlock": BlockSpec(_mixtral),
-    "OlmoeSparseMoeBlock": BlockSpec(_olmoe),
+    "MixtralSparseMoeBlock": MIXTRAL,
+    "MiniMaxSparseMoeBlock": MIXTRAL,
+    "OlmoeSparseMoeBlock": OLMOE,
+    "FlexOlmoSparseMoeBlock": OLMOE,
     "Qwen2MoeSparseMoeBlock": QWEN2_MOE,
-    "Qwen3MoeSparseMoeBlock": BlockSpec(_qwen3),
+    "Qwen3MoeSparseMoeBlock": QWEN3_MOE,
+    "MellumSparseMoeBlock": QWEN3_MOE,
+    "Qwen3OmniMoeThinkerTextSparseMoeBlock": QWEN3_MOE,
     "Qwen3NextSparseMoeBlock": QWEN2_MOE,
+    "Qwen4ExpTextSparseMoeBlock": QWEN2_MOE,
+    "Qwen3_5MoeSparseMoeBlock": BlockSpec(_qwen3_5, shared="shared_expert", shared_gate="shared_expert_gate"),
     "Qwen3VLMoeTextSparseMoeBlock": BlockSpec(_qwen3_vl),
     "DeepseekV2Moe": BlockSpec(_deepseek_v2, shared="shared_experts", router_fp32=True),
     "DeepseekV3MoE": DEEPSEEK_V3,
     "Glm4MoeMoE": DEEPSEEK_V3,
     "Dots1MoE": DEEPSEEK_V3,
+    "DeepseekV32MoE": DEEPSEEK_V3,
+    "Glm4MoeLiteMoE": DEEPSEEK_V3,
+    "GlmMoeDsaMoE": DEEPSEEK_V3,
+    "SolarOpenMoE": DEEPSEEK_V3,
+    "Glm4vMoeTextMoE": DEEPSEEK_V3,
+    "KimiLinearMoE": BlockSpec(_kimi_linear, shared="shared_experts", router_fp32=True),
+    "MiMoV2FlashMoE": BlockSpec(_mimo_v2_flash, router_fp32=True),
+    "HunYuanMoEV1Moe": BlockSpec(_hunyuan_v1_moe, router="gate.wg", shared="shared_mlp"),
+    "AfmoeSparseMoeBlock": BlockSpec(_afmoe, router="router.gate", shared="shared_experts",
+                                     bias="expert_bias"),
     "MiniMaxM2SparseMoeBlock": BlockSpec(_minimax_m2, bias="e_score_correction_bias"),
     "Ernie4_5_MoeSparseMoeBlock": BlockSpec(_ernie4_5, shared="shared_experts", router_fp32=True,
                                             bias="gate.moe_statics.e_score_correction_bias", bias_lead=(1,)),
@@ -240,7 +333,7 @@ class MoonEPBlock(nn.Module):
             return p.grad if grads else p
 
         moe = self.moe
-        out = {"gate.weight": get(moe.router.weight), EXPERT_KEYS[0]: get(moe.experts.gate_up),
+        out = {f"{self.spec.router}.weight": get(moe.router.weight), EXPERT_KEYS[0]: get(moe.experts.gate_up),
                EXPERT_KEYS[1]: get(moe.experts.down)}
         if moe.experts.fp8:  # no gradients (forward only)
             out.update({key + SCALE_SUFFIX: get(getattr(moe.experts, kind + SCALE_SUFFIX))
@@ -286,9 +379,11 @@ def _check_block(name: str, block: nn.Module, spec: BlockSpec) -> None:
     act = getattr(experts.config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{name}: hidden_act={act!r} is not supported; expected 'silu' (SwiGLU experts)")
-    router = {n for n, _ in block.gate.named_parameters()} - {spec.bias.removeprefix("gate.")}
-    if router != {"weight"}:
-        raise ValueError(f"{name}.gate: parameters {sorted(router)} are not supported; expected only weight")
+    router = block.get_submodule(spec.router)
+    router_params = {n for n, _ in router.named_parameters()} - {spec.bias.removeprefix(f"{spec.router}.")}
+    if router_params != {"weight"}:
+        raise ValueError(f"{name}.{spec.router}: parameters {sorted(router_params)} are not supported; "
+                         "expected only weight")
     for sub in (sub for sub in (spec.shared, spec.shared_gate) if sub and getattr(block, sub) is not None):
         # only weights are copied: refuse a bias
         extra = sorted(n for n, _ in block.get_submodule(sub).named_parameters()
@@ -309,7 +404,7 @@ def block_config(block: nn.Module, spec: BlockSpec, hf_config: Any, max_tokens_p
     dtype = block.experts.gate_up_proj.dtype
     if dtype == FP8_DTYPE:  # masters of the dequantised weights, as DeepSeek-V3 computes them
         dtype = torch.bfloat16
-    router_dtype = dtype_name(block.gate.weight.dtype)
+    router_dtype = dtype_name(block.get_submodule(spec.router).weight.dtype)
     if spec.router_fp32 or dtype == torch.float16:  # no fp16 router: route in fp32 (HF routes in fp16)
         router_dtype = "float32"
     fields = dict(hidden_size=hf_config.hidden_size, top_k=hf_config.num_experts_per_tok, ep_size=ep_size,
