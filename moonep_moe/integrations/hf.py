@@ -155,13 +155,16 @@ def _qwen3_5(c) -> dict[str, Any]:
     return {**_qwen3_vl(c), "shared_experts": _qwen2_shared(c)}
 
 
-def _deepseek(c, router: dict[str, Any], num_experts: int | None = None) -> dict[str, Any]:
-    """DeepSeek's layout behind `router`: `num_experts` (default `n_routed_experts`) routed experts and
-    `n_shared_experts` ungated shared experts (fused into one MLP), all `moe_intermediate_size` wide."""
-    shared = dict(num_shared_experts=c.n_shared_experts, ffn_hidden_size=c.moe_intermediate_size, gate=False)
-    num_experts = c.n_routed_experts if num_experts is None else num_experts
-    return dict(ffn_hidden_size=c.moe_intermediate_size, num_experts=num_experts, router=router,
-                shared_experts=shared)
+def _ungated_shared(width: int, num_experts: int, router: dict[str, Any], num_shared: int) -> dict[str, Any]:
+    """DeepSeek's layout: `num_experts` routed experts behind `router` and `num_shared` ungated shared
+    experts (fused into one MLP; none where it is 0), all `width` wide."""
+    shared = dict(num_shared_experts=num_shared, ffn_hidden_size=width, gate=False)
+    return dict(ffn_hidden_size=width, num_experts=num_experts, router=router, shared_experts=shared)
+
+
+def _deepseek(c, router: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek's config names: `n_routed_experts` and `n_shared_experts`, `moe_intermediate_size` wide."""
+    return _ungated_shared(c.moe_intermediate_size, c.n_routed_experts, router, c.n_shared_experts)
 
 
 def _deepseek_v2(c) -> dict[str, Any]:
@@ -189,7 +192,8 @@ def _deepseek_v3(c) -> dict[str, Any]:
 
 def _kimi_linear(c) -> dict[str, Any]:
     """Kimi-Linear: DeepSeek-V3's block; its config counts the routed experts in `num_experts`."""
-    return _deepseek(c, _deepseek_v3_router(c), num_experts=c.num_experts)
+    return _ungated_shared(c.moe_intermediate_size, c.num_experts, _deepseek_v3_router(c),
+                           c.n_shared_experts)
 
 
 def _mimo_v2_flash(c) -> dict[str, Any]:
@@ -215,8 +219,8 @@ def _hunyuan_v1_moe(c) -> dict[str, Any]:
         value = getattr(c, key)
         if not isinstance(value, int):
             raise ValueError(f"HunYuan-MoE per-layer {key}={value} is not supported; expected one int")
-    shared = dict(num_shared_experts=1, ffn_hidden_size=c.intermediate_size, gate=False)
-    return {**_softmax_top_k(c.intermediate_size, c.num_experts, True), "shared_experts": shared}
+    router = dict(score_function="softmax", renormalize=True)
+    return _ungated_shared(c.intermediate_size, c.num_experts, router, 1)
 
 
 def _afmoe(c) -> dict[str, Any]:
@@ -227,9 +231,7 @@ def _afmoe(c) -> dict[str, Any]:
         raise ValueError("AFMoE num_shared_experts=0 is not supported (its block keeps an empty shared MLP)")
     router = dict(score_function="sigmoid", renormalize=True, routed_scaling_factor=float(c.route_scale),
                   expert_bias=True, expert_bias_update_rate=0.0)
-    width = c.moe_intermediate_size
-    shared = dict(num_shared_experts=c.num_shared_experts, ffn_hidden_size=width, gate=False)
-    return dict(ffn_hidden_size=width, num_experts=c.num_experts, router=router, shared_experts=shared)
+    return _ungated_shared(c.moe_intermediate_size, c.num_experts, router, c.num_shared_experts)
 
 
 def _ernie4_5(c) -> dict[str, Any]:
@@ -238,11 +240,7 @@ def _ernie4_5(c) -> dict[str, Any]:
     fused into one MLP (none where it is 0)."""
     router = dict(score_function="softmax", renormalize=True, renormalize_min=float(c.moe_norm_min),
                   expert_bias=True, expert_bias_update_rate=0.0)
-    fields = dict(ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts, router=router)
-    if c.moe_num_shared_experts:
-        fields["shared_experts"] = dict(num_shared_experts=c.moe_num_shared_experts,
-                                        ffn_hidden_size=c.moe_intermediate_size, gate=False)
-    return fields
+    return _ungated_shared(c.moe_intermediate_size, c.num_experts, router, c.moe_num_shared_experts)
 
 
 MIXTRAL = BlockSpec(_mixtral)
